@@ -1,0 +1,13 @@
+"""fa4_jax: FlashAttention-4-style attention for JAX.
+
+`fa4_jax.attention` is a drop-in for `jax.nn.dot_product_attention`: Pallas
+Mosaic GPU kernels on Hopper and Blackwell GPUs, an exact memory-linear XLA
+implementation everywhere else, one `jax.custom_vjp` for gradients.
+"""
+
+from fa4_jax.api import attention, which_implementation
+from fa4_jax.interpret import interpret_mode
+from fa4_jax.masks import MaskSpec
+
+__version__ = "0.1.0"
+__all__ = ["attention", "which_implementation", "interpret_mode", "MaskSpec", "__version__"]

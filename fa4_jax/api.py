@@ -1,0 +1,116 @@
+"""`fa4_jax.attention`: a drop-in for `jax.nn.dot_product_attention`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+from jax import lax
+
+from fa4_jax import backends
+from fa4_jax.validation import Arguments, validate
+from fa4_jax.vjp import CoreConfig, attention_core
+
+Implementation = Literal["xla", "sm90", "sm100", "cudnn"] | None
+
+
+def attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation = None,
+    return_residual: bool = False,
+):
+  """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
+
+  Same arguments and semantics as `jax.nn.dot_product_attention` (jax 0.11.2):
+
+  Args:
+    query: `[B, T, N, H]` or `[T, N, H]`; bfloat16, float16, float32 or float64.
+    key, value: `[B, S, K, H]` or `[S, K, H]`, same dtype as `query`;
+      `N % K == 0` (GQA; `K == 1` is MQA).
+    bias: optional additive bias, rank <= 4, broadcastable to `[B, N, T, S]`.
+      Differentiable.
+    mask: optional boolean array (True = attend), broadcastable to `[B, N, T, S]`.
+    scale: logit scale; default `1 / sqrt(H)`. A Python number.
+    is_causal: query `i` sees keys `j <= i` (aligned top-left, as `jax.nn`
+      does, also when `T != S`).
+    query_seq_lengths: int32 `[B]`; output rows at or past the length are 0.
+    key_value_seq_lengths: int32 `[B]`; keys at or past the length are ignored.
+    local_window_size: `w` or `(left, right)`: query `i` sees keys
+      `i - left <= j <= i + right`.
+    implementation: `None` (best available for this device, never raises for
+      lack of a kernel), `"xla"` (any device), `"sm90"` (Hopper kernel),
+      `"sm100"` (Blackwell kernel), or `"cudnn"` (forwarded to
+      `jax.nn.dot_product_attention`). A kernel that cannot serve the
+      arguments or the device raises a `ValueError` that says why.
+    return_residual: also return the log-sum-exp of the logits, shape
+      `[B, T, N]` (`[T, N]` for rank-3 inputs), under `stop_gradient`.
+
+  Returns:
+    The attention output, shaped like `query` (and the residual, if asked).
+
+  One deliberate difference from `jax.nn`: a query row that may see no key at
+  all (for example `key_value_seq_lengths == 0`) gets zeros and a residual of
+  `-inf`, where `jax.nn`'s XLA path returns the mean of all values.
+
+  New keyword-only arguments (soft-capping, segment ids, attention sinks,
+  bottom-right causal alignment) will be added after these, so positional
+  and keyword callers keep working.
+  """
+  if implementation == "cudnn":
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation="cudnn",
+        return_residual=return_residual)
+
+  args, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
+                           query_seq_lengths, key_value_seq_lengths,
+                           local_window_size, implementation)
+  config = CoreConfig(backend=backend, scale=args.scale, spec=args.spec)
+  out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
+                            args.query_seq_lengths, args.key_value_seq_lengths, config)
+  out = out.reshape(args.output_shape)
+  if not return_residual:
+    return out
+  # [B, N, T] -> [B, T, N], in the inputs' dtype as jax.nn returns it.
+  lse = lax.stop_gradient(lse).transpose(0, 2, 1).astype(args.key.dtype)
+  return out, lse.reshape(args.output_shape[:-1])
+
+
+def which_implementation(
+    query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+    implementation: Implementation = None,
+) -> str:
+  """The implementation `attention` would use for these arguments here:
+  `"xla"`, `"sm90"`, `"sm100"` or `"cudnn"`. Raises as `attention` would."""
+  if implementation == "cudnn":
+    return "cudnn"
+  _, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
+                        query_seq_lengths, key_value_seq_lengths,
+                        local_window_size, implementation)
+  return backend.name
+
+
+def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+             key_value_seq_lengths, local_window_size, implementation):
+  args: Arguments = validate(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, implementation=implementation)
+  call = backends.CallInfo(
+      q_shape=args.query.shape, k_shape=args.key.shape, dtype=args.query.dtype,
+      spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None)
+  return args, backends.select(implementation, call)

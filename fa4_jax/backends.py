@@ -1,0 +1,135 @@
+"""Which implementation serves a call, and why.
+
+`select()` is the one place that maps `implementation=` plus the arguments and
+the device onto a `Backend`:
+
+* `None`: the Mosaic GPU kernel for this GPU when it supports the arguments,
+  else the XLA path. It never raises for lack of a kernel.
+* `"xla"`: the XLA path, on any device.
+* `"sm90"` / `"sm100"`: that kernel, or a `ValueError` saying why it cannot
+  serve the call. On a machine without that GPU it runs only inside
+  `fa4_jax.interpret_mode()`.
+
+Kernels without a fused backward of their own use the XLA backward, which
+consumes the kernel's log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+
+import jax
+
+from fa4_jax import interpret, xla_attention
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.masks import MaskSpec
+from fa4_jax.vjp import Backend
+
+KERNEL_IMPLEMENTATIONS = ("sm90", "sm100")
+IMPLEMENTATIONS = ("xla",) + KERNEL_IMPLEMENTATIONS
+
+# Compute capability major version each kernel was written for.
+_KERNEL_ARCH_MAJOR = {"sm90": 9, "sm100": 10}
+_ARCH_NAMES = {"sm90": "Hopper (compute capability 9.x)",
+               "sm100": "Blackwell (compute capability 10.x)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInfo:
+  """What the selection looks at, taken from the validated arguments."""
+
+  q_shape: tuple[int, ...]
+  k_shape: tuple[int, ...]
+  dtype: object
+  spec: MaskSpec
+  has_bias: bool
+  has_mask: bool
+
+
+XLA = Backend("xla", xla_attention.forward, xla_attention.backward)
+
+
+@functools.cache
+def _kernel_backend(name: str) -> Backend:
+  """Backend of one kernel family: its forward, its backward if it has one."""
+  fwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
+
+  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, *, scale, spec):
+    del bias, mask  # never selected with them (see _kernel_problem)
+    return fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec)
+
+  backward = xla_attention.backward
+  try:
+    bwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
+  except ModuleNotFoundError:
+    pass
+  else:
+    def backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout, *,
+                 scale, spec):
+      del bias, mask
+      dq, dk, dv = bwd_module.backward(q, k, v, out, lse, dout, q_lengths,
+                                       kv_lengths, scale=scale, mask=spec)
+      return dq, dk, dv, None
+
+  return Backend(name, forward, backward)
+
+
+def device_arch_major() -> int | None:
+  """Compute capability major of the default device, None if it is no CUDA GPU."""
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or not capability:
+    return None
+  try:
+    return int(str(capability).split(".")[0])
+  except ValueError:  # e.g. ROCm's "gfx90a"
+    return None
+
+
+def _kernel_problem(name: str, call: CallInfo) -> str | None:
+  """Why kernel `name` cannot serve `call` here, or None if it can."""
+  if not interpret.is_interpreting():
+    major = device_arch_major()
+    if major != _KERNEL_ARCH_MAJOR[name]:
+      found = jax.devices()[0].device_kind
+      return (f"implementation={name!r} needs a {_ARCH_NAMES[name]} GPU, but the "
+              f"default device is {found!r}; use implementation=None to pick what "
+              "this device supports, or run inside fa4_jax.interpret_mode()")
+  if call.has_bias:
+    return f"implementation={name!r} does not support `bias`; use implementation='xla'"
+  if call.has_mask:
+    return (f"implementation={name!r} does not support a boolean `mask` array; "
+            "use is_causal, local_window_size or the *_seq_lengths arguments, "
+            "or implementation='xla'")
+  try:
+    module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
+  except ModuleNotFoundError:
+    return f"implementation={name!r}: this build of fa4_jax has no {name} kernel"
+  try:
+    module.check_supported(call.q_shape, call.k_shape, call.dtype, call.spec)
+  except KernelUnsupported as e:
+    return str(e)
+  return None
+
+
+def select(implementation: str | None, call: CallInfo) -> Backend:
+  if implementation == "xla":
+    return XLA
+  if implementation in KERNEL_IMPLEMENTATIONS:
+    problem = _kernel_problem(implementation, call)
+    if problem is not None:
+      raise ValueError(problem)
+    return _kernel_backend(implementation)
+  assert implementation is None, implementation
+  major = device_arch_major()
+  for name in KERNEL_IMPLEMENTATIONS:
+    if major == _KERNEL_ARCH_MAJOR[name] and _kernel_problem(name, call) is None:
+      return _kernel_backend(name)
+  return XLA
+
+
+def resolve(implementation: str | None, call: CallInfo) -> str:
+  """The name of the implementation `select` would use (for users and tests)."""
+  return select(implementation, call).name

@@ -1,0 +1,192 @@
+"""Checks every argument of `fa4_jax.attention` and normalizes it.
+
+Each problem is a `ValueError` (or `TypeError` for a wrong Python type) that
+names the argument and says what was expected, before anything is traced into
+a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fa4_jax.masks import MaskSpec
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+IMPLEMENTATION_CHOICES = (None, "xla", "sm90", "sm100", "cudnn")
+
+
+@dataclasses.dataclass
+class Arguments:
+  """Validated arguments in the BTNH layout the backends take."""
+
+  query: jax.Array  # [B, T, N, H]
+  key: jax.Array  # [B, S, K, H]
+  value: jax.Array  # [B, S, K, H]
+  bias: jax.Array | None  # [Bb, Nb, Tb, Sb], each 1 or full
+  mask: jax.Array | None  # same, bool
+  query_seq_lengths: jax.Array | None  # int32 [B]
+  key_value_seq_lengths: jax.Array | None  # int32 [B]
+  scale: float
+  spec: MaskSpec
+  output_shape: tuple[int, ...]  # the query's own shape (3D or 4D)
+
+
+def _dtype_name(dtype) -> str:
+  return np.dtype(dtype).name
+
+
+def _as_array(x, name: str) -> jax.Array:
+  try:
+    return jnp.asarray(x)
+  except TypeError as e:
+    raise TypeError(f"`{name}` must be an array, got {type(x).__name__}") from e
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_qkv(query, key, value):
+  ranks = (query.ndim, key.ndim, value.ndim)
+  if ranks not in ((4, 4, 4), (3, 3, 3)):
+    raise ValueError(
+        "`query`, `key` and `value` must all be rank 4 (batch, seq, heads, "
+        "head_dim) or all rank 3 (seq, heads, head_dim); got ranks "
+        f"{ranks[0]}, {ranks[1]} and {ranks[2]}")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.dtype not in SUPPORTED_DTYPES:
+      raise ValueError(
+          f"`{name}` dtype must be one of bfloat16, float16, float32, float64; "
+          f"got {_dtype_name(x.dtype)}")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise ValueError(
+        "`query`, `key` and `value` must have the same dtype; got "
+        f"{_dtype_name(query.dtype)}, {_dtype_name(key.dtype)} and "
+        f"{_dtype_name(value.dtype)}")
+  if key.shape != value.shape:
+    raise ValueError(f"`value` shape must equal `key` shape {key.shape}; got {value.shape}")
+  if query.shape[0] != key.shape[0]:
+    raise ValueError(
+        f"`query` batch size ({query.shape[0]}) must equal `key` batch size "
+        f"({key.shape[0]})")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(
+        f"`query` head_dim ({query.shape[-1]}) must equal `key` head_dim "
+        f"({key.shape[-1]})")
+  n, k = query.shape[2], key.shape[2]
+  if n % k != 0:
+    raise ValueError(
+        f"`query` heads ({n}) must be a multiple of `key`/`value` heads ({k}) "
+        "for grouped-query attention")
+  if query.shape[1] == 0 or key.shape[1] == 0 or query.shape[-1] == 0:
+    raise ValueError(
+        f"`query` and `key` need at least one position and a non-empty head_dim; "
+        f"got query shape {query.shape} and key shape {key.shape}")
+
+
+def _check_pair_array(x, name: str, full_shape: tuple[int, ...], want_bool: bool):
+  """`bias` / `mask`: rank <= 4, broadcastable to [B, N, T, S] dim by dim."""
+  if x is None:
+    return None
+  x = _as_array(x, name)
+  if want_bool and x.dtype != jnp.bool_:
+    raise ValueError(
+        f"`mask` must be a boolean array (True = attend); got {_dtype_name(x.dtype)}. "
+        "Pass an additive mask as `bias`")
+  if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"`bias` must be a floating-point array; got {_dtype_name(x.dtype)}")
+  if x.ndim > 4:
+    raise ValueError(f"`{name}` must have rank <= 4 (batch, heads, q_seq, kv_seq); got rank {x.ndim}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if any(d not in (1, f) for d, f in zip(x.shape, full_shape)):
+    raise ValueError(
+        f"`{name}` shape {x.shape} must broadcast to (batch, heads, q_seq, kv_seq) "
+        f"= {full_shape}, each dimension 1 or equal")
+  return x
+
+
+def _check_lengths(x, name: str, batch: int, limit: int, limit_name: str):
+  if x is None:
+    return None
+  x = _as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array (int32); got {_dtype_name(x.dtype)}")
+  if x.shape != (batch,):
+    raise ValueError(f"`{name}` shape must be (batch,) = ({batch},); got {x.shape}")
+  if _is_concrete(x):
+    values = np.asarray(x)
+    if values.size and (values.min() < 0 or values.max() > limit):
+      raise ValueError(
+          f"`{name}` values must lie in [0, {limit}] ({limit_name}); got "
+          f"min {values.min()}, max {values.max()}")
+  return x.astype(jnp.int32)
+
+
+def _check_window(local_window_size):
+  if local_window_size is None:
+    return None
+  window = local_window_size
+  if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+    window = (int(window), int(window))
+  if (not isinstance(window, (tuple, list)) or len(window) != 2
+      or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
+                 for w in window)):
+    raise ValueError(
+        "`local_window_size` must be an int or a pair of ints (left, right); "
+        f"got {local_window_size!r}")
+  left, right = int(window[0]), int(window[1])
+  if left < 0 or right < 0:
+    raise ValueError(f"`local_window_size` sizes must be >= 0; got ({left}, {right})")
+  return left, right
+
+
+def _check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, jax.core.Tracer):
+    raise TypeError(
+        "`scale` must be a Python number, not a traced value: it is a "
+        "compile-time constant of the kernels")
+  try:
+    value = float(scale)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"`scale` must be a number; got {scale!r}") from e
+  if not math.isfinite(value):
+    raise ValueError(f"`scale` must be finite; got {value}")
+  return value
+
+
+def validate(query, key, value, bias, mask, *, scale, is_causal,
+             query_seq_lengths, key_value_seq_lengths, local_window_size,
+             implementation) -> Arguments:
+  if implementation not in IMPLEMENTATION_CHOICES:
+    raise ValueError(
+        f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"`is_causal` must be a bool; got {is_causal!r}")
+  query, key, value = (_as_array(x, n) for x, n in
+                       ((query, "query"), (key, "key"), (value, "value")))
+  _check_qkv(query, key, value)
+  output_shape = query.shape
+  if query.ndim == 3:
+    query, key, value = query[None], key[None], value[None]
+  b, t, n, h = query.shape
+  s = key.shape[1]
+  window = _check_window(local_window_size)
+  return Arguments(
+      query=query, key=key, value=value,
+      bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),
+      mask=_check_pair_array(mask, "mask", (b, n, t, s), want_bool=True),
+      query_seq_lengths=_check_lengths(query_seq_lengths, "query_seq_lengths",
+                                       b, t, "the query length"),
+      key_value_seq_lengths=_check_lengths(key_value_seq_lengths,
+                                           "key_value_seq_lengths", b, s,
+                                           "the key/value length"),
+      scale=_check_scale(scale, h),
+      spec=MaskSpec.from_arguments(bool(is_causal), window),
+      output_shape=output_shape)

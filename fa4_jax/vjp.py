@@ -1,0 +1,66 @@
+"""The `jax.custom_vjp` shared by every backend.
+
+A backend is a pair of functions:
+
+    forward(q, k, v, bias, mask, q_lengths, kv_lengths, *, scale, spec)
+        -> (out [B,T,N,D], lse f32 [B,N,T])
+    backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout,
+             *, scale, spec) -> (dq, dk, dv, dbias or None)
+
+The forward saves (q, k, v, bias, mask, lengths, out, lse); the backward
+recomputes probabilities from the log-sum-exp. A backend may pair a kernel
+forward with the XLA backward: any forward that honours the lse contract of
+`fa4_jax/kernels/__init__.py` works with any backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+
+from fa4_jax.masks import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  name: str
+  forward: Callable
+  backward: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreConfig:
+  """Everything static about one call: hashable, so jit caches on it."""
+
+  backend: Backend
+  scale: float
+  spec: MaskSpec
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, config: CoreConfig):
+  """(out, lse) of attention with the backend named in `config`."""
+  return config.backend.forward(q, k, v, bias, mask, q_lengths, kv_lengths,
+                                scale=config.scale, spec=config.spec)
+
+
+def _core_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, config):
+  out, lse = attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, config)
+  residuals = (q, k, v, bias, mask, q_lengths, kv_lengths, out, lse)
+  return (out, lse), residuals
+
+
+def _core_bwd(config, residuals, cotangents):
+  q, k, v, bias, mask, q_lengths, kv_lengths, out, lse = residuals
+  dout, _ = cotangents  # the lse is returned under stop_gradient
+  dq, dk, dv, dbias = config.backend.backward(
+      q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout,
+      scale=config.scale, spec=config.spec)
+  # mask and lengths are not differentiable: None is a zero cotangent.
+  return dq, dk, dv, dbias, None, None, None
+
+
+attention_core.defvjp(_core_fwd, _core_bwd)

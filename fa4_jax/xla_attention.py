@@ -1,0 +1,330 @@
+"""The XLA path: exact blockwise attention with memory linear in sequence length.
+
+This is the fallback on CPU, TPU and GPUs without a kernel, and the backward
+for kernels that have no fused backward yet. It never materializes the
+T x S logits: queries are processed one block at a time (`lax.map`), and for
+each query block a loop walks only the key blocks the mask lets it see
+(causal and windowed masks skip whole blocks), keeping an online softmax
+(running max `m`, running sum `l`, unnormalized output `acc`) in float32.
+
+The backward recomputes probabilities from the saved log-sum-exp, in two
+passes so that every gradient is written by exactly one loop (deterministic,
+no scatter-add): one over query blocks for dQ (and the bias gradient), one
+over key blocks for dK and dV (summed over the query heads of a GQA group).
+
+Layout inside this module: queries grouped by KV head,
+q [B, T, K, G, D] with N = K * G query heads, k/v [B, S, K, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fa4_jax.masks import MaskSpec, cdiv
+
+Array = jax.Array
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Block sizes of the XLA path (memory per step ~ B * N * block_q * block_k)."""
+
+  block_q: int
+  block_k: int
+
+  def fit(self, t: int, s: int) -> "Blocks":
+    """Shrinks blocks for short sequences (no more padding than needed)."""
+    round8 = lambda n: max(8, cdiv(n, 8) * 8)
+    return Blocks(min(self.block_q, round8(t)), min(self.block_k, round8(s)))
+
+  @classmethod
+  def default(cls) -> "Blocks":
+    # Read at call time, so tests can shrink blocks to exercise multi-block loops.
+    return cls(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+
+
+@dataclasses.dataclass
+class _Problem:
+  """Inputs padded to whole blocks, plus what every block needs to know."""
+
+  q: Array  # [B, Tp, K, G, D]
+  k: Array  # [B, Sp, K, D]
+  v: Array  # [B, Sp, K, D]
+  bias: Optional[Array]  # [Bb, Kb, Gb, Tb, Sb], each dim 1 or full (padded)
+  mask: Optional[Array]  # same layout as bias, bool
+  q_len: Array  # int32 [B]: rows at or past it output zeros
+  kv_len: Array  # int32 [B]: keys at or past it are masked
+  t: int  # true query length
+  s: int  # true key length
+  spec: MaskSpec
+  scale: float
+  blocks: Blocks
+
+  @property
+  def num_q_blocks(self) -> int:
+    return self.q.shape[1] // self.blocks.block_q
+
+  @property
+  def num_k_blocks(self) -> int:
+    return self.k.shape[1] // self.blocks.block_k
+
+  def q_rows(self, qb):
+    return qb * self.blocks.block_q + jnp.arange(self.blocks.block_q)
+
+  def k_cols(self, kb):
+    return kb * self.blocks.block_k + jnp.arange(self.blocks.block_k)
+
+  def key_blocks_for(self, qb):
+    """Key blocks [lo, hi) the query block `qb` may see (mask and lengths)."""
+    bq = self.blocks.block_q
+    q_hi = jnp.minimum((qb + 1) * bq, jnp.max(self.q_len))
+    lo, hi = self.spec.key_block_range(qb * bq, q_hi, jnp.max(self.kv_len),
+                                       self.blocks.block_k)
+    return lo, jnp.where(q_hi > qb * bq, hi, lo)
+
+  def query_blocks_for(self, kb):
+    """Query blocks [lo, hi) that may see key block `kb`."""
+    bk = self.blocks.block_k
+    k_hi = jnp.minimum((kb + 1) * bk, jnp.max(self.kv_len))
+    lo, hi = self.spec.query_block_range(kb * bk, k_hi, jnp.max(self.q_len),
+                                         self.blocks.block_q)
+    return lo, jnp.where(k_hi > kb * bk, hi, lo)
+
+  def _slice_pair(self, x, qb, kb):
+    """The [.., Tb, Sb] block of a broadcastable bias or mask array."""
+    bq, bk = self.blocks.block_q, self.blocks.block_k
+    if x.shape[-2] > 1:
+      x = lax.dynamic_slice_in_dim(x, qb * bq, bq, axis=-2)
+    if x.shape[-1] > 1:
+      x = lax.dynamic_slice_in_dim(x, kb * bk, bk, axis=-1)
+    return x
+
+  def logits(self, q_blk, k_blk, qb, kb):
+    """Scaled, biased, masked logits [B, K, G, bq, bk] in float32 (-inf = masked)."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk,
+                   preferred_element_type=jnp.float32)
+    s = s * jnp.float32(self.scale)
+    if self.bias is not None:
+      s = s + self._slice_pair(self.bias, qb, kb).astype(jnp.float32)
+    rows, cols = self.q_rows(qb), self.k_cols(kb)
+    visible = self.spec.visible(rows[:, None], cols[None, :])  # [bq, bk]
+    visible = visible & (cols[None, None, :] < self.kv_len[:, None, None])  # [B,1,bk]
+    visible = visible[:, None, None]  # [B, 1, 1, bq, bk]
+    if self.mask is not None:
+      visible = visible & self._slice_pair(self.mask, qb, kb)
+    return jnp.where(visible, s, -jnp.inf)
+
+  def q_block(self, x, qb):
+    return lax.dynamic_slice_in_dim(x, qb * self.blocks.block_q, self.blocks.block_q, 1)
+
+  def k_block(self, x, kb):
+    return lax.dynamic_slice_in_dim(x, kb * self.blocks.block_k, self.blocks.block_k, 1)
+
+
+def _group(x: Array, num_kv_heads: int) -> Array:
+  """[B, T, N, D] -> [B, T, K, G, D]."""
+  b, t, n, d = x.shape
+  return x.reshape(b, t, num_kv_heads, n // num_kv_heads, d)
+
+
+def _group_pair_array(x: Optional[Array], num_kv_heads: int) -> Optional[Array]:
+  """Bias/mask [Bb, Nb, Tb, Sb] -> [Bb, Kb, Gb, Tb, Sb] (Nb is 1 or N)."""
+  if x is None:
+    return None
+  bb, nb, tb, sb = x.shape
+  if nb == 1:
+    return x.reshape(bb, 1, 1, tb, sb)
+  return x.reshape(bb, num_kv_heads, nb // num_kv_heads, tb, sb)
+
+
+def _pad_axis(x: Array, axis: int, size: int, value=0) -> Array:
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_pair_array(x, tp, sp, value):
+  if x is None:
+    return None
+  if x.shape[-2] > 1:
+    x = _pad_axis(x, x.ndim - 2, tp, value)
+  if x.shape[-1] > 1:
+    x = _pad_axis(x, x.ndim - 1, sp, value)
+  return x
+
+
+def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, scale, spec, blocks):
+  b, t, n, d = q.shape
+  s, num_kv_heads = k.shape[1], k.shape[2]
+  blocks = (blocks or Blocks.default()).fit(t, s)
+  tp = cdiv(t, blocks.block_q) * blocks.block_q
+  sp = cdiv(s, blocks.block_k) * blocks.block_k
+  full = lambda n_: jnp.full((b,), n_, jnp.int32)
+  q_len = full(t) if q_lengths is None else jnp.minimum(q_lengths.astype(jnp.int32), t)
+  kv_len = full(s) if kv_lengths is None else jnp.minimum(kv_lengths.astype(jnp.int32), s)
+  return _Problem(
+      q=_pad_axis(_group(q, num_kv_heads), 1, tp),
+      k=_pad_axis(k, 1, sp),
+      v=_pad_axis(v, 1, sp),
+      bias=_pad_pair_array(_group_pair_array(bias, num_kv_heads), tp, sp, 0),
+      mask=_pad_pair_array(_group_pair_array(mask, num_kv_heads), tp, sp, False),
+      q_len=q_len, kv_len=kv_len, t=t, s=s, spec=spec, scale=scale, blocks=blocks)
+
+
+def _row_valid(p: _Problem, qb):
+  """[B, 1, 1, bq]: rows before the query length."""
+  return (p.q_rows(qb)[None, :] < p.q_len[:, None])[:, None, None, :]
+
+
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, *, scale: float,
+            spec: MaskSpec, blocks: Blocks | None = None):
+  """Attention forward. Returns (out [B,T,N,D] in q.dtype, lse f32 [B,N,T])."""
+  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, scale, spec, blocks)
+  bsz, _, kh, g, d = p.q.shape
+  bq = p.blocks.block_q
+
+  def one_query_block(qb):
+    q_blk = p.q_block(p.q, qb)
+
+    def step(kb, carry):
+      m, l, acc = carry
+      s = p.logits(q_blk, p.k_block(p.k, kb), qb, kb)
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows seeing nothing yet
+      probs = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
+      l = alpha * l + probs.sum(axis=-1)
+      pv = jnp.einsum("bkgqs,bskd->bkgqd", probs.astype(p.v.dtype),
+                      p.k_block(p.v, kb), preferred_element_type=jnp.float32)
+      return m_new, l, alpha[..., None] * acc + pv
+
+    stats_shape = (bsz, kh, g, bq)
+    init = (jnp.full(stats_shape, -jnp.inf, jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(stats_shape + (d,), jnp.float32))
+    lo, hi = p.key_blocks_for(qb)
+    m, l, acc = lax.fori_loop(lo, hi, step, init)
+    valid = (l > 0) & _row_valid(p, qb)
+    out = jnp.where(valid[..., None], acc / jnp.where(valid, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
+    return out.astype(q.dtype), lse
+
+  out, lse = lax.map(one_query_block, jnp.arange(p.num_q_blocks))
+  # out: [nq, B, K, G, bq, D] -> [B, T, N, D];  lse: [nq, B, K, G, bq] -> [B, N, T]
+  nq = p.num_q_blocks
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, d)[:, :p.t]
+  lse = lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
+  return out, lse
+
+
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout, *,
+             scale: float, spec: MaskSpec, blocks: Blocks | None = None):
+  """Gradients (dq, dk, dv, dbias) of `forward`'s output, given its lse.
+
+  `lse` may come from any backend that follows the contract in
+  `fa4_jax/kernels/__init__.py`. `dbias` is None when `bias` is None, else it
+  has the bias' own (broadcast) shape.
+  """
+  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, scale, spec, blocks)
+  bsz, tp, kh, g, d = p.q.shape
+  nh = kh * g
+  # Rows past the query length had their output forced to zero: no gradient.
+  row_ok = jnp.arange(p.t)[None, :] < p.q_len[:, None]  # [B, T]
+  dout = jnp.where(row_ok[:, :, None, None], dout, 0).astype(dout.dtype)
+  delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  do = _pad_axis(_group(dout, kh), 1, tp)
+
+  def to_blocks(x):  # [B, N, T] -> [B, K, G, Tp] padded, for per-block slicing
+    return _pad_axis(x.reshape(bsz, kh, g, p.t), 3, tp)
+
+  lse_safe = to_blocks(jnp.where(lse == -jnp.inf, 0.0, lse))
+  delta = to_blocks(delta)
+  bq, bk = p.blocks.block_q, p.blocks.block_k
+
+  def stats(x, qb):
+    return lax.dynamic_slice_in_dim(x, qb * bq, bq, axis=3)[..., None]
+
+  def probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, v_blk):
+    s = p.logits(q_blk, k_blk, qb, kb)
+    probs = jnp.exp(s - stats(lse_safe, qb))  # masked: exp(-inf) = 0
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+    return probs, probs * (dp - stats(delta, qb))
+
+  # Pass 1: dQ (and dbias), one query block at a time.
+  dbias_shape = None if p.bias is None else p.bias.shape
+
+  def dq_block(dbias_acc, qb):
+    q_blk, do_blk = p.q_block(p.q, qb), p.q_block(do, qb)
+
+    def step(kb, carry):
+      dq, dbias_acc = carry
+      k_blk = p.k_block(p.k, kb)
+      _, ds = probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, p.k_block(p.v, kb))
+      dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(p.k.dtype), k_blk,
+                           preferred_element_type=jnp.float32)
+      if dbias_acc is not None:
+        dbias_acc = _accumulate_pair(dbias_acc, ds, qb * bq, kb * bk)
+      return dq, dbias_acc
+
+    lo, hi = p.key_blocks_for(qb)
+    dq0 = jnp.zeros((bsz, bq, kh, g, d), jnp.float32)
+    dq, dbias_acc = lax.fori_loop(lo, hi, step, (dq0, dbias_acc))
+    return dbias_acc, (dq * scale).astype(q.dtype)
+
+  dbias0 = None if dbias_shape is None else jnp.zeros(dbias_shape, jnp.float32)
+  dbias, dq = lax.scan(dq_block, dbias0, jnp.arange(p.num_q_blocks))
+  dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(bsz, tp, nh, d)[:, :p.t]
+
+  # Pass 2: dK and dV, one key block at a time (GQA groups summed here).
+  def dkv_block(kb):
+    k_blk, v_blk = p.k_block(p.k, kb), p.k_block(p.v, kb)
+
+    def step(qb, carry):
+      dk, dv = carry
+      q_blk, do_blk = p.q_block(p.q, qb), p.q_block(do, qb)
+      probs, ds = probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, v_blk)
+      dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", probs.astype(do.dtype), do_blk,
+                           preferred_element_type=jnp.float32)
+      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(p.q.dtype), q_blk,
+                           preferred_element_type=jnp.float32)
+      return dk, dv
+
+    lo, hi = p.query_blocks_for(kb)
+    zeros = jnp.zeros((bsz, bk, kh, d), jnp.float32)
+    dk, dv = lax.fori_loop(lo, hi, step, (zeros, zeros))
+    return (dk * scale).astype(k.dtype), dv.astype(v.dtype)
+
+  dk, dv = lax.map(dkv_block, jnp.arange(p.num_k_blocks))
+  unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(bsz, -1, kh, d)[:, :p.s]
+  dk, dv = unblock(dk), unblock(dv)
+
+  if dbias is not None:
+    dbias = dbias[..., :bias.shape[-2], :bias.shape[-1]]
+    dbias = dbias.reshape(bias.shape).astype(bias.dtype)
+  return dq, dk, dv, dbias
+
+
+def _accumulate_pair(acc, ds, q_lo, k_lo):
+  """Adds logits gradients [B, K, G, bq, bk] into a broadcast bias gradient."""
+  reduce_axes = tuple(i for i in range(3) if acc.shape[i] == 1 and ds.shape[i] > 1)
+  ds = ds.sum(axis=reduce_axes, keepdims=True)
+  if acc.shape[-2] == 1:
+    ds = ds.sum(axis=-2, keepdims=True)
+    q_lo = 0
+  if acc.shape[-1] == 1:
+    ds = ds.sum(axis=-1, keepdims=True)
+    k_lo = 0
+  start = (0, 0, 0, q_lo, k_lo)
+  current = lax.dynamic_slice(acc, start, ds.shape)
+  return lax.dynamic_update_slice(acc, current + ds, start)

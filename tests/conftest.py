@@ -1,0 +1,44 @@
+"""Shared fixtures. Everything here runs on a machine without a GPU."""
+
+import jax
+import pytest
+
+from fa4_jax import testing
+
+# Sharding tests need several devices; on the CPU XLA can pretend. This must
+# run before any JAX backend starts, which is why it sits at import time here.
+HOST_DEVICES = 8
+testing.force_host_devices(HOST_DEVICES)
+
+
+@pytest.fixture
+def run_interpreted():
+  """`run_interpreted(fn, *args)`: fn under the GPU interpreter, no races allowed."""
+  return testing.run_interpreted
+
+
+@pytest.fixture
+def cross_lower():
+  """`cross_lower(fn, *specs, arch="sm_90"|"sm_100")` -> testing.LoweredKernels."""
+  return testing.cross_lower
+
+
+@pytest.fixture
+def host_devices():
+  """The forced CPU devices, for sharding tests."""
+  devices = jax.devices("cpu")
+  if len(devices) < HOST_DEVICES:
+    pytest.skip(f"needs {HOST_DEVICES} host devices; JAX started with {len(devices)}")
+  return devices
+
+
+@pytest.fixture
+def small_xla_blocks(monkeypatch):
+  """Shrinks the XLA path's blocks so small tests walk many blocks."""
+  from fa4_jax import xla_attention
+
+  monkeypatch.setattr(xla_attention, "DEFAULT_BLOCK_Q", 16)
+  monkeypatch.setattr(xla_attention, "DEFAULT_BLOCK_K", 16)
+  jax.clear_caches()
+  yield
+  jax.clear_caches()

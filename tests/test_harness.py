@@ -1,0 +1,61 @@
+"""The kernel test harness itself: it must catch what it claims to catch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax import testing
+
+SHAPE = (128, 128)
+
+
+def _copy_plus_one(wait_for_copy: bool):
+  """A TMA copy into SMEM, then a read of SMEM: racy unless we wait."""
+
+  def body(x_gmem, o_gmem, x_smem, barrier):
+    plgpu.copy_gmem_to_smem(x_gmem, x_smem, barrier)
+    if wait_for_copy:
+      plgpu.barrier_wait(barrier)
+    o_gmem[...] = x_smem[...] + 1.0
+    if not wait_for_copy:
+      plgpu.barrier_wait(barrier)  # keep the barrier balanced
+
+  return plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct(SHAPE, jnp.float32),
+      scratch_types=[plgpu.SMEM(SHAPE, jnp.float32), plgpu.Barrier(num_arrivals=1)],
+  )
+
+
+def test_interpreted_kernel_computes_on_the_cpu():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=SHAPE), jnp.float32)
+  out = testing.run_interpreted(_copy_plus_one(wait_for_copy=True), x)
+  np.testing.assert_allclose(out, x + 1.0)
+
+
+def test_interpreter_reports_a_read_before_the_barrier_wait_as_a_race():
+  x = jnp.ones(SHAPE, jnp.float32)
+  with pytest.raises(AssertionError, match="data race"):
+    testing.run_interpreted(_copy_plus_one(wait_for_copy=False), x)
+  # ...and the harness is usable again afterwards.
+  testing.run_interpreted(_copy_plus_one(wait_for_copy=True), x)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_cross_lowering_reports_shared_memory_and_instructions(arch):
+  spec = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+  lowered = testing.cross_lower(_copy_plus_one(wait_for_copy=True), spec, arch=arch)
+  assert len(lowered.modules) == 1
+  # One f32 128x128 buffer plus the barrier, rounded up by Mosaic's alignment.
+  assert 128 * 128 * 4 <= lowered.max_smem_bytes < 128 * 128 * 4 + 1024
+  assert lowered.has("cp.async.bulk.tensor")
+  assert lowered.has("mbarrier.try_wait.parity")
+  assert not lowered.has("wgmma.mma_async")
+
+
+def test_cross_lowering_rejects_unknown_architectures():
+  spec = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+  with pytest.raises(ValueError, match="arch must be one of"):
+    testing.cross_lower(_copy_plus_one(True), spec, arch="sm_80")
