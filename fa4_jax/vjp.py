@@ -21,6 +21,7 @@ from typing import Callable
 
 import jax
 
+from fa4_jax import sharding
 from fa4_jax.masks import MaskSpec
 
 
@@ -43,8 +44,7 @@ class CoreConfig:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, config: CoreConfig):
   """(out, lse) of attention with the backend named in `config`."""
-  return config.backend.forward(q, k, v, bias, mask, q_lengths, kv_lengths,
-                                scale=config.scale, spec=config.spec)
+  return sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths)
 
 
 def _core_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, config):
@@ -56,9 +56,8 @@ def _core_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, config):
 def _core_bwd(config, residuals, cotangents):
   q, k, v, bias, mask, q_lengths, kv_lengths, out, lse = residuals
   dout, _ = cotangents  # the lse is returned under stop_gradient
-  dq, dk, dv, dbias = config.backend.backward(
-      q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout,
-      scale=config.scale, spec=config.spec)
+  dq, dk, dv, dbias = sharding.backward(
+      config, q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout)
   # mask and lengths are not differentiable: None is a zero cotangent.
   return dq, dk, dv, dbias, None, None, None
 
