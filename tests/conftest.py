@@ -9,6 +9,11 @@ from fa4_jax import testing
 # run before any JAX backend starts, which is why it sits at import time here.
 HOST_DEVICES = 8
 testing.force_host_devices(HOST_DEVICES)
+# float32 comparisons are meant exactly; on a GPU the default would be TF32.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+cpu_only = pytest.mark.skipif(ON_GPU, reason="describes a machine without a GPU")
 
 
 @pytest.fixture
@@ -39,6 +44,7 @@ def small_xla_blocks(monkeypatch):
 
   monkeypatch.setattr(xla_attention, "DEFAULT_BLOCK_Q", 16)
   monkeypatch.setattr(xla_attention, "DEFAULT_BLOCK_K", 16)
+  monkeypatch.setattr(xla_attention, "MAX_ACCELERATOR_BLOCK", 16)
   jax.clear_caches()
   yield
   jax.clear_caches()

@@ -4,11 +4,13 @@ import jax.numpy as jnp
 import pytest
 
 import fa4_jax
+from conftest import cpu_only
 from fa4_jax import backends
 
 q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
 
 
+@cpu_only
 def test_default_on_a_machine_without_a_gpu_is_the_xla_path():
   assert backends.device_arch_major() is None
   assert fa4_jax.which_implementation(q, q, q) == "xla"
@@ -19,6 +21,7 @@ def test_xla_is_available_everywhere():
   assert fa4_jax.which_implementation(q, q, q, implementation="xla") == "xla"
 
 
+@cpu_only
 @pytest.mark.parametrize("name, gpu", [("sm90", "Hopper"), ("sm100", "Blackwell")])
 def test_asking_for_a_kernel_without_its_gpu_says_why(name, gpu):
   with pytest.raises(ValueError, match=f"needs a {gpu} .* GPU.*interpret_mode"):
