@@ -60,18 +60,26 @@ def _kernel_backend(name: str) -> Backend:
     del bias, mask  # never selected with them (see _kernel_problem)
     return fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec)
 
-  backward = xla_attention.backward
   try:
     bwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
   except ModuleNotFoundError:
-    pass
-  else:
-    def backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout, *,
-                 scale, spec):
-      del bias, mask
-      dq, dk, dv = bwd_module.backward(q, k, v, out, lse, dout, q_lengths,
-                                       kv_lengths, scale=scale, mask=spec)
-      return dq, dk, dv, None
+    bwd_module = None
+
+  def backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout, *,
+               scale, spec):
+    # The fused backward where it supports the call, else the XLA backward
+    # (which takes the kernel's lse): decided here, at trace time.
+    if bwd_module is not None:
+      try:
+        bwd_module.check_supported(q.shape, k.shape, q.dtype, spec)
+      except KernelUnsupported:
+        pass
+      else:
+        dq, dk, dv = bwd_module.backward(q, k, v, out, lse, dout, q_lengths,
+                                         kv_lengths, scale=scale, mask=spec)
+        return dq, dk, dv, None
+    return xla_attention.backward(q, k, v, bias, mask, q_lengths, kv_lengths,
+                                  out, lse, dout, scale=scale, spec=spec)
 
   return Backend(name, forward, backward)
 
