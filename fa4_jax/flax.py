@@ -1,0 +1,247 @@
+"""fa4_jax as the `attention_fn` of Flax's attention modules.
+
+Flax's `nnx.MultiHeadAttention` and linen's `nn.MultiHeadDotProductAttention`
+call their `attention_fn` with Flax's own argument names (`mask`,
+`dropout_rate`, `deterministic`, `dtype`, `precision`, `module`, ...), not
+`jax.nn.dot_product_attention`'s. This module translates them:
+
+    from flax import nnx
+    import fa4_jax.flax
+
+    layer = nnx.MultiHeadAttention(
+        num_heads=8, in_features=512, decode=False, rngs=nnx.Rngs(0),
+        attention_fn=fa4_jax.flax.attention_fn)
+    y = layer(x, is_causal=True)          # NNX passes is_causal through
+
+    # linen has no `is_causal` call argument: fix it in the function instead.
+    layer = nn.MultiHeadDotProductAttention(
+        num_heads=8, attention_fn=fa4_jax.flax.make_attention_fn(is_causal=True))
+
+How each Flax argument is handled:
+
+* `mask` (True = attend; any dtype, nonzero = attend, as in Flax) and `bias`
+  (additive) are passed on, broadcastable to `[batch..., heads, q, kv]`.
+  A mask *array* keeps the GPU kernels from serving the call (they take only
+  `is_causal` / `local_window_size`), so prefer `is_causal=True` over
+  `nn.make_causal_mask(...)` where you can.
+* `is_causal` (NNX call argument) is passed on; `make_attention_fn(
+  is_causal=True)` adds it to every call.
+* `dtype`: query, key and value are cast to it, as Flax does; with
+  `dtype=None` they are promoted to their common dtype.
+* `dropout_rate > 0` with `deterministic=False`: a `ValueError`. Flash
+  attention never forms the attention weights, so there is nothing to drop;
+  use dropout elsewhere in the model, or Flax's default `attention_fn`.
+* `module` (Flax's `sow_weights=True`): a `ValueError`, for the same reason.
+* `precision`: `None` or `DEFAULT` only, unless `make_attention_fn(
+  ignore_precision=True)`. fa4_jax always accumulates in float32 and its
+  softmax runs in float32; its matmuls take the inputs in their own dtype.
+* `force_fp32_for_softmax`: accepted either way (the softmax is float32).
+* `qk_attn_weights_einsum`, `attn_weights_value_einsum`, `einsum_dot_general`
+  (custom/quantized einsums): a `ValueError` unless None.
+* Leading batch dimensions: none, one or several (they are flattened).
+
+One difference from Flax's default: a query row whose every key is masked
+gets zeros (Flax and `jax.nn` return the mean of all values).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fa4_jax import api
+
+_PREFIX = "fa4_jax.flax.attention_fn"
+
+
+def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
+                      implementation: api.Implementation = None,
+                      ignore_precision: bool = False):
+  """An `attention_fn` for Flax's attention modules with fixed fa4_jax options.
+
+  Args:
+    is_causal: apply a causal mask on every call (in addition to the call's own
+      `is_causal`). The query and key lengths must then be equal: during
+      Flax's cached decoding (`decode=True`, one query against the whole
+      cache) a causal mask aligned top-left would hide every key but the
+      first, so that raises; Flax's decode mask already does the job there.
+    local_window_size: passed to `fa4_jax.attention` (sliding window).
+    implementation: passed to `fa4_jax.attention` (`None` picks the best).
+    ignore_precision: accept any Flax `precision` (it then only affects
+      Flax's projections, not the attention).
+
+  Returns:
+    A function with Flax's `attention_fn` signature.
+  """
+  options = dict(always_causal=is_causal, local_window_size=local_window_size,
+                 implementation=implementation, ignore_precision=ignore_precision)
+
+  # Every argument is named, not swallowed by **kwargs: linen passes only the
+  # keyword arguments that appear in the function's signature.
+  def attention_fn(query, key, value, bias=None, mask=None,
+                   broadcast_dropout=True, dropout_rng=None, dropout_rate=0.0,
+                   deterministic=False, dtype=None, precision=None, module=None,
+                   force_fp32_for_softmax=False, einsum_dot_general=None,
+                   qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+                   promote_dtype=None, is_causal=False, **unsupported):
+    """Flax `attention_fn` computed by `fa4_jax.attention`.
+
+    Takes Flax's `dot_product_attention` arguments (see `fa4_jax.flax`).
+    """
+    del broadcast_dropout, dropout_rng, force_fp32_for_softmax
+    call = _translate(
+        query, key, value, bias, mask, dropout_rate=dropout_rate,
+        deterministic=deterministic, dtype=dtype, precision=precision,
+        module=module, einsum_dot_general=einsum_dot_general,
+        qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum,
+        promote_dtype=promote_dtype, is_causal=is_causal,
+        unsupported=unsupported, **options)
+    out = api.attention(*call.arrays, **call.kwargs)
+    return out.reshape(call.batch_shape + out.shape[-3:])
+
+  attention_fn.options = options  # what which_implementation needs to know
+  return attention_fn
+
+
+attention_fn = make_attention_fn()
+attention_fn.__doc__ = """Flax `attention_fn` computed by `fa4_jax.attention`
+(default options; see `make_attention_fn` for causal/window/implementation)."""
+
+
+def which_implementation(query, key, value, bias=None, mask=None, *,
+                         attention_fn=attention_fn, dtype=None, is_causal=False):
+  """The implementation (`"xla"`, `"sm90"`, ...) `attention_fn` would use for
+  these Flax arguments (query/key/value as Flax passes them to it)."""
+  call = _translate(query, key, value, bias, mask, dtype=dtype,
+                    is_causal=is_causal, **attention_fn.options)
+  return api.which_implementation(*call.arrays, **call.kwargs)
+
+
+class _Call:
+  """`fa4_jax.attention` arguments, with leading batch dims flattened to one."""
+
+  def __init__(self, arrays, kwargs, batch_shape):
+    self.arrays = arrays  # query, key, value, bias, mask
+    self.kwargs = kwargs
+    self.batch_shape = batch_shape  # the query's leading dims, restored after
+
+
+def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
+               deterministic=True, dtype=None, precision=None, module=None,
+               einsum_dot_general=None, qk_attn_weights_einsum=None,
+               attn_weights_value_einsum=None, promote_dtype=None,
+               is_causal=False, unsupported=None, always_causal=False,
+               local_window_size=None,
+               implementation=None, ignore_precision=False) -> _Call:
+  """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
+  _check_supported(dropout_rate, deterministic, precision, module,
+                   einsum_dot_general, qk_attn_weights_einsum,
+                   attn_weights_value_einsum, unsupported, ignore_precision)
+
+  # dtype: Flax casts query, key and value to `dtype` (or to their common one).
+  if promote_dtype is not None:  # NNX's hook, called the way NNX calls it
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  else:
+    if dtype is None:
+      dtype = jnp.result_type(query, key, value)
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+
+  # Shapes: Flax allows any number of leading batch dims, fa4_jax zero or one.
+  if query.ndim < 3 or query.ndim != key.ndim or key.ndim != value.ndim:
+    raise ValueError(
+        f"{_PREFIX}: query, key and value must have the same rank, at least 3 "
+        f"([batch..., length, heads, head_dim]); got shapes {query.shape}, "
+        f"{key.shape} and {value.shape}")
+  batch_shape = query.shape[:-3]
+  if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+    raise ValueError(
+        f"{_PREFIX}: query, key and value must have the same batch dims; got "
+        f"shapes {query.shape}, {key.shape} and {value.shape}")
+  if len(batch_shape) > 1:
+    query, key, value = (x.reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
+  bias = _pair_array(bias, "bias", batch_shape)
+  mask = _pair_array(mask, "mask", batch_shape)
+  if mask is not None and mask.dtype != jnp.bool_:
+    mask = mask.astype(jnp.bool_)  # Flax's masks may be float 0/1
+
+  if always_causal and query.shape[-3] != key.shape[-3]:
+    raise ValueError(
+        f"{_PREFIX}: make_attention_fn(is_causal=True) needs equal query and key "
+        f"lengths, got {query.shape[-3]} and {key.shape[-3]}. With Flax's cached "
+        "decoding (decode=True) the causal mask would hide all but the first "
+        "cached key; there, leave is_causal to the module (NNX: "
+        "layer(x, is_causal=True)) or pass a mask")
+  return _Call((query, key, value, bias, mask),
+               dict(is_causal=bool(is_causal) or always_causal,
+                    local_window_size=local_window_size,
+                    implementation=implementation),
+               batch_shape)
+
+
+def _pair_array(x, name, batch_shape):
+  """A Flax mask/bias, broadcastable to [batch..., heads, q, kv], made
+  broadcastable to fa4_jax's [batch, heads, q, kv] (or [heads, q, kv])."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  rank = len(batch_shape) + 3
+  if x.ndim > rank:
+    raise ValueError(
+        f"{_PREFIX}: `{name}` has rank {x.ndim}, more than the "
+        f"[batch..., heads, q_length, kv_length] = rank {rank} it must "
+        f"broadcast to; got shape {x.shape}")
+  if len(batch_shape) <= 1:
+    return x  # fa4_jax broadcasts it the same way
+  x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+  if all(d == 1 for d in x.shape[:len(batch_shape)]):
+    return x.reshape((1,) + x.shape[len(batch_shape):])
+  x = jnp.broadcast_to(x, batch_shape + x.shape[len(batch_shape):])
+  return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
+
+
+def _check_supported(dropout_rate, deterministic, precision, module,
+                     einsum_dot_general, qk_attn_weights_einsum,
+                     attn_weights_value_einsum, unsupported, ignore_precision):
+  """Raises for the Flax arguments fa4_jax cannot honour."""
+  if unsupported:
+    raise TypeError(
+        f"{_PREFIX} got arguments it does not support: {sorted(unsupported)}. "
+        "(input_positions is for Flax's RoPE attention function; apply RoPE "
+        "to the query and key before attention instead)")
+  if dropout_rate and not deterministic:
+    raise ValueError(
+        f"{_PREFIX}: attention dropout is not supported (dropout_rate="
+        f"{dropout_rate}, deterministic=False): flash attention never forms the "
+        "attention weights, so it cannot drop them. Use dropout_rate=0 (dropout "
+        "elsewhere in the model works), deterministic=True, or Flax's default "
+        "attention_fn")
+  if module is not None:
+    raise ValueError(
+        f"{_PREFIX}: cannot sow attention weights (sow_weights=True): flash "
+        "attention never forms them. Use Flax's default attention_fn to inspect them")
+  for name, value in (("einsum_dot_general", einsum_dot_general),
+                      ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                      ("attn_weights_value_einsum", attn_weights_value_einsum)):
+    if value is not None:
+      raise ValueError(
+          f"{_PREFIX}: `{name}` (a custom or quantized einsum) is not supported; "
+          "fa4_jax computes attention with its own matmuls")
+  if not ignore_precision and not _is_default_precision(precision):
+    raise ValueError(
+        f"{_PREFIX}: precision={precision!r} is not supported: fa4_jax multiplies "
+        "the inputs in their own dtype with float32 accumulation and a float32 "
+        "softmax. Use precision=None, or make_attention_fn(ignore_precision=True) "
+        "to keep the precision for Flax's projections only")
+
+
+def _is_default_precision(precision) -> bool:
+  if precision is None:
+    return True
+  if isinstance(precision, (tuple, list)):
+    return all(_is_default_precision(p) for p in precision)
+  if isinstance(precision, str):
+    return precision.lower() == "default"
+  return precision == jax.lax.Precision.DEFAULT
