@@ -1,0 +1,184 @@
+"""Forward attention on one GPU: fa4_jax's sm90 kernel next to cuDNN, one process.
+
+Kernel time: CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), median of
+ITERATIONS calls, summing every kernel a call launches. TFLOP/s counts
+4*B*H*Sq*Sk*D, halved when causal; a causal window counts 4*B*H*S*W*D
+(W = window + 1). Errors: max |out - f32 reference| over batch 0 and two
+heads (the full f32 logits would not fit at S=16k), for both implementations
+on the same bf16 inputs.
+
+Usage (on the GPU machine, from the repository root):
+    python3 benchmarks/bench_forward.py [--quick] [--only SUBSTRING]
+        [--config key=value,... (repeatable: one column per config)]
+Writes benchmarks/results/forward-<device>-<date>.json (or $OUT/ when OUT is
+set) and prints a Markdown table for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fa4_jax.kernels import sm90_forward  # noqa: E402
+from fa4_jax.masks import MaskSpec  # noqa: E402
+
+ITERATIONS = 10
+
+# (name, B, S, Hq, Hkv, D, causal, window_left)
+CASES = [
+    ("B8 S2048 H16 D128", 8, 2048, 16, 16, 128, False, None),
+    ("B8 S2048 H16 D128 causal", 8, 2048, 16, 16, 128, True, None),
+    ("B2 S8192 H16 D128", 2, 8192, 16, 16, 128, False, None),
+    ("B2 S8192 H16 D128 causal", 2, 8192, 16, 16, 128, True, None),
+    ("B1 S16384 H16 D128", 1, 16384, 16, 16, 128, False, None),
+    ("B1 S16384 H16 D128 causal", 1, 16384, 16, 16, 128, True, None),
+    ("B2 S8192 H32 D64", 2, 8192, 32, 32, 64, False, None),
+    ("B2 S8192 H32 D64 causal", 2, 8192, 32, 32, 64, True, None),
+    ("B2 S8192 H8 D256", 2, 8192, 8, 8, 256, False, None),
+    ("B2 S8192 H8 D256 causal", 2, 8192, 8, 8, 256, True, None),
+    ("B2 S8192 H32/8 D128 (GQA)", 2, 8192, 32, 8, 128, False, None),
+    ("B2 S8192 H32/8 D128 (GQA) causal", 2, 8192, 32, 8, 128, True, None),
+    ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023),
+]
+
+
+def flops(B, S, H, D, causal, window_left):
+  if window_left is not None:
+    return 4 * B * H * S * (window_left + 1) * D
+  return 4 * B * H * S * S * D / (2 if causal else 1)
+
+
+def kernel_ms(f, *args):
+  _, times = profiler.measure(f, iterations=ITERATIONS)(*args)
+  return float(np.median(times))
+
+
+def reference_rows(q, k, v, causal, window_left, heads):
+  """f32 attention for batch 0 and the given query heads: [S, len(heads), D]."""
+  S, D = q.shape[1], q.shape[3]
+  group = q.shape[2] // k.shape[2]
+  i = jnp.arange(S)[:, None]
+  j = jnp.arange(S)[None, :]
+  visible = jnp.ones((S, S), bool)
+  if causal:
+    visible &= j <= i
+  if window_left is not None:
+    visible &= j >= i - window_left
+  outs = []
+  for h in heads:
+    qh = q[0, :, h].astype(jnp.float32)
+    kh = k[0, :, h // group].astype(jnp.float32)
+    vh = v[0, :, h // group].astype(jnp.float32)
+    s = jnp.dot(qh, kh.T, precision="highest") / math.sqrt(D)
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    outs.append(jnp.dot(p, vh, precision="highest"))
+  return jnp.stack(outs, axis=1)
+
+
+def config_for(text, head_dim, mask):
+  """The heuristic's config, with `key=value,...` overrides (e.g. num_kv_stages=3)."""
+  config = sm90_forward.choose_config(head_dim, mask)
+  changes = {}
+  for item in filter(None, text.split(",")):
+    key, value = item.split("=")
+    changes[key] = bool(int(value)) if key == "sum_before_handoff" else int(value)
+  return dataclasses.replace(config, **changes)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="two shapes only")
+  ap.add_argument("--only", default="", help="run cases whose name contains this")
+  ap.add_argument("--config", action="append", default=None,
+                  help="config overrides key=value,...; repeat to compare several")
+  ap.add_argument("--no-cudnn", action="store_true")
+  args = ap.parse_args()
+  overrides = args.config or [""]
+
+  device = jax.devices()[0]
+  print(device.device_kind, jax.__version__, flush=True)
+  cases = CASES[2:4] if args.quick else CASES
+  cases = [c for c in cases if args.only in c[0]]
+  rows = []
+  for name, B, S, Hq, Hkv, D, causal, window_left in cases:
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
+    scale = 1 / math.sqrt(D)
+    mask = MaskSpec.from_arguments(
+        causal, None if window_left is None else (window_left, 0))
+    window = None if window_left is None else (window_left, 0)
+    configs = [config_for(text, D, mask) for text in overrides]
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"))
+    heads = (0, Hq - 1)
+    ref = reference_rows(q, k, v, causal, window_left, heads)
+    row = dict(case=name, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
+               window_left=window_left, dtype="bfloat16",
+               config=dataclasses.asdict(configs[0]))
+    fl = flops(B, S, Hq, D, causal, window_left)
+    impls = []
+    for i, config in enumerate(configs):
+      ours = jax.jit(functools.partial(
+          lambda q, k, v, config: sm90_forward.forward(
+              q, k, v, None, None, scale=scale, mask=mask, config=config)[0],
+          config=config))
+      impls.append(("fa4_sm90" if i == 0 else f"fa4_sm90[{overrides[i]}]", ours))
+    if not args.no_cudnn:
+      impls.append(("cudnn", cudnn))
+    for impl, f in impls:
+      try:
+        out = f(q, k, v)
+        err = float(jnp.max(jnp.abs(out[0][:, heads, :].astype(jnp.float32) - ref)))
+        ms = kernel_ms(f, q, k, v)
+        row[impl] = dict(ms=ms, tflops=fl / ms / 1e9, max_err=err)
+      except Exception as e:  # keep going: one failure should not hide the rest
+        row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
+  date = datetime.date.today().isoformat()
+  kind = device.device_kind.replace(" ", "_")
+  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"forward-{kind}-{date}.json")
+  meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
+              method=f"CUPTI kernel time, median of {ITERATIONS}", rows=rows)
+  with open(path, "w") as fh:
+    json.dump(meta, fh, indent=1)
+  print(markdown(rows))
+  print("wrote", path)
+
+
+def fmt(r, key):
+  if "error" in r:
+    return "error"
+  return f"{r[key]:.0f}" if key == "tflops" else f"{r[key]:.2g}"
+
+
+def markdown(rows):
+  lines = ["| case | fa4_jax sm90 TFLOP/s | cuDNN TFLOP/s | max err ours | max err cuDNN |",
+           "|---|---|---|---|---|"]
+  for r in rows:
+    ours, cud = r.get("fa4_sm90", {}), r.get("cudnn", {"error": 1})
+    lines.append(f"| {r['case']} | {fmt(ours, 'tflops')} | {fmt(cud, 'tflops')} | "
+                 f"{fmt(ours, 'max_err')} | {fmt(cud, 'max_err')} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

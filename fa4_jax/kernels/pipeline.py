@@ -1,0 +1,220 @@
+"""Barrier protocols shared by the Mosaic GPU kernels, each written down once.
+
+A warp-specialized kernel moves data between roles (a TMA producer warpgroup,
+MMA/softmax consumer warpgroups) through shared memory. Every hand-off is a
+pair of mbarriers with a fixed meaning:
+
+    full      the producer's data landed in the buffer; consumers wait on it.
+    consumed  every consumer is done reading the buffer; the producer waits on
+              it before it overwrites the buffer.
+
+The classes below own those pairs, their arrival counts, and the ring
+arithmetic (which slot, which lap), so a kernel never calls
+`plgpu.barrier_wait` / `barrier_arrive` on a raw barrier: it calls a method
+whose name says which side of which buffer it is, and a reader can match each
+`consumer_wait` with a `producer_fill`, and each `consumer_release` with a
+`producer_acquire`.
+
+Arrival accounting (Pallas Mosaic GPU, lane semantics):
+- A TMA copy that names a barrier arrives on it once, carrying its byte count.
+- `plgpu.barrier_arrive` from a warpgroup counts as one arrival.
+- `plgpu.barrier_wait` tracks the phase per thread: a thread that waits on a
+  barrier must wait on every phase of it, in order (no skipping laps).
+
+Interpreter note: Pallas' GPU interpreter also wants every waiter to observe
+every phase before the kernel ends, so a producer must wait out the last lap
+of `consumed` phases (`producer_drain`). Hardware does not need that, so the
+drain only runs while interpreting (`fa4_jax.interpret.is_interpreting`).
+
+The helpers are generic (any number of slots and consumers, any operand), so
+the Hopper and Blackwell kernels can share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.interpret import is_interpreting
+
+Ref = Any
+
+
+def _rem(step, n: int):
+  if isinstance(step, int):
+    return step % n
+  return lax.rem(step, jnp.asarray(n, step.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRing:
+  """A ring of `num_slots` SMEM buffers streamed from GMEM by one producer.
+
+  Step `n` (0, 1, 2, ... in the order the producer fills them) lives in slot
+  `n % num_slots`. Barriers:
+
+    full[slot]      arrivals: 1 (the producer's TMA, with its bytes).
+                    Waited by every consumer at every step.
+    consumed[slot]  arrivals: `num_consumers` (one `barrier_arrive` per
+                    consumer warpgroup). Waited by the producer before it
+                    refills the slot, i.e. from step `num_slots` on.
+
+  Build the scratch with `SlotRing.barrier_types(...)`, then wrap the refs:
+  `SlotRing(full_ref, consumed_ref, num_slots, num_consumers)`.
+  """
+
+  full: Ref
+  consumed: Ref
+  num_slots: int
+  num_consumers: int
+
+  FULL_ARRIVALS = 1
+
+  @staticmethod
+  def barrier_types(num_slots: int, num_consumers: int):
+    """(full, consumed) barrier scratch types for a ring."""
+    return (
+        plgpu.Barrier(num_arrivals=SlotRing.FULL_ARRIVALS, num_barriers=num_slots),
+        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
+    )
+
+  def slot(self, step):
+    return _rem(step, self.num_slots)
+
+  # --- producer side -------------------------------------------------------
+
+  def producer_acquire(self, step) -> None:
+    """Before filling `step`: wait until every consumer released the slot's
+    previous occupant (step - num_slots). Nothing to wait for in the first lap."""
+    if isinstance(step, int):
+      if step >= self.num_slots:
+        plgpu.barrier_wait(self.consumed.at[self.slot(step)])
+      return
+
+    @pl.when(step >= self.num_slots)
+    def _():
+      plgpu.barrier_wait(self.consumed.at[self.slot(step)])
+
+  def producer_fill(self, src_gmem: Ref, ring_smem: Ref, step) -> None:
+    """TMA `src_gmem` into the slot of `step`; the copy arrives on full[slot]."""
+    slot = self.slot(step)
+    plgpu.copy_gmem_to_smem(src_gmem, ring_smem.at[slot], self.full.at[slot])
+
+  def producer_drain(self, num_steps) -> None:
+    """Interpreter only: observe the consumed phases of the last lap.
+
+    On hardware the producer simply exits; the consumers' last arrivals are
+    never waited for, which is fine.
+    """
+    if not is_interpreting():
+      return
+    first = jnp.maximum(num_steps - self.num_slots, 0)
+
+    @pl.loop(first, num_steps)
+    def _(step):
+      plgpu.barrier_wait(self.consumed.at[self.slot(step)])
+
+  # --- consumer side -------------------------------------------------------
+
+  def consumer_wait(self, step) -> None:
+    """Wait until the data of `step` landed in its slot."""
+    plgpu.barrier_wait(self.full.at[self.slot(step)])
+
+  def consumer_release(self, step) -> None:
+    """This consumer is done reading the slot of `step` (one arrival)."""
+    plgpu.barrier_arrive(self.consumed.at[self.slot(step)])
+
+
+@dataclasses.dataclass(frozen=True)
+class OneShotBuffer:
+  """Buffers loaded once per work item (e.g. the Q tile of each consumer).
+
+    full[i]      arrivals: 1 (the producer's TMA). Waited by consumer i once
+                 per work item.
+    consumed[i]  arrivals: 1 (consumer i, done reading buffer i). Waited by
+                 the producer before it loads the next work item's buffer i;
+                 only needed when a CTA processes several work items.
+  """
+
+  full: Ref
+  consumed: Ref | None = None
+
+  @staticmethod
+  def barrier_types(num_buffers: int):
+    """(full, consumed) barrier scratch types."""
+    return (
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers),
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers),
+    )
+
+  # --- producer side -------------------------------------------------------
+
+  def producer_acquire(self, item, index) -> None:
+    """Before loading work item `item` into buffer `index`: wait until its
+    consumer released the previous item's buffer (nothing to wait for first)."""
+    @pl.when(item > 0)
+    def _():
+      plgpu.barrier_wait(self.consumed.at[index])
+
+  def producer_fill(self, src_gmem: Ref, dst_smem: Ref, index) -> None:
+    plgpu.copy_gmem_to_smem(src_gmem, dst_smem, self.full.at[index])
+
+  def producer_drain(self, num_items) -> None:
+    """Interpreter only: observe the last release of every buffer."""
+    if not is_interpreting():
+      return
+    num_buffers = self.consumed.shape[0]
+
+    @pl.when(num_items > 0)
+    def _():
+      for index in range(num_buffers):
+        plgpu.barrier_wait(self.consumed.at[index])
+
+  # --- consumer side -------------------------------------------------------
+
+  def consumer_wait(self, index) -> None:
+    plgpu.barrier_wait(self.full.at[index])
+
+  def consumer_release(self, index) -> None:
+    plgpu.barrier_arrive(self.consumed.at[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+  """A barrier every participant arrives on and then waits on.
+
+    barrier  arrivals: `num_participants` (one per warpgroup); waited by all.
+
+  Two consumer warpgroups use it to take turns on the tensor core (the
+  "ping-pong" schedule): `arrive()` says "I am done with my part", `wait()`
+  blocks until the other side said the same. Both sides must call it equally
+  often, in the same order, or the kernel deadlocks.
+  """
+
+  barrier: Ref
+  num_participants: int
+
+  @staticmethod
+  def barrier_type(num_participants: int):
+    return plgpu.Barrier(num_arrivals=num_participants)
+
+  def arrive(self) -> None:
+    plgpu.barrier_arrive(self.barrier)
+
+  def wait(self) -> None:
+    plgpu.barrier_wait(self.barrier)
+
+  def sync(self) -> None:
+    self.arrive()
+    self.wait()
+
+
+def fori(lo, hi, body: Callable, carry):
+  """`lax.fori_loop` over [lo, hi) that accepts traced bounds and empty ranges."""
+  return lax.fori_loop(lo, jnp.maximum(lo, hi), body, carry)

@@ -1,0 +1,596 @@
+"""Attention forward for Hopper (sm_90) in Pallas Mosaic GPU.
+
+One CTA computes `num_consumers * block_q` query rows of one (batch, q head):
+
+    warpgroup 0, 1  consumers: each owns a Q tile of `block_q` rows (Q0, Q1),
+                    issues its own `wgmma`s (S = Q K^T, O += P V) and runs the
+                    online softmax in registers.
+    warpgroup 2     producer: TMA loads of Q0, Q1 once, then K_n, V_n into a
+                    ring of `num_kv_stages` SMEM slots. It keeps few registers
+                    (`set_max_registers`) so the consumers can have more.
+
+The two consumers take turns on the tensor core ("ping-pong"): a rendezvous
+barrier makes one warpgroup's softmax run while the other's GEMMs execute.
+Inside a warpgroup, the wait for the next K tile is issued while P V runs.
+
+Every barrier and who arrives on it is listed in `ForwardBarriers`; the ring
+arithmetic lives in `fa4_jax.kernels.pipeline`.
+
+Softmax: logits are kept raw; `c = scale * log2(e)` is folded into one FMA
+before `exp2`, the running max `m` is kept in those scaled log2 units, in the
+wgmma accumulator's row layout. The max is only moved when a row's max grew by
+more than `RESCALE_THRESHOLD` (log2 units): a stale max is used for both l and
+O, so the result stays exact and P stays below 2**RESCALE_THRESHOLD.
+
+Masks (`fa4_jax.masks.MaskSpec`, lengths): each consumer walks the KV blocks
+its rows can see; blocks fully visible run without an element mask, boundary
+blocks (diagonal, window edge, length edge) with one, and blocks outside its
+own range (but inside the CTA's, which the producer loads) only keep the
+barrier protocol going. Causal-like masks schedule the heaviest query tiles
+first.
+
+Grid: one CTA per (q head, q tile, batch) by default; with
+`ForwardConfig.persistent` one CTA per SM walks the same work items in the same
+order, the K/V ring and Q buffers carrying their barrier phases across items
+(chosen for windowed masks, where it measured faster).
+
+Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
+the producer drains its barriers; both are chosen in one place each
+(`p_times_v`, `SlotRing.producer_drain` / `OneShotBuffer.producer_drain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels.pipeline import OneShotBuffer, Rendezvous, SlotRing, fori
+from fa4_jax.masks import MaskSpec, cdiv
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+# Move a row's running max only when it grew by more than this (log2 units).
+RESCALE_THRESHOLD = 8.0
+# Finite "minus infinity" for the running max: rows that have seen only masked
+# keys keep it, and exp2(-inf - M_INIT) = 0 never produces inf - inf = NaN.
+M_INIT = -1e30
+# Hopper: 227 KiB of dynamic shared memory per block.
+SMEM_LIMIT_BYTES = 232448
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+  """Static tiling of the kernel. A CTA covers `num_consumers * block_q` rows."""
+
+  block_q: int  # query rows per consumer warpgroup (wgmma M)
+  block_kv: int  # keys per ring slot
+  num_kv_stages: int  # slots in the K ring and in the V ring
+  num_consumers: int = 2
+  producer_registers: int = 40
+  consumer_registers: int = 232
+  # Finish the row sums before handing the tensor core over, or after.
+  sum_before_handoff: bool = False
+  # Persistent grid: one CTA per SM walks work items; the next tile's Q loads
+  # while the current tile's O is stored (needs SMEM for separate O tiles).
+  persistent: bool = False
+  num_sms: int = 132  # H100 SXM
+
+  @property
+  def block_q_cta(self) -> int:
+    return self.num_consumers * self.block_q
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    """SMEM the kernel allocates (without barriers and alignment padding)."""
+    q_tiles = self.num_consumers * self.block_q * head_dim * itemsize
+    kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
+    lse = self.num_consumers * self.block_q * 4
+    o_tiles = q_tiles if self.persistent else 0
+    return q_tiles + kv_ring + lse + o_tiles
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """The kernel works on head dims that are multiples of 64 (128-byte
+  swizzled rows); others are zero-padded up to that."""
+  return cdiv(head_dim, 64) * 64
+
+
+def choose_config(head_dim: int, mask: MaskSpec) -> ForwardConfig:
+  """Block sizes and stages per (padded) head dim. No autotuning at call time.
+
+  Register budget per consumer thread (64 rows per warpgroup): O takes
+  head_dim / 2 fp32 registers, S takes block_kv / 2, P a quarter of that.
+  SMEM: Q tiles + 2 * stages * block_kv * head_dim * 2 bytes must fit 227 KiB.
+  """
+  d = padded_head_dim(head_dim)
+  # Measured on H100: a persistent grid only paid for local windows (short
+  # KV loops per tile: 509 vs 475 TFLOP/s at S=16k, window 1024); elsewhere
+  # it lost up to a third, so the one-tile-per-CTA grid stays the default.
+  windowed = mask.left is not None
+  if d <= 64:
+    return ForwardConfig(block_q=64, block_kv=128, num_kv_stages=4, persistent=windowed)
+  if d <= 128:
+    return ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, persistent=windowed)
+  # 192 and 256: O alone takes up to 128 registers; keep S small.
+  return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True)
+
+
+def all_configs() -> list[tuple[int, ForwardConfig]]:
+  """Every (padded head dim, config) the heuristic can pick (for tests)."""
+  seen = {}
+  for d in (64, 128, 192, 256):
+    for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
+      seen[(d, choose_config(d, mask))] = None
+  return list(seen)
+
+
+def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
+  """Raises KernelUnsupported when this kernel cannot serve the call."""
+  if len(q_shape) != 4 or len(k_shape) != 4:
+    raise KernelUnsupported(
+        f"q and k must be [batch, seq, heads, head_dim]; got q {q_shape}, k {k_shape}")
+  b, _, nq, d = q_shape
+  bk, _, nkv, dk = k_shape
+  if b != bk:
+    raise KernelUnsupported(f"q and k batch sizes differ: {b} vs {bk}")
+  if d != dk:
+    raise KernelUnsupported(f"q and k head dims differ: {d} vs {dk}")
+  if nkv == 0 or nq % nkv:
+    raise KernelUnsupported(
+        f"number of query heads ({nq}) must be a multiple of key/value heads ({nkv})")
+  if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+    raise KernelUnsupported(
+        f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; got {d}")
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    raise KernelUnsupported(f"dtype must be bfloat16 or float16; got {jnp.dtype(dtype)}")
+  if not isinstance(mask, MaskSpec):
+    raise KernelUnsupported(f"mask must be a MaskSpec; got {type(mask).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBarriers:
+  """Every barrier of the forward kernel, with its producer and consumer side.
+
+  | barrier              | arrives (count)                  | waits                       |
+  |----------------------|----------------------------------|-----------------------------|
+  | q.full[i]            | producer TMA of Q_i (1)          | consumer i, once per tile   |
+  | q.consumed[i]        | consumer i after its last QK (1) | producer before the next Q_i (persistent only) |
+  | k.full[slot]         | producer TMA of K_n (1)          | both consumers, every step  |
+  | k.consumed[slot]     | each consumer once S=QK^T is done (2) | producer before refilling |
+  | v.full[slot]         | producer TMA of V_n (1)          | both consumers, every step  |
+  | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
+  | pingpong             | both consumers (2)               | both consumers              |
+
+  O epilogue: without a persistent grid it reuses consumer i's Q buffer
+  (only consumer i touches it after `q.full[i]`); a persistent CTA has
+  separate O tiles, and consumer i waits for its previous TMA store to have
+  read them (`wait_smem_to_gmem(0, wait_read_only=True)`) before rewriting.
+  """
+
+  q: OneShotBuffer
+  k: SlotRing
+  v: SlotRing
+  pingpong: Rendezvous
+
+  @staticmethod
+  def scratch_types(config: ForwardConfig):
+    n, c = config.num_kv_stages, config.num_consumers
+    return (
+        *OneShotBuffer.barrier_types(c),
+        *SlotRing.barrier_types(n, c),
+        *SlotRing.barrier_types(n, c),
+        Rendezvous.barrier_type(c),
+    )
+
+  @classmethod
+  def from_refs(cls, config: ForwardConfig, refs) -> "ForwardBarriers":
+    q_full, q_consumed, k_full, k_consumed, v_full, v_consumed, pingpong = refs
+    n, c = config.num_kv_stages, config.num_consumers
+    return cls(
+        q=OneShotBuffer(q_full, q_consumed),
+        k=SlotRing(k_full, k_consumed, n, c),
+        v=SlotRing(v_full, v_consumed, n, c),
+        pingpong=Rendezvous(pingpong, c),
+    )
+
+
+def _floor_div(x, d: int):
+  """Floor division of a possibly negative int32 scalar by a positive int."""
+  if isinstance(x, int):
+    return x // d
+  return jnp.where(x >= 0, lax.div(x, d), -lax.div(d - 1 - x, d))
+
+
+def _ceil_div_nonneg(x, d: int):
+  if isinstance(x, int):
+    return -(-x // d)
+  return lax.div(x + (d - 1), d)
+
+
+def _clip(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileRanges:
+  """KV block ranges of one query tile: [lo, hi) all it may see, and the
+  part [full_lo, full_hi) that needs no element mask."""
+
+  lo: Any
+  hi: Any
+  full_lo: Any
+  full_hi: Any
+
+
+def kv_tile_ranges(mask: MaskSpec, q_lo, q_hi, q_len, kv_len, block_kv: int) -> _TileRanges:
+  """Block ranges for query rows [q_lo, q_hi) (rows >= q_len do not count).
+
+  Works on Python ints and traced int32 scalars. `full` blocks are those for
+  which `mask.tile_is_full` holds and all keys are below `kv_len`.
+  """
+  q_hi = jnp.minimum(q_hi, q_len)
+  lo, hi = mask.key_block_range(q_lo, q_hi, kv_len, block_kv)
+  hi = jnp.where(q_lo < q_hi, hi, lo)  # no valid rows: nothing to see
+  off = mask.q_offset
+  full_lo, full_hi = lo, hi
+  if mask.left is not None:
+    # full on the left iff first key >= (last row) + off - left
+    full_lo = _ceil_div_nonneg(jnp.maximum(q_hi - 1 + off - mask.left, 0), block_kv)
+  if mask.right is not None:
+    # full on the right iff last key <= (first row) + off + right
+    full_hi = _floor_div(q_lo + off + mask.right + 1, block_kv)
+  full_hi = jnp.minimum(full_hi, _floor_div(kv_len, block_kv))  # length edge
+  full_lo = _clip(full_lo, lo, hi)
+  full_hi = _clip(full_hi, full_lo, hi)
+  return _TileRanges(lo, hi, full_lo, full_hi)
+
+
+def _smem_tile(shape, dtype):
+  """SMEM layout wgmma reads directly: (8, 64)-element tiles, 128-byte swizzle."""
+  swizzle = 128
+  tile_cols = swizzle // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(
+      shape, dtype,
+      transforms=(plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swizzle)),
+  )
+
+
+def _build_kernel(
+    *,
+    batch: int,
+    q_seq: int,
+    kv_seq: int,
+    kv_valid: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    scale: float,
+    mask: MaskSpec,
+    config: ForwardConfig,
+    has_q_lengths: bool,
+    has_kv_lengths: bool,
+):
+  bq, bk, cfg = config.block_q, config.block_kv, config
+  num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
+  group = num_q_heads // num_kv_heads
+  c = scale * LOG2_E  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2)
+  # Heavy tiles first: with a right bound (causal), later rows see more keys.
+  heavy_last = mask.right is not None and mask.left is None
+  masked_logit = -jnp.inf if c >= 0 else jnp.inf
+  interpreting = is_interpreting()
+
+  total_tiles = batch * num_q_heads * num_q_tiles
+  num_ctas = min(total_tiles, cfg.num_sms) if cfg.persistent else None
+
+  def tile_coords(t):
+    """Work item t -> (batch, q head, q tile); heads vary fastest (GQA heads
+    sharing K/V run side by side), heavy causal tiles come first."""
+    head = lax.rem(t, jnp.int32(num_q_heads))
+    rest = lax.div(t, jnp.int32(num_q_heads))
+    batch_idx = lax.rem(rest, jnp.int32(batch))
+    tile = lax.div(rest, jnp.int32(batch))
+    if heavy_last:
+      tile = num_q_tiles - 1 - tile
+    return batch_idx, head, tile
+
+  def kernel(*refs):
+    refs = list(refs)
+    q_ref, k_ref, v_ref = refs[:3]
+    del refs[:3]
+    q_len_ref = refs.pop(0) if has_q_lengths else None
+    kv_len_ref = refs.pop(0) if has_kv_lengths else None
+    out_ref, lse_ref, smem, barrier_refs = refs
+    q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
+    o_smem = optional_smem.pop(0) if cfg.persistent else None
+    p_smem = optional_smem.pop(0) if interpreting else None
+    bars = ForwardBarriers.from_refs(cfg, barrier_refs)
+    wg = lax.axis_index("wg")
+
+    if cfg.persistent:
+      cta = lax.axis_index("ctas")
+      my_tiles = lax.div(total_tiles - cta + (num_ctas - 1), jnp.int32(num_ctas))
+      work_item = lambda i: cta + i * num_ctas
+    else:
+      # One work item per CTA, numbered as the persistent loop would.
+      item = (lax.axis_index("q_tiles") * batch + lax.axis_index("batch")) * num_q_heads
+      item = item + lax.axis_index("heads")
+      my_tiles = 1
+      work_item = lambda i: item
+
+    def geometry(t):
+      """Everything about work item t both roles agree on."""
+      batch_idx, head, tile = tile_coords(t)
+      q_len = jnp.int32(q_seq)
+      if has_q_lengths:
+        q_len = jnp.clip(q_len_ref[batch_idx], 0, q_seq)
+      kv_len = jnp.int32(kv_valid)  # keys past it are padding
+      if has_kv_lengths:
+        kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
+      cta_q_lo = tile * cfg.block_q_cta
+      blocks = kv_tile_ranges(mask, cta_q_lo, cta_q_lo + cfg.block_q_cta, q_len, kv_len, bk)
+      # The producer loads KV blocks [lo, hi) for the whole CTA tile.
+      return dict(batch_idx=batch_idx, head=head, q_len=q_len, kv_len=kv_len,
+                  cta_q_lo=cta_q_lo, lo=blocks.lo, hi=blocks.hi)
+
+    def tile_loop(body, init):
+      """Runs body(i, carry) over this CTA's work items (a loop even for one
+      item, so the ring position is a run-time value wgmma closures accept)."""
+      return lax.fori_loop(0, my_tiles, body, init)
+
+    @pl.when(wg == cfg.num_consumers)
+    def _producer():
+      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+
+      def produce_tile(i, step0):
+        g = geometry(work_item(i))
+        lo, hi = g["lo"], g["hi"]
+        for c_i in range(cfg.num_consumers):
+          if cfg.persistent:
+            bars.q.producer_acquire(i, c_i)
+          rows = pl.ds(g["cta_q_lo"] + c_i * bq, bq)
+          bars.q.producer_fill(q_ref.at[g["batch_idx"], rows, g["head"]], q_smem.at[c_i], c_i)
+        kv_head = lax.div(g["head"], jnp.int32(group))
+
+        @pl.loop(lo, hi)
+        def _(j):
+          step = step0 + j - lo
+          keys = (g["batch_idx"], pl.ds(j * bk, bk), kv_head)
+          bars.k.producer_acquire(step)
+          bars.k.producer_fill(k_ref.at[keys], k_smem, step)
+          bars.v.producer_acquire(step)
+          bars.v.producer_fill(v_ref.at[keys], v_smem, step)
+
+        return step0 + (hi - lo)
+
+      total_steps = tile_loop(produce_tile, jnp.int32(0))
+      bars.k.producer_drain(total_steps)
+      bars.v.producer_drain(total_steps)
+      if cfg.persistent:
+        bars.q.producer_drain(my_tiles)
+
+    @pl.when(wg < cfg.num_consumers)
+    def _consumer():
+      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+      q_tile = q_smem.at[wg]
+      o_tile = o_smem.at[wg] if cfg.persistent else q_tile
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+      def consume_tile(i, step0):
+        g = geometry(work_item(i))
+        lo, hi, q_len, kv_len = g["lo"], g["hi"], g["q_len"], g["kv_len"]
+        q_lo = g["cta_q_lo"] + wg * bq
+        own = kv_tile_ranges(mask, q_lo, q_lo + bq, q_len, kv_len, bk)
+        own_lo = _clip(own.lo, lo, hi)
+        own_hi = _clip(own.hi, own_lo, hi)
+        full_lo = _clip(own.full_lo, own_lo, own_hi)
+        full_hi = _clip(own.full_hi, full_lo, own_hi)
+        ring_step = lambda j: step0 + (j - lo)  # ring position of KV block j
+
+        def wait_next_k(j):
+          @pl.when(j + 1 < hi)
+          def _():
+            bars.k.consumer_wait(ring_step(j + 1))
+
+        def p_times_v(acc, p, v_tile, while_running):
+          """O += P V, with `while_running()` issued while the wgmma runs."""
+          if interpreting:
+            # The interpreter rejects wgmma with A in registers and run_state:
+            # stage P through SMEM and add a fresh accumulator.
+            p_tile = p_smem.at[wg]
+            p_tile[...] = p
+            plgpu.commit_smem()
+
+            def pv(delta_ref):
+              plgpu.wgmma(delta_ref, p_tile, v_tile)
+              while_running()
+              return delta_ref[...]
+
+            return acc + pl.run_scoped(pv, plgpu.ACC((bq, head_dim), jnp.float32))
+
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_tile)
+            while_running()
+
+          return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+        def compute_step(j, carry, *, masked: bool):
+          acc, m, l = carry
+          step = ring_step(j)
+          k_tile = k_smem.at[bars.k.slot(step)]
+
+          def qk(s_ref):
+            plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+            bars.pingpong.sync()  # the other consumer's softmax ends here
+            return s_ref[...]
+
+          s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+          bars.k.consumer_release(step)
+
+          if masked:
+            q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+            k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+            s = jnp.where(visible, s, masked_logit)
+
+          row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
+          m_grown = jnp.maximum(m, row_best * c)
+          # Keep the stale max unless it grew enough to risk overflow.
+          m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
+          alpha = jnp.exp2(m - m_new)
+          p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          p16 = p.astype(dtype)
+
+          def hand_off():
+            bars.pingpong.arrive()  # done with softmax
+            bars.v.consumer_wait(step)
+            bars.pingpong.wait()  # tensor core free: the other consumer issued its QK
+
+          if cfg.sum_before_handoff:
+            l = l * alpha + p.sum(axis=1)
+            # Pin the order: the softmax must be done before the hand-off.
+            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            hand_off()
+          else:
+            hand_off()
+            l = l * alpha + p.sum(axis=1)
+          acc = p_times_v(acc, p16, v_smem.at[bars.v.slot(step)], lambda: wait_next_k(j))
+          bars.v.consumer_release(step)
+          return acc, m_new, l
+
+        def skip_step(j, carry):
+          """A block this consumer's rows cannot see: keep the protocol going."""
+          step = ring_step(j)
+          bars.pingpong.sync()
+          bars.k.consumer_release(step)
+          bars.pingpong.arrive()
+          bars.v.consumer_wait(step)
+          bars.pingpong.wait()
+          bars.v.consumer_release(step)
+          wait_next_k(j)
+          return carry
+
+        bars.q.consumer_wait(wg)
+        m = plgpu.layout_cast(jnp.full((bq,), M_INIT, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(hi > lo)
+        def _():
+          bars.k.consumer_wait(step0)
+
+        pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
+        carry = (acc, m, l)
+        carry = fori(lo, own_lo, skip_step, carry)
+        carry = fori(own_lo, full_lo, functools.partial(compute_step, masked=True), carry)
+        carry = fori(full_lo, full_hi, functools.partial(compute_step, masked=False), carry)
+        carry = fori(full_hi, own_hi, functools.partial(compute_step, masked=True), carry)
+        carry = fori(own_hi, hi, skip_step, carry)
+        pl.when(wg == 0)(bars.pingpong.sync)
+        acc, m, l = carry
+        if cfg.persistent:
+          bars.q.consumer_release(wg)  # every QK of this tile completed
+
+        if has_q_lengths:
+          rows = q_lo + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout)
+          l = jnp.where(rows < q_len, l, 0.0)  # rows past the length: zeros, lse -inf
+        seen_any = l > 0.0
+        inv_l = jnp.where(seen_any, 1.0 / jnp.where(seen_any, l, 1.0), 0.0)
+        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        lse = jnp.where(seen_any, (m + jnp.log2(jnp.where(seen_any, l, 1.0))) * LN_2, -jnp.inf)
+        if cfg.persistent:
+          # The previous tile's stores must have read o_tile and the LSE row.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_tile[...] = out.astype(dtype)
+        lse_smem.at[wg][...] = lse
+        plgpu.commit_smem()
+        b_i, h_i = g["batch_idx"], g["head"]
+        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b_i, pl.ds(q_lo, bq), h_i])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_i, h_i, pl.ds(q_lo, bq)])
+        return step0 + (hi - lo)
+
+      tile_loop(consume_tile, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0)
+
+  smem = [
+      _smem_tile((cfg.num_consumers, bq, head_dim), dtype),  # Q tiles, then O
+      _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # K ring
+      _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # V ring
+      plgpu.SMEM((cfg.num_consumers, bq), jnp.float32),  # LSE rows
+  ]
+  if cfg.persistent:
+    # O tiles of their own, so the next work item's Q can land during the epilogue.
+    smem.append(_smem_tile((cfg.num_consumers, bq, head_dim), dtype))
+  if interpreting:
+    smem.append(_smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
+  out_type = (
+      jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
+      jax.ShapeDtypeStruct((batch, num_q_heads, q_seq), jnp.float32),
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=(tuple(smem), ForwardBarriers.scratch_types(cfg)),
+      grid=(num_ctas,) if cfg.persistent else (num_q_heads, num_q_tiles, batch),
+      grid_names=("ctas",) if cfg.persistent else ("heads", "q_tiles", "batch"),
+      num_threads=cfg.num_consumers + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+
+def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
+            config: ForwardConfig | None = None):
+  """Attention forward. See `fa4_jax.kernels` for the contract.
+
+  q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
+  q.dtype, lse float32 [B, Nq, Tq]).
+  """
+  check_supported(q.shape, k.shape, q.dtype, mask)
+  if v.shape != k.shape:
+    raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  batch, q_seq, num_q_heads, head_dim = q.shape
+  _, kv_seq, num_kv_heads, _ = k.shape
+  # The TMA descriptors tile (sequence, head_dim) by (8, 64): sequence lengths
+  # must be multiples of 8 and head dims multiples of 64. Other sizes are
+  # zero-padded here (a copy; aligned shapes take no detour). Padded keys are
+  # masked in the kernel, padded rows and columns are sliced off.
+  d = padded_head_dim(head_dim)
+  q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
+  if d != head_dim or q_pad != q_seq:
+    q = jnp.pad(q, [(0, 0), (0, q_pad - q_seq), (0, 0), (0, d - head_dim)])
+  if d != head_dim or kv_pad != kv_seq:
+    k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
+            for x in (k, v))
+  config = config or choose_config(d, mask)
+  call = _build_kernel(
+      batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
+      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
+      dtype=q.dtype, scale=float(scale), mask=mask, config=config,
+      has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
+  )
+  args = [q, k, v]
+  if q_lengths is not None:
+    args.append(jnp.asarray(q_lengths, jnp.int32))
+  if kv_lengths is not None:
+    args.append(jnp.asarray(kv_lengths, jnp.int32))
+  out, lse = call(*args)
+  if d != head_dim or q_pad != q_seq:
+    out = out[:, :q_seq, :, :head_dim]
+  if q_pad != q_seq:
+    lse = lse[..., :q_seq]
+  return out, lse

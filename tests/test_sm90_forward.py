@@ -1,0 +1,263 @@
+"""The Hopper forward kernel (fa4_jax/kernels/sm90_forward.py), checked on the CPU.
+
+* Numerics and barrier protocol: the kernel runs in Pallas' GPU interpreter
+  with race detection, at small shapes, against jax.nn.dot_product_attention
+  (implementation="xla") in f32 on the upcast inputs. Only rows that see at
+  least one key are compared; the others must be zeros with lse = -inf.
+* Hardware fit: every configuration the heuristic can pick is cross-lowered
+  for sm_90 and must fit the shared memory and use wgmma and TMA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import sm90_forward
+from fa4_jax.masks import MaskSpec
+from fa4_jax.testing import SMEM_LIMIT_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One attention call: shapes, dtype and mask arguments in jax.nn terms."""
+
+  batch: int = 1
+  q_seq: int = 256
+  kv_seq: int = 256
+  q_heads: int = 1
+  kv_heads: int = 1
+  head_dim: int = 64
+  dtype: str = "bfloat16"
+  is_causal: bool = False
+  window: tuple[int, int] | None = None  # jax.nn's local_window_size
+  q_offset: int = 0  # not expressible in jax.nn: the reference gets a bool mask
+  q_lengths: tuple[int, ...] | None = None
+  kv_lengths: tuple[int, ...] | None = None
+
+  @property
+  def mask(self) -> MaskSpec:
+    return MaskSpec.from_arguments(self.is_causal, self.window, self.q_offset)
+
+
+def _inputs(case: Case):
+  keys = jax.random.split(jax.random.key(0), 3)
+  dtype = jnp.dtype(case.dtype)
+  q = jax.random.normal(keys[0], (case.batch, case.q_seq, case.q_heads, case.head_dim), dtype)
+  k = jax.random.normal(keys[1], (case.batch, case.kv_seq, case.kv_heads, case.head_dim), dtype)
+  # Values with a mean away from 0 make "averaged the wrong keys" visible.
+  v = 1.0 + jax.random.normal(keys[2], (case.batch, case.kv_seq, case.kv_heads, case.head_dim), dtype)
+  return q, k, v
+
+
+def _naive_visible(case: Case) -> np.ndarray:
+  """[B, 1, Tq, Tk] which key each row sees, written out from the definitions."""
+  i = np.arange(case.q_seq)[:, None] + case.q_offset
+  j = np.arange(case.kv_seq)[None, :]
+  ok = np.ones((case.q_seq, case.kv_seq), bool)
+  if case.is_causal:
+    ok &= j <= i
+  if case.window is not None:
+    left, right = case.window
+    ok &= (j >= i - left) & (j <= i + right)
+  ok = np.broadcast_to(ok, (case.batch, 1, case.q_seq, case.kv_seq)).copy()
+  if case.q_lengths is not None:
+    ok &= np.arange(case.q_seq)[None, None, :, None] < np.array(case.q_lengths)[:, None, None, None]
+  if case.kv_lengths is not None:
+    ok &= np.arange(case.kv_seq)[None, None, None, :] < np.array(case.kv_lengths)[:, None, None, None]
+  return ok
+
+
+def _reference(case: Case, q, k, v, scale):
+  """(out [B,Tq,N,D], lse [B,N,Tq]) in f32: jax.nn for out, logsumexp for lse."""
+  qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+  visible = _naive_visible(case)
+  if case.q_offset:
+    out = jax.nn.dot_product_attention(
+        qf, kf, vf, mask=jnp.asarray(visible), scale=scale, implementation="xla")
+  else:
+    lengths = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+    out = jax.nn.dot_product_attention(
+        qf, kf, vf, scale=scale, is_causal=case.is_causal,
+        local_window_size=case.window, query_seq_lengths=lengths(case.q_lengths),
+        key_value_seq_lengths=lengths(case.kv_lengths), implementation="xla")
+  group = case.q_heads // case.kv_heads
+  logits = jnp.einsum("bqhd,bkhd->bhqk", qf, jnp.repeat(kf, group, axis=2),
+                      precision="highest") * scale
+  lse = jax.nn.logsumexp(jnp.where(visible, logits, -jnp.inf), axis=-1)
+  return out, lse, visible.any(-1)  # sees_key: [B, 1, Tq]
+
+
+def _run_and_compare(case: Case, run_interpreted, scale=None, config=None):
+  q, k, v = _inputs(case)
+  scale = 1.0 / math.sqrt(case.head_dim) if scale is None else scale
+  as_lengths = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+
+  def fn(q, k, v):
+    return sm90_forward.forward(
+        q, k, v, as_lengths(case.q_lengths), as_lengths(case.kv_lengths),
+        scale=scale, mask=case.mask, config=config)
+
+  out, lse = run_interpreted(fn, q, k, v)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (case.batch, case.q_heads, case.q_seq) and lse.dtype == jnp.float32
+
+  ref_out, ref_lse, sees_key = _reference(case, q, k, v, scale)
+  rows = np.broadcast_to(sees_key, (case.batch, case.q_heads, case.q_seq))  # [B, N, Tq]
+  out = np.asarray(out, np.float32)
+  rows_btn = rows.transpose(0, 2, 1)  # [B, Tq, N]
+  tol = 2e-2 if case.dtype == "bfloat16" else 4e-3
+  np.testing.assert_allclose(out[rows_btn], np.asarray(ref_out)[rows_btn], atol=tol, rtol=tol)
+  np.testing.assert_array_equal(out[~rows_btn], 0.0)
+  lse = np.asarray(lse)
+  np.testing.assert_allclose(lse[rows], np.asarray(ref_lse)[rows], atol=1e-3, rtol=1e-4)
+  assert np.all(lse[~rows] == -np.inf)
+
+
+# Each case is small: the interpreter takes seconds per call.
+FEATURE_CASES = {
+    "dense_bf16": Case(),
+    "dense_fp16": Case(dtype="float16"),
+    "causal": Case(is_causal=True, head_dim=128),
+    "causal_query_shorter_than_keys_is_top_left_aligned": Case(is_causal=True, q_seq=130, kv_seq=300),
+    "causal_keys_shorter_than_queries_leaves_rows_without_keys": Case(
+        is_causal=True, q_seq=200, kv_seq=70, kv_lengths=(70,)),
+    "sequence_lengths_not_multiple_of_block": Case(q_seq=77, kv_seq=190),
+    "two_sided_window": Case(window=(40, 20), q_seq=256, kv_seq=384),
+    "causal_window_skips_far_tiles": Case(is_causal=True, window=(64, 0), q_seq=384, kv_seq=384),
+    "query_offset_shifts_the_diagonal": Case(is_causal=True, q_offset=100, q_seq=128, kv_seq=256),
+    "key_value_lengths_mask_keys_and_zero_empty_rows": Case(
+        batch=2, kv_lengths=(130, 0), q_seq=128, kv_seq=256),
+    "query_lengths_zero_rows_past_the_length": Case(
+        batch=2, is_causal=True, q_lengths=(200, 37), kv_lengths=(256, 100)),
+    "grouped_query_heads_share_kv_heads": Case(q_heads=4, kv_heads=2, q_seq=128, kv_seq=128),
+    "multi_query_one_kv_head": Case(q_heads=3, kv_heads=1, q_seq=128, kv_seq=192, is_causal=True),
+    "head_dim_256": Case(head_dim=256, q_seq=128, kv_seq=192, is_causal=True),
+    "head_dim_96_is_padded": Case(head_dim=96, q_seq=128, kv_seq=128),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURE_CASES))
+def test_forward_matches_jax_nn_without_races(name, run_interpreted):
+  _run_and_compare(FEATURE_CASES[name], run_interpreted)
+
+
+def test_negative_scale_is_folded_correctly(run_interpreted):
+  _run_and_compare(Case(q_seq=128, kv_seq=128, is_causal=True), run_interpreted, scale=-0.3)
+
+
+def test_large_logits_use_the_stale_max_without_overflow(run_interpreted):
+  """A scale that makes logits large and growing across tiles exercises the
+  skipped-rescale path (the running max lags by up to the threshold)."""
+  _run_and_compare(Case(q_seq=128, kv_seq=384, is_causal=False), run_interpreted, scale=1.5)
+
+
+def test_persistent_grid_walks_several_tiles_per_cta(run_interpreted):
+  """Two CTAs for eight work items: the K/V ring and the Q buffers carry
+  their barrier phases from one tile to the next."""
+  case = Case(batch=2, q_heads=2, is_causal=True, q_lengths=(256, 90), kv_lengths=(200, 256))
+  config = dataclasses.replace(
+      sm90_forward.choose_config(case.head_dim, case.mask), persistent=True, num_sms=2)
+  _run_and_compare(case, run_interpreted, config=config)
+
+
+# --- tile ranges -------------------------------------------------------------
+
+
+def _brute_force_ranges(mask, q_lo, q_hi, q_len, kv_len, block):
+  rows = np.arange(q_lo, min(q_hi, q_len))
+  seen, full = [], []
+  for j in range(0, math.ceil(max(kv_len, 1) / block) + 2):
+    keys = np.arange(j * block, (j + 1) * block)
+    if rows.size == 0:
+      continue
+    vis = np.asarray(mask.visible(rows[:, None], keys[None, :])) & (keys[None, :] < kv_len)
+    if vis.any():
+      seen.append(j)
+    if vis.all():
+      full.append(j)
+  return seen, full
+
+
+@pytest.mark.parametrize("mask", [
+    MaskSpec(), MaskSpec(right=0), MaskSpec(left=50, right=0), MaskSpec(left=7, right=30),
+    MaskSpec(left=None, right=-5), MaskSpec(right=0, q_offset=70),
+])
+def test_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the_mask(mask):
+  block = 16
+  for q_lo, q_len, kv_len in itertools.product((0, 16, 48), (20, 64), (0, 33, 64, 80)):
+    q_hi = q_lo + 32
+    r = sm90_forward.kv_tile_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
+    lo, hi, full_lo, full_hi = (int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi))
+    seen, full = _brute_force_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
+    assert set(seen) <= set(range(lo, hi)), (q_lo, q_len, kv_len)
+    assert lo <= full_lo <= full_hi <= hi
+    assert set(range(full_lo, full_hi)) <= set(full), (q_lo, q_len, kv_len)
+
+
+# --- configurations on hardware (cross-lowered) ------------------------------
+
+
+def _lower(head_dim, mask, config=None, *, lengths=False, dtype=jnp.bfloat16):
+  from fa4_jax.testing import cross_lower
+
+  q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), dtype)
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if lengths:
+    fn = lambda q, k, v, ql, kl: sm90_forward.forward(
+        q, k, v, ql, kl, scale=0.125, mask=mask, config=config)
+    return cross_lower(fn, q, kv, kv, lens, lens, arch="sm_90")
+  fn = lambda q, k, v: sm90_forward.forward(q, k, v, None, None, scale=0.125, mask=mask, config=config)
+  return cross_lower(fn, q, kv, kv, arch="sm_90")
+
+
+def _assert_fits_and_uses_hopper_instructions(lowered):
+  assert len(lowered.smem_bytes) == 1
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("wgmma.mma_async")
+  assert lowered.has("cp.async.bulk.tensor")
+  assert lowered.has("mbarrier.try_wait.parity")
+
+
+@pytest.mark.parametrize("head_dim,config", sm90_forward.all_configs(),
+                         ids=lambda x: str(x) if isinstance(x, int) else
+                         f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}"
+                         f"{'-persistent' if x.persistent else ''}")
+def test_every_heuristic_config_fits_shared_memory_and_uses_wgmma_and_tma(head_dim, config):
+  for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
+    if sm90_forward.choose_config(head_dim, mask) == config:
+      _assert_fits_and_uses_hopper_instructions(_lower(head_dim, mask, config))
+
+
+def test_masked_length_and_window_variant_lowers_for_hopper():
+  lowered = _lower(128, MaskSpec(left=100, right=0), lengths=True, dtype=jnp.float16)
+  _assert_fits_and_uses_hopper_instructions(lowered)
+
+
+def test_shared_memory_estimate_is_within_the_budget_for_every_config():
+  for head_dim, config in sm90_forward.all_configs():
+    assert config.smem_bytes(head_dim, 2) <= SMEM_LIMIT_BYTES - 4096
+
+
+# --- what the kernel refuses ---------------------------------------------------
+
+
+@pytest.mark.parametrize("q_shape,k_shape,dtype,argument", [
+    ((1, 128, 4, 72), (1, 128, 4, 72), jnp.bfloat16, "head_dim"),
+    ((1, 128, 4, 512), (1, 128, 4, 512), jnp.bfloat16, "head_dim"),
+    ((1, 128, 4, 64), (1, 128, 4, 64), jnp.float32, "dtype"),
+    ((1, 128, 4, 64), (1, 128, 3, 64), jnp.bfloat16, "heads"),
+    ((1, 128, 4, 64), (2, 128, 4, 64), jnp.bfloat16, "batch"),
+])
+def test_unsupported_arguments_raise_kernel_unsupported_naming_the_argument(
+    q_shape, k_shape, dtype, argument):
+  with pytest.raises(KernelUnsupported, match=argument):
+    sm90_forward.check_supported(q_shape, k_shape, dtype, MaskSpec())
