@@ -1,0 +1,201 @@
+"""Attention backward on one GPU: fa4_jax's sm90 backward next to cuDNN, one process.
+
+Kernel time: CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), median
+of ITERATIONS calls, summing every kernel one backward call launches (for us:
+the delta/lse preprocess fusion, the dK/dV kernel and the dQ kernel, each
+also reported on its own; for cuDNN: the kernels of its VJP, given saved
+residuals). TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
+causal; a causal window counts 2.5 x 4*B*H*S*W*D (W = window + 1).
+
+Errors (cases marked `check`): dq, dk, dv of both implementations on the same
+bf16 inputs against an f32 reference (fa4_jax's memory-linear XLA forward and
+backward on the upcast inputs at "highest" matmul precision): max absolute
+error and relative L2 error.
+
+Usage (on the GPU machine, from the repository root):
+    python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING]
+        [--config key=value,... (repeatable: one column per config)]
+Writes benchmarks/results/backward-<device>-<date>.json (or $OUT/ when OUT is
+set) and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fa4_jax import xla_attention  # noqa: E402
+from fa4_jax.kernels import sm90_backward  # noqa: E402
+from fa4_jax.masks import MaskSpec  # noqa: E402
+
+ITERATIONS = 10
+
+# (name, B, S, Hq, Hkv, D, causal, window_left, check errors)
+CASES = [
+    ("B2 S8192 H16 D128", 2, 8192, 16, 16, 128, False, None, True),
+    ("B2 S8192 H16 D128 causal", 2, 8192, 16, 16, 128, True, None, True),
+    ("B1 S16384 H16 D128", 1, 16384, 16, 16, 128, False, None, False),
+    ("B1 S16384 H16 D128 causal", 1, 16384, 16, 16, 128, True, None, False),
+    ("B2 S8192 H32 D64", 2, 8192, 32, 32, 64, False, None, False),
+    ("B2 S8192 H32 D64 causal", 2, 8192, 32, 32, 64, True, None, False),
+    ("B2 S8192 H32/8 D128 (GQA) causal", 2, 8192, 32, 8, 128, True, None, False),
+    ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023, False),
+]
+
+
+def flops(B, S, H, D, causal, window_left):
+  if window_left is not None:
+    return 2.5 * 4 * B * H * S * (window_left + 1) * D
+  return 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+
+
+def kernel_times(f, *args):
+  """(total ms, {kernel name: ms}) medians over ITERATIONS calls."""
+  _, per_iter = profiler.measure(f, aggregate=False, iterations=ITERATIONS)(*args)
+  names = [name for name, _ in per_iter[0]]
+  per_kernel = {}
+  for i, name in enumerate(names):
+    per_kernel[f"{i}:{name[:60]}"] = float(np.median([it[i][1] for it in per_iter]))
+  total = float(np.median([sum(t for _, t in it) for it in per_iter]))
+  return total, per_kernel
+
+
+def errors(grads, ref):
+  out = {}
+  for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+    diff = g.astype(jnp.float32) - r
+    out[name] = dict(max_abs=float(jnp.max(jnp.abs(diff))),
+                     rel_l2=float(jnp.linalg.norm(diff) / jnp.linalg.norm(r)))
+  return out
+
+
+def config_for(text, head_dim, mask):
+  config = sm90_backward.choose_config(head_dim, mask)
+  changes = {}
+  for item in filter(None, text.split(",")):
+    key, value = item.split("=")
+    changes[key] = int(value)
+  return dataclasses.replace(config, **changes)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="first two shapes only")
+  ap.add_argument("--only", default="", help="run cases whose name contains this")
+  ap.add_argument("--config", action="append", default=None)
+  ap.add_argument("--no-check", action="store_true", help="skip error checks")
+  args = ap.parse_args()
+  overrides = args.config or [""]
+
+  device = jax.devices()[0]
+  print(device.device_kind, jax.__version__, flush=True)
+  cases = CASES[:2] if args.quick else CASES
+  cases = [c for c in cases if args.only in c[0]]
+  rows = []
+  for name, B, S, Hq, Hkv, D, causal, window_left, check in cases:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
+    scale = 1 / math.sqrt(D)
+    window = None if window_left is None else (window_left, 0)
+    mask = MaskSpec.from_arguments(causal, window)
+    xla_fwd = jax.jit(lambda q, k, v: xla_attention.forward(
+        q, k, v, None, None, None, None, scale=scale, spec=mask))
+    out, lse = xla_fwd(q, k, v)
+    row = dict(case=name, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
+               window_left=window_left, dtype="bfloat16")
+    fl = flops(B, S, Hq, D, causal, window_left)
+
+    ref = None
+    if check and not args.no_check:
+      with jax.default_matmul_precision("highest"):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+        out32, lse32 = xla_fwd(*f32[:3])
+        ref = jax.jit(lambda q, k, v, o, l, do: xla_attention.backward(
+            q, k, v, None, None, None, None, o, l, do, scale=scale, spec=mask)[:3])(
+                *f32[:3], out32, lse32, f32[3])
+        ref = jax.block_until_ready(ref)
+        del out32, lse32, f32
+
+    impls = []
+    for i, text in enumerate(overrides):
+      config = config_for(text, D, mask)
+      if i == 0:
+        row["config"] = dataclasses.asdict(config)
+      f = jax.jit(functools.partial(
+          lambda q, k, v, o, l, do, config: sm90_backward.backward(
+              q, k, v, o, l, do, None, None, scale=scale, mask=mask, config=config),
+          config=config))
+      impls.append(("fa4_sm90" if i == 0 else f"fa4_sm90[{text}]",
+                    f, (q, k, v, out, lse, do)))
+    cudnn_fwd = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")
+    try:
+      _, cudnn_vjp = jax.vjp(cudnn_fwd, q, k, v)
+      impls.append(("cudnn", jax.jit(lambda vjp, do: vjp(do)), (cudnn_vjp, do)))
+    except Exception as e:  # noqa: BLE001
+      row["cudnn"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+
+    for impl, f, f_args in impls:
+      try:
+        grads = jax.block_until_ready(f(*f_args))
+        entry = {}
+        if ref is not None:
+          entry["errors"] = errors(grads, ref)
+        del grads
+        ms, per_kernel = kernel_times(f, *f_args)
+        entry.update(ms=ms, tflops=fl / ms / 1e9, kernels_ms=per_kernel)
+        row[impl] = entry
+      except Exception as e:  # keep going: one failure should not hide the rest
+        row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
+  date = datetime.date.today().isoformat()
+  kind = device.device_kind.replace(" ", "_")
+  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"backward-{kind}-{date}.json")
+  meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
+              method=f"CUPTI kernel time, median of {ITERATIONS}; FLOPs 2.5x forward",
+              rows=rows)
+  with open(path, "w") as fh:
+    json.dump(meta, fh, indent=1)
+  print(markdown(rows))
+  print("wrote", path)
+
+
+def _cell(r, fmt_fn):
+  return "error" if r is None or "error" in r else fmt_fn(r)
+
+
+def markdown(rows):
+  lines = ["| case | ours TFLOP/s | cuDNN TFLOP/s | ours dq/dk/dv rel err | cuDNN rel err |",
+           "|---|---|---|---|---|"]
+  errs = lambda r: ("/".join(f"{r['errors'][g]['rel_l2']:.1e}" for g in ("dq", "dk", "dv"))
+                    if "errors" in r else "-")
+  tflops = lambda r: f"{r['tflops']:.0f}"
+  for r in rows:
+    ours, cud = r.get("fa4_sm90"), r.get("cudnn")
+    lines.append(f"| {r['case']} | {_cell(ours, tflops)} | {_cell(cud, tflops)} | "
+                 f"{_cell(ours, errs)} | {_cell(cud, errs)} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

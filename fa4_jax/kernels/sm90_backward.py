@@ -1,0 +1,720 @@
+"""Attention backward for Hopper (sm_90) in Pallas Mosaic GPU.
+
+The backward recomputes the probabilities from Q, K and the forward's
+log-sum-exp instead of storing them:
+
+    P  = exp(scale * Q K^T - lse)        dP = dO V^T
+    dS = P * (dP - delta),  delta = rowsum(dO * O)
+    dQ = scale * dS K       dK = scale * dS^T Q       dV = P^T dO
+
+Three steps, every gradient written by exactly one CTA (deterministic, no
+atomics):
+
+1. `_preprocess` (plain XLA, one fused reduction over dO and O; 0.05 ms of a
+   5.4 ms backward at B2 S8192 H16 D128 on an H100, so no kernel of its own):
+   delta, and the lse converted to log2 units with +inf for rows that must not
+   contribute (rows past the query length, rows that saw no key), so that
+   P = exp2(c * s - lse2) is exactly 0 there. Both are padded to whole blocks.
+2. the dK/dV kernel: one CTA per (kv head, KV tile of `2 * block_kv` keys,
+   batch). Two consumer warpgroups each own `block_kv` keys and keep their dK
+   and dV in registers; a producer warpgroup streams (Q, dO, lse, delta) tiles
+   of every query head of the GQA group and every query block the mask lets
+   these keys be seen by, through a ring of `num_stages` SMEM slots. The group
+   sum of dK/dV happens in the accumulators, not in a later pass.
+3. the dQ kernel: one CTA per (q head, Q tile of `2 * block_q` rows, batch),
+   the mirror image: consumers own query rows and their dQ, the producer
+   streams (K, V) tiles of the key blocks those rows see.
+
+Why two kernels rather than one with a dQ reduction: a single kernel must add
+partial dQ tiles from many CTAs into one buffer. Without atomics that needs
+either a per-KV-tile dQ buffer plus a reduction pass (T x T/bk x D floats of
+traffic) or a semaphore-ordered accumulation that serializes CTAs. Two
+kernels recompute S and dP once more (7 instead of 5 GEMMs of one tile, i.e.
++40% tensor work in dQ's share) but stay deterministic and simple.
+
+Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
+loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
+streamed ring. Generic ring arithmetic comes from `fa4_jax.kernels.pipeline`;
+a ring slot here holds several operands (a "bundle"), whose full barrier
+expects one TMA arrival per operand (`BundleRing`, a generic helper that
+belongs in pipeline.py).
+
+Masks: a consumer walks only the blocks its own rows/keys can touch (for
+dK/dV `MaskSpec.query_block_range`, for dQ `key_block_range` through the
+forward's `kv_tile_ranges`), uses element masks only on boundary tiles, and
+only keeps the barrier protocol going for blocks of the CTA's range outside
+its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels.pipeline import OneShotBuffer, SlotRing, fori
+from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
+from fa4_jax.masks import MaskSpec, cdiv
+
+LOG2_E = math.log2(math.e)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
+# at head_dim 256 that alone is the whole register file of a warpgroup.
+MAX_HEAD_DIM = 128
+# lse and delta are padded to a multiple of this (every block size divides it).
+STATS_ALIGN = 128
+
+
+# --- configuration -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Static tiling of both kernels.
+
+  dK/dV kernel: a CTA owns `2 * block_kv` keys (one `block_kv` tile per
+  consumer warpgroup, the wgmma M dimension) and streams `block_q`-row query
+  tiles through `num_stages` slots. dQ kernel: a CTA owns `2 * dq_block_q`
+  rows and streams `dq_block_kv`-key tiles through `dq_num_stages` slots.
+  """
+
+  block_kv: int = 64
+  block_q: int = 64
+  num_stages: int = 2
+  dq_block_q: int = 64
+  dq_block_kv: int = 64
+  dq_num_stages: int = 2
+  num_consumers: int = 2
+  producer_registers: int = 40
+  consumer_registers: int = 232
+
+
+def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
+  """Block sizes per (padded) head dim; the same for every mask.
+
+  Registers per consumer thread (64 rows per warpgroup, fp32):
+  dK/dV: dK + dV = head_dim, S^T and dP^T = block_q / 2 each.
+  dQ:    dQ = head_dim / 2, S and dP = dq_block_kv / 2 each.
+
+  Measured on an H100 (benchmarks/results/backward-*-configs-*.json): at
+  head_dim 128, dq_block_kv=128 gains 1-5% on dense shapes but loses 13% under
+  a 1024-key window, and 3 stages gain at most 2%; at head_dim 64, block_q=128
+  for dK/dV and dq_block_kv=128 are each 2-7% faster than 64.
+  """
+  del mask  # masking is per tile; tiling does not depend on it
+  d = padded_head_dim(head_dim)
+  if d <= 64:
+    return BackwardConfig(block_kv=64, block_q=128, num_stages=2,
+                          dq_block_q=64, dq_block_kv=128, dq_num_stages=3)
+  return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
+                        dq_block_q=64, dq_block_kv=64, dq_num_stages=2)
+
+
+def all_configs() -> list[tuple[int, BackwardConfig]]:
+  """Every (padded head dim, config) the heuristic can pick (for tests)."""
+  seen = {}
+  for d in (64, 128):
+    for mask in (MaskSpec(), MaskSpec(right=0)):
+      seen[(d, choose_config(d, mask))] = None
+  return list(seen)
+
+
+def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
+  """Raises KernelUnsupported when the fused backward cannot serve the call."""
+  if len(q_shape) != 4 or len(k_shape) != 4:
+    raise KernelUnsupported(
+        f"q and k must be [batch, seq, heads, head_dim]; got q {q_shape}, k {k_shape}")
+  b, _, nq, d = q_shape
+  bk, _, nkv, dk = k_shape
+  if b != bk:
+    raise KernelUnsupported(f"q and k batch sizes differ: {b} vs {bk}")
+  if d != dk:
+    raise KernelUnsupported(f"q and k head dims differ: {d} vs {dk}")
+  if nkv == 0 or nq % nkv:
+    raise KernelUnsupported(
+        f"number of query heads ({nq}) must be a multiple of key/value heads ({nkv})")
+  if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+    raise KernelUnsupported(
+        f"the sm90 backward supports head_dim a multiple of 16 in [16, {MAX_HEAD_DIM}]; "
+        f"got {d} (dK and dV of a 64-key tile would not fit in registers; the XLA "
+        "backward serves it)")
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    raise KernelUnsupported(f"dtype must be bfloat16 or float16; got {jnp.dtype(dtype)}")
+  if not isinstance(mask, MaskSpec):
+    raise KernelUnsupported(f"mask must be a MaskSpec; got {type(mask).__name__}")
+
+
+# --- barriers ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BundleRing:
+  """A `SlotRing` whose slot holds several operands loaded together.
+
+  full[slot] expects one TMA arrival per operand; everything else (which slot,
+  the consumed side, the drain) is `SlotRing`'s. Generic: belongs in
+  `fa4_jax/kernels/pipeline.py`.
+  """
+
+  ring: SlotRing
+  num_operands: int
+
+  @staticmethod
+  def barrier_types(num_slots: int, num_consumers: int, num_operands: int):
+    return (
+        plgpu.Barrier(num_arrivals=num_operands, num_barriers=num_slots),
+        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
+    )
+
+  def slot(self, step):
+    return self.ring.slot(step)
+
+  def producer_acquire(self, step):
+    self.ring.producer_acquire(step)
+
+  def producer_fill(self, copies, step):
+    """copies: (gmem source, SMEM ring) per operand, all for slot of `step`."""
+    assert len(copies) == self.num_operands
+    slot = self.slot(step)
+    for src, ring_smem in copies:
+      plgpu.copy_gmem_to_smem(src, ring_smem.at[slot], self.ring.full.at[slot])
+
+  def producer_drain(self, num_steps):
+    self.ring.producer_drain(num_steps)
+
+  def consumer_wait(self, step):
+    self.ring.consumer_wait(step)
+
+  def consumer_release(self, step):
+    self.ring.consumer_release(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardBarriers:
+  """Every barrier of one backward kernel, with its producer and consumer side.
+
+  | barrier            | arrives (count)                        | waits                  |
+  |--------------------|----------------------------------------|------------------------|
+  | resident.full[i]   | producer TMAs of consumer i's resident | consumer i, once       |
+  |                    | operands (one per operand)             |                        |
+  | stream.full[slot]  | producer TMAs of step n (one/operand)  | both consumers, each n |
+  | stream.consumed[s] | each consumer after its last wgmma     | producer, before it    |
+  |                    | reading the slot (2)                   | refills the slot       |
+
+  dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
+  dQ kernel:    resident = (Q, dO, lse, delta), stream = (K, V).
+  The epilogue of consumer i writes its result into its own resident buffer
+  (only consumer i reads it, and all its wgmmas have completed), then TMA-
+  stores it and waits for the store before the CTA exits.
+  """
+
+  resident: OneShotBuffer
+  stream: BundleRing
+
+  @staticmethod
+  def scratch_types(num_consumers, num_stages, num_resident, num_streamed):
+    return (
+        plgpu.Barrier(num_arrivals=num_resident, num_barriers=num_consumers),
+        *BundleRing.barrier_types(num_stages, num_consumers, num_streamed),
+    )
+
+  @classmethod
+  def from_refs(cls, refs, num_consumers, num_stages, num_streamed):
+    resident_full, stream_full, stream_consumed = refs
+    ring = SlotRing(stream_full, stream_consumed, num_stages, num_consumers)
+    return cls(resident=OneShotBuffer(resident_full),
+               stream=BundleRing(ring, num_streamed))
+
+  def producer_fill_resident(self, copies, i):
+    for src, dst in copies:
+      plgpu.copy_gmem_to_smem(src, dst, self.resident.full.at[i])
+
+
+# --- shared pieces ---------------------------------------------------------------
+
+
+def _smem_tile(shape, dtype):
+  """SMEM layout wgmma reads directly: (8, 64)-element tiles, 128-byte swizzle."""
+  swizzle = 128
+  tile_cols = swizzle // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(
+      shape, dtype,
+      transforms=(plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swizzle)),
+  )
+
+
+def _clip(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _floor_div(x, d: int):
+  """Floor division of a possibly negative int32 scalar by a positive int."""
+  return jnp.where(x >= 0, lax.div(x, d), -lax.div(d - 1 - x, d))
+
+
+def _ceil_div_nonneg(x, d: int):
+  return lax.div(x + (d - 1), d)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileRanges:
+  """Block ranges [lo, hi) that may be touched, [full_lo, full_hi) of them
+  need no element mask."""
+
+  lo: Any
+  hi: Any
+  full_lo: Any
+  full_hi: Any
+
+
+def q_tile_ranges(mask: MaskSpec, k_lo, k_hi, q_len, kv_len, block_q: int) -> _TileRanges:
+  """Query blocks that may see keys [k_lo, k_hi) (keys >= kv_len do not count).
+
+  The mirror of `sm90_forward.kv_tile_ranges`. A block is full when every
+  (row, key) pair is visible under `mask` and every key is below `kv_len`;
+  rows past `q_len` need no mask (their lse2 is +inf, so P = 0 there).
+  """
+  k_lo, k_hi, q_len, kv_len = (jnp.asarray(x, jnp.int32) for x in (k_lo, k_hi, q_len, kv_len))
+  k_valid_hi = jnp.minimum(k_hi, kv_len)
+  lo, hi = mask.query_block_range(k_lo, k_valid_hi, q_len, block_q)
+  hi = jnp.where(k_lo < k_valid_hi, hi, lo)  # no valid key: nothing to do
+  off = mask.q_offset
+  full_lo, full_hi = lo, hi
+  if mask.right is not None:
+    # the block's first row must see the last key: row >= (k_hi-1) - off - right
+    full_lo = _ceil_div_nonneg(jnp.maximum(k_hi - 1 - off - mask.right, 0), block_q)
+  if mask.left is not None:
+    # the block's last row must see the first key: row <= k_lo + left - off
+    full_hi = _floor_div(k_lo + mask.left - off + 1, block_q)
+  full_hi = jnp.where(k_hi <= kv_len, full_hi, lo)  # length edge inside the tile
+  full_lo = _clip(full_lo, lo, hi)
+  full_hi = _clip(full_hi, full_lo, hi)
+  return _TileRanges(lo, hi, full_lo, full_hi)
+
+
+def _own_ranges(own: _TileRanges, lo, hi) -> _TileRanges:
+  """A consumer's ranges clipped into the CTA's [lo, hi)."""
+  own_lo = _clip(own.lo, lo, hi)
+  own_hi = _clip(own.hi, own_lo, hi)
+  full_lo = _clip(own.full_lo, own_lo, own_hi)
+  full_hi = _clip(own.full_hi, full_lo, own_hi)
+  return _TileRanges(own_lo, own_hi, full_lo, full_hi)
+
+
+def _walk(lo, hi, own: _TileRanges, step_fn, skip_fn, carry):
+  """Runs blocks [lo, hi): skip / masked / full / masked / skip."""
+  carry = fori(lo, own.lo, skip_fn, carry)
+  carry = fori(own.lo, own.full_lo, functools.partial(step_fn, masked=True), carry)
+  carry = fori(own.full_lo, own.full_hi, functools.partial(step_fn, masked=False), carry)
+  carry = fori(own.full_hi, own.hi, functools.partial(step_fn, masked=True), carry)
+  carry = fori(own.hi, hi, skip_fn, carry)
+  return carry
+
+
+def _mma_pair(a0, b0, a1, b1, shape):
+  """(a0 @ b0, a1 @ b1) in fp32, both wgmmas issued before one wait."""
+
+  def body(refs):
+    r0, r1 = refs
+    plgpu.wgmma(r0, a0, b0)
+    plgpu.wgmma(r1, a1, b1)
+    return r0[...], r1[...]
+
+  acc = plgpu.ACC(shape, jnp.float32)
+  return pl.run_scoped(body, (acc, acc))
+
+
+def _mma_accumulate(acc, a, b_smem, staging):
+  """acc + a @ b_smem with `a` (a 16-bit array in registers).
+
+  On hardware wgmma reads `a` from registers and accumulates in place. The
+  interpreter rejects register A operands and `run_state`: there `a` goes
+  through the SMEM `staging` buffer into a fresh accumulator.
+  """
+  if is_interpreting():
+    staging[...] = a
+    plgpu.commit_smem()
+
+    def body(ref):
+      plgpu.wgmma(ref, staging, b_smem)
+      return ref[...]
+
+    return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
+
+  def body(ref):
+    plgpu.wgmma(ref, a, b_smem)
+
+  return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
+  """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta).
+
+  On hardware the dV wgmma is issued first and dS is computed while it runs;
+  one wait covers both. (Here `p` is P^T: keys along rows.)
+  """
+  dtype = q_tile.dtype
+  if is_interpreting():
+    dv = _mma_accumulate(dv, p.astype(dtype), do_tile, staging)
+    ds = p * (dp - delta)
+    return _mma_accumulate(dk, ds.astype(dtype), q_tile, staging), dv
+
+  def body(refs):
+    dk_ref, dv_ref = refs
+    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+    ds = p * (dp - delta)
+    plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
+
+  return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+
+
+def _zeros(shape):
+  return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+# --- dK / dV -------------------------------------------------------------------
+
+
+def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
+                      head_dim, dtype, scale, mask, config, has_q_lengths,
+                      has_kv_lengths):
+  cfg = config
+  bk, bq, nc = cfg.block_kv, cfg.block_q, cfg.num_consumers
+  group = num_q_heads // num_kv_heads
+  num_kv_tiles = cdiv(kv_seq, nc * bk)
+  c = scale * LOG2_E
+  interpreting = is_interpreting()
+
+  def kernel(*refs):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    del refs[:6]
+    q_len_ref = refs.pop(0) if has_q_lengths else None
+    kv_len_ref = refs.pop(0) if has_kv_lengths else None
+    dk_ref, dv_ref, smem, barrier_refs = refs
+    k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *staging = smem
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, 4)
+
+    kv_head = lax.axis_index("heads")
+    batch_idx = lax.axis_index("batch")
+    tile = lax.axis_index("kv_tiles")
+    q_len = jnp.int32(q_seq)
+    if has_q_lengths:
+      q_len = jnp.clip(q_len_ref[batch_idx], 0, q_seq)
+    kv_len = jnp.int32(kv_valid)
+    if has_kv_lengths:
+      kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
+
+    cta_k_lo = tile * (nc * bk)
+    cta = q_tile_ranges(mask, cta_k_lo, cta_k_lo + nc * bk, q_len, kv_len, bq)
+    lo, hi = cta.lo, cta.hi
+    blocks_per_head = hi - lo
+    num_steps = group * blocks_per_head  # head-major: all blocks of head 0, then 1, ...
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == nc)
+    def _producer():
+      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+      for i in range(nc):
+        keys = (batch_idx, pl.ds(cta_k_lo + i * bk, bk), kv_head)
+        bars.producer_fill_resident(
+            [(k_ref.at[keys], k_smem.at[i]), (v_ref.at[keys], v_smem.at[i])], i)
+
+      @pl.loop(0, num_steps)
+      def _(step):
+        head = kv_head * group + lax.div(step, blocks_per_head)
+        qb = lo + lax.rem(step, blocks_per_head)
+        rows = (batch_idx, pl.ds(qb * bq, bq), head)
+        stats = (batch_idx, head, pl.ds(qb * bq, bq))
+        bars.stream.producer_acquire(step)
+        bars.stream.producer_fill(
+            [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring),
+             (lse_ref.at[stats], lse_ring), (delta_ref.at[stats], delta_ring)], step)
+
+      bars.stream.producer_drain(num_steps)
+
+    @pl.when(wg < nc)
+    def _consumer():
+      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+      k_lo = cta_k_lo + wg * bk
+      own = _own_ranges(q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq), lo, hi)
+      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns
+      stage = staging[0].at[wg] if interpreting else None
+
+      def step_fn(qb, carry, *, masked, head_step0):
+        dk, dv = carry
+        step = head_step0 + (qb - lo)
+        slot = bars.stream.slot(step)
+        q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
+        bars.stream.consumer_wait(step)
+        # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
+        s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
+                          v_tile, do_tile.transpose((1, 0)), (bk, bq))
+        lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+        delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
+        logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
+        if masked:
+          k_idx = k_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+          q_idx = qb * bq + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+          visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+          logits2 = jnp.where(visible, logits2, -jnp.inf)
+        p = jnp.exp2(logits2)
+        dk, dv = _dk_dv_update(dk, dv, p, dp, lax.broadcast_in_dim(delta, s.shape, [1]),
+                               q_tile, do_tile, stage)
+        bars.stream.consumer_release(step)
+        return dk, dv
+
+      def skip_fn(qb, carry, *, head_step0):
+        step = head_step0 + (qb - lo)
+        bars.stream.consumer_wait(step)
+        bars.stream.consumer_release(step)
+        return carry
+
+      def one_head(g, carry):
+        head_step0 = g * blocks_per_head
+        return _walk(lo, hi, own,
+                     functools.partial(step_fn, head_step0=head_step0),
+                     functools.partial(skip_fn, head_step0=head_step0), carry)
+
+      bars.resident.consumer_wait(wg)
+      carry = (_zeros((bk, head_dim)), _zeros((bk, head_dim)))
+      dk, dv = lax.fori_loop(0, group, one_head, carry)
+
+      # Epilogue: every wgmma reading K and V has completed.
+      k_tile[...] = (dk * scale).astype(dtype)
+      v_tile[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      keys = (batch_idx, pl.ds(k_lo, bk), kv_head)
+      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
+      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+      plgpu.wait_smem_to_gmem(0)
+
+  smem = [
+      _smem_tile((nc, bk, head_dim), dtype),  # K tiles, then dK
+      _smem_tile((nc, bk, head_dim), dtype),  # V tiles, then dV
+      _smem_tile((cfg.num_stages, bq, head_dim), dtype),  # Q ring
+      _smem_tile((cfg.num_stages, bq, head_dim), dtype),  # dO ring
+      plgpu.SMEM((cfg.num_stages, bq), jnp.float32),  # lse2 ring
+      plgpu.SMEM((cfg.num_stages, bq), jnp.float32),  # delta ring
+  ]
+  if interpreting:
+    smem.append(_smem_tile((nc, bk, bq), dtype))  # P^T / dS^T staging
+  out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype),) * 2
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=(tuple(smem), BackwardBarriers.scratch_types(nc, cfg.num_stages, 2, 4)),
+      grid=(num_kv_heads, num_kv_tiles, batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=nc + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+
+# --- dQ ------------------------------------------------------------------------
+
+
+def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
+                     head_dim, dtype, scale, mask, config, has_q_lengths,
+                     has_kv_lengths):
+  cfg = config
+  bq, bk, nc = cfg.dq_block_q, cfg.dq_block_kv, cfg.num_consumers
+  group = num_q_heads // num_kv_heads
+  num_q_tiles = cdiv(q_seq, nc * bq)
+  c = scale * LOG2_E
+  # Heavy tiles first: with a right bound (causal), later rows see more keys.
+  heavy_last = mask.right is not None and mask.left is None
+  interpreting = is_interpreting()
+
+  def kernel(*refs):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    del refs[:6]
+    q_len_ref = refs.pop(0) if has_q_lengths else None
+    kv_len_ref = refs.pop(0) if has_kv_lengths else None
+    dq_ref, smem, barrier_refs = refs
+    q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *staging = smem
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, 2)
+
+    head = lax.axis_index("heads")
+    batch_idx = lax.axis_index("batch")
+    tile = lax.axis_index("q_tiles")
+    if heavy_last:
+      tile = num_q_tiles - 1 - tile
+    kv_head = lax.div(head, jnp.int32(group))
+    q_len = jnp.int32(q_seq)
+    if has_q_lengths:
+      q_len = jnp.clip(q_len_ref[batch_idx], 0, q_seq)
+    kv_len = jnp.int32(kv_valid)
+    if has_kv_lengths:
+      kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
+
+    cta_q_lo = tile * (nc * bq)
+    cta = kv_tile_ranges(mask, cta_q_lo, cta_q_lo + nc * bq, q_len, kv_len, bk)
+    lo, hi = cta.lo, cta.hi
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == nc)
+    def _producer():
+      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+      for i in range(nc):
+        rows = (batch_idx, pl.ds(cta_q_lo + i * bq, bq), head)
+        stats = (batch_idx, head, pl.ds(cta_q_lo + i * bq, bq))
+        bars.producer_fill_resident(
+            [(q_ref.at[rows], q_smem.at[i]), (do_ref.at[rows], do_smem.at[i]),
+             (lse_ref.at[stats], lse_smem.at[i]), (delta_ref.at[stats], delta_smem.at[i])], i)
+
+      @pl.loop(lo, hi)
+      def _(j):
+        step = j - lo
+        keys = (batch_idx, pl.ds(j * bk, bk), kv_head)
+        bars.stream.producer_acquire(step)
+        bars.stream.producer_fill([(k_ref.at[keys], k_ring), (v_ref.at[keys], v_ring)], step)
+
+      bars.stream.producer_drain(hi - lo)
+
+    @pl.when(wg < nc)
+    def _consumer():
+      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+      q_lo = cta_q_lo + wg * bq
+      own = _own_ranges(kv_tile_ranges(mask, q_lo, q_lo + bq, q_len, kv_len, bk), lo, hi)
+      q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+      row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along S's rows
+      stage = staging[0].at[wg] if interpreting else None
+
+      bars.resident.consumer_wait(wg)
+      lse2 = plgpu.load(lse_smem.at[wg], layout=row_layout)
+      delta = plgpu.load(delta_smem.at[wg], layout=row_layout)
+
+      def step_fn(j, dq, *, masked):
+        step = j - lo
+        slot = bars.stream.slot(step)
+        k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
+        bars.stream.consumer_wait(step)
+        s, dp = _mma_pair(q_tile, k_tile.transpose((1, 0)),
+                          do_tile, v_tile.transpose((1, 0)), (bq, bk))
+        logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [0])
+        if masked:
+          q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+          k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+          visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+          logits2 = jnp.where(visible, logits2, -jnp.inf)
+        p = jnp.exp2(logits2)
+        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+        dq = _mma_accumulate(dq, ds.astype(dtype), k_tile, stage)
+        bars.stream.consumer_release(step)
+        return dq
+
+      def skip_fn(j, dq):
+        bars.stream.consumer_wait(j - lo)
+        bars.stream.consumer_release(j - lo)
+        return dq
+
+      dq = _walk(lo, hi, own, step_fn, skip_fn, _zeros((bq, head_dim)))
+      q_tile[...] = (dq * scale).astype(dtype)  # every wgmma reading Q has completed
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch_idx, pl.ds(q_lo, bq), head])
+      plgpu.wait_smem_to_gmem(0)
+
+  smem = [
+      _smem_tile((nc, bq, head_dim), dtype),  # Q tiles, then dQ
+      _smem_tile((nc, bq, head_dim), dtype),  # dO tiles
+      plgpu.SMEM((nc, bq), jnp.float32),  # lse2
+      plgpu.SMEM((nc, bq), jnp.float32),  # delta
+      _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype),  # K ring
+      _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype),  # V ring
+  ]
+  if interpreting:
+    smem.append(_smem_tile((nc, bq, bk), dtype))  # dS staging
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
+      scratch_types=(tuple(smem), BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4, 2)),
+      grid=(num_q_heads, num_q_tiles, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=nc + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+
+# --- entry point -----------------------------------------------------------------
+
+
+def _preprocess(out, lse, dout, q_lengths, q_pad: int):
+  """(lse2, delta), float32 [B, N, q_pad rounded up to STATS_ALIGN].
+
+  delta = rowsum(dO * O). lse2 = lse * log2(e), or +inf where the row must not
+  contribute (past its query length, sees no key, or padding), so that the
+  kernels' exp2(c * s - lse2) is exactly 0 there.
+  """
+  b, t, n, _ = out.shape
+  delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  live = lse > -jnp.inf
+  if q_lengths is not None:
+    live = live & (jnp.arange(t)[None, None, :] < q_lengths.astype(jnp.int32)[:, None, None])
+  lse2 = jnp.where(live, lse * LOG2_E, jnp.inf)
+  delta = jnp.where(live, delta, 0.0)
+  padded = cdiv(q_pad, STATS_ALIGN) * STATS_ALIGN
+  pad = [(0, 0), (0, 0), (0, padded - t)]
+  return jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta, pad)
+
+
+def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
+             mask: MaskSpec, config: BackwardConfig | None = None):
+  """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
+
+  q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
+  dk and dv are summed over the query heads of each GQA group.
+  """
+  check_supported(q.shape, k.shape, q.dtype, mask)
+  if v.shape != k.shape:
+    raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  batch, q_seq, num_q_heads, head_dim = q.shape
+  _, kv_seq, num_kv_heads, _ = k.shape
+  dtype = q.dtype
+  dout = dout.astype(dtype)
+  # TMA tiles (sequence, head_dim) by (8, 64): pad sequences to multiples of 8
+  # and head dims to multiples of 64 (a copy only for unaligned shapes).
+  d = padded_head_dim(head_dim)
+  q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
+  lse2, delta = _preprocess(out, lse, dout, q_lengths, q_pad)
+
+  def pad(x, t_pad):
+    if d == head_dim and t_pad == x.shape[1]:
+      return x
+    return jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, d - head_dim)])
+
+  q, dout = pad(q, q_pad), pad(dout, q_pad)
+  k, v = pad(k, kv_pad), pad(v, kv_pad)
+  config = config or choose_config(d, mask)
+  common = dict(
+      batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
+      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
+      dtype=dtype, scale=float(scale), mask=mask, config=config,
+      has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
+  args = [q, k, v, dout, lse2, delta]
+  if q_lengths is not None:
+    args.append(jnp.asarray(q_lengths, jnp.int32))
+  if kv_lengths is not None:
+    args.append(jnp.asarray(kv_lengths, jnp.int32))
+  dk, dv = _build_dkv_kernel(**common)(*args)
+  dq = _build_dq_kernel(**common)(*args)
+  if d != head_dim or q_pad != q_seq:
+    dq = dq[:, :q_seq, :, :head_dim]
+  if d != head_dim or kv_pad != kv_seq:
+    dk, dv = dk[:, :kv_seq, :, :head_dim], dv[:, :kv_seq, :, :head_dim]
+  return dq, dk, dv

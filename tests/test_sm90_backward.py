@@ -1,0 +1,248 @@
+"""The Hopper backward kernels (fa4_jax/kernels/sm90_backward.py), checked on the CPU.
+
+* Numerics and barrier protocol: the kernels run in Pallas' GPU interpreter
+  with race detection, at small shapes. dq, dk, dv must match
+  - the XLA backward (fa4_jax.xla_attention.backward) given the same out and
+    lse: same formula, so only bf16/fp16 rounding apart;
+  - jax.grad of jax.nn.dot_product_attention(implementation="xla") in f32 on
+    the upcast inputs: an independent definition of the gradient.
+* Determinism: two runs give bit-identical gradients.
+* Hardware fit: every configuration the heuristic can pick is cross-lowered
+  for sm_90 and must fit the shared memory and use wgmma and TMA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fa4_jax import xla_attention
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import sm90_backward
+from fa4_jax.masks import MaskSpec
+from fa4_jax.testing import SMEM_LIMIT_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One attention call: shapes, dtype and mask arguments in jax.nn terms."""
+
+  batch: int = 1
+  q_seq: int = 128
+  kv_seq: int = 128
+  q_heads: int = 1
+  kv_heads: int = 1
+  head_dim: int = 64
+  dtype: str = "bfloat16"
+  is_causal: bool = False
+  window: tuple[int, int] | None = None  # jax.nn's local_window_size
+  q_lengths: tuple[int, ...] | None = None
+  kv_lengths: tuple[int, ...] | None = None
+
+  @property
+  def mask(self) -> MaskSpec:
+    return MaskSpec.from_arguments(self.is_causal, self.window)
+
+  def lengths(self):
+    as_array = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+    return as_array(self.q_lengths), as_array(self.kv_lengths)
+
+
+def _inputs(case: Case):
+  keys = jax.random.split(jax.random.key(0), 4)
+  dtype = jnp.dtype(case.dtype)
+  q_shape = (case.batch, case.q_seq, case.q_heads, case.head_dim)
+  kv_shape = (case.batch, case.kv_seq, case.kv_heads, case.head_dim)
+  q = jax.random.normal(keys[0], q_shape, dtype)
+  k = jax.random.normal(keys[1], kv_shape, dtype)
+  v = 1.0 + jax.random.normal(keys[2], kv_shape, dtype)
+  dout = jax.random.normal(keys[3], q_shape, dtype)
+  return q, k, v, dout
+
+
+def _forward(case: Case, q, k, v, scale):
+  """(out, lse) from the XLA forward: what the backward receives."""
+  q_len, kv_len = case.lengths()
+  return xla_attention.forward(q, k, v, None, None, q_len, kv_len, scale=scale, spec=case.mask)
+
+
+def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale):
+  q_len, kv_len = case.lengths()
+
+  def fn(q, k, v, out, lse, dout):
+    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
+                                  scale=scale, mask=case.mask)
+
+  return run_interpreted(fn, q, k, v, out, lse, dout)
+
+
+def _jax_nn_grads(case: Case, q, k, v, dout, scale):
+  """jax.grad of jax.nn.dot_product_attention in f32 on the upcast inputs."""
+  q_len, kv_len = case.lengths()
+
+  def attention(q, k, v):
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=case.is_causal, local_window_size=case.window,
+        query_seq_lengths=q_len, key_value_seq_lengths=kv_len, implementation="xla")
+
+  f32 = lambda x: x.astype(jnp.float32)
+  _, vjp = jax.vjp(attention, f32(q), f32(k), f32(v))
+  # Rows that see no key (past the query length, or every key masked) output
+  # zeros in fa4_jax and get no gradient; jax.nn averages all keys there
+  # instead, so those rows are left out of the comparison.
+  return vjp(jnp.where(_rows_seeing_keys(case), f32(dout), 0.0))
+
+
+def _rows_seeing_keys(case: Case) -> np.ndarray:
+  """[B, Tq, 1, 1]: whether each query row sees a key, from the definitions."""
+  i = np.arange(case.q_seq)[:, None]
+  j = np.arange(case.kv_seq)[None, :]
+  ok = np.ones((case.batch, case.q_seq, case.kv_seq), bool)
+  if case.is_causal:
+    ok &= j <= i
+  if case.window is not None:
+    left, right = case.window
+    ok &= (j >= i - left) & (j <= i + right)
+  if case.q_lengths is not None:
+    ok &= np.arange(case.q_seq)[None, :, None] < np.array(case.q_lengths)[:, None, None]
+  if case.kv_lengths is not None:
+    ok &= np.arange(case.kv_seq)[None, None, :] < np.array(case.kv_lengths)[:, None, None]
+  return ok.any(-1)[:, :, None, None]
+
+
+def _check_case(case: Case, run_interpreted):
+  q, k, v, dout = _inputs(case)
+  scale = 1.0 / math.sqrt(case.head_dim)
+  out, lse = _forward(case, q, k, v, scale)
+  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
+  for g, x in zip(grads, (q, k, v)):
+    assert g.shape == x.shape and g.dtype == x.dtype
+
+  q_len, kv_len = case.lengths()
+  xla = xla_attention.backward(q, k, v, None, None, q_len, kv_len, out, lse, dout,
+                               scale=scale, spec=case.mask)[:3]
+  exact = _jax_nn_grads(case, q, k, v, dout, scale)
+  for name, got, same_formula, reference in zip(("dq", "dk", "dv"), grads, xla, exact):
+    got = np.asarray(got, np.float32)
+    # Against the XLA backward: the same computation, rounding apart.
+    np.testing.assert_allclose(got, np.asarray(same_formula, np.float32),
+                               atol=2e-2, rtol=2e-2, err_msg=name)
+    # Against the f32 gradient of jax.nn: bf16 inputs to the GEMMs, so compare
+    # the error relative to the gradient's overall size.
+    reference = np.asarray(reference)
+    rel = np.linalg.norm(got - reference) / max(np.linalg.norm(reference), 1e-6)
+    assert rel < (2e-2 if case.dtype == "bfloat16" else 5e-3), (name, rel)
+  return grads
+
+
+# Each case is small (the interpreter takes seconds per call) and covers
+# several features at once to keep the file within a few minutes.
+FEATURE_CASES = {
+    "dense_bf16": Case(),
+    "fp16_causal_head_dim_128_queries_shorter_than_keys_top_left_aligned": Case(
+        dtype="float16", is_causal=True, head_dim=128, q_seq=72, kv_seq=200),
+    "ragged_tails_two_sided_window_skips_far_tiles": Case(
+        window=(40, 20), q_seq=77, kv_seq=330),
+    "causal_window_skips_tiles_on_both_sides": Case(
+        is_causal=True, window=(64, 0), q_seq=320, kv_seq=320),
+    "sequence_lengths_mask_keys_and_drop_rows": Case(
+        batch=2, is_causal=True, q_seq=104, kv_seq=136, q_lengths=(70, 104),
+        kv_lengths=(136, 0)),
+    "gqa_sums_dk_dv_over_the_group_in_the_kernel": Case(
+        q_heads=4, kv_heads=2, is_causal=True, q_seq=136, kv_seq=136),
+    "mqa_one_kv_head_head_dim_96_is_padded": Case(
+        q_heads=3, kv_heads=1, head_dim=96, q_seq=64, kv_seq=136),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURE_CASES))
+def test_gradients_match_xla_backward_and_jax_nn_without_races(name, run_interpreted):
+  _check_case(FEATURE_CASES[name], run_interpreted)
+
+
+def test_gradients_are_bit_identical_across_runs(run_interpreted):
+  case = Case(q_heads=2, kv_heads=1, is_causal=True)
+  q, k, v, dout = _inputs(case)
+  scale = 1.0 / math.sqrt(case.head_dim)
+  out, lse = _forward(case, q, k, v, scale)
+  first = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
+  second = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- tile ranges -------------------------------------------------------------
+
+
+def _brute_force_query_blocks(mask, k_lo, k_hi, q_len, kv_len, block):
+  keys = np.arange(k_lo, k_hi)
+  seen, full = [], []
+  for b in range(0, math.ceil(max(q_len, 1) / block) + 2):
+    rows = np.arange(b * block, (b + 1) * block)
+    vis = np.asarray(mask.visible(rows[:, None], keys[None, :])) & (keys[None, :] < kv_len)
+    vis_live = vis & (rows[:, None] < q_len)
+    if vis_live.any():
+      seen.append(b)
+    if (vis | (rows[:, None] >= q_len)).all():  # rows past q_len need no mask
+      full.append(b)
+  return seen, full
+
+
+@pytest.mark.parametrize("mask", [
+    MaskSpec(), MaskSpec(right=0), MaskSpec(left=50, right=0), MaskSpec(left=7, right=30),
+    MaskSpec(right=-5), MaskSpec(right=0, q_offset=70),
+])
+def test_query_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the_mask(mask):
+  block = 16
+  for k_lo, q_len, kv_len in itertools.product((0, 16, 48), (20, 64, 100), (0, 33, 64, 80)):
+    k_hi = k_lo + 32
+    r = sm90_backward.q_tile_ranges(mask, k_lo, k_hi, q_len, kv_len, block)
+    lo, hi, full_lo, full_hi = (int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi))
+    seen, full = _brute_force_query_blocks(mask, k_lo, k_hi, q_len, kv_len, block)
+    assert set(seen) <= set(range(lo, hi)), (k_lo, q_len, kv_len)
+    assert lo <= full_lo <= full_hi <= hi
+    assert set(range(full_lo, full_hi)) <= set(full), (k_lo, q_len, kv_len)
+
+
+# --- what the kernel accepts --------------------------------------------------
+
+
+def test_head_dim_256_is_refused_with_a_reason():
+  with pytest.raises(KernelUnsupported, match="head_dim"):
+    sm90_backward.check_supported((1, 128, 1, 256), (1, 128, 1, 256), jnp.bfloat16, MaskSpec())
+
+
+def test_float32_is_refused():
+  with pytest.raises(KernelUnsupported, match="dtype"):
+    sm90_backward.check_supported((1, 128, 1, 64), (1, 128, 1, 64), jnp.float32, MaskSpec())
+
+
+# --- configurations on hardware (cross-lowered) ------------------------------
+
+
+@pytest.mark.parametrize("head_dim,config", sm90_backward.all_configs(),
+                         ids=lambda x: str(x) if isinstance(x, int) else "")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, cross_lower):
+  b, t, nq, nkv = 1, 512, 4, 2
+  spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+  q = spec((b, t, nq, head_dim))
+  kv = spec((b, t, nkv, head_dim))
+  lse = spec((b, nq, t), jnp.float32)
+  lengths = spec((b,), jnp.int32)
+
+  def fn(q, k, v, out, lse, dout, q_len, kv_len):
+    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len, scale=0.125,
+                                  mask=MaskSpec(right=0), config=config)
+
+  lowered = cross_lower(fn, q, kv, kv, q, lse, q, lengths, lengths)
+  assert len(lowered.smem_bytes) == 2  # the dK/dV kernel and the dQ kernel
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("wgmma.mma_async")
+  assert lowered.has("cp.async.bulk.tensor")
