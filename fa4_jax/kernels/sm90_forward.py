@@ -535,9 +535,14 @@ def _build_kernel(
     smem.append(_smem_tile((cfg.num_consumers, bq, head_dim), dtype))
   if interpreting:
     smem.append(_smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
+  # The LSE rows are stored with 1-D TMA boxes along the sequence, its
+  # contiguous axis. On an H100 a box that ran past the end of that axis left
+  # wrong values (seen at q_seq = 56, block_q = 64; the interpreter clips it
+  # correctly), so the LSE output covers whole tiles and `forward` slices it.
+  lse_seq = num_q_tiles * cfg.block_q_cta
   out_type = (
       jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
-      jax.ShapeDtypeStruct((batch, num_q_heads, q_seq), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
       kernel,
@@ -591,6 +596,4 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   out, lse = call(*args)
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
-  if q_pad != q_seq:
-    lse = lse[..., :q_seq]
-  return out, lse
+  return out, lse[..., :q_seq]
