@@ -2,18 +2,342 @@
 
 `vjp.py` calls the backends only through `forward` and `backward` here, so
 this module is the one place that decides how a call is split across devices.
-For now both run the backend on whole (replicated or auto-partitioned)
-arrays; sharding rules come with the multi-device work.
+
+How a sharded call is split
+---------------------------
+Both calls are wrapped in `jax.experimental.custom_partitioning`. Under
+`jax.jit`, XLA first decides the shardings around the call (Shardy, the
+default partitioner in jax 0.11, reads the einsum-like `sharding_rule` built
+by `_sharding_rule`; the older GSPMD partitioner calls
+`_infer_result_shardings` instead). Then the SPMD partitioner calls
+`_partition` with the operands' shardings; it returns the shardings it wants
+for every operand and result, and a function that runs the backend on one
+device's shard. For each axis of `query` ([B, T, N, H]):
+
+* batch (B): stays sharded. `key`, `value`, the `*_seq_lengths` arrays and
+  the batch dimension of `bias`/`mask` follow it. No communication.
+* heads (N): stays sharded, and `key`/`value` heads follow, so a device holds
+  whole GQA groups (query heads `g*G .. g*G+G-1` with KV head `g`). That needs
+  the number of head shards to divide the number of KV heads; otherwise
+  `_partition` raises a `ValueError` that says so (XLA reports it wrapped in
+  a `JaxRuntimeError` from `.compile()`, the message intact).
+* sequence (T of `query`, S of `key`/`value`) and head_dim (H): every device
+  needs whole sequences, so these are **all-gathered** before the call (the
+  result is correct, but memory and traffic grow with the sequence). For
+  sequences too long for one device use `fa4_jax.context_parallel_attention`,
+  which keeps them sharded and passes K/V blocks around a ring.
+* `bias` / `mask` dimensions of size 1 (broadcast) are replicated; full ones
+  follow the batch and head sharding. In the backward, the gradient of a
+  bias broadcast over a sharded batch or head axis is summed across those
+  devices (`psum`), so it comes out replicated, as its shape demands.
+
+Under `jax.vmap` the call falls back to the backend batched by `vmap`, with
+XLA's own partitioning (custom partitioning has no batching rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+# One letter per dimension of every array the backends see:
+#   b batch, t query position, s key position, n query head, k KV head,
+#   h head dim. `bias`/`mask` dims of size 1 are broadcast (see `_labels`).
+_LAYOUTS = {
+    "q": "btnh", "k": "bskh", "v": "bskh", "bias": "bnts", "mask": "bnts",
+    "q_lengths": "b", "kv_lengths": "b",
+    "out": "btnh", "lse": "bnt", "dout": "btnh",
+    "dq": "btnh", "dk": "bskh", "dv": "bskh", "dbias": "bnts",
+}
+_FORWARD_OPERANDS = ("q", "k", "v", "bias", "mask", "q_lengths", "kv_lengths")
+_BACKWARD_OPERANDS = _FORWARD_OPERANDS + ("out", "lse", "dout")
+# Dimensions every device needs whole (gathered when they arrive sharded).
+_REPLICATED_DIMS = "tsh"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """The static part of one partitioned call (hashable: a static argument).
+
+  `operands` / `results` name the arrays actually passed and returned, in
+  order; absent optional operands (None) are left out.
+  """
+
+  config: object  # vjp.CoreConfig
+  operands: tuple[str, ...]
+  results: tuple[str, ...]
+
+
+# ---------------------------------------------------------------------------
+# Entry points used by vjp.py.
+
 
 def forward(config, q, k, v, bias, mask, q_lengths, kv_lengths):
-  return config.backend.forward(q, k, v, bias, mask, q_lengths, kv_lengths,
-                                scale=config.scale, spec=config.spec)
+  """(out, lse) of the backend in `config`, partitioned across devices."""
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
+               kv_lengths=kv_lengths)
+  names = tuple(n for n in _FORWARD_OPERANDS if given[n] is not None)
+  call = _Call(config, names, ("out", "lse"))
+  return _run(call, [given[n] for n in names])
 
 
 def backward(config, q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout):
-  return config.backend.backward(q, k, v, bias, mask, q_lengths, kv_lengths,
-                                 out, lse, dout, scale=config.scale, spec=config.spec)
+  """(dq, dk, dv, dbias or None) of the backend, partitioned across devices."""
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
+               kv_lengths=kv_lengths, out=out, lse=lse, dout=dout)
+  names = tuple(n for n in _BACKWARD_OPERANDS if given[n] is not None)
+  results = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ())
+  grads = _run(_Call(config, names, results), [given[n] for n in names])
+  return tuple(grads) + ((None,) if bias is None else ())
+
+
+# ---------------------------------------------------------------------------
+# The per-device computation: the backend on whatever shapes it is given.
+
+
+def _call_backend(call: _Call, *arrays):
+  """Runs the backend on `arrays` (named by `call.operands`); a flat tuple."""
+  a = dict(zip(call.operands, arrays))
+  cfg = call.config
+  common = (a["q"], a["k"], a["v"], a.get("bias"), a.get("mask"),
+            a.get("q_lengths"), a.get("kv_lengths"))
+  if call.results == ("out", "lse"):
+    return tuple(cfg.backend.forward(*common, scale=cfg.scale, spec=cfg.spec))
+  dq, dk, dv, dbias = cfg.backend.backward(
+      *common, a["out"], a["lse"], a["dout"], scale=cfg.scale, spec=cfg.spec)
+  return (dq, dk, dv) + ((dbias,) if "dbias" in call.results else ())
+
+
+def _run(call: _Call, arrays):
+  """Runs `_call_backend` split across devices.
+
+  Inputs typed with explicit shardings (a mesh with `AxisType.Explicit` axes,
+  the default of `jax.make_mesh`) have their shardings known while tracing:
+  the call becomes a `shard_map`. Otherwise (`AxisType.Auto` meshes, no mesh)
+  XLA decides the shardings at compile time through `custom_partitioning`.
+  """
+  mesh = _explicit_mesh(arrays)
+  if mesh is not None:
+    return _shard_mapped(call, mesh, arrays)
+
+  @jax.custom_batching.custom_vmap
+  def run(*arrays):
+    return _partitioned(call, *arrays)
+
+  @run.def_vmap
+  def _vmap_rule(axis_size, in_batched, *arrays):
+    del axis_size
+    in_axes = [0 if batched else None for batched in in_batched]
+    outs = jax.vmap(functools.partial(_call_backend, call), in_axes=in_axes)(*arrays)
+    return outs, (True,) * len(outs)
+
+  return run(*arrays)
+
+
+def _explicit_mesh(arrays):
+  """The mesh of the operands' sharding types if it has explicit axes."""
+  for x in arrays:
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is not None and AxisType.Explicit in getattr(mesh, "axis_types", ()):
+      return mesh
+  return None
+
+
+def _result_shape(name: str, shapes: dict) -> tuple[int, ...]:
+  q, k = shapes["q"], shapes["k"]
+  return {"out": q, "dq": q, "lse": (q[0], q[2], q[1]), "dk": k, "dv": k,
+          "dbias": shapes.get("bias")}[name]
+
+
+def _full_spec(spec, ndim: int) -> tuple:
+  return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+
+
+def _result_specs(call: _Call, given_specs: dict) -> list[PartitionSpec]:
+  """Each result sharded like the operand it mirrors (lse like the query)."""
+  q = given_specs["q"]
+  like = {"out": q, "dq": q, "lse": (q[0], q[2], q[1]),
+          "dk": given_specs["k"], "dv": given_specs["v"],
+          "dbias": given_specs.get("bias")}
+  return [PartitionSpec(*like[n]) for n in call.results]
+
+
+def _shard_mapped(call: _Call, mesh, arrays):
+  """Explicit shardings: one `shard_map` over the batch and head axes."""
+  shapes = {n: a.shape for n, a in zip(call.operands, arrays)}
+  given_specs = {n: _full_spec(jax.typeof(a).sharding.spec, a.ndim)
+                 for n, a in zip(call.operands, arrays)}
+  q_spec = given_specs["q"]
+  plan = _plan(mesh, shapes["q"], shapes["k"][2], q_spec)
+  in_specs = tuple(plan.spec(_labels(call, n, shapes[n])) for n in call.operands)
+  result_shapes = [_result_shape(n, shapes) for n in call.results]
+  out_specs = tuple(plan.spec(_labels(call, n, r))
+                    for n, r in zip(call.results, result_shapes))
+  # Operands sharded otherwise (a sequence axis, say) are resharded first:
+  # an all-gather along those axes.
+  arrays = [jax.sharding.reshard(a, NamedSharding(mesh, spec))
+            for a, spec in zip(arrays, in_specs)]
+  reduce_axes = _dbias_reduce_axes(call, plan, result_shapes[-1])
+  run = jax.shard_map(_per_device(call, reduce_axes), mesh=mesh,
+                      in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  results = run(*arrays)
+  # Results take their operands' shardings back (the custom_vjp needs each
+  # gradient typed like its input); undoing a gather is a local slice.
+  return tuple(jax.sharding.reshard(r, NamedSharding(mesh, spec))
+               for r, spec in zip(results, _result_specs(call, given_specs)))
+
+
+# ---------------------------------------------------------------------------
+# Partitioning rules.
+
+
+def _labels(call: _Call, name: str, shape) -> str:
+  """Dimension letters of array `name`; "1" marks a broadcast (size-1) dim of
+  `bias`/`mask`/`dbias` whose full size is larger."""
+  layout = _LAYOUTS[name]
+  if name not in ("bias", "mask", "dbias"):
+    return layout
+  return "".join("1" if size == 1 else letter for letter, size in zip(layout, shape))
+
+
+def _sharding_rule(call: _Call, mesh, operand_types, result_types):
+  """Shardy rule, e.g. "b t (k g) h, b s k h, b s k h -> b t (k g) h, b (k g) t".
+
+  Query heads are the compound factor (k g): KV head major, group member
+  minor, so sharding the heads shards whole groups first. t, s and h must be
+  replicated. Broadcast dims get a factor of their own, of size 1.
+  """
+  del mesh
+  shapes = [t.shape for t in list(operand_types) + list(result_types)]
+  names = call.operands + call.results
+  q_heads = shapes[0][2]
+  kv_heads = shapes[1][2]
+  group = q_heads // kv_heads
+  factor = {"b": "b", "t": "t", "s": "s", "k": "k", "h": "h",
+            "n": "(k g)" if group > 1 else "k"}
+  if kv_heads == 1:  # MQA: Shardy takes no size-1 factor inside a compound
+    factor["n"] = "n"
+  ones = 0
+
+  def dims(name, shape):
+    nonlocal ones
+    out = []
+    for letter in _labels(call, name, shape):
+      if letter == "1" or (letter == "k" and kv_heads == 1):
+        out.append(f"one{ones}")
+        ones += 1
+      else:
+        out.append(factor[letter])
+    return " ".join(out)
+
+  terms = [dims(n, s) for n, s in zip(names, shapes)]
+  nin = len(call.operands)
+  rule = ", ".join(terms[:nin]) + " -> " + ", ".join(terms[nin:])
+  # Shardy wants special factors listed in order of first appearance.
+  tokens = re.findall(r"\w+", rule)
+  replicated = sorted(_REPLICATED_DIMS, key=tokens.index)
+  options = {"need_replication_factors": tuple(replicated)}
+  if group > 1 and kv_heads > 1:
+    options["g"] = group  # g appears only inside (k g): its size must be given
+  return rule, options
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+  """Mesh axis names of one PartitionSpec entry (None, a name or a tuple)."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Which mesh axes shard the batch and the head dimensions."""
+
+  mesh: object
+  batch: tuple[str, ...]
+  heads: tuple[str, ...]
+
+  def spec(self, labels: str) -> PartitionSpec:
+    axes = {"b": self.batch, "n": self.heads, "k": self.heads}
+    entries = []
+    for letter in labels:
+      got = axes.get(letter, ())
+      entries.append(None if not got else (got[0] if len(got) == 1 else got))
+    return PartitionSpec(*entries)
+
+  def sharding(self, call: _Call, name: str, shape) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(_labels(call, name, shape)))
+
+
+def _plan(mesh, q_shape, kv_heads: int, q_spec) -> _Plan:
+  """Reads the batch and head sharding off the query's spec; checks GQA groups."""
+  spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
+  batch, heads = _mesh_axes(spec[0]), _mesh_axes(spec[2])
+  head_shards = math.prod(mesh.shape[a] for a in heads)
+  q_heads = q_shape[2]
+  if kv_heads % head_shards:
+    raise ValueError(
+        f"fa4_jax.attention: the query heads are sharded {head_shards} ways "
+        f"(mesh axes {heads}), which splits grouped-query attention groups: "
+        f"{q_heads} query heads share {kv_heads} key/value heads "
+        f"({q_heads // kv_heads} per group), and each device must hold whole "
+        f"groups, so the number of head shards must divide {kv_heads}. Shard "
+        "the heads over fewer devices, or replicate them.")
+  return _Plan(mesh, batch, heads)
+
+
+def _plan_from_shapes(mesh, arg_shapes) -> _Plan:
+  q, k = arg_shapes[0], arg_shapes[1]
+  return _plan(mesh, q.shape, k.shape[2], getattr(q.sharding, "spec", ()))
+
+
+def _dbias_reduce_axes(call: _Call, plan: _Plan, dbias_shape) -> tuple[str, ...]:
+  """Mesh axes to sum the bias gradient over: a bias broadcast over a sharded
+  batch or head axis gets a partial gradient on each device."""
+  if "dbias" not in call.results:
+    return ()
+  labels = _labels(call, "dbias", dbias_shape)
+  return (plan.batch if labels[0] == "1" else ()) + (plan.heads if labels[1] == "1" else ())
+
+
+def _per_device(call: _Call, reduce_axes):
+  """The backend on one device's shard, with the bias gradient summed."""
+
+  def run(*arrays):
+    results = _call_backend(call, *arrays)
+    if reduce_axes:
+      results = results[:-1] + (jax.lax.psum(results[-1], reduce_axes),)
+    return results
+
+  return run
+
+
+def _partition(call: _Call, mesh, arg_shapes, result_shapes):
+  """custom_partitioning callback: shardings wanted, and the per-device call."""
+  plan = _plan_from_shapes(mesh, arg_shapes)
+  arg_shardings = tuple(plan.sharding(call, n, a.shape)
+                        for n, a in zip(call.operands, arg_shapes))
+  result_shardings = tuple(plan.sharding(call, n, r.shape)
+                           for n, r in zip(call.results, result_shapes))
+  reduce_axes = _dbias_reduce_axes(call, plan, result_shapes[-1].shape)
+  return mesh, _per_device(call, reduce_axes), result_shardings, arg_shardings
+
+
+def _infer_result_shardings(call: _Call, mesh, arg_shapes, result_shapes):
+  """Result shardings from the operands' (GSPMD partitioner only)."""
+  plan = _plan_from_shapes(mesh, arg_shapes)
+  return tuple(plan.sharding(call, n, r.shape)
+               for n, r in zip(call.results, result_shapes))
+
+
+_partitioned = custom_partitioning(_call_backend, static_argnums=(0,))
+_partitioned.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer_result_shardings,
+    sharding_rule=_sharding_rule)
