@@ -1,6 +1,14 @@
 """Shared fixtures. Everything here runs on a machine without a GPU."""
 
-import jax
+import os
+
+# The GPU interpreter runs each warpgroup (and warp) as its own XLA CPU
+# computation that blocks in barrier waits; XLA's CPU thread pool, sized by
+# NPROC (default: the core count), must hold them all at once or a kernel
+# deadlocks at random on a 2-core machine. Set before any backend starts.
+os.environ.setdefault("NPROC", "32")
+
+import jax  # noqa: E402
 import pytest
 
 from fa4_jax import testing

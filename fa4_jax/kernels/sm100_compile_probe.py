@@ -1,0 +1,125 @@
+"""Compile the sm_100 forward kernel to PTX and SASS without a Blackwell GPU.
+
+Mosaic GPU compiles a kernel inside the CUDA plugin, for the compute
+capability the CUDA driver reports (`cuDeviceGetAttribute`); no environment
+variable changes that target. On a machine with any NVIDIA GPU (an H100 here)
+this probe preloads a tiny shim that makes the driver report 10.0, so the
+plugin lowers and assembles the kernel for sm_100a and, with the
+`MOSAIC_GPU_DUMP_*` variables, leaves the PTX, the ptxas report and the SASS
+in a folder. Running the cubin then fails (it is not H100 code): expected.
+
+    python -m fa4_jax.kernels.sm100_compile_probe OUT_DIR
+
+Not used by the library; a tool for checking the Blackwell kernel where no
+Blackwell GPU is available. The dump folder's `*.ptxas` / `*.resources.txt`
+are the register, spill, SMEM and TMEM facts for sm_100a.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+# Preloaded into the probe process: wraps the driver's cuDeviceGetAttribute
+# (however it is looked up: dlsym or cuGetProcAddress) so that the compute
+# capability reads 10.0. Everything else passes through.
+_SHIM_SOURCE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <string.h>
+typedef int CUresult;
+typedef int CUdevice;
+#define CC_MAJOR 75  /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR */
+#define CC_MINOR 76  /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR */
+static CUresult (*real_attr)(int*, int, CUdevice);
+static CUresult fake_attr(int* v, int attr, CUdevice d) {
+  CUresult r = real_attr(v, attr, d);
+  if (r == 0 && attr == CC_MAJOR) *v = 10;
+  if (r == 0 && attr == CC_MINOR) *v = 0;
+  return r;
+}
+static CUresult (*real_gpa)(const char*, void**, int, unsigned long long);
+static CUresult (*real_gpa2)(const char*, void**, int, unsigned long long, void*);
+static void* wrap(const char* name, void* p) {
+  if (p && strcmp(name, "cuDeviceGetAttribute") == 0) { real_attr = p; return (void*)fake_attr; }
+  return p;
+}
+static CUresult fake_gpa(const char* s, void** f, int v, unsigned long long fl) {
+  CUresult r = real_gpa(s, f, v, fl); if (r == 0) *f = wrap(s, *f); return r;
+}
+static CUresult fake_gpa2(const char* s, void** f, int v, unsigned long long fl, void* st) {
+  CUresult r = real_gpa2(s, f, v, fl, st); if (r == 0) *f = wrap(s, *f); return r;
+}
+void* dlsym(void* h, const char* name) {
+  static void* (*real_dlsym)(void*, const char*);
+  if (!real_dlsym) real_dlsym = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+  void* p = real_dlsym(h, name);
+  if (!p) return p;
+  if (strcmp(name, "cuGetProcAddress") == 0) { real_gpa = p; return (void*)fake_gpa; }
+  if (strcmp(name, "cuGetProcAddress_v2") == 0) { real_gpa2 = p; return (void*)fake_gpa2; }
+  return wrap(name, p);
+}
+"""
+
+
+def build_shim(out_dir: pathlib.Path) -> pathlib.Path:
+  src = out_dir / "cc100_shim.c"
+  lib = out_dir / "cc100_shim.so"
+  src.write_text(_SHIM_SOURCE)
+  cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+  if cc is None:
+    raise RuntimeError("no C compiler on PATH to build the shim")
+  subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src), "-ldl"], check=True)
+  return lib
+
+
+def _compile_in_this_process(dump_dir: str) -> None:
+  """Runs in the child (shim preloaded): trace, lower, compile the kernel."""
+  import jax
+  import jax.numpy as jnp
+
+  from fa4_jax.kernels import sm100_forward
+  from fa4_jax.masks import MaskSpec
+
+  print("device:", jax.devices()[0], "compute_capability:",
+        getattr(jax.devices()[0], "compute_capability", None), flush=True)
+  for head_dim, causal in ((64, False), (128, True), (256, False)):
+    shape = (1, 512, 2, head_dim)
+    q = jnp.zeros(shape, jnp.bfloat16)
+    lengths = jnp.full((1,), 512, jnp.int32)
+    fn = jax.jit(lambda q, k, v, a, b, causal=causal: sm100_forward.forward(
+        q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None)))
+    try:
+      jax.block_until_ready(fn(q, q, q, lengths, lengths))
+      print(f"head_dim={head_dim}: ran (unexpected on a non-Blackwell GPU)", flush=True)
+    except Exception as e:  # the sm_100a cubin cannot load on this GPU
+      print(f"head_dim={head_dim}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+  print("dumped:", sorted(os.listdir(dump_dir)), flush=True)
+
+
+def main(out: str) -> int:
+  out_dir = pathlib.Path(out).resolve()
+  dump_dir = out_dir / "mosaic_dump"
+  dump_dir.mkdir(parents=True, exist_ok=True)
+  shim = build_shim(out_dir)
+  env = dict(os.environ)
+  cuda_bins = [p for p in ("/usr/local/cuda/bin",) if os.path.isdir(p)]
+  env.update(
+      LD_PRELOAD=str(shim),
+      PATH=os.pathsep.join([*cuda_bins, env.get("PATH", "")]),  # nvdisasm for SASS
+      MOSAIC_GPU_DUMP_PTX="1",
+      MOSAIC_GPU_DUMP_PTXAS="1",
+      MOSAIC_GPU_DUMP_SASS="1",
+      MOSAIC_GPU_DUMP_RESOURCES="1",
+      MOSAIC_GPU_DUMP_TO=str(dump_dir),
+  )
+  code = (f"from fa4_jax.kernels import sm100_compile_probe as p; "
+          f"p._compile_in_this_process({str(dump_dir)!r})")
+  return subprocess.run([sys.executable, "-c", code], env=env).returncode
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "sm100_probe_out"))

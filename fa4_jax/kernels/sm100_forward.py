@@ -1,0 +1,742 @@
+"""Blackwell (sm_100) attention forward: the FA4 pipeline in Pallas Mosaic GPU.
+
+One CTA owns `num_q_tiles` (2, or 1 for head_dim 256) query tiles of 128 rows
+of one (batch, head) and walks the key/value blocks that those rows can see.
+Accumulators live in tensor memory (TMEM); warpgroups specialise:
+
+    wg 0 .. nq-1   softmax of Q tile i: S_i (TMEM) -> P_i (TMEM, over S_i),
+                   running max / sum, rescale factor for the correction wg.
+    wg nq          correction: rescales O_i in TMEM when a row's max grew
+                   past `RESCALE_THRESHOLD` (exact: P is computed against the
+                   same stale max), then the epilogue O / l and the LSE.
+    wg nq+1        warp 0: TMA loads (Q once, K and V into a ring of slots);
+                   warp 1: issues every tcgen05 MMA (one thread).
+
+MMA order per key block n (two Q tiles), as in the reference `SM100MHA2Q`:
+
+    S0 = Q0 K_n^T,  O1 += P1 V_(n-1),  S1 = Q1 K_n^T,  O0 += P0 V_n
+
+so two MMAs separate the production of S_i from the consumption of P_i and
+the softmax of one tile overlaps the tensor core's work on the other. K is
+fed k-major (K^T of a row-major tile), V mn-major, P straight from TMEM.
+
+Every barrier is declared once in `ForwardBarriers` with its arrival count;
+kernels use its producer_* / consumer_* accessors, never a raw barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.masks import MaskSpec
+
+# Hardware limits of one sm_100 SM.
+TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
+SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
+
+BLOCK_Q = 128  # rows of one Q tile = TMEM lanes = threads of a warpgroup
+# A row's running max is only raised (and O rescaled) when the new max beats
+# it by more than this many powers of two; below that P may reach 2**8, which
+# bf16/f16 and the f32 sums hold exactly enough. The result is exact either way.
+RESCALE_THRESHOLD = 8.0
+# Columns of O handled at once by the correction warpgroup (rescale) and by
+# the epilogue: bounds its register use.
+RESCALE_CHUNK = 32
+EPILOGUE_CHUNK = 64
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+# TMEM loads in the 32x32b shape: thread t of the warpgroup owns row t, so row
+# reductions need no shuffles.
+_ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
+_ROW_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)
+# The epilogue reads O in the 16x256b shape instead: Mosaic GPU can store
+# that layout into swizzled SMEM for the TMA (it cannot store the 32x32b one).
+_EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
+_EPILOGUE_VECTOR_LAYOUT = plgpu.Layout.TCGEN05.reduce(1)
+
+
+# ---------------------------------------------------------------------------
+# Static configuration: tile sizes, SMEM and TMEM budgets.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  head_dim: int
+  dtype: jnp.dtype
+  block_kv: int  # keys per K/V block
+  num_q_tiles: int  # Q tiles (of BLOCK_Q rows) per CTA, one softmax wg each
+  num_kv_stages: int  # slots of the K ring and of the V ring
+
+  @property
+  def rows_per_cta(self) -> int:
+    return BLOCK_Q * self.num_q_tiles
+
+  # --- TMEM plan (columns of 32 bits, all 128 lanes) ---
+  #   S_i : block_kv columns (f32 scores), one per Q tile
+  #   P_i : aliases S_i (bf16/f16 packed two per column: block_kv / 2)
+  #   O_i : head_dim columns (f32 accumulator), one per Q tile
+  def tmem_plan(self) -> dict[str, int]:
+    plan = {}
+    for i in range(self.num_q_tiles):
+      plan[f"S{i}/P{i}"] = self.block_kv
+    for i in range(self.num_q_tiles):
+      plan[f"O{i}"] = self.head_dim
+    return plan
+
+  def tmem_columns(self) -> int:
+    return sum(self.tmem_plan().values())
+
+  # --- SMEM plan (bytes) ---
+  def smem_bytes(self) -> int:
+    item = jnp.dtype(self.dtype).itemsize
+    q = self.num_q_tiles * BLOCK_Q * self.head_dim * item  # Q, later O
+    kv = 2 * self.num_kv_stages * self.block_kv * self.head_dim * item
+    row_vectors = self.num_q_tiles * 4 * BLOCK_Q * 4  # alpha, m, l, lse
+    barriers = 1024  # generous: < 40 mbarriers of 8 bytes, plus alignment
+    return q + kv + row_vectors + barriers
+
+  def check_budgets(self) -> None:
+    cols = self.tmem_columns()
+    assert cols <= TMEM_COLUMNS, (
+        f"TMEM plan {self.tmem_plan()} needs {cols} columns, more than the"
+        f" {TMEM_COLUMNS} of an sm_100 SM (head_dim={self.head_dim},"
+        f" block_kv={self.block_kv}, num_q_tiles={self.num_q_tiles})"
+    )
+    smem = self.smem_bytes()
+    assert smem <= SMEM_BYTES, (
+        f"SMEM plan needs about {smem} bytes, more than {SMEM_BYTES}"
+        f" (head_dim={self.head_dim}, block_kv={self.block_kv},"
+        f" num_kv_stages={self.num_kv_stages})"
+    )
+
+
+def tile_config(head_dim: int, dtype) -> TileConfig:
+  """The tiling for a head dimension (checked against TMEM and SMEM)."""
+  if head_dim == 64:
+    cfg = TileConfig(head_dim, jnp.dtype(dtype), block_kv=128, num_q_tiles=2, num_kv_stages=3)
+  elif head_dim == 128:
+    cfg = TileConfig(head_dim, jnp.dtype(dtype), block_kv=128, num_q_tiles=2, num_kv_stages=2)
+  elif head_dim == 256:
+    # Two O tiles of 256 columns would fill all of TMEM: one Q tile per CTA.
+    cfg = TileConfig(head_dim, jnp.dtype(dtype), block_kv=64, num_q_tiles=1, num_kv_stages=2)
+  else:
+    raise KernelUnsupported(
+        f"sm100 forward: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {head_dim}"
+    )
+  cfg.check_budgets()
+  return cfg
+
+
+# Registers per thread of each role, by number of Q tiles: the sum over the
+# warpgroups must stay within 512 (64K registers / 128 threads per warpgroup).
+# Softmax holds a row of S and of P; the correction and load/MMA roles little.
+REGISTERS = {
+    2: {"softmax": (192, "increase"), "correction": (80, "decrease"),
+        "load_mma": (48, "decrease")},
+    1: {"softmax": (208, "increase"), "correction": (200, "increase"),
+        "load_mma": (104, "decrease")},
+}
+for _nq, _roles in REGISTERS.items():
+  _total = _roles["softmax"][0] * _nq + _roles["correction"][0] + _roles["load_mma"][0]
+  assert _total <= 512, f"register plan for {_nq} Q tiles uses {_total} > 512 per lane"
+
+
+# ---------------------------------------------------------------------------
+# Barriers: all of them, with their arrival counts, in one place.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Waiter:
+  """The waiting side of a barrier (one lap per call)."""
+
+  ref: object
+
+  def wait(self) -> None:
+    plgpu.barrier_wait(self.ref)
+
+
+class ForwardBarriers:
+  """Every mbarrier of the forward kernel (cf. the reference `Depth512MBars`).
+
+  name        count        arrivals  tensor-core  producer -> consumer
+  q_full      num_q_tiles  1 (TMA)   no           load warp -> MMA warp
+  k_full      stages       1 (TMA)   no           load warp -> MMA warp
+  k_free      stages       1 (MMA)   yes          MMA warp (commit) -> load warp
+  v_full      stages       1 (TMA)   no           load warp -> MMA warp
+  v_free      stages       1 (MMA)   yes          MMA warp (commit) -> load warp
+  s_full      num_q_tiles  1 (MMA)   yes          MMA warp (S_i done) -> softmax_i
+  po_ready    num_q_tiles  2         yes          softmax_i (P_i in TMEM) +
+                                                  correction (O_i rescaled) -> MMA
+  o_done      num_q_tiles  1 (MMA)   yes          MMA warp (O_i += P_i V) -> correction,
+                                                  and -> MMA warp (before S_i is rewritten)
+  c_full      num_q_tiles  1         no           softmax_i (row factors in SMEM) -> correction
+  c_free      num_q_tiles  1         no           correction (factors read) -> softmax_i
+
+  S_i needs no "free" barrier of its own: P_i overwrites S_i (same TMEM
+  columns), and the MMA warp issues the next S_i MMA only after the P_i V MMA
+  completed (it waits on o_done too). That wait is needed: tcgen05 MMAs of
+  one thread are only ordered among themselves when they share the
+  accumulator, and S_i = Q K^T and O_i += P_i V do not.
+  """
+
+  SPECS = {
+      # name: (arrivals, orders_tensor_core, per "tile" or per "stage")
+      "q_full": (1, False, "tile"),
+      "k_full": (1, False, "stage"),
+      "k_free": (1, True, "stage"),
+      "v_full": (1, False, "stage"),
+      "v_free": (1, True, "stage"),
+      "s_full": (1, True, "tile"),
+      "po_ready": (2, True, "tile"),
+      "o_done": (1, True, "tile"),
+      "c_full": (1, False, "tile"),
+      "c_free": (1, False, "tile"),
+  }
+
+  def __init__(self, cfg: TileConfig, refs: dict):
+    self.cfg = cfg
+    self._refs = refs
+    # Pallas' GPU interpreter wants every waiter to observe every phase of a
+    # barrier before the kernel ends; hardware does not. The drain_* methods
+    # below wait out those last phases only when interpreting (the one place
+    # this kernel decides that).
+    self._drain = is_interpreting()
+
+  @staticmethod
+  def scratch_types(cfg: TileConfig) -> dict:
+    types = {}
+    for name, (arrivals, orders_tc, per) in ForwardBarriers.SPECS.items():
+      count = cfg.num_q_tiles if per == "tile" else cfg.num_kv_stages
+      types[name] = plgpu.Barrier(
+          num_arrivals=arrivals, num_barriers=count, orders_tensor_core=orders_tc
+      )
+    return types
+
+  def _at(self, name, index):
+    return self._refs[name].at[index]
+
+  # Q (load warp -> MMA warp), loaded once per CTA.
+  def producer_q(self, i):
+    """TMA barrier of Q tile i (pass to copy_gmem_to_smem)."""
+    return self._at("q_full", i)
+
+  def consumer_q(self, i) -> _Waiter:
+    return _Waiter(self._at("q_full", i))
+
+  # K and V rings (load warp <-> MMA warp).
+  def producer_k_acquire(self, slot) -> None:
+    """Load warp: wait until the MMAs that read this K slot completed."""
+    plgpu.barrier_wait(self._at("k_free", slot))
+
+  def producer_k(self, slot):
+    """TMA barrier of a K slot."""
+    return self._at("k_full", slot)
+
+  def consumer_k(self, slot) -> _Waiter:
+    return _Waiter(self._at("k_full", slot))
+
+  def consumer_k_release(self, slot) -> None:
+    """MMA warp: the slot is free once every MMA issued so far completed."""
+    plgpu.tcgen05_commit_arrive(self._at("k_free", slot))
+
+  def producer_v_acquire(self, slot) -> None:
+    plgpu.barrier_wait(self._at("v_free", slot))
+
+  def producer_v(self, slot):
+    return self._at("v_full", slot)
+
+  def consumer_v(self, slot) -> _Waiter:
+    return _Waiter(self._at("v_full", slot))
+
+  def consumer_v_release(self, slot) -> None:
+    plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
+
+  # S_i (MMA warp -> softmax_i).
+  def producer_s_acquire(self, i) -> None:
+    """MMA warp: the previous O_i += P_i V completed, so P_i (in S_i's
+    columns) has been read and S_i may be overwritten."""
+    plgpu.barrier_wait(self._at("o_done", i))
+
+  def producer_s(self, i):
+    """Barrier the S_i MMA arrives on when it completes."""
+    return self._at("s_full", i)
+
+  def consumer_s(self, i) -> _Waiter:
+    return _Waiter(self._at("s_full", i))
+
+  # P_i and O_i: the P_i V MMA needs P_i written *and* O_i rescaled.
+  def producer_p_commit(self, i) -> None:
+    """Softmax_i: P_i is in TMEM (after commit_tmem). One of two arrivals."""
+    plgpu.barrier_arrive(self._at("po_ready", i))
+
+  def producer_o_acquire(self, i) -> None:
+    """MMA warp: wait for P_i and for the correction of O_i."""
+    plgpu.barrier_wait(self._at("po_ready", i))
+
+  def producer_o(self, i):
+    """Barrier the O_i += P_i V MMA arrives on when it completes."""
+    return self._at("o_done", i)
+
+  def consumer_o(self, i) -> _Waiter:
+    """Correction: O_i holds every P V product issued so far."""
+    return _Waiter(self._at("o_done", i))
+
+  def consumer_o_release(self, i) -> None:
+    """Correction: O_i rescaled (or left alone). One of two arrivals."""
+    plgpu.barrier_arrive(self._at("po_ready", i))
+
+  # Interpreter-only drains of the last phases (see __init__).
+  def drain_kv_rings(self, num_steps) -> None:
+    """Load warp: observe the k_free / v_free phases of the last lap."""
+    if not self._drain:
+      return
+    stages = self.cfg.num_kv_stages
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(n):
+      slot = _rem(n, stages)
+      self.producer_k_acquire(slot)
+      self.producer_v_acquire(slot)
+
+  def drain_o(self, i) -> None:
+    """MMA warp: observe the o_done phase of the last P_i V MMA."""
+    if self._drain:
+      self.producer_s_acquire(i)
+
+  def drain_c(self, i) -> None:
+    """Softmax_i: observe the correction's release of the final statistics."""
+    if self._drain:
+      self.producer_c_acquire(i)
+
+  # Row factors (softmax_i -> correction) through SMEM.
+  def producer_c_acquire(self, i) -> None:
+    plgpu.barrier_wait(self._at("c_free", i))
+
+  def producer_c_commit(self, i) -> None:
+    plgpu.barrier_arrive(self._at("c_full", i))
+
+  def consumer_c(self, i) -> _Waiter:
+    return _Waiter(self._at("c_full", i))
+
+  def consumer_c_release(self, i) -> None:
+    plgpu.barrier_arrive(self._at("c_free", i))
+
+
+# ---------------------------------------------------------------------------
+# The kernel.
+# ---------------------------------------------------------------------------
+
+
+def _smem_transforms(dtype, minor_dim: int):
+  swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _rem(x, n: int):
+  return lax.rem(x, jnp.asarray(n, x.dtype))
+
+
+def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
+                  num_kv_heads, scale: float, mask: MaskSpec):
+  """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
+  whose true extents are tq, tk (rows/keys past them are padding)."""
+  nq = cfg.num_q_tiles
+  bn = cfg.block_kv
+  stages = cfg.num_kv_stages
+  dtype = cfg.dtype
+  head_dim = cfg.head_dim
+  group = num_q_heads // num_kv_heads
+  num_q_ctas = pl.cdiv(tq_pad, cfg.rows_per_cta)
+  scale_log2 = scale * LOG2_E
+
+  SOFTMAX_WGS = tuple(range(nq))
+  CORRECTION_WG = nq
+  LOAD_MMA_WG = nq + 1
+  LOAD_WARP, MMA_WARP = 0, 1
+
+  def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
+             q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
+             sp_tmem, o_tmem, barrier_refs):
+    bars = ForwardBarriers(cfg, barrier_refs)
+    wg = lax.axis_index("wg")
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    kv_h = lax.div(h, jnp.asarray(group, h.dtype))
+    row0 = lax.axis_index("q_chunk") * cfg.rows_per_cta
+
+    # Run-time lengths, clamped to the array extents.
+    q_len = jnp.minimum(q_len_ref[b], tq)
+    kv_len = jnp.minimum(kv_len_ref[b], tk)
+
+    # Key blocks any row of this CTA may see: [blk_lo, blk_lo + num_steps).
+    cta_rows_hi = jnp.minimum(row0 + cfg.rows_per_cta, q_len)
+    blk_lo, blk_hi = mask.key_block_range(row0, cta_rows_hi, kv_len, bn)
+    blk_lo = jnp.asarray(blk_lo, jnp.int32)
+    num_steps = jnp.where(cta_rows_hi > row0, jnp.maximum(blk_hi - blk_lo, 0), 0)
+    num_steps = num_steps.astype(jnp.int32)
+
+    def tile_rows(i):
+      return row0 + i * BLOCK_Q
+
+    def s_tmem(i):
+      return sp_tmem[i][0]
+
+    def p_tmem(i):
+      return sp_tmem[i][1]
+
+    # ----------------------------- load warp -----------------------------
+    def load_warp():
+      @pl.when(num_steps > 0)
+      def _():
+        for i in range(nq):
+          plgpu.copy_gmem_to_smem(
+              q_ref.at[b, pl.ds(tile_rows(i), BLOCK_Q), h],
+              q_smem.at[i],
+              bars.producer_q(i),
+          )
+
+      @pl.loop(0, num_steps)
+      def _(n):
+        slot = _rem(n, stages)
+        keys = pl.ds((blk_lo + n) * bn, bn)
+
+        @pl.when(n >= stages)
+        def _():
+          bars.producer_k_acquire(slot)
+
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_h], k_smem.at[slot], bars.producer_k(slot))
+
+        @pl.when(n >= stages)
+        def _():
+          bars.producer_v_acquire(slot)
+
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_h], v_smem.at[slot], bars.producer_v(slot))
+
+      bars.drain_kv_rings(num_steps)
+
+    # ----------------------------- MMA warp ------------------------------
+    def mma_warp():
+      def s_mma(i, n, k_t):
+        """S_i = Q_i K_n^T, once P_i of the previous block has been consumed."""
+        @pl.when(n > 0)
+        def _():
+          bars.producer_s_acquire(i)
+
+        plgpu.tcgen05_mma(s_tmem(i), q_smem.at[i], k_t, bars.producer_s(i), accumulate=False)
+
+      def pv_mma(i, n):
+        """O_i += P_i V_n (overwrite at n == 0)."""
+        bars.producer_o_acquire(i)
+        plgpu.tcgen05_mma(
+            o_tmem[i], p_tmem(i), v_smem.at[_rem(n, stages)],
+            bars.producer_o(i), accumulate=n > 0,
+        )
+
+      @pl.when(num_steps > 0)
+      def _():
+        for i in range(nq):
+          bars.consumer_q(i).wait()
+
+        @pl.loop(0, num_steps)
+        def _(n):
+          slot = _rem(n, stages)
+          k_t = k_smem.at[slot].T  # k-major B operand
+          bars.consumer_k(slot).wait()
+          s_mma(0, n, k_t)
+          if nq == 2:
+            @pl.when(n > 0)
+            def _():
+              pv_mma(1, n - 1)
+              bars.consumer_v_release(_rem(n - 1, stages))  # V_(n-1) read by both tiles
+
+            s_mma(1, n, k_t)
+          bars.consumer_k_release(slot)
+          bars.consumer_v(slot).wait()
+          pv_mma(0, n)
+          if nq == 1:
+            bars.consumer_v_release(slot)
+
+        if nq == 2:
+          last = num_steps - 1
+          pv_mma(1, last)
+          bars.consumer_v_release(_rem(last, stages))
+        for i in range(nq):
+          bars.drain_o(i)
+
+    # ----------------------------- softmax -------------------------------
+    def softmax_wg(i):
+      r_lo = tile_rows(i)
+
+      def masked_scores(s, k_lo):
+        rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + r_lo
+        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + k_lo
+        ok = mask.visible(rows, cols) & (cols < kv_len) & (rows < q_len)
+        return jnp.where(ok, s, -jnp.inf)
+
+      def step(n, carry):
+        m_run, l_run = carry  # log2-scaled running max, running sum
+        k_lo = (blk_lo + n) * bn
+        bars.consumer_s(i).wait()
+        s = plgpu.async_load_tmem(s_tmem(i), layout=_ROW_LAYOUT)
+        # Element masks only where the block straddles a mask/length edge.
+        needs_no_mask = (
+            mask.tile_is_full(r_lo, r_lo + BLOCK_Q, k_lo, k_lo + bn)
+            & (k_lo + bn <= kv_len)
+            & (r_lo + BLOCK_Q <= q_len)
+        )
+        s = lax.cond(needs_no_mask, lambda s: s, lambda s: masked_scores(s, k_lo), s)
+        m_new = jnp.maximum(m_run, s.max(axis=1) * scale_log2)
+        # Raise the max only when it grew past the threshold (or was -inf).
+        m_use = jnp.where(m_new - m_run > RESCALE_THRESHOLD, m_new, m_run)
+        alpha = jnp.where(m_use > m_run, jnp.exp2(m_run - m_use), 1.0)
+        m_base = jnp.where(m_use == -jnp.inf, 0.0, m_use)
+        p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_base, s.shape, [0]))
+        l_run = l_run * alpha + p.sum(axis=1)
+        plgpu.wait_load_tmem()  # S_i fully read before P_i overwrites it
+        plgpu.async_store_tmem(p_tmem(i), p.astype(dtype))
+        plgpu.commit_tmem()
+        # Hand the row factors to the correction warpgroup.
+        @pl.when(n > 0)
+        def _():
+          bars.producer_c_acquire(i)
+
+        alpha_smem[i] = alpha
+        bars.producer_c_commit(i)
+        bars.producer_p_commit(i)
+        return m_use, l_run
+
+      @pl.when(num_steps > 0)
+      def _():
+        init = (
+            plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), _ROW_VECTOR_LAYOUT),
+            plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), _ROW_VECTOR_LAYOUT),
+        )
+        m_run, l_run = lax.fori_loop(0, num_steps, step, init)
+        # Final statistics for the epilogue, through the same hand-off.
+        bars.producer_c_acquire(i)
+        m_smem[i] = m_run
+        l_smem[i] = l_run
+        bars.producer_c_commit(i)
+        bars.drain_c(i)
+
+    # ----------------------------- correction ----------------------------
+    def correction_wg():
+      def store_tile(i, o_chunk, lse):
+        """O_i (column chunk by chunk) and lse_i to GMEM through SMEM."""
+        for c in range(0, head_dim, EPILOGUE_CHUNK):
+          # Q_i is dead: every MMA reading it has completed.
+          q_smem[i, :, pl.ds(c, EPILOGUE_CHUNK)] = o_chunk(c)
+        lse_smem[i] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[i], out_ref.at[b, pl.ds(tile_rows(i), BLOCK_Q), h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[i], lse_ref.at[b, h, pl.ds(tile_rows(i), BLOCK_Q)])
+
+      @pl.when(num_steps > 0)
+      def _():
+        @pl.loop(0, num_steps)
+        def _(n):
+          for i in range(nq):
+            bars.consumer_c(i).wait()
+            alpha = plgpu.load(alpha_smem.at[i], layout=_ROW_VECTOR_LAYOUT)
+            bars.consumer_c_release(i)
+
+            @pl.when(n > 0)
+            def _():
+              bars.consumer_o(i).wait()
+
+              @pl.when(jnp.min(alpha) < 1.0)
+              def _():
+                # In column chunks, to stay within the warpgroup's registers.
+                for c in range(0, head_dim, RESCALE_CHUNK):
+                  chunk = o_tmem[i].at[:, pl.ds(c, RESCALE_CHUNK)]
+                  o = plgpu.async_load_tmem(chunk, layout=_ROW_LAYOUT)
+                  o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+                  plgpu.wait_load_tmem()
+                  plgpu.async_store_tmem(chunk, o)
+                plgpu.commit_tmem()
+
+            bars.consumer_o_release(i)
+
+        for i in range(nq):
+          bars.consumer_c(i).wait()
+          m = plgpu.load(m_smem.at[i], layout=_EPILOGUE_VECTOR_LAYOUT)
+          l = plgpu.load(l_smem.at[i], layout=_EPILOGUE_VECTOR_LAYOUT)
+          bars.consumer_c_release(i)
+          bars.consumer_o(i).wait()  # the last P_i V MMA
+          seen = l > 0.0
+          inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+          lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN_2, -jnp.inf)
+
+          def normalized(c, i=i, inv_l=inv_l):
+            o = plgpu.async_load_tmem(
+                o_tmem[i].at[:, pl.ds(c, EPILOGUE_CHUNK)], layout=_EPILOGUE_LAYOUT)
+            return (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(dtype)
+
+          store_tile(i, normalized, lse)
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(num_steps == 0)
+      def _():
+        # No row of this CTA sees a key: zeros and lse = -inf.
+        for i in range(nq):
+          zeros = lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), dtype)
+          minus_inf = jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32)
+          store_tile(i, zeros, minus_inf)
+        plgpu.wait_smem_to_gmem(0)
+
+    # ----------------------------- dispatch ------------------------------
+    def set_registers(role):
+      if is_interpreting():
+        return  # the interpreter has no register file
+      n, action = REGISTERS[nq][role]
+      plgpu.set_max_registers(n, action=action)
+
+    for i in SOFTMAX_WGS:
+      @pl.when(wg == i)
+      def _():
+        set_registers("softmax")
+        softmax_wg(i)
+
+    @pl.when(wg == CORRECTION_WG)
+    def _():
+      set_registers("correction")
+      correction_wg()
+
+    @pl.when(wg == LOAD_MMA_WG)
+    def _():
+      set_registers("load_mma")
+      @plgpu.warp_map
+      def _(warp):
+        @pl.when(warp == LOAD_WARP)
+        def _():
+          load_warp()
+
+        @pl.when(warp == MMA_WARP)
+        def _():
+          mma_warp()
+
+  item = jnp.dtype(dtype)
+  tf = _smem_transforms(dtype, head_dim)
+  scratch = dict(
+      q_smem=plgpu.SMEM((nq, BLOCK_Q, head_dim), item, transforms=tf),
+      k_smem=plgpu.SMEM((stages, bn, head_dim), item, transforms=tf),
+      v_smem=plgpu.SMEM((stages, bn, head_dim), item, transforms=tf),
+      alpha_smem=plgpu.SMEM((nq, BLOCK_Q), jnp.float32),
+      m_smem=plgpu.SMEM((nq, BLOCK_Q), jnp.float32),
+      l_smem=plgpu.SMEM((nq, BLOCK_Q), jnp.float32),
+      lse_smem=plgpu.SMEM((nq, BLOCK_Q), jnp.float32),
+      # S_i (f32) and P_i (16-bit, two per column) share their TMEM columns.
+      sp_tmem=[
+          plgpu.RefUnion(
+              plgpu.TMEM((BLOCK_Q, bn), jnp.float32),
+              plgpu.TMEM((BLOCK_Q, bn), item, packed=True),
+          )
+          for _ in range(nq)
+      ],
+      o_tmem=[plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32) for _ in range(nq)],
+      barrier_refs=ForwardBarriers.scratch_types(cfg),
+  )
+  del tk_pad  # the K/V extents come with the arrays
+  out_types = (
+      jax.ShapeDtypeStruct((batch, tq_pad, num_q_heads, head_dim), item),
+      jax.ShapeDtypeStruct((batch, num_q_heads, tq_pad), jnp.float32),
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=out_types,
+      grid=(num_q_heads, num_q_ctas, batch),
+      grid_names=("heads", "q_chunk", "batch"),
+      num_threads=nq + 2,
+      thread_name="wg",
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Public entry points (see fa4_jax/kernels/__init__.py for the contract).
+# ---------------------------------------------------------------------------
+
+
+def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
+  if len(q_shape) != 4 or len(k_shape) != 4:
+    raise KernelUnsupported(
+        f"sm100 forward: q and k must be [B, T, N, D], got {q_shape} and {k_shape}")
+  b, tq, nq, d = q_shape
+  bk, tk, nkv, dk = k_shape
+  if b != bk or d != dk:
+    raise KernelUnsupported(
+        f"sm100 forward: q {q_shape} and k {k_shape} disagree on batch or head_dim")
+  if nkv == 0 or nq % nkv:
+    raise KernelUnsupported(
+        f"sm100 forward: query heads ({nq}) must be a multiple of key/value heads ({nkv})")
+  if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
+    raise KernelUnsupported(
+        f"sm100 forward: dtype must be bfloat16 or float16, got {jnp.dtype(dtype)}")
+  if d not in _SUPPORTED_HEAD_DIMS:
+    raise KernelUnsupported(
+        f"sm100 forward: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {d}")
+  if tq == 0 or tk == 0:
+    raise KernelUnsupported("sm100 forward: empty sequences are not supported")
+  if b > 65535:
+    raise KernelUnsupported(f"sm100 forward: batch {b} exceeds the grid limit 65535")
+  if not isinstance(mask, MaskSpec):
+    raise KernelUnsupported(f"sm100 forward: mask must be a MaskSpec, got {type(mask)}")
+  tile_config(d, dtype)
+
+
+def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec):
+  check_supported(q.shape, k.shape, q.dtype, mask)
+  if k.dtype != q.dtype or v.dtype != q.dtype or v.shape != k.shape:
+    raise KernelUnsupported(
+        f"sm100 forward: q, k, v must share a dtype and k, v a shape; got"
+        f" {q.dtype}{q.shape}, {k.dtype}{k.shape}, {v.dtype}{v.shape}")
+  if not scale > 0:
+    raise KernelUnsupported(f"sm100 forward: scale must be positive, got {scale}")
+  b, tq, nq, d = q.shape
+  _, tk, nkv, _ = k.shape
+  if q_lengths is None:
+    q_lengths = jnp.full((b,), tq, jnp.int32)
+  if kv_lengths is None:
+    kv_lengths = jnp.full((b,), tk, jnp.int32)
+  cfg = tile_config(d, q.dtype)
+  # Tiled TMA copies need the sequence extents to be multiples of 8 rows (and
+  # the f32 LSE rows 16-byte aligned). Other lengths are padded here, a copy
+  # only for such odd lengths; the padding is masked (lengths are clamped to
+  # the true extents) and sliced off. Blocks past the end are left to TMA.
+  tq_pad, tk_pad = _round_up(tq, _ROW_ALIGN), _round_up(tk, _ROW_ALIGN)
+  if tq_pad != tq:
+    q = jnp.pad(q, ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
+  if tk_pad != tk:
+    k = jnp.pad(k, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
+  call = _build_kernel(
+      cfg, batch=b, tq=tq, tk=tk, tq_pad=tq_pad, tk_pad=tk_pad, num_q_heads=nq,
+      num_kv_heads=nkv, scale=float(scale), mask=mask)
+  out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32))
+  if tq_pad != tq:
+    out, lse = out[:, :tq], lse[:, :, :tq]
+  return out, lse
+
+
+_ROW_ALIGN = 8
+
+
+def _round_up(x: int, m: int) -> int:
+  return (x + m - 1) // m * m

@@ -1,0 +1,218 @@
+"""The Blackwell (sm_100) forward kernel, checked without a Blackwell GPU.
+
+* Interpretation: the kernel runs in Pallas' GPU interpreter with the race
+  detector on (TMEM, SMEM, barriers, tcgen05 MMAs simulated) and must match
+  `jax.nn.dot_product_attention(implementation="xla")` in f32 on the upcast
+  inputs, within bf16 tolerance, with no data race.
+* Cross-lowering: the kernel is lowered for sm_100 on the CPU; the module must
+  use tcgen05 MMAs (P read from TMEM), TMEM loads/stores/allocation, and fit
+  the shared-memory and tensor-memory budgets.
+"""
+
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import sm100_forward
+from fa4_jax.masks import MaskSpec
+
+BF16_ATOL = 2e-2
+LSE_ATOL = 1e-3
+
+
+def _inputs(b, t, s, n, nkv, d, dtype, seed=0, key_growth=0.0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float32)
+  k = jax.random.normal(kk, (b, s, nkv, d), jnp.float32)
+  if key_growth:
+    # Logits that grow along the keys force the running max up block after
+    # block, so the correction warpgroup must rescale O.
+    k = k * (1.0 + key_growth * jnp.arange(s)[None, :, None, None] / s)
+  v = jax.random.normal(kv, (b, s, nkv, d), jnp.float32)
+  return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+CASES = {
+    # name: (B, Tq, Tk, Nq, Nkv, D, causal, window, q_lengths, kv_lengths, dtype)
+    "dense_d64": (1, 256, 256, 1, 1, 64, False, None, None, None, jnp.bfloat16),
+    "causal_ragged_tails": (1, 200, 300, 1, 1, 64, True, None, None, None, jnp.bfloat16),
+    "more_queries_than_keys": (1, 300, 200, 1, 1, 64, False, None, None, None, jnp.bfloat16),
+    "causal_two_ctas_skip_blocks": (1, 512, 512, 1, 1, 64, True, None, None, None, jnp.bfloat16),
+    "window_left_right": (1, 256, 384, 1, 1, 64, False, (64, 32), None, None, jnp.bfloat16),
+    "causal_sliding_window": (1, 384, 384, 1, 1, 64, True, (100, 0), None, None, jnp.bfloat16),
+    "seq_lengths": (2, 256, 256, 1, 1, 64, False, None, [100, 256], [256, 77], jnp.bfloat16),
+    "rows_that_see_nothing": (2, 256, 256, 1, 1, 64, True, None, [256, 0], [0, 130], jnp.bfloat16),
+    "gqa_causal": (1, 128, 256, 4, 2, 64, True, None, None, None, jnp.bfloat16),
+    "mqa": (1, 128, 128, 3, 1, 64, False, None, None, None, jnp.bfloat16),
+    "head_dim_128_causal": (1, 256, 256, 1, 1, 128, True, None, None, None, jnp.bfloat16),
+    "head_dim_256_causal": (1, 128, 192, 1, 1, 256, True, None, None, None, jnp.bfloat16),
+    "head_dim_256_ragged": (1, 130, 100, 2, 1, 256, False, None, None, None, jnp.bfloat16),
+    "float16": (1, 256, 256, 1, 1, 64, False, None, None, None, jnp.float16),
+}
+
+
+def _check_against_xla(q, k, v, out, lse, *, causal, window, q_lengths, kv_lengths, scale):
+  b, t, n, _ = q.shape
+  s = k.shape[1]
+  qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+  ql = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
+  kl = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+  expected = jax.nn.dot_product_attention(
+      qf, kf, vf, scale=scale, is_causal=causal, local_window_size=window,
+      query_seq_lengths=ql, key_value_seq_lengths=kl, implementation="xla")
+  visible = reference.visible_mask(
+      t, s, is_causal=causal, window=window, q_lengths=q_lengths,
+      kv_lengths=kv_lengths, batch=b)
+  sees = reference.rows_seeing_keys(visible, n)  # [B, T, N, 1]
+  # Rows that see no key: jax.nn's value there is arbitrary, ours is zero.
+  expected = jnp.where(sees > 0, expected, 0.0)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=BF16_ATOL, rtol=BF16_ATOL)
+  _, expected_lse = reference.einsum_attention(q, k, v, visible, scale=scale)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(expected_lse))
+  finite = np.isfinite(expected_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite], atol=LSE_ATOL, rtol=LSE_ATOL)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreted_kernel_matches_xla_without_races(name, run_interpreted):
+  b, t, s, n, nkv, d, causal, window, q_lengths, kv_lengths, dtype = CASES[name]
+  q, k, v = _inputs(b, t, s, n, nkv, d, dtype)
+  scale = 1.0 / np.sqrt(d)
+  mask = MaskSpec.from_arguments(causal, window)
+  ql = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
+  kl = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+  out, lse = run_interpreted(
+      lambda q, k, v: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=mask), q, k, v)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (b, n, t) and lse.dtype == jnp.float32
+  _check_against_xla(q, k, v, out, lse, causal=causal, window=window,
+                     q_lengths=q_lengths, kv_lengths=kv_lengths, scale=scale)
+
+
+def test_growing_logits_take_the_rescale_path(run_interpreted):
+  """The row max grows by ~2**265 across the key blocks: without rescaling O
+  in TMEM (correction warpgroup) P would overflow f32, so a correct result
+  means the rescale path ran (and, with its threshold, stayed exact)."""
+  q, k, v = _inputs(1, 256, 512, 1, 1, 64, jnp.bfloat16, seed=3, key_growth=14.0)
+  scale = 0.5
+  out, lse = run_interpreted(
+      lambda q, k, v: sm100_forward.forward(q, k, v, None, None, scale=scale, mask=MaskSpec()), q, k, v)
+  _check_against_xla(q, k, v, out, lse, causal=False, window=None,
+                     q_lengths=None, kv_lengths=None, scale=scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_tmem_plan_fits_512_columns(head_dim):
+  cfg = sm100_forward.tile_config(head_dim, jnp.bfloat16)
+  # S_i/P_i share columns; O_i has head_dim columns.
+  assert cfg.tmem_columns() == cfg.num_q_tiles * (cfg.block_kv + head_dim)
+  assert cfg.tmem_columns() <= sm100_forward.TMEM_COLUMNS
+
+
+def test_tmem_budget_is_asserted():
+  too_big = sm100_forward.TileConfig(256, jnp.dtype(jnp.bfloat16), block_kv=128,
+                                     num_q_tiles=2, num_kv_stages=1)
+  with pytest.raises(AssertionError, match="TMEM plan"):
+    too_big.check_budgets()
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, dtype, match",
+    [
+        ((1, 128, 2, 96), (1, 128, 2, 96), jnp.bfloat16, "head_dim"),
+        ((1, 128, 2, 64), (1, 128, 2, 64), jnp.float32, "dtype"),
+        ((1, 128, 3, 64), (1, 128, 2, 64), jnp.bfloat16, "multiple"),
+    ],
+)
+def test_unsupported_arguments_are_rejected(q_shape, k_shape, dtype, match):
+  with pytest.raises(KernelUnsupported, match=match):
+    sm100_forward.check_supported(q_shape, k_shape, dtype, MaskSpec())
+
+
+@pytest.mark.parametrize("head_dim, causal, tq, tk", [
+    (64, False, 1024, 1024),
+    (128, True, 1024, 1024),
+    (256, False, 1024, 1024),
+    # Odd extents: tiled TMA needs multiples of 8 rows, which the interpreter
+    # does not check; the wrapper pads them.
+    (128, True, 130, 301),
+])
+def test_cross_lowers_for_sm100_with_tcgen05_and_tmem(head_dim, causal, tq, tk, cross_lower):
+  q_spec = jax.ShapeDtypeStruct((2, tq, 4, head_dim), jnp.bfloat16)
+  kv_spec = jax.ShapeDtypeStruct((2, tk, 2, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  mask = MaskSpec.from_arguments(causal, None)
+  lowered = cross_lower(
+      lambda q, k, v, a, b: sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask),
+      q_spec, kv_spec, kv_spec, lengths, lengths, arch="sm_100")
+  assert len(lowered.modules) == 1
+  for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st",
+                      "tcgen05.alloc", "tcgen05.commit", "cp.async.bulk.tensor",
+                      "mbarrier.try_wait.parity"):
+    assert lowered.has(instruction), instruction
+  # P V reads P from TMEM: the A operand is a TMEM address ("[a]"), not a
+  # shared-memory descriptor.
+  assert lowered.has("kind::f16 [$0], [a_desc]")
+  assert 0 < lowered.max_smem_bytes <= sm100_forward.SMEM_BYTES
+  # One allocation of at most the 512 TMEM columns.
+  module = lowered.modules[0]
+  assert "%c512_i32" in module.split("tcgen05.alloc")[1][:300]
+
+
+# --- Compiling for sm_100a --------------------------------------------------
+# The stock CPU wheels cannot turn a Mosaic GPU module into PTX (the lowering
+# passes live in the CUDA plugin, which compiles for the GPU it finds). On a
+# machine with any NVIDIA GPU, `fa4_jax.kernels.sm100_compile_probe` makes the
+# driver report compute capability 10.0 and collects the sm_100a PTX, the
+# ptxas report and the resources. ptxas alone (CUDA >= 12.8) assembles sm_100a.
+
+_PTXAS = shutil.which("ptxas")
+
+
+@pytest.mark.skipif(_PTXAS is None, reason="ptxas (CUDA toolkit >= 12.8) is not on PATH")
+def test_sm100a_has_no_fused_tmem_load_reduce(tmp_path):
+  """Why the softmax computes its row max after the TMEM load instead of with
+  `async_load_tmem(reduce="max")`: ptxas rejects `tcgen05.ld.red` on sm_100a
+  (it exists on sm_103a), so that form would not compile for B200/GB200."""
+  ptx = tmp_path / "red.ptx"
+  ptx.write_text(
+      ".version 8.8\n.target sm_100a\n.address_size 64\n"
+      ".visible .entry k(.param .u32 a) {\n .reg .b32 r<3>;\n .reg .f32 m;\n"
+      " ld.param.u32 r0, [a];\n"
+      " tcgen05.ld.red.sync.aligned.32x32b.x2.max.NaN.f32 {r1, r2}, m, [r0];\n"
+      " tcgen05.wait::ld.sync.aligned;\n ret;\n}\n")
+  result = subprocess.run([_PTXAS, "-arch=sm_100a", str(ptx), "-o", str(tmp_path / "red.cubin")],
+                          capture_output=True, text=True)
+  if "Unsupported .version" in result.stderr or "not defined for" in result.stderr:
+    pytest.skip(f"ptxas too old for PTX 8.8 / sm_100a: {result.stderr.strip()[:200]}")
+  assert result.returncode != 0
+  assert "tcgen05.ld.red" in result.stderr
+
+
+def _has_cuda_gpu() -> bool:
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+@pytest.mark.skipif(not _has_cuda_gpu(), reason="needs a CUDA GPU (any) with the jax CUDA plugin; "
+                    "the plugin compiles Mosaic GPU modules only for a present device")
+@pytest.mark.skipif(_PTXAS is None, reason="ptxas is not on PATH")
+def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
+  from fa4_jax.kernels import sm100_compile_probe
+
+  assert sm100_compile_probe.main(str(tmp_path)) == 0
+  dump = tmp_path / "mosaic_dump"
+  ptx_files = sorted(dump.glob("*.ptx"))
+  assert len(ptx_files) == 3  # head_dim 64, 128, 256
+  for ptx in ptx_files:
+    assert ".target sm_100a" in ptx.read_text()
+    cubin = tmp_path / (ptx.stem + ".cubin")
+    subprocess.run([_PTXAS, "-arch=sm_100a", str(ptx), "-o", str(cubin)], check=True)
