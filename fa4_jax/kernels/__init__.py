@@ -22,3 +22,34 @@ kv_lengths, *, scale, mask) -> (dq, dk, dv)` with the same conventions.
 
 class KernelUnsupported(ValueError):
   """A kernel cannot serve these arguments (shape, dtype, mask, device)."""
+
+
+def check_common(kernel: str, q_shape, k_shape, dtype, mask) -> tuple[int, int, int, int, int, int]:
+  """The checks every kernel makes; returns (B, Tq, Tk, Nq, Nkv, D).
+
+  `kernel` names the kernel in messages ("sm90 forward", ...). Kernel-specific
+  limits (head dims, grid sizes) stay in each kernel's `check_supported`.
+  """
+  import jax.numpy as jnp
+
+  from fa4_jax.masks import MaskSpec
+
+  if len(q_shape) != 4 or len(k_shape) != 4:
+    raise KernelUnsupported(
+        f"{kernel}: q and k must be [batch, seq, heads, head_dim]; got q {q_shape}, k {k_shape}")
+  b, tq, nq, d = q_shape
+  bk, tk, nkv, dk = k_shape
+  if b != bk:
+    raise KernelUnsupported(f"{kernel}: q and k batch sizes differ: {b} vs {bk}")
+  if d != dk:
+    raise KernelUnsupported(f"{kernel}: q and k head dims differ: {d} vs {dk}")
+  if nkv == 0 or nq % nkv:
+    raise KernelUnsupported(
+        f"{kernel}: number of query heads ({nq}) must be a multiple of key/value heads ({nkv})")
+  if tq == 0 or tk == 0:
+    raise KernelUnsupported(f"{kernel}: empty sequences are not supported")
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise KernelUnsupported(f"{kernel}: dtype must be bfloat16 or float16; got {jnp.dtype(dtype)}")
+  if not isinstance(mask, MaskSpec):
+    raise KernelUnsupported(f"{kernel}: mask must be a MaskSpec; got {type(mask).__name__}")
+  return b, tq, tk, nq, nkv, d

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.masks import MaskSpec
 
 # Hardware limits of one sm_100 SM.
@@ -55,7 +55,6 @@ EPILOGUE_CHUNK = 64
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 # TMEM loads in the 32x32b shape: thread t of the warpgroup owns row t, so row
@@ -675,29 +674,12 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
 
 
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
-  if len(q_shape) != 4 or len(k_shape) != 4:
-    raise KernelUnsupported(
-        f"sm100 forward: q and k must be [B, T, N, D], got {q_shape} and {k_shape}")
-  b, tq, nq, d = q_shape
-  bk, tk, nkv, dk = k_shape
-  if b != bk or d != dk:
-    raise KernelUnsupported(
-        f"sm100 forward: q {q_shape} and k {k_shape} disagree on batch or head_dim")
-  if nkv == 0 or nq % nkv:
-    raise KernelUnsupported(
-        f"sm100 forward: query heads ({nq}) must be a multiple of key/value heads ({nkv})")
-  if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
-    raise KernelUnsupported(
-        f"sm100 forward: dtype must be bfloat16 or float16, got {jnp.dtype(dtype)}")
+  b, _, _, _, _, d = check_common("sm100 forward", q_shape, k_shape, dtype, mask)
   if d not in _SUPPORTED_HEAD_DIMS:
     raise KernelUnsupported(
         f"sm100 forward: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {d}")
-  if tq == 0 or tk == 0:
-    raise KernelUnsupported("sm100 forward: empty sequences are not supported")
   if b > 65535:
     raise KernelUnsupported(f"sm100 forward: batch {b} exceeds the grid limit 65535")
-  if not isinstance(mask, MaskSpec):
-    raise KernelUnsupported(f"sm100 forward: mask must be a MaskSpec, got {type(mask)}")
   tile_config(d, dtype)
 
 

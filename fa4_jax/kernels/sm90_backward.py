@@ -60,13 +60,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.pipeline import OneShotBuffer, SlotRing, fori
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
 from fa4_jax.masks import MaskSpec, cdiv
 
 LOG2_E = math.log2(math.e)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
 # at head_dim 256 that alone is the whole register file of a warpgroup.
 MAX_HEAD_DIM = 128
@@ -130,27 +129,12 @@ def all_configs() -> list[tuple[int, BackwardConfig]]:
 
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   """Raises KernelUnsupported when the fused backward cannot serve the call."""
-  if len(q_shape) != 4 or len(k_shape) != 4:
-    raise KernelUnsupported(
-        f"q and k must be [batch, seq, heads, head_dim]; got q {q_shape}, k {k_shape}")
-  b, _, nq, d = q_shape
-  bk, _, nkv, dk = k_shape
-  if b != bk:
-    raise KernelUnsupported(f"q and k batch sizes differ: {b} vs {bk}")
-  if d != dk:
-    raise KernelUnsupported(f"q and k head dims differ: {d} vs {dk}")
-  if nkv == 0 or nq % nkv:
-    raise KernelUnsupported(
-        f"number of query heads ({nq}) must be a multiple of key/value heads ({nkv})")
+  d = check_common("sm90 backward", q_shape, k_shape, dtype, mask)[-1]
   if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
     raise KernelUnsupported(
-        f"the sm90 backward supports head_dim a multiple of 16 in [16, {MAX_HEAD_DIM}]; "
+        f"sm90 backward: head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; "
         f"got {d} (dK and dV of a 64-key tile would not fit in registers; the XLA "
         "backward serves it)")
-  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    raise KernelUnsupported(f"dtype must be bfloat16 or float16; got {jnp.dtype(dtype)}")
-  if not isinstance(mask, MaskSpec):
-    raise KernelUnsupported(f"mask must be a MaskSpec; got {type(mask).__name__}")
 
 
 # --- barriers ------------------------------------------------------------------

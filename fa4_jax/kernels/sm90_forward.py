@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.pipeline import OneShotBuffer, Rendezvous, SlotRing, fori
 from fa4_jax.masks import MaskSpec, cdiv
 
@@ -66,7 +66,6 @@ RESCALE_THRESHOLD = 8.0
 M_INIT = -1e30
 # Hopper: 227 KiB of dynamic shared memory per block.
 SMEM_LIMIT_BYTES = 232448
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256
 
 
@@ -137,25 +136,10 @@ def all_configs() -> list[tuple[int, ForwardConfig]]:
 
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   """Raises KernelUnsupported when this kernel cannot serve the call."""
-  if len(q_shape) != 4 or len(k_shape) != 4:
-    raise KernelUnsupported(
-        f"q and k must be [batch, seq, heads, head_dim]; got q {q_shape}, k {k_shape}")
-  b, _, nq, d = q_shape
-  bk, _, nkv, dk = k_shape
-  if b != bk:
-    raise KernelUnsupported(f"q and k batch sizes differ: {b} vs {bk}")
-  if d != dk:
-    raise KernelUnsupported(f"q and k head dims differ: {d} vs {dk}")
-  if nkv == 0 or nq % nkv:
-    raise KernelUnsupported(
-        f"number of query heads ({nq}) must be a multiple of key/value heads ({nkv})")
+  d = check_common("sm90 forward", q_shape, k_shape, dtype, mask)[-1]
   if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
     raise KernelUnsupported(
-        f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; got {d}")
-  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    raise KernelUnsupported(f"dtype must be bfloat16 or float16; got {jnp.dtype(dtype)}")
-  if not isinstance(mask, MaskSpec):
-    raise KernelUnsupported(f"mask must be a MaskSpec; got {type(mask).__name__}")
+        f"sm90 forward: head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; got {d}")
 
 
 @dataclasses.dataclass(frozen=True)
