@@ -38,10 +38,16 @@ def cross_lower():
 
 @pytest.fixture
 def host_devices():
-  """The forced CPU devices, for sharding tests."""
-  devices = jax.devices("cpu")
+  """The forced CPU devices, for sharding tests.
+
+  Meshes are built from the default backend's devices, so these tests need
+  the CPU to be the default: on a one-GPU machine they are skipped (run them
+  there with JAX_PLATFORMS=cpu).
+  """
+  devices = jax.devices()
   if len(devices) < HOST_DEVICES:
-    pytest.skip(f"needs {HOST_DEVICES} host devices; JAX started with {len(devices)}")
+    pytest.skip(f"needs {HOST_DEVICES} devices of the default backend; "
+                f"{devices[0].platform} has {len(devices)} (try JAX_PLATFORMS=cpu)")
   return devices
 
 
