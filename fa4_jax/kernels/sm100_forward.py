@@ -652,9 +652,14 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
       barrier_refs=ForwardBarriers.scratch_types(cfg),
   )
   del tk_pad  # the K/V extents come with the arrays
+  # LSE rows go out in 1-D TMA boxes along the sequence, its contiguous axis.
+  # On an H100 the sm90 kernel's LSE came back wrong where such a box ran past
+  # the end (the interpreter clips it correctly), so the LSE output covers
+  # whole CTAs here too and `forward` slices it.
+  lse_seq = _round_up(tq_pad, cfg.rows_per_cta)
   out_types = (
       jax.ShapeDtypeStruct((batch, tq_pad, num_q_heads, head_dim), item),
-      jax.ShapeDtypeStruct((batch, num_q_heads, tq_pad), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
       kernel,
@@ -712,9 +717,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec):
       cfg, batch=b, tq=tq, tk=tk, tq_pad=tq_pad, tk_pad=tk_pad, num_q_heads=nq,
       num_kv_heads=nkv, scale=float(scale), mask=mask)
   out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32))
-  if tq_pad != tq:
-    out, lse = out[:, :tq], lse[:, :, :tq]
-  return out, lse
+  return out[:, :tq], lse[:, :, :tq]
 
 
 _ROW_ALIGN = 8
