@@ -61,7 +61,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.kernels.pipeline import OneShotBuffer, SlotRing, fori
+from fa4_jax.kernels.pipeline import OneShotBuffer, SlotRing, fori, sequence_lengths
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
 from fa4_jax.masks import MaskSpec, cdiv
 
@@ -391,12 +391,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
     kv_head = lax.axis_index("heads")
     batch_idx = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
-    q_len = jnp.int32(q_seq)
-    if has_q_lengths:
-      q_len = jnp.clip(q_len_ref[batch_idx], 0, q_seq)
-    kv_len = jnp.int32(kv_valid)
-    if has_kv_lengths:
-      kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
+    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
 
     cta_k_lo = tile * (nc * bk)
     cta = q_tile_ranges(mask, cta_k_lo, cta_k_lo + nc * bk, q_len, kv_len, bq)
@@ -537,12 +532,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
     if heavy_last:
       tile = num_q_tiles - 1 - tile
     kv_head = lax.div(head, jnp.int32(group))
-    q_len = jnp.int32(q_seq)
-    if has_q_lengths:
-      q_len = jnp.clip(q_len_ref[batch_idx], 0, q_seq)
-    kv_len = jnp.int32(kv_valid)
-    if has_kv_lengths:
-      kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
+    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
 
     cta_q_lo = tile * (nc * bq)
     cta = kv_tile_ranges(mask, cta_q_lo, cta_q_lo + nc * bq, q_len, kv_len, bk)

@@ -54,7 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.kernels.pipeline import OneShotBuffer, Rendezvous, SlotRing, fori
+from fa4_jax.kernels.pipeline import OneShotBuffer, Rendezvous, SlotRing, fori, sequence_lengths
 from fa4_jax.masks import MaskSpec, cdiv
 
 LOG2_E = math.log2(math.e)
@@ -316,12 +316,7 @@ def _build_kernel(
     def geometry(t):
       """Everything about work item t both roles agree on."""
       batch_idx, head, tile = tile_coords(t)
-      q_len = jnp.int32(q_seq)
-      if has_q_lengths:
-        q_len = jnp.clip(q_len_ref[batch_idx], 0, q_seq)
-      kv_len = jnp.int32(kv_valid)  # keys past it are padding
-      if has_kv_lengths:
-        kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
+      q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
       cta_q_lo = tile * cfg.block_q_cta
       blocks = kv_tile_ranges(mask, cta_q_lo, cta_q_lo + cfg.block_q_cta, q_len, kv_len, bk)
       # The producer loads KV blocks [lo, hi) for the whole CTA tile.
