@@ -7,10 +7,11 @@ each query block a loop walks only the key blocks the mask lets it see
 (causal and windowed masks skip whole blocks), keeping an online softmax
 (running max `m`, running sum `l`, unnormalized output `acc`) in float32.
 
-The backward recomputes probabilities from the saved log-sum-exp, in two
-passes so that every gradient is written by exactly one loop (deterministic,
-no scatter-add): one over query blocks for dQ (and the bias gradient), one
-over key blocks for dK and dV (summed over the query heads of a GQA group).
+The backward recomputes probabilities from the saved log-sum-exp once per
+visible (query block, key block) pair, walking key blocks in order: dK and dV
+of a block are summed in its loop (over the query heads of a GQA group too),
+while dQ and the bias gradient are carried whole in float32 and updated in a
+fixed order, so gradients are deterministic without scatter-adds.
 
 Layout inside this module: queries grouped by KV head,
 q [B, T, K, G, D] with N = K * G query heads, k/v [B, S, K, D].
@@ -272,51 +273,40 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout, *,
     dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
     return probs, probs * (dp - stats(delta, qb))
 
-  # Pass 1: dQ (and dbias), one query block at a time.
-  dbias_shape = None if p.bias is None else p.bias.shape
-
-  def dq_block(dbias_acc, qb):
-    q_blk, do_blk = p.q_block(p.q, qb), p.q_block(do, qb)
-
-    def step(kb, carry):
-      dq, dbias_acc = carry
-      k_blk = p.k_block(p.k, kb)
-      _, ds = probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, p.k_block(p.v, kb))
-      dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(p.k.dtype), k_blk,
-                           preferred_element_type=jnp.float32)
-      if dbias_acc is not None:
-        dbias_acc = _accumulate_pair(dbias_acc, ds, qb * bq, kb * bk)
-      return dq, dbias_acc
-
-    lo, hi = p.key_blocks_for(qb)
-    dq0 = jnp.zeros((bsz, bq, kh, g, d), jnp.float32)
-    dq, dbias_acc = lax.fori_loop(lo, hi, step, (dq0, dbias_acc))
-    return dbias_acc, (dq * scale).astype(q.dtype)
-
-  dbias0 = None if dbias_shape is None else jnp.zeros(dbias_shape, jnp.float32)
-  dbias, dq = lax.scan(dq_block, dbias0, jnp.arange(p.num_q_blocks))
-  dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(bsz, tp, nh, d)[:, :p.t]
-
-  # Pass 2: dK and dV, one key block at a time (GQA groups summed here).
-  def dkv_block(kb):
+  # One pass over key blocks; for each, the query blocks that see it. dK and
+  # dV of the block are summed in the loop (GQA groups included); dQ and the
+  # bias gradient are carried whole, in f32, and added to slice by slice in a
+  # fixed order, so the result is deterministic without a second pass that
+  # would recompute the probabilities.
+  def dkv_block(carry, kb):
     k_blk, v_blk = p.k_block(p.k, kb), p.k_block(p.v, kb)
 
-    def step(qb, carry):
-      dk, dv = carry
+    def step(qb, inner):
+      dk, dv, dq_acc, dbias_acc = inner
       q_blk, do_blk = p.q_block(p.q, qb), p.q_block(do, qb)
       probs, ds = probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, v_blk)
       dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", probs.astype(do.dtype), do_blk,
                            preferred_element_type=jnp.float32)
-      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(p.q.dtype), q_blk,
+      ds_in = ds.astype(p.q.dtype)
+      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds_in, q_blk,
                            preferred_element_type=jnp.float32)
-      return dk, dv
+      dq_blk = jnp.einsum("bkgqs,bskd->bqkgd", ds_in, k_blk,
+                          preferred_element_type=jnp.float32)
+      dq_acc = lax.dynamic_update_slice_in_dim(
+          dq_acc, p.q_block(dq_acc, qb) + dq_blk, qb * bq, axis=1)
+      if dbias_acc is not None:
+        dbias_acc = _accumulate_pair(dbias_acc, ds, qb * bq, kb * bk)
+      return dk, dv, dq_acc, dbias_acc
 
     lo, hi = p.query_blocks_for(kb)
     zeros = jnp.zeros((bsz, bk, kh, d), jnp.float32)
-    dk, dv = lax.fori_loop(lo, hi, step, (zeros, zeros))
-    return (dk * scale).astype(k.dtype), dv.astype(v.dtype)
+    dk, dv, dq_acc, dbias_acc = lax.fori_loop(lo, hi, step, (zeros, zeros, *carry))
+    return (dq_acc, dbias_acc), ((dk * scale).astype(k.dtype), dv.astype(v.dtype))
 
-  dk, dv = lax.map(dkv_block, jnp.arange(p.num_k_blocks))
+  dq0 = jnp.zeros(p.q.shape, jnp.float32)
+  dbias0 = None if p.bias is None else jnp.zeros(p.bias.shape, jnp.float32)
+  (dq, dbias), (dk, dv) = lax.scan(dkv_block, (dq0, dbias0), jnp.arange(p.num_k_blocks))
+  dq = (dq * scale).astype(q.dtype).reshape(bsz, tp, nh, d)[:, :p.t]
   unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(bsz, -1, kh, d)[:, :p.s]
   dk, dv = unblock(dk), unblock(dv)
 
