@@ -1,0 +1,48 @@
+"""benchmarks/sweep.py: the CPU check end to end, and the GPU sweep's skipping."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SWEEP = REPO / "benchmarks" / "sweep.py"
+
+
+def test_cpu_check_quick_writes_results(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, str(SWEEP), "--quick", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=180)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "No GPU here" in run.stdout  # it says it is not the GPU sweep
+
+  (json_path,) = tmp_path.glob("sweep-cpu-check-*.json")
+  assert list(tmp_path.glob("sweep-cpu-check-*.md"))
+  assert list(tmp_path.glob("sweep-cpu-check-*.png"))
+  result = json.loads(json_path.read_text())
+  assert result["mode"] == "cpu-check"
+  assert result["device"].startswith("cpu") and result["jax"] and result["date"]
+  assert len(result["rows"]) >= 4
+  for row in result["rows"]:
+    assert row["fa4_jax_served_by"] == "xla"
+    for impl in ("fa4_jax", "jax.nn xla"):
+      for pass_name in ("forward", "fwd+bwd"):
+        entry = row[impl][pass_name]
+        assert entry["max_err"] < 1e-4, (row["case"], impl, pass_name, entry)
+        assert entry["ms"] > 0
+
+
+def test_gpu_sweep_skips_instead_of_crashing():
+  """The GPU code path on the CPU, with a wall-clock timer: cuDNN is refused
+  here and a tiny memory limit stops everything else; both become skips."""
+  sys.path.insert(0, str(SWEEP.parent))
+  import sweep
+
+  case = sweep.Case(B=1, S=128, Hq=2, Hkv=1, D=64, causal=True)
+  (row,) = sweep.gpu_sweep([case], timer=lambda f, *a: sweep.wall_ms(f, a, 1),
+                           memory_limit=1024)
+  for pass_name in sweep.PASSES:
+    assert row["cudnn"][pass_name]["skipped"].startswith("refused")
+    assert row["fa4_jax"][pass_name]["skipped"].startswith("out of memory")
+  assert "skipped (refused)" in sweep.gpu_markdown([row])
