@@ -136,8 +136,3 @@ def select(implementation: str | None, call: CallInfo) -> Backend:
     if major == _KERNEL_ARCH_MAJOR[name] and _kernel_problem(name, call) is None:
       return _kernel_backend(name)
   return XLA
-
-
-def resolve(implementation: str | None, call: CallInfo) -> str:
-  """The name of the implementation `select` would use (for users and tests)."""
-  return select(implementation, call).name
