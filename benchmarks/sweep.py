@@ -385,6 +385,11 @@ def write(out_dir, stem, meta, markdown, plots):
     fh.write(f"# {meta['title']}\n\n- Device: {meta['device']}\n- jax {meta['jax']}, "
              f"{meta['date']}, commit {meta['commit']}\n- Method: {meta['method']}\n\n{markdown}\n")
   written.append(path)
+  try:
+    import matplotlib  # noqa: F401  (optional: pip install -e '.[flax]' or '.[test]')
+  except ImportError:
+    print("matplotlib is not installed: no plots written (JSON and Markdown only)")
+    plots = []
   for rows, impls, key, unit, title, suffix in plots:
     path = os.path.join(out_dir, stem + suffix + ".png")
     plot(rows, impls, key, unit, title, path)
