@@ -41,6 +41,8 @@ from fa4_jax import xla_attention  # noqa: E402
 from fa4_jax.kernels import sm90_backward  # noqa: E402
 from fa4_jax.masks import MaskSpec  # noqa: E402
 
+import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
+
 ITERATIONS = 10
 
 # (name, B, S, Hq, Hkv, D, causal, window_left, check errors)
@@ -167,10 +169,7 @@ def main():
     rows.append(row)
 
   date = datetime.date.today().isoformat()
-  kind = device.device_kind.replace(" ", "_")
-  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"backward-{kind}-{date}.json")
+  path = bench_common.result_path("backward", device.device_kind)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
               method=f"CUPTI kernel time, median of {ITERATIONS}; FLOPs 2.5x forward",
               rows=rows)

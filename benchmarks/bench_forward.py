@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fa4_jax.kernels import sm90_forward  # noqa: E402
 from fa4_jax.masks import MaskSpec  # noqa: E402
 
+import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
+
 ITERATIONS = 10
 
 # (name, B, S, Hq, Hkv, D, causal, window_left)
@@ -152,10 +154,7 @@ def main():
     rows.append(row)
 
   date = datetime.date.today().isoformat()
-  kind = device.device_kind.replace(" ", "_")
-  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"forward-{kind}-{date}.json")
+  path = bench_common.result_path("forward", device.device_kind)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
               method=f"CUPTI kernel time, median of {ITERATIONS}", rows=rows)
   with open(path, "w") as fh:

@@ -26,14 +26,10 @@ OUT is set) and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
-import numpy as np
 
 if "--quick" in sys.argv and "jax" not in sys.modules:
   # A smoke run on the CPU needs several (forced) host devices.
@@ -46,6 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
 
+import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
+
 
 def flops(b, s, h, d, causal, backward):
   forward = 4 * b * h * s * s * d / (2 if causal else 1)
@@ -54,14 +52,7 @@ def flops(b, s, h, d, causal, backward):
 
 def timed(fn, args, warmup, repeats):
   """Median seconds of fn(*args), after warm-up calls (compilation included there)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return bench_common.wall_ms(fn, args, repeats, warmup) / 1e3
 
 
 def with_backward(attend):
@@ -185,10 +176,7 @@ def main():
           f"| {r['fwd_bwd_s'] * 1e3:.2f} | {r['fwd_bwd_tflops_per_device']:.1f} "
           f"| {eff('fwd_bwd_efficiency')} |")
 
-  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-  os.makedirs(out_dir, exist_ok=True)
-  name = device_kind.replace(" ", "_")
-  path = os.path.join(out_dir, f"multi-device-{name}-{datetime.date.today()}.json")
+  path = bench_common.result_path("multi-device", device_kind)
   if not args.quick:
     with open(path, "w") as f:
       json.dump(dict(device=device_kind, counts=counts, rows=rows), f, indent=1)

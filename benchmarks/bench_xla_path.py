@@ -15,13 +15,12 @@ import argparse
 import datetime
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import bench_common  # this folder is on sys.path when run as a script
 import fa4_jax
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -46,14 +45,9 @@ def measure(fn, args, repeats):
   compiled = jitted.lower(*args).compile()
   analysis = compiled.memory_analysis()
   temp = None if analysis is None else int(analysis.temp_size_in_bytes)
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
+  median_ms = bench_common.wall_ms(compiled, args, repeats)
   stats = jax.devices()[0].memory_stats() or {}
-  return {"temp_bytes": temp, "median_ms": 1e3 * statistics.median(times),
+  return {"temp_bytes": temp, "median_ms": median_ms,
           "repeats": repeats, "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
 

@@ -45,10 +45,8 @@ import math
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # the repository, for fa4_jax
@@ -58,6 +56,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fa4_jax  # noqa: E402
+
+import bench_common  # noqa: E402
 
 RESULTS_DIR = os.path.join(HERE, "results")
 
@@ -237,17 +237,6 @@ def reference_attention(q, k, v, causal):
   return jnp.einsum("bnts,bsnh->btnh", probs, v, precision="highest")
 
 
-def wall_ms(compiled, args, repeats):
-  """Median wall-clock milliseconds of a compiled call, after one warm-up."""
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
-
-
 def max_error(got, want) -> float:
   return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w))) for g, w in zip(got, want))
 
@@ -270,7 +259,7 @@ def cpu_check(cases, repeats):
         compiled = jax.jit(pass_fn(attention_fn(impl, case.causal), p)).lower(*args).compile()
         got = compiled(*args)
         got = (got,) if p == "forward" else got
-        ms = wall_ms(compiled, args, repeats)
+        ms = bench_common.wall_ms(compiled, args, repeats)
         row[impl][p] = dict(ms=ms, gflops=case.flops(p) / ms / 1e6,
                             max_err=max_error(got, reference[p]))
     print(json.dumps(row), flush=True)
