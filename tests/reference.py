@@ -1,14 +1,21 @@
 """Independent references for the tests: jax.nn and a plain f32 einsum."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fa4_jax.masks import MaskSpec
+
 
 def visible_mask(t, s, *, is_causal=False, window=None, q_lengths=None,
-                 kv_lengths=None, batch=1):
-  """[B, 1, T, S] bool: which key each query row may see, built the naive way."""
-  i = np.arange(t)[:, None]
+                 kv_lengths=None, batch=1, q_offset=0):
+  """[B, 1, T, S] bool: which key each query row may see, built the naive way.
+
+  `q_offset`: absolute position of query row 0 (causal and window bands move
+  with it; lengths count rows as they are)."""
+  i = np.arange(t)[:, None] + q_offset
   j = np.arange(s)[None, :]
   ok = np.ones((t, s), bool)
   if is_causal:
@@ -48,3 +55,39 @@ def rows_seeing_keys(visible, n_heads):
   rows = np.asarray(visible).any(-1)  # [B, 1|N, T]
   rows = np.broadcast_to(rows, (rows.shape[0], n_heads, rows.shape[2]))
   return jnp.asarray(rows.transpose(0, 2, 1)[..., None], jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+  """One kernel call: shapes, dtype and mask arguments in jax.nn terms.
+
+  Kernel test files subclass it to pick their own default sequence lengths."""
+
+  batch: int = 1
+  q_seq: int = 128
+  kv_seq: int = 128
+  q_heads: int = 1
+  kv_heads: int = 1
+  head_dim: int = 64
+  dtype: str = "bfloat16"
+  is_causal: bool = False
+  window: tuple[int, int] | None = None  # jax.nn's local_window_size
+  q_offset: int = 0  # not expressible in jax.nn: references get a bool mask
+  q_lengths: tuple[int, ...] | None = None
+  kv_lengths: tuple[int, ...] | None = None
+
+  @property
+  def mask(self) -> MaskSpec:
+    return MaskSpec.from_arguments(self.is_causal, self.window, self.q_offset)
+
+  def lengths(self):
+    """(q_lengths, kv_lengths) as int32 arrays, or None."""
+    as_array = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+    return as_array(self.q_lengths), as_array(self.kv_lengths)
+
+  def visible(self) -> np.ndarray:
+    """[B, 1, Tq, Tk]: which key each row sees, from the definitions."""
+    return visible_mask(self.q_seq, self.kv_seq, is_causal=self.is_causal,
+                        window=self.window, q_lengths=self.q_lengths,
+                        kv_lengths=self.kv_lengths, batch=self.batch,
+                        q_offset=self.q_offset)

@@ -27,31 +27,12 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_backward
 from fa4_jax.masks import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
+from reference import KernelCase
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-  """One attention call: shapes, dtype and mask arguments in jax.nn terms."""
-
-  batch: int = 1
-  q_seq: int = 128
-  kv_seq: int = 128
-  q_heads: int = 1
-  kv_heads: int = 1
-  head_dim: int = 64
-  dtype: str = "bfloat16"
-  is_causal: bool = False
-  window: tuple[int, int] | None = None  # jax.nn's local_window_size
-  q_lengths: tuple[int, ...] | None = None
-  kv_lengths: tuple[int, ...] | None = None
-
-  @property
-  def mask(self) -> MaskSpec:
-    return MaskSpec.from_arguments(self.is_causal, self.window)
-
-  def lengths(self):
-    as_array = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
-    return as_array(self.q_lengths), as_array(self.kv_lengths)
+class Case(KernelCase):
+  pass  # KernelCase's defaults: 128 queries and keys
 
 
 def _inputs(case: Case):
@@ -101,19 +82,7 @@ def _jax_nn_grads(case: Case, q, k, v, dout, scale):
 
 def _rows_seeing_keys(case: Case) -> np.ndarray:
   """[B, Tq, 1, 1]: whether each query row sees a key, from the definitions."""
-  i = np.arange(case.q_seq)[:, None]
-  j = np.arange(case.kv_seq)[None, :]
-  ok = np.ones((case.batch, case.q_seq, case.kv_seq), bool)
-  if case.is_causal:
-    ok &= j <= i
-  if case.window is not None:
-    left, right = case.window
-    ok &= (j >= i - left) & (j <= i + right)
-  if case.q_lengths is not None:
-    ok &= np.arange(case.q_seq)[None, :, None] < np.array(case.q_lengths)[:, None, None]
-  if case.kv_lengths is not None:
-    ok &= np.arange(case.kv_seq)[None, None, :] < np.array(case.kv_lengths)[:, None, None]
-  return ok.any(-1)[:, :, None, None]
+  return case.visible().any(-1)[:, 0, :, None, None]
 
 
 def _check_case(case: Case, run_interpreted):

@@ -23,28 +23,13 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward
 from fa4_jax.masks import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
+from reference import KernelCase
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-  """One attention call: shapes, dtype and mask arguments in jax.nn terms."""
-
-  batch: int = 1
+class Case(KernelCase):
   q_seq: int = 256
   kv_seq: int = 256
-  q_heads: int = 1
-  kv_heads: int = 1
-  head_dim: int = 64
-  dtype: str = "bfloat16"
-  is_causal: bool = False
-  window: tuple[int, int] | None = None  # jax.nn's local_window_size
-  q_offset: int = 0  # not expressible in jax.nn: the reference gets a bool mask
-  q_lengths: tuple[int, ...] | None = None
-  kv_lengths: tuple[int, ...] | None = None
-
-  @property
-  def mask(self) -> MaskSpec:
-    return MaskSpec.from_arguments(self.is_causal, self.window, self.q_offset)
 
 
 def _inputs(case: Case):
@@ -57,37 +42,19 @@ def _inputs(case: Case):
   return q, k, v
 
 
-def _naive_visible(case: Case) -> np.ndarray:
-  """[B, 1, Tq, Tk] which key each row sees, written out from the definitions."""
-  i = np.arange(case.q_seq)[:, None] + case.q_offset
-  j = np.arange(case.kv_seq)[None, :]
-  ok = np.ones((case.q_seq, case.kv_seq), bool)
-  if case.is_causal:
-    ok &= j <= i
-  if case.window is not None:
-    left, right = case.window
-    ok &= (j >= i - left) & (j <= i + right)
-  ok = np.broadcast_to(ok, (case.batch, 1, case.q_seq, case.kv_seq)).copy()
-  if case.q_lengths is not None:
-    ok &= np.arange(case.q_seq)[None, None, :, None] < np.array(case.q_lengths)[:, None, None, None]
-  if case.kv_lengths is not None:
-    ok &= np.arange(case.kv_seq)[None, None, None, :] < np.array(case.kv_lengths)[:, None, None, None]
-  return ok
-
-
 def _reference(case: Case, q, k, v, scale):
   """(out [B,Tq,N,D], lse [B,N,Tq]) in f32: jax.nn for out, logsumexp for lse."""
   qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
-  visible = _naive_visible(case)
+  visible = case.visible()
   if case.q_offset:
     out = jax.nn.dot_product_attention(
         qf, kf, vf, mask=jnp.asarray(visible), scale=scale, implementation="xla")
   else:
-    lengths = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+    q_len, kv_len = case.lengths()
     out = jax.nn.dot_product_attention(
         qf, kf, vf, scale=scale, is_causal=case.is_causal,
-        local_window_size=case.window, query_seq_lengths=lengths(case.q_lengths),
-        key_value_seq_lengths=lengths(case.kv_lengths), implementation="xla")
+        local_window_size=case.window, query_seq_lengths=q_len,
+        key_value_seq_lengths=kv_len, implementation="xla")
   group = case.q_heads // case.kv_heads
   logits = jnp.einsum("bqhd,bkhd->bhqk", qf, jnp.repeat(kf, group, axis=2),
                       precision="highest") * scale
@@ -98,12 +65,11 @@ def _reference(case: Case, q, k, v, scale):
 def _run_and_compare(case: Case, run_interpreted, scale=None, config=None):
   q, k, v = _inputs(case)
   scale = 1.0 / math.sqrt(case.head_dim) if scale is None else scale
-  as_lengths = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+  q_len, kv_len = case.lengths()
 
   def fn(q, k, v):
-    return sm90_forward.forward(
-        q, k, v, as_lengths(case.q_lengths), as_lengths(case.kv_lengths),
-        scale=scale, mask=case.mask, config=config)
+    return sm90_forward.forward(q, k, v, q_len, kv_len, scale=scale, mask=case.mask,
+                                config=config)
 
   out, lse = run_interpreted(fn, q, k, v)
   assert out.shape == q.shape and out.dtype == q.dtype
