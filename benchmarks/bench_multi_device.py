@@ -15,6 +15,12 @@ forward+backward (the vjp), wall clock around `jax.block_until_ready`, after
 (halved when causal) and 2.5x that for the backward. Scaling efficiency on n
 devices = time on 1 device / (n * time on n devices).
 
+Correctness rides along: every n-device run's output and dq, dk, dv (context:
+back in natural order) are compared with the 1-device run's on the same
+inputs, reported as max |difference| / max |1-device value| per tensor
+(`max_rel_diff_*`); bf16 results that differ only in summation order stay
+within a few bf16 ulps of the largest value (~1e-2).
+
 Usage (from the repository root, on a machine with several GPUs):
     python3 benchmarks/bench_multi_device.py                 # 1 and all GPUs
     python3 benchmarks/bench_multi_device.py --devices 1,2,4 --tokens 131072,262144
@@ -37,10 +43,12 @@ if "--quick" in sys.argv and "jax" not in sys.modules:
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
+import fa4_jax.context_parallel  # noqa: E402
 
 import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
 
@@ -65,6 +73,17 @@ def with_backward(attend):
   return fn
 
 
+def host_f32(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
+
+
+def max_rel_diff(got, want):
+  """Per tensor (out, dq, dk, dv): max |got - want| / max |want|."""
+  names = ("out", "dq", "dk", "dv")
+  return {f"max_rel_diff_{n}": float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30))
+          for n, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want))}
+
+
 def inputs(b, s, h, d, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), 4)
   return [jax.random.normal(kk, (b, s, h, d), dtype) for kk in keys]
@@ -82,7 +101,8 @@ def run_sharded(n, tokens, seq, heads, head_dim, dtype, shard, args):
   return dict(
       b=b, s=seq, causal=False,
       fwd_s=timed(fwd, (q, k, v), args.warmup, args.repeats),
-      fwd_bwd_s=timed(both, (q, k, v, dout), args.warmup, args.repeats))
+      fwd_bwd_s=timed(both, (q, k, v, dout), args.warmup, args.repeats)), \
+      host_f32(both(q, k, v, dout))
 
 
 def run_context(n, tokens, heads, head_dim, dtype, args):
@@ -102,10 +122,16 @@ def run_context(n, tokens, heads, head_dim, dtype, args):
         implementation=args.implementation)
   fwd = jax.jit(attend)
   both = jax.jit(with_backward(attend))
-  return dict(
+  timing = dict(
       b=1, s=tokens, causal=True,
       fwd_s=timed(fwd, (q, k, v), args.warmup, args.repeats),
       fwd_bwd_s=timed(both, (q, k, v, dout), args.warmup, args.repeats))
+  results = jax.tree.map(lambda x: np.asarray(x, np.float32), both(q, k, v, dout))
+  if n > 1:  # back to the natural order, to compare with the 1-device run
+    order = np.argsort(fa4_jax.context_parallel._balanced_chunk_order(n))
+    results = jax.tree.map(
+        lambda x: x.reshape(1, 2 * n, -1, *x.shape[2:])[:, order].reshape(x.shape), results)
+  return timing, results
 
 
 def main():
@@ -145,12 +171,13 @@ def main():
           if split % n:
             print(f"skip {case} n={n}: {split} not divisible by {n}")
             continue
-          r = run_sharded(n, tokens, args.seq, args.heads, args.head_dim, dtype, case, args)
+          r, results = run_sharded(n, tokens, args.seq, args.heads, args.head_dim,
+                                   dtype, case, args)
         else:
           if tokens % (2 * n):
             print(f"skip context n={n}: {tokens} not divisible by {2 * n}")
             continue
-          r = run_context(n, tokens, args.heads, args.head_dim, dtype, args)
+          r, results = run_context(n, tokens, args.heads, args.head_dim, dtype, args)
         r.update(case=case, devices=n, tokens=tokens, heads=args.heads,
                  head_dim=args.head_dim, dtype=args.dtype)
         for key, backward in (("fwd", False), ("fwd_bwd", True)):
@@ -158,23 +185,28 @@ def main():
           r[f"{key}_tflops"] = f / r[f"{key}_s"] / 1e12
           r[f"{key}_tflops_per_device"] = r[f"{key}_tflops"] / n
         if n == 1:
-          baseline = r
+          baseline, baseline_results = r, results
         if baseline is not None:
           for key in ("fwd", "fwd_bwd"):
             r[f"{key}_efficiency"] = baseline[f"{key}_s"] / (n * r[f"{key}_s"])
+          if n > 1:
+            r.update(max_rel_diff(results, baseline_results))
+        del results
         rows.append(r)
         print(json.dumps(r), flush=True)
 
   print(f"\n{device_kind}, H{args.heads} D{args.head_dim} {args.dtype}\n")
   print("| case | tokens | devices | fwd ms | fwd TFLOP/s/dev | eff | fwd+bwd ms "
-        "| fwd+bwd TFLOP/s/dev | eff |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "| fwd+bwd TFLOP/s/dev | eff | max rel diff vs 1 device (out, dq, dk, dv) |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  diffs = lambda r: ", ".join(
+      f"{r[k]:.1e}" for k in (f"max_rel_diff_{n}" for n in ("out", "dq", "dk", "dv")) if k in r) or "-"
   for r in rows:
     eff = lambda k: f"{r[k]:.2f}" if k in r else "-"
     print(f"| {r['case']} | {r['tokens']} | {r['devices']} | {r['fwd_s'] * 1e3:.2f} "
           f"| {r['fwd_tflops_per_device']:.1f} | {eff('fwd_efficiency')} "
           f"| {r['fwd_bwd_s'] * 1e3:.2f} | {r['fwd_bwd_tflops_per_device']:.1f} "
-          f"| {eff('fwd_bwd_efficiency')} |")
+          f"| {eff('fwd_bwd_efficiency')} | {diffs(r)} |")
 
   path = bench_common.result_path("multi-device", device_kind)
   if not args.quick:

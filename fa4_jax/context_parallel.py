@@ -37,10 +37,27 @@ around every attention call. With `load_balanced=False` device `i` holds the
 contiguous chunks `2i` and `2i + 1` (correct, but under a causal mask the last
 device does most of the work).
 
-Each (query chunk, key chunk) pair is one backend call with a static mask: a
-key chunk before the query chunk is fully visible (dense), the same chunk is
-the causal diagonal, a later chunk is skipped (no work). The backend is the
-one `fa4_jax.attention` would pick (`implementation=`), the XLA path on CPU.
+Work per ring step
+------------------
+At every step a device runs one or two backend calls with static masks and
+shapes, chosen so that no call is spent on a fully masked pair of chunks and
+each call is as large as possible (larger calls run the kernels closer to
+their peak; fewer calls mean fewer merges). With `a` this device and `d` the
+device the key/value block came from:
+
+* not causal: its queries against the whole block (dense);
+* causal, contiguous layout: step 0 the causal diagonal; later, the whole
+  block when `d < a`, nothing when `d > a`;
+* causal, load-balanced: step 0 the first query chunk against the first key
+  chunk (causal diagonal) and the second query chunk against both key chunks
+  (causal with the diagonal shifted by one chunk, `MaskSpec.q_offset`); later,
+  when `d < a` both query chunks against the block's first chunk, else the
+  second query chunk against the whole block (dense). Every step does the
+  same work, on every device.
+
+The choice between the two later cases depends on the device, so it is a
+`lax.cond` at run time. The backend is the one `fa4_jax.attention` would pick
+(`implementation=`), the XLA path on a CPU.
 """
 
 from __future__ import annotations
@@ -57,10 +74,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from fa4_jax import backends
 from fa4_jax.masks import MaskSpec
 from fa4_jax.validation import validate
-
-# What a (query chunk, key chunk) pair needs, as a lax.switch index.
-_FULL, _DIAGONAL, _SKIP = 0, 1, 2
-
 
 # ---------------------------------------------------------------------------
 # Sequence layout.
@@ -203,11 +216,11 @@ def context_parallel_attention(
         f"device must hold whole GQA groups: the {kh} key/value heads must be "
         f"divisible by {head_shards}")
 
-  chunk = t // (2 * p)
+  local = t // p  # positions per device: two chunks
   spec = args.spec  # causal or dense, q_offset 0
   block_call = backends.CallInfo(
-      q_shape=(b // batch_shards, chunk, n // head_shards, h),
-      k_shape=(b // batch_shards, chunk, kh // head_shards, h),
+      q_shape=(b // batch_shards, local, n // head_shards, h),
+      k_shape=(b // batch_shards, local, kh // head_shards, h),
       dtype=q.dtype, spec=spec, has_bias=False, has_mask=False)
   ring = _Ring(axis_name=axis_name, size=p, causal=is_causal,
                load_balanced=load_balanced, scale=args.scale,
@@ -279,145 +292,174 @@ class _Ring:
       return device, 2 * self.size - 1 - device
     return 2 * device, 2 * device + 1
 
-  def kind(self, q_chunk, k_chunk):
-    """_FULL, _DIAGONAL or _SKIP for a (query chunk, key chunk) pair."""
-    if not self.causal:
-      return _FULL
-    return jnp.where(k_chunk < q_chunk, _FULL,
-                     jnp.where(k_chunk == q_chunk, _DIAGONAL, _SKIP))
-
   def shift(self, tree):
     """Sends `tree` to the next device of the ring (i -> i + 1)."""
     perm = [(i, (i + 1) % self.size) for i in range(self.size)]
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), tree)
 
 
-_SPECS = (MaskSpec(), MaskSpec(right=0))  # by kind: _FULL (dense), _DIAGONAL (causal)
+# ---------------------------------------------------------------------------
+# Plans: which backend calls one ring step makes.
+
+_ALL, _FIRST, _SECOND = "all", 0, 1  # rows of the local queries / of the held block
 
 
-def _halves(x, axis=1):
-  c = x.shape[axis] // 2
-  return (lax.slice_in_dim(x, 0, c, axis=axis), lax.slice_in_dim(x, c, 2 * c, axis=axis))
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One backend call: some of the local query rows against some of the held
+  key/value block's rows, with a static mask."""
+
+  rows: object  # _ALL, _FIRST or _SECOND (chunk of the local queries)
+  cols: object  # _ALL, _FIRST or _SECOND (chunk of the held key/value block)
+  spec: MaskSpec
 
 
-def _pair_forward(ring: _Ring, kind, q, k, v):
-  """(out, lse) of one query chunk against one key chunk."""
-
-  def attend(spec):
-    return lambda q, k, v: ring.backend.forward(
-        q, k, v, None, None, None, None, scale=ring.scale, spec=spec)
-
-  def skip(q, k, v):
-    del k, v
-    b, c, n, _ = q.shape
-    return jnp.zeros_like(q), jnp.full((b, n, c), -jnp.inf, jnp.float32)
-
+def _first_step_plan(ring: _Ring, chunk: int) -> tuple[_Call, ...]:
+  """Step 0: the device's queries against its own key/value block."""
   if not ring.causal:
-    return attend(_SPECS[_FULL])(q, k, v)
-  return lax.switch(kind, [attend(_SPECS[_FULL]), attend(_SPECS[_DIAGONAL]), skip],
-                    q, k, v)
+    return (_Call(_ALL, _ALL, MaskSpec()),)
+  if not ring.load_balanced:  # chunks 2a, 2a+1: one causal diagonal
+    return (_Call(_ALL, _ALL, MaskSpec(right=0)),)
+  # Chunks a and 2P-1-a: chunk a sees itself causally; chunk 2P-1-a sees all
+  # of chunk a and itself causally, which is causal with the diagonal moved
+  # one chunk to the right in the [a | 2P-1-a] key layout.
+  return (_Call(_FIRST, _FIRST, MaskSpec(right=0)),
+          _Call(_SECOND, _ALL, MaskSpec(right=0, q_offset=chunk)))
 
 
-def _merge(acc, part):
-  """Merges two normalized partial results by their log-sum-exp."""
-  out_a, lse_a = acc
+def _later_step_plans(ring: _Ring) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
+  """Steps >= 1 (block from device d != a): (plan when d < a, plan when d > a)."""
+  dense = MaskSpec()
+  if not ring.causal:
+    return (_Call(_ALL, _ALL, dense),), (_Call(_ALL, _ALL, dense),)
+  if not ring.load_balanced:  # an earlier block is all visible, a later one not at all
+    return (_Call(_ALL, _ALL, dense),), ()
+  # Block chunks d and 2P-1-d. Query chunk a sees chunk d iff d < a and never
+  # chunk 2P-1-d; query chunk 2P-1-a sees chunk d always, chunk 2P-1-d iff d > a.
+  return (_Call(_ALL, _FIRST, dense),), (_Call(_SECOND, _ALL, dense),)
+
+
+def _part(x, which, axis=1):
+  """Chunk `which` (_FIRST, _SECOND) of x along `axis`, or all of it."""
+  if which == _ALL:
+    return x
+  c = x.shape[axis] // 2
+  return lax.slice_in_dim(x, which * c, (which + 1) * c, axis=axis)
+
+
+def _add_rows(total, rows, value, axis=1):
+  """total with `value` added to chunk `rows` (or all) along `axis`."""
+  if rows == _ALL:
+    return total + value
+  first, second = _part(total, _FIRST, axis), _part(total, _SECOND, axis)
+  if rows == _FIRST:
+    return jnp.concatenate([first + value, second], axis=axis)
+  return jnp.concatenate([first, second + value], axis=axis)
+
+
+def _merge(acc, part, rows):
+  """Merges a normalized partial result (out, lse) of query chunk `rows` into
+  the running one (f32 out [B,2c,N,H], lse [B,N,2c]) by log-sum-exp."""
   out_b, lse_b = part
+  out_a, lse_a = _part(acc[0], rows), _part(acc[1], rows, axis=2)
   lse = jnp.logaddexp(lse_a, lse_b)
   safe = jnp.where(lse == -jnp.inf, 0.0, lse)  # rows that saw no key yet
   weight = lambda l: jnp.exp(l - safe).transpose(0, 2, 1)[..., None]  # [B,c,N,1]
   out = weight(lse_a) * out_a + weight(lse_b) * out_b.astype(jnp.float32)
-  return out, lse
+  if rows == _ALL:
+    return out, lse
+  put = lambda whole, new, axis: jnp.concatenate(
+      [new, _part(whole, _SECOND, axis)] if rows == _FIRST
+      else [_part(whole, _FIRST, axis), new], axis=axis)
+  return put(acc[0], out, 1), put(acc[1], lse, 2)
+
+
+def _run_plan(plan, fn, state):
+  for call in plan:
+    state = fn(call, state)
+  return state
+
+
+def _by_source(ring: _Ring, step, plans, fn, state):
+  """Runs the plan for a block that came from device me - step (step >= 1)."""
+  earlier, later = plans
+  if earlier == later:
+    return _run_plan(earlier, fn, state)
+  me = lax.axis_index(ring.axis_name)
+  source = (me - step) % ring.size
+  return lax.cond(source < me, lambda s: _run_plan(earlier, fn, s),
+                  lambda s: _run_plan(later, fn, s), state)
+
+
+def _ring_steps(ring: _Ring, kv, state, work, after_work=lambda state: state):
+  """Runs the ring: at step s the block that started on device me - s is
+  held and `work(block)(call, state)` applied for each call of the step's
+  plan, while the block travels on to the next device (sent before the work,
+  so that the transfer overlaps it; the last step sends nothing). Then
+  `after_work(state)` (the backward sends the block's gradients on there)."""
+  chunk = kv[0].shape[1] // 2
+  incoming = ring.shift(kv) if ring.size > 1 else None
+  state = after_work(_run_plan(_first_step_plan(ring, chunk), work(kv), state))
+  plans = _later_step_plans(ring)
+
+  def step(carry, step_index):
+    held, state = carry
+    incoming = ring.shift(held)
+    state = _by_source(ring, step_index, plans, work(held), state)
+    return (incoming, after_work(state)), None
+
+  if ring.size > 2:
+    (incoming, state), _ = lax.scan(step, (incoming, state), jnp.arange(1, ring.size - 1))
+  if ring.size > 1:
+    state = after_work(_by_source(ring, ring.size - 1, plans, work(incoming), state))
+  return state
 
 
 def _forward(ring: _Ring, q, k, v):
   """Ring forward on one device: (out [B,2c,N,H], lse f32 [B,N,2c])."""
-  me = lax.axis_index(ring.axis_name)
-  q_halves, q_chunks = _halves(q), ring.chunks(me)
-  b, c, n, h = q_halves[0].shape
-  empty = (jnp.zeros((b, c, n, h), jnp.float32),
-           jnp.full((b, n, c), -jnp.inf, jnp.float32))
+  b, t, n, h = q.shape
 
-  def attend_block(step, kv, acc):
-    """Queries against the K/V block that started on device me - step."""
-    k_chunks = ring.chunks((me - step) % ring.size)
-    k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
-    acc = list(acc)
-    for i in range(2):
-      for j in range(2):
-        part = _pair_forward(ring, ring.kind(q_chunks[i], k_chunks[j]),
-                             q_halves[i], k_halves[j], v_halves[j])
-        acc[i] = _merge(acc[i], part)
-    return tuple(acc)
+  def attend(kv):
+    def fn(call, acc):
+      out, lse = ring.backend.forward(
+          _part(q, call.rows), _part(kv[0], call.cols), _part(kv[1], call.cols),
+          None, None, None, None, scale=ring.scale, spec=call.spec)
+      return _merge(acc, (out, lse), call.rows)
+    return fn
 
-  def step(carry, step_index):
-    kv, acc = carry
-    next_kv = ring.shift(kv)  # in flight while this block is computed
-    return (next_kv, attend_block(step_index, kv, acc)), None
-
-  (kv, acc), _ = lax.scan(step, ((k, v), (empty, empty)), jnp.arange(ring.size - 1))
-  acc = attend_block(ring.size - 1, kv, acc)  # the last block: nothing to send
-  out = jnp.concatenate([acc[0][0], acc[1][0]], axis=1).astype(q.dtype)
-  lse = jnp.concatenate([acc[0][1], acc[1][1]], axis=2)
-  return out, lse
-
-
-def _pair_backward(ring: _Ring, kind, q, k, v, out, lse, dout):
-  """(dq, dk, dv) of one query chunk against one key chunk, in float32."""
-
-  def grads(spec):
-    def run(q, k, v, out, lse, dout):
-      dq, dk, dv, _ = ring.backend.backward(
-          q, k, v, None, None, None, None, out, lse, dout, scale=ring.scale, spec=spec)
-      return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
-    return run
-
-  def skip(q, k, v, out, lse, dout):
-    del out, lse, dout
-    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
-
-  operands = (q, k, v, out, lse, dout)
-  if not ring.causal:
-    return grads(_SPECS[_FULL])(*operands)
-  return lax.switch(kind, [grads(_SPECS[_FULL]), grads(_SPECS[_DIAGONAL]), skip],
-                    *operands)
+  empty = (jnp.zeros((b, t, n, h), jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32))
+  out, lse = _ring_steps(ring, (k, v), empty, attend)
+  return out.astype(q.dtype), lse
 
 
 def _backward(ring: _Ring, q, k, v, out, lse, dout):
-  """Ring backward on one device: (dq, dk, dv) of its own shards."""
-  me = lax.axis_index(ring.axis_name)
-  q_chunks = ring.chunks(me)
-  q_h, out_h, dout_h, lse_h = _halves(q), _halves(out), _halves(dout), _halves(lse, 2)
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  """Ring backward on one device: (dq, dk, dv) of its own shards.
 
-  def grads_for_block(step, kv, dq):
-    """dq (accumulated) and this device's dk, dv contributions to the block
-    that started on device me - step."""
-    k_chunks = ring.chunks((me - step) % ring.size)
-    k_h, v_h = _halves(kv[0]), _halves(kv[1])
-    dq, dk, dv = list(dq), [zeros(k_h[0])] * 2, [zeros(v_h[0])] * 2
-    for i in range(2):
-      for j in range(2):
-        dq_ij, dk_ij, dv_ij = _pair_backward(
-            ring, ring.kind(q_chunks[i], k_chunks[j]), q_h[i], k_h[j], v_h[j],
-            out_h[i], lse_h[i], dout_h[i])
-        dq[i], dk[j], dv[j] = dq[i] + dq_ij, dk[j] + dk_ij, dv[j] + dv_ij
-    return tuple(dq), jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1)
+  The state is (dq of the local queries, dk and dv of the held block): the
+  block's gradients travel the ring with it, each device adding its part,
+  and are back on the block's owner after the last step's send.
+  """
+  f32_zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
 
-  def step(carry, step_index):
-    kv, dkv, dq = carry
-    next_kv = ring.shift(kv)  # in flight while this block is computed
-    dq, dk, dv = grads_for_block(step_index, kv, dq)
-    # The block's gradients travel with it around the ring.
-    next_dkv = ring.shift((dkv[0] + dk, dkv[1] + dv))
-    return (next_kv, next_dkv, dq), None
+  def grads(kv):
+    def fn(call, state):
+      dq, dk, dv = state
+      rows, cols = call.rows, call.cols
+      dq_c, dk_c, dv_c, _ = ring.backend.backward(
+          _part(q, rows), _part(kv[0], cols), _part(kv[1], cols), None, None, None, None,
+          _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows),
+          scale=ring.scale, spec=call.spec)
+      f32 = lambda x: x.astype(jnp.float32)
+      return (_add_rows(dq, rows, f32(dq_c)), _add_rows(dk, cols, f32(dk_c)),
+              _add_rows(dv, cols, f32(dv_c)))
+    return fn
 
-  dq0 = (zeros(q_h[0]), zeros(q_h[1]))
-  dkv0 = (zeros(k), zeros(v))
-  (kv, dkv, dq), _ = lax.scan(step, ((k, v), dkv0, dq0), jnp.arange(ring.size - 1))
-  dq, dk, dv = grads_for_block(ring.size - 1, kv, dq)
-  # After this last shift every block's gradients are back on their owner.
-  dk, dv = ring.shift((dkv[0] + dk, dkv[1] + dv))
-  dq = jnp.concatenate(dq, axis=1)
+  def send_block_grads(state):
+    dq, dk, dv = state
+    return (dq, *ring.shift((dk, dv)))
+
+  dq, dk, dv = _ring_steps(ring, (k, v), (f32_zeros(q), f32_zeros(k), f32_zeros(v)),
+                           grads, send_block_grads)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

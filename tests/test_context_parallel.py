@@ -6,6 +6,9 @@ Specification:
   with GQA, in the load-balanced or the contiguous layout;
 * the compiled program passes K/V blocks around the ring (collective-permute)
   and never all-gathers q, k or v;
+* each ring step's backend calls cover every visible (query, key) pair of the
+  global causal (or dense) mask exactly once, and no call is spent on a fully
+  masked pair of chunks;
 * `load_balance` gives device i chunks i and 2P-1-i; `unload_balance` undoes it;
 * batch and head axes may be sharded over other mesh axes at the same time;
 * bad meshes, axis names, lengths and unsupported arguments raise clear errors.
@@ -18,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
+from fa4_jax import context_parallel
 
 
 def normal(rng, shape):
@@ -46,6 +50,8 @@ def assert_close(got, want):
 
 
 @pytest.mark.parametrize("devices, is_causal, load_balanced", [
+    (1, True, True),
+    (2, True, True),
     (4, True, True),
     (8, True, True),
     (4, True, False),
@@ -73,6 +79,38 @@ def test_ring_attention_equals_unsharded_attention(host_devices, devices, is_cau
   hlo = compiled.as_text()
   assert "collective-permute" in hlo
   assert "all-gather" not in hlo
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("is_causal, load_balanced", [(True, True), (True, False),
+                                                      (False, True)])
+def test_ring_plans_cover_each_visible_pair_once(devices, is_causal, load_balanced):
+  chunk = 3  # positions per chunk; 2 chunks per device
+  ring = context_parallel._Ring(axis_name="seq", size=devices, causal=is_causal,
+                                load_balanced=load_balanced, scale=1.0, backend=None)
+  t = 2 * devices * chunk
+
+  def positions(device, which):
+    """Global positions of the local rows `which` (all, first or second chunk)."""
+    first, second = ring.chunks(device)
+    rows = [np.arange(c * chunk, (c + 1) * chunk) for c in (first, second)]
+    return np.concatenate(rows) if which == context_parallel._ALL else rows[which]
+
+  covered = np.zeros((t, t), int)
+  for me in range(devices):
+    later = context_parallel._later_step_plans(ring)
+    for step in range(devices):
+      source = (me - step) % devices
+      plan = (context_parallel._first_step_plan(ring, chunk) if step == 0
+              else later[0] if source < me else later[1])
+      for call in plan:
+        q_pos, k_pos = positions(me, call.rows), positions(source, call.cols)
+        visible = np.asarray(call.spec.visible(np.arange(len(q_pos))[:, None],
+                                               np.arange(len(k_pos))[None, :]))
+        assert visible.any(), f"a call with nothing to do: {call} (device {me}, step {step})"
+        covered[np.ix_(q_pos, k_pos)] += visible
+  want = np.tril(np.ones((t, t), int)) if is_causal else np.ones((t, t), int)
+  np.testing.assert_array_equal(covered, want)
 
 
 def test_load_balanced_layout_gives_device_i_chunks_i_and_mirror():
