@@ -33,6 +33,11 @@ Writes into benchmarks/results/ (or --out DIR):
   CPU: sweep-cpu-check-<date>.json, .md, .png.
 `--quick` runs a few shapes (files get a "-quick" suffix), `--only REGEX`
 keeps the cases whose name matches (suffix "-partial").
+
+A GPU sweep can be run in parts (`--only`, e.g. one head dim per call) with
+its printed output kept in logs; `--from-logs LOG [LOG ...]` then writes the
+full JSON, Markdown and plots from the rows those logs hold (no GPU needed),
+in the sweep's case order.
 """
 
 from __future__ import annotations
@@ -387,12 +392,59 @@ def write(out_dir, stem, meta, markdown, plots):
     print("wrote", path)
 
 
+GPU_METHOD = (
+    "CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure via "
+    "bench_forward.kernel_ms), median of 10 calls, every kernel of a call "
+    "summed; all implementations in one process; bfloat16 inputs; FLOPs "
+    f"4*B*H*S^2*D halved when causal, fwd+bwd {1 + BACKWARD_FLOPS_FACTOR}x")
+
+
+def write_gpu(out_dir, rows, device_kind, jax_version, date, suffix=""):
+  kind = device_kind.replace(" ", "_")
+  title = f"attention sweep on {device_kind}"
+  meta = dict(title=title, mode="gpu-sweep", device=device_kind, jax=jax_version,
+              date=date, method=GPU_METHOD, rows=rows)
+  plots = [([r for r in rows if r["group"] == g], GPU_IMPLS, "tflops", "TFLOP/s",
+            f"{g}: {title}, {date} (CUPTI kernel time, bf16, B*S = {TOKENS_PER_CALL})",
+            "-" + g)
+           for g in dict.fromkeys(r["group"] for r in rows)]
+  write(out_dir, f"sweep-{kind}-{date}{suffix}", meta, gpu_markdown(rows), plots)
+
+
+def write_from_logs(paths, out_dir):
+  """The full GPU sweep outputs from the logs of runs made in parts."""
+  header = re.compile(r"GPU sweep on (.+), jax (\S+), (\d{4}-\d{2}-\d{2})")
+  rows, runs = {}, set()
+  for path in paths:
+    with open(path) as fh:
+      for line in fh:
+        if m := header.search(line):
+          runs.add(m.groups())
+        elif line.startswith('{"case"'):
+          row = json.loads(line)
+          rows[row["case"]] = row
+  if len(runs) != 1:
+    raise SystemExit(f"--from-logs needs logs of one device, jax and date; found {sorted(runs)}")
+  device_kind, jax_version, date = runs.pop()
+  order = [c.name for c in gpu_cases(False)]
+  missing = [name for name in order if name not in rows]
+  if missing:
+    print(f"{len(missing)} cases not in the logs (left out): {missing}")
+  ordered = [rows[name] for name in order if name in rows]
+  write_gpu(out_dir, ordered, device_kind, jax_version, date,
+            "-partial" if missing else "")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="a few shapes only")
   ap.add_argument("--only", default=None, help="run cases whose name matches this regex")
   ap.add_argument("--out", default=RESULTS_DIR, help="output folder")
+  ap.add_argument("--from-logs", nargs="+", default=None, metavar="LOG",
+                  help="write the outputs from the rows printed in these sweep logs")
   args = ap.parse_args(argv)
+  if args.from_logs:
+    return write_from_logs(args.from_logs, args.out)
 
   device = jax.devices()[0]
   on_gpu = device.platform == "gpu"
@@ -404,21 +456,8 @@ def main(argv=None):
   print(f"{len(cases)} cases", flush=True)
 
   if on_gpu:
-    print(f"GPU sweep on {device.device_kind}, jax {jax.__version__}", flush=True)
-    rows = gpu_sweep(cases)
-    method = ("CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure via "
-              "bench_forward.kernel_ms), median of 10 calls, every kernel of a call "
-              "summed; all implementations in one process; bfloat16 inputs; FLOPs "
-              f"4*B*H*S^2*D halved when causal, fwd+bwd {1 + BACKWARD_FLOPS_FACTOR}x")
-    kind = device.device_kind.replace(" ", "_")
-    title = f"attention sweep on {device.device_kind}"
-    meta = dict(title=title, mode="gpu-sweep", device=device.device_kind,
-                jax=jax.__version__, date=date, method=method, rows=rows)
-    plots = [([r for r in rows if r["group"] == g], GPU_IMPLS, "tflops", "TFLOP/s",
-              f"{g}: {title}, {date} (CUPTI kernel time, bf16, B*S = {TOKENS_PER_CALL})",
-              "-" + g)
-             for g in dict.fromkeys(r["group"] for r in rows)]
-    write(args.out, f"sweep-{kind}-{date}{suffix}", meta, gpu_markdown(rows), plots)
+    print(f"GPU sweep on {device.device_kind}, jax {jax.__version__}, {date}", flush=True)
+    write_gpu(args.out, gpu_sweep(cases), device.device_kind, jax.__version__, date, suffix)
   else:
     print("No GPU here: running the CPU correctness-and-speed check instead of the "
           "GPU sweep. Times are CPU wall clock, not GPU kernel times.", flush=True)

@@ -40,9 +40,39 @@ def test_gpu_sweep_skips_instead_of_crashing():
   import sweep
 
   case = sweep.Case(B=1, S=128, Hq=2, Hkv=1, D=64, causal=True)
-  (row,) = sweep.gpu_sweep([case], timer=lambda f, *a: sweep.wall_ms(f, a, 1),
+  (row,) = sweep.gpu_sweep([case], timer=lambda f, *a: sweep.bench_common.wall_ms(f, a, 1),
                            memory_limit=1024)
   for pass_name in sweep.PASSES:
     assert row["cudnn"][pass_name]["skipped"].startswith("refused")
     assert row["fa4_jax"][pass_name]["skipped"].startswith("out of memory")
   assert "skipped (refused)" in sweep.gpu_markdown([row])
+
+
+def test_a_sweep_run_in_parts_is_written_whole_from_its_logs(tmp_path):
+  """Rows printed by two partial runs become one table, in the sweep's case
+  order, whatever order the logs come in; missing cases mark it partial."""
+  sys.path.insert(0, str(SWEEP.parent))
+  import sweep
+
+  cases = sweep.gpu_cases(quick=False)
+  header = "GPU sweep on Test GPU, jax 0.0.0, 2026-01-02\n"
+
+  def log(name, some_cases):
+    rows = [dict(case=c.name, group=c.group, S=c.S, causal=c.causal,
+                 fa4_jax_served_by="sm90",
+                 **{i: {p: {"ms": 1.0, "tflops": float(c.S)} for p in sweep.PASSES}
+                    for i in sweep.GPU_IMPLS}) for c in some_cases]
+    path = tmp_path / name
+    path.write_text(header + "".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+  half = len(cases) // 2
+  logs = [log("second.log", cases[half:]), log("first.log", cases[:half])]
+  sweep.main(["--from-logs", *logs, "--out", str(tmp_path / "whole")])
+  (written,) = (tmp_path / "whole").glob("sweep-Test_GPU-2026-01-02.json")
+  meta = json.loads(written.read_text())
+  assert [r["case"] for r in meta["rows"]] == [c.name for c in cases]
+  assert meta["device"] == "Test GPU" and meta["jax"] == "0.0.0"
+
+  sweep.main(["--from-logs", logs[1], "--out", str(tmp_path / "part")])
+  assert list((tmp_path / "part").glob("sweep-Test_GPU-2026-01-02-partial.md"))
