@@ -96,7 +96,9 @@ def config_for(text, head_dim, mask):
   changes = {}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")
-    changes[key] = bool(int(value)) if key == "sum_before_handoff" else int(value)
+    current = getattr(config, key)
+    changes[key] = (value if isinstance(current, str) else
+                    bool(int(value)) if isinstance(current, bool) else int(value))
   return dataclasses.replace(config, **changes)
 
 

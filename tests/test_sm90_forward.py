@@ -134,6 +134,32 @@ def test_persistent_grid_walks_several_tiles_per_cta(run_interpreted):
   _run_and_compare(case, run_interpreted, config=config)
 
 
+def test_head_dim_64_walks_many_kv_blocks_through_the_ring(run_interpreted):
+  """D = 64 uses 256-key blocks: a long key sequence wraps the 2-slot ring
+  several times and ends in a ragged block."""
+  _run_and_compare(Case(q_seq=128, kv_seq=1100, is_causal=False), run_interpreted)
+
+
+# Every GEMM order the kernel offers (`ForwardConfig.schedule`, `p_in_smem`),
+# not only the heuristic's, keeps the numerics and the barrier protocol.
+SCHEDULES = [("qk_then_pv", False), ("qk_then_pv", True), ("pv_then_qk", False), ("serial", True)]
+SCHEDULE_CASES = {
+    "causal_with_lengths": Case(
+        batch=2, is_causal=True, q_lengths=(200, 37), kv_lengths=(256, 100), head_dim=128),
+    "gqa_window_ragged": Case(q_heads=4, kv_heads=2, window=(40, 20), q_seq=77, kv_seq=300),
+}
+
+
+@pytest.mark.parametrize("schedule,p_in_smem", SCHEDULES)
+@pytest.mark.parametrize("name", list(SCHEDULE_CASES))
+def test_every_gemm_schedule_matches_jax_nn_without_races(name, schedule, p_in_smem, run_interpreted):
+  case = SCHEDULE_CASES[name]
+  config = dataclasses.replace(
+      sm90_forward.choose_config(sm90_forward.padded_head_dim(case.head_dim), case.mask),
+      schedule=schedule, p_in_smem=p_in_smem, block_kv=128, num_kv_stages=2)
+  _run_and_compare(case, run_interpreted, config=config)
+
+
 # --- tile ranges -------------------------------------------------------------
 
 
@@ -201,6 +227,16 @@ def test_every_heuristic_config_fits_shared_memory_and_uses_wgmma_and_tma(head_d
   for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
     if sm90_forward.choose_config(head_dim, mask) == config:
       _assert_fits_and_uses_hopper_instructions(_lower(head_dim, mask, config))
+
+
+@pytest.mark.parametrize("schedule,p_in_smem", SCHEDULES)
+def test_every_gemm_schedule_lowers_for_hopper(schedule, p_in_smem):
+  config = dataclasses.replace(sm90_forward.choose_config(128, MaskSpec(right=0)),
+                               schedule=schedule, p_in_smem=p_in_smem)
+  lowered = _lower(128, MaskSpec(right=0), config)
+  _assert_fits_and_uses_hopper_instructions(lowered)
+  # The paired schedules keep one GEMM in flight while waiting for the other.
+  assert lowered.has("wgmma.wait_group.sync.aligned 1") == (schedule == "qk_then_pv")
 
 
 def test_masked_length_and_window_variant_lowers_for_hopper():

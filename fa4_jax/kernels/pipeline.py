@@ -223,8 +223,10 @@ def fori(lo, hi, body: Callable, carry):
 def sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq: int, kv_valid: int):
   """(q_len, kv_len) of one batch element inside a kernel, clamped to the
   arrays' extents; a missing lengths ref (None) means the full extent.
-  `kv_valid` is the true key length (keys past it are TMA padding)."""
-  q_len, kv_len = jnp.int32(q_seq), jnp.int32(kv_valid)
+  `kv_valid` is the true key length (keys past it are TMA padding).
+  Static lengths stay Python ints: a concrete array closed over by a
+  `pl.run_state` body becomes an input that Mosaic GPU cannot lower."""
+  q_len, kv_len = q_seq, kv_valid
   if q_len_ref is not None:
     q_len = jnp.clip(q_len_ref[batch_idx], 0, q_seq)
   if kv_len_ref is not None:

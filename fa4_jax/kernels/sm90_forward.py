@@ -12,6 +12,10 @@ One CTA computes `num_consumers * block_q` query rows of one (batch, q head):
 The two consumers take turns on the tensor core ("ping-pong"): a rendezvous
 barrier makes one warpgroup's softmax run while the other's GEMMs execute.
 Inside a warpgroup, the wait for the next K tile is issued while P V runs.
+`ForwardConfig.schedule` also offers FA3's intra-warpgroup overlap (the
+softmax of block j runs while O += P_{j-1} V_{j-1} executes) and a
+back-to-back issue of both GEMMs; both measured slower on an H100 (see
+BENCHMARKS.md), so the heuristic keeps the serial order.
 
 Every barrier and who arrives on it is listed in `ForwardBarriers`; the ring
 arithmetic lives in `fa4_jax.kernels.pipeline`.
@@ -67,6 +71,7 @@ M_INIT = -1e30
 # Hopper: 227 KiB of dynamic shared memory per block.
 SMEM_LIMIT_BYTES = 232448
 MAX_HEAD_DIM = 256
+SCHEDULES = ("serial", "qk_then_pv", "pv_then_qk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +86,25 @@ class ForwardConfig:
   consumer_registers: int = 232
   # Finish the row sums before handing the tensor core over, or after.
   sum_before_handoff: bool = False
+  # How a consumer orders its two GEMMs per KV block:
+  #   "serial":     S_j = Q K_j^T, softmax, O += P_j V_j, each waited for.
+  #   "qk_then_pv": S_j, then O += P_{j-1} V_{j-1} issued back to back; the
+  #                 softmax of S_j runs while the P V wgmma executes (FA3's
+  #                 intra-warpgroup overlap).
+  #   "pv_then_qk": O += P_{j-1} V_{j-1}, then S_j, issued back to back and
+  #                 both waited for: no tensor-core gap between them.
+  schedule: str = "serial"
+  # P goes through SMEM (wgmma reads both operands from SMEM) instead of
+  # registers; needs an SMEM tile of block_q x block_kv per consumer.
+  p_in_smem: bool = False
   # Persistent grid: one CTA per SM walks work items; the next tile's Q loads
   # while the current tile's O is stored (needs SMEM for separate O tiles).
   persistent: bool = False
   num_sms: int = 132  # H100 SXM
+
+  def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"ForwardConfig.schedule must be one of {SCHEDULES}; got {self.schedule!r}")
 
   @property
   def block_q_cta(self) -> int:
@@ -96,7 +116,8 @@ class ForwardConfig:
     kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
     lse = self.num_consumers * self.block_q * 4
     o_tiles = q_tiles if self.persistent else 0
-    return q_tiles + kv_ring + lse + o_tiles
+    p_tiles = self.num_consumers * self.block_q * self.block_kv * itemsize if self.p_in_smem else 0
+    return q_tiles + kv_ring + lse + o_tiles + p_tiles
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -118,7 +139,12 @@ def choose_config(head_dim: int, mask: MaskSpec) -> ForwardConfig:
   # it lost up to a third, so the one-tile-per-CTA grid stays the default.
   windowed = mask.left is not None
   if d <= 64:
-    return ForwardConfig(block_q=64, block_kv=128, num_kv_stages=4, persistent=windowed)
+    # Half the GEMM work per softmax element of D = 128: long KV blocks
+    # amortize the per-block softmax and barrier costs. Measured on H100
+    # (B2 S8192 H32): block_kv 256 / 2 stages 487 vs 457 TFLOP/s dense, 456 vs
+    # 437 causal; 240 consumer registers remove its small spills (488, 460).
+    return ForwardConfig(block_q=64, block_kv=256, num_kv_stages=2, persistent=windowed,
+                         producer_registers=24, consumer_registers=240)
   if d <= 128:
     return ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, persistent=windowed)
   # 192 and 256: O alone takes up to 128 registers; keep S small.
@@ -298,7 +324,7 @@ def _build_kernel(
     out_ref, lse_ref, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if cfg.persistent else None
-    p_smem = optional_smem.pop(0) if interpreting else None
+    p_smem = optional_smem.pop(0) if (interpreting or cfg.p_in_smem) else None
     bars = ForwardBarriers.from_refs(cfg, barrier_refs)
     wg = lax.axis_index("wg")
 
@@ -384,70 +410,158 @@ def _build_kernel(
 
         def p_times_v(acc, p, v_tile, while_running):
           """O += P V, with `while_running()` issued while the wgmma runs."""
+          p_operand = p
+          if interpreting or cfg.p_in_smem:
+            p_operand = p_smem.at[wg]
+            p_operand[...] = p
+            plgpu.commit_smem()
           if interpreting:
             # The interpreter rejects wgmma with A in registers and run_state:
             # stage P through SMEM and add a fresh accumulator.
-            p_tile = p_smem.at[wg]
-            p_tile[...] = p
-            plgpu.commit_smem()
-
-            def pv(delta_ref):
-              plgpu.wgmma(delta_ref, p_tile, v_tile)
+            def pv_delta(delta_ref):
+              plgpu.wgmma(delta_ref, p_operand, v_tile)
               while_running()
               return delta_ref[...]
 
-            return acc + pl.run_scoped(pv, plgpu.ACC((bq, head_dim), jnp.float32))
+            return acc + pl.run_scoped(pv_delta, plgpu.ACC((bq, head_dim), jnp.float32))
 
           def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_tile)
+            plgpu.wgmma(acc_ref, p_operand, v_tile)
             while_running()
 
           return pl.run_state(pv)(plgpu.ACC.init(acc))
 
-        def compute_step(j, carry, *, masked: bool):
-          acc, m, l = carry
-          step = ring_step(j)
-          k_tile = k_smem.at[bars.k.slot(step)]
+        def qk(s_ref, k_tile):
+          plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+          bars.pingpong.sync()  # the other consumer's softmax ends here
+          return s_ref[...]
 
-          def qk(s_ref):
-            plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-            bars.pingpong.sync()  # the other consumer's softmax ends here
-            return s_ref[...]
-
-          s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-          bars.k.consumer_release(step)
-
+        def online_softmax(s, m, j, *, masked: bool):
+          """(P, new running max, alpha) for the logits of KV block j."""
           if masked:
             q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
             k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
             visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
             s = jnp.where(visible, s, masked_logit)
-
           row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
           m_grown = jnp.maximum(m, row_best * c)
           # Keep the stale max unless it grew enough to risk overflow.
           m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
           alpha = jnp.exp2(m - m_new)
           p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          return p, m_new, alpha
+
+        def hand_off(step):
+          bars.pingpong.arrive()  # done with softmax
+          bars.v.consumer_wait(step)
+          bars.pingpong.wait()  # tensor core free: the other consumer issued its QK
+
+        def softmax_and_hand_off(s, m, l, j, *, masked: bool, acc=None):
+          """Softmax of block j, the hand-off of the tensor core, and the row
+          sums before or after it (`sum_before_handoff`). `acc`, if given, is
+          rescaled before the hand-off."""
+          p, m_new, alpha = online_softmax(s, m, j, masked=masked)
+          if acc is not None:
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           p16 = p.astype(dtype)
-
-          def hand_off():
-            bars.pingpong.arrive()  # done with softmax
-            bars.v.consumer_wait(step)
-            bars.pingpong.wait()  # tensor core free: the other consumer issued its QK
-
           if cfg.sum_before_handoff:
             l = l * alpha + p.sum(axis=1)
             # Pin the order: the softmax must be done before the hand-off.
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            hand_off()
+            acc, l, m_new, alpha, p16 = lax.optimization_barrier((acc, l, m_new, alpha, p16))
+            hand_off(ring_step(j))
           else:
-            hand_off()
+            hand_off(ring_step(j))
             l = l * alpha + p.sum(axis=1)
+          return p16, m_new, l, alpha, acc
+
+        def compute_step(j, carry, *, masked: bool):
+          """S = Q K^T, softmax, O += P V, one after the other."""
+          acc, m, l = carry
+          step = ring_step(j)
+          s = pl.run_scoped(functools.partial(qk, k_tile=k_smem.at[bars.k.slot(step)]),
+                            plgpu.ACC((bq, bk), jnp.float32))
+          bars.k.consumer_release(step)
+          p16, m_new, l, _, acc = softmax_and_hand_off(s, m, l, j, masked=masked, acc=acc)
           acc = p_times_v(acc, p16, v_smem.at[bars.v.slot(step)], lambda: wait_next_k(j))
           bars.v.consumer_release(step)
           return acc, m_new, l
+
+        # --- the paired schedules (`schedule` "qk_then_pv" / "pv_then_qk") ---
+        # Block j's step issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1},
+        # and runs the softmax of S_j while the P V wgmma still runs; O is
+        # rescaled by alpha_j once it lands. The first block of the consumer's
+        # range only computes P; the last P V runs after the loop.
+
+        def qk_then_pv(acc, p_prev, j, after_qk, outs_like):
+          """Issues S = Q K_j^T, then O += P_prev V_{j-1}; after_qk(S) runs as
+          soon as S is ready. Returns (O, after_qk's outputs)."""
+          k_tile = k_smem.at[bars.k.slot(ring_step(j))]
+          v_tile = v_smem.at[bars.v.slot(ring_step(j - 1))]
+          if interpreting:
+            # No register-A wgmma, no run_state: the same order of barrier
+            # operations, with P staged through SMEM (see `p_times_v`).
+            s = pl.run_scoped(functools.partial(qk, k_tile=k_tile), plgpu.ACC((bq, bk), jnp.float32))
+            acc = p_times_v(acc, p_prev, v_tile, lambda: None)
+            return acc, after_qk(s)
+
+          p_operand = p_prev
+          if cfg.p_in_smem:
+            p_operand = p_smem.at[wg]
+            p_operand[...] = p_prev  # the previous P V has completed
+            plgpu.commit_smem()
+
+          def body(refs):
+            acc_ref, out_refs = refs
+
+            def issue(s_ref):
+              if cfg.schedule == "qk_then_pv":
+                plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+                plgpu.wgmma(acc_ref, p_operand, v_tile)
+                bars.pingpong.sync()  # the other consumer's softmax ends here
+                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S only
+              plgpu.wgmma(acc_ref, p_operand, v_tile)
+              plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+              bars.pingpong.sync()
+              return plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+
+            outs = after_qk(pl.run_scoped(issue, plgpu.ACC((bq, bk), jnp.float32)))
+            for ref, value in zip(out_refs, outs):
+              ref[...] = value
+
+          return pl.run_state(body)((plgpu.ACC.init(acc), tuple(outs_like)))
+
+        def first_overlapped_step(j, carry):
+          acc, m, l, p_prev = carry
+          step = ring_step(j)
+          s = pl.run_scoped(functools.partial(qk, k_tile=k_smem.at[bars.k.slot(step)]),
+                            plgpu.ACC((bq, bk), jnp.float32))
+          bars.k.consumer_release(step)
+          # The first block of a range may be a boundary block: always masked.
+          p16, m_new, l, _, _ = softmax_and_hand_off(s, m, l, j, masked=True)
+          wait_next_k(j)
+          return acc, m_new, l, p16
+
+        def overlapped_step(j, carry, *, masked: bool):
+          acc, m, l, p_prev = carry
+          step = ring_step(j)
+
+          def after_qk(s):
+            bars.k.consumer_release(step)
+            outs = softmax_and_hand_off(s, m, l, j, masked=masked)[:4]
+            wait_next_k(j)
+            return outs
+
+          acc, (p16, m_new, l, alpha) = qk_then_pv(acc, p_prev, j, after_qk, (p_prev, m, l, m))
+          bars.v.consumer_release(step - 1)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          return acc, m_new, l, p16
+
+        def last_pv(j, carry):
+          acc, m, l, p_prev = carry
+          step = ring_step(j)
+          acc = p_times_v(acc, p_prev, v_smem.at[bars.v.slot(step)], lambda: None)
+          bars.v.consumer_release(step)
+          return acc, m, l, p_prev
 
         def skip_step(j, carry):
           """A block this consumer's rows cannot see: keep the protocol going."""
@@ -471,11 +585,24 @@ def _build_kernel(
           bars.k.consumer_wait(step0)
 
         pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
-        carry = (acc, m, l)
-        carry = fori(lo, own_lo, skip_step, carry)
-        carry = fori(own_lo, full_lo, functools.partial(compute_step, masked=True), carry)
-        carry = fori(full_lo, full_hi, functools.partial(compute_step, masked=False), carry)
-        carry = fori(full_hi, own_hi, functools.partial(compute_step, masked=True), carry)
+        carry = fori(lo, own_lo, skip_step, (acc, m, l))
+        if cfg.schedule != "serial":
+          p16 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+          carry = (*carry, p16)
+          # Loops of zero or one step stand in for "if the range is not empty".
+          first_hi = jnp.minimum(own_lo + 1, own_hi)
+          carry = fori(own_lo, first_hi, first_overlapped_step, carry)
+          rest_full_lo = _clip(full_lo, first_hi, own_hi)
+          rest_full_hi = _clip(full_hi, rest_full_lo, own_hi)
+          carry = fori(first_hi, rest_full_lo, functools.partial(overlapped_step, masked=True), carry)
+          carry = fori(rest_full_lo, rest_full_hi, functools.partial(overlapped_step, masked=False), carry)
+          carry = fori(rest_full_hi, own_hi, functools.partial(overlapped_step, masked=True), carry)
+          carry = fori(jnp.maximum(own_hi - 1, own_lo), own_hi, last_pv, carry)
+          carry = carry[:3]
+        else:
+          carry = fori(own_lo, full_lo, functools.partial(compute_step, masked=True), carry)
+          carry = fori(full_lo, full_hi, functools.partial(compute_step, masked=False), carry)
+          carry = fori(full_hi, own_hi, functools.partial(compute_step, masked=True), carry)
         carry = fori(own_hi, hi, skip_step, carry)
         pl.when(wg == 0)(bars.pingpong.sync)
         acc, m, l = carry
@@ -512,7 +639,7 @@ def _build_kernel(
   if cfg.persistent:
     # O tiles of their own, so the next work item's Q can land during the epilogue.
     smem.append(_smem_tile((cfg.num_consumers, bq, head_dim), dtype))
-  if interpreting:
+  if interpreting or cfg.p_in_smem:
     smem.append(_smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   # The LSE rows are stored with 1-D TMA boxes along the sequence, its
   # contiguous axis. On an H100 a box that ran past the end of that axis left
