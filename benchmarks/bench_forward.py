@@ -90,9 +90,9 @@ def reference_rows(q, k, v, causal, window_left, heads):
   return jnp.stack(outs, axis=1)
 
 
-def config_for(text, head_dim, mask):
+def config_for(text, head_dim, mask, kv_seq):
   """The heuristic's config, with `key=value,...` overrides (e.g. num_kv_stages=3)."""
-  config = sm90_forward.choose_config(head_dim, mask)
+  config = sm90_forward.choose_config(head_dim, mask, kv_seq)
   changes = {}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")
@@ -126,7 +126,7 @@ def main():
     mask = MaskSpec.from_arguments(
         causal, None if window_left is None else (window_left, 0))
     window = None if window_left is None else (window_left, 0)
-    configs = [config_for(text, D, mask) for text in overrides]
+    configs = [config_for(text, D, mask, S) for text in overrides]
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"))
     heads = (0, Hq - 1)

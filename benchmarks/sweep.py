@@ -368,7 +368,7 @@ def git_commit() -> str | None:
 def write(out_dir, stem, meta, markdown, plots):
   """stem.json, stem.md, and each (rows, impls, key, unit, title, suffix) plot."""
   os.makedirs(out_dir, exist_ok=True)
-  meta = dict(meta, commit=git_commit())
+  meta = dict(meta, commit=meta.get("commit") or git_commit())
   written = []
   path = os.path.join(out_dir, stem + ".json")
   with open(path, "w") as fh:
@@ -399,11 +399,11 @@ GPU_METHOD = (
     f"4*B*H*S^2*D halved when causal, fwd+bwd {1 + BACKWARD_FLOPS_FACTOR}x")
 
 
-def write_gpu(out_dir, rows, device_kind, jax_version, date, suffix=""):
+def write_gpu(out_dir, rows, device_kind, jax_version, date, suffix="", commit=None):
   kind = device_kind.replace(" ", "_")
   title = f"attention sweep on {device_kind}"
   meta = dict(title=title, mode="gpu-sweep", device=device_kind, jax=jax_version,
-              date=date, method=GPU_METHOD, rows=rows)
+              date=date, method=GPU_METHOD, rows=rows, commit=commit)
   plots = [([r for r in rows if r["group"] == g], GPU_IMPLS, "tflops", "TFLOP/s",
             f"{g}: {title}, {date} (CUPTI kernel time, bf16, B*S = {TOKENS_PER_CALL})",
             "-" + g)
@@ -413,13 +413,14 @@ def write_gpu(out_dir, rows, device_kind, jax_version, date, suffix=""):
 
 def write_from_logs(paths, out_dir):
   """The full GPU sweep outputs from the logs of runs made in parts."""
-  header = re.compile(r"GPU sweep on (.+), jax (\S+), (\d{4}-\d{2}-\d{2})")
-  rows, runs = {}, set()
-  for path in paths:
+  header = re.compile(r"GPU sweep on (.+), jax (\S+), (\d{4}-\d{2}-\d{2})(?:, commit (\S+))?")
+  rows, runs, commits = {}, set(), []
+  for path in paths:  # a case in several logs: the last log's row wins
     with open(path) as fh:
       for line in fh:
         if m := header.search(line):
-          runs.add(m.groups())
+          runs.add(m.groups()[:3])
+          commits.append(f"{os.path.basename(path)}: {m.group(4) or 'not recorded'}")
         elif line.startswith('{"case"'):
           row = json.loads(line)
           rows[row["case"]] = row
@@ -432,7 +433,7 @@ def write_from_logs(paths, out_dir):
     print(f"{len(missing)} cases not in the logs (left out): {missing}")
   ordered = [rows[name] for name in order if name in rows]
   write_gpu(out_dir, ordered, device_kind, jax_version, date,
-            "-partial" if missing else "")
+            "-partial" if missing else "", commit="per log: " + "; ".join(commits))
 
 
 def main(argv=None):
@@ -456,7 +457,8 @@ def main(argv=None):
   print(f"{len(cases)} cases", flush=True)
 
   if on_gpu:
-    print(f"GPU sweep on {device.device_kind}, jax {jax.__version__}, {date}", flush=True)
+    print(f"GPU sweep on {device.device_kind}, jax {jax.__version__}, {date}, "
+          f"commit {git_commit()}", flush=True)
     write_gpu(args.out, gpu_sweep(cases), device.device_kind, jax.__version__, date, suffix)
   else:
     print("No GPU here: running the CPU correctness-and-speed check instead of the "
