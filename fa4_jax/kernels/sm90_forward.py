@@ -498,9 +498,10 @@ def _build_kernel(
         # rescaled by alpha_j once it lands. The first block of the consumer's
         # range only computes P; the last P V runs after the loop.
 
-        def qk_then_pv(acc, p_prev, j, after_qk, outs_like):
-          """Issues S = Q K_j^T, then O += P_prev V_{j-1}; after_qk(S) runs as
-          soon as S is ready. Returns (O, after_qk's outputs)."""
+        def paired_gemms(acc, p_prev, j, after_qk, outs_like):
+          """Issues S = Q K_j^T and O += P_prev V_{j-1} back to back, in the
+          schedule's order; after_qk(S) runs as soon as S is ready ("qk_then_pv":
+          while the P V wgmma still runs). Returns (O, after_qk's outputs)."""
           k_tile = k_smem.at[bars.k.slot(ring_step(j))]
           v_tile = v_smem.at[bars.v.slot(ring_step(j - 1))]
           if interpreting:
@@ -557,7 +558,7 @@ def _build_kernel(
             wait_next_k(j)
             return outs
 
-          acc, (p16, m_new, l, alpha) = qk_then_pv(acc, p_prev, j, after_qk, (p_prev, m, l, m))
+          acc, (p16, m_new, l, alpha) = paired_gemms(acc, p_prev, j, after_qk, (p_prev, m, l, m))
           bars.v.consumer_release(step - 1)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           return acc, m_new, l, p16
