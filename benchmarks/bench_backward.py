@@ -2,8 +2,8 @@
 
 Kernel time: CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), median
 of ITERATIONS calls, summing every kernel one backward call launches (for us:
-the delta/lse preprocess fusion, the dK/dV kernel and the dQ kernel, each
-also reported on its own; for cuDNN: the kernels of its VJP, given saved
+the delta/lse preprocess fusion, the dK/dV kernel (two passes, dK and dV,
+above head dim 128) and the dQ kernel, each also reported on its own; for cuDNN: the kernels of its VJP, given saved
 residuals). TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
 causal; a causal window counts 2.5 x 4*B*H*S*W*D (W = window + 1).
 
@@ -55,6 +55,8 @@ CASES = [
     ("B2 S8192 H32 D64 causal", 2, 8192, 32, 32, 64, True, None, False),
     ("B2 S8192 H32/8 D128 (GQA) causal", 2, 8192, 32, 8, 128, True, None, False),
     ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023, False),
+    ("B2 S8192 H8 D256", 2, 8192, 8, 8, 256, False, None, True),
+    ("B2 S8192 H8 D256 causal", 2, 8192, 8, 8, 256, True, None, True),
 ]
 
 
@@ -89,7 +91,7 @@ def config_for(text, head_dim, mask):
   changes = {}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")
-    changes[key] = int(value)
+    changes[key] = int(value) if value.lstrip("-").isdigit() else value
   return dataclasses.replace(config, **changes)
 
 

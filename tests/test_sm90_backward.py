@@ -127,6 +127,16 @@ FEATURE_CASES = {
         q_heads=4, kv_heads=2, is_causal=True, q_seq=136, kv_seq=136),
     "mqa_one_kv_head_head_dim_96_is_padded": Case(
         q_heads=3, kv_heads=1, head_dim=96, q_seq=64, kv_seq=136),
+    # Above head dim 128 dK + dV do not fit one warpgroup's registers:
+    # at 256 the two consumers split the head dim, at 192 two passes.
+    "head_dim_256_gqa_causal_ragged_consumers_split_the_head_dim": Case(
+        q_heads=4, kv_heads=2, head_dim=256, is_causal=True, q_seq=100, kv_seq=164),
+    "head_dim_256_fp16_lengths_window_consumers_split_the_head_dim": Case(
+        batch=2, dtype="float16", head_dim=256, window=(70, 30), q_seq=150, kv_seq=210,
+        q_lengths=(150, 61), kv_lengths=(190, 210)),
+    "head_dim_192_fp16_window_and_key_lengths_in_two_dk_dv_passes": Case(
+        batch=2, dtype="float16", head_dim=192, window=(50, 10), q_seq=96, kv_seq=160,
+        kv_lengths=(160, 90)),
 }
 
 
@@ -182,9 +192,19 @@ def test_query_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the
 # --- what the kernel accepts --------------------------------------------------
 
 
-def test_head_dim_256_is_refused_with_a_reason():
+def test_head_dim_above_256_is_refused_with_a_reason():
   with pytest.raises(KernelUnsupported, match="head_dim"):
-    sm90_backward.check_supported((1, 128, 1, 256), (1, 128, 1, 256), jnp.bfloat16, MaskSpec())
+    sm90_backward.check_supported((1, 128, 1, 272), (1, 128, 1, 272), jnp.bfloat16, MaskSpec())
+
+
+@pytest.mark.parametrize("head_dim,scheme", [
+    (64, "fused"), (128, "fused"), (160, "two_passes"), (192, "two_passes"),
+    (256, "head_dim_split")])
+def test_dk_dv_scheme_keeps_accumulators_within_a_warpgroups_registers(head_dim, scheme):
+  # 64 x head_dim fp32 for dK plus as much for dV fit one warpgroup up to
+  # head dim 128; above, the head dim is split across the two consumers where
+  # its halves fall on 64-column tiles, else dK and dV take separate passes.
+  assert sm90_backward.choose_config(head_dim, MaskSpec()).dk_dv == scheme
 
 
 def test_float32_is_refused():
@@ -211,7 +231,8 @@ def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, 
                                   mask=MaskSpec(right=0), config=config)
 
   lowered = cross_lower(fn, q, kv, kv, q, lse, q, lengths, lengths)
-  assert len(lowered.smem_bytes) == 2  # the dK/dV kernel and the dQ kernel
+  # dK/dV (one kernel, or a dK pass and a dV pass), then dQ
+  assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")

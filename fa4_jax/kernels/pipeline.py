@@ -106,6 +106,13 @@ class SlotRing:
     slot = self.slot(step)
     plgpu.copy_gmem_to_smem(src_gmem, ring_smem.at[slot], self.full.at[slot])
 
+  def producer_publish(self, step) -> None:
+    """For a warpgroup that filled the slot of `step` from registers instead
+    of by TMA: make its SMEM writes visible to wgmma and to the consumers,
+    then arrive on full[slot] (the one arrival it expects)."""
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(self.full.at[self.slot(step)])
+
   def producer_drain(self, num_steps) -> None:
     """Interpreter only: observe the consumed phases of the last lap.
 

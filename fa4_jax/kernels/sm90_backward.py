@@ -61,14 +61,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.kernels.pipeline import OneShotBuffer, SlotRing, fori, sequence_lengths
+from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, fori,
+                                     sequence_lengths)
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
 from fa4_jax.masks import MaskSpec, cdiv
 
 LOG2_E = math.log2(math.e)
+MAX_HEAD_DIM = 256
 # dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
-# at head_dim 256 that alone is the whole register file of a warpgroup.
-MAX_HEAD_DIM = 128
+# above this head dim they do not fit beside S and dP, so dK and dV are
+# computed by two passes of the dK/dV kernel, one accumulator each.
+MAX_FUSED_DK_DV_HEAD_DIM = 128
+DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
 # lse and delta are padded to a multiple of this (every block size divides it).
 STATS_ALIGN = 128
 
@@ -80,10 +84,17 @@ STATS_ALIGN = 128
 class BackwardConfig:
   """Static tiling of both kernels.
 
-  dK/dV kernel: a CTA owns `2 * block_kv` keys (one `block_kv` tile per
-  consumer warpgroup, the wgmma M dimension) and streams `block_q`-row query
-  tiles through `num_stages` slots. dQ kernel: a CTA owns `2 * dq_block_q`
-  rows and streams `dq_block_kv`-key tiles through `dq_num_stages` slots.
+  dK/dV kernel, by `dk_dv` scheme:
+  - "fused": a CTA owns `2 * block_kv` keys (one `block_kv` tile per consumer
+    warpgroup, the wgmma M dimension), each warpgroup keeps dK and dV of its
+    keys, and `block_q`-row query tiles stream through `num_stages` slots.
+  - "head_dim_split": a CTA owns `block_kv` keys and each consumer keeps half
+    the head dim of their dK and dV (`_build_dkv_head_split_kernel`).
+  - "two_passes": the fused kernel runs twice, accumulating dK only, then dV
+    only (7 tile GEMMs per step pair instead of 5; `dv_block_q` and
+    `dv_num_stages`, when set, tile the dV pass, which holds no V).
+  dQ kernel: a CTA owns `2 * dq_block_q` rows and streams `dq_block_kv`-key
+  tiles through `dq_num_stages` slots.
   """
 
   block_kv: int = 64
@@ -95,6 +106,18 @@ class BackwardConfig:
   num_consumers: int = 2
   producer_registers: int = 40
   consumer_registers: int = 232
+  dk_dv: str = "fused"
+  dv_block_q: int = 0  # 0: as block_q
+  dv_num_stages: int = 0  # 0: as num_stages
+
+  def __post_init__(self):
+    if self.dk_dv not in DK_DV_SCHEMES:
+      raise ValueError(f"dk_dv must be one of {DK_DV_SCHEMES}; got {self.dk_dv!r}")
+
+  def dv_pass(self) -> "BackwardConfig":
+    """The configuration of the dV pass of "two_passes"."""
+    return dataclasses.replace(self, block_q=self.dv_block_q or self.block_q,
+                               num_stages=self.dv_num_stages or self.num_stages)
 
 
 def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
@@ -114,14 +137,28 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   if d <= 64:
     return BackwardConfig(block_kv=64, block_q=128, num_stages=2,
                           dq_block_q=64, dq_block_kv=128, dq_num_stages=3)
-  return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
-                        dq_block_q=64, dq_block_kv=64, dq_num_stages=2)
+  if d <= MAX_FUSED_DK_DV_HEAD_DIM:
+    return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
+                          dq_block_q=64, dq_block_kv=64, dq_num_stages=2)
+  if d % 128 == 0:
+    # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
+    # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB.
+    return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
+                          dq_block_q=64, dq_block_kv=32, dq_num_stages=3,
+                          dk_dv="head_dim_split")
+  # 192 (and 144-176, padded): halves of 96 columns do not fall on the
+  # 64-column tiles of the swizzled layout, so dK and dV take two passes.
+  # The resident Q and dO tiles of dQ and K and V tiles of the dK pass take
+  # most of the SMEM, so the streamed tiles are 32 rows.
+  return BackwardConfig(block_kv=64, block_q=32, num_stages=3,
+                        dq_block_q=64, dq_block_kv=32, dq_num_stages=3,
+                        dk_dv="two_passes", dv_block_q=64, dv_num_stages=2)
 
 
 def all_configs() -> list[tuple[int, BackwardConfig]]:
   """Every (padded head dim, config) the heuristic can pick (for tests)."""
   seen = {}
-  for d in (64, 128):
+  for d in (64, 128, 192, 256):
     for mask in (MaskSpec(), MaskSpec(right=0)):
       seen[(d, choose_config(d, mask))] = None
   return list(seen)
@@ -133,8 +170,7 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
     raise KernelUnsupported(
         f"sm90 backward: head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; "
-        f"got {d} (dK and dV of a 64-key tile would not fit in registers; the XLA "
-        "backward serves it)")
+        f"got {d}")
 
 
 # --- barriers ------------------------------------------------------------------
@@ -226,9 +262,16 @@ class BackwardBarriers:
 # --- shared pieces ---------------------------------------------------------------
 
 
-def _smem_tile(shape, dtype):
-  """SMEM layout wgmma reads directly: (8, 64)-element tiles, 128-byte swizzle."""
-  swizzle = 128
+def _swizzle_bytes(dtype, *block_rows: int) -> int:
+  """The SMEM swizzle of every tile of a kernel whose GEMMs contract over
+  these block sizes. wgmma wants its two SMEM operands equally swizzled and
+  the swizzle span (in elements) to divide the contraction: 128 bytes for
+  blocks of 64 rows or more, 64 bytes when a block has 32 rows."""
+  return min(128, min(block_rows) * jnp.dtype(dtype).itemsize)
+
+
+def _smem_tile(shape, dtype, swizzle: int):
+  """SMEM layout wgmma and TMA use directly: (8, swizzle span) tiles, swizzled."""
   tile_cols = swizzle // jnp.dtype(dtype).itemsize
   return plgpu.SMEM(
       shape, dtype,
@@ -304,6 +347,16 @@ def _walk(lo, hi, own: _TileRanges, step_fn, skip_fn, carry):
   return carry
 
 
+def _mma(a, b, shape):
+  """a @ b in fp32 (both in SMEM)."""
+
+  def body(ref):
+    plgpu.wgmma(ref, a, b)
+    return ref[...]
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
 def _mma_pair(a0, b0, a1, b1, shape):
   """(a0 @ b0, a1 @ b1) in fp32, both wgmmas issued before one wait."""
 
@@ -340,6 +393,28 @@ def _mma_accumulate(acc, a, b_smem, staging):
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def _mma_accumulate_smem_pair(acc0, a0, b0, acc1, a1, b1):
+  """(acc0 + a0 @ b0, acc1 + a1 @ b1), every operand in SMEM, one wait.
+
+  In place on hardware; the interpreter (no `run_state`) adds fresh products.
+  """
+  if is_interpreting():
+    def fresh(refs):
+      plgpu.wgmma(refs[0], a0, b0)
+      plgpu.wgmma(refs[1], a1, b1)
+      return refs[0][...], refs[1][...]
+
+    d0, d1 = pl.run_scoped(fresh, (plgpu.ACC(acc0.shape, jnp.float32),
+                                   plgpu.ACC(acc1.shape, jnp.float32)))
+    return acc0 + d0, acc1 + d1
+
+  def in_place(refs):
+    plgpu.wgmma(refs[0], a0, b0)
+    plgpu.wgmma(refs[1], a1, b1)
+
+  return pl.run_state(in_place)((plgpu.ACC.init(acc0), plgpu.ACC.init(acc1)))
+
+
 def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
   """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta).
 
@@ -370,13 +445,20 @@ def _zeros(shape):
 
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                       head_dim, dtype, scale, mask, config, has_q_lengths,
-                      has_kv_lengths):
+                      has_kv_lengths, outputs=("dk", "dv")):
+  """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
+
+  A pass without dK needs neither V (for dP) nor delta: they are not loaded.
+  """
   cfg = config
   bk, bq, nc = cfg.block_kv, cfg.block_q, cfg.num_consumers
   group = num_q_heads // num_kv_heads
   num_kv_tiles = cdiv(kv_seq, nc * bk)
   c = scale * LOG2_E
   interpreting = is_interpreting()
+  with_dk, with_dv = "dk" in outputs, "dv" in outputs
+  num_resident = 2 if with_dk else 1  # K (and V)
+  num_streamed = 4 if with_dk else 3  # Q, dO, lse (and delta)
 
   def kernel(*refs):
     refs = list(refs)
@@ -384,9 +466,14 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
     del refs[:6]
     q_len_ref = refs.pop(0) if has_q_lengths else None
     kv_len_ref = refs.pop(0) if has_kv_lengths else None
-    dk_ref, dv_ref, smem, barrier_refs = refs
-    k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *staging = smem
-    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, 4)
+    *grad_refs, smem, barrier_refs = refs
+    smem = iter(smem)
+    k_smem = next(smem)
+    v_smem = next(smem) if with_dk else None
+    q_ring, do_ring, lse_ring = next(smem), next(smem), next(smem)
+    delta_ring = next(smem) if with_dk else None
+    staging = list(smem)
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, num_streamed)
 
     kv_head = lax.axis_index("heads")
     batch_idx = lax.axis_index("batch")
@@ -405,8 +492,10 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       plgpu.set_max_registers(cfg.producer_registers, action="decrease")
       for i in range(nc):
         keys = (batch_idx, pl.ds(cta_k_lo + i * bk, bk), kv_head)
-        bars.producer_fill_resident(
-            [(k_ref.at[keys], k_smem.at[i]), (v_ref.at[keys], v_smem.at[i])], i)
+        resident = [(k_ref.at[keys], k_smem.at[i])]
+        if with_dk:
+          resident.append((v_ref.at[keys], v_smem.at[i]))
+        bars.producer_fill_resident(resident, i)
 
       @pl.loop(0, num_steps)
       def _(step):
@@ -414,10 +503,12 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         qb = lo + lax.rem(step, blocks_per_head)
         rows = (batch_idx, pl.ds(qb * bq, bq), head)
         stats = (batch_idx, head, pl.ds(qb * bq, bq))
+        streamed = [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring),
+                    (lse_ref.at[stats], lse_ring)]
+        if with_dk:
+          streamed.append((delta_ref.at[stats], delta_ring))
         bars.stream.producer_acquire(step)
-        bars.stream.producer_fill(
-            [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring),
-             (lse_ref.at[stats], lse_ring), (delta_ref.at[stats], delta_ring)], step)
+        bars.stream.producer_fill(streamed, step)
 
       bars.stream.producer_drain(num_steps)
 
@@ -426,21 +517,24 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       plgpu.set_max_registers(cfg.consumer_registers, action="increase")
       k_lo = cta_k_lo + wg * bk
       own = _own_ranges(q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq), lo, hi)
-      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      k_tile = k_smem.at[wg]
+      v_tile = v_smem.at[wg] if with_dk else None
       col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns
       stage = staging[0].at[wg] if interpreting else None
 
-      def step_fn(qb, carry, *, masked, head_step0):
-        dk, dv = carry
+      def step_fn(qb, acc, *, masked, head_step0):
+        acc = dict(acc)
         step = head_step0 + (qb - lo)
         slot = bars.stream.slot(step)
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
         bars.stream.consumer_wait(step)
         # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
-        s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
-                          v_tile, do_tile.transpose((1, 0)), (bk, bq))
+        if with_dk:
+          s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
+                            v_tile, do_tile.transpose((1, 0)), (bk, bq))
+        else:
+          s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
         lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-        delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
         logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
         if masked:
           k_idx = k_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -448,54 +542,255 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
           visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
           logits2 = jnp.where(visible, logits2, -jnp.inf)
         p = jnp.exp2(logits2)
-        dk, dv = _dk_dv_update(dk, dv, p, dp, lax.broadcast_in_dim(delta, s.shape, [1]),
-                               q_tile, do_tile, stage)
+        if with_dk:
+          delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
+          delta = lax.broadcast_in_dim(delta, s.shape, [1])
+        if with_dk and with_dv:
+          acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
+                                               q_tile, do_tile, stage)
+        elif with_dk:
+          acc["dk"] = _mma_accumulate(acc["dk"], (p * (dp - delta)).astype(dtype), q_tile, stage)
+        else:
+          acc["dv"] = _mma_accumulate(acc["dv"], p.astype(dtype), do_tile, stage)
         bars.stream.consumer_release(step)
-        return dk, dv
+        return acc
 
-      def skip_fn(qb, carry, *, head_step0):
+      def skip_fn(qb, acc, *, head_step0):
         step = head_step0 + (qb - lo)
         bars.stream.consumer_wait(step)
         bars.stream.consumer_release(step)
-        return carry
+        return acc
 
-      def one_head(g, carry):
+      def one_head(g, acc):
         head_step0 = g * blocks_per_head
         return _walk(lo, hi, own,
                      functools.partial(step_fn, head_step0=head_step0),
-                     functools.partial(skip_fn, head_step0=head_step0), carry)
+                     functools.partial(skip_fn, head_step0=head_step0), acc)
 
       bars.resident.consumer_wait(wg)
-      carry = (_zeros((bk, head_dim)), _zeros((bk, head_dim)))
-      dk, dv = lax.fori_loop(0, group, one_head, carry)
+      acc = lax.fori_loop(0, group, one_head, {g: _zeros((bk, head_dim)) for g in outputs})
 
-      # Epilogue: every wgmma reading K and V has completed.
-      k_tile[...] = (dk * scale).astype(dtype)
-      v_tile[...] = dv.astype(dtype)
+      # Epilogue: every wgmma reading K and V has completed, so their tiles
+      # hold the results on the way out (dV uses the K tile when V is absent).
+      out_tiles = {"dk": k_tile, "dv": v_tile if with_dk else k_tile}
+      for g in outputs:
+        out_tiles[g][...] = (acc[g] * scale if g == "dk" else acc[g]).astype(dtype)
       plgpu.commit_smem()
       keys = (batch_idx, pl.ds(k_lo, bk), kv_head)
-      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
-      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+      for g, grad_ref in zip(outputs, grad_refs):
+        plgpu.copy_smem_to_gmem(out_tiles[g], grad_ref.at[keys])
       plgpu.wait_smem_to_gmem(0)
 
-  smem = [
-      _smem_tile((nc, bk, head_dim), dtype),  # K tiles, then dK
-      _smem_tile((nc, bk, head_dim), dtype),  # V tiles, then dV
-      _smem_tile((cfg.num_stages, bq, head_dim), dtype),  # Q ring
-      _smem_tile((cfg.num_stages, bq, head_dim), dtype),  # dO ring
-      plgpu.SMEM((cfg.num_stages, bq), jnp.float32),  # lse2 ring
-      plgpu.SMEM((cfg.num_stages, bq), jnp.float32),  # delta ring
-  ]
+  swizzle = _swizzle_bytes(dtype, bk, bq)
+  resident_tile = _smem_tile((nc, bk, head_dim), dtype, swizzle)
+  ring_tile = _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle)
+  ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
+  smem = [resident_tile]  # K tiles, then dK (or dV)
+  if with_dk:
+    smem.append(resident_tile)  # V tiles, then dV
+  smem += [ring_tile, ring_tile, ring_stats]  # Q, dO, lse2 rings
+  if with_dk:
+    smem.append(ring_stats)  # delta ring
   if interpreting:
-    smem.append(_smem_tile((nc, bk, bq), dtype))  # P^T / dS^T staging
+    smem.append(_smem_tile((nc, bk, bq), dtype, swizzle))  # P^T / dS^T staging
+  out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype)
+                   for _ in outputs)
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=(tuple(smem), BackwardBarriers.scratch_types(
+          nc, cfg.num_stages, num_resident, num_streamed)),
+      grid=(num_kv_heads, num_kv_tiles, batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=nc + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+
+def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
+                                 num_kv_heads, head_dim, dtype, scale, mask, config,
+                                 has_q_lengths, has_kv_lengths):
+  """dK and dV where they do not fit one warpgroup's registers (head dim 256).
+
+  A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
+  [h * d/2, (h + 1) * d/2) of their dK and dV: d/2 fp32 registers per thread,
+  like dK + dV at head dim 128. Every column needs the whole P^T and dS^T of a
+  step, so the two warpgroups split that work and hand the halves over through
+  SMEM (double-buffered `p` and `ds` rings):
+
+    warpgroup 0: S^T = K Q^T, P^T = exp2(c S^T - lse2)  -> p ring
+    warpgroup 1: dP^T = V dO^T, dS^T = P^T (dP^T - delta) -> ds ring
+    both:        dV_h += P^T dO_h,  dK_h += dS^T Q_h     (operands in SMEM)
+
+  Five tile GEMMs per step as in the fused kernel, where two passes of
+  `_build_dkv_kernel` would run seven. dS uses the bf16/fp16 P^T that the dV
+  GEMM reads (fp32 P stays in warpgroup 0's registers).
+
+  Barriers (every wait is matched by the arrive in the same row):
+
+  | barrier              | arrives (count)                         | waits                    |
+  |----------------------|-----------------------------------------|--------------------------|
+  | resident.full[0]     | producer TMAs of K and V (2)            | both consumers, once     |
+  | stream.full[slot]    | producer TMAs of Q, dO, lse2, delta (4) | both consumers, each step|
+  | stream.consumed[slot]| each consumer after its dK/dV GEMMs (2) | producer, before refill  |
+  | p.full[slot]         | warpgroup 0 after storing P^T (1)       | warpgroup 1              |
+  | p.consumed[slot]     | each consumer after its dV GEMM (2)     | warpgroup 0, before it   |
+  |                      |                                         | rewrites the slot        |
+  | ds.full[slot]        | warpgroup 1 after storing dS^T (1)      | warpgroup 0              |
+  | ds.consumed[slot]    | each consumer after its dK GEMM (2)     | warpgroup 1, likewise    |
+  | epilogue             | each consumer after writing its halves  | both consumers, then one |
+  |                      | of dK and dV into the K and V tiles (2) | TMA-stores dK, one dV    |
+
+  Epilogue: dK_h and dV_h go into column halves of the K and V tiles.
+  Only warpgroup 0 reads K and only warpgroup 1 reads V, and each one's last
+  read completed before the hand-off the other waited for last, so both
+  halves of both tiles are free when either warpgroup gets there.
+  """
+  cfg = config
+  bk, bq = cfg.block_kv, cfg.block_q
+  half = head_dim // 2
+  group = num_q_heads // num_kv_heads
+  c = scale * LOG2_E
+  interpreting = is_interpreting()
+
+  def kernel(*refs):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    del refs[:6]
+    q_len_ref = refs.pop(0) if has_q_lengths else None
+    kv_len_ref = refs.pop(0) if has_kv_lengths else None
+    dk_ref, dv_ref, smem, barrier_refs = refs
+    k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem = smem
+    (resident_full, stream_full, stream_consumed,
+     p_full, p_consumed, ds_full, ds_consumed, epilogue_barrier) = barrier_refs
+    resident = OneShotBuffer(resident_full)
+    stream = BundleRing(SlotRing(stream_full, stream_consumed, cfg.num_stages, 2), 4)
+    p_ring = SlotRing(p_full, p_consumed, 2, 2)
+    ds_ring = SlotRing(ds_full, ds_consumed, 2, 2)
+    epilogue = Rendezvous(epilogue_barrier, 2)
+
+    kv_head = lax.axis_index("heads")
+    batch_idx = lax.axis_index("batch")
+    k_lo = lax.axis_index("kv_tiles") * bk
+    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
+    blocks = q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq)
+    lo, hi = blocks.lo, blocks.hi
+    blocks_per_head = hi - lo
+    num_steps = group * blocks_per_head  # head-major, as in `_build_dkv_kernel`
+    keys = (batch_idx, pl.ds(k_lo, bk), kv_head)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, resident.full.at[0])
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, resident.full.at[0])
+
+      @pl.loop(0, num_steps)
+      def _(step):
+        head = kv_head * group + lax.div(step, blocks_per_head)
+        qb = lo + lax.rem(step, blocks_per_head)
+        rows = (batch_idx, pl.ds(qb * bq, bq), head)
+        stats = (batch_idx, head, pl.ds(qb * bq, bq))
+        stream.producer_acquire(step)
+        stream.producer_fill(
+            [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring),
+             (lse_ref.at[stats], lse_ring), (delta_ref.at[stats], delta_ring)], step)
+
+      stream.producer_drain(num_steps)
+
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns
+
+    def consumer(h: int):
+      cols = pl.ds(h * half, half)
+
+      def step_fn(qb, acc, *, masked, head_step0):
+        step = head_step0 + (qb - lo)
+        slot = stream.slot(step)
+        q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
+        p_tile, ds_tile = p_smem.at[p_ring.slot(step)], ds_smem.at[ds_ring.slot(step)]
+        stream.consumer_wait(step)
+        if h == 0:  # S^T -> P^T, handed to warpgroup 1
+          s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
+          lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+          logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
+          if masked:
+            iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
+                                     layout=plgpu.Layout.WGMMA)
+            k_idx, q_idx = k_lo + iota(0), qb * bq + iota(1)
+            visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+            logits2 = jnp.where(visible, logits2, -jnp.inf)
+          p_ring.producer_acquire(step)
+          p_tile[...] = jnp.exp2(logits2).astype(dtype)
+          p_ring.producer_publish(step)
+          ds_ring.consumer_wait(step)
+        else:  # dP^T and P^T -> dS^T, handed to warpgroup 0
+          dp = _mma(v_tile, do_tile.transpose((1, 0)), (bk, bq))
+          delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
+          p_ring.consumer_wait(step)
+          p = plgpu.load(p_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+          ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
+          ds_ring.producer_acquire(step)
+          ds_tile[...] = ds.astype(dtype)
+          ds_ring.producer_publish(step)
+        dk, dv = _mma_accumulate_smem_pair(acc[0], ds_tile, q_tile.at[:, cols],
+                                           acc[1], p_tile, do_tile.at[:, cols])
+        stream.consumer_release(step)
+        p_ring.consumer_release(step)
+        ds_ring.consumer_release(step)
+        return dk, dv
+
+      def one_head(g, acc):
+        head_step0 = g * blocks_per_head
+        return _walk(lo, hi, blocks, functools.partial(step_fn, head_step0=head_step0),
+                     lambda qb, acc: acc, acc)
+
+      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+      resident.consumer_wait(0)
+      dk, dv = lax.fori_loop(0, group, one_head,
+                             (_zeros((bk, half)), _zeros((bk, half))))
+      (p_ring if h == 0 else ds_ring).producer_drain(num_steps)
+
+      k_tile.at[:, cols][...] = (dk * scale).astype(dtype)
+      v_tile.at[:, cols][...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      # TMA wants contiguous SMEM, so whole tiles go out once both halves
+      # are in: warpgroup 0 stores dK, warpgroup 1 dV.
+      epilogue.sync()
+      out_tile, out_ref = (k_tile, dk_ref) if h == 0 else (v_tile, dv_ref)
+      plgpu.copy_smem_to_gmem(out_tile, out_ref.at[keys])
+      plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg == 0)(lambda: consumer(0))
+    pl.when(wg == 1)(lambda: consumer(1))
+
+  swizzle = _swizzle_bytes(dtype, bk, bq)
+  ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
+  smem = (
+      _smem_tile((bk, head_dim), dtype, swizzle),  # K tile, then dK
+      _smem_tile((bk, head_dim), dtype, swizzle),  # V tile, then dV
+      _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # Q ring
+      _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # dO ring
+      ring_stats, ring_stats,  # lse2 and delta rings
+      _smem_tile((2, bk, bq), dtype, swizzle),  # P^T ring
+      _smem_tile((2, bk, bq), dtype, swizzle),  # dS^T ring
+  )
+  barriers = (
+      plgpu.Barrier(num_arrivals=2, num_barriers=1),  # resident: K and V
+      *BundleRing.barrier_types(cfg.num_stages, 2, 4),
+      *SlotRing.barrier_types(2, 2),  # p
+      *SlotRing.barrier_types(2, 2),  # ds
+      Rendezvous.barrier_type(2),  # epilogue: both halves of dK and dV stored
+  )
   out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype),) * 2
   return plgpu.kernel(
       kernel,
       out_type=out_type,
-      scratch_types=(tuple(smem), BackwardBarriers.scratch_types(nc, cfg.num_stages, 2, 4)),
-      grid=(num_kv_heads, num_kv_tiles, batch),
+      scratch_types=(smem, barriers),
+      grid=(num_kv_heads, cdiv(kv_seq, bk), batch),
       grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=nc + 1,
+      num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
@@ -601,16 +896,17 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
       plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch_idx, pl.ds(q_lo, bq), head])
       plgpu.wait_smem_to_gmem(0)
 
+  swizzle = _swizzle_bytes(dtype, bq, bk)
   smem = [
-      _smem_tile((nc, bq, head_dim), dtype),  # Q tiles, then dQ
-      _smem_tile((nc, bq, head_dim), dtype),  # dO tiles
+      _smem_tile((nc, bq, head_dim), dtype, swizzle),  # Q tiles, then dQ
+      _smem_tile((nc, bq, head_dim), dtype, swizzle),  # dO tiles
       plgpu.SMEM((nc, bq), jnp.float32),  # lse2
       plgpu.SMEM((nc, bq), jnp.float32),  # delta
-      _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype),  # K ring
-      _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype),  # V ring
+      _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype, swizzle),  # K ring
+      _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype, swizzle),  # V ring
   ]
   if interpreting:
-    smem.append(_smem_tile((nc, bq, bk), dtype))  # dS staging
+    smem.append(_smem_tile((nc, bq, bk), dtype, swizzle))  # dS staging
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
@@ -685,7 +981,13 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     args.append(jnp.asarray(q_lengths, jnp.int32))
   if kv_lengths is not None:
     args.append(jnp.asarray(kv_lengths, jnp.int32))
-  dk, dv = _build_dkv_kernel(**common)(*args)
+  if config.dk_dv == "fused":
+    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"))(*args)
+  elif config.dk_dv == "head_dim_split":
+    dk, dv = _build_dkv_head_split_kernel(**common)(*args)
+  else:
+    (dk,) = _build_dkv_kernel(**common, outputs=("dk",))(*args)
+    (dv,) = _build_dkv_kernel(**dict(common, config=config.dv_pass()), outputs=("dv",))(*args)
   dq = _build_dq_kernel(**common)(*args)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
