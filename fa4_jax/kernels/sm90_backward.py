@@ -20,7 +20,10 @@ atomics):
    and dV in registers; a producer warpgroup streams (Q, dO, lse, delta) tiles
    of every query head of the GQA group and every query block the mask lets
    these keys be seen by, through a ring of `num_stages` SMEM slots. The group
-   sum of dK/dV happens in the accumulators, not in a later pass.
+   sum of dK/dV happens in the accumulators, not in a later pass. Above head
+   dim 128 dK + dV do not fit one warpgroup: at 256 the consumers share the
+   keys and split the head dim (`_build_dkv_head_split_kernel`), at 192 the
+   kernel runs once for dK and once for dV (`BackwardConfig.dk_dv`).
 3. the dQ kernel: one CTA per (q head, Q tile of `2 * block_q` rows, batch),
    the mirror image: consumers own query rows and their dQ, the producer
    streams (K, V) tiles of the key blocks those rows see.
@@ -91,8 +94,9 @@ class BackwardConfig:
   - "head_dim_split": a CTA owns `block_kv` keys and each consumer keeps half
     the head dim of their dK and dV (`_build_dkv_head_split_kernel`).
   - "two_passes": the fused kernel runs twice, accumulating dK only, then dV
-    only (7 tile GEMMs per step pair instead of 5; `dv_block_q` and
-    `dv_num_stages`, when set, tile the dV pass, which holds no V).
+    only (S^T is computed twice: 5 tile GEMMs per query block instead of 4;
+    `dv_block_q` and `dv_num_stages`, when set, tile the dV pass, which
+    holds no V).
   dQ kernel: a CTA owns `2 * dq_block_q` rows and streams `dq_block_kv`-key
   tiles through `dq_num_stages` slots.
   """
@@ -142,17 +146,21 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
                           dq_block_q=64, dq_block_kv=64, dq_num_stages=2)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
-    # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB.
+    # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
+    # resident Q and dO tiles of dQ take 128 KiB, so its key tiles are 32
+    # rows. H100, B2 S8192 H8: 466 / 455 TFLOP/s dense / causal, where two
+    # passes reach 400 / 404; 240 consumer registers gain 1 %.
     return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
                           dq_block_q=64, dq_block_kv=32, dq_num_stages=3,
+                          producer_registers=24, consumer_registers=240,
                           dk_dv="head_dim_split")
   # 192 (and 144-176, padded): halves of 96 columns do not fall on the
-  # 64-column tiles of the swizzled layout, so dK and dV take two passes.
-  # The resident Q and dO tiles of dQ and K and V tiles of the dK pass take
-  # most of the SMEM, so the streamed tiles are 32 rows.
-  return BackwardConfig(block_kv=64, block_q=32, num_stages=3,
-                        dq_block_q=64, dq_block_kv=32, dq_num_stages=3,
-                        dk_dv="two_passes", dv_block_q=64, dv_num_stages=2)
+  # 64-column tiles of the swizzled layout, so dK and dV take two passes
+  # (at 256 two passes cost 14 % against the split). 64-row tiles and two
+  # stages fit the SMEM at 192 in every kernel (at most 192 KiB).
+  return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
+                        dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
+                        dk_dv="two_passes")
 
 
 def all_configs() -> list[tuple[int, BackwardConfig]]:
@@ -616,43 +624,41 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
   [h * d/2, (h + 1) * d/2) of their dK and dV: d/2 fp32 registers per thread,
   like dK + dV at head dim 128. Every column needs the whole P^T and dS^T of a
-  step, so the two warpgroups split that work and hand the halves over through
-  SMEM (double-buffered `p` and `ds` rings):
+  step. Warpgroup 0 computes them (in fp32, as the fused kernel does) and
+  hands them to warpgroup 1 through a double-buffered SMEM ring:
 
-    warpgroup 0: S^T = K Q^T, P^T = exp2(c S^T - lse2)  -> p ring
-    warpgroup 1: dP^T = V dO^T, dS^T = P^T (dP^T - delta) -> ds ring
-    both:        dV_h += P^T dO_h,  dK_h += dS^T Q_h     (operands in SMEM)
+    warpgroup 0: S^T = K Q^T, dP^T = V dO^T, P^T, dS^T -> pds ring
+                 dV_0 += P^T dO_0,  dK_0 += dS^T Q_0
+    warpgroup 1: dV_1 += P^T dO_1,  dK_1 += dS^T Q_1   (from the ring)
 
-  Five tile GEMMs per step as in the fused kernel, where two passes of
-  `_build_dkv_kernel` would run seven. dS uses the bf16/fp16 P^T that the dV
-  GEMM reads (fp32 P stays in warpgroup 0's registers).
+  Four tile GEMMs per query block (S^T, dP^T, dV, dK) as in the fused
+  kernel, where two passes of `_build_dkv_kernel` run five. Warpgroup 1's GEMMs of step n run on
+  the tensor core while warpgroup 0 computes the softmax of step n + 1.
 
   Barriers (every wait is matched by the arrive in the same row):
 
-  | barrier              | arrives (count)                         | waits                    |
-  |----------------------|-----------------------------------------|--------------------------|
-  | resident.full[0]     | producer TMAs of K and V (2)            | both consumers, once     |
-  | stream.full[slot]    | producer TMAs of Q, dO, lse2, delta (4) | both consumers, each step|
-  | stream.consumed[slot]| each consumer after its dK/dV GEMMs (2) | producer, before refill  |
-  | p.full[slot]         | warpgroup 0 after storing P^T (1)       | warpgroup 1              |
-  | p.consumed[slot]     | each consumer after its dV GEMM (2)     | warpgroup 0, before it   |
-  |                      |                                         | rewrites the slot        |
-  | ds.full[slot]        | warpgroup 1 after storing dS^T (1)      | warpgroup 0              |
-  | ds.consumed[slot]    | each consumer after its dK GEMM (2)     | warpgroup 1, likewise    |
-  | epilogue             | each consumer after writing its halves  | both consumers, then one |
-  |                      | of dK and dV into the K and V tiles (2) | TMA-stores dK, one dV    |
+  | barrier              | arrives (count)                          | waits                     |
+  |----------------------|------------------------------------------|---------------------------|
+  | resident.full[0]     | producer TMAs of K and V (2)             | both consumers, once      |
+  | stream.full[slot]    | producer TMAs of Q, dO, lse2, delta (4)  | both consumers, each step |
+  | stream.consumed[slot]| each consumer after its dK/dV GEMMs (2)  | producer, before refill   |
+  | pds.full[slot]       | warpgroup 0 after storing P^T, dS^T (1)  | warpgroup 1               |
+  | pds.consumed[slot]   | each consumer after its dK/dV GEMMs (2)  | warpgroup 0, before it    |
+  |                      |                                          | rewrites the slot         |
+  | epilogue             | each consumer after writing its halves   | both consumers; then one  |
+  |                      | of dK and dV into the K and V tiles (2)  | TMA-stores dK, the other dV|
 
-  Epilogue: dK_h and dV_h go into column halves of the K and V tiles.
-  Only warpgroup 0 reads K and only warpgroup 1 reads V, and each one's last
-  read completed before the hand-off the other waited for last, so both
-  halves of both tiles are free when either warpgroup gets there.
+  Epilogue: dK_h and dV_h go into column halves of the K and V tiles (TMA
+  wants contiguous SMEM, so whole tiles go out after the rendezvous). Only
+  warpgroup 0 reads K and V, and its last reads completed before it published
+  the last pds slot that warpgroup 1 waited for; both wait for K and V to have
+  landed, so a CTA with no work cannot race their TMA.
   """
   cfg = config
   bk, bq = cfg.block_kv, cfg.block_q
   half = head_dim // 2
   group = num_q_heads // num_kv_heads
   c = scale * LOG2_E
-  interpreting = is_interpreting()
 
   def kernel(*refs):
     refs = list(refs)
@@ -663,11 +669,10 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
     dk_ref, dv_ref, smem, barrier_refs = refs
     k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem = smem
     (resident_full, stream_full, stream_consumed,
-     p_full, p_consumed, ds_full, ds_consumed, epilogue_barrier) = barrier_refs
+     pds_full, pds_consumed, epilogue_barrier) = barrier_refs
     resident = OneShotBuffer(resident_full)
     stream = BundleRing(SlotRing(stream_full, stream_consumed, cfg.num_stages, 2), 4)
-    p_ring = SlotRing(p_full, p_consumed, 2, 2)
-    ds_ring = SlotRing(ds_full, ds_consumed, 2, 2)
+    pds = SlotRing(pds_full, pds_consumed, 2, 2)
     epilogue = Rendezvous(epilogue_barrier, 2)
 
     kv_head = lax.axis_index("heads")
@@ -709,11 +714,14 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
         step = head_step0 + (qb - lo)
         slot = stream.slot(step)
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
-        p_tile, ds_tile = p_smem.at[p_ring.slot(step)], ds_smem.at[ds_ring.slot(step)]
+        p_tile, ds_tile = p_smem.at[pds.slot(step)], ds_smem.at[pds.slot(step)]
         stream.consumer_wait(step)
-        if h == 0:  # S^T -> P^T, handed to warpgroup 1
-          s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
+        if h == 0:
+          # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
+          s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
+                            v_tile, do_tile.transpose((1, 0)), (bk, bq))
           lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+          delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
           logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
           if masked:
             iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
@@ -721,24 +729,18 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
             k_idx, q_idx = k_lo + iota(0), qb * bq + iota(1)
             visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
             logits2 = jnp.where(visible, logits2, -jnp.inf)
-          p_ring.producer_acquire(step)
-          p_tile[...] = jnp.exp2(logits2).astype(dtype)
-          p_ring.producer_publish(step)
-          ds_ring.consumer_wait(step)
-        else:  # dP^T and P^T -> dS^T, handed to warpgroup 0
-          dp = _mma(v_tile, do_tile.transpose((1, 0)), (bk, bq))
-          delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
-          p_ring.consumer_wait(step)
-          p = plgpu.load(p_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-          ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
-          ds_ring.producer_acquire(step)
+          p = jnp.exp2(logits2)
+          ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+          pds.producer_acquire(step)
+          p_tile[...] = p.astype(dtype)
           ds_tile[...] = ds.astype(dtype)
-          ds_ring.producer_publish(step)
+          pds.producer_publish(step)
+        else:
+          pds.consumer_wait(step)
         dk, dv = _mma_accumulate_smem_pair(acc[0], ds_tile, q_tile.at[:, cols],
                                            acc[1], p_tile, do_tile.at[:, cols])
         stream.consumer_release(step)
-        p_ring.consumer_release(step)
-        ds_ring.consumer_release(step)
+        pds.consumer_release(step)
         return dk, dv
 
       def one_head(g, acc):
@@ -750,13 +752,12 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
       resident.consumer_wait(0)
       dk, dv = lax.fori_loop(0, group, one_head,
                              (_zeros((bk, half)), _zeros((bk, half))))
-      (p_ring if h == 0 else ds_ring).producer_drain(num_steps)
+      if h == 0:
+        pds.producer_drain(num_steps)
 
       k_tile.at[:, cols][...] = (dk * scale).astype(dtype)
       v_tile.at[:, cols][...] = dv.astype(dtype)
       plgpu.commit_smem()
-      # TMA wants contiguous SMEM, so whole tiles go out once both halves
-      # are in: warpgroup 0 stores dK, warpgroup 1 dV.
       epilogue.sync()
       out_tile, out_ref = (k_tile, dk_ref) if h == 0 else (v_tile, dv_ref)
       plgpu.copy_smem_to_gmem(out_tile, out_ref.at[keys])
@@ -773,15 +774,14 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
       _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # Q ring
       _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # dO ring
       ring_stats, ring_stats,  # lse2 and delta rings
-      _smem_tile((2, bk, bq), dtype, swizzle),  # P^T ring
-      _smem_tile((2, bk, bq), dtype, swizzle),  # dS^T ring
+      _smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: P^T
+      _smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: dS^T
   )
   barriers = (
       plgpu.Barrier(num_arrivals=2, num_barriers=1),  # resident: K and V
       *BundleRing.barrier_types(cfg.num_stages, 2, 4),
-      *SlotRing.barrier_types(2, 2),  # p
-      *SlotRing.barrier_types(2, 2),  # ds
-      Rendezvous.barrier_type(2),  # epilogue: both halves of dK and dV stored
+      *SlotRing.barrier_types(2, 2),  # pds
+      Rendezvous.barrier_type(2),  # epilogue
   )
   out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype),) * 2
   return plgpu.kernel(
