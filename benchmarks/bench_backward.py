@@ -57,6 +57,9 @@ CASES = [
     ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023, False),
     ("B2 S8192 H8 D256", 2, 8192, 8, 8, 256, False, None, True),
     ("B2 S8192 H8 D256 causal", 2, 8192, 8, 8, 256, True, None, True),
+    # not in DESIGN.md's table: the two-pass dK/dV scheme of head dim 192
+    ("B2 S8192 H8 D192", 2, 8192, 8, 8, 192, False, None, True),
+    ("B2 S8192 H8 D192 causal", 2, 8192, 8, 8, 192, True, None, False),
 ]
 
 

@@ -37,7 +37,8 @@ keeps the cases whose name matches (suffix "-partial").
 A GPU sweep can be run in parts (`--only`, e.g. one head dim per call) with
 its printed output kept in logs; `--from-logs LOG [LOG ...]` then writes the
 full JSON, Markdown and plots from the rows those logs hold (no GPU needed),
-in the sweep's case order.
+in the sweep's case order; a part re-run later replaces its rows when its
+log comes last.
 """
 
 from __future__ import annotations
@@ -412,28 +413,36 @@ def write_gpu(out_dir, rows, device_kind, jax_version, date, suffix="", commit=N
 
 
 def write_from_logs(paths, out_dir):
-  """The full GPU sweep outputs from the logs of runs made in parts."""
+  """The full GPU sweep outputs from the logs of runs made in parts.
+
+  The logs must come from one device and one jax version; they may come from
+  different days (a part re-run after a kernel change): a case in several
+  logs takes the row of the last log given, the files are named after the
+  latest date, and each log's date and commit are recorded.
+  """
   header = re.compile(r"GPU sweep on (.+), jax (\S+), (\d{4}-\d{2}-\d{2})(?:, commit (\S+))?")
-  rows, runs, commits = {}, set(), []
+  rows, runs, dates, provenance = {}, set(), set(), []
   for path in paths:  # a case in several logs: the last log's row wins
     with open(path) as fh:
       for line in fh:
         if m := header.search(line):
-          runs.add(m.groups()[:3])
-          commits.append(f"{os.path.basename(path)}: {m.group(4) or 'not recorded'}")
+          runs.add(m.groups()[:2])
+          dates.add(m.group(3))
+          provenance.append(f"{os.path.basename(path)} ({m.group(3)}): "
+                            f"{m.group(4) or 'not recorded'}")
         elif line.startswith('{"case"'):
           row = json.loads(line)
           rows[row["case"]] = row
   if len(runs) != 1:
-    raise SystemExit(f"--from-logs needs logs of one device, jax and date; found {sorted(runs)}")
-  device_kind, jax_version, date = runs.pop()
+    raise SystemExit(f"--from-logs needs logs of one device and jax version; found {sorted(runs)}")
+  device_kind, jax_version = runs.pop()
   order = [c.name for c in gpu_cases(False)]
   missing = [name for name in order if name not in rows]
   if missing:
     print(f"{len(missing)} cases not in the logs (left out): {missing}")
   ordered = [rows[name] for name in order if name in rows]
-  write_gpu(out_dir, ordered, device_kind, jax_version, date,
-            "-partial" if missing else "", commit="per log: " + "; ".join(commits))
+  write_gpu(out_dir, ordered, device_kind, jax_version, max(dates),
+            "-partial" if missing else "", commit="per log: " + "; ".join(provenance))
 
 
 def main(argv=None):

@@ -24,6 +24,7 @@ CASES = [  # (B, Tq, Tk, Nq, Nkv, D, spec, lengths)
     (1, 1000, 1000, 8, 8, 128, MaskSpec(right=0), False),
     (2, 300, 700, 8, 2, 64, MaskSpec(left=100, right=0), True),
     (1, 777, 513, 4, 1, 256, MaskSpec(), True),
+    (1, 333, 257, 4, 2, 192, MaskSpec(right=0), False),
 ]
 
 

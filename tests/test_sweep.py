@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SWEEP = REPO / "benchmarks" / "sweep.py"
 
@@ -76,3 +78,34 @@ def test_a_sweep_run_in_parts_is_written_whole_from_its_logs(tmp_path):
 
   sweep.main(["--from-logs", logs[1], "--out", str(tmp_path / "part")])
   assert list((tmp_path / "part").glob("sweep-Test_GPU-2026-01-02-partial.md"))
+
+
+def test_a_part_rerun_on_a_later_day_replaces_its_rows(tmp_path):
+  sys.path.insert(0, str(SWEEP.parent))
+  import sweep
+
+  cases = sweep.gpu_cases(quick=False)
+
+  def log(name, header, some_cases, tflops):
+    rows = [dict(case=c.name, group=c.group, S=c.S, causal=c.causal,
+                 fa4_jax_served_by="sm90",
+                 **{i: {p: {"ms": 1.0, "tflops": tflops} for p in sweep.PASSES}
+                    for i in sweep.GPU_IMPLS}) for c in some_cases]
+    path = tmp_path / name
+    path.write_text(header + "".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+  old = log("all.log", "GPU sweep on Test GPU, jax 0.0.0, 2026-01-02, commit aaa\n", cases, 1.0)
+  new = log("redo.log", "GPU sweep on Test GPU, jax 0.0.0, 2026-01-05, commit bbb\n",
+            cases[:2], 2.0)
+  sweep.main(["--from-logs", old, new, "--out", str(tmp_path / "out")])
+  (written,) = (tmp_path / "out").glob("sweep-Test_GPU-2026-01-05.json")
+  meta = json.loads(written.read_text())
+  got = [r["fa4_jax"]["forward"]["tflops"] for r in meta["rows"]]
+  assert got == [2.0, 2.0] + [1.0] * (len(cases) - 2)
+  assert "all.log (2026-01-02): aaa" in meta["commit"]
+  assert "redo.log (2026-01-05): bbb" in meta["commit"]
+
+  other = log("other.log", "GPU sweep on Other GPU, jax 0.0.0, 2026-01-05\n", cases[:1], 3.0)
+  with pytest.raises(SystemExit, match="one device"):
+    sweep.main(["--from-logs", old, other, "--out", str(tmp_path / "bad")])
