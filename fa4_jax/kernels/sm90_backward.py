@@ -111,6 +111,11 @@ class BackwardConfig:
   producer_registers: int = 40
   consumer_registers: int = 232
   dk_dv: str = "fused"
+  # The dQ kernel's warpgroups: its accumulators are half the dK/dV kernel's,
+  # so at head dim <= 128 it runs three consumers on fewer registers each.
+  dq_num_consumers: int = 2
+  dq_producer_registers: int = 40
+  dq_consumer_registers: int = 232
   dv_block_q: int = 0  # 0: as block_q
   dv_num_stages: int = 0  # 0: as num_stages
 
@@ -134,16 +139,25 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   Measured on an H100 (benchmarks/results/backward-*-configs-*.json): at
   head_dim 128, dq_block_kv=128 gains 1-5% on dense shapes but loses 13% under
   a 1024-key window, and 3 stages gain at most 2%; at head_dim 64, block_q=128
-  for dK/dV and dq_block_kv=128 are each 2-7% faster than 64.
+  for dK/dV is 2-7% faster than 64 (and dq_block_kv=128 was, with two dQ
+  consumers).
   """
   del mask  # masking is per tile; tiling does not depend on it
   d = padded_head_dim(head_dim)
+  # dQ with three consumers (160 registers each: dQ 64 + S 32 + dP 32 at
+  # 128), measured on an H100 against two (B2 S8192, dQ kernel time): D128
+  # 2.03 vs 2.18 ms dense, 1.06 vs 1.09 causal; D64 2.46 vs 2.70 dense, 1.32
+  # vs 1.36 causal (backward-*-2026-11-23-dq-consumers-d*.json; there
+  # three consumers ran both kernels: dK/dV, with twice the accumulators,
+  # spills on 160 registers at 128 and at 64 loses 4 % dense, gains 4 %
+  # causal).
+  three_dq_consumers = dict(dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
+                            dq_num_consumers=3, dq_producer_registers=24,
+                            dq_consumer_registers=160)
   if d <= 64:
-    return BackwardConfig(block_kv=64, block_q=128, num_stages=2,
-                          dq_block_q=64, dq_block_kv=128, dq_num_stages=3)
+    return BackwardConfig(block_kv=64, block_q=128, num_stages=2, **three_dq_consumers)
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
-    return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
-                          dq_block_q=64, dq_block_kv=64, dq_num_stages=2)
+    return BackwardConfig(block_kv=64, block_q=64, num_stages=2, **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
@@ -803,7 +817,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
                      head_dim, dtype, scale, mask, config, has_q_lengths,
                      has_kv_lengths):
   cfg = config
-  bq, bk, nc = cfg.dq_block_q, cfg.dq_block_kv, cfg.num_consumers
+  bq, bk, nc = cfg.dq_block_q, cfg.dq_block_kv, cfg.dq_num_consumers
   group = num_q_heads // num_kv_heads
   num_q_tiles = cdiv(q_seq, nc * bq)
   c = scale * LOG2_E
@@ -836,7 +850,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
 
     @pl.when(wg == nc)
     def _producer():
-      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+      plgpu.set_max_registers(cfg.dq_producer_registers, action="decrease")
       for i in range(nc):
         rows = (batch_idx, pl.ds(cta_q_lo + i * bq, bq), head)
         stats = (batch_idx, head, pl.ds(cta_q_lo + i * bq, bq))
@@ -855,7 +869,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
 
     @pl.when(wg < nc)
     def _consumer():
-      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+      plgpu.set_max_registers(cfg.dq_consumer_registers, action="increase")
       q_lo = cta_q_lo + wg * bq
       own = _own_ranges(kv_tile_ranges(mask, q_lo, q_lo + bq, q_len, kv_len, bk), lo, hi)
       q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
