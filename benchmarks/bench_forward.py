@@ -9,8 +9,8 @@ on the same bf16 inputs.
 
 Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_forward.py [--quick] [--only SUBSTRING]
-        [--config key=value,... (repeatable: one column per config)]
-Writes benchmarks/results/forward-<device>-<date>.json (or $OUT/ when OUT is
+        [--short] [--config key=value,... (repeatable: one column per config)]
+Writes benchmarks/results/forward[-short]-<device>-<date>.json (or $OUT/ when OUT is
 set) and prints a Markdown table for BENCHMARKS.md.
 """
 
@@ -54,6 +54,16 @@ CASES = [
     ("B2 S8192 H32/8 D128 (GQA)", 2, 8192, 32, 8, 128, False, None),
     ("B2 S8192 H32/8 D128 (GQA) causal", 2, 8192, 32, 8, 128, True, None),
     ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023),
+]
+
+# --short: the sweep's short sequences (B = 32768 / S tokens per call), where
+# a CTA walks few KV blocks and its prologue and epilogue weigh most.
+SHORT_CASES = [
+    (f"B{32768 // S} S{S} H{hq}{'/' + str(hkv) if hkv != hq else ''} D{d}{' causal' if causal else ''}",
+     32768 // S, S, hq, hkv, d, causal, None)
+    for (hq, hkv, d) in ((16, 16, 128), (32, 32, 64), (16, 4, 128))
+    for S in (512, 1024, 2048, 4096)
+    for causal in (False, True)
 ]
 
 
@@ -105,6 +115,7 @@ def config_for(text, head_dim, mask, kv_seq):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="two shapes only")
+  ap.add_argument("--short", action="store_true", help="the short-sequence cases instead")
   ap.add_argument("--only", default="", help="run cases whose name contains this")
   ap.add_argument("--config", action="append", default=None,
                   help="config overrides key=value,...; repeat to compare several")
@@ -114,7 +125,7 @@ def main():
 
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
-  cases = CASES[2:4] if args.quick else CASES
+  cases = CASES[2:4] if args.quick else SHORT_CASES if args.short else CASES
   cases = [c for c in cases if args.only in c[0]]
   rows = []
   for name, B, S, Hq, Hkv, D, causal, window_left in cases:
@@ -156,7 +167,7 @@ def main():
     rows.append(row)
 
   date = datetime.date.today().isoformat()
-  path = bench_common.result_path("forward", device.device_kind)
+  path = bench_common.result_path("forward-short" if args.short else "forward", device.device_kind)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
               method=f"CUPTI kernel time, median of {ITERATIONS}", rows=rows)
   with open(path, "w") as fh:

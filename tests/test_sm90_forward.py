@@ -21,6 +21,7 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward
+from fa4_jax.kernels.pipeline import persistent_schedule
 from fa4_jax.masks import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase
@@ -132,6 +133,34 @@ def test_persistent_grid_walks_several_tiles_per_cta(run_interpreted):
   config = dataclasses.replace(
       sm90_forward.choose_config(case.head_dim, case.mask), persistent=True, num_sms=2)
   _run_and_compare(case, run_interpreted, config=config)
+
+
+@pytest.mark.parametrize("name", ["query_lengths_zero_rows_past_the_length",
+                                  "multi_query_one_kv_head", "causal_window_skips_far_tiles"])
+def test_one_cta_per_tile_grid_matches_jax_nn_without_races(name, run_interpreted):
+  """The heuristic picks the persistent grid for the short sequences above;
+  long sequences get one CTA per (head, q tile, batch), checked here."""
+  case = FEATURE_CASES[name]
+  config = dataclasses.replace(
+      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False)
+  _run_and_compare(case, run_interpreted, config=config)
+
+
+def test_persistent_schedule_balances_causal_tiles_and_keeps_item_order():
+  """A causal grid's work items cost 1..16 KV blocks; dealing them round-robin
+  gives some CTAs only heavy tiles. The schedule keeps every CTA's items in
+  increasing order (the L2-friendly order) and its loads within one item."""
+  costs = [16 - (i // 16) % 16 for i in range(8 * 16 * 16)]  # B8 H16, 16 q tiles
+  table = persistent_schedule(costs, 132)
+  counts = table[:, 0]
+  items = [list(table[c, 1:1 + n]) for c, n in enumerate(counts)]
+  assert sorted(i for row in items for i in row) == list(range(len(costs)))
+  assert all(row == sorted(row) for row in items)
+  assert all(x == -1 for c, n in enumerate(counts) for x in table[c, 1 + n:])
+  loads = [sum(costs[i] for i in row) for row in items]
+  assert max(loads) - min(loads) <= max(costs)
+  round_robin = [sum(costs[c::132]) for c in range(132)]
+  assert max(loads) < 0.85 * max(round_robin)
 
 
 def test_head_dim_64_walks_many_kv_blocks_through_the_ring(run_interpreted):

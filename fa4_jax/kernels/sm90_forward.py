@@ -33,10 +33,12 @@ own range (but inside the CTA's, which the producer loads) only keep the
 barrier protocol going. Causal-like masks schedule the heaviest query tiles
 first.
 
-Grid: one CTA per (q head, q tile, batch) by default; with
-`ForwardConfig.persistent` one CTA per SM walks the same work items in the same
-order, the K/V ring and Q buffers carrying their barrier phases across items
-(chosen for windowed masks, where it measured faster).
+Grid: one CTA per (q head, q tile, batch); or, with `ForwardConfig.persistent`
+(chosen when a tile walks few KV blocks: short sequences, local windows), one
+CTA per SM walks a list of those work items decided at trace time
+(`pipeline.persistent_schedule`: balanced under causal masks, in the grid's
+order), the K/V ring and Q buffers carrying their barrier phases across items,
+so that one item's Q load and O store overlap the neighbouring items' work.
 
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
@@ -58,13 +60,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.kernels.pipeline import OneShotBuffer, Rendezvous, SlotRing, fori, sequence_lengths
+from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, fori,
+                                      persistent_schedule, sequence_lengths)
 from fa4_jax.masks import MaskSpec, cdiv
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 # Move a row's running max only when it grew by more than this (log2 units).
 RESCALE_THRESHOLD = 8.0
+# A persistent CTA's cost of starting and finishing a work item (Q load, O
+# store, pipeline fill), in KV blocks, for balancing work items across CTAs.
+PERSISTENT_ITEM_OVERHEAD_BLOCKS = 2
 # Finite "minus infinity" for the running max: rows that have seen only masked
 # keys keep it, and exp2(-inf - M_INIT) = 0 never produces inf - inf = NaN.
 M_INIT = -1e30
@@ -126,34 +132,60 @@ def padded_head_dim(head_dim: int) -> int:
   return cdiv(head_dim, 64) * 64
 
 
-def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None) -> ForwardConfig:
-  """Block sizes and stages per (padded) head dim. No autotuning at call time.
+def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
+                  q_seq: int | None = None) -> ForwardConfig:
+  """Block sizes, stages and grid per (padded) head dim. No autotuning at call time.
 
   Register budget per consumer thread (64 rows per warpgroup): O takes
   head_dim / 2 fp32 registers, S takes block_kv / 2, P a quarter of that.
   SMEM: Q tiles + 2 * stages * block_kv * head_dim * 2 bytes must fit 227 KiB.
   """
   d = padded_head_dim(head_dim)
-  # Measured on H100: a persistent grid only paid for local windows (short
-  # KV loops per tile: 509 vs 475 TFLOP/s at S=16k, window 1024); elsewhere
-  # it lost up to a third, so the one-tile-per-CTA grid stays the default.
-  windowed = mask.left is not None
   short_causal = mask.right is not None and kv_seq is not None and kv_seq < 4096
   if d <= 64 and short_causal:
     # Short causal rows: 256-key blocks waste half of each diagonal block
     # (H100 sweep: 329 vs 343 TFLOP/s at S2048, 155 vs 171 at S512).
-    return ForwardConfig(block_q=64, block_kv=128, num_kv_stages=4, persistent=windowed)
-  if d <= 64:
+    config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=4)
+  elif d <= 64:
     # Half the GEMM work per softmax element of D = 128: long KV blocks
     # amortize the per-block softmax and barrier costs. Measured on H100
     # (B2 S8192 H32): block_kv 256 / 2 stages 487 vs 457 TFLOP/s dense, 456 vs
     # 437 causal; 240 consumer registers remove its small spills (488, 460).
-    return ForwardConfig(block_q=64, block_kv=256, num_kv_stages=2, persistent=windowed,
-                         producer_registers=24, consumer_registers=240)
-  if d <= 128:
-    return ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, persistent=windowed)
-  # 192 and 256: O alone takes up to 128 registers; keep S small.
-  return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True)
+    config = ForwardConfig(block_q=64, block_kv=256, num_kv_stages=2,
+                           producer_registers=24, consumer_registers=240)
+  elif d <= 128:
+    config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2)
+  else:
+    # 192 and 256: O alone takes up to 128 registers; keep S small. The
+    # persistent grid's separate O tiles do not fit SMEM here.
+    return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True)
+  if kv_seq is not None and mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= PERSISTENT_MAX_MEAN_BLOCKS:
+    config = dataclasses.replace(config, persistent=True)
+  return config
+
+
+# A persistent grid hides each work item's Q load and O store behind the
+# previous item's work, which pays when items are short. Measured on an H100
+# (forward-short-*-2026-11-23.json, balanced schedule vs one CTA per item):
+# +17..34 % at S512, +6..23 % at S1024, +2..13 % at S2048, and at a mean of
+# 16 to 16.5 blocks per item +2.4 % (D64 dense S4096), +2.5 % (D128 causal
+# S4096), +4 % (D64 causal S8192); at 32 to 32.5 it lost: D128 dense S4096
+# -1.5 %, S8192 -2.4 %, causal S8192 -1.1 % (GQA causal S8192 +1.6 %),
+# S16384 -2.5 %. The threshold sits between. Local windows keep items short
+# at any length (B1 S16384, window 1024: 509 vs 475 on 2026-11-22).
+PERSISTENT_MAX_MEAN_BLOCKS = 24
+
+
+def mean_kv_blocks_per_tile(config: ForwardConfig, mask: MaskSpec, kv_seq: int,
+                            q_seq: int | None = None) -> float:
+  """KV blocks a CTA's query tile walks, averaged over the tiles (full lengths)."""
+  q_seq = kv_seq if q_seq is None else q_seq
+  rows = config.block_q_cta
+  blocks = []
+  for q_lo in range(0, q_seq, rows):
+    lo, hi = mask.key_block_range(q_lo, min(q_lo + rows, q_seq), kv_seq, config.block_kv)
+    blocks.append(max(hi - lo, 0))
+  return sum(blocks) / max(len(blocks), 1)
 
 
 def all_configs() -> list[tuple[int, ForwardConfig]]:
@@ -309,14 +341,31 @@ def _build_kernel(
 
   total_tiles = batch * num_q_heads * num_q_tiles
   num_ctas = min(total_tiles, cfg.num_sms) if cfg.persistent else None
+  schedule = None
+  if cfg.persistent:
+    # Cost of a work item: its KV blocks (full lengths) plus the Q load and
+    # O store, counted as PERSISTENT_ITEM_OVERHEAD_BLOCKS blocks.
+    tile_costs = []
+    for tile in range(num_q_tiles):
+      lo, hi = mask.key_block_range(tile * cfg.block_q_cta, min((tile + 1) * cfg.block_q_cta, q_seq),
+                                    kv_valid, bk)
+      tile_costs.append(max(hi - lo, 0) + PERSISTENT_ITEM_OVERHEAD_BLOCKS)
+    if heavy_last:
+      tile_costs.reverse()  # item tile index i runs q tile num_q_tiles - 1 - i
+    # Items: heads fastest, then q tiles, then the batch (`tile_coords`).
+    item_costs = [cost for _ in range(batch) for cost in tile_costs for _ in range(num_q_heads)]
+    schedule = persistent_schedule(item_costs, num_ctas)
 
   def tile_coords(t):
-    """Work item t -> (batch, q head, q tile); heads vary fastest (GQA heads
-    sharing K/V run side by side), heavy causal tiles come first."""
+    """Work item t -> (batch, q head, q tile): heads vary fastest (GQA heads
+    sharing K/V run side by side), then q tiles, then the batch, as the
+    hardware launches a (heads, q_tiles, batch) grid. The items in flight at
+    once then read the K/V of few (batch, head) pairs, which stay in L2.
+    Heavy causal tiles come first."""
     head = lax.rem(t, jnp.int32(num_q_heads))
     rest = lax.div(t, jnp.int32(num_q_heads))
-    batch_idx = lax.rem(rest, jnp.int32(batch))
-    tile = lax.div(rest, jnp.int32(batch))
+    tile = lax.rem(rest, jnp.int32(num_q_tiles))
+    batch_idx = lax.div(rest, jnp.int32(num_q_tiles))
     if heavy_last:
       tile = num_q_tiles - 1 - tile
     return batch_idx, head, tile
@@ -325,6 +374,7 @@ def _build_kernel(
     refs = list(refs)
     q_ref, k_ref, v_ref = refs[:3]
     del refs[:3]
+    schedule_ref = refs.pop(0) if cfg.persistent else None
     q_len_ref = refs.pop(0) if has_q_lengths else None
     kv_len_ref = refs.pop(0) if has_kv_lengths else None
     out_ref, lse_ref, smem, barrier_refs = refs
@@ -336,11 +386,11 @@ def _build_kernel(
 
     if cfg.persistent:
       cta = lax.axis_index("ctas")
-      my_tiles = lax.div(total_tiles - cta + (num_ctas - 1), jnp.int32(num_ctas))
-      work_item = lambda i: cta + i * num_ctas
+      my_tiles = schedule_ref[cta, 0]
+      work_item = lambda i: schedule_ref[cta, 1 + i]
     else:
       # One work item per CTA, numbered as the persistent loop would.
-      item = (lax.axis_index("q_tiles") * batch + lax.axis_index("batch")) * num_q_heads
+      item = (lax.axis_index("batch") * num_q_tiles + lax.axis_index("q_tiles")) * num_q_heads
       item = item + lax.axis_index("heads")
       my_tiles = 1
       work_item = lambda i: item
@@ -657,7 +707,7 @@ def _build_kernel(
       jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
-  return plgpu.kernel(
+  call = plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=(tuple(smem), ForwardBarriers.scratch_types(cfg)),
@@ -667,6 +717,21 @@ def _build_kernel(
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
+  if schedule is None:
+    return call
+  return lambda q, k, v, *lengths: call(q, k, v, jnp.asarray(schedule), *lengths)
+
+
+def _sm_count(default: int) -> int:
+  """SMs of the GPU this process runs on (a persistent grid launches one CTA
+  per SM: more would queue a second wave); `default` without a GPU."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return default
+  if device.platform != "gpu":
+    return default
+  return getattr(device, "core_count", None) or default
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
@@ -694,7 +759,10 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if d != head_dim or kv_pad != kv_seq:
     k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
             for x in (k, v))
-  config = config or choose_config(d, mask, kv_seq)
+  if config is None:
+    config = choose_config(d, mask, kv_seq, q_seq)
+    if config.persistent:
+      config = dataclasses.replace(config, num_sms=_sm_count(config.num_sms))
   call = _build_kernel(
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
