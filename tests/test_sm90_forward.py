@@ -21,7 +21,6 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward
-from fa4_jax.kernels.pipeline import persistent_schedule
 from fa4_jax.masks import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase
@@ -126,10 +125,20 @@ def test_large_logits_use_the_stale_max_without_overflow(run_interpreted):
   _run_and_compare(Case(q_seq=128, kv_seq=384, is_causal=False), run_interpreted, scale=1.5)
 
 
-def test_persistent_grid_walks_several_tiles_per_cta(run_interpreted):
-  """Two CTAs for eight work items: the K/V ring and the Q buffers carry
+PERSISTENT_CASES = {
+    "causal_with_lengths": Case(batch=2, q_heads=2, is_causal=True, q_lengths=(256, 90),
+                                kv_lengths=(200, 256)),
+    # 3 q tiles: the causal pairing adds an empty fourth tile per head.
+    "causal_odd_tile_count": Case(q_heads=2, kv_heads=1, is_causal=True, q_seq=300, kv_seq=300),
+    "dense_gqa": Case(batch=2, q_heads=4, kv_heads=2, q_seq=200, kv_seq=136),
+}
+
+
+@pytest.mark.parametrize("name", list(PERSISTENT_CASES))
+def test_persistent_grid_walks_several_tiles_per_cta(name, run_interpreted):
+  """Two CTAs for all work items: the K/V ring and the Q buffers carry
   their barrier phases from one tile to the next."""
-  case = Case(batch=2, q_heads=2, is_causal=True, q_lengths=(256, 90), kv_lengths=(200, 256))
+  case = PERSISTENT_CASES[name]
   config = dataclasses.replace(
       sm90_forward.choose_config(case.head_dim, case.mask), persistent=True, num_sms=2)
   _run_and_compare(case, run_interpreted, config=config)
@@ -146,21 +155,39 @@ def test_one_cta_per_tile_grid_matches_jax_nn_without_races(name, run_interprete
   _run_and_compare(case, run_interpreted, config=config)
 
 
-def test_persistent_schedule_balances_causal_tiles_and_keeps_item_order():
-  """A causal grid's work items cost 1..16 KV blocks; dealing them round-robin
-  gives some CTAs only heavy tiles. The schedule keeps every CTA's items in
-  increasing order (the L2-friendly order) and its loads within one item."""
-  costs = [16 - (i // 16) % 16 for i in range(8 * 16 * 16)]  # B8 H16, 16 q tiles
-  table = persistent_schedule(costs, 132)
-  counts = table[:, 0]
-  items = [list(table[c, 1:1 + n]) for c, n in enumerate(counts)]
-  assert sorted(i for row in items for i in row) == list(range(len(costs)))
-  assert all(row == sorted(row) for row in items)
-  assert all(x == -1 for c, n in enumerate(counts) for x in table[c, 1 + n:])
-  loads = [sum(costs[i] for i in row) for row in items]
-  assert max(loads) - min(loads) <= max(costs)
-  round_robin = [sum(costs[c::132]) for c in range(132)]
-  assert max(loads) < 0.85 * max(round_robin)
+@pytest.mark.parametrize("batch,heads,q_tiles,num_sms,paired", [
+    (8, 16, 16, 132, True), (3, 5, 7, 8, True), (2, 3, 5, 4, False), (1, 2, 1, 132, True)])
+def test_persistent_work_covers_every_tile_once_and_balances_causal_tiles(
+    batch, heads, q_tiles, num_sms, paired):
+  """Every (batch, head, q tile) is some CTA's work item exactly once (plus,
+  for an odd causal tile count, one empty tile per (batch, head) past the
+  end); under a causal mask (tile t costs t + 1 blocks) the CTAs' loads differ
+  by at most one pair of tiles, where dealing single tiles did not."""
+  work = sm90_forward.PersistentWork(batch, heads, q_tiles, num_sms, paired)
+  seen = [work.coords(cta, i) for cta in range(work.num_ctas) for i in range(work.count(cta))]
+  seen = [tuple(int(x) for x in item) for item in seen]
+  expected = [(b, h, t) for b in range(batch) for h in range(heads) for t in range(work.tile_slots)]
+  assert sorted(seen) == expected
+  assert work.tile_slots == q_tiles + (q_tiles % 2 if paired else 0)
+  if paired:
+    cost = lambda t: t + 1 if t < q_tiles else 0
+    loads = [sum(cost(int(work.coords(cta, i)[2])) for i in range(work.count(cta)))
+             for cta in range(work.num_ctas)]
+    ideal = sum(loads) / work.num_ctas
+    assert max(loads) <= ideal + q_tiles + 1  # within one pair of the ideal
+    # Single tiles dealt round-robin in the same order (heavy first): worse.
+    singles = [cost(q_tiles - 1 - (n // heads) % q_tiles) for n in range(batch * heads * q_tiles)]
+    round_robin = [sum(singles[cta::work.num_ctas]) for cta in range(work.num_ctas)]
+    assert max(loads) <= max(round_robin)
+
+
+def test_persistent_work_matches_in_kernel_arithmetic():
+  """The kernel calls `coords` on int32 scalars: same answers as on ints."""
+  work = sm90_forward.PersistentWork(3, 5, 7, 8, True)
+  for cta, i in [(0, 0), (3, 1), (7, 4), (5, 5)]:
+    traced = jax.jit(lambda c, j: jnp.stack(work.coords(c, j)))(jnp.int32(cta), jnp.int32(i))
+    assert [int(x) for x in traced] == [int(x) for x in work.coords(cta, i)]
+    assert int(jax.jit(work.count)(jnp.int32(cta))) == work.count(cta)
 
 
 def test_head_dim_64_walks_many_kv_blocks_through_the_ring(run_interpreted):
@@ -294,3 +321,25 @@ def test_unsupported_arguments_raise_kernel_unsupported_naming_the_argument(
     q_shape, k_shape, dtype, argument):
   with pytest.raises(KernelUnsupported, match=argument):
     sm90_forward.check_supported(q_shape, k_shape, dtype, MaskSpec())
+
+
+@pytest.mark.parametrize("is_causal,seq", [(True, 1000), (False, 1000), (True, 8192)])
+def test_kernels_lower_inside_the_sharding_wrapper_forward_and_backward(is_causal, seq):
+  """`fa4_jax.attention` runs a backend inside `custom_partitioning`, which
+  refuses functions that close over constant arrays: the kernels (persistent
+  grid at 1000 tokens, one CTA per tile at 8192) must not create any."""
+  from fa4_jax import backends, vjp
+  from fa4_jax.testing import cross_lower
+
+  mask = MaskSpec.from_arguments(is_causal, None)
+  assert sm90_forward.choose_config(128, mask, seq).persistent == (seq == 1000)
+  config = vjp.CoreConfig(backends._kernel_backend("sm90"), 0.125, mask)
+
+  def loss(q, k, v):
+    out, _ = vjp.attention_core(q, k, v, None, None, None, None, config)
+    return jnp.sum(out.astype(jnp.float32))
+
+  spec = jax.ShapeDtypeStruct((1, seq, 2, 128), jnp.bfloat16)
+  lowered = cross_lower(jax.grad(loss, (0, 1, 2)), spec, spec, spec)
+  assert len(lowered.modules) >= 3  # forward, dK/dV, dQ
+  assert lowered.has("wgmma.mma_async")

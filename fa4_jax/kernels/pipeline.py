@@ -240,32 +240,3 @@ def sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq: int, kv_valid: int
     kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
   return q_len, kv_len
 
-
-def persistent_schedule(item_costs, num_ctas: int):
-  """Work items of a persistent grid, per CTA, decided at trace time.
-
-  Walks the items in their order (the order that keeps K/V in L2) and gives
-  each to the CTA with the least work so far, as the hardware's block
-  scheduler would hand out a one-item-per-CTA grid. Round-robin would do for
-  equal costs; under a causal mask it gave one CTA heavy tiles only and another
-  light ones (measured: 436 vs 531 TFLOP/s at B8 S2048 on an H100).
-
-  Returns an int32 array [num_ctas, 1 + max_items]: column 0 is the CTA's item
-  count, then its item numbers in increasing order (padding: -1).
-  """
-  import heapq
-
-  import numpy as np
-
-  per_cta = [[] for _ in range(num_ctas)]
-  loads = [(0.0, c) for c in range(num_ctas)]  # (work so far, CTA): a min-heap
-  for item, cost in enumerate(item_costs):
-    load, cta = heapq.heappop(loads)
-    per_cta[cta].append(item)
-    heapq.heappush(loads, (load + float(cost), cta))
-  width = 1 + max(len(items) for items in per_cta)
-  table = np.full((num_ctas, width), -1, np.int32)
-  for cta, items in enumerate(per_cta):
-    table[cta, 0] = len(items)
-    table[cta, 1:1 + len(items)] = items
-  return table
