@@ -239,4 +239,3 @@ def sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq: int, kv_valid: int
   if kv_len_ref is not None:
     kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
   return q_len, kv_len
-

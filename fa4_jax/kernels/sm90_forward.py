@@ -156,21 +156,33 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     # 192 and 256: O alone takes up to 128 registers; keep S small. The
     # persistent grid's separate O tiles do not fit SMEM here.
     return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True)
-  if kv_seq is not None and mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= PERSISTENT_MAX_MEAN_BLOCKS:
-    config = dataclasses.replace(config, persistent=True)
+  if kv_seq is not None:
+    limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if _pairs_causal_tiles(mask)
+             else PERSISTENT_MAX_MEAN_BLOCKS)
+    if mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit:
+      config = dataclasses.replace(config, persistent=True)
   return config
 
 
 # A persistent grid hides each work item's Q load and O store behind the
 # previous item's work, which pays when items are short. Measured on an H100
-# (forward-short-*-2026-11-23.json, balanced schedule vs one CTA per item):
-# +17..34 % at S512, +6..23 % at S1024, +2..13 % at S2048, and at a mean of
-# 16 to 16.5 blocks per item +2.4 % (D64 dense S4096), +2.5 % (D128 causal
-# S4096), +4 % (D64 causal S8192); at 32 to 32.5 it lost: D128 dense S4096
-# -1.5 %, S8192 -2.4 %, causal S8192 -1.1 % (GQA causal S8192 +1.6 %),
-# S16384 -2.5 %. The threshold sits between. Local windows keep items short
-# at any length (B1 S16384, window 1024: 509 vs 475 on 2026-11-22).
+# against one CTA per tile (2026-11-23; forward-short-*.json, sweep shapes):
+# - one tile per unit (dense masks): +16-20 % at S512, +6-11 % at S1024,
+#   +2-6 % at S2048 (a mean of 16 blocks per tile at D128), D64 S4096 (16)
+#   +2 %; at a mean of 32 it lost 1.5-2.5 % (D128 S4096, S8192).
+# - causal tile pairs: +20-30 % at S512, +13-22 % at S1024, +3-9 % at S2048
+#   (8.5), D64 S4096 (8.5) +1 %; at 16.5 it lost 2.5 % (D128 S4096) or tied
+#   (D64 S8192, GQA S4096).
+# Local windows keep items short at any length (B1 S16384, window 1024: 509
+# vs 475 on 2026-11-22). The thresholds sit between the measured points.
 PERSISTENT_MAX_MEAN_BLOCKS = 24
+PERSISTENT_MAX_MEAN_BLOCKS_PAIRED = 12
+
+
+def _pairs_causal_tiles(mask: MaskSpec) -> bool:
+  """Causal-like masks (a right bound, no left one): later query tiles see
+  more keys, so they run first and a persistent grid pairs them."""
+  return mask.right is not None and mask.left is None
 
 
 def mean_kv_blocks_per_tile(config: ForwardConfig, mask: MaskSpec, kv_seq: int,
@@ -402,7 +414,7 @@ def _build_kernel(
   group = num_q_heads // num_kv_heads
   c = scale * LOG2_E  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2)
   # Heavy tiles first: with a right bound (causal), later rows see more keys.
-  heavy_last = mask.right is not None and mask.left is None
+  heavy_last = _pairs_causal_tiles(mask)
   masked_logit = -jnp.inf if c >= 0 else jnp.inf
   interpreting = is_interpreting()
 
