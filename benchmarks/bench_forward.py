@@ -56,15 +56,14 @@ CASES = [
     ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023),
 ]
 
-# --short: the sweep's short sequences (B = 32768 / S tokens per call), where
-# a CTA walks few KV blocks and its prologue and epilogue weigh most.
-SHORT_CASES = [
-    (f"B{32768 // S} S{S} H{hq}{'/' + str(hkv) if hkv != hq else ''} D{d}{' causal' if causal else ''}",
-     32768 // S, S, hq, hkv, d, causal, None)
-    for (hq, hkv, d) in ((16, 16, 128), (32, 32, 64), (16, 4, 128))
-    for S in (512, 1024, 2048, 4096)
-    for causal in (False, True)
-]
+def short_cases():
+  """--short: the sweep's shapes up to S = 4096 at D = 64 and 128 and GQA
+  (B = 32768 / S), where a CTA walks few KV blocks and its prologue and
+  epilogue weigh most."""
+  import sweep  # noqa: PLC0415  (sweep imports this module)
+
+  return [(c.name, c.B, c.S, c.Hq, c.Hkv, c.D, c.causal, None)
+          for c in sweep.gpu_cases(quick=False) if c.S <= 4096 and c.D <= 128]
 
 
 def flops(B, S, H, D, causal, window_left):
@@ -125,7 +124,7 @@ def main():
 
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
-  cases = CASES[2:4] if args.quick else SHORT_CASES if args.short else CASES
+  cases = CASES[2:4] if args.quick else short_cases() if args.short else CASES
   cases = [c for c in cases if args.only in c[0]]
   rows = []
   for name, B, S, Hq, Hkv, D, causal, window_left in cases:

@@ -74,6 +74,7 @@ def main() -> int:
       print(f"== head_dim {args.head_dim} causal {args.causal} config [{text}] (rc {rc})")
       print(summarize(pathlib.Path(tmp)), flush=True)
       if args.keep:
+        pathlib.Path(args.keep).mkdir(parents=True, exist_ok=True)
         dest = pathlib.Path(args.keep) / (re.sub(r"[^A-Za-z0-9_.-]", "_", text) or "default")
         subprocess.run(["cp", "-r", tmp, str(dest)], check=False)
   return 0
