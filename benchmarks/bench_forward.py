@@ -56,6 +56,7 @@ CASES = [
     ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023),
 ]
 
+
 def short_cases():
   """--short: the sweep's shapes up to S = 4096 at D = 64 and 128 and GQA
   (B = 32768 / S), where a CTA walks few KV blocks and its prologue and

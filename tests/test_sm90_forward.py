@@ -161,8 +161,9 @@ def test_persistent_work_covers_every_tile_once_and_balances_causal_tiles(
     batch, heads, q_tiles, num_sms, paired):
   """Every (batch, head, q tile) is some CTA's work item exactly once (plus,
   for an odd causal tile count, one empty tile per (batch, head) past the
-  end); under a causal mask (tile t costs t + 1 blocks) the CTAs' loads differ
-  by at most one pair of tiles, where dealing single tiles did not."""
+  end); under a causal mask (tile t costs t + 1 blocks) no CTA's load exceeds
+  the even share by more than one pair of tiles, nor the worst load of single
+  tiles dealt round-robin."""
   work = sm90_forward.PersistentWork(batch, heads, q_tiles, num_sms, paired)
   seen = [work.coords(cta, i) for cta in range(work.num_ctas) for i in range(work.count(cta))]
   seen = [tuple(int(x) for x in item) for item in seen]
