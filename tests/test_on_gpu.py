@@ -68,3 +68,31 @@ def test_default_path_gradients_match_the_xla_path(case):
     a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
     rel = np.linalg.norm(a - r) / np.linalg.norm(r)
     assert rel < 2e-2, rel  # bf16 inputs and P: ~3e-3 expected
+
+
+@pytest.mark.parametrize("d,causal", [(128, False), (256, True), (64, True)])
+def test_conditional_rescale_is_bit_identical_to_always_rescaling(d, causal):
+  """The warp-uniform skip of O's rescale (`ForwardConfig.conditional_rescale`)
+  only skips multiplications by exactly 1.0, so the output must not change
+  by a single bit. Keys grow along the sequence and the scale is large, so
+  running maxima jump past the threshold in late blocks for some rows and
+  warps (the branch is taken) while other warps keep their max (it is not)."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+  b, t, nq, nkv = 1, 1111, 4, 2
+  q, k, v = inputs(b, t, t, nq, nkv, d, seed=3)
+  growth = jnp.linspace(0.2, 3.0, t, dtype=jnp.float32)[None, :, None, None]
+  k = (k.astype(jnp.float32) * growth).astype(k.dtype)
+  spec = MaskSpec(right=0) if causal else MaskSpec()
+  base = sm90_forward.choose_config(d, spec, t, t)
+  outs = []
+  for conditional in (False, True):
+    config = dataclasses.replace(base, conditional_rescale=conditional)
+    outs.append(sm90_forward.forward(q, k, v, None, None, scale=0.5, mask=spec, config=config))
+  np.testing.assert_array_equal(np.asarray(outs[0][0]), np.asarray(outs[1][0]))
+  np.testing.assert_array_equal(np.asarray(outs[0][1]), np.asarray(outs[1][1]))
+  f32 = lambda x: x.astype(jnp.float32)
+  ref_out, _ = xla_attention.forward(f32(q), f32(k), f32(v), None, None, None, None,
+                                     scale=0.5, spec=spec)
+  np.testing.assert_allclose(f32(outs[1][0]), ref_out, atol=3e-2)

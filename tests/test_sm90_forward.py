@@ -197,6 +197,15 @@ def test_head_dim_64_walks_many_kv_blocks_through_the_ring(run_interpreted):
   _run_and_compare(Case(q_seq=128, kv_seq=1100, is_causal=False), run_interpreted)
 
 
+def test_key_blocks_of_192_keep_tails_and_the_diagonal_right(run_interpreted):
+  """D = 128 can run 192-key blocks (the SMEM ring then fills 227 KiB): a
+  block size that divides neither the lengths nor the 128-row CTA tile."""
+  case = Case(head_dim=128, is_causal=True, q_seq=300, kv_seq=500)
+  config = dataclasses.replace(
+      sm90_forward.choose_config(128, case.mask, case.kv_seq), block_kv=192, persistent=False)
+  _run_and_compare(case, run_interpreted, config=config)
+
+
 # Every GEMM order the kernel offers (`ForwardConfig.schedule`, `p_in_smem`),
 # not only the heuristic's, keeps the numerics and the barrier protocol.
 SCHEDULES = [("qk_then_pv", False), ("qk_then_pv", True), ("pv_then_qk", False), ("serial", True)]
@@ -286,6 +295,20 @@ def test_every_heuristic_config_fits_shared_memory_and_uses_wgmma_and_tma(head_d
       if sm90_forward.choose_config(head_dim, mask, kv_seq) == config:
         _assert_fits_and_uses_hopper_instructions(_lower(head_dim, mask, config))
         break
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_conditional_rescale_branches_on_a_warp_vote(head_dim):
+  """`conditional_rescale` puts O's rescale behind a warp-uniform branch
+  (vote.sync.any over the rows' alpha != 1); without it there is no vote."""
+  mask = MaskSpec(right=0)
+  base = dataclasses.replace(sm90_forward.choose_config(head_dim, mask, 8192), persistent=False)
+  for conditional in (False, True):
+    config = dataclasses.replace(base, conditional_rescale=conditional)
+    lowered = _lower(head_dim, mask, config)
+    _assert_fits_and_uses_hopper_instructions(lowered)
+    assert lowered.has("nvvm.vote.sync any") == conditional
+    assert lowered.has("scf.if") or not conditional
 
 
 @pytest.mark.parametrize("schedule,p_in_smem", SCHEDULES)

@@ -24,7 +24,11 @@ Softmax: logits are kept raw; `c = scale * log2(e)` is folded into one FMA
 before `exp2`, the running max `m` is kept in those scaled log2 units, in the
 wgmma accumulator's row layout. The max is only moved when a row's max grew by
 more than `RESCALE_THRESHOLD` (log2 units): a stale max is used for both l and
-O, so the result stays exact and P stays below 2**RESCALE_THRESHOLD.
+O, so the result stays exact and P stays below 2**RESCALE_THRESHOLD. With
+`ForwardConfig.conditional_rescale`, O is multiplied by the rescale factor only
+in the warps where some row's max moved (a warp-uniform branch,
+`fa4_jax.kernels.accumulator.rescale_rows`): after the first blocks that is
+almost never, and the multiply costs head_dim / 2 FMULs per thread and block.
 
 Masks (`fa4_jax.masks.MaskSpec`, lengths): each consumer walks the KV blocks
 its rows can see; blocks fully visible run without an element mask, boundary
@@ -61,6 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels.accumulator import exact_alpha, rescale_rows
 from fa4_jax.kernels.pipeline import OneShotBuffer, Rendezvous, SlotRing, fori, sequence_lengths
 from fa4_jax.masks import MaskSpec, cdiv
 
@@ -104,6 +109,9 @@ class ForwardConfig:
   # while the current tile's O is stored (needs SMEM for separate O tiles).
   persistent: bool = False
   num_sms: int = 132  # H100 SXM
+  # Multiply O by alpha only in warps where some row's max moved
+  # (`fa4_jax.kernels.accumulator.rescale_rows`); exact either way.
+  conditional_rescale: bool = False
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
@@ -151,11 +159,17 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     config = ForwardConfig(block_q=64, block_kv=256, num_kv_stages=2,
                            producer_registers=24, consumer_registers=240)
   elif d <= 128:
-    config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2)
+    # Conditional rescale: +2-4 % on every D = 128 row (H100, B2 S8192 676 ->
+    # 695, B1 S16384 689 -> 707, causal 682 -> 705; at D = 64, where O is 32
+    # registers and exp2 bounds the loop, the branch cost 3-4 %: 483 -> 469).
+    config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, conditional_rescale=True)
   else:
     # 192 and 256: O alone takes up to 128 registers; keep S small. The
-    # persistent grid's separate O tiles do not fit SMEM here.
-    return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True)
+    # persistent grid's separate O tiles do not fit SMEM here. Skipping O's
+    # rescale saves 128 FMULs per thread and 64-key block at D = 256 (H100,
+    # B2 S8192 H8: 690 -> 740 dense, 687 -> 726 causal).
+    return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True,
+                         conditional_rescale=True)
   if kv_seq is not None:
     limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if _pairs_causal_tiles(mask)
              else PERSISTENT_MAX_MEAN_BLOCKS)
@@ -553,7 +567,7 @@ def _build_kernel(
           m_grown = jnp.maximum(m, row_best * c)
           # Keep the stale max unless it grew enough to risk overflow.
           m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
-          alpha = jnp.exp2(m - m_new)
+          alpha = exact_alpha(m, m_new)
           p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
           return p, m_new, alpha
 
@@ -568,7 +582,7 @@ def _build_kernel(
           rescaled before the hand-off."""
           p, m_new, alpha = online_softmax(s, m, j, masked=masked)
           if acc is not None:
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
           p16 = p.astype(dtype)
           if cfg.sum_before_handoff:
             l = l * alpha + p.sum(axis=1)
@@ -660,7 +674,7 @@ def _build_kernel(
 
           acc, (p16, m_new, l, alpha) = paired_gemms(acc, p_prev, j, after_qk, (p_prev, m, l, m))
           bars.v.consumer_release(step - 1)
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
           return acc, m_new, l, p16
 
         def last_pv(j, carry):
@@ -765,7 +779,11 @@ def _build_kernel(
       grid_names=("ctas",) if cfg.persistent else ("heads", "q_tiles", "batch"),
       num_threads=cfg.num_consumers + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # Row reductions of a wgmma tile stay inside a warp (shuffles), so the
+      # 2 KiB of SMEM reserved by default for cross-warp reductions is given
+      # to the KV ring (block_kv 192 at D = 128 misses the limit by 104 bytes
+      # with it). A reduction that needs it fails to lower.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
   )
 
 
