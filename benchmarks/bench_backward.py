@@ -13,10 +13,11 @@ backward on the upcast inputs at "highest" matmul precision): max absolute
 error and relative L2 error.
 
 Usage (on the GPU machine, from the repository root):
-    python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING]
-        [--config key=value,... (repeatable: one column per config)]
-Writes benchmarks/results/backward-<device>-<date>.json (or $OUT/ when OUT is
-set) and prints a Markdown table.
+    python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING (repeatable)]
+        [--config key=value,... (repeatable: one column per config)] [--tag NAME]
+Writes benchmarks/results/backward[-NAME]-<device>-<date>.json (or $OUT/ when
+OUT is set) and prints a Markdown table. cuDNN runs as XLA configures it: its
+non-deterministic backward unless XLA_FLAGS has --xla_gpu_deterministic_ops=true.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def config_for(text, head_dim, mask):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="first two shapes only")
-  ap.add_argument("--only", default="", help="run cases whose name contains this")
+  ap.add_argument("--only", action="append", default=None,
+                  help="run cases whose name contains this (repeat: any of them)")
+  ap.add_argument("--tag", default="", help="added to the results file name")
   ap.add_argument("--config", action="append", default=None)
   ap.add_argument("--no-check", action="store_true", help="skip error checks")
   args = ap.parse_args()
@@ -110,7 +113,7 @@ def main():
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   cases = CASES[:2] if args.quick else CASES
-  cases = [c for c in cases if args.only in c[0]]
+  cases = [c for c in cases if not args.only or any(o in c[0] for o in args.only)]
   rows = []
   for name, B, S, Hq, Hkv, D, causal, window_left, check in cases:
     keys = jax.random.split(jax.random.key(0), 4)
@@ -174,8 +177,10 @@ def main():
     rows.append(row)
 
   date = datetime.date.today().isoformat()
-  path = bench_common.result_path("backward", device.device_kind)
+  path = bench_common.result_path("-".join(filter(None, ["backward", args.tag])),
+                                  device.device_kind)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
+              xla_flags=os.environ.get("XLA_FLAGS", ""),
               method=f"CUPTI kernel time, median of {ITERATIONS}; FLOPs 2.5x forward",
               rows=rows)
   with open(path, "w") as fh:

@@ -1,12 +1,13 @@
 """Registers, spills and SMEM of the sm90 kernels, as ptxas reports them.
 
 On the GPU machine (the CUDA plugin compiles Mosaic GPU kernels only for a
-present device), compiles the forward kernel for each `--config` override and
+present device), compiles the forward kernel (with `--backward`: the backward
+kernels) for each `--config` override and
 prints, per kernel, what `MOSAIC_GPU_DUMP_PTXAS` / `MOSAIC_GPU_DUMP_RESOURCES`
 left: registers per thread, stack frame, spill stores / loads. The first
 thing to read when a configuration is slower than expected.
 
-    python3 benchmarks/ptxas_report.py [--head-dim 128] [--causal]
+    python3 benchmarks/ptxas_report.py [--head-dim 128] [--causal] [--backward]
         [--config key=value,...]... [--keep DIR]
 """
 
@@ -23,22 +24,30 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str) -> None:
+def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
+             backward: bool = False) -> None:
   """Runs in a child process with the dump variables set."""
   sys.path.insert(0, os.path.join(HERE, ".."))
   sys.path.insert(0, HERE)
   import jax
   import jax.numpy as jnp
 
-  from bench_forward import config_for
-  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.kernels import sm90_backward, sm90_forward
   from fa4_jax.masks import MaskSpec
 
   mask = MaskSpec.from_arguments(causal, None)
-  config = config_for(config_text, head_dim, mask, 8192)
   q = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
-  fn = jax.jit(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=0.1, mask=mask, config=config)[0])
+  if backward:
+    import bench_backward
+    config = bench_backward.config_for(config_text, head_dim, mask)
+    lse = jnp.zeros((1, 2, 1024), jnp.float32)
+    fn = jax.jit(lambda q, k, v: sm90_backward.backward(
+        q, k, v, q, lse, q, None, None, scale=0.1, mask=mask, config=config))
+  else:
+    import bench_forward
+    config = bench_forward.config_for(config_text, head_dim, mask, 8192)
+    fn = jax.jit(lambda q, k, v: sm90_forward.forward(
+        q, k, v, None, None, scale=0.1, mask=mask, config=config)[0])
   jax.block_until_ready(fn(q, q, q))
 
 
@@ -61,6 +70,7 @@ def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--backward", action="store_true", help="the backward kernels")
   ap.add_argument("--config", action="append", default=None)
   ap.add_argument("--keep", default=None, help="copy each dump folder here")
   args = ap.parse_args()
@@ -69,7 +79,7 @@ def main() -> int:
       env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
                  MOSAIC_GPU_DUMP_RESOURCES="1", MOSAIC_GPU_DUMP_TO=tmp)
       code = (f"import sys; sys.path.insert(0, {HERE!r}); import ptxas_report as r; "
-              f"r._compile({tmp!r}, {args.head_dim}, {args.causal}, {text!r})")
+              f"r._compile({tmp!r}, {args.head_dim}, {args.causal}, {text!r}, {args.backward})")
       rc = subprocess.run([sys.executable, "-c", code], env=env).returncode
       print(f"== head_dim {args.head_dim} causal {args.causal} config [{text}] (rc {rc})")
       print(summarize(pathlib.Path(tmp)), flush=True)

@@ -53,12 +53,12 @@ def _forward(case: Case, q, k, v, scale):
   return xla_attention.forward(q, k, v, None, None, q_len, kv_len, scale=scale, spec=case.mask)
 
 
-def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale):
+def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale, config=None):
   q_len, kv_len = case.lengths()
 
   def fn(q, k, v, out, lse, dout):
     return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
-                                  scale=scale, mask=case.mask)
+                                  scale=scale, mask=case.mask, config=config)
 
   return run_interpreted(fn, q, k, v, out, lse, dout)
 
@@ -85,11 +85,11 @@ def _rows_seeing_keys(case: Case) -> np.ndarray:
   return case.visible().any(-1)[:, 0, :, None, None]
 
 
-def _check_case(case: Case, run_interpreted):
+def _check_case(case: Case, run_interpreted, config=None):
   q, k, v, dout = _inputs(case)
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse = _forward(case, q, k, v, scale)
-  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
+  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, config)
   for g, x in zip(grads, (q, k, v)):
     assert g.shape == x.shape and g.dtype == x.dtype
 
@@ -154,6 +154,101 @@ def test_gradients_are_bit_identical_across_runs(run_interpreted):
   second = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- dQ inside the dK/dV kernel (int32 fixed point) ------------------------------
+
+
+def _fused(case: Case):
+  return dataclasses.replace(
+      sm90_backward.choose_config(case.head_dim, case.mask), dq="fused", dk_dv="fused")
+
+
+FUSED_CASES = {
+    "dense_bf16": Case(head_dim=128, q_seq=200, kv_seq=200),
+    "causal_gqa_sums_dk_dv_over_the_group": Case(
+        q_heads=4, kv_heads=2, head_dim=128, is_causal=True, q_seq=300, kv_seq=300),
+    "fp16_ragged_two_sided_window_skips_far_tiles": Case(
+        dtype="float16", head_dim=128, window=(40, 20), q_seq=77, kv_seq=330),
+    "lengths_mask_keys_drop_rows_and_leave_a_batch_without_keys": Case(
+        batch=2, head_dim=128, is_causal=True, q_seq=104, kv_seq=136,
+        q_lengths=(70, 104), kv_lengths=(136, 0)),
+    # Query rows see the keys of only one of the two consumers (a causal
+    # diagonal inside the CTA): the other one contributes a zero half of dS.
+    "queries_shorter_than_keys_one_consumer_sees_nothing": Case(
+        head_dim=128, is_causal=True, q_seq=40, kv_seq=256),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_fused_dq_matches_xla_backward_and_jax_nn_without_races(name, run_interpreted):
+  case = FUSED_CASES[name]
+  _check_case(case, run_interpreted, config=_fused(case))
+
+
+def test_fused_gradients_are_bit_identical_across_runs(run_interpreted):
+  case = FUSED_CASES["causal_gqa_sums_dk_dv_over_the_group"]
+  q, k, v, dout = _inputs(case)
+  scale = 1.0 / math.sqrt(case.head_dim)
+  out, lse = _forward(case, q, k, v, scale)
+  runs = [_kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, _fused(case))
+          for _ in range(2)]
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fixed_point_bound_holds_for_every_partial_sum_of_dq():
+  """B_i bounds |sum over any key tiles of dS_ij K_jd| (computed here in f64
+  from the definitions), with room to spare inside int32: the quantum never
+  lets a partial sum reach 2**31 steps."""
+  from fa4_jax.kernels import fixed_point
+  rng = np.random.default_rng(0)
+  t, d, tile = 256, 64, 32
+  for trial in range(4):
+    spread = 1.0 + 3.0 * trial  # peakier attention as the logits grow
+    q, k, v, do = (rng.normal(size=(t, d)) * s for s in (spread, spread, 1.0, 1.0))
+    logits = q @ k.T / math.sqrt(d)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = p @ v
+    ds = p * (do @ v.T - np.sum(do * out, -1, keepdims=True))
+    partial = np.cumsum([ds[:, j:j + tile] @ k[j:j + tile] for j in range(0, t, tile)], axis=0)
+    as_bnt = lambda x: jnp.asarray(x[None, :, None, :], jnp.float32)  # [1, T, 1, D]
+    bound = np.asarray(fixed_point.row_bounds(as_bnt(k), as_bnt(v), as_bnt(do), 1))[0, 0]
+    assert np.all(np.abs(partial) <= bound[None, :, None])
+    steps = np.abs(partial) * np.asarray(fixed_point.inverse_quanta(jnp.asarray(bound)))[None, :, None]
+    assert steps.max() < 2.0 ** 30
+
+
+def test_fixed_point_rows_with_zero_or_non_finite_bounds():
+  from fa4_jax.kernels import fixed_point
+  bounds = jnp.asarray([[[0.0, 3.0, jnp.inf, jnp.nan]]])  # [B=1, N=1, T=4]
+  np.testing.assert_array_equal(fixed_point.inverse_quanta(bounds)[0, 0, [0, 2, 3]], 0.0)
+  dq = fixed_point.to_float(jnp.ones((1, 4, 1, 2), jnp.int32), bounds, 0.5, jnp.float32)
+  assert np.all(np.asarray(dq[0, 0]) == 0.0)
+  np.testing.assert_allclose(dq[0, 1], 0.5 * 3.0 / 2.0 ** fixed_point.QUANTUM_BITS)
+  assert np.all(np.isnan(np.asarray(dq[0, 2:])))
+
+
+def test_fused_dq_needs_the_fused_dk_dv_scheme():
+  with pytest.raises(ValueError, match="dk_dv"):
+    sm90_backward.BackwardConfig(dq="fused", dk_dv="head_dim_split")
+
+
+def test_fused_kernel_adds_dq_with_a_tma_reduction_and_fits_smem(cross_lower):
+  config = dataclasses.replace(sm90_backward.choose_config(128, MaskSpec()), dq="fused")
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  q, kv, lse = spec((1, 512, 4, 128)), spec((1, 512, 2, 128)), spec((1, 4, 512), jnp.float32)
+
+  def fn(q, k, v, out, lse, dout):
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
+                                  mask=MaskSpec(right=0), config=config)
+
+  lowered = cross_lower(fn, q, kv, kv, q, lse, q)
+  assert len(lowered.smem_bytes) == 1  # one kernel: no dQ kernel
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("wgmma.mma_async")
+  assert lowered.has("cp.reduce.async.bulk.tensor")
 
 
 # --- tile ranges -------------------------------------------------------------

@@ -59,7 +59,10 @@ class SlotRing:
   Step `n` (0, 1, 2, ... in the order the producer fills them) lives in slot
   `n % num_slots`. Barriers:
 
-    full[slot]      arrivals: 1 (the producer's TMA, with its bytes).
+    full[slot]      arrivals: 1 (the producer's TMA, with its bytes), or
+                    one per producer warpgroup when several fill parts of a
+                    slot from registers (`barrier_types(..., producers=n)`,
+                    each calling `producer_publish`).
                     Waited by every consumer at every step.
     consumed[slot]  arrivals: `num_consumers` (one `barrier_arrive` per
                     consumer warpgroup). Waited by the producer before it
@@ -77,10 +80,10 @@ class SlotRing:
   FULL_ARRIVALS = 1
 
   @staticmethod
-  def barrier_types(num_slots: int, num_consumers: int):
+  def barrier_types(num_slots: int, num_consumers: int, producers: int = FULL_ARRIVALS):
     """(full, consumed) barrier scratch types for a ring."""
     return (
-        plgpu.Barrier(num_arrivals=SlotRing.FULL_ARRIVALS, num_barriers=num_slots),
+        plgpu.Barrier(num_arrivals=producers, num_barriers=num_slots),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
     )
 

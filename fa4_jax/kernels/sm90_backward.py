@@ -29,11 +29,16 @@ atomics):
    streams (K, V) tiles of the key blocks those rows see.
 
 Why two kernels rather than one with a dQ reduction: a single kernel must add
-partial dQ tiles from many CTAs into one buffer. Without atomics that needs
-either a per-KV-tile dQ buffer plus a reduction pass (T x T/bk x D floats of
-traffic) or a semaphore-ordered accumulation that serializes CTAs. Two
-kernels recompute S and dP once more (7 instead of 5 GEMMs of one tile, i.e.
-+40% tensor work in dQ's share) but stay deterministic and simple.
+partial dQ tiles from many CTAs into one buffer, and float additions in
+arrival order are not deterministic. Two kernels recompute S and dP once more
+(7 instead of 5 GEMMs of one tile, +40% tensor work in dQ's share) but stay
+deterministic and simple. The one-kernel alternative is here too
+(`BackwardConfig.dq == "fused"`, `_build_fused_kernel`): it adds dQ in int32
+fixed point (`fa4_jax.kernels.fixed_point`), so it is deterministic as well,
+but on an H100 it is slower at head dim 128 (B2 S8192 H16: 5.8 ms of kernel
+against 3.1 + 2.0 ms; its dS^T hand-off between the consumers costs ~1 ms and
+its dQ step ~1.7 ms, the int32 reduce-adds themselves only ~0.3 ms, see
+BENCHMARKS.md), so the heuristic does not pick it.
 
 Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
@@ -63,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels import KernelUnsupported, check_common, fixed_point
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, fori,
                                      sequence_lengths)
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
@@ -76,6 +81,9 @@ MAX_HEAD_DIM = 256
 # computed by two passes of the dK/dV kernel, one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
+# "separate": the dQ kernel recomputes S and dP; "fused": the dK/dV kernel
+# also adds dQ in int32 fixed point (`_build_fused_kernel`).
+DQ_SCHEMES = ("separate", "fused")
 # lse and delta are padded to a multiple of this (every block size divides it).
 STATS_ALIGN = 128
 
@@ -118,10 +126,21 @@ class BackwardConfig:
   dq_consumer_registers: int = 232
   dv_block_q: int = 0  # 0: as block_q
   dv_num_stages: int = 0  # 0: as num_stages
+  # dQ by its own kernel, or inside the dK/dV kernel ("fused": head dim 128,
+  # `dk_dv == "fused"`), which hands dS^T between its consumers through a
+  # ring of `ds_slots` SMEM slots. "fused" is deterministic too, but measured
+  # slower (H100, B2 S8192 H16 D128: 456 vs 533 TFLOP/s with 240 consumer
+  # registers, 368 with 232): an option, not the heuristic's choice.
+  dq: str = "separate"
+  ds_slots: int = 3
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
       raise ValueError(f"dk_dv must be one of {DK_DV_SCHEMES}; got {self.dk_dv!r}")
+    if self.dq not in DQ_SCHEMES:
+      raise ValueError(f"dq must be one of {DQ_SCHEMES}; got {self.dq!r}")
+    if self.dq == "fused" and self.dk_dv != "fused":
+      raise ValueError(f"dq='fused' needs dk_dv='fused'; got {self.dk_dv!r}")
 
   def dv_pass(self) -> "BackwardConfig":
     """The configuration of the dV pass of "two_passes"."""
@@ -437,23 +456,28 @@ def _mma_accumulate_smem_pair(acc0, a0, b0, acc1, a1, b1):
   return pl.run_state(in_place)((plgpu.ACC.init(acc0), plgpu.ACC.init(acc1)))
 
 
-def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
+def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
   """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
-  one wait covers both. (Here `p` is P^T: keys along rows.)
+  one wait covers both. (Here `p` is P^T: keys along rows.) `with_ds(ds)`,
+  if given, receives dS^T in the input dtype while the dV wgmma runs.
   """
   dtype = q_tile.dtype
   if is_interpreting():
     dv = _mma_accumulate(dv, p.astype(dtype), do_tile, staging)
-    ds = p * (dp - delta)
-    return _mma_accumulate(dk, ds.astype(dtype), q_tile, staging), dv
+    ds = (p * (dp - delta)).astype(dtype)
+    if with_ds is not None:
+      with_ds(ds)
+    return _mma_accumulate(dk, ds, q_tile, staging), dv
 
   def body(refs):
     dk_ref, dv_ref = refs
     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-    ds = p * (dp - delta)
-    plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
+    ds = (p * (dp - delta)).astype(dtype)
+    if with_ds is not None:
+      with_ds(ds)
+    plgpu.wgmma(dk_ref, ds, q_tile)
 
   return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
 
@@ -810,6 +834,278 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   )
 
 
+# --- dK, dV and dQ in one kernel -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedBackwardBarriers:
+  """Every barrier of the fused kernel, with its producer and consumer side.
+
+  | barrier             | arrives (count)                                | waits                          |
+  |---------------------|------------------------------------------------|--------------------------------|
+  | resident.full[0]    | producer TMAs of K_0, V_0, K_1, V_1 (4)        | both consumers, once (each     |
+  |                     |                                                | reads both K tiles for dQ)     |
+  | stream.full[slot]   | producer TMAs of Q, dO, lse2, delta and the    | both consumers, every step     |
+  |                     | rows' inverse quanta (5)                       |                                |
+  | stream.consumed[s]  | each consumer when its step is done (2)        | producer, before refilling     |
+  | ds.full[slot]       | each consumer after storing its half of dS^T   | both consumers, in the step    |
+  |                     | of a step (2)                                  | after (dQ of the step before)  |
+  | ds.consumed[slot]   | each consumer after its dQ wgmmas read the     | both consumers, before storing |
+  |                     | slot (2)                                       | into the slot again            |
+  | epilogue            | each consumer after its last dQ wgmma (2)      | both; then K tiles hold dK     |
+  """
+
+  resident: OneShotBuffer
+  stream: BundleRing
+  ds: SlotRing
+  epilogue: Rendezvous
+
+  STREAMED = 5  # Q, dO, lse2, delta, inverse quanta
+
+  @classmethod
+  def scratch_types(cls, num_stages: int, ds_slots: int, num_consumers: int = 2):
+    return (
+        plgpu.Barrier(num_arrivals=2 * num_consumers, num_barriers=1),
+        *BundleRing.barrier_types(num_stages, num_consumers, cls.STREAMED),
+        *SlotRing.barrier_types(ds_slots, num_consumers, producers=num_consumers),
+        Rendezvous.barrier_type(num_consumers),
+    )
+
+  @classmethod
+  def from_refs(cls, refs, num_stages: int, ds_slots: int, num_consumers: int = 2):
+    resident_full, stream_full, stream_consumed, ds_full, ds_consumed, epilogue = refs
+    return cls(
+        resident=OneShotBuffer(resident_full),
+        stream=BundleRing(SlotRing(stream_full, stream_consumed, num_stages, num_consumers),
+                          cls.STREAMED),
+        ds=SlotRing(ds_full, ds_consumed, ds_slots, num_consumers),
+        epilogue=Rendezvous(epilogue, num_consumers),
+    )
+
+
+def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
+                        head_dim, dtype, scale, mask, config, has_q_lengths,
+                        has_kv_lengths):
+  """dK, dV and dQ in one kernel (`BackwardConfig.dq == "fused"`).
+
+  The dK/dV kernel's CTA (two consumers, `block_kv` keys each, their dK and
+  dV in registers, query blocks of every head of the GQA group streamed
+  through a ring), which also produces dQ, so S and dP are computed once (five
+  tile GEMMs per step instead of the two kernels' seven):
+
+    step n, consumer w: S^T, dP^T -> P^T, dS^T; dV_w += P^T dO, dK_w += dS^T Q,
+                        dS^T_w (16-bit) -> ds ring slot of step n;
+                        dQ[:, cols_w] of step n-1 = dS K[:, cols_w] over both
+                        halves of the key tile (from the ds ring), in int32
+                        steps of the row's quantum -> TMA reduce-add.
+
+  dQ of a step runs one step later, so the consumer that finishes its half
+  of dS^T first does not wait for the other one. The reduce-adds of all CTAs
+  land in one int32 buffer (`dq_acc`, zeros, a `jax.Ref` operand): integer
+  sums do not depend on their order, so dQ is deterministic
+  (`fa4_jax.kernels.fixed_point`). Under the interpreter, which has no TMA
+  reduction, each CTA writes its partials to a slice of its own
+  (`dq_acc` then has a leading KV-tile axis, summed afterwards): the same
+  integers, the same sum.
+  """
+  cfg = config
+  bk, bq, nc = cfg.block_kv, cfg.block_q, cfg.num_consumers
+  if nc != 2 or head_dim % (64 * nc) or head_dim > MAX_FUSED_DK_DV_HEAD_DIM:
+    raise KernelUnsupported(
+        f"sm90 fused backward: needs two consumers and head_dim 128; got {nc}, {head_dim}")
+  dq_cols = head_dim // nc
+  group = num_q_heads // num_kv_heads
+  num_kv_tiles = cdiv(kv_seq, nc * bk)
+  c = scale * LOG2_E
+  interpreting = is_interpreting()
+
+  def kernel(*refs):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, inv_quanta_ref = refs[:7]
+    del refs[:7]
+    q_len_ref = refs.pop(0) if has_q_lengths else None
+    kv_len_ref = refs.pop(0) if has_kv_lengths else None
+    dq_acc_ref, dk_ref, dv_ref, smem, barrier_refs = refs
+    (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, inv_quanta_ring,
+     ds_smem, dq_stage, *staging) = smem
+    bars = FusedBackwardBarriers.from_refs(barrier_refs, cfg.num_stages, cfg.ds_slots, nc)
+
+    kv_head = lax.axis_index("heads")
+    batch_idx = lax.axis_index("batch")
+    tile = lax.axis_index("kv_tiles")
+    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
+    cta_k_lo = tile * (nc * bk)
+    cta = q_tile_ranges(mask, cta_k_lo, cta_k_lo + nc * bk, q_len, kv_len, bq)
+    lo, hi = cta.lo, cta.hi
+    blocks_per_head = hi - lo
+    num_steps = group * blocks_per_head  # head-major, as in `_build_dkv_kernel`
+    wg = lax.axis_index("wg")
+
+    def rows_of(step):
+      """(q head, query block) of `step`."""
+      return kv_head * group + lax.div(step, blocks_per_head), lo + lax.rem(step, blocks_per_head)
+
+    @pl.when(wg == nc)
+    def _producer():
+      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+      for i in range(nc):
+        keys = (batch_idx, pl.ds(cta_k_lo + i * bk, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[i], bars.resident.full.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[i], bars.resident.full.at[0])
+
+      @pl.loop(0, num_steps)
+      def _(step):
+        head, qb = rows_of(step)
+        rows = (batch_idx, pl.ds(qb * bq, bq), head)
+        stats = (batch_idx, head, pl.ds(qb * bq, bq))
+        bars.stream.producer_acquire(step)
+        bars.stream.producer_fill(
+            [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring),
+             (lse_ref.at[stats], lse_ring), (delta_ref.at[stats], delta_ring),
+             (inv_quanta_ref.at[stats], inv_quanta_ring)], step)
+
+      bars.stream.producer_drain(num_steps)
+
+    @pl.when(wg < nc)
+    def _consumer():
+      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+      k_lo = cta_k_lo + wg * bk
+      own = _own_ranges(q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq), lo, hi)
+      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns (query rows)
+      row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along dQ's rows
+      stage = staging[0].at[wg] if interpreting else None
+      cols = pl.ds(wg * dq_cols, dq_cols)
+
+      def publish_ds(step, ds):
+        """This consumer's half of dS^T of `step` -> the ds ring."""
+        bars.ds.producer_acquire(step)  # the dQ wgmmas of step - ds_slots are done
+        ds_smem.at[bars.ds.slot(step), wg][...] = ds
+        bars.ds.producer_publish(step)
+
+      def dq_of(step, inv_quanta):
+        """dQ[:, cols] of `step`'s query block, from both halves of dS^T, in
+        int32 steps of each row's quantum, added into dq_acc."""
+        slot = bars.ds.slot(step)
+        bars.ds.consumer_wait(step)
+
+        def body(acc_ref):
+          for w in range(nc):
+            plgpu.wgmma(acc_ref, ds_smem.at[slot, w].transpose((1, 0)), k_smem.at[w, :, cols])
+          return acc_ref[...]
+
+        dq = pl.run_scoped(body, plgpu.ACC((bq, dq_cols), jnp.float32))
+        bars.ds.consumer_release(step)
+        steps = jnp.round(dq * lax.broadcast_in_dim(inv_quanta, dq.shape, [0])).astype(jnp.int32)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_stage
+        dq_stage.at[wg][...] = steps
+        plgpu.commit_smem()
+        head, qb = rows_of(step)
+        rows = pl.ds(qb * bq, bq)
+        if interpreting:  # no TMA reduction: partials of this KV tile, summed later
+          plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_acc_ref.at[tile, batch_idx, rows, head, cols])
+        else:
+          plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_acc_ref.at[batch_idx, rows, head, cols],
+                                  reduction_op="add")
+
+      def step_fn(qb, acc, *, masked, head_step0):
+        dk, dv, prev_inv_quanta = acc
+        step = head_step0 + (qb - lo)
+        slot = bars.stream.slot(step)
+        q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
+        bars.stream.consumer_wait(step)
+        inv_quanta = plgpu.load(inv_quanta_ring.at[slot], layout=row_layout)
+        s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
+                          v_tile, do_tile.transpose((1, 0)), (bk, bq))
+        lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+        logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
+        if masked:
+          k_idx = k_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+          q_idx = qb * bq + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+          visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+          logits2 = jnp.where(visible, logits2, -jnp.inf)
+        p = jnp.exp2(logits2)
+        delta = lax.broadcast_in_dim(plgpu.load(delta_ring.at[slot], layout=col_layout), s.shape, [1])
+        dk, dv = _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, stage,
+                               with_ds=functools.partial(publish_ds, step))
+        return end_of_step(step, dk, dv, inv_quanta, prev_inv_quanta)
+
+      def skip_fn(qb, acc, *, head_step0):
+        """None of this consumer's keys sees the block: its half of dS^T is 0."""
+        dk, dv, prev_inv_quanta = acc
+        step = head_step0 + (qb - lo)
+        bars.stream.consumer_wait(step)
+        inv_quanta = plgpu.load(inv_quanta_ring.at[bars.stream.slot(step)], layout=row_layout)
+        publish_ds(step, plgpu.layout_cast(jnp.zeros((bk, bq), dtype), plgpu.Layout.WGMMA))
+        return end_of_step(step, dk, dv, inv_quanta, prev_inv_quanta)
+
+      def end_of_step(step, dk, dv, inv_quanta, prev_inv_quanta):
+        """The slot's release and the previous step's dQ (this step's runs
+        one step later, with `inv_quanta` carried)."""
+        bars.stream.consumer_release(step)
+
+        @pl.when(step > 0)
+        def _():
+          dq_of(step - 1, prev_inv_quanta)
+
+        return dk, dv, inv_quanta
+
+      def one_head(g, acc):
+        head_step0 = g * blocks_per_head
+        return _walk(lo, hi, own,
+                     functools.partial(step_fn, head_step0=head_step0),
+                     functools.partial(skip_fn, head_step0=head_step0), acc)
+
+      bars.resident.consumer_wait(0)
+      no_quanta = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+      dk, dv, last_inv_quanta = lax.fori_loop(
+          0, group, one_head, (_zeros((bk, head_dim)), _zeros((bk, head_dim)), no_quanta))
+
+      @pl.when(num_steps > 0)
+      def _():
+        dq_of(num_steps - 1, last_inv_quanta)
+
+      bars.ds.producer_drain(num_steps)
+      # Both consumers' dQ wgmmas read both K tiles: only after both are done
+      # may the K tiles take dK (and the V tiles, read by their owner only, dV).
+      bars.epilogue.sync()
+      k_tile[...] = (dk * scale).astype(dtype)
+      v_tile[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      keys = (batch_idx, pl.ds(k_lo, bk), kv_head)
+      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
+      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+      plgpu.wait_smem_to_gmem(0)  # also the last dQ additions
+
+  swizzle = _swizzle_bytes(dtype, bk, bq)
+  resident_tile = _smem_tile((nc, bk, head_dim), dtype, swizzle)
+  ring_tile = _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle)
+  ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
+  smem = [
+      resident_tile,  # K tiles, then dK
+      resident_tile,  # V tiles, then dV
+      ring_tile, ring_tile,  # Q, dO rings
+      ring_stats, ring_stats, ring_stats,  # lse2, delta, inverse quanta rings
+      _smem_tile((cfg.ds_slots, nc, bk, bq), dtype, swizzle),  # dS^T halves
+      _smem_tile((nc, bq, dq_cols), jnp.int32, 128),  # dQ steps on their way out
+  ]
+  if interpreting:
+    smem.append(_smem_tile((nc, bk, bq), dtype, swizzle))  # P^T / dS^T staging
+  out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype)
+                   for _ in range(2))
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=(tuple(smem), FusedBackwardBarriers.scratch_types(
+          cfg.num_stages, cfg.ds_slots, nc)),
+      grid=(num_kv_heads, num_kv_tiles, batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=nc + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+
 # --- dQ ------------------------------------------------------------------------
 
 
@@ -955,6 +1251,28 @@ def _preprocess(out, lse, dout, q_lengths, q_pad: int):
   return jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta, pad)
 
 
+def _fused_backward(common, args, k, v, dout):
+  """(dq, dk, dv) from the fused kernel: dQ summed in int32 fixed point
+  (`fa4_jax.kernels.fixed_point`), converted back to the input dtype."""
+  batch, q_pad, num_q_heads = common["batch"], common["q_seq"], common["num_q_heads"]
+  bounds = fixed_point.row_bounds(k, v, dout, num_q_heads)  # [B, Nq, q_pad]
+  lse2 = args[4]
+  inv_quanta = jnp.pad(fixed_point.inverse_quanta(bounds),
+                       [(0, 0), (0, 0), (0, lse2.shape[-1] - q_pad)])
+  shape = (batch, q_pad, num_q_heads, common["head_dim"])
+  interpreting = is_interpreting()
+  if interpreting:  # one slice of partials per CTA column of keys (no TMA reduction)
+    config = common["config"]
+    shape = (cdiv(common["kv_seq"], config.num_consumers * config.block_kv),) + shape
+  dq_acc = jax.new_ref(jnp.zeros(shape, jnp.int32))
+  dk, dv = _build_fused_kernel(**common)(*args[:6], inv_quanta, *args[6:], dq_acc)
+  dq_fixed = dq_acc[...]
+  if interpreting:
+    dq_fixed = jnp.sum(dq_fixed, axis=0, dtype=jnp.int32)
+  dq = fixed_point.to_float(dq_fixed, bounds, common["scale"], common["dtype"])
+  return dq, dk, dv
+
+
 def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
              mask: MaskSpec, config: BackwardConfig | None = None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
@@ -995,14 +1313,17 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     args.append(jnp.asarray(q_lengths, jnp.int32))
   if kv_lengths is not None:
     args.append(jnp.asarray(kv_lengths, jnp.int32))
-  if config.dk_dv == "fused":
+  if config.dq == "fused":
+    dq, dk, dv = _fused_backward(common, args, k, v, dout)
+  elif config.dk_dv == "fused":
     dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"))(*args)
   elif config.dk_dv == "head_dim_split":
     dk, dv = _build_dkv_head_split_kernel(**common)(*args)
   else:
     (dk,) = _build_dkv_kernel(**common, outputs=("dk",))(*args)
     (dv,) = _build_dkv_kernel(**dict(common, config=config.dv_pass()), outputs=("dv",))(*args)
-  dq = _build_dq_kernel(**common)(*args)
+  if config.dq == "separate":
+    dq = _build_dq_kernel(**common)(*args)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
   if d != head_dim or kv_pad != kv_seq:
