@@ -155,9 +155,12 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     # Half the GEMM work per softmax element of D = 128: long KV blocks
     # amortize the per-block softmax and barrier costs. Measured on H100
     # (B2 S8192 H32): block_kv 256 / 2 stages 487 vs 457 TFLOP/s dense, 456 vs
-    # 437 causal; 240 consumer registers remove its small spills (488, 460).
+    # 437 causal; 240 consumer registers remove its small spills (488, 460);
+    # finishing the row sums before the hand-off: 500 vs 483 dense, 458 vs
+    # 454 causal (2026-11-23, forward-experiments-*.json).
     config = ForwardConfig(block_q=64, block_kv=256, num_kv_stages=2,
-                           producer_registers=24, consumer_registers=240)
+                           producer_registers=24, consumer_registers=240,
+                           sum_before_handoff=True)
   elif d <= 128:
     # Conditional rescale: +2-4 % on every D = 128 row (H100, B2 S8192 676 ->
     # 695, B1 S16384 689 -> 707, causal 682 -> 705; at D = 64, where O is 32
