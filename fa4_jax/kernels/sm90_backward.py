@@ -388,6 +388,70 @@ def _walk(lo, hi, own: _TileRanges, step_fn, skip_fn, carry):
   return carry
 
 
+@dataclasses.dataclass(frozen=True)
+class _KeyTileWork:
+  """What a CTA that owns keys [k_lo, k_lo + num_keys) of one KV head walks
+  (the dK/dV, head-split and fused kernels): every query block of every
+  query head of the GQA group that may see those keys, head-major (all
+  blocks [lo, hi) of the group's first head, then the next head's, ...)."""
+
+  kv_head: Any
+  batch_idx: Any
+  k_lo: Any
+  q_len: Any
+  kv_len: Any
+  ranges: "_TileRanges"  # the query blocks [lo, hi) of one head, and the full ones
+  group: int
+
+  @classmethod
+  def of_this_cta(cls, *, num_keys, block_q, mask, q_len_ref, kv_len_ref, q_seq,
+                  kv_valid, group):
+    """The CTA at grid position (heads, kv_tiles, batch)."""
+    kv_head = lax.axis_index("heads")
+    batch_idx = lax.axis_index("batch")
+    k_lo = lax.axis_index("kv_tiles") * num_keys
+    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
+    ranges = q_tile_ranges(mask, k_lo, k_lo + num_keys, q_len, kv_len, block_q)
+    return cls(kv_head, batch_idx, k_lo, q_len, kv_len, ranges, group)
+
+  @property
+  def lo(self):
+    return self.ranges.lo
+
+  @property
+  def hi(self):
+    return self.ranges.hi
+
+  @property
+  def blocks_per_head(self):
+    return self.hi - self.lo
+
+  @property
+  def num_steps(self):
+    return self.group * self.blocks_per_head
+
+  def rows_of(self, step):
+    """(query head, query block) of `step`."""
+    return (self.kv_head * self.group + lax.div(step, self.blocks_per_head),
+            self.lo + lax.rem(step, self.blocks_per_head))
+
+
+def _probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: MaskSpec,
+                   c: float, masked: bool):
+  """P = exp2(c * S - lse2) of one tile (S^T when `keys_along_rows`, as in the
+  kernels that own keys; S in the dQ kernel), 0 where the mask or the key
+  length hides an element; `masked=False` for tiles known to be fully visible."""
+  logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
+  if masked:
+    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape, layout=plgpu.Layout.WGMMA)
+    row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
+    rows, cols = row_lo + iota(0), col_lo + iota(1)
+    k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
+    visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+    logits2 = jnp.where(visible, logits2, -jnp.inf)
+  return jnp.exp2(logits2)
+
+
 def _mma(a, b, shape):
   """a @ b in fp32 (both in SMEM)."""
 
@@ -521,16 +585,12 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
     staging = list(smem)
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, num_streamed)
 
-    kv_head = lax.axis_index("heads")
-    batch_idx = lax.axis_index("batch")
-    tile = lax.axis_index("kv_tiles")
-    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
-
-    cta_k_lo = tile * (nc * bk)
-    cta = q_tile_ranges(mask, cta_k_lo, cta_k_lo + nc * bk, q_len, kv_len, bq)
-    lo, hi = cta.lo, cta.hi
-    blocks_per_head = hi - lo
-    num_steps = group * blocks_per_head  # head-major: all blocks of head 0, then 1, ...
+    work = _KeyTileWork.of_this_cta(
+        num_keys=nc * bk, block_q=bq, mask=mask, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
+        q_seq=q_seq, kv_valid=kv_valid, group=group)
+    kv_head, batch_idx, cta_k_lo = work.kv_head, work.batch_idx, work.k_lo
+    q_len, kv_len, lo, hi = work.q_len, work.kv_len, work.lo, work.hi
+    blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
     wg = lax.axis_index("wg")
 
     @pl.when(wg == nc)
@@ -545,8 +605,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
       @pl.loop(0, num_steps)
       def _(step):
-        head = kv_head * group + lax.div(step, blocks_per_head)
-        qb = lo + lax.rem(step, blocks_per_head)
+        head, qb = work.rows_of(step)
         rows = (batch_idx, pl.ds(qb * bq, bq), head)
         stats = (batch_idx, head, pl.ds(qb * bq, bq))
         streamed = [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring),
@@ -580,14 +639,9 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
                             v_tile, do_tile.transpose((1, 0)), (bk, bq))
         else:
           s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
-        lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-        logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
-        if masked:
-          k_idx = k_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          q_idx = qb * bq + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-          visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
-          logits2 = jnp.where(visible, logits2, -jnp.inf)
-        p = jnp.exp2(logits2)
+        p = _probabilities(s, plgpu.load(lse_ring.at[slot], layout=col_layout),
+                           q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True, kv_len=kv_len,
+                           mask=mask, c=c, masked=masked)
         if with_dk:
           delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
           delta = lax.broadcast_in_dim(delta, s.shape, [1])
@@ -713,14 +767,13 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
     pds = SlotRing(pds_full, pds_consumed, 2, 2)
     epilogue = Rendezvous(epilogue_barrier, 2)
 
-    kv_head = lax.axis_index("heads")
-    batch_idx = lax.axis_index("batch")
-    k_lo = lax.axis_index("kv_tiles") * bk
-    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
-    blocks = q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq)
-    lo, hi = blocks.lo, blocks.hi
-    blocks_per_head = hi - lo
-    num_steps = group * blocks_per_head  # head-major, as in `_build_dkv_kernel`
+    work = _KeyTileWork.of_this_cta(
+        num_keys=bk, block_q=bq, mask=mask, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
+        q_seq=q_seq, kv_valid=kv_valid, group=group)
+    kv_head, batch_idx, k_lo = work.kv_head, work.batch_idx, work.k_lo
+    kv_len, lo, hi = work.kv_len, work.lo, work.hi
+    blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
+    blocks = work.ranges  # one consumer tile: the CTA's ranges are its own
     keys = (batch_idx, pl.ds(k_lo, bk), kv_head)
     wg = lax.axis_index("wg")
 
@@ -732,8 +785,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
 
       @pl.loop(0, num_steps)
       def _(step):
-        head = kv_head * group + lax.div(step, blocks_per_head)
-        qb = lo + lax.rem(step, blocks_per_head)
+        head, qb = work.rows_of(step)
         rows = (batch_idx, pl.ds(qb * bq, bq), head)
         stats = (batch_idx, head, pl.ds(qb * bq, bq))
         stream.producer_acquire(step)
@@ -760,14 +812,8 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                             v_tile, do_tile.transpose((1, 0)), (bk, bq))
           lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
           delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
-          logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
-          if masked:
-            iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
-                                     layout=plgpu.Layout.WGMMA)
-            k_idx, q_idx = k_lo + iota(0), qb * bq + iota(1)
-            visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
-            logits2 = jnp.where(visible, logits2, -jnp.inf)
-          p = jnp.exp2(logits2)
+          p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
+                             kv_len=kv_len, mask=mask, c=c, masked=masked)
           ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
           pds.producer_acquire(step)
           p_tile[...] = p.astype(dtype)
@@ -930,20 +976,14 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
      ds_smem, dq_stage, *staging) = smem
     bars = FusedBackwardBarriers.from_refs(barrier_refs, cfg.num_stages, cfg.ds_slots, nc)
 
-    kv_head = lax.axis_index("heads")
-    batch_idx = lax.axis_index("batch")
+    work = _KeyTileWork.of_this_cta(
+        num_keys=nc * bk, block_q=bq, mask=mask, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
+        q_seq=q_seq, kv_valid=kv_valid, group=group)
+    kv_head, batch_idx, cta_k_lo = work.kv_head, work.batch_idx, work.k_lo
+    q_len, kv_len, lo, hi = work.q_len, work.kv_len, work.lo, work.hi
+    blocks_per_head, num_steps, rows_of = work.blocks_per_head, work.num_steps, work.rows_of
     tile = lax.axis_index("kv_tiles")
-    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
-    cta_k_lo = tile * (nc * bk)
-    cta = q_tile_ranges(mask, cta_k_lo, cta_k_lo + nc * bk, q_len, kv_len, bq)
-    lo, hi = cta.lo, cta.hi
-    blocks_per_head = hi - lo
-    num_steps = group * blocks_per_head  # head-major, as in `_build_dkv_kernel`
     wg = lax.axis_index("wg")
-
-    def rows_of(step):
-      """(q head, query block) of `step`."""
-      return kv_head * group + lax.div(step, blocks_per_head), lo + lax.rem(step, blocks_per_head)
 
     @pl.when(wg == nc)
     def _producer():
@@ -1017,14 +1057,9 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
         inv_quanta = plgpu.load(inv_quanta_ring.at[slot], layout=row_layout)
         s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
                           v_tile, do_tile.transpose((1, 0)), (bk, bq))
-        lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-        logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1])
-        if masked:
-          k_idx = k_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          q_idx = qb * bq + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-          visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
-          logits2 = jnp.where(visible, logits2, -jnp.inf)
-        p = jnp.exp2(logits2)
+        p = _probabilities(s, plgpu.load(lse_ring.at[slot], layout=col_layout),
+                           q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True, kv_len=kv_len,
+                           mask=mask, c=c, masked=masked)
         delta = lax.broadcast_in_dim(plgpu.load(delta_ring.at[slot], layout=col_layout), s.shape, [1])
         dk, dv = _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, stage,
                                with_ds=functools.partial(publish_ds, step))
@@ -1183,13 +1218,8 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
         bars.stream.consumer_wait(step)
         s, dp = _mma_pair(q_tile, k_tile.transpose((1, 0)),
                           do_tile, v_tile.transpose((1, 0)), (bq, bk))
-        logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [0])
-        if masked:
-          q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-          visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
-          logits2 = jnp.where(visible, logits2, -jnp.inf)
-        p = jnp.exp2(logits2)
+        p = _probabilities(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+                           kv_len=kv_len, mask=mask, c=c, masked=masked)
         ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
         dq = _mma_accumulate(dq, ds.astype(dtype), k_tile, stage)
         bars.stream.consumer_release(step)
