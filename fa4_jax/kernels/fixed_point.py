@@ -24,9 +24,11 @@ steps: a row's dQ is off by at most half a step per KV tile of 128 keys
 partly cancel), and its bits do not depend on the order of the additions.
 
 What it costs in accuracy: B_i exceeds |dQ_i| by the looseness of the
-bound (for normal random inputs at S = 8192 about 10^3 to 10^4), so dQ keeps
-roughly 14 to 18 significant bits before its final rounding to q.dtype
-(bf16 keeps 8, fp16 11). Rows whose bound is 0 (dO_i = 0, or K or V all
+bound (an estimate for normal random inputs at S = 8192: 10^3 to 10^4, so
+dQ would keep about 13 to 16 significant bits before its final rounding to
+q.dtype, which keeps 8 in bf16 and 11 in fp16). Measured on an H100 at
+B2 S8192 H16 D128: dq's relative L2 error against an f32 reference equals
+the two-kernel backward's to three digits (2.37e-3). Rows whose bound is 0 (dO_i = 0, or K or V all
 zeros) get dQ = 0 exactly; rows whose bound is not finite (inf or nan in
 the inputs) get nan.
 """
