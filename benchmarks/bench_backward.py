@@ -102,9 +102,7 @@ def config_for(text, head_dim, mask):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="first two shapes only")
-  ap.add_argument("--only", action="append", default=None,
-                  help="run cases whose name contains this (repeat: any of them)")
-  ap.add_argument("--tag", default="", help="added to the results file name")
+  bench_common.add_case_options(ap)
   ap.add_argument("--config", action="append", default=None)
   ap.add_argument("--no-check", action="store_true", help="skip error checks")
   args = ap.parse_args()
@@ -113,7 +111,7 @@ def main():
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   cases = CASES[:2] if args.quick else CASES
-  cases = [c for c in cases if not args.only or any(o in c[0] for o in args.only)]
+  cases = bench_common.selected(cases, args.only)
   rows = []
   for name, B, S, Hq, Hkv, D, causal, window_left, check in cases:
     keys = jax.random.split(jax.random.key(0), 4)
@@ -177,8 +175,7 @@ def main():
     rows.append(row)
 
   date = datetime.date.today().isoformat()
-  path = bench_common.result_path("-".join(filter(None, ["backward", args.tag])),
-                                  device.device_kind)
+  path = bench_common.result_path("backward", device.device_kind, args.tag)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
               xla_flags=os.environ.get("XLA_FLAGS", ""),
               method=f"CUPTI kernel time, median of {ITERATIONS}; FLOPs 2.5x forward",

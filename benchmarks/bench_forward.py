@@ -117,9 +117,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="two shapes only")
   ap.add_argument("--short", action="store_true", help="the short-sequence cases instead")
-  ap.add_argument("--only", action="append", default=None,
-                  help="run cases whose name contains this (repeat: any of them)")
-  ap.add_argument("--tag", default="", help="added to the results file name")
+  bench_common.add_case_options(ap)
   ap.add_argument("--config", action="append", default=None,
                   help="config overrides key=value,...; repeat to compare several")
   ap.add_argument("--no-cudnn", action="store_true")
@@ -129,7 +127,7 @@ def main():
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   cases = CASES[2:4] if args.quick else short_cases() if args.short else CASES
-  cases = [c for c in cases if not args.only or any(o in c[0] for o in args.only)]
+  cases = bench_common.selected(cases, args.only)
   rows = []
   for name, B, S, Hq, Hkv, D, causal, window_left in cases:
     keys = jax.random.split(jax.random.key(0), 3)
@@ -170,8 +168,8 @@ def main():
     rows.append(row)
 
   date = datetime.date.today().isoformat()
-  prefix = "-".join(filter(None, ["forward", "short" if args.short else "", args.tag]))
-  path = bench_common.result_path(prefix, device.device_kind)
+  path = bench_common.result_path("forward-short" if args.short else "forward",
+                                  device.device_kind, args.tag)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
               method=f"CUPTI kernel time, median of {ITERATIONS}", rows=rows)
   with open(path, "w") as fh:
