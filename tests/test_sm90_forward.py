@@ -226,6 +226,46 @@ def test_every_gemm_schedule_matches_jax_nn_without_races(name, schedule, p_in_s
   _run_and_compare(case, run_interpreted, config=config)
 
 
+# Consumers that do not take turns (`pingpong=False`), two or three of them
+# (the D = 64 heuristic): each still walks its own rows' blocks and keeps the
+# ring protocol.
+UNSYNCHRONIZED = [(2, 256), (3, 128)]
+# Registers (producer, consumer) that fit the SM for that many consumers.
+REGISTERS = {2: (24, 240), 3: (24, 160)}
+UNSYNCHRONIZED_CASES = {
+    "causal_with_lengths": Case(
+        batch=2, is_causal=True, q_lengths=(200, 37), kv_lengths=(256, 100), head_dim=64),
+    "gqa_window_ragged": Case(q_heads=4, kv_heads=2, window=(40, 20), q_seq=77, kv_seq=300),
+}
+
+
+@pytest.mark.parametrize("num_consumers,block_kv", UNSYNCHRONIZED)
+@pytest.mark.parametrize("name", list(UNSYNCHRONIZED_CASES))
+def test_unsynchronized_consumers_match_jax_nn_without_races(name, num_consumers, block_kv,
+                                                              run_interpreted):
+  case = UNSYNCHRONIZED_CASES[name]
+  assert case.head_dim == 64
+  config = dataclasses.replace(
+      sm90_forward.choose_config(sm90_forward.padded_head_dim(case.head_dim), case.mask),
+      pingpong=False, num_consumers=num_consumers, block_kv=block_kv, num_kv_stages=2,
+      persistent=False, producer_registers=REGISTERS[num_consumers][0],
+      consumer_registers=REGISTERS[num_consumers][1])
+  _run_and_compare(case, run_interpreted, config=config)
+
+
+def test_pingpong_needs_exactly_two_consumers():
+  with pytest.raises(ValueError, match="pingpong"):
+    sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3)
+
+
+def test_registers_beyond_the_sm_are_refused():
+  """Consumers that ask for more registers than the producer gives back wait
+  forever in `set_max_registers` (seen on an H100): refused, not run."""
+  with pytest.raises(ValueError, match="66560 registers exceeds the 65536"):
+    sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3,
+                               pingpong=False, producer_registers=40, consumer_registers=160)
+
+
 # --- tile ranges -------------------------------------------------------------
 
 

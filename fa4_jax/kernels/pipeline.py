@@ -207,22 +207,49 @@ class Rendezvous:
   often, in the same order, or the kernel deadlocks.
   """
 
-  barrier: Ref
+  barrier: Ref | None  # None: switched off, every call does nothing
   num_participants: int
 
   @staticmethod
   def barrier_type(num_participants: int):
     return plgpu.Barrier(num_arrivals=num_participants)
 
+  @classmethod
+  def disabled(cls) -> "Rendezvous":
+    """A rendezvous whose calls do nothing: the participants run unsynchronized."""
+    return cls(None, 0)
+
   def arrive(self) -> None:
-    plgpu.barrier_arrive(self.barrier)
+    if self.barrier is not None:
+      plgpu.barrier_arrive(self.barrier)
 
   def wait(self) -> None:
-    plgpu.barrier_wait(self.barrier)
+    if self.barrier is not None:
+      plgpu.barrier_wait(self.barrier)
 
   def sync(self) -> None:
     self.arrive()
     self.wait()
+
+
+# Hopper: 64K 32-bit registers per SM; these kernels run one CTA per SM.
+REGISTERS_PER_SM = 65536
+
+
+def check_register_split(what: str, producer: int, consumers: int, per_consumer: int) -> None:
+  """Raises ValueError unless one 128-thread producer warpgroup on `producer`
+  registers and `consumers` warpgroups on `per_consumer` fit the SM.
+
+  `set_max_registers` raises the consumers' registers out of those the
+  producer gave back; asking for more than the SM holds makes the consumers
+  wait forever (seen on an H100: a 40-register producer and three consumers
+  on 160, 66560 registers, never finished).
+  """
+  total = 128 * (producer + consumers * per_consumer)
+  if total > REGISTERS_PER_SM:
+    raise ValueError(
+        f"{what}: 128 x (producer {producer} + {consumers} x consumer {per_consumer}) = "
+        f"{total} registers exceeds the {REGISTERS_PER_SM} registers of an SM")
 
 
 def fori(lo, hi, body: Callable, carry):

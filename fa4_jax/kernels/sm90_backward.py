@@ -69,8 +69,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common, fixed_point
-from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, fori,
-                                     sequence_lengths)
+from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
+                                     fori, sequence_lengths)
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
 from fa4_jax.masks import MaskSpec, cdiv
 
@@ -141,6 +141,10 @@ class BackwardConfig:
       raise ValueError(f"dq must be one of {DQ_SCHEMES}; got {self.dq!r}")
     if self.dq == "fused" and self.dk_dv != "fused":
       raise ValueError(f"dq='fused' needs dk_dv='fused'; got {self.dk_dv!r}")
+    check_register_split("BackwardConfig (dK/dV kernel)", self.producer_registers,
+                         self.num_consumers, self.consumer_registers)
+    check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
+                         self.dq_num_consumers, self.dq_consumer_registers)
 
   def dv_pass(self) -> "BackwardConfig":
     """The configuration of the dV pass of "two_passes"."""

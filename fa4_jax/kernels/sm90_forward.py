@@ -11,6 +11,9 @@ One CTA computes `num_consumers * block_q` query rows of one (batch, q head):
 
 The two consumers take turns on the tensor core ("ping-pong"): a rendezvous
 barrier makes one warpgroup's softmax run while the other's GEMMs execute.
+At D = 64 the softmax takes longer than the other's GEMMs, so taking turns
+would serialize the softmaxes; there three consumers (warpgroups 0-2, the
+producer is warpgroup 3) run without turns (`ForwardConfig.pingpong`).
 Inside a warpgroup, the wait for the next K tile is issued while P V runs.
 `ForwardConfig.schedule` also offers FA3's intra-warpgroup overlap (the
 softmax of block j runs while O += P_{j-1} V_{j-1} executes) and a
@@ -66,7 +69,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.accumulator import exact_alpha, rescale_rows
-from fa4_jax.kernels.pipeline import OneShotBuffer, Rendezvous, SlotRing, fori, sequence_lengths
+from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
+                                      fori, sequence_lengths)
 from fa4_jax.masks import MaskSpec, cdiv
 
 LOG2_E = math.log2(math.e)
@@ -112,10 +116,20 @@ class ForwardConfig:
   # Multiply O by alpha only in warps where some row's max moved
   # (`fa4_jax.kernels.accumulator.rescale_rows`); exact either way.
   conditional_rescale: bool = False
+  # The two consumers take turns on the tensor core (one's softmax runs while
+  # the other's GEMMs execute). Off, the consumers run unsynchronized: where
+  # a softmax takes longer than the other consumer's GEMMs (D = 64), taking
+  # turns serializes the softmaxes and leaves the tensor core idle.
+  pingpong: bool = True
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
       raise ValueError(f"ForwardConfig.schedule must be one of {SCHEDULES}; got {self.schedule!r}")
+    if self.pingpong and self.num_consumers != 2:
+      raise ValueError("ForwardConfig.pingpong alternates two consumers; "
+                       f"got num_consumers={self.num_consumers} (set pingpong=False)")
+    check_register_split("ForwardConfig", self.producer_registers, self.num_consumers,
+                         self.consumer_registers)
 
   @property
   def block_q_cta(self) -> int:
@@ -152,14 +166,16 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     # (H100 sweep: 329 vs 343 TFLOP/s at S2048, 155 vs 171 at S512).
     config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=4)
   elif d <= 64:
-    # Half the GEMM work per softmax element of D = 128: long KV blocks
-    # amortize the per-block softmax and barrier costs. Measured on H100
-    # (B2 S8192 H32): block_kv 256 / 2 stages 487 vs 457 TFLOP/s dense, 456 vs
-    # 437 causal; 240 consumer registers remove its small spills (488, 460);
-    # finishing the row sums before the hand-off: 500 vs 483 dense, 458 vs
-    # 454 causal (2026-11-23, forward-experiments-*.json).
-    config = ForwardConfig(block_q=64, block_kv=256, num_kv_stages=2,
-                           producer_registers=24, consumer_registers=240,
+    # Half the GEMM work per softmax element of D = 128, so the softmax
+    # outlasts the other consumer's GEMMs: taking turns (ping-pong) would
+    # serialize the two softmaxes and idle the tensor core half the time
+    # (Nsight Compute, B2 S8192 H32, 2026-11-23). Three consumers that do not
+    # take turns keep the exp2 unit and the tensor core busy: 528 vs 504
+    # TFLOP/s dense, 478 vs 458 causal over two ping-pong consumers on
+    # 256-key blocks (the previous choice). 160 registers each hold S (64),
+    # P (32) and O (32) of a 128-key block without spills.
+    config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3,
+                           pingpong=False, producer_registers=24, consumer_registers=160,
                            sum_before_handoff=True)
   elif d <= 128:
     # Conditional rescale: +2-4 % on every D = 128 row (H100, B2 S8192 676 ->
@@ -244,7 +260,7 @@ class ForwardBarriers:
   | k.consumed[slot]     | each consumer once S=QK^T is done (2) | producer before refilling |
   | v.full[slot]         | producer TMA of V_n (1)          | both consumers, every step  |
   | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
-  | pingpong             | both consumers (2)               | both consumers              |
+  | pingpong             | both consumers (2)               | both consumers (only with `config.pingpong`) |
 
   O epilogue: without a persistent grid it reuses consumer i's Q buffer
   (only consumer i touches it after `q.full[i]`); a persistent CTA has
@@ -275,7 +291,7 @@ class ForwardBarriers:
         q=OneShotBuffer(q_full, q_consumed),
         k=SlotRing(k_full, k_consumed, n, c),
         v=SlotRing(v_full, v_consumed, n, c),
-        pingpong=Rendezvous(pingpong, c),
+        pingpong=Rendezvous(pingpong, c) if config.pingpong else Rendezvous.disabled(),
     )
 
 
