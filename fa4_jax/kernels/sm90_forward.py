@@ -173,14 +173,15 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     # take turns keep the exp2 unit and the tensor core busy: 528 vs 504
     # TFLOP/s dense, 478 vs 458 causal over two ping-pong consumers on
     # 256-key blocks (the previous choice). 160 registers each hold S (64),
-    # P (32) and O (32) of a 128-key block without spills.
+    # P (32) and O (32) of a 128-key block without spills. With three
+    # consumers the conditional rescale pays at D = 64 too (it lost 3-4 %
+    # with two): 553 vs 530 dense, 490 vs 475 causal (cuDNN 498 / 465).
     config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3,
                            pingpong=False, producer_registers=24, consumer_registers=160,
-                           sum_before_handoff=True)
+                           sum_before_handoff=True, conditional_rescale=True)
   elif d <= 128:
     # Conditional rescale: +2-4 % on every D = 128 row (H100, B2 S8192 676 ->
-    # 695, B1 S16384 689 -> 707, causal 682 -> 705; at D = 64, where O is 32
-    # registers and exp2 bounds the loop, the branch cost 3-4 %: 483 -> 469).
+    # 695, B1 S16384 689 -> 707, causal 682 -> 705).
     config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, conditional_rescale=True)
   else:
     # 192 and 256: O alone takes up to 128 registers; keep S small. The
