@@ -232,11 +232,8 @@ def test_every_gemm_schedule_matches_jax_nn_without_races(name, schedule, p_in_s
 UNSYNCHRONIZED = [(2, 256), (3, 128)]
 # Registers (producer, consumer) that fit the SM for that many consumers.
 REGISTERS = {2: (24, 240), 3: (24, 160)}
-UNSYNCHRONIZED_CASES = {
-    "causal_with_lengths": Case(
-        batch=2, is_causal=True, q_lengths=(200, 37), kv_lengths=(256, 100), head_dim=64),
-    "gqa_window_ragged": Case(q_heads=4, kv_heads=2, window=(40, 20), q_seq=77, kv_seq=300),
-}
+UNSYNCHRONIZED_CASES = {name: dataclasses.replace(case, head_dim=64)
+                        for name, case in SCHEDULE_CASES.items()}
 
 
 @pytest.mark.parametrize("num_consumers,block_kv", UNSYNCHRONIZED)
