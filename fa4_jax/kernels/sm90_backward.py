@@ -162,8 +162,9 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   Measured on an H100 (benchmarks/results/backward-*-configs-*.json): at
   head_dim 128, dq_block_kv=128 gains 1-5% on dense shapes but loses 13% under
   a 1024-key window, and 3 stages gain at most 2%; at head_dim 64, block_q=128
-  for dK/dV is 2-7% faster than 64 (and dq_block_kv=128 was, with two dQ
-  consumers).
+  for dK/dV was 2-7% faster than 64 with two dK/dV consumers (and
+  dq_block_kv=128 was, with two dQ consumers); three consumers on 64-row
+  query tiles now beat both (below).
   """
   del mask  # masking is per tile; tiling does not depend on it
   d = padded_head_dim(head_dim)
@@ -178,7 +179,13 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
                             dq_num_consumers=3, dq_producer_registers=24,
                             dq_consumer_registers=160)
   if d <= 64:
-    return BackwardConfig(block_kv=64, block_q=128, num_stages=2, **three_dq_consumers)
+    # Three dK/dV consumers too (64 keys each; dK + dV 64 registers, S^T and
+    # dP^T 32 each at block_q 64) with three stages: H100, B2 S8192 H32, same
+    # process as cuDNN: causal 432 vs 421 TFLOP/s for two consumers on
+    # 128-row query tiles (cuDNN 427), dense 448 vs 447 (cuDNN 462); four
+    # stages 420 / 445 (backward-d64-dkv-consumers-...json).
+    return BackwardConfig(block_kv=64, block_q=64, num_stages=3, num_consumers=3,
+                          producer_registers=24, consumer_registers=160, **three_dq_consumers)
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=2, **three_dq_consumers)
   if d % 128 == 0:
