@@ -408,6 +408,7 @@ class _KeyTileWork:
 
   kv_head: Any
   batch_idx: Any
+  kv_tile: Any  # the CTA's position along the key axis
   k_lo: Any
   q_len: Any
   kv_len: Any
@@ -420,10 +421,11 @@ class _KeyTileWork:
     """The CTA at grid position (heads, kv_tiles, batch)."""
     kv_head = lax.axis_index("heads")
     batch_idx = lax.axis_index("batch")
-    k_lo = lax.axis_index("kv_tiles") * num_keys
+    kv_tile = lax.axis_index("kv_tiles")
+    k_lo = kv_tile * num_keys
     q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
     ranges = q_tile_ranges(mask, k_lo, k_lo + num_keys, q_len, kv_len, block_q)
-    return cls(kv_head, batch_idx, k_lo, q_len, kv_len, ranges, group)
+    return cls(kv_head, batch_idx, kv_tile, k_lo, q_len, kv_len, ranges, group)
 
   @property
   def lo(self):
@@ -993,7 +995,6 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
     kv_head, batch_idx, cta_k_lo = work.kv_head, work.batch_idx, work.k_lo
     q_len, kv_len, lo, hi = work.q_len, work.kv_len, work.lo, work.hi
     blocks_per_head, num_steps, rows_of = work.blocks_per_head, work.num_steps, work.rows_of
-    tile = lax.axis_index("kv_tiles")
     wg = lax.axis_index("wg")
 
     @pl.when(wg == nc)
@@ -1054,7 +1055,8 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
         head, qb = rows_of(step)
         rows = pl.ds(qb * bq, bq)
         if interpreting:  # no TMA reduction: partials of this KV tile, summed later
-          plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_acc_ref.at[tile, batch_idx, rows, head, cols])
+          plgpu.copy_smem_to_gmem(dq_stage.at[wg],
+                                  dq_acc_ref.at[work.kv_tile, batch_idx, rows, head, cols])
         else:
           plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_acc_ref.at[batch_idx, rows, head, cols],
                                   reduction_op="add")
