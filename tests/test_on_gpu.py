@@ -25,6 +25,9 @@ CASES = [  # (B, Tq, Tk, Nq, Nkv, D, spec, lengths)
     (2, 300, 700, 8, 2, 64, MaskSpec(left=100, right=0), True),
     (1, 777, 513, 4, 1, 256, MaskSpec(), True),
     (1, 333, 257, 4, 2, 192, MaskSpec(right=0), False),
+    # Persistent grid, several work items per CTA: Q prefetched into the
+    # second tile of each consumer while the current item runs.
+    (4, 1500, 1500, 16, 4, 128, MaskSpec(right=0), True),
 ]
 
 

@@ -134,13 +134,16 @@ PERSISTENT_CASES = {
 }
 
 
+@pytest.mark.parametrize("q_buffers", [1, 2])
 @pytest.mark.parametrize("name", list(PERSISTENT_CASES))
-def test_persistent_grid_walks_several_tiles_per_cta(name, run_interpreted):
+def test_persistent_grid_walks_several_tiles_per_cta(name, q_buffers, run_interpreted):
   """Two CTAs for all work items: the K/V ring and the Q buffers carry
-  their barrier phases from one tile to the next."""
+  their barrier phases from one tile to the next (with two Q tiles per
+  consumer, the next item's Q loads while the current one runs)."""
   case = PERSISTENT_CASES[name]
   config = dataclasses.replace(
-      sm90_forward.choose_config(case.head_dim, case.mask), persistent=True, num_sms=2)
+      sm90_forward.choose_config(case.head_dim, case.mask), persistent=True, num_sms=2,
+      q_buffers=q_buffers)
   _run_and_compare(case, run_interpreted, config=config)
 
 
@@ -254,6 +257,21 @@ def test_pingpong_needs_exactly_two_consumers():
     sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3)
 
 
+def test_q_buffers_are_one_or_two():
+  with pytest.raises(ValueError, match="q_buffers must be 1 or 2"):
+    sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, q_buffers=3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_heuristic_configs_prefetch_q_where_it_fits(head_dim):
+  """Short sequences get the persistent grid with two Q tiles per consumer;
+  one CTA per tile keeps one (it has a single work item)."""
+  short = sm90_forward.choose_config(head_dim, MaskSpec(), 2048)
+  assert short.persistent and short.q_depth == 2
+  assert short.smem_bytes(head_dim, 2) <= SMEM_LIMIT_BYTES
+  assert sm90_forward.choose_config(head_dim, MaskSpec(), 16384).q_depth == 1
+
+
 def test_registers_beyond_the_sm_are_refused():
   """Consumers that ask for more registers than the producer gives back wait
   forever in `set_max_registers` (seen on an H100): refused, not run."""
@@ -329,7 +347,12 @@ def test_every_heuristic_config_fits_shared_memory_and_uses_wgmma_and_tma(head_d
   for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
     for kv_seq in (1024, 8192):
       if sm90_forward.choose_config(head_dim, mask, kv_seq) == config:
-        _assert_fits_and_uses_hopper_instructions(_lower(head_dim, mask, config))
+        lowered = _lower(head_dim, mask, config)
+        _assert_fits_and_uses_hopper_instructions(lowered)
+        # The heuristic sizes SMEM by the estimate plus a reserve for the
+        # barriers and alignment: the reserve must cover what lowering adds.
+        estimate = config.smem_bytes(head_dim, 2)
+        assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
         break
 
 
@@ -364,7 +387,7 @@ def test_masked_length_and_window_variant_lowers_for_hopper():
 
 def test_shared_memory_estimate_is_within_the_budget_for_every_config():
   for head_dim, config in sm90_forward.all_configs():
-    assert config.smem_bytes(head_dim, 2) <= SMEM_LIMIT_BYTES - 4096
+    assert config.smem_bytes(head_dim, 2) <= SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES
 
 
 # --- what the kernel refuses ---------------------------------------------------

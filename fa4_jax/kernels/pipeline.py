@@ -143,56 +143,71 @@ class SlotRing:
 
 @dataclasses.dataclass(frozen=True)
 class OneShotBuffer:
-  """Buffers loaded once per work item (e.g. the Q tile of each consumer).
+  """Buffers loaded once per work item (e.g. the Q tile of each consumer),
+  `depth` copies per buffer index: work item `item` uses copy `item % depth`,
+  so with depth 2 the next item's data loads while the current item runs.
 
-    full[i]      arrivals: 1 (the producer's TMA). Waited by consumer i once
-                 per work item.
-    consumed[i]  arrivals: 1 (consumer i, done reading buffer i). Waited by
-                 the producer before it loads the next work item's buffer i;
-                 only needed when a CTA processes several work items.
+    full[b]      arrivals: 1 (the producer's TMA). Waited by the consumer of
+                 index i once per work item that uses copy b.
+    consumed[b]  arrivals: 1 (that consumer, done reading copy b). Waited by
+                 the producer before it loads copy b again; only needed when
+                 a CTA processes several work items.
+
+  `b = buffer(item, index)` numbers the copies (index-major), for the
+  barriers and for an SMEM array of `num_buffers * depth` tiles alike.
   """
 
   full: Ref
   consumed: Ref | None = None
+  depth: int = 1
 
   @staticmethod
-  def barrier_types(num_buffers: int):
+  def barrier_types(num_buffers: int, depth: int = 1):
     """(full, consumed) barrier scratch types."""
     return (
-        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers),
-        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers),
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers * depth),
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers * depth),
     )
+
+  def buffer(self, item, index):
+    """Which copy work item `item` of buffer index `index` uses."""
+    if self.depth == 1:
+      return index
+    return index * self.depth + _rem(item, self.depth)
 
   # --- producer side -------------------------------------------------------
 
   def producer_acquire(self, item, index) -> None:
     """Before loading work item `item` into buffer `index`: wait until its
-    consumer released the previous item's buffer (nothing to wait for first)."""
-    @pl.when(item > 0)
+    consumer released the copy's previous occupant (item - depth; nothing to
+    wait for in the first `depth` items)."""
+    @pl.when(item >= self.depth)
     def _():
-      plgpu.barrier_wait(self.consumed.at[index])
+      plgpu.barrier_wait(self.consumed.at[self.buffer(item, index)])
 
-  def producer_fill(self, src_gmem: Ref, dst_smem: Ref, index) -> None:
-    plgpu.copy_gmem_to_smem(src_gmem, dst_smem, self.full.at[index])
+  def producer_fill(self, src_gmem: Ref, dst_smem: Ref, item, index) -> None:
+    """TMA `src_gmem` into `dst_smem` (the copy `buffer(item, index)`)."""
+    plgpu.copy_gmem_to_smem(src_gmem, dst_smem, self.full.at[self.buffer(item, index)])
 
   def producer_drain(self, num_items) -> None:
-    """Interpreter only: observe the last release of every buffer."""
+    """Interpreter only: observe the last release of every copy."""
     if not is_interpreting():
       return
-    num_buffers = self.consumed.shape[0]
+    num_buffers = self.consumed.shape[0] // self.depth
+    first = jnp.maximum(num_items - self.depth, 0)
 
-    @pl.when(num_items > 0)
-    def _():
+    @pl.loop(first, num_items)
+    def _(item):
       for index in range(num_buffers):
-        plgpu.barrier_wait(self.consumed.at[index])
+        plgpu.barrier_wait(self.consumed.at[self.buffer(item, index)])
 
   # --- consumer side -------------------------------------------------------
 
-  def consumer_wait(self, index) -> None:
-    plgpu.barrier_wait(self.full.at[index])
+  def consumer_wait(self, item, index) -> None:
+    plgpu.barrier_wait(self.full.at[self.buffer(item, index)])
 
-  def consumer_release(self, index) -> None:
-    plgpu.barrier_arrive(self.consumed.at[index])
+  def consumer_release(self, item, index) -> None:
+    plgpu.barrier_arrive(self.consumed.at[self.buffer(item, index)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -680,7 +680,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
                      functools.partial(step_fn, head_step0=head_step0),
                      functools.partial(skip_fn, head_step0=head_step0), acc)
 
-      bars.resident.consumer_wait(wg)
+      bars.resident.consumer_wait(0, wg)
       acc = lax.fori_loop(0, group, one_head, {g: _zeros((bk, head_dim)) for g in outputs})
 
       # Epilogue: every wgmma reading K and V has completed, so their tiles
@@ -846,7 +846,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                      lambda qb, acc: acc, acc)
 
       plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-      resident.consumer_wait(0)
+      resident.consumer_wait(0, 0)
       dk, dv = lax.fori_loop(0, group, one_head,
                              (_zeros((bk, half)), _zeros((bk, half))))
       if h == 0:
@@ -1104,7 +1104,7 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
                      functools.partial(step_fn, head_step0=head_step0),
                      functools.partial(skip_fn, head_step0=head_step0), acc)
 
-      bars.resident.consumer_wait(0)
+      bars.resident.consumer_wait(0, 0)
       no_quanta = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
       dk, dv, last_inv_quanta = lax.fori_loop(
           0, group, one_head, (_zeros((bk, head_dim)), _zeros((bk, head_dim)), no_quanta))
@@ -1220,7 +1220,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
       row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along S's rows
       stage = staging[0].at[wg] if interpreting else None
 
-      bars.resident.consumer_wait(wg)
+      bars.resident.consumer_wait(0, wg)
       lse2 = plgpu.load(lse_smem.at[wg], layout=row_layout)
       delta = plgpu.load(delta_smem.at[wg], layout=row_layout)
 

@@ -46,7 +46,9 @@ CTA per SM walks a share of those work items (`PersistentWork`: in the
 grid's launch order, causal tiles paired heavy with light so that every CTA
 gets the same work), the K/V ring and Q buffers carrying their barrier phases
 across items, so that one item's Q load and O store overlap the neighbouring
-items' work.
+items' work. With two Q tiles per consumer (`ForwardConfig.q_buffers`) the
+next item's Q loads while the current item runs, instead of after its last
+Q K^T with the next K/V loads queued behind it.
 
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
@@ -82,6 +84,9 @@ RESCALE_THRESHOLD = 8.0
 M_INIT = -1e30
 # Hopper: 227 KiB of dynamic shared memory per block.
 SMEM_LIMIT_BYTES = 232448
+# Barriers and alignment padding on top of `ForwardConfig.smem_bytes`
+# (cross-lowered heuristic configs add 376-712 bytes; a test checks it).
+SMEM_RESERVE_BYTES = 1024
 MAX_HEAD_DIM = 256
 SCHEDULES = ("serial", "qk_then_pv", "pv_then_qk")
 
@@ -113,6 +118,12 @@ class ForwardConfig:
   # while the current tile's O is stored (needs SMEM for separate O tiles).
   persistent: bool = False
   num_sms: int = 132  # H100 SXM
+  # Q tiles per consumer in a persistent CTA. With 2, the next work item's Q
+  # loads into the other tile during the current item; with 1 that load (and
+  # the K/V loads queued behind it) waits for the item's last Q K^T and can
+  # be exposed at the start of the next item. One CTA per tile has one item
+  # and always uses one (`q_depth`).
+  q_buffers: int = 1
   # Multiply O by alpha only in warps where some row's max moved
   # (`fa4_jax.kernels.accumulator.rescale_rows`); exact either way.
   conditional_rescale: bool = False
@@ -128,8 +139,15 @@ class ForwardConfig:
     if self.pingpong and self.num_consumers != 2:
       raise ValueError("ForwardConfig.pingpong alternates two consumers; "
                        f"got num_consumers={self.num_consumers} (set pingpong=False)")
+    if self.q_buffers not in (1, 2):
+      raise ValueError(f"ForwardConfig.q_buffers must be 1 or 2; got {self.q_buffers}")
     check_register_split("ForwardConfig", self.producer_registers, self.num_consumers,
                          self.consumer_registers)
+
+  @property
+  def q_depth(self) -> int:
+    """Q tiles per consumer the kernel allocates."""
+    return self.q_buffers if self.persistent else 1
 
   @property
   def block_q_cta(self) -> int:
@@ -137,10 +155,11 @@ class ForwardConfig:
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """SMEM the kernel allocates (without barriers and alignment padding)."""
-    q_tiles = self.num_consumers * self.block_q * head_dim * itemsize
+    tile = self.num_consumers * self.block_q * head_dim * itemsize
+    q_tiles = self.q_depth * tile
     kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
     lse = self.num_consumers * self.block_q * 4
-    o_tiles = q_tiles if self.persistent else 0
+    o_tiles = tile if self.persistent else 0
     p_tiles = self.num_consumers * self.block_q * self.block_kv * itemsize if self.p_in_smem else 0
     return q_tiles + kv_ring + lse + o_tiles + p_tiles
 
@@ -195,6 +214,13 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
              else PERSISTENT_MAX_MEAN_BLOCKS)
     if mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit:
       config = dataclasses.replace(config, persistent=True)
+      # A second Q tile per consumer fits next to the ring and the O tiles
+      # at D <= 128 (D = 128: 224.5 of 227 KiB). H100, against one Q tile:
+      # B8 S2048 D128 663 vs 648 dense, 572 vs 553 causal; the short sweep
+      # rows +2 to +7 % (forward-qbuf-*.json, forward-short-qbuf-*.json).
+      double = dataclasses.replace(config, q_buffers=2)
+      if double.smem_bytes(d, 2) <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES:
+        config = double
   return config
 
 
@@ -255,13 +281,16 @@ class ForwardBarriers:
 
   | barrier              | arrives (count)                  | waits                       |
   |----------------------|----------------------------------|-----------------------------|
-  | q.full[i]            | producer TMA of Q_i (1)          | consumer i, once per tile   |
-  | q.consumed[i]        | consumer i after its last QK (1) | producer before the next Q_i (persistent only) |
+  | q.full[b]            | producer TMA of Q_i (1)          | consumer i, once per tile   |
+  | q.consumed[b]        | consumer i after its last QK (1) | producer before reloading copy b (persistent only) |
   | k.full[slot]         | producer TMA of K_n (1)          | both consumers, every step  |
   | k.consumed[slot]     | each consumer once S=QK^T is done (2) | producer before refilling |
   | v.full[slot]         | producer TMA of V_n (1)          | both consumers, every step  |
   | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
   | pingpong             | both consumers (2)               | both consumers (only with `config.pingpong`) |
+
+  b = `q.buffer(item, i)`: consumer i's Q tile for work item `item`, one of
+  `config.q_depth` copies (two let a persistent CTA prefetch the next Q).
 
   O epilogue: without a persistent grid it reuses consumer i's Q buffer
   (only consumer i touches it after `q.full[i]`); a persistent CTA has
@@ -278,7 +307,7 @@ class ForwardBarriers:
   def scratch_types(config: ForwardConfig):
     n, c = config.num_kv_stages, config.num_consumers
     return (
-        *OneShotBuffer.barrier_types(c),
+        *OneShotBuffer.barrier_types(c, config.q_depth),
         *SlotRing.barrier_types(n, c),
         *SlotRing.barrier_types(n, c),
         Rendezvous.barrier_type(c),
@@ -289,7 +318,7 @@ class ForwardBarriers:
     q_full, q_consumed, k_full, k_consumed, v_full, v_consumed, pingpong = refs
     n, c = config.num_kv_stages, config.num_consumers
     return cls(
-        q=OneShotBuffer(q_full, q_consumed),
+        q=OneShotBuffer(q_full, q_consumed, depth=config.q_depth),
         k=SlotRing(k_full, k_consumed, n, c),
         v=SlotRing(v_full, v_consumed, n, c),
         pingpong=Rendezvous(pingpong, c) if config.pingpong else Rendezvous.disabled(),
@@ -505,7 +534,8 @@ def _build_kernel(
           if cfg.persistent:
             bars.q.producer_acquire(i, c_i)
           rows = pl.ds(g["cta_q_lo"] + c_i * bq, bq)
-          bars.q.producer_fill(q_ref.at[g["batch_idx"], rows, g["head"]], q_smem.at[c_i], c_i)
+          bars.q.producer_fill(q_ref.at[g["batch_idx"], rows, g["head"]],
+                               q_smem.at[bars.q.buffer(i, c_i)], i, c_i)
         kv_head = lax.div(g["head"], jnp.int32(group))
 
         @pl.loop(lo, hi)
@@ -528,12 +558,12 @@ def _build_kernel(
     @pl.when(wg < cfg.num_consumers)
     def _consumer():
       plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-      q_tile = q_smem.at[wg]
-      o_tile = o_smem.at[wg] if cfg.persistent else q_tile
       row_layout = plgpu.Layout.WGMMA.reduce(1)
 
       def consume_tile(i, step0):
         g = geometry(i)
+        q_tile = q_smem.at[bars.q.buffer(i, wg)]
+        o_tile = o_smem.at[wg] if cfg.persistent else q_tile
         lo, hi, q_len, kv_len = g["lo"], g["hi"], g["q_len"], g["kv_len"]
         q_lo = g["cta_q_lo"] + wg * bq
         own = kv_tile_ranges(mask, q_lo, q_lo + bq, q_len, kv_len, bk)
@@ -716,7 +746,7 @@ def _build_kernel(
           wait_next_k(j)
           return carry
 
-        bars.q.consumer_wait(wg)
+        bars.q.consumer_wait(i, wg)
         m = plgpu.layout_cast(jnp.full((bq,), M_INIT, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -748,7 +778,7 @@ def _build_kernel(
         pl.when(wg == 0)(bars.pingpong.sync)
         acc, m, l = carry
         if cfg.persistent:
-          bars.q.consumer_release(wg)  # every QK of this tile completed
+          bars.q.consumer_release(i, wg)  # every QK of this tile completed
 
         if has_q_lengths:
           rows = q_lo + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout)
@@ -772,7 +802,7 @@ def _build_kernel(
       plgpu.wait_smem_to_gmem(0)
 
   smem = [
-      _smem_tile((cfg.num_consumers, bq, head_dim), dtype),  # Q tiles, then O
+      _smem_tile((cfg.q_depth * cfg.num_consumers, bq, head_dim), dtype),  # Q tiles (then O)
       _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # K ring
       _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # V ring
       plgpu.SMEM((cfg.num_consumers, bq), jnp.float32),  # LSE rows
