@@ -1,0 +1,96 @@
+"""One call of an sm90 kernel, for a profiler to attach to.
+
+Runs one benchmark case of `bench_forward.py` or `bench_backward.py` (exact
+name) twice on random inputs: a warm-up call and the call to profile. Meant to
+run under Nsight Compute on the GPU machine, skipping the warm-up's kernels
+(the forward launches one Mosaic GPU kernel per call, the backward two: dK/dV
+and dQ; `ncu_profile.sh` does this):
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \\
+        --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
+        --set full -o report python3 benchmarks/profile_kernel.py forward \\
+        --case "B2 S8192 H32 D64 causal" [--config key=value,...]
+
+(Preallocation off: ncu saves and restores the memory a replayed kernel can
+reach, and XLA's default pool would make that most of the GPU.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import bench_backward  # noqa: E402
+import bench_forward  # noqa: E402
+from fa4_jax.kernels import sm90_backward, sm90_forward  # noqa: E402
+from fa4_jax.masks import MaskSpec  # noqa: E402
+
+
+def forward_call(case, config_text):
+  _, B, S, Hq, Hkv, D, causal, window_left = case
+  q, k, v, _ = _inputs(B, S, Hq, Hkv, D)
+  mask = MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
+  config = bench_forward.config_for(config_text, D, mask, S)
+  fn = jax.jit(lambda q, k, v: sm90_forward.forward(
+      q, k, v, None, None, scale=1 / math.sqrt(D), mask=mask, config=config)[0])
+  return config, lambda: fn(q, k, v)
+
+
+def backward_call(case, config_text):
+  _, B, S, Hq, Hkv, D, causal, window_left, _ = case
+  q, k, v, do = _inputs(B, S, Hq, Hkv, D)
+  mask = MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
+  scale = 1 / math.sqrt(D)
+  # Stand-in residuals: computing them with the XLA forward first made
+  # `ncu --set full` crash the process before any kernel ran (H100,
+  # 2026-11-23). Logits scale * q.k are about N(0, 1) here, so an lse of
+  # log(S) + 0.5 keeps P in the range a real softmax gives; the kernels'
+  # work does not depend on the values.
+  out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
+  lse = jnp.full((B, Hq, S), math.log(S) + 0.5, jnp.float32)
+  config = bench_backward.config_for(config_text, D, mask)
+  fn = jax.jit(lambda *args: sm90_backward.backward(
+      *args, None, None, scale=scale, mask=mask, config=config))
+  return config, lambda: fn(q, k, v, out, lse, do)
+
+
+PASSES = {"forward": (bench_forward.CASES, forward_call),
+          "backward": (bench_backward.CASES, backward_call)}
+
+
+def _inputs(B, S, Hq, Hkv, D):
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
+  do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
+  return q, k, v, do
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("pass_", metavar="pass", choices=sorted(PASSES))
+  ap.add_argument("--case", required=True, help="a case name of the pass's benchmark")
+  ap.add_argument("--config", default="", help="config overrides key=value,...")
+  args = ap.parse_args()
+  case_list, make_call = PASSES[args.pass_]
+  cases = {c[0]: c for c in case_list}
+  if args.case not in cases:
+    ap.error(f"--case must be one of {sorted(cases)}")
+  config, call = make_call(cases[args.case], args.config)
+  print(args.pass_, args.case, config, flush=True)
+  for _ in range(2):
+    jax.block_until_ready(call())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
