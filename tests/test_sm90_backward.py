@@ -145,31 +145,6 @@ def test_gradients_match_xla_backward_and_jax_nn_without_races(name, run_interpr
   _check_case(FEATURE_CASES[name], run_interpreted)
 
 
-# `scores_ahead`: a consumer issues the next block's S^T and dP^T behind this
-# block's dV and dK. The cases cover empty own ranges (a batch without keys),
-# skipped blocks on both sides, a one-block range and the GQA head loop.
-SCORES_AHEAD_CASES = [
-    "dense_bf16",
-    "fp16_causal_head_dim_128_queries_shorter_than_keys_top_left_aligned",
-    "causal_window_skips_tiles_on_both_sides",
-    "sequence_lengths_mask_keys_and_drop_rows",
-    "gqa_sums_dk_dv_over_the_group_in_the_kernel",
-]
-
-
-@pytest.mark.parametrize("name", SCORES_AHEAD_CASES)
-def test_scores_issued_ahead_match_xla_backward_without_races(name, run_interpreted):
-  case = FEATURE_CASES[name]
-  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
-                               scores_ahead=True)
-  _check_case(case, run_interpreted, config=config)
-
-
-def test_scores_ahead_needs_the_fused_dk_dv_kernel():
-  with pytest.raises(ValueError, match="scores_ahead"):
-    sm90_backward.BackwardConfig(dk_dv="two_passes", scores_ahead=True)
-
-
 def test_gradients_are_bit_identical_across_runs(run_interpreted):
   case = Case(q_heads=2, kv_heads=1, is_causal=True)
   q, k, v, dout = _inputs(case)
