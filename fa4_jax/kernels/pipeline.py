@@ -142,6 +142,48 @@ class SlotRing:
 
 
 @dataclasses.dataclass(frozen=True)
+class BundleRing:
+  """A `SlotRing` whose slot holds several operands loaded together.
+
+  full[slot] expects one TMA arrival per operand; everything else (which slot,
+  the consumed side, the drain) is `SlotRing`'s. The backward kernels stream
+  (Q, dO, lse, delta) or (K, V) bundles this way.
+  """
+
+  ring: SlotRing
+  num_operands: int
+
+  @staticmethod
+  def barrier_types(num_slots: int, num_consumers: int, num_operands: int):
+    return (
+        plgpu.Barrier(num_arrivals=num_operands, num_barriers=num_slots),
+        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
+    )
+
+  def slot(self, step):
+    return self.ring.slot(step)
+
+  def producer_acquire(self, step):
+    self.ring.producer_acquire(step)
+
+  def producer_fill(self, copies, step):
+    """copies: (gmem source, SMEM ring) per operand, all for slot of `step`."""
+    assert len(copies) == self.num_operands
+    slot = self.slot(step)
+    for src, ring_smem in copies:
+      plgpu.copy_gmem_to_smem(src, ring_smem.at[slot], self.ring.full.at[slot])
+
+  def producer_drain(self, num_steps):
+    self.ring.producer_drain(num_steps)
+
+  def consumer_wait(self, step):
+    self.ring.consumer_wait(step)
+
+  def consumer_release(self, step):
+    self.ring.consumer_release(step)
+
+
+@dataclasses.dataclass(frozen=True)
 class OneShotBuffer:
   """Buffers loaded once per work item (e.g. the Q tile of each consumer),
   `depth` copies per buffer index: work item `item` uses copy `item % depth`,

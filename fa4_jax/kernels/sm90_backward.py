@@ -44,8 +44,7 @@ Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
 streamed ring. Generic ring arithmetic comes from `fa4_jax.kernels.pipeline`;
 a ring slot here holds several operands (a "bundle"), whose full barrier
-expects one TMA arrival per operand (`BundleRing`, a generic helper that
-belongs in pipeline.py).
+expects one TMA arrival per operand (`pipeline.BundleRing`).
 
 Masks: a consumer walks only the blocks its own rows/keys can touch (for
 dK/dV `MaskSpec.query_block_range`, for dQ `key_block_range` through the
@@ -69,8 +68,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common, fixed_point
-from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
-                                     fori, sequence_lengths)
+from fa4_jax.kernels.pipeline import (BundleRing, OneShotBuffer, Rendezvous, SlotRing,
+                                     check_register_split, fori, sequence_lengths)
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
 from fa4_jax.masks import MaskSpec, cdiv
 
@@ -226,48 +225,6 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
 
 
 # --- barriers ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class BundleRing:
-  """A `SlotRing` whose slot holds several operands loaded together.
-
-  full[slot] expects one TMA arrival per operand; everything else (which slot,
-  the consumed side, the drain) is `SlotRing`'s. Generic: belongs in
-  `fa4_jax/kernels/pipeline.py`.
-  """
-
-  ring: SlotRing
-  num_operands: int
-
-  @staticmethod
-  def barrier_types(num_slots: int, num_consumers: int, num_operands: int):
-    return (
-        plgpu.Barrier(num_arrivals=num_operands, num_barriers=num_slots),
-        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
-    )
-
-  def slot(self, step):
-    return self.ring.slot(step)
-
-  def producer_acquire(self, step):
-    self.ring.producer_acquire(step)
-
-  def producer_fill(self, copies, step):
-    """copies: (gmem source, SMEM ring) per operand, all for slot of `step`."""
-    assert len(copies) == self.num_operands
-    slot = self.slot(step)
-    for src, ring_smem in copies:
-      plgpu.copy_gmem_to_smem(src, ring_smem.at[slot], self.ring.full.at[slot])
-
-  def producer_drain(self, num_steps):
-    self.ring.producer_drain(num_steps)
-
-  def consumer_wait(self, step):
-    self.ring.consumer_wait(step)
-
-  def consumer_release(self, step):
-    self.ring.consumer_release(step)
 
 
 @dataclasses.dataclass(frozen=True)
