@@ -84,9 +84,20 @@ def _kernel_backend(name: str) -> Backend:
   return Backend(name, forward, backward)
 
 
+def default_device() -> jax.Device:
+  """The device a call runs on unless told otherwise: the one set with
+  `jax.default_device(...)` (a device or a platform name), else the first
+  device of the default backend. A GPU machine asked to compute on its CPU
+  thus gets the XLA path, not a GPU kernel that cannot lower there."""
+  chosen = jax.config.jax_default_device
+  if isinstance(chosen, str):
+    return jax.devices(chosen)[0]
+  return chosen if chosen is not None else jax.devices()[0]
+
+
 def device_arch_major() -> int | None:
   """Compute capability major of the default device, None if it is no CUDA GPU."""
-  device = jax.devices()[0]
+  device = default_device()
   capability = getattr(device, "compute_capability", None)
   if device.platform != "gpu" or not capability:
     return None
@@ -101,7 +112,7 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
   if not interpret.is_interpreting():
     major = device_arch_major()
     if major != _KERNEL_ARCH_MAJOR[name]:
-      found = jax.devices()[0].device_kind
+      found = default_device().device_kind
       return (f"implementation={name!r} needs a {_ARCH_NAMES[name]} GPU, but the "
               f"default device is {found!r}; use implementation=None to pick what "
               "this device supports, or run inside fa4_jax.interpret_mode()")

@@ -1,5 +1,8 @@
 """Which implementation serves a call: None falls back, a named kernel raises."""
 
+import types
+
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -15,6 +18,23 @@ def test_default_on_a_machine_without_a_gpu_is_the_xla_path():
   assert backends.device_arch_major() is None
   assert fa4_jax.which_implementation(q, q, q) == "xla"
   assert fa4_jax.which_implementation(q, q, q, is_causal=True) == "xla"
+
+
+def test_a_gpu_machine_asked_to_compute_on_its_cpu_does_not_pick_a_gpu_kernel(monkeypatch):
+  """The arch check reads the device set with `jax.default_device`, not the
+  first device of the default backend."""
+  cpu = jax.devices("cpu")[0]
+  hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0",
+                                 device_kind="NVIDIA H100 80GB HBM3")
+  real_devices = jax.devices
+  monkeypatch.setattr(jax, "devices", lambda *a: real_devices(*a) if a else [hopper])
+  assert backends.device_arch_major() == 9
+  for chosen in (cpu, "cpu"):
+    with jax.default_device(chosen):
+      assert backends.device_arch_major() is None
+      assert fa4_jax.which_implementation(q, q, q) == "xla"
+      with pytest.raises(ValueError, match="needs a Hopper .* default device is 'cpu'"):
+        fa4_jax.which_implementation(q, q, q, implementation="sm90")
 
 
 def test_xla_is_available_everywhere():
