@@ -82,6 +82,9 @@ RESCALE_THRESHOLD = 8.0
 # Finite "minus infinity" for the running max: rows that have seen only masked
 # keys keep it, and exp2(-inf - M_INIT) = 0 never produces inf - inf = NaN.
 M_INIT = -1e30
+# SMs of an H100 SXM: the persistent grid's size where no GPU is present
+# (cross-lowering, the interpreter).
+H100_SMS = 132
 # Hopper: 227 KiB of dynamic shared memory per block.
 SMEM_LIMIT_BYTES = 232448
 # Barriers and alignment padding on top of `ForwardConfig.smem_bytes`
@@ -117,7 +120,9 @@ class ForwardConfig:
   # Persistent grid: one CTA per SM walks work items; the next tile's Q loads
   # while the current tile's O is stored (needs SMEM for separate O tiles).
   persistent: bool = False
-  num_sms: int = 132  # H100 SXM
+  # CTAs of the persistent grid; 0: one per SM of the GPU at call time (132
+  # on an H100 SXM, the count used where there is no GPU).
+  num_sms: int = 0
   # Q tiles per consumer in a persistent CTA. With 2, the next work item's Q
   # loads into the other tile during the current item; with 1 that load (and
   # the K/V loads queued behind it) waits for the item's last Q K^T and can
@@ -139,6 +144,9 @@ class ForwardConfig:
     if self.pingpong and self.num_consumers != 2:
       raise ValueError("ForwardConfig.pingpong alternates two consumers; "
                        f"got num_consumers={self.num_consumers} (set pingpong=False)")
+    if self.num_sms < 0:
+      raise ValueError(f"ForwardConfig.num_sms must be >= 0 (0: the GPU's SM count); "
+                       f"got {self.num_sms}")
     if self.q_buffers not in (1, 2):
       raise ValueError(f"ForwardConfig.q_buffers must be 1 or 2; got {self.q_buffers}")
     check_register_split("ForwardConfig", self.producer_registers, self.num_consumers,
@@ -876,8 +884,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             for x in (k, v))
   if config is None:
     config = choose_config(d, mask, kv_seq, q_seq)
-    if config.persistent:
-      config = dataclasses.replace(config, num_sms=_sm_count(config.num_sms))
+  if config.persistent and not config.num_sms:
+    config = dataclasses.replace(config, num_sms=_sm_count(H100_SMS))
   call = _build_kernel(
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
