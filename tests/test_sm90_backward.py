@@ -145,6 +145,19 @@ def test_gradients_match_xla_backward_and_jax_nn_without_races(name, run_interpr
   _check_case(FEATURE_CASES[name], run_interpreted)
 
 
+@pytest.mark.parametrize("name", ["causal_window_skips_tiles_on_both_sides",
+                                  "sequence_lengths_mask_keys_and_drop_rows"])
+@pytest.mark.parametrize("stats_first", [False, True])
+def test_lse_and_delta_loaded_before_or_after_the_scores_give_the_same_gradients(
+    name, stats_first, run_interpreted):
+  """`stats_first` moves the lse / delta loads before the S^T / dP^T wait (the
+  D = 128 heuristic); here at D = 64, where the heuristic loads them after."""
+  case = FEATURE_CASES[name]
+  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
+                               stats_first=stats_first)
+  _check_case(case, run_interpreted, config=config)
+
+
 def test_gradients_are_bit_identical_across_runs(run_interpreted):
   case = Case(q_heads=2, kv_heads=1, is_causal=True)
   q, k, v, dout = _inputs(case)

@@ -132,6 +132,11 @@ class BackwardConfig:
   # registers, 368 with 232): an option, not the heuristic's choice.
   dq: str = "separate"
   ds_slots: int = 3
+  # dK/dV kernel ("fused" scheme): load a block's lse and delta from SMEM
+  # before waiting for its S^T and dP^T GEMMs rather than after (Nsight
+  # Compute: the first FFMA of P^T waited on those loads). Holds them in
+  # registers across the wait: 32 more per thread at block_q 64.
+  stats_first: bool = False
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -186,7 +191,13 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3, num_consumers=3,
                           producer_registers=24, consumer_registers=160, **three_dq_consumers)
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
-    return BackwardConfig(block_kv=64, block_q=64, num_stages=2, **three_dq_consumers)
+    # lse and delta loaded before the S^T / dP^T wait, on 240 registers (232
+    # spill 92 bytes with it): H100, same process, dK/dV kernel 2.82 vs 3.11
+    # ms at B2 S8192 H16 D128 (561 vs 530 TFLOP/s), causal 536 vs 514, B1
+    # S16384 causal 545 vs 527 (backward-stats-first-2-...json). At D = 64
+    # (three consumers on 160 registers) it spills 240 bytes and loses 16 %.
+    return BackwardConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
+                          consumer_registers=240, stats_first=True, **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
@@ -603,17 +614,23 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         slot = bars.stream.slot(step)
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
         bars.stream.consumer_wait(step)
+
+        load_lse = lambda: plgpu.load(lse_ring.at[slot], layout=col_layout)
+        load_delta = lambda: (plgpu.load(delta_ring.at[slot], layout=col_layout)
+                              if with_dk else None)
+        if cfg.stats_first:
+          lse2, delta = load_lse(), load_delta()
         # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
         if with_dk:
           s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
                             v_tile, do_tile.transpose((1, 0)), (bk, bq))
         else:
           s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
-        p = _probabilities(s, plgpu.load(lse_ring.at[slot], layout=col_layout),
-                           q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True, kv_len=kv_len,
-                           mask=mask, c=c, masked=masked)
+        if not cfg.stats_first:
+          lse2, delta = load_lse(), load_delta()
+        p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
+                           kv_len=kv_len, mask=mask, c=c, masked=masked)
         if with_dk:
-          delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
           delta = lax.broadcast_in_dim(delta, s.shape, [1])
         if with_dk and with_dv:
           acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
