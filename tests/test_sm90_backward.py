@@ -150,11 +150,22 @@ def test_gradients_match_xla_backward_and_jax_nn_without_races(name, run_interpr
 @pytest.mark.parametrize("stats_first", [False, True])
 def test_lse_and_delta_loaded_before_or_after_the_scores_give_the_same_gradients(
     name, stats_first, run_interpreted):
-  """`stats_first` moves the lse / delta loads before the S^T / dP^T wait (the
-  D = 128 heuristic); here at D = 64, where the heuristic loads them after."""
+  """`stats_first` moves the lse / delta loads before the S^T / dP^T wait
+  (the heuristic's choice); after the wait is the other order."""
   case = FEATURE_CASES[name]
   config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
                                stats_first=stats_first)
+  _check_case(case, run_interpreted, config=config)
+
+
+@pytest.mark.parametrize("name", ["gqa_sums_dk_dv_over_the_group_in_the_kernel",
+                                  "causal_window_skips_tiles_on_both_sides"])
+def test_three_dk_dv_consumers_match_xla_backward_without_races(name, run_interpreted):
+  """Three dK/dV consumers on 160 registers (the D = 64 choice before
+  `stats_first`): each owns 64 of the CTA's 192 keys."""
+  case = FEATURE_CASES[name]
+  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
+                               num_consumers=3, consumer_registers=160, stats_first=False)
   _check_case(case, run_interpreted, config=config)
 
 

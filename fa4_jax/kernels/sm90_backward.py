@@ -167,8 +167,8 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   head_dim 128, dq_block_kv=128 gains 1-5% on dense shapes but loses 13% under
   a 1024-key window, and 3 stages gain at most 2%; at head_dim 64, block_q=128
   for dK/dV was 2-7% faster than 64 with two dK/dV consumers (and
-  dq_block_kv=128 was, with two dQ consumers); three consumers on 64-row
-  query tiles now beat both (below).
+  dq_block_kv=128 was, with two dQ consumers); since then two consumers on
+  64-row query tiles that load lse and delta early beat both (below).
   """
   del mask  # masking is per tile; tiling does not depend on it
   d = padded_head_dim(head_dim)
@@ -182,22 +182,18 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   three_dq_consumers = dict(dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
                             dq_num_consumers=3, dq_producer_registers=24,
                             dq_consumer_registers=160)
-  if d <= 64:
-    # Three dK/dV consumers too (64 keys each; dK + dV 64 registers, S^T and
-    # dP^T 32 each at block_q 64) with three stages: H100, B2 S8192 H32, same
-    # process as cuDNN: causal 432 vs 421 TFLOP/s for two consumers on
-    # 128-row query tiles (cuDNN 427), dense 448 vs 447 (cuDNN 462); four
-    # stages 420 / 445 (backward-d64-dkv-consumers-...json).
-    return BackwardConfig(block_kv=64, block_q=64, num_stages=3, num_consumers=3,
-                          producer_registers=24, consumer_registers=160, **three_dq_consumers)
+  # dK/dV: two consumers of 64 keys on 240 registers, 64-row query tiles,
+  # lse and delta loaded before the S^T / dP^T wait (232 registers spill 92
+  # bytes with it). H100, same process: B2 S8192 H16 D128 dK/dV kernel 2.75
+  # vs 3.11 ms (572 vs 534 TFLOP/s), causal 544 vs 519, B1 S16384 causal 566
+  # vs 526 (backward-stats-first-3-...json). D = 64 with three stages: 454 /
+  # 444 TFLOP/s dense / causal against 439 / 436 for three consumers on 160
+  # registers (where loading early spills 240 bytes and loses 16 %), 417 /
+  # 401 with the loads after the wait (backward-d64-stats-first-2-...json).
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
-    # lse and delta loaded before the S^T / dP^T wait, on 240 registers (232
-    # spill 92 bytes with it): H100, same process, dK/dV kernel 2.82 vs 3.11
-    # ms at B2 S8192 H16 D128 (561 vs 530 TFLOP/s), causal 536 vs 514, B1
-    # S16384 causal 545 vs 527 (backward-stats-first-2-...json). At D = 64
-    # (three consumers on 160 registers) it spills 240 bytes and loses 16 %.
-    return BackwardConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
-                          consumer_registers=240, stats_first=True, **three_dq_consumers)
+    return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
+                          producer_registers=24, consumer_registers=240, stats_first=True,
+                          **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
