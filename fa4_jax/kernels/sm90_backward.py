@@ -36,7 +36,7 @@ deterministic and simple. The one-kernel alternative is here too
 (`BackwardConfig.dq == "fused"`, `_build_fused_kernel`): it adds dQ in int32
 fixed point (`fa4_jax.kernels.fixed_point`), so it is deterministic as well,
 but on an H100 it is slower at head dim 128 (B2 S8192 H16: 5.8 ms of kernel
-against 3.1 + 2.0 ms; its dS^T hand-off between the consumers costs ~1 ms and
+against 3.1 + 2.0 ms then, 2.75 + 1.98 since `stats_first`; its dS^T hand-off between the consumers costs ~1 ms and
 its dQ step ~1.7 ms, the int32 reduce-adds themselves only ~0.3 ms, see
 BENCHMARKS.md), so the heuristic does not pick it.
 
