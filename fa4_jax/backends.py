@@ -20,10 +20,8 @@ import dataclasses
 import functools
 import importlib
 
-import jax
-
 from fa4_jax import interpret, xla_attention
-from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import KernelUnsupported, default_device
 from fa4_jax.masks import MaskSpec
 from fa4_jax.vjp import Backend
 
@@ -82,17 +80,6 @@ def _kernel_backend(name: str) -> Backend:
                                   out, lse, dout, scale=scale, spec=spec)
 
   return Backend(name, forward, backward)
-
-
-def default_device() -> jax.Device:
-  """The device a call runs on unless told otherwise: the one set with
-  `jax.default_device(...)` (a device or a platform name), else the first
-  device of the default backend. A GPU machine asked to compute on its CPU
-  thus gets the XLA path, not a GPU kernel that cannot lower there."""
-  chosen = jax.config.jax_default_device
-  if isinstance(chosen, str):
-    return jax.devices(chosen)[0]
-  return chosen if chosen is not None else jax.devices()[0]
 
 
 def device_arch_major() -> int | None:

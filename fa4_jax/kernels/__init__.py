@@ -20,6 +20,21 @@ kv_lengths, *, scale, mask) -> (dq, dk, dv)` with the same conventions.
 """
 
 
+def default_device():
+  """The device a call runs on unless told otherwise: the one set with
+  `jax.default_device(...)` (a device or a platform name), else the first
+  device of the default backend. Backend selection checks its architecture
+  and the persistent grids take its SM count, so a GPU machine asked to
+  compute on its CPU gets the XLA path, not a GPU kernel that cannot lower
+  there."""
+  import jax
+
+  chosen = jax.config.jax_default_device
+  if isinstance(chosen, str):
+    return jax.devices(chosen)[0]
+  return chosen if chosen is not None else jax.devices()[0]
+
+
 class KernelUnsupported(ValueError):
   """A kernel cannot serve these arguments (shape, dtype, mask, device)."""
 

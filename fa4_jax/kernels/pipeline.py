@@ -227,9 +227,11 @@ class OneShotBuffer:
     def _():
       plgpu.barrier_wait(self.consumed.at[self.buffer(item, index)])
 
-  def producer_fill(self, src_gmem: Ref, dst_smem: Ref, item, index) -> None:
-    """TMA `src_gmem` into `dst_smem` (the copy `buffer(item, index)`)."""
-    plgpu.copy_gmem_to_smem(src_gmem, dst_smem, self.full.at[self.buffer(item, index)])
+  def producer_fill(self, src_gmem: Ref, copies_smem: Ref, item, index) -> None:
+    """TMA `src_gmem` into copy `buffer(item, index)` of `copies_smem`; the
+    copy arrives on that copy's full barrier."""
+    b = self.buffer(item, index)
+    plgpu.copy_gmem_to_smem(src_gmem, copies_smem.at[b], self.full.at[b])
 
   def producer_drain(self, num_items) -> None:
     """Interpreter only: observe the last release of every copy."""

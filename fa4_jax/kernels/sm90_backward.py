@@ -36,9 +36,10 @@ deterministic and simple. The one-kernel alternative is here too
 (`BackwardConfig.dq == "fused"`, `_build_fused_kernel`): it adds dQ in int32
 fixed point (`fa4_jax.kernels.fixed_point`), so it is deterministic as well,
 but on an H100 it is slower at head dim 128 (B2 S8192 H16: 5.8 ms of kernel
-against 3.1 + 2.0 ms then, 2.75 + 1.98 since `stats_first`; its dS^T hand-off between the consumers costs ~1 ms and
-its dQ step ~1.7 ms, the int32 reduce-adds themselves only ~0.3 ms, see
-BENCHMARKS.md), so the heuristic does not pick it.
+against 3.1 + 2.0 ms then, 2.75 + 1.98 since `stats_first`; its dS^T hand-off
+between the consumers costs ~1 ms and its dQ step ~1.7 ms, the int32
+reduce-adds themselves only ~0.3 ms, see BENCHMARKS.md), so the heuristic
+does not pick it.
 
 Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
@@ -611,19 +612,19 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
         bars.stream.consumer_wait(step)
 
-        load_lse = lambda: plgpu.load(lse_ring.at[slot], layout=col_layout)
-        load_delta = lambda: (plgpu.load(delta_ring.at[slot], layout=col_layout)
-                              if with_dk else None)
-        if cfg.stats_first:
-          lse2, delta = load_lse(), load_delta()
+        def load_stats():
+          """(lse2, delta) of this block; delta only for a pass with dK."""
+          lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+          return lse2, (plgpu.load(delta_ring.at[slot], layout=col_layout) if with_dk else None)
+
+        stats = load_stats() if cfg.stats_first else None
         # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
         if with_dk:
           s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
                             v_tile, do_tile.transpose((1, 0)), (bk, bq))
         else:
           s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
-        if not cfg.stats_first:
-          lse2, delta = load_lse(), load_delta()
+        lse2, delta = stats or load_stats()
         p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
         if with_dk:

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels import KernelUnsupported, check_common, default_device
 from fa4_jax.kernels.accumulator import exact_alpha, rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       fori, sequence_lengths)
@@ -542,8 +542,7 @@ def _build_kernel(
           if cfg.persistent:
             bars.q.producer_acquire(i, c_i)
           rows = pl.ds(g["cta_q_lo"] + c_i * bq, bq)
-          bars.q.producer_fill(q_ref.at[g["batch_idx"], rows, g["head"]],
-                               q_smem.at[bars.q.buffer(i, c_i)], i, c_i)
+          bars.q.producer_fill(q_ref.at[g["batch_idx"], rows, g["head"]], q_smem, i, c_i)
         kv_head = lax.div(g["head"], jnp.int32(group))
 
         @pl.loop(lo, hi)
@@ -846,10 +845,10 @@ def _build_kernel(
 
 
 def _sm_count(default: int) -> int:
-  """SMs of the GPU this process runs on (a persistent grid launches one CTA
-  per SM: more would queue a second wave); `default` without a GPU."""
+  """SMs of the default device (a persistent grid launches one CTA per SM:
+  more would queue a second wave); `default` without a GPU."""
   try:
-    device = jax.devices()[0]
+    device = default_device()
   except RuntimeError:
     return default
   if device.platform != "gpu":
