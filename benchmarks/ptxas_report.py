@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
-             backward: bool = False) -> None:
+             backward: bool = False, group: int = 1) -> None:
   """Runs in a child process with the dump variables set."""
   sys.path.insert(0, os.path.join(HERE, ".."))
   sys.path.insert(0, HERE)
@@ -36,11 +36,12 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
   from fa4_jax.masks import MaskSpec
 
   mask = MaskSpec.from_arguments(causal, None)
-  q = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
+  q = jnp.ones((1, 1024, 2 * group, head_dim), jnp.bfloat16)
+  kv = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
   if backward:
     import bench_backward
     config = bench_backward.config_for(config_text, head_dim, mask)
-    lse = jnp.zeros((1, 2, 1024), jnp.float32)
+    lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
     fn = jax.jit(lambda q, k, v: sm90_backward.backward(
         q, k, v, q, lse, q, None, None, scale=0.1, mask=mask, config=config))
   else:
@@ -48,7 +49,7 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
     config = bench_forward.config_for(config_text, head_dim, mask, 8192)
     fn = jax.jit(lambda q, k, v: sm90_forward.forward(
         q, k, v, None, None, scale=0.1, mask=mask, config=config)[0])
-  jax.block_until_ready(fn(q, q, q))
+  jax.block_until_ready(fn(q, kv, kv))
 
 
 def summarize(dump_dir: pathlib.Path) -> str:
@@ -70,6 +71,8 @@ def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--group", type=int, default=1,
+                  help="query heads per KV head (GQA), two KV heads")
   ap.add_argument("--backward", action="store_true", help="the backward kernels")
   ap.add_argument("--config", action="append", default=None)
   ap.add_argument("--keep", default=None, help="copy each dump folder here")
@@ -79,9 +82,10 @@ def main() -> int:
       env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
                  MOSAIC_GPU_DUMP_RESOURCES="1", MOSAIC_GPU_DUMP_TO=tmp)
       code = (f"import sys; sys.path.insert(0, {HERE!r}); import ptxas_report as r; "
-              f"r._compile({tmp!r}, {args.head_dim}, {args.causal}, {text!r}, {args.backward})")
+              f"r._compile({tmp!r}, {args.head_dim}, {args.causal}, {text!r}, {args.backward}, {args.group})")
       rc = subprocess.run([sys.executable, "-c", code], env=env).returncode
-      print(f"== head_dim {args.head_dim} causal {args.causal} config [{text}] (rc {rc})")
+      print(f"== head_dim {args.head_dim} causal {args.causal} group {args.group} "
+            f"config [{text}] (rc {rc})")
       print(summarize(pathlib.Path(tmp)), flush=True)
       if args.keep:
         pathlib.Path(args.keep).mkdir(parents=True, exist_ok=True)
