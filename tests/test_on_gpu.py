@@ -127,7 +127,8 @@ def test_fused_backward_matches_the_xla_path_and_repeats_bit_for_bit(case):
                                      scale=d**-0.5, spec=spec)
     exact = xla_attention.backward(f32(q), f32(k), f32(v), None, None, ql, kl, out, lse,
                                    f32(dout), scale=d**-0.5, spec=spec)[:3]
-  config = dataclasses.replace(sm90_backward.choose_config(d, spec), dq="fused")
+  config = dataclasses.replace(sm90_backward.choose_config(d, spec), dq="fused",
+                               delta_in_dq=False)
   run = jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
                                                    config=config))
   first = run(q, k, v, out.astype(q.dtype), lse, dout)

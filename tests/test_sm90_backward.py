@@ -158,6 +158,31 @@ def test_lse_and_delta_loaded_before_or_after_the_scores_give_the_same_gradients
   _check_case(case, run_interpreted, config=config)
 
 
+@pytest.mark.parametrize("name", ["sequence_lengths_mask_keys_and_drop_rows",
+                                  "mqa_one_kv_head_head_dim_96_is_padded"])
+def test_delta_from_an_xla_reduction_or_from_the_dq_kernel_gives_the_same_gradients(
+    name, run_interpreted):
+  """At head dim <= 128 the heuristic has the dQ kernel compute delta =
+  rowsum(dO * O) from its O tiles (`delta_in_dq`) and hand it to the dK/dV
+  kernel; without it an XLA reduction computes delta before both kernels."""
+  case = FEATURE_CASES[name]
+  config = sm90_backward.choose_config(case.head_dim, case.mask)
+  assert config.delta_in_dq
+  grads = _check_case(case, run_interpreted, config=dataclasses.replace(config, delta_in_dq=False))
+  same = _check_case(case, run_interpreted, config=config)
+  for got, want in zip(same, grads):  # one formula, only the summation order may differ
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_delta_in_dq_kernel_needs_the_separate_dq_kernel_and_whole_blocks():
+  with pytest.raises(ValueError, match="delta_in_dq"):
+    sm90_backward.BackwardConfig(dq="fused", delta_in_dq=True)
+  with pytest.raises(ValueError, match="block_q"):  # 2 x 64 dQ rows, 96-row dK/dV blocks
+    sm90_backward.BackwardConfig(block_q=96, dq_num_consumers=2, dq_block_q=64,
+                                 delta_in_dq=True)
+
+
 @pytest.mark.parametrize("name", ["gqa_sums_dk_dv_over_the_group_in_the_kernel",
                                   "causal_window_skips_tiles_on_both_sides"])
 def test_three_dk_dv_consumers_match_xla_backward_without_races(name, run_interpreted):
@@ -185,7 +210,8 @@ def test_gradients_are_bit_identical_across_runs(run_interpreted):
 
 def _fused(case: Case):
   return dataclasses.replace(
-      sm90_backward.choose_config(case.head_dim, case.mask), dq="fused", dk_dv="fused")
+      sm90_backward.choose_config(case.head_dim, case.mask), dq="fused", dk_dv="fused",
+      delta_in_dq=False)
 
 
 FUSED_CASES = {
@@ -260,7 +286,8 @@ def test_fused_dq_needs_the_fused_dk_dv_scheme():
 
 
 def test_fused_kernel_adds_dq_with_a_tma_reduction_and_fits_smem(cross_lower):
-  config = dataclasses.replace(sm90_backward.choose_config(128, MaskSpec()), dq="fused")
+  config = dataclasses.replace(sm90_backward.choose_config(128, MaskSpec()), dq="fused",
+                               delta_in_dq=False)
   spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   q, kv, lse = spec((1, 512, 4, 128)), spec((1, 512, 2, 128)), spec((1, 4, 512), jnp.float32)
 
@@ -338,7 +365,7 @@ def test_float32_is_refused():
                          ids=lambda x: str(x) if isinstance(x, int) else "")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, cross_lower):
-  b, t, nq, nkv = 1, 512, 4, 2
+  b, t, nq, nkv = 1, 509, 4, 2  # a ragged length: TMA needs 8-row-aligned arrays
   spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
   q = spec((b, t, nq, head_dim))
   kv = spec((b, t, nkv, head_dim))
@@ -350,8 +377,23 @@ def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, 
                                   mask=MaskSpec(right=0), config=config)
 
   lowered = cross_lower(fn, q, kv, kv, q, lse, q, lengths, lengths)
-  # dK/dV (one kernel, or a dK pass and a dV pass), then dQ
+  # dK/dV (one kernel, or a dK pass and a dV pass) and dQ
   assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")
+
+
+@pytest.mark.parametrize("head_dim,seq", [(32, 53), (96, 77)])
+def test_padded_head_dims_and_ragged_lengths_lower_for_hardware(head_dim, seq, cross_lower):
+  """Unaligned shapes are padded before the kernels (to 8 rows and 64
+  columns, what TMA and the swizzle need): every operand, O included."""
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  q, kv = spec((2, seq, 4, head_dim)), spec((2, seq, 2, head_dim))
+
+  def fn(q, k, v, out, lse, dout):
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
+                                  mask=MaskSpec())
+
+  lowered = cross_lower(fn, q, kv, kv, q, spec((2, 4, seq), jnp.float32), q)
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES

@@ -10,11 +10,13 @@ log-sum-exp instead of storing them:
 Three steps, every gradient written by exactly one CTA (deterministic, no
 atomics):
 
-1. `_preprocess` (plain XLA, one fused reduction over dO and O; 0.05 ms of a
-   5.4 ms backward at B2 S8192 H16 D128 on an H100, so no kernel of its own):
-   delta, and the lse converted to log2 units with +inf for rows that must not
-   contribute (rows past the query length, rows that saw no key), so that
-   P = exp2(c * s - lse2) is exactly 0 there. Both are padded to whole blocks.
+1. `_preprocess` (plain XLA): the lse converted to log2 units with +inf for
+   rows that must not contribute (rows past the query length, rows that saw
+   no key), so that P = exp2(c * s - lse2) is exactly 0 there, padded to
+   whole blocks. delta too, by one fused reduction over dO and O, unless the
+   dQ kernel computes it (`BackwardConfig.delta_in_dq`, the heuristic's
+   choice at head dim <= 128 without a window): then the dQ kernel runs
+   first, and the reduction's 0.05 ms (B2 S8192 H16 D128, H100) is saved.
 2. the dK/dV kernel: one CTA per (kv head, KV tile of `2 * block_kv` keys,
    batch). Two consumer warpgroups each own `block_kv` keys and keep their dK
    and dV in registers; a producer warpgroup streams (Q, dO, lse, delta) tiles
@@ -24,9 +26,11 @@ atomics):
    dim 128 dK + dV do not fit one warpgroup: at 256 the consumers share the
    keys and split the head dim (`_build_dkv_head_split_kernel`), at 192 the
    kernel runs once for dK and once for dV (`BackwardConfig.dk_dv`).
-3. the dQ kernel: one CTA per (q head, Q tile of `2 * block_q` rows, batch),
-   the mirror image: consumers own query rows and their dQ, the producer
-   streams (K, V) tiles of the key blocks those rows see.
+3. the dQ kernel: one CTA per (q head, Q tile of `dq_num_consumers *
+   dq_block_q` rows, batch), the mirror image: consumers own query rows and
+   their dQ, the producer streams (K, V) tiles of the key blocks those rows
+   see. With `delta_in_dq` each consumer also loads its rows' O tile, computes
+   their delta before its first block and writes it out for the dK/dV kernel.
 
 Why two kernels rather than one with a dQ reduction: a single kernel must add
 partial dQ tiles from many CTAs into one buffer, and float additions in
@@ -138,6 +142,11 @@ class BackwardConfig:
   # Compute: the first FFMA of P^T waited on those loads). Holds them in
   # registers across the wait: 32 more per thread at block_q 64.
   stats_first: bool = False
+  # delta = rowsum(dO * O) computed by the dQ kernel (which then runs first,
+  # loads each consumer's O tile beside its dO tile and hands delta to the
+  # dK/dV kernel) instead of by an XLA reduction before both kernels. Needs
+  # `dq == "separate"` and SMEM for the O tiles (head dim <= 128).
+  delta_in_dq: bool = False
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -146,6 +155,14 @@ class BackwardConfig:
       raise ValueError(f"dq must be one of {DQ_SCHEMES}; got {self.dq!r}")
     if self.dq == "fused" and self.dk_dv != "fused":
       raise ValueError(f"dq='fused' needs dk_dv='fused'; got {self.dk_dv!r}")
+    if self.delta_in_dq and self.dq != "separate":
+      raise ValueError(f"delta_in_dq needs dq='separate' (the dQ kernel computes delta); "
+                       f"got dq={self.dq!r}: set delta_in_dq=False")
+    dq_rows = self.dq_num_consumers * self.dq_block_q
+    if self.delta_in_dq and dq_rows % self.block_q:  # (the dV pass reads no delta)
+      # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
+      raise ValueError(f"delta_in_dq needs block_q to divide the dQ kernel's "
+                       f"{dq_rows} rows per CTA; got block_q={self.block_q}")
     check_register_split("BackwardConfig (dK/dV kernel)", self.producer_registers,
                          self.num_consumers, self.consumer_registers)
     check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
@@ -158,7 +175,8 @@ class BackwardConfig:
 
 
 def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
-  """Block sizes per (padded) head dim; the same for every mask.
+  """Block sizes per (padded) head dim; the same for every mask. Where delta
+  is computed depends on whether the mask has a window (below).
 
   Registers per consumer thread (64 rows per warpgroup, fp32):
   dK/dV: dK + dV = head_dim, S^T and dP^T = block_q / 2 each.
@@ -171,7 +189,6 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   dq_block_kv=128 was, with two dQ consumers); since then two consumers on
   64-row query tiles that load lse and delta early beat both (below).
   """
-  del mask  # masking is per tile; tiling does not depend on it
   d = padded_head_dim(head_dim)
   # dQ with three consumers (160 registers each: dQ 64 + S 32 + dP 32 at
   # 128), measured on an H100 against two (B2 S8192, dQ kernel time): D128
@@ -191,10 +208,16 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   # 444 TFLOP/s dense / causal against 439 / 436 for three consumers on 160
   # registers (where loading early spills 240 bytes and loses 16 %), 417 /
   # 401 with the loads after the wait (backward-d64-stats-first-2-...json).
+  #
+  # delta in the dQ kernel saves the XLA reduction (0.05 ms at B2 S8192 H16,
+  # 0.09 at H32) and costs the dQ kernel an O tile load per consumer:
+  # +0.01-0.02 ms dense or causal, but +0.06 ms under a 1024-key window,
+  # where each CTA walks only ~19 key blocks (H100, same process,
+  # backward-delta-in-dq-...-2026-11-24.json). So not under a window.
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
-                          **three_dq_consumers)
+                          delta_in_dq=mask.left is None, **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
@@ -218,7 +241,7 @@ def all_configs() -> list[tuple[int, BackwardConfig]]:
   """Every (padded head dim, config) the heuristic can pick (for tests)."""
   seen = {}
   for d in (64, 128, 192, 256):
-    for mask in (MaskSpec(), MaskSpec(right=0)):
+    for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
       seen[(d, choose_config(d, mask))] = None
   return list(seen)
 
@@ -248,7 +271,8 @@ class BackwardBarriers:
   |                    | reading the slot (2)                   | refills the slot       |
 
   dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
-  dQ kernel:    resident = (Q, dO, lse, delta), stream = (K, V).
+  dQ kernel:    resident = (Q, dO, lse, delta), or (Q, dO, lse, O) with
+                `delta_in_dq`; stream = (K, V).
   The epilogue of consumer i writes its result into its own resident buffer
   (only consumer i reads it, and all its wgmmas have completed), then TMA-
   stores it and waits for the store before the CTA exits.
@@ -496,6 +520,15 @@ def _mma_accumulate_smem_pair(acc0, a0, b0, acc1, a1, b1):
     plgpu.wgmma(refs[1], a1, b1)
 
   return pl.run_state(in_place)((plgpu.ACC.init(acc0), plgpu.ACC.init(acc1)))
+
+
+def _row_delta(o_tile, do_tile, lse2):
+  """delta = rowsum(dO * O) in float32 of one tile of rows, 0 on rows whose
+  lse2 is +inf: they contribute nothing, and their O and dO may hold
+  anything (0 * inf would otherwise reach dS)."""
+  load = functools.partial(plgpu.load, layout=plgpu.Layout.WGMMA)
+  delta = jnp.sum(load(o_tile).astype(jnp.float32) * load(do_tile).astype(jnp.float32), axis=1)
+  return jnp.where(lse2 == jnp.inf, 0.0, delta)
 
 
 def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
@@ -1139,15 +1172,18 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
   # Heavy tiles first: with a right bound (causal), later rows see more keys.
   heavy_last = mask.right is not None and mask.left is None
   interpreting = is_interpreting()
+  # With `delta_in_dq` the sixth input is O (not delta) and delta an output.
+  with_delta = cfg.delta_in_dq
 
   def kernel(*refs):
     refs = list(refs)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_or_o_ref = refs[:6]
     del refs[:6]
     q_len_ref = refs.pop(0) if has_q_lengths else None
     kv_len_ref = refs.pop(0) if has_kv_lengths else None
-    dq_ref, smem, barrier_refs = refs
+    dq_ref, *delta_out, smem, barrier_refs = refs
     q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *staging = smem
+    o_smem = staging.pop(0) if with_delta else None
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, 2)
 
     head = lax.axis_index("heads")
@@ -1169,9 +1205,11 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
       for i in range(nc):
         rows = (batch_idx, pl.ds(cta_q_lo + i * bq, bq), head)
         stats = (batch_idx, head, pl.ds(cta_q_lo + i * bq, bq))
+        fourth = ((delta_or_o_ref.at[rows], o_smem.at[i]) if with_delta
+                  else (delta_or_o_ref.at[stats], delta_smem.at[i]))
         bars.producer_fill_resident(
             [(q_ref.at[rows], q_smem.at[i]), (do_ref.at[rows], do_smem.at[i]),
-             (lse_ref.at[stats], lse_smem.at[i]), (delta_ref.at[stats], delta_smem.at[i])], i)
+             (lse_ref.at[stats], lse_smem.at[i]), fourth], i)
 
       @pl.loop(lo, hi)
       def _(j):
@@ -1193,7 +1231,16 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
 
       bars.resident.consumer_wait(0, wg)
       lse2 = plgpu.load(lse_smem.at[wg], layout=row_layout)
-      delta = plgpu.load(delta_smem.at[wg], layout=row_layout)
+      if with_delta:
+        # delta of this consumer's rows, for itself and (through GMEM) for
+        # the dK/dV kernel, which runs after this one.
+        delta = _row_delta(o_smem.at[wg], do_tile, lse2)
+        delta_smem.at[wg][...] = delta
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(delta_smem.at[wg],
+                                delta_out[0].at[batch_idx, head, pl.ds(q_lo, bq)])
+      else:
+        delta = plgpu.load(delta_smem.at[wg], layout=row_layout)
 
       def step_fn(j, dq, *, masked):
         step = j - lo
@@ -1229,11 +1276,18 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
       _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype, swizzle),  # K ring
       _smem_tile((cfg.dq_num_stages, bk, head_dim), dtype, swizzle),  # V ring
   ]
+  out_type = jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype)
+  if with_delta:
+    smem.append(_smem_tile((nc, bq, head_dim), dtype, swizzle))  # O tiles
+    # Every row of every CTA's tiles is written (0 past the query length), so
+    # the dK/dV kernel's blocks, which divide a CTA's rows, read only written rows.
+    delta_type = jax.ShapeDtypeStruct((batch, num_q_heads, num_q_tiles * nc * bq), jnp.float32)
+    out_type = (out_type, delta_type)
   if interpreting:
     smem.append(_smem_tile((nc, bq, bk), dtype, swizzle))  # dS staging
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
+      out_type=out_type,
       scratch_types=(tuple(smem), BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4, 2)),
       grid=(num_q_heads, num_q_tiles, batch),
       grid_names=("heads", "q_tiles", "batch"),
@@ -1246,23 +1300,26 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
 # --- entry point -----------------------------------------------------------------
 
 
-def _preprocess(out, lse, dout, q_lengths, q_pad: int):
+def _preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = True):
   """(lse2, delta), float32 [B, N, q_pad rounded up to STATS_ALIGN].
 
-  delta = rowsum(dO * O). lse2 = lse * log2(e), or +inf where the row must not
-  contribute (past its query length, sees no key, or padding), so that the
-  kernels' exp2(c * s - lse2) is exactly 0 there.
+  delta = rowsum(dO * O) (None when not `with_delta`: the dQ kernel computes
+  it). lse2 = lse * log2(e), or +inf where the row must not contribute (past
+  its query length, sees no key, or padding), so that the kernels'
+  exp2(c * s - lse2) is exactly 0 there.
   """
-  b, t, n, _ = out.shape
-  delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  t = lse.shape[-1]  # lse: [B, N, Tq]
   live = lse > -jnp.inf
   if q_lengths is not None:
     live = live & (jnp.arange(t)[None, None, :] < q_lengths.astype(jnp.int32)[:, None, None])
   lse2 = jnp.where(live, lse * LOG2_E, jnp.inf)
-  delta = jnp.where(live, delta, 0.0)
   padded = cdiv(q_pad, STATS_ALIGN) * STATS_ALIGN
   pad = [(0, 0), (0, 0), (0, padded - t)]
-  return jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta, pad)
+  lse2 = jnp.pad(lse2, pad, constant_values=jnp.inf)
+  if not with_delta:
+    return lse2, None
+  delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  return lse2, jnp.pad(jnp.where(live, delta, 0.0), pad)
 
 
 def _fused_backward(common, args, k, v, dout):
@@ -1307,7 +1364,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   # and head dims to multiples of 64 (a copy only for unaligned shapes).
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
-  lse2, delta = _preprocess(out, lse, dout, q_lengths, q_pad)
+  config = config or choose_config(d, mask)
+  lse2, delta = _preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
 
   def pad(x, t_pad):
     if d == head_dim and t_pad == x.shape[1]:
@@ -1316,17 +1374,20 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
 
   q, dout = pad(q, q_pad), pad(dout, q_pad)
   k, v = pad(k, kv_pad), pad(v, kv_pad)
-  config = config or choose_config(d, mask)
   common = dict(
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
       dtype=dtype, scale=float(scale), mask=mask, config=config,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
-  args = [q, k, v, dout, lse2, delta]
+  lengths = []
   if q_lengths is not None:
-    args.append(jnp.asarray(q_lengths, jnp.int32))
+    lengths.append(jnp.asarray(q_lengths, jnp.int32))
   if kv_lengths is not None:
-    args.append(jnp.asarray(kv_lengths, jnp.int32))
+    lengths.append(jnp.asarray(kv_lengths, jnp.int32))
+  if config.delta_in_dq:  # the dQ kernel first: it computes delta for both
+    o = pad(out.astype(dtype), q_pad)
+    dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths)
+  args = [q, k, v, dout, lse2, delta, *lengths]
   if config.dq == "fused":
     dq, dk, dv = _fused_backward(common, args, k, v, dout)
   elif config.dk_dv == "fused":
@@ -1336,7 +1397,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   else:
     (dk,) = _build_dkv_kernel(**common, outputs=("dk",))(*args)
     (dv,) = _build_dkv_kernel(**dict(common, config=config.dv_pass()), outputs=("dv",))(*args)
-  if config.dq == "separate":
+  if config.dq == "separate" and not config.delta_in_dq:
     dq = _build_dq_kernel(**common)(*args)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
