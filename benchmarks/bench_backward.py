@@ -56,6 +56,9 @@ CASES = [
     ("B2 S8192 H32 D64 causal", 2, 8192, 32, 32, 64, True, None, False),
     ("B2 S8192 H32/8 D128 (GQA) causal", 2, 8192, 32, 8, 128, True, None, False),
     ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023, False),
+    # DESIGN.md's other H200 rows (peers/h200-variants-2026-11-21.json)
+    ("B2 S8192 H32/8 D128 (GQA)", 2, 8192, 32, 8, 128, False, None, False),
+    ("B1 S32768 H16 D128 causal window 4096", 1, 32768, 16, 16, 128, True, 4095, False),
     ("B2 S8192 H8 D256", 2, 8192, 8, 8, 256, False, None, True),
     ("B2 S8192 H8 D256 causal", 2, 8192, 8, 8, 256, True, None, True),
     # not in DESIGN.md's table: the two-pass dK/dV scheme of head dim 192
