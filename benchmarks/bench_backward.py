@@ -2,8 +2,10 @@
 
 Kernel time: CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), median
 of ITERATIONS calls, summing every kernel one backward call launches (for us:
-the delta/lse preprocess fusion, the dK/dV kernel (two passes, dK and dV,
-above head dim 128) and the dQ kernel, each also reported on its own; for cuDNN: the kernels of its VJP, given saved
+the lse conversion and, where the dQ kernel does not compute delta (windows,
+head dims above 128), the delta reduction (XLA fusions), the dQ kernel and
+the dK/dV kernel (two passes, dK and dV, at head dim 192), each also
+reported on its own; for cuDNN: the kernels of its VJP, given saved
 residuals). TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
 causal; a causal window counts 2.5 x 4*B*H*S*W*D (W = window + 1).
 
