@@ -42,7 +42,6 @@ from jax.experimental.mosaic.gpu import profiler
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa4_jax import xla_attention  # noqa: E402
 from fa4_jax.kernels import sm90_backward  # noqa: E402
-from fa4_jax.masks import MaskSpec  # noqa: E402
 
 import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
 
@@ -125,8 +124,7 @@ def main():
     v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
     do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
     scale = 1 / math.sqrt(D)
-    window = None if window_left is None else (window_left, 0)
-    mask = MaskSpec.from_arguments(causal, window)
+    mask, window = bench_common.case_mask(causal, window_left)
     xla_fwd = jax.jit(lambda q, k, v: xla_attention.forward(
         q, k, v, None, None, None, None, scale=scale, spec=mask))
     out, lse = xla_fwd(q, k, v)

@@ -47,3 +47,11 @@ def selected(cases, only):
   """The cases (tuples whose first item is the name) that `--only` picks: all
   when it was not given, else those whose name contains any of its values."""
   return [c for c in cases if not only or any(o in c[0] for o in only)]
+
+
+def case_mask(causal: bool, window_left):
+  """(MaskSpec, jax.nn's local_window_size) of a benchmark case: causal or
+  not, and a window of `window_left` keys to the left (None: no window)."""
+  from fa4_jax.masks import MaskSpec  # the scripts put the repository on sys.path first
+  window = None if window_left is None else (window_left, 0)
+  return MaskSpec.from_arguments(causal, window), window

@@ -34,7 +34,6 @@ from jax.experimental.mosaic.gpu import profiler
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa4_jax.kernels import sm90_forward  # noqa: E402
-from fa4_jax.masks import MaskSpec  # noqa: E402
 
 import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
 
@@ -135,9 +134,7 @@ def main():
     k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
     scale = 1 / math.sqrt(D)
-    mask = MaskSpec.from_arguments(
-        causal, None if window_left is None else (window_left, 0))
-    window = None if window_left is None else (window_left, 0)
+    mask, window = bench_common.case_mask(causal, window_left)
     configs = [config_for(text, D, mask, S) for text in overrides]
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"))

@@ -31,13 +31,13 @@ sys.path.insert(0, HERE)
 import bench_backward  # noqa: E402
 import bench_forward  # noqa: E402
 from fa4_jax.kernels import sm90_backward, sm90_forward  # noqa: E402
-from fa4_jax.masks import MaskSpec  # noqa: E402
+import bench_common  # noqa: E402
 
 
 def forward_call(case, config_text):
   _, B, S, Hq, Hkv, D, causal, window_left = case
   q, k, v, _ = _inputs(B, S, Hq, Hkv, D)
-  mask = MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
+  mask, _ = bench_common.case_mask(causal, window_left)
   config = bench_forward.config_for(config_text, D, mask, S)
   fn = jax.jit(lambda q, k, v: sm90_forward.forward(
       q, k, v, None, None, scale=1 / math.sqrt(D), mask=mask, config=config)[0])
@@ -47,7 +47,7 @@ def forward_call(case, config_text):
 def backward_call(case, config_text):
   _, B, S, Hq, Hkv, D, causal, window_left, _ = case
   q, k, v, do = _inputs(B, S, Hq, Hkv, D)
-  mask = MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
+  mask, _ = bench_common.case_mask(causal, window_left)
   scale = 1 / math.sqrt(D)
   # Stand-in residuals: computing them with the XLA forward first made
   # `ncu --set full` crash the process before any kernel ran (H100,
