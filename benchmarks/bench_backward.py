@@ -17,6 +17,7 @@ error and relative L2 error.
 Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING (repeatable)]
         [--config key=value,... (repeatable: one column per config)] [--tag NAME]
+        [--rounds N (measure the columns N times, interleaved)]
 Writes benchmarks/results/backward[-NAME]-<device>-<date>.json (or $OUT/ when
 OUT is set) and prints a Markdown table. cuDNN runs as XLA configures it: its
 non-deterministic backward unless XLA_FLAGS has --xla_gpu_deterministic_ops=true.
@@ -109,6 +110,9 @@ def main():
   bench_common.add_case_options(ap)
   ap.add_argument("--config", action="append", default=None)
   ap.add_argument("--no-check", action="store_true", help="skip error checks")
+  ap.add_argument("--rounds", type=int, default=1,
+                  help="measure every column this many times, interleaved (A B A B ...), "
+                       "and report the median round: the card's clock drifts over a run")
   args = ap.parse_args()
   overrides = args.config or [""]
 
@@ -162,18 +166,28 @@ def main():
     except Exception as e:  # noqa: BLE001
       row["cudnn"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
 
-    for impl, f, f_args in impls:
-      try:
-        grads = jax.block_until_ready(f(*f_args))
-        entry = {}
-        if ref is not None:
-          entry["errors"] = errors(grads, ref)
-        del grads
-        ms, per_kernel = kernel_times(f, *f_args)
-        entry.update(ms=ms, tflops=fl / ms / 1e9, kernels_ms=per_kernel)
-        row[impl] = entry
-      except Exception as e:  # keep going: one failure should not hide the rest
-        row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
+    measured = {}  # impl -> [(total ms, {kernel: ms}) per round]
+    for rnd in range(args.rounds):
+      for impl, f, f_args in impls:
+        if rnd and impl not in measured:
+          continue  # failed in the first round
+        try:
+          if rnd == 0:
+            grads = jax.block_until_ready(f(*f_args))
+            row[impl] = {}
+            if ref is not None:
+              row[impl]["errors"] = errors(grads, ref)
+            del grads
+          measured.setdefault(impl, []).append(kernel_times(f, *f_args))
+        except Exception as e:  # keep going: one failure should not hide the rest
+          row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
+          measured.pop(impl, None)
+    for impl, rounds in measured.items():
+      totals = [total for total, _ in rounds]
+      ms, per_kernel = sorted(rounds, key=lambda r: r[0])[(len(rounds) - 1) // 2]
+      row[impl].update(ms=ms, tflops=fl / ms / 1e9, kernels_ms=per_kernel)
+      if len(rounds) > 1:
+        row[impl]["ms_rounds"] = totals
     print(json.dumps(row), flush=True)
     rows.append(row)
 
@@ -181,7 +195,9 @@ def main():
   path = bench_common.result_path("backward", device.device_kind, args.tag)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
               xla_flags=os.environ.get("XLA_FLAGS", ""),
-              method=f"CUPTI kernel time, median of {ITERATIONS}; FLOPs 2.5x forward",
+              method=(f"CUPTI kernel time, median of {ITERATIONS}"
+                      + (f", median round of {args.rounds} interleaved" if args.rounds > 1 else "")
+                      + "; FLOPs 2.5x forward"),
               rows=rows)
   with open(path, "w") as fh:
     json.dump(meta, fh, indent=1)
