@@ -17,7 +17,7 @@ error and relative L2 error.
 Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING (repeatable)]
         [--config key=value,... (repeatable: one column per config)] [--tag NAME]
-        [--rounds N (measure the columns N times, interleaved)]
+        [--rounds N (measure the columns N times, interleaved)] [--no-check | --check-all]
 Writes benchmarks/results/backward[-NAME]-<device>-<date>.json (or $OUT/ when
 OUT is set) and prints a Markdown table. cuDNN runs as XLA configures it: its
 non-deterministic backward unless XLA_FLAGS has --xla_gpu_deterministic_ops=true.
@@ -104,12 +104,67 @@ def config_for(text, head_dim, mask):
   return dataclasses.replace(config, **changes)
 
 
+class CaseSetup:
+  """Inputs and jitted backwards of one case: ours once per config override
+  (a `key=value,...` string, "" for the heuristic's), then cuDNN's VJP.
+
+  `impls` is a list of (column name, function, args); `cudnn_error` says why
+  cuDNN is missing when it refused the case."""
+
+  def __init__(self, case, overrides=("",)):
+    _, B, S, Hq, Hkv, D, causal, window_left, _ = case
+    keys = jax.random.split(jax.random.key(0), 4)
+    self.q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
+    self.k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
+    self.v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
+    self.do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
+    self.scale = scale = 1 / math.sqrt(D)
+    mask, window = bench_common.case_mask(causal, window_left)
+    self.mask = mask
+    self.xla_fwd = jax.jit(lambda q, k, v: xla_attention.forward(
+        q, k, v, None, None, None, None, scale=scale, spec=mask))
+    out, lse = self.xla_fwd(self.q, self.k, self.v)
+
+    self.impls, self.configs = [], []
+    for i, text in enumerate(overrides):
+      config = config_for(text, D, mask)
+      self.configs.append(dataclasses.asdict(config))
+      f = jax.jit(functools.partial(
+          lambda q, k, v, o, l, do, config: sm90_backward.backward(
+              q, k, v, o, l, do, None, None, scale=scale, mask=mask, config=config),
+          config=config))
+      self.impls.append(("fa4_sm90" if i == 0 else f"fa4_sm90[{text}]",
+                         f, (self.q, self.k, self.v, out, lse, self.do)))
+    cudnn_fwd = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")
+    self.cudnn_error = None
+    try:
+      _, cudnn_vjp = jax.vjp(cudnn_fwd, self.q, self.k, self.v)
+      self.impls.append(("cudnn", jax.jit(lambda vjp, do: vjp(do)), (cudnn_vjp, self.do)))
+    except Exception as e:  # noqa: BLE001
+      self.cudnn_error = f"{type(e).__name__}: {str(e)[:300]}"
+
+  def reference(self):
+    """(dq, dk, dv) in f32: the XLA path on the upcast inputs at "highest"
+    matmul precision."""
+    with jax.default_matmul_precision("highest"):
+      f32 = [x.astype(jnp.float32) for x in (self.q, self.k, self.v, self.do)]
+      out32, lse32 = self.xla_fwd(*f32[:3])
+      mask, scale = self.mask, self.scale
+      ref = jax.jit(lambda q, k, v, o, l, do: xla_attention.backward(
+          q, k, v, None, None, None, None, o, l, do, scale=scale, spec=mask)[:3])(
+              *f32[:3], out32, lse32, f32[3])
+      return jax.block_until_ready(ref)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="first two shapes only")
   bench_common.add_case_options(ap)
   ap.add_argument("--config", action="append", default=None)
   ap.add_argument("--no-check", action="store_true", help="skip error checks")
+  ap.add_argument("--check-all", action="store_true",
+                  help="check errors in every case, not only the marked ones")
   ap.add_argument("--rounds", type=int, default=1,
                   help="measure every column this many times, interleaved (A B A B ...), "
                        "and report the median round: the card's clock drifts over a run")
@@ -121,50 +176,16 @@ def main():
   cases = CASES[:2] if args.quick else CASES
   cases = bench_common.selected(cases, args.only)
   rows = []
-  for name, B, S, Hq, Hkv, D, causal, window_left, check in cases:
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
-    scale = 1 / math.sqrt(D)
-    mask, window = bench_common.case_mask(causal, window_left)
-    xla_fwd = jax.jit(lambda q, k, v: xla_attention.forward(
-        q, k, v, None, None, None, None, scale=scale, spec=mask))
-    out, lse = xla_fwd(q, k, v)
+  for case in cases:
+    name, B, S, Hq, Hkv, D, causal, window_left, check = case
+    setup = CaseSetup(case, overrides)
     row = dict(case=name, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
-               window_left=window_left, dtype="bfloat16")
+               window_left=window_left, dtype="bfloat16", config=setup.configs[0])
     fl = flops(B, S, Hq, D, causal, window_left)
-
-    ref = None
-    if check and not args.no_check:
-      with jax.default_matmul_precision("highest"):
-        f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-        out32, lse32 = xla_fwd(*f32[:3])
-        ref = jax.jit(lambda q, k, v, o, l, do: xla_attention.backward(
-            q, k, v, None, None, None, None, o, l, do, scale=scale, spec=mask)[:3])(
-                *f32[:3], out32, lse32, f32[3])
-        ref = jax.block_until_ready(ref)
-        del out32, lse32, f32
-
-    impls = []
-    for i, text in enumerate(overrides):
-      config = config_for(text, D, mask)
-      if i == 0:
-        row["config"] = dataclasses.asdict(config)
-      f = jax.jit(functools.partial(
-          lambda q, k, v, o, l, do, config: sm90_backward.backward(
-              q, k, v, o, l, do, None, None, scale=scale, mask=mask, config=config),
-          config=config))
-      impls.append(("fa4_sm90" if i == 0 else f"fa4_sm90[{text}]",
-                    f, (q, k, v, out, lse, do)))
-    cudnn_fwd = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")
-    try:
-      _, cudnn_vjp = jax.vjp(cudnn_fwd, q, k, v)
-      impls.append(("cudnn", jax.jit(lambda vjp, do: vjp(do)), (cudnn_vjp, do)))
-    except Exception as e:  # noqa: BLE001
-      row["cudnn"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    ref = setup.reference() if (check or args.check_all) and not args.no_check else None
+    impls = setup.impls
+    if setup.cudnn_error:
+      row["cudnn"] = dict(error=setup.cudnn_error)
 
     measured = {}  # impl -> [(total ms, {kernel: ms}) per round]
     for rnd in range(args.rounds):
