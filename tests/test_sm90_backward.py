@@ -158,33 +158,6 @@ def test_lse_and_delta_loaded_before_or_after_the_scores_give_the_same_gradients
   _check_case(case, run_interpreted, config=config)
 
 
-# `scores_ahead`: a consumer issues the next block's S^T and dP^T behind this
-# block's dV and dK. The cases cover empty own ranges (a batch without keys),
-# skipped blocks on both sides, a one-block range and the GQA head loop.
-SCORES_AHEAD_CASES = [
-    "dense_bf16",
-    "fp16_causal_head_dim_128_queries_shorter_than_keys_top_left_aligned",
-    "causal_window_skips_tiles_on_both_sides",
-    "sequence_lengths_mask_keys_and_drop_rows",
-    "gqa_sums_dk_dv_over_the_group_in_the_kernel",
-]
-
-
-@pytest.mark.parametrize("name", SCORES_AHEAD_CASES)
-def test_scores_issued_ahead_match_xla_backward_without_races(name, run_interpreted):
-  case = FEATURE_CASES[name]
-  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
-                               scores_ahead=True)
-  _check_case(case, run_interpreted, config=config)
-
-
-def test_scores_ahead_needs_the_fused_dk_dv_kernel_and_the_separate_dq_kernel():
-  with pytest.raises(ValueError, match="scores_ahead"):
-    sm90_backward.BackwardConfig(dk_dv="two_passes", scores_ahead=True)
-  with pytest.raises(ValueError, match="scores_ahead"):
-    sm90_backward.BackwardConfig(dq="fused", scores_ahead=True)
-
-
 @pytest.mark.parametrize("name", ["sequence_lengths_mask_keys_and_drop_rows",
                                   "mqa_one_kv_head_head_dim_96_is_padded"])
 def test_delta_from_an_xla_reduction_or_from_the_dq_kernel_gives_the_same_gradients(

@@ -147,13 +147,6 @@ class BackwardConfig:
   # dK/dV kernel) instead of by an XLA reduction before both kernels. Needs
   # `dq == "separate"` and SMEM for the O tiles (head dim <= 128).
   delta_in_dq: bool = False
-  # dK/dV kernel ("fused" scheme): issue the next query block's S^T and dP^T
-  # GEMMs right behind this block's dV and dK GEMMs and wait for all four at
-  # once, so a consumer waits on the tensor core once per block instead of
-  # twice. Holds the next S^T and dP^T (block_q fp32 registers) beside dK, dV
-  # and this block's P^T and dS^T: it fits 240 registers at head dim 64, not
-  # at 128 (spills; 3.79 vs 3.10 ms there, commit 2576f92).
-  scores_ahead: bool = False
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -165,9 +158,6 @@ class BackwardConfig:
     if self.delta_in_dq and self.dq != "separate":
       raise ValueError(f"delta_in_dq needs dq='separate' (the dQ kernel computes delta); "
                        f"got dq={self.dq!r}: set delta_in_dq=False")
-    if self.scores_ahead and (self.dk_dv, self.dq) != ("fused", "separate"):
-      raise ValueError("scores_ahead pipelines the dK/dV kernel of dk_dv='fused', "
-                       f"dq='separate'; got dk_dv={self.dk_dv!r}, dq={self.dq!r}")
     dq_rows = self.dq_num_consumers * self.dq_block_q
     if self.delta_in_dq and dq_rows % self.block_q:  # (the dV pass reads no delta)
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
@@ -541,19 +531,12 @@ def _row_delta(o_tile, do_tile, lse2):
   return jnp.where(lse2 == jnp.inf, 0.0, delta)
 
 
-def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None,
-                  next_scores=None):
+def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
   """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
   one wait covers both. (Here `p` is P^T: keys along rows.) `with_ds(ds)`,
   if given, receives dS^T in the input dtype while the dV wgmma runs.
-
-  `next_scores = (wait_next, k, q_next^T, v, do_next^T)`, if given: once the
-  dV and dK wgmmas are issued, `wait_next()` waits for the next block's data
-  and that block's S^T = K Q^T and dP^T = V dO^T are issued behind them, all
-  four covered by one wait. Returns (dk, dv, s_next, dp_next) then, else
-  (dk, dv).
   """
   dtype = q_tile.dtype
   if is_interpreting():
@@ -561,43 +544,17 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None,
     ds = (p * (dp - delta)).astype(dtype)
     if with_ds is not None:
       with_ds(ds)
-    dk = _mma_accumulate(dk, ds, q_tile, staging)
-    if next_scores is None:
-      return dk, dv
-    wait_next, *operands = next_scores
-    wait_next()
-    return (dk, dv, *_mma_pair(*operands, dp.shape))
+    return _mma_accumulate(dk, ds, q_tile, staging), dv
 
-  def update(dk_ref, dv_ref):
+  def body(refs):
+    dk_ref, dv_ref = refs
     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
     ds = (p * (dp - delta)).astype(dtype)
     if with_ds is not None:
       with_ds(ds)
     plgpu.wgmma(dk_ref, ds, q_tile)
 
-  if next_scores is None:
-    return pl.run_state(lambda refs: update(*refs))((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
-
-  wait_next, k, q_next_t, v, do_next_t = next_scores
-
-  def body(refs):
-    dk_ref, dv_ref, s_out, dp_out = refs
-
-    # The next scores' accumulators are allocated (zeroed) before the first
-    # wgmma: registers defined between the wgmmas of one stage would make
-    # ptxas serialize them (C7513).
-    def issue(accs):
-      update(dk_ref, dv_ref)
-      wait_next()
-      plgpu.wgmma(accs[0], k, q_next_t)
-      plgpu.wgmma(accs[1], v, do_next_t)
-      return accs[0][...], accs[1][...]  # waits for all four wgmmas
-
-    acc = plgpu.ACC(dp.shape, jnp.float32)
-    s_out[...], dp_out[...] = pl.run_scoped(issue, (acc, acc))
-
-  # (p, dp): stand-ins of the right shape, overwritten by the next scores.
-  return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv), p, dp))
+  return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
 
 
 def _zeros(shape):
@@ -681,38 +638,30 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns
       stage = staging[0].at[wg] if interpreting else None
 
-      def score_operands(step):
-        """(K, Q^T, V, dO^T) of S^T = K Q^T and dP^T = V dO^T for the block at
-        ring `step`: [bk, bq] tiles, keys along rows."""
-        slot = bars.stream.slot(step)
-        return (k_tile, q_ring.at[slot].transpose((1, 0)),
-                v_tile, do_ring.at[slot].transpose((1, 0)) if with_dk else None)
-
-      def load_stats(slot):
-        """(lse2, delta) of a block; delta only for a pass with dK."""
-        lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-        return lse2, (plgpu.load(delta_ring.at[slot], layout=col_layout) if with_dk else None)
-
-      def probabilities(s, qb, stats, masked):
-        """(P^T, delta broadcast to S^T's shape or None) of block qb."""
-        lse2, delta = stats
-        p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
-                           kv_len=kv_len, mask=mask, c=c, masked=masked)
-        return p, (lax.broadcast_in_dim(delta, s.shape, [1]) if with_dk else None)
-
       def step_fn(qb, acc, *, masked, head_step0):
         acc = dict(acc)
         step = head_step0 + (qb - lo)
         slot = bars.stream.slot(step)
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
         bars.stream.consumer_wait(step)
-        stats = load_stats(slot) if cfg.stats_first else None
-        k_op, q_op, v_op, do_op = score_operands(step)
+
+        def load_stats():
+          """(lse2, delta) of this block; delta only for a pass with dK."""
+          lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+          return lse2, (plgpu.load(delta_ring.at[slot], layout=col_layout) if with_dk else None)
+
+        stats = load_stats() if cfg.stats_first else None
+        # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
         if with_dk:
-          s, dp = _mma_pair(k_op, q_op, v_op, do_op, (bk, bq))
+          s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
+                            v_tile, do_tile.transpose((1, 0)), (bk, bq))
         else:
-          s = _mma(k_op, q_op, (bk, bq))
-        p, delta = probabilities(s, qb, stats or load_stats(slot), masked)
+          s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
+        lse2, delta = stats or load_stats()
+        p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
+                           kv_len=kv_len, mask=mask, c=c, masked=masked)
+        if with_dk:
+          delta = lax.broadcast_in_dim(delta, s.shape, [1])
         if with_dk and with_dv:
           acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
                                                q_tile, do_tile, stage)
@@ -735,53 +684,8 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
                      functools.partial(step_fn, head_step0=head_step0),
                      functools.partial(skip_fn, head_step0=head_step0), acc)
 
-      # --- `scores_ahead`: a block's S^T and dP^T were issued by the step
-      # before it (behind that block's dV and dK GEMMs) and arrive in the
-      # carry (acc, s, dp). Only the pass that accumulates both dK and dV.
-
-      def first_scores(qb, carry, *, head_step0):
-        step = head_step0 + (qb - lo)
-        bars.stream.consumer_wait(step)
-        return (carry[0], *_mma_pair(*score_operands(step), (bk, bq)))
-
-      def ahead_step(qb, carry, *, masked, head_step0, last: bool = False):
-        """Block qb from its scores in the carry; unless `last`, also issues
-        the scores of block qb + 1 (same head, own range)."""
-        acc, s, dp = carry
-        step = head_step0 + (qb - lo)
-        slot = bars.stream.slot(step)
-        p, delta = probabilities(s, qb, load_stats(slot), masked)
-        next_scores = None
-        if not last:
-          next_scores = (lambda: bars.stream.consumer_wait(step + 1), *score_operands(step + 1))
-        dk, dv, *scores = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta, q_ring.at[slot],
-                                        do_ring.at[slot], stage, next_scores=next_scores)
-        bars.stream.consumer_release(step)
-        return ({"dk": dk, "dv": dv}, *(scores or (s, dp)))
-
-      def one_head_ahead(g, acc):
-        head_step0 = g * blocks_per_head
-        skip = functools.partial(skip_fn, head_step0=head_step0)
-        ahead = functools.partial(ahead_step, head_step0=head_step0)
-        acc = fori(lo, own.lo, skip, acc)
-        # Loops of zero or one step stand in for "if the range is not empty".
-        carry = fori(own.lo, jnp.minimum(own.lo + 1, own.hi),
-                     functools.partial(first_scores, head_step0=head_step0),
-                     (acc, _zeros((bk, bq)), _zeros((bk, bq))))
-        # Blocks [own.lo, last) have a successor in the range; `last` has none
-        # and takes the element mask whether it needs it or not (exact).
-        last = jnp.maximum(own.hi - 1, own.lo)
-        full_lo = _clip(own.full_lo, own.lo, last)
-        full_hi = _clip(own.full_hi, full_lo, last)
-        carry = fori(own.lo, full_lo, functools.partial(ahead, masked=True), carry)
-        carry = fori(full_lo, full_hi, functools.partial(ahead, masked=False), carry)
-        carry = fori(full_hi, last, functools.partial(ahead, masked=True), carry)
-        carry = fori(last, own.hi, functools.partial(ahead, masked=True, last=True), carry)
-        return fori(own.hi, hi, skip, carry[0])
-
       bars.resident.consumer_wait(0, wg)
-      walk_head = one_head_ahead if cfg.scores_ahead and with_dk and with_dv else one_head
-      acc = lax.fori_loop(0, group, walk_head, {g: _zeros((bk, head_dim)) for g in outputs})
+      acc = lax.fori_loop(0, group, one_head, {g: _zeros((bk, head_dim)) for g in outputs})
 
       # Epilogue: every wgmma reading K and V has completed, so their tiles
       # hold the results on the way out (dV uses the K tile when V is absent).
