@@ -158,37 +158,6 @@ def test_lse_and_delta_loaded_before_or_after_the_scores_give_the_same_gradients
   _check_case(case, run_interpreted, config=config)
 
 
-# `pingpong`: the dK/dV kernel's two consumers take turns through a
-# rendezvous barrier. Every case must walk both consumers through the same
-# number of barrier calls: blocks one consumer skips (causal diagonals,
-# windows), a batch without keys, the GQA head loop, the two passes at 192.
-PINGPONG_CASES = [
-    "dense_bf16",
-    "fp16_causal_head_dim_128_queries_shorter_than_keys_top_left_aligned",
-    "causal_window_skips_tiles_on_both_sides",
-    "sequence_lengths_mask_keys_and_drop_rows",
-    "gqa_sums_dk_dv_over_the_group_in_the_kernel",
-    "head_dim_192_fp16_window_and_key_lengths_in_two_dk_dv_passes",
-]
-
-
-@pytest.mark.parametrize("name", PINGPONG_CASES)
-def test_consumers_taking_turns_match_xla_backward_without_races(name, run_interpreted):
-  case = FEATURE_CASES[name]
-  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
-                               pingpong=True)
-  _check_case(case, run_interpreted, config=config)
-
-
-def test_turns_need_two_consumers_of_the_dk_dv_kernel():
-  with pytest.raises(ValueError, match="pingpong"):
-    sm90_backward.BackwardConfig(num_consumers=3, consumer_registers=160, pingpong=True)
-  with pytest.raises(ValueError, match="pingpong"):
-    sm90_backward.BackwardConfig(dk_dv="head_dim_split", pingpong=True)
-  with pytest.raises(ValueError, match="pingpong"):
-    sm90_backward.BackwardConfig(dq="fused", pingpong=True)
-
-
 @pytest.mark.parametrize("name", ["sequence_lengths_mask_keys_and_drop_rows",
                                   "mqa_one_kv_head_head_dim_96_is_padded"])
 def test_delta_from_an_xla_reduction_or_from_the_dq_kernel_gives_the_same_gradients(

@@ -147,12 +147,6 @@ class BackwardConfig:
   # dK/dV kernel) instead of by an XLA reduction before both kernels. Needs
   # `dq == "separate"` and SMEM for the O tiles (head dim <= 128).
   delta_in_dq: bool = False
-  # dK/dV kernel (not the head-split one): the two consumers take turns, as
-  # the forward's do: one computes P^T and dS^T while the other's GEMMs run
-  # (a rendezvous barrier, `BackwardBarriers.pingpong`). Without turns both
-  # wait on the same ring slot and tend to run their GEMMs and their
-  # elementwise work at the same time.
-  pingpong: bool = False
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -164,11 +158,6 @@ class BackwardConfig:
     if self.delta_in_dq and self.dq != "separate":
       raise ValueError(f"delta_in_dq needs dq='separate' (the dQ kernel computes delta); "
                        f"got dq={self.dq!r}: set delta_in_dq=False")
-    if self.pingpong and (self.num_consumers != 2 or self.dk_dv == "head_dim_split"
-                          or self.dq == "fused"):
-      raise ValueError("pingpong alternates the two consumers of the dK/dV kernel "
-                       "(dk_dv 'fused' or 'two_passes', dq 'separate'); got "
-                       f"num_consumers={self.num_consumers}, dk_dv={self.dk_dv!r}, dq={self.dq!r}")
     dq_rows = self.dq_num_consumers * self.dq_block_q
     if self.delta_in_dq and dq_rows % self.block_q:  # (the dV pass reads no delta)
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
@@ -280,9 +269,6 @@ class BackwardBarriers:
   | stream.full[slot]  | producer TMAs of step n (one/operand)  | both consumers, each n |
   | stream.consumed[s] | each consumer after its last wgmma     | producer, before it    |
   |                    | reading the slot (2)                   | refills the slot       |
-  | pingpong           | consumer 0 and 1: after issuing S^T /  | both, after arriving   |
-  |                    | dP^T, and after dS^T (dK/dV kernel     |                        |
-  |                    | with `BackwardConfig.pingpong` only)   |                        |
 
   dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
   dQ kernel:    resident = (Q, dO, lse, delta), or (Q, dO, lse, O) with
@@ -294,24 +280,20 @@ class BackwardBarriers:
 
   resident: OneShotBuffer
   stream: BundleRing
-  pingpong: Rendezvous = Rendezvous.disabled()
 
   @staticmethod
-  def scratch_types(num_consumers, num_stages, num_resident, num_streamed, pingpong=False):
+  def scratch_types(num_consumers, num_stages, num_resident, num_streamed):
     return (
         plgpu.Barrier(num_arrivals=num_resident, num_barriers=num_consumers),
         *BundleRing.barrier_types(num_stages, num_consumers, num_streamed),
-        *([Rendezvous.barrier_type(num_consumers)] if pingpong else []),
     )
 
   @classmethod
   def from_refs(cls, refs, num_consumers, num_stages, num_streamed):
-    resident_full, stream_full, stream_consumed, *pingpong = refs
+    resident_full, stream_full, stream_consumed = refs
     ring = SlotRing(stream_full, stream_consumed, num_stages, num_consumers)
     return cls(resident=OneShotBuffer(resident_full),
-               stream=BundleRing(ring, num_streamed),
-               pingpong=(Rendezvous(pingpong[0], num_consumers) if pingpong
-                         else Rendezvous.disabled()))
+               stream=BundleRing(ring, num_streamed))
 
   def producer_fill_resident(self, copies, i):
     for src, dst in copies:
@@ -472,27 +454,23 @@ def _probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: 
   return jnp.exp2(logits2)
 
 
-def _mma(a, b, shape, while_running=lambda: None):
-  """a @ b in fp32 (both in SMEM); `while_running()` runs between the issue
-  and the wait."""
+def _mma(a, b, shape):
+  """a @ b in fp32 (both in SMEM)."""
 
   def body(ref):
     plgpu.wgmma(ref, a, b)
-    while_running()
     return ref[...]
 
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def _mma_pair(a0, b0, a1, b1, shape, while_running=lambda: None):
-  """(a0 @ b0, a1 @ b1) in fp32, both wgmmas issued before one wait;
-  `while_running()` runs between the issue and the wait."""
+def _mma_pair(a0, b0, a1, b1, shape):
+  """(a0 @ b0, a1 @ b1) in fp32, both wgmmas issued before one wait."""
 
   def body(refs):
     r0, r1 = refs
     plgpu.wgmma(r0, a0, b0)
     plgpu.wgmma(r1, a1, b1)
-    while_running()
     return r0[...], r1[...]
 
   acc = plgpu.ACC(shape, jnp.float32)
@@ -553,14 +531,12 @@ def _row_delta(o_tile, do_tile, lse2):
   return jnp.where(lse2 == jnp.inf, 0.0, delta)
 
 
-def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None,
-                  after_issue=lambda: None):
+def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
   """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
   one wait covers both. (Here `p` is P^T: keys along rows.) `with_ds(ds)`,
-  if given, receives dS^T in the input dtype while the dV wgmma runs;
-  `after_issue()` runs once both wgmmas are issued, before the wait.
+  if given, receives dS^T in the input dtype while the dV wgmma runs.
   """
   dtype = q_tile.dtype
   if is_interpreting():
@@ -568,9 +544,7 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None,
     ds = (p * (dp - delta)).astype(dtype)
     if with_ds is not None:
       with_ds(ds)
-    dk = _mma_accumulate(dk, ds, q_tile, staging)
-    after_issue()
-    return dk, dv
+    return _mma_accumulate(dk, ds, q_tile, staging), dv
 
   def body(refs):
     dk_ref, dv_ref = refs
@@ -579,7 +553,6 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None,
     if with_ds is not None:
       with_ds(ds)
     plgpu.wgmma(dk_ref, ds, q_tile)
-    after_issue()
 
   return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
 
@@ -678,44 +651,31 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
           return lse2, (plgpu.load(delta_ring.at[slot], layout=col_layout) if with_dk else None)
 
         stats = load_stats() if cfg.stats_first else None
-        # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows. With turns,
-        # the other consumer's P^T / dS^T work ends before this one's starts.
+        # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
         if with_dk:
           s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
-                            v_tile, do_tile.transpose((1, 0)), (bk, bq),
-                            while_running=bars.pingpong.sync)
+                            v_tile, do_tile.transpose((1, 0)), (bk, bq))
         else:
-          s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq), while_running=bars.pingpong.sync)
+          s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
         lse2, delta = stats or load_stats()
         p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
         if with_dk:
           delta = lax.broadcast_in_dim(delta, s.shape, [1])
         if with_dk and with_dv:
-          # Turns: the other consumer may start its P^T / dS^T work once this
-          # one's dV and dK GEMMs are issued.
           acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
-                                               q_tile, do_tile, stage,
-                                               after_issue=bars.pingpong.arrive)
+                                               q_tile, do_tile, stage)
         elif with_dk:
           acc["dk"] = _mma_accumulate(acc["dk"], (p * (dp - delta)).astype(dtype), q_tile, stage)
-          bars.pingpong.arrive()
         else:
           acc["dv"] = _mma_accumulate(acc["dv"], p.astype(dtype), do_tile, stage)
-          bars.pingpong.arrive()
         bars.stream.consumer_release(step)
-        bars.pingpong.wait()
         return acc
 
       def skip_fn(qb, acc, *, head_step0):
-        """A block this consumer's keys cannot see: keep the ring and the
-        turns going (the same barrier calls as `step_fn`)."""
         step = head_step0 + (qb - lo)
         bars.stream.consumer_wait(step)
-        bars.pingpong.sync()
-        bars.pingpong.arrive()
         bars.stream.consumer_release(step)
-        bars.pingpong.wait()
         return acc
 
       def one_head(g, acc):
@@ -725,9 +685,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
                      functools.partial(skip_fn, head_step0=head_step0), acc)
 
       bars.resident.consumer_wait(0, wg)
-      pl.when(wg == 1)(bars.pingpong.sync)  # turns: offset the two consumers by one
       acc = lax.fori_loop(0, group, one_head, {g: _zeros((bk, head_dim)) for g in outputs})
-      pl.when(wg == 0)(bars.pingpong.sync)  # ... and match the arrivals at the end
 
       # Epilogue: every wgmma reading K and V has completed, so their tiles
       # hold the results on the way out (dV uses the K tile when V is absent).
@@ -758,7 +716,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       kernel,
       out_type=out_type,
       scratch_types=(tuple(smem), BackwardBarriers.scratch_types(
-          nc, cfg.num_stages, num_resident, num_streamed, pingpong=cfg.pingpong)),
+          nc, cfg.num_stages, num_resident, num_streamed)),
       grid=(num_kv_heads, num_kv_tiles, batch),
       grid_names=("heads", "kv_tiles", "batch"),
       num_threads=nc + 1,
