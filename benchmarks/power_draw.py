@@ -13,7 +13,7 @@ count; it is for comparing the columns, not a kernel time.
 Usage (on the GPU machine, from the repository root):
     python3 benchmarks/power_draw.py [--only SUBSTRING] [--seconds 6] [--repeats 2]
         [--config key=value,... (repeatable: one column per config)] [--tag NAME]
-Cases are bench_backward.py's. Writes benchmarks/results/power[-NAME]-<device>-<date>.json
+Cases are bench_backward.py's (without --only: the B1 S16384 H16 D128 rows). Writes benchmarks/results/power[-NAME]-<device>-<date>.json
 (or $OUT/ when OUT is set) and prints a Markdown table.
 """
 
@@ -44,10 +44,14 @@ FIELDS = ("power.draw", "clocks.sm", "temperature.gpu")
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 
 
+def _smi_command(fields, *extra):
+  """nvidia-smi asking GPU 0 for `fields` as bare CSV values."""
+  return ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+          "-i", "0", *extra]
+
+
 def _query(fields):
-  return subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}",
-                         "--format=csv,noheader,nounits", "-i", "0"],
-                        capture_output=True, text=True, check=False)
+  return subprocess.run(_smi_command(fields), capture_output=True, text=True, check=False)
 
 
 def reason_field() -> str:
@@ -67,11 +71,8 @@ class Sampler:
 
   def __enter__(self):
     self._file = tempfile.TemporaryFile(mode="w+")
-    self._start = time.perf_counter()
-    self._proc = subprocess.Popen(
-        ["nvidia-smi", f"--query-gpu=timestamp,{','.join(self.fields)}",
-         "--format=csv,noheader,nounits", "-i", "0", f"-lms={SAMPLE_MS}"],
-        stdout=self._file, stderr=subprocess.DEVNULL, text=True)
+    self._proc = subprocess.Popen(_smi_command(["timestamp", *self.fields], f"-lms={SAMPLE_MS}"),
+                                  stdout=self._file, stderr=subprocess.DEVNULL, text=True)
     return self
 
   def __exit__(self, *exc):
@@ -92,10 +93,11 @@ class Sampler:
 
 
 def _number(text):
+  """A sampled value; NaN where nvidia-smi printed e.g. "[N/A]"."""
   try:
     return float(text)
   except ValueError:
-    return float(int(text, 16)) if text.startswith("0x") else float("nan")
+    return float("nan")
 
 
 def summarize(samples, reason_key):
