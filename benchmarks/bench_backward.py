@@ -6,7 +6,11 @@ the lse conversion and, where the dQ kernel does not compute delta (windows,
 head dims above 128), the delta reduction (XLA fusions), the dQ kernel and
 the dK/dV kernel (two passes, dK and dV, at head dim 192), each also
 reported on its own; for cuDNN: the kernels of its VJP, given saved
-residuals). TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
+residuals). With `--timing span` a call's time is instead its span in a
+profiler trace, from its first kernel's start to its last kernel's end
+(`bench_common.trace_spans`): the sum double-counts kernels that overlap
+(`BackwardConfig.overlap_kernels`), the span also counts the gaps between
+kernels. TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
 causal; a causal window counts 2.5 x 4*B*H*S*W*D (W = window + 1).
 
 Errors (cases marked `check`): dq, dk, dv of both implementations on the same
@@ -18,6 +22,7 @@ Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING (repeatable)]
         [--config key=value,... (repeatable: one column per config)] [--tag NAME]
         [--rounds N (measure the columns N times, interleaved)] [--no-check | --check-all]
+        [--timing cupti|span]
 Writes benchmarks/results/backward[-NAME]-<device>-<date>.json (or $OUT/ when
 OUT is set) and prints a Markdown table. cuDNN runs as XLA configures it: its
 non-deterministic backward unless XLA_FLAGS has --xla_gpu_deterministic_ops=true.
@@ -84,6 +89,18 @@ def kernel_times(f, *args):
     per_kernel[f"{i}:{name[:60]}"] = float(np.median([it[i][1] for it in per_iter]))
   total = float(np.median([sum(t for _, t in it) for it in per_iter]))
   return total, per_kernel
+
+
+def span_times(f, *args):
+  """(span ms, {kernel name: ms}) medians over ITERATIONS calls, the span from
+  a profiler trace (first kernel's start to last kernel's end; see
+  `bench_common.trace_spans`), per-kernel durations as in `kernel_times`."""
+  calls = bench_common.trace_spans(f, args, ITERATIONS)
+  per_kernel = {}
+  for i, (name, _, _) in enumerate(calls[0][1]):
+    per_kernel[f"{i}:{name[:60]}"] = float(np.median([c[1][i][2] for c in calls]))
+    per_kernel[f"{i}:starts_at"] = float(np.median([c[1][i][1] for c in calls]))
+  return float(np.median([span for span, _ in calls])), per_kernel
 
 
 def errors(grads, ref):
@@ -168,8 +185,13 @@ def main():
   ap.add_argument("--rounds", type=int, default=1,
                   help="measure every column this many times, interleaved (A B A B ...), "
                        "and report the median round: the card's clock drifts over a run")
+  ap.add_argument("--timing", choices=("cupti", "span"), default="cupti",
+                  help="cupti: sum of the kernels' CUPTI durations (DESIGN.md's method); "
+                       "span: first kernel's start to last kernel's end in a profiler "
+                       "trace (needed when kernels of one call overlap)")
   args = ap.parse_args()
   overrides = args.config or [""]
+  timer = span_times if args.timing == "span" else kernel_times
 
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
@@ -199,7 +221,7 @@ def main():
             if ref is not None:
               row[impl]["errors"] = errors(grads, ref)
             del grads
-          measured.setdefault(impl, []).append(kernel_times(f, *f_args))
+          measured.setdefault(impl, []).append(timer(f, *f_args))
         except Exception as e:  # keep going: one failure should not hide the rest
           row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
           measured.pop(impl, None)
@@ -216,7 +238,8 @@ def main():
   path = bench_common.result_path("backward", device.device_kind, args.tag)
   meta = dict(device=device.device_kind, jax=jax.__version__, date=date,
               xla_flags=os.environ.get("XLA_FLAGS", ""),
-              method=(f"CUPTI kernel time, median of {ITERATIONS}"
+              method=(("CUPTI kernel time" if args.timing == "cupti"
+                       else "kernel span in a profiler trace") + f", median of {ITERATIONS}"
                       + (f", median round of {args.rounds} interleaved" if args.rounds > 1 else "")
                       + "; FLOPs 2.5x forward"),
               rows=rows)
