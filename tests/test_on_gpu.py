@@ -128,7 +128,7 @@ def test_fused_backward_matches_the_xla_path_and_repeats_bit_for_bit(case):
     exact = xla_attention.backward(f32(q), f32(k), f32(v), None, None, ql, kl, out, lse,
                                    f32(dout), scale=d**-0.5, spec=spec)[:3]
   config = dataclasses.replace(sm90_backward.choose_config(d, spec), dq="fused",
-                               delta_in_dq=False)
+                               delta_in_dq=False, overlap_kernels=False)
   run = jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
                                                    config=config))
   first = run(q, k, v, out.astype(q.dtype), lse, dout)
@@ -138,3 +138,44 @@ def test_fused_backward_matches_the_xla_path_and_repeats_bit_for_bit(case):
     a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
     rel = np.linalg.norm(a - r) / np.linalg.norm(r)
     assert rel < 2e-2, (name, rel)
+
+
+OVERLAP_CASES = [  # (B, Tq, Tk, Nq, Nkv, D, spec, lengths): every dK/dV scheme
+    (2, 2000, 2000, 16, 16, 128, MaskSpec(), False),
+    (1, 1500, 1300, 8, 2, 64, MaskSpec(right=0), True),
+    (1, 1000, 1000, 4, 4, 256, MaskSpec(left=300, right=0), False),
+    (1, 777, 777, 4, 2, 192, MaskSpec(), False),
+]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=str)
+def test_overlapped_kernels_give_the_gradients_of_serial_ones_bit_for_bit(case):
+  """`BackwardConfig.overlap_kernels` launches the dQ kernel (and the dV pass
+  at head dim 192) while the kernel before it finishes. The kernels read none
+  of each other's outputs and do the same arithmetic, so nothing may change,
+  and a later computation on the gradients must see them complete."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_backward
+  b, tq, tk, nq, nkv, d, spec, with_lengths = case
+  q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=6)
+  dout = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.bfloat16)
+  ql = jnp.asarray(np.linspace(tq // 2, tq, b).astype(np.int32)) if with_lengths else None
+  kl = jnp.asarray(np.linspace(tk // 3, tk, b).astype(np.int32)) if with_lengths else None
+  out, lse = xla_attention.forward(q, k, v, None, None, ql, kl, scale=d**-0.5, spec=spec)
+  serial = dataclasses.replace(sm90_backward.choose_config(d, spec), delta_in_dq=False,
+                               overlap_kernels=False)
+
+  def run(config):
+    # The sums run right after the kernels, in the same program: they read
+    # the gradients the moment the last kernel is done.
+    fn = jax.jit(lambda *a: [(g, jnp.sum(g.astype(jnp.float32))) for g in
+                             sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
+                                                    config=config)])
+    return fn(q, k, v, out.astype(q.dtype), lse, dout)
+
+  want = run(serial)
+  got = run(dataclasses.replace(serial, overlap_kernels=True))
+  for name, (g, s), (w, ws) in zip(("dq", "dk", "dv"), got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    assert float(s) == float(ws), name

@@ -162,17 +162,28 @@ def test_lse_and_delta_loaded_before_or_after_the_scores_give_the_same_gradients
                                   "mqa_one_kv_head_head_dim_96_is_padded"])
 def test_delta_from_an_xla_reduction_or_from_the_dq_kernel_gives_the_same_gradients(
     name, run_interpreted):
-  """At head dim <= 128 the heuristic has the dQ kernel compute delta =
-  rowsum(dO * O) from its O tiles (`delta_in_dq`) and hand it to the dK/dV
-  kernel; without it an XLA reduction computes delta before both kernels."""
+  """At head dim <= 128 the dQ kernel can compute delta = rowsum(dO * O)
+  from its O tiles (`delta_in_dq`, the heuristic's choice for causal masks)
+  and hand it to the dK/dV kernel; without it an XLA reduction computes
+  delta before both kernels."""
   case = FEATURE_CASES[name]
   config = sm90_backward.choose_config(case.head_dim, case.mask)
-  assert config.delta_in_dq
-  grads = _check_case(case, run_interpreted, config=dataclasses.replace(config, delta_in_dq=False))
-  same = _check_case(case, run_interpreted, config=config)
+  xla_delta = dataclasses.replace(config, delta_in_dq=False)
+  in_dq = dataclasses.replace(config, delta_in_dq=True, overlap_kernels=False)
+  grads = _check_case(case, run_interpreted, config=xla_delta)
+  same = _check_case(case, run_interpreted, config=in_dq)
   for got, want in zip(same, grads):  # one formula, only the summation order may differ
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                atol=1e-2, rtol=1e-2)
+
+
+def test_overlapped_kernels_must_not_read_each_others_outputs():
+  """With `delta_in_dq` the dK/dV kernel reads the dQ kernel's delta; with
+  `dq="fused"` there is one kernel."""
+  with pytest.raises(ValueError, match="overlap_kernels"):
+    sm90_backward.BackwardConfig(delta_in_dq=True, overlap_kernels=True)
+  with pytest.raises(ValueError, match="overlap_kernels"):
+    sm90_backward.BackwardConfig(dq="fused", overlap_kernels=True)
 
 
 def test_delta_in_dq_kernel_needs_the_separate_dq_kernel_and_whole_blocks():
@@ -211,7 +222,7 @@ def test_gradients_are_bit_identical_across_runs(run_interpreted):
 def _fused(case: Case):
   return dataclasses.replace(
       sm90_backward.choose_config(case.head_dim, case.mask), dq="fused", dk_dv="fused",
-      delta_in_dq=False)
+      delta_in_dq=False, overlap_kernels=False)
 
 
 FUSED_CASES = {
@@ -287,7 +298,7 @@ def test_fused_dq_needs_the_fused_dk_dv_scheme():
 
 def test_fused_kernel_adds_dq_with_a_tma_reduction_and_fits_smem(cross_lower):
   config = dataclasses.replace(sm90_backward.choose_config(128, MaskSpec()), dq="fused",
-                               delta_in_dq=False)
+                               delta_in_dq=False, overlap_kernels=False)
   spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   q, kv, lse = spec((1, 512, 4, 128)), spec((1, 512, 2, 128)), spec((1, 4, 512), jnp.float32)
 
@@ -382,6 +393,37 @@ def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, 
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")
+  _check_launch_chain(lowered.modules, config.overlap_kernels)
+
+
+def _check_launch_chain(modules, overlapped: bool):
+  """Overlapped kernels, in launch order: every one but the last lets the
+  next launch early, every one but the first waits for the previous one
+  (and is marked for the runtime to launch it programmatically)."""
+  for i, module in enumerate(modules):
+    releases = "griddepcontrol.launch_dependents" in module
+    waits = "griddepcontrol.wait" in module
+    assert releases == (overlapped and i < len(modules) - 1), i
+    assert waits == (overlapped and i > 0), i
+    assert ("mosaic_gpu.uses_pdl" in module) == waits, i
+
+
+@pytest.mark.parametrize("head_dim", [128, 192])
+def test_overlapped_kernels_chain_every_kernel_of_the_backward(head_dim, cross_lower):
+  """Two kernels, and three (dK pass, dV pass, dQ) at head dim 192, where
+  the heuristic does not overlap them."""
+  config = dataclasses.replace(sm90_backward.choose_config(head_dim, MaskSpec()),
+                               delta_in_dq=False, overlap_kernels=True)
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  q, kv = spec((1, 256, 2, head_dim)), spec((1, 256, 2, head_dim))
+
+  def fn(q, k, v, out, lse, dout):
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
+                                  mask=MaskSpec(), config=config)
+
+  lowered = cross_lower(fn, q, kv, kv, q, spec((1, 2, 256), jnp.float32), q)
+  assert len(lowered.modules) == (3 if head_dim == 192 else 2)
+  _check_launch_chain(lowered.modules, True)
 
 
 @pytest.mark.parametrize("head_dim,seq", [(32, 53), (96, 77)])

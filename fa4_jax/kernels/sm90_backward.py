@@ -15,8 +15,9 @@ atomics):
    no key), so that P = exp2(c * s - lse2) is exactly 0 there, padded to
    whole blocks. delta too, by one fused reduction over dO and O, unless the
    dQ kernel computes it (`BackwardConfig.delta_in_dq`, the heuristic's
-   choice at head dim <= 128 without a window): then the dQ kernel runs
-   first, and the reduction's 0.05 ms (B2 S8192 H16 D128, H100) is saved.
+   choice at head dim <= 128 for causal masks without a window): then the
+   dQ kernel runs first, and the reduction's 0.05 ms (B2 S8192 H16 D128,
+   H100) is saved.
 2. the dK/dV kernel: one CTA per (kv head, KV tile of `2 * block_kv` keys,
    batch). Two consumer warpgroups each own `block_kv` keys and keep their dK
    and dV in registers; a producer warpgroup streams (Q, dO, lse, delta) tiles
@@ -31,6 +32,12 @@ atomics):
    their dQ, the producer streams (K, V) tiles of the key blocks those rows
    see. With `delta_in_dq` each consumer also loads its rows' O tile, computes
    their delta before its first block and writes it out for the dK/dV kernel.
+
+Without `delta_in_dq` the kernels read none of each other's outputs, and
+with `BackwardConfig.overlap_kernels` (the heuristic's choice there) each
+launches while the one before it finishes (programmatic dependent launch,
+`pipeline.LaunchChain`): the next kernel's CTAs take the SMs the last, partial
+wave of CTAs leaves idle.
 
 Why two kernels rather than one with a dQ reduction: a single kernel must add
 partial dQ tiles from many CTAs into one buffer, and float additions in
@@ -73,8 +80,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common, fixed_point
-from fa4_jax.kernels.pipeline import (BundleRing, OneShotBuffer, Rendezvous, SlotRing,
-                                     check_register_split, fori, sequence_lengths)
+from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, LaunchChain, OneShotBuffer,
+                                     Rendezvous, SlotRing, check_register_split, fori,
+                                     sequence_lengths)
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
 from fa4_jax.masks import MaskSpec, cdiv
 
@@ -147,6 +155,13 @@ class BackwardConfig:
   # dK/dV kernel) instead of by an XLA reduction before both kernels. Needs
   # `dq == "separate"` and SMEM for the O tiles (head dim <= 128).
   delta_in_dq: bool = False
+  # Launch each kernel while the one before it finishes (programmatic
+  # dependent launch, `pipeline.LaunchChain`): the dQ kernel's CTAs fill the
+  # SMs the dK/dV kernel's last, partial wave leaves idle (at B2 S8192 H16
+  # D128 2048 CTAs make 15.5 waves on 132 SMs, the dQ kernel's 1376 make
+  # 10.4). The kernels must not read each other's outputs, so delta comes
+  # from XLA (not with `delta_in_dq`).
+  overlap_kernels: bool = False
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -158,6 +173,10 @@ class BackwardConfig:
     if self.delta_in_dq and self.dq != "separate":
       raise ValueError(f"delta_in_dq needs dq='separate' (the dQ kernel computes delta); "
                        f"got dq={self.dq!r}: set delta_in_dq=False")
+    if self.overlap_kernels and (self.delta_in_dq or self.dq != "separate"):
+      raise ValueError(f"overlap_kernels needs independent kernels: dq='separate' and "
+                       f"delta_in_dq=False; got dq={self.dq!r}, delta_in_dq={self.delta_in_dq}: "
+                       f"set overlap_kernels=False")
     dq_rows = self.dq_num_consumers * self.dq_block_q
     if self.delta_in_dq and dq_rows % self.block_q:  # (the dV pass reads no delta)
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
@@ -213,25 +232,39 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   # 0.09 at H32) and costs the dQ kernel an O tile load per consumer:
   # +0.01-0.02 ms dense or causal, but +0.06 ms under a 1024-key window,
   # where each CTA walks only ~19 key blocks (H100, same process,
-  # backward-delta-in-dq-...-2026-11-24.json). So not under a window.
+  # backward-delta-in-dq-...-2026-11-24.json).
+  #
+  # Overlapping the kernels (PDL) needs the XLA delta but lets the dQ
+  # kernel's CTAs fill the SMs the dK/dV kernel's last wave leaves idle.
+  # H100, kernel span, three interleaved rounds in each of three runs
+  # (backward-pdl-*-2026-11-24.json), against delta in the dQ kernel: dense
+  # rows gain 1-2 % (B2 S8192 H16 D128 4.82 -> 4.76, 4.83 -> 4.72 ms), the
+  # 1024-key window 3.6 % (0.863 -> 0.832), the 4096-key window 0.6 %; causal
+  # rows without a window lose 0-3 % (their dK/dV tail is short: light key
+  # tiles run last), so they keep delta in the dQ kernel.
+  delta_in_dq = mask.left is None and mask.right is not None
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
-                          delta_in_dq=mask.left is None, **three_dq_consumers)
+                          delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq,
+                          **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
     # resident Q and dO tiles of dQ take 128 KiB, so its key tiles are 32
     # rows. H100, B2 S8192 H8: 466 / 455 TFLOP/s dense / causal, where two
-    # passes reach 400 / 404; 240 consumer registers gain 1 %.
+    # passes reach 400 / 404; 240 consumer registers gain 1 %. Overlapped
+    # kernels: 5.86 -> 5.82 ms dense, 3.00 -> 2.98 causal (one run).
     return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
                           dq_block_q=64, dq_block_kv=32, dq_num_stages=3,
                           producer_registers=24, consumer_registers=240,
-                          dk_dv="head_dim_split")
+                          dk_dv="head_dim_split", overlap_kernels=True)
   # 192 (and 144-176, padded): halves of 96 columns do not fall on the
   # 64-column tiles of the swizzled layout, so dK and dV take two passes
   # (at 256 two passes cost 14 % against the split). 64-row tiles and two
-  # stages fit the SMEM at 192 in every kernel (at most 192 KiB).
+  # stages fit the SMEM at 192 in every kernel (at most 192 KiB). With
+  # `overlap_kernels` the trace showed none of the three kernels start
+  # before the previous one ended (why was not found), and it ran 1 % slower.
   return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
                         dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
                         dk_dv="two_passes")
@@ -566,7 +599,7 @@ def _zeros(shape):
 
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                       head_dim, dtype, scale, mask, config, has_q_lengths,
-                      has_kv_lengths, outputs=("dk", "dv")):
+                      has_kv_lengths, outputs=("dk", "dv"), chain=NO_CHAIN):
   """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
 
   A pass without dK needs neither V (for dP) nor delta: they are not loaded.
@@ -580,8 +613,10 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   with_dk, with_dv = "dk" in outputs, "dv" in outputs
   num_resident = 2 if with_dk else 1  # K (and V)
   num_streamed = 4 if with_dk else 3  # Q, dO, lse (and delta)
+  grid = dict(heads=num_kv_heads, kv_tiles=num_kv_tiles, batch=batch)
 
   def kernel(*refs):
+    chain.at_start()
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     del refs[:6]
@@ -698,6 +733,8 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         plgpu.copy_smem_to_gmem(out_tiles[g], grad_ref.at[keys])
       plgpu.wait_smem_to_gmem(0)
 
+    chain.at_exit(grid)
+
   swizzle = _swizzle_bytes(dtype, bk, bq)
   resident_tile = _smem_tile((nc, bk, head_dim), dtype, swizzle)
   ring_tile = _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle)
@@ -717,8 +754,8 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       out_type=out_type,
       scratch_types=(tuple(smem), BackwardBarriers.scratch_types(
           nc, cfg.num_stages, num_resident, num_streamed)),
-      grid=(num_kv_heads, num_kv_tiles, batch),
-      grid_names=("heads", "kv_tiles", "batch"),
+      grid=tuple(grid.values()),
+      grid_names=tuple(grid),
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -727,7 +764,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
 def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                                  num_kv_heads, head_dim, dtype, scale, mask, config,
-                                 has_q_lengths, has_kv_lengths):
+                                 has_q_lengths, has_kv_lengths, chain=NO_CHAIN):
   """dK and dV where they do not fit one warpgroup's registers (head dim 256).
 
   A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
@@ -768,8 +805,10 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   half = head_dim // 2
   group = num_q_heads // num_kv_heads
   c = scale * LOG2_E
+  grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, bk), batch=batch)
 
   def kernel(*refs):
+    chain.at_start()
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     del refs[:6]
@@ -866,6 +905,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
 
     pl.when(wg == 0)(lambda: consumer(0))
     pl.when(wg == 1)(lambda: consumer(1))
+    chain.at_exit(grid)
 
   swizzle = _swizzle_bytes(dtype, bk, bq)
   ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
@@ -889,8 +929,8 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
       kernel,
       out_type=out_type,
       scratch_types=(smem, barriers),
-      grid=(num_kv_heads, cdiv(kv_seq, bk), batch),
-      grid_names=("heads", "kv_tiles", "batch"),
+      grid=tuple(grid.values()),
+      grid_names=tuple(grid),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -1163,11 +1203,12 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
 
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                      head_dim, dtype, scale, mask, config, has_q_lengths,
-                     has_kv_lengths):
+                     has_kv_lengths, chain=NO_CHAIN):
   cfg = config
   bq, bk, nc = cfg.dq_block_q, cfg.dq_block_kv, cfg.dq_num_consumers
   group = num_q_heads // num_kv_heads
   num_q_tiles = cdiv(q_seq, nc * bq)
+  grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
   c = scale * LOG2_E
   # Heavy tiles first: with a right bound (causal), later rows see more keys.
   heavy_last = mask.right is not None and mask.left is None
@@ -1176,6 +1217,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
   with_delta = cfg.delta_in_dq
 
   def kernel(*refs):
+    chain.at_start()
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_or_o_ref = refs[:6]
     del refs[:6]
@@ -1267,6 +1309,8 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
       plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch_idx, pl.ds(q_lo, bq), head])
       plgpu.wait_smem_to_gmem(0)
 
+    chain.at_exit(grid)
+
   swizzle = _swizzle_bytes(dtype, bq, bk)
   smem = [
       _smem_tile((nc, bq, head_dim), dtype, swizzle),  # Q tiles, then dQ
@@ -1289,8 +1333,8 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
       kernel,
       out_type=out_type,
       scratch_types=(tuple(smem), BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4, 2)),
-      grid=(num_q_heads, num_q_tiles, batch),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=tuple(grid.values()),
+      grid_names=tuple(grid),
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -1388,17 +1432,24 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     o = pad(out.astype(dtype), q_pad)
     dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths)
   args = [q, k, v, dout, lse2, delta, *lengths]
+  # The kernels below, in launch order; with `overlap_kernels` each one
+  # launches while the one before it finishes.
+  num_kernels = (2 if config.dk_dv == "two_passes" else 1) + (
+      config.dq == "separate" and not config.delta_in_dq)
+  links = iter(LaunchChain.link(i, num_kernels) if config.overlap_kernels else NO_CHAIN
+               for i in range(num_kernels))
   if config.dq == "fused":
     dq, dk, dv = _fused_backward(common, args, k, v, dout)
   elif config.dk_dv == "fused":
-    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"))(*args)
+    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"), chain=next(links))(*args)
   elif config.dk_dv == "head_dim_split":
-    dk, dv = _build_dkv_head_split_kernel(**common)(*args)
+    dk, dv = _build_dkv_head_split_kernel(**common, chain=next(links))(*args)
   else:
-    (dk,) = _build_dkv_kernel(**common, outputs=("dk",))(*args)
-    (dv,) = _build_dkv_kernel(**dict(common, config=config.dv_pass()), outputs=("dv",))(*args)
+    (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=next(links))(*args)
+    (dv,) = _build_dkv_kernel(**dict(common, config=config.dv_pass()), outputs=("dv",),
+                              chain=next(links))(*args)
   if config.dq == "separate" and not config.delta_in_dq:
-    dq = _build_dq_kernel(**common)(*args)
+    dq = _build_dq_kernel(**common, chain=next(links))(*args)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
   if d != head_dim or kv_pad != kv_seq:
