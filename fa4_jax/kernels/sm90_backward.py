@@ -237,9 +237,10 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   # Overlapping the kernels (PDL) needs the XLA delta but lets the dQ
   # kernel's CTAs fill the SMs the dK/dV kernel's last wave leaves idle.
   # H100, kernel span, three interleaved rounds in each of three runs
-  # (backward-pdl-*-2026-11-24.json), against delta in the dQ kernel: dense
-  # rows gain 1-2 % (B2 S8192 H16 D128 4.82 -> 4.76, 4.83 -> 4.72 ms), the
-  # 1024-key window 3.6 % (0.863 -> 0.832), the 4096-key window 0.6 %; causal
+  # (backward-pdl-*-2026-11-24.json), against delta in the dQ kernel: B2
+  # S8192 H16 D128 dense gains 1-2 % in each run (4.82 -> 4.76, 4.83 -> 4.72
+  # ms), D = 64 dense gained in two runs and lost 1.3 % in one, the 1024-key
+  # window gains 3.6 % (0.863 -> 0.832), the 4096-key window 0.6 %; causal
   # rows without a window lose 0-3 % (their dK/dV tail is short: light key
   # tiles run last), so they keep delta in the dQ kernel.
   delta_in_dq = mask.left is None and mask.right is not None
