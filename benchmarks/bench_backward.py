@@ -2,8 +2,9 @@
 
 Kernel time: CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), median
 of ITERATIONS calls, summing every kernel one backward call launches (for us:
-the lse conversion and, where the dQ kernel does not compute delta (windows,
-head dims above 128), the delta reduction (XLA fusions), the dQ kernel and
+the lse conversion and, where the dQ kernel does not compute delta (all but
+causal rows without a window at head dim <= 128), the delta reduction (XLA
+fusions), the dQ kernel and
 the dK/dV kernel (two passes, dK and dV, at head dim 192), each also
 reported on its own; for cuDNN: the kernels of its VJP, given saved
 residuals). With `--timing span` a call's time is instead its span in a

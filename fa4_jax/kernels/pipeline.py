@@ -318,11 +318,6 @@ class LaunchChain:
   releases_next: bool = False
   follows_previous: bool = False
 
-  @classmethod
-  def link(cls, position: int, length: int) -> "LaunchChain":
-    """The link of the kernel at `position` in a chain of `length` kernels."""
-    return cls(releases_next=position < length - 1, follows_previous=position > 0)
-
   def at_start(self) -> None:
     if self.releases_next and not is_interpreting():
       plgpu.griddepcontrol_launch_dependents()

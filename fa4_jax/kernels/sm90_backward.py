@@ -1433,24 +1433,26 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     o = pad(out.astype(dtype), q_pad)
     dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths)
   args = [q, k, v, dout, lse2, delta, *lengths]
-  # The kernels below, in launch order; with `overlap_kernels` each one
-  # launches while the one before it finishes.
-  num_kernels = (2 if config.dk_dv == "two_passes" else 1) + (
-      config.dq == "separate" and not config.delta_in_dq)
-  links = iter(LaunchChain.link(i, num_kernels) if config.overlap_kernels else NO_CHAIN
-               for i in range(num_kernels))
+  # With `overlap_kernels` (which implies the separate dQ kernel, last) each
+  # kernel below launches while the one before it finishes: the dK/dV
+  # kernel, or the dK and the dV pass, release the next; all but the first
+  # follow the previous one.
+  overlap = config.overlap_kernels
+  first_dkv = LaunchChain(releases_next=overlap)
+  second_dkv = LaunchChain(releases_next=overlap, follows_previous=overlap)
+  last_dq = LaunchChain(follows_previous=overlap)
   if config.dq == "fused":
     dq, dk, dv = _fused_backward(common, args, k, v, dout)
   elif config.dk_dv == "fused":
-    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"), chain=next(links))(*args)
+    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"), chain=first_dkv)(*args)
   elif config.dk_dv == "head_dim_split":
-    dk, dv = _build_dkv_head_split_kernel(**common, chain=next(links))(*args)
+    dk, dv = _build_dkv_head_split_kernel(**common, chain=first_dkv)(*args)
   else:
-    (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=next(links))(*args)
+    (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=first_dkv)(*args)
     (dv,) = _build_dkv_kernel(**dict(common, config=config.dv_pass()), outputs=("dv",),
-                              chain=next(links))(*args)
+                              chain=second_dkv)(*args)
   if config.dq == "separate" and not config.delta_in_dq:
-    dq = _build_dq_kernel(**common, chain=next(links))(*args)
+    dq = _build_dq_kernel(**common, chain=last_dq)(*args)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
   if d != head_dim or kv_pad != kv_seq:
