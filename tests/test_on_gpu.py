@@ -179,3 +179,37 @@ def test_overlapped_kernels_give_the_gradients_of_serial_ones_bit_for_bit(case):
   for name, (g, s), (w, ws) in zip(("dq", "dk", "dv"), got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
     assert float(s) == float(ws), name
+
+
+REGISTER_OPERAND_CASES = [  # (B, Tq, Tk, Nq, Nkv, D, spec, lengths)
+    (2, 1000, 1000, 4, 4, 64, MaskSpec(), False),
+    (2, 1537, 1537, 8, 2, 64, MaskSpec(left=200, right=0), True),
+]
+
+
+@pytest.mark.parametrize("case", REGISTER_OPERAND_CASES, ids=str)
+def test_register_operands_give_the_gradients_of_smem_operands_bit_for_bit(case):
+  """At head dim 64 the heuristic keeps K and V (dK/dV kernel), Q and dO (dQ
+  kernel) in registers as wgmma A operands. The tensor core multiplies the
+  same bf16 values in the same order, so the gradients must not change."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_backward
+  b, tq, tk, nq, nkv, d, spec, with_lengths = case
+  q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=8)
+  dout = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.bfloat16)
+  ql = jnp.asarray(np.linspace(tq // 2, tq, b).astype(np.int32)) if with_lengths else None
+  kl = jnp.asarray(np.linspace(tk // 3, tk, b).astype(np.int32)) if with_lengths else None
+  out, lse = xla_attention.forward(q, k, v, None, None, ql, kl, scale=d**-0.5, spec=spec)
+  in_registers = sm90_backward.choose_config(d, spec)
+  assert in_registers.operands_in_registers and in_registers.dq_operands_in_registers
+  in_smem = dataclasses.replace(in_registers, operands_in_registers=False,
+                                dq_operands_in_registers=False)
+
+  def run(config):
+    return jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
+                                                     config=config))(
+        q, k, v, out.astype(q.dtype), lse, dout)
+
+  for name, got, want in zip(("dq", "dk", "dv"), run(in_registers), run(in_smem)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)

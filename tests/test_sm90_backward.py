@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -424,6 +425,38 @@ def test_overlapped_kernels_chain_every_kernel_of_the_backward(head_dim, cross_l
   lowered = cross_lower(fn, q, kv, kv, q, spec((1, 2, 256), jnp.float32), q)
   assert len(lowered.modules) == (3 if head_dim == 192 else 2)
   _check_launch_chain(lowered.modules, True)
+
+
+def _wgmma_a_operands(module: str) -> tuple[int, int]:
+  """(from registers, from SMEM): the A operands of a module's wgmma
+  instructions. In the inline PTX the accumulator registers come first, then
+  A as a register group `{$..}` or as an SMEM descriptor `$n`."""
+  operands = re.findall(r"wgmma\.mma_async[^{]*\{[^}]*\}, (\{|\$)", module)
+  return operands.count("{"), operands.count("$")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_dim_64_keeps_the_resident_tiles_in_registers_as_wgmma_operands(
+    head_dim, cross_lower):
+  """At head dim 64 the dK/dV kernel's K and V and the dQ kernel's Q and dO
+  are wgmma A operands from registers (every wgmma then reads A from
+  registers: P^T, dS^T and dS always do); at 128 they do not fit beside the
+  accumulators, and S^T, dP^T, S and dP read both operands from SMEM."""
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  q, kv = spec((1, 256, 4, head_dim)), spec((1, 256, 2, head_dim))
+  config = sm90_backward.choose_config(head_dim, MaskSpec())
+  assert config.operands_in_registers == config.dq_operands_in_registers == (head_dim == 64)
+
+  def fn(q, k, v, out, lse, dout):
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
+                                  mask=MaskSpec(), config=config)
+
+  lowered = cross_lower(fn, q, kv, kv, q, spec((1, 4, 256), jnp.float32), q)
+  assert len(lowered.modules) == 2
+  for module in lowered.modules:
+    from_registers, from_smem = _wgmma_a_operands(module)
+    assert from_registers > 0
+    assert (from_smem == 0) == (head_dim == 64), (from_registers, from_smem)
 
 
 @pytest.mark.parametrize("head_dim,seq", [(32, 53), (96, 77)])

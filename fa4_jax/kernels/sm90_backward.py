@@ -162,6 +162,17 @@ class BackwardConfig:
   # 10.4). The kernels must not read each other's outputs, so delta comes
   # from XLA (not with `delta_in_dq`).
   overlap_kernels: bool = False
+  # Keep the tiles a consumer holds for its whole loop in registers, as the A
+  # operands of its first two GEMMs, instead of having every wgmma read them
+  # from SMEM again: Q and dO in the dQ kernel (S = Q K^T, dP = dO V^T), K and
+  # V in the dK/dV kernel (S^T = K Q^T, dP^T = V dO^T; not "head_dim_split").
+  # With both operands in SMEM, an N = 64 wgmma reads SMEM as fast as the
+  # tensor core multiplies (4 KB per m64n64k16: 32 clocks at 128 B per clock,
+  # 32 at ~4096 bf16 FLOP per clock and SM). Costs head_dim / 4 registers per
+  # tile and thread, so it pays at head dim 64 only (choose_config). The
+  # interpreter, which has no register A operands, keeps the tiles in SMEM.
+  dq_operands_in_registers: bool = False
+  operands_in_registers: bool = False
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -244,10 +255,20 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   # rows without a window lose 0-3 % (their dK/dV tail is short: light key
   # tiles run last), so they keep delta in the dQ kernel.
   delta_in_dq = mask.left is None and mask.right is not None
+  #
+  # Register A operands (`operands_in_registers`, `dq_operands_in_registers`)
+  # at D = 64, H100, B2 S8192 H32, span, two runs of interleaved rounds
+  # (backward-regs-d64-...-2026-11-24.json): dense 5.72 vs 5.81 ms and 5.79
+  # vs 5.91, causal 3.00 vs 3.06 and 3.00 vs 3.09; the gradients are bit for
+  # bit those of SMEM operands. At D = 128 K and V in registers spill (360
+  # bytes) and the dK/dV kernel takes 4.60 instead of 2.79 ms (3.78 without
+  # `stats_first`); Q and dO in the dQ kernel leave room for two consumers
+  # only: 2.24 vs 2.03 ms for three with SMEM operands (backward-regs-d128-...).
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
                           delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq,
+                          operands_in_registers=d <= 64, dq_operands_in_registers=d <= 64,
                           **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
@@ -498,6 +519,11 @@ def _mma(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
+def _load_operand(tile):
+  """An SMEM tile in registers, laid out as a wgmma A operand."""
+  return plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+
+
 def _mma_pair(a0, b0, a1, b1, shape):
   """(a0 @ b0, a1 @ b1) in fp32, both wgmmas issued before one wait."""
 
@@ -673,6 +699,11 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       v_tile = v_smem.at[wg] if with_dk else None
       col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns
       stage = staging[0].at[wg] if interpreting else None
+      bars.resident.consumer_wait(0, wg)
+      k_operand, v_operand = k_tile, v_tile  # the A operands of S^T and dP^T
+      if cfg.operands_in_registers and not interpreting:
+        k_operand = _load_operand(k_tile)
+        v_operand = _load_operand(v_tile) if with_dk else None
 
       def step_fn(qb, acc, *, masked, head_step0):
         acc = dict(acc)
@@ -689,10 +720,10 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         stats = load_stats() if cfg.stats_first else None
         # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
         if with_dk:
-          s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
-                            v_tile, do_tile.transpose((1, 0)), (bk, bq))
+          s, dp = _mma_pair(k_operand, q_tile.transpose((1, 0)),
+                            v_operand, do_tile.transpose((1, 0)), (bk, bq))
         else:
-          s = _mma(k_tile, q_tile.transpose((1, 0)), (bk, bq))
+          s = _mma(k_operand, q_tile.transpose((1, 0)), (bk, bq))
         lse2, delta = stats or load_stats()
         p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
@@ -720,7 +751,6 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
                      functools.partial(step_fn, head_step0=head_step0),
                      functools.partial(skip_fn, head_step0=head_step0), acc)
 
-      bars.resident.consumer_wait(0, wg)
       acc = lax.fori_loop(0, group, one_head, {g: _zeros((bk, head_dim)) for g in outputs})
 
       # Epilogue: every wgmma reading K and V has completed, so their tiles
@@ -1273,6 +1303,9 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
       stage = staging[0].at[wg] if interpreting else None
 
       bars.resident.consumer_wait(0, wg)
+      q_operand, do_operand = q_tile, do_tile  # the A operands of S and dP
+      if cfg.dq_operands_in_registers and not interpreting:
+        q_operand, do_operand = _load_operand(q_tile), _load_operand(do_tile)
       lse2 = plgpu.load(lse_smem.at[wg], layout=row_layout)
       if with_delta:
         # delta of this consumer's rows, for itself and (through GMEM) for
@@ -1290,8 +1323,8 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
         slot = bars.stream.slot(step)
         k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
         bars.stream.consumer_wait(step)
-        s, dp = _mma_pair(q_tile, k_tile.transpose((1, 0)),
-                          do_tile, v_tile.transpose((1, 0)), (bq, bk))
+        s, dp = _mma_pair(q_operand, k_tile.transpose((1, 0)),
+                          do_operand, v_tile.transpose((1, 0)), (bq, bk))
         p = _probabilities(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
         ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
