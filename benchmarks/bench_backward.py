@@ -1,17 +1,19 @@
 """Attention backward on one GPU: fa4_jax's sm90 backward next to cuDNN, one process.
 
-Kernel time: CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), median
-of ITERATIONS calls, summing every kernel one backward call launches (for us:
-the lse conversion and, where the dQ kernel does not compute delta (all but
-causal rows without a window at head dim <= 128), the delta reduction (XLA
-fusions), the dQ kernel and
-the dK/dV kernel (two passes, dK and dV, at head dim 192), each also
-reported on its own; for cuDNN: the kernels of its VJP, given saved
-residuals). With `--timing span` a call's time is instead its span in a
-profiler trace, from its first kernel's start to its last kernel's end
-(`bench_common.trace_spans`): the sum double-counts kernels that overlap
-(`BackwardConfig.overlap_kernels`), the span also counts the gaps between
-kernels. TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
+Time of one call (default, `--timing span`): its span in a profiler trace
+(CUPTI underneath, `bench_common.trace_spans`), from its first kernel's
+start to its last kernel's end, median of ITERATIONS calls. Our kernels
+overlap (`BackwardConfig.overlap_kernels`), so the sum of kernel durations
+would count the overlap twice; the span also counts the gaps between
+kernels. `--timing cupti` sums the CUPTI durations of every kernel one call
+launches (`jax.experimental.mosaic.gpu.profiler.measure`, DESIGN.md's
+method), right only where no kernels overlap (cuDNN's span is its sum +
+0.015 ms). The kernels: for us the lse conversion and, where the dQ kernel
+does not compute delta (all but causal rows without a window at head dim
+<= 128), the delta reduction (XLA fusions), the dK/dV kernel (two passes,
+dK and dV, at head dim 192) and the dQ kernel, each also reported on its
+own with its start offset; for cuDNN the kernels of its VJP, given saved
+residuals. TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
 causal; a causal window counts 2.5 x 4*B*H*S*W*D (W = window + 1).
 
 Errors (cases marked `check`): dq, dk, dv of both implementations on the same
@@ -23,7 +25,7 @@ Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING (repeatable)]
         [--config key=value,... (repeatable: one column per config)] [--tag NAME]
         [--rounds N (measure the columns N times, interleaved)] [--no-check | --check-all]
-        [--timing cupti|span]
+        [--timing span|cupti]
 Writes benchmarks/results/backward[-NAME]-<device>-<date>.json (or $OUT/ when
 OUT is set) and prints a Markdown table. cuDNN runs as XLA configures it: its
 non-deterministic backward unless XLA_FLAGS has --xla_gpu_deterministic_ops=true.
@@ -118,7 +120,10 @@ def config_for(text, head_dim, mask):
   changes = {}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")
-    changes[key] = int(value) if value.lstrip("-").isdigit() else value
+    if value in ("True", "False"):
+      changes[key] = value == "True"
+    else:
+      changes[key] = int(value) if value.lstrip("-").isdigit() else value
   return dataclasses.replace(config, **changes)
 
 
@@ -186,10 +191,10 @@ def main():
   ap.add_argument("--rounds", type=int, default=1,
                   help="measure every column this many times, interleaved (A B A B ...), "
                        "and report the median round: the card's clock drifts over a run")
-  ap.add_argument("--timing", choices=("cupti", "span"), default="cupti",
-                  help="cupti: sum of the kernels' CUPTI durations (DESIGN.md's method); "
-                       "span: first kernel's start to last kernel's end in a profiler "
-                       "trace (needed when kernels of one call overlap)")
+  ap.add_argument("--timing", choices=("span", "cupti"), default="span",
+                  help="span: first kernel's start to last kernel's end in a profiler "
+                       "trace (kernels of one call overlap); cupti: sum of the kernels' "
+                       "CUPTI durations (DESIGN.md's method, double-counts overlap)")
   args = ap.parse_args()
   overrides = args.config or [""]
   timer = span_times if args.timing == "span" else kernel_times

@@ -11,7 +11,8 @@ kernel as built and two stripped copies of it:
                   and the dS^T hand-off between the consumers remain)
 
 The stripped copies give wrong dQ; only their time is of interest. Kernel
-time by CUPTI, median of 10, bf16, same method as bench_backward.py.
+time by CUPTI, median of 10, bf16, as `bench_backward.py --timing cupti`
+(one kernel: nothing overlaps).
 
     python3 benchmarks/fused_backward_costs.py [--only SUBSTRING]
 """
