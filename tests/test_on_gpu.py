@@ -39,13 +39,33 @@ def inputs(b, tq, tk, nq, nkv, d, seed=0):
   return q, k, v
 
 
+def sequence_lengths(case):
+  """(q_lengths, kv_lengths) of a case with `lengths`: from half of the
+  queries and a third of the keys up to all of them, one per batch row."""
+  b, tq, tk, *_, with_lengths = case
+  if not with_lengths:
+    return None, None
+  return (jnp.asarray(np.linspace(tq // 2, tq, b).astype(np.int32)),
+          jnp.asarray(np.linspace(tk // 3, tk, b).astype(np.int32)))
+
+
+def backward_inputs(case, seed):
+  """((q, k, v, out, lse, dout), q_lengths, kv_lengths) for the kernel-level
+  backward: dout from seed + 1, out and lse from the XLA path."""
+  b, tq, tk, nq, nkv, d, spec, _ = case
+  q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=seed)
+  dout = jnp.asarray(np.random.default_rng(seed + 1).normal(size=q.shape), jnp.bfloat16)
+  ql, kl = sequence_lengths(case)
+  out, lse = xla_attention.forward(q, k, v, None, None, ql, kl, scale=d**-0.5, spec=spec)
+  return (q, k, v, out.astype(q.dtype), lse, dout), ql, kl
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_sm90_forward_matches_the_xla_path_including_lse(case):
   from fa4_jax.kernels import sm90_forward
-  b, tq, tk, nq, nkv, d, spec, with_lengths = case
+  b, tq, tk, nq, nkv, d, spec, _ = case
   q, k, v = inputs(b, tq, tk, nq, nkv, d)
-  ql = jnp.asarray(np.linspace(tq // 2, tq, b).astype(np.int32)) if with_lengths else None
-  kl = jnp.asarray(np.linspace(tk // 3, tk, b).astype(np.int32)) if with_lengths else None
+  ql, kl = sequence_lengths(case)
   out, lse = sm90_forward.forward(q, k, v, ql, kl, scale=d**-0.5, mask=spec)
   f32 = lambda x: x.astype(jnp.float32)
   ref_out, ref_lse = xla_attention.forward(f32(q), f32(k), f32(v), None, None, ql, kl,
@@ -116,11 +136,10 @@ def test_fused_backward_matches_the_xla_path_and_repeats_bit_for_bit(case):
   import dataclasses
 
   from fa4_jax.kernels import sm90_backward
-  b, tq, tk, nq, nkv, d, spec, with_lengths = case
+  b, tq, tk, nq, nkv, d, spec, _ = case
   q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=4)
   dout = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.bfloat16)
-  ql = jnp.asarray(np.linspace(tq // 2, tq, b).astype(np.int32)) if with_lengths else None
-  kl = jnp.asarray(np.linspace(tk // 3, tk, b).astype(np.int32)) if with_lengths else None
+  ql, kl = sequence_lengths(case)
   f32 = lambda x: x.astype(jnp.float32)
   with jax.default_matmul_precision("highest"):
     out, lse = xla_attention.forward(f32(q), f32(k), f32(v), None, None, ql, kl,
@@ -157,12 +176,8 @@ def test_overlapped_kernels_give_the_gradients_of_serial_ones_bit_for_bit(case):
   import dataclasses
 
   from fa4_jax.kernels import sm90_backward
-  b, tq, tk, nq, nkv, d, spec, with_lengths = case
-  q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=6)
-  dout = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.bfloat16)
-  ql = jnp.asarray(np.linspace(tq // 2, tq, b).astype(np.int32)) if with_lengths else None
-  kl = jnp.asarray(np.linspace(tk // 3, tk, b).astype(np.int32)) if with_lengths else None
-  out, lse = xla_attention.forward(q, k, v, None, None, ql, kl, scale=d**-0.5, spec=spec)
+  *_, d, spec, _ = case
+  args, ql, kl = backward_inputs(case, seed=6)
   serial = dataclasses.replace(sm90_backward.choose_config(d, spec), delta_in_dq=False,
                                overlap_kernels=False)
 
@@ -172,7 +187,7 @@ def test_overlapped_kernels_give_the_gradients_of_serial_ones_bit_for_bit(case):
     fn = jax.jit(lambda *a: [(g, jnp.sum(g.astype(jnp.float32))) for g in
                              sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
                                                     config=config)])
-    return fn(q, k, v, out.astype(q.dtype), lse, dout)
+    return fn(*args)
 
   want = run(serial)
   got = run(dataclasses.replace(serial, overlap_kernels=True))
@@ -195,12 +210,8 @@ def test_register_operands_give_the_gradients_of_smem_operands_bit_for_bit(case)
   import dataclasses
 
   from fa4_jax.kernels import sm90_backward
-  b, tq, tk, nq, nkv, d, spec, with_lengths = case
-  q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=8)
-  dout = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.bfloat16)
-  ql = jnp.asarray(np.linspace(tq // 2, tq, b).astype(np.int32)) if with_lengths else None
-  kl = jnp.asarray(np.linspace(tk // 3, tk, b).astype(np.int32)) if with_lengths else None
-  out, lse = xla_attention.forward(q, k, v, None, None, ql, kl, scale=d**-0.5, spec=spec)
+  *_, d, spec, _ = case
+  args, ql, kl = backward_inputs(case, seed=8)
   in_registers = sm90_backward.choose_config(d, spec)
   assert in_registers.operands_in_registers and in_registers.dq_operands_in_registers
   in_smem = dataclasses.replace(in_registers, operands_in_registers=False,
@@ -208,8 +219,7 @@ def test_register_operands_give_the_gradients_of_smem_operands_bit_for_bit(case)
 
   def run(config):
     return jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
-                                                     config=config))(
-        q, k, v, out.astype(q.dtype), lse, dout)
+                                                     config=config))(*args)
 
   for name, got, want in zip(("dq", "dk", "dv"), run(in_registers), run(in_smem)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
