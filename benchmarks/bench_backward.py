@@ -115,8 +115,10 @@ def errors(grads, ref):
   return out
 
 
-def config_for(text, head_dim, mask):
-  config = sm90_backward.choose_config(head_dim, mask)
+def config_for(text, head_dim, mask, group=1):
+  """The heuristic's config for (head dim, mask, GQA group) with the
+  `key=value,...` overrides of `text`."""
+  config = sm90_backward.choose_config(head_dim, mask, group)
   changes = {}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")
@@ -150,7 +152,7 @@ class CaseSetup:
 
     self.impls, self.configs = [], []
     for i, text in enumerate(overrides):
-      config = config_for(text, D, mask)
+      config = config_for(text, D, mask, Hq // Hkv)
       self.configs.append(dataclasses.asdict(config))
       f = jax.jit(functools.partial(
           lambda q, k, v, o, l, do, config: sm90_backward.backward(

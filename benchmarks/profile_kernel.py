@@ -56,7 +56,7 @@ def backward_call(case, config_text):
   # work does not depend on the values.
   out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
   lse = jnp.full((B, Hq, S), math.log(S) + 0.5, jnp.float32)
-  config = bench_backward.config_for(config_text, D, mask)
+  config = bench_backward.config_for(config_text, D, mask, Hq // Hkv)
   fn = jax.jit(lambda *args: sm90_backward.backward(
       *args, None, None, scale=scale, mask=mask, config=config))
   return config, lambda: fn(q, k, v, out, lse, do)

@@ -40,7 +40,7 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
   kv = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
   if backward:
     import bench_backward
-    config = bench_backward.config_for(config_text, head_dim, mask)
+    config = bench_backward.config_for(config_text, head_dim, mask, group)
     lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
     fn = jax.jit(lambda q, k, v: sm90_backward.backward(
         q, k, v, q, lse, q, None, None, scale=0.1, mask=mask, config=config))

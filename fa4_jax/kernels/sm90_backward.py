@@ -173,6 +173,14 @@ class BackwardConfig:
   # interpreter, which has no register A operands, keeps the tiles in SMEM.
   dq_operands_in_registers: bool = False
   operands_in_registers: bool = False
+  # dK/dV kernel, passes with dK: start the S^T accumulator at -lse2 / c and
+  # the dP^T one at -delta (broadcast along the keys) instead of 0, so that
+  # the wgmmas leave c * S^T - lse2 (up to the factor c) and dP^T - delta.
+  # lse2 and delta then die before the wait for the wgmmas instead of living
+  # across it (`stats_first`: 32 registers per thread at block_q 64), and the
+  # subtractions leave the softmax. Rows with lse2 = +inf start at -inf and
+  # keep P = 0.
+  fold_stats: bool = False
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -193,6 +201,10 @@ class BackwardConfig:
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
       raise ValueError(f"delta_in_dq needs block_q to divide the dQ kernel's "
                        f"{dq_rows} rows per CTA; got block_q={self.block_q}")
+    if self.fold_stats and (self.dk_dv == "head_dim_split" or self.dq == "fused"):
+      raise ValueError(f"fold_stats is a choice of the dK/dV kernel of the 'fused' and "
+                       f"'two_passes' schemes with dq='separate'; got dk_dv={self.dk_dv!r}, "
+                       f"dq={self.dq!r}: set fold_stats=False")
     check_register_split("BackwardConfig (dK/dV kernel)", self.producer_registers,
                          self.num_consumers, self.consumer_registers)
     check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
@@ -204,9 +216,11 @@ class BackwardConfig:
                                num_stages=self.dv_num_stages or self.num_stages)
 
 
-def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
+def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConfig:
   """Block sizes per (padded) head dim; the same for every mask. Where delta
-  is computed depends on whether the mask has a window (below).
+  is computed depends on whether the mask has a window, how lse and delta
+  enter the dK/dV kernel on the GQA group size (`group` query heads per KV
+  head) and the mask (below).
 
   Registers per consumer thread (64 rows per warpgroup, fp32):
   dK/dV: dK + dV = head_dim, S^T and dP^T = block_q / 2 each.
@@ -264,12 +278,22 @@ def choose_config(head_dim: int, mask: MaskSpec) -> BackwardConfig:
   # bytes) and the dK/dV kernel takes 4.60 instead of 2.79 ms (3.78 without
   # `stats_first`); Q and dO in the dQ kernel leave room for two consumers
   # only: 2.24 vs 2.03 ms for three with SMEM operands (backward-regs-d128-...).
+  #
+  # lse and delta folded into the S^T / dP^T accumulators (`fold_stats`) at
+  # D = 128, H100, B2 S8192, span (backward-fold-*-2026-11-24.json): with GQA
+  # (H32/8) under a causal mask the dK/dV kernel spilled 348 bytes (ptxas)
+  # and Nsight Compute counted 53 M spill requests in it, where H16 dense has
+  # none; folded, 92 bytes, and the backward takes 5.00 vs 5.08 ms and 5.05
+  # vs 5.11 in two runs. Elsewhere the loads before the wgmmas cost more
+  # than the spills save: 4.87 vs 4.73 ms H16 dense, 2.56 vs 2.53 causal,
+  # 10.24 vs 9.68 GQA dense.
+  fold_stats = group > 1 and mask.right is not None and mask.left is None and d > 64
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
                           delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq,
                           operands_in_registers=d <= 64, dq_operands_in_registers=d <= 64,
-                          **three_dq_consumers)
+                          fold_stats=fold_stats, **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
@@ -297,7 +321,8 @@ def all_configs() -> list[tuple[int, BackwardConfig]]:
   seen = {}
   for d in (64, 128, 192, 256):
     for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
-      seen[(d, choose_config(d, mask))] = None
+      for group in (1, 4):
+        seen[(d, choose_config(d, mask, group))] = None
   return list(seen)
 
 
@@ -497,8 +522,12 @@ def _probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: 
                    c: float, masked: bool):
   """P = exp2(c * S - lse2) of one tile (S^T when `keys_along_rows`, as in the
   kernels that own keys; S in the dQ kernel), 0 where the mask or the key
-  length hides an element; `masked=False` for tiles known to be fully visible."""
-  logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
+  length hides an element; `masked=False` for tiles known to be fully visible.
+  `lse2=None`: s already holds S - lse2 / c."""
+  if lse2 is None:  # already in s (`fold_stats`)
+    logits2 = s * c
+  else:
+    logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
   if masked:
     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape, layout=plgpu.Layout.WGMMA)
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
@@ -561,9 +590,10 @@ def _mma_accumulate(acc, a, b_smem, staging):
 
 
 def _mma_accumulate_smem_pair(acc0, a0, b0, acc1, a1, b1):
-  """(acc0 + a0 @ b0, acc1 + a1 @ b1), every operand in SMEM, one wait.
+  """(acc0 + a0 @ b0, acc1 + a1 @ b1), both wgmmas issued before one wait.
 
-  In place on hardware; the interpreter (no `run_state`) adds fresh products.
+  In place on hardware, where `a0` and `a1` may also be 16-bit arrays in
+  registers; the interpreter (no `run_state`) adds fresh products, from SMEM.
   """
   if is_interpreting():
     def fresh(refs):
@@ -592,16 +622,18 @@ def _row_delta(o_tile, do_tile, lse2):
 
 
 def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
-  """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta).
+  """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta)
+  (`delta=None`: dp already holds dP^T - delta).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
   one wait covers both. (Here `p` is P^T: keys along rows.) `with_ds(ds)`,
   if given, receives dS^T in the input dtype while the dV wgmma runs.
   """
   dtype = q_tile.dtype
+  d_logits = (lambda: p * dp) if delta is None else (lambda: p * (dp - delta))
   if is_interpreting():
     dv = _mma_accumulate(dv, p.astype(dtype), do_tile, staging)
-    ds = (p * (dp - delta)).astype(dtype)
+    ds = d_logits().astype(dtype)
     if with_ds is not None:
       with_ds(ds)
     return _mma_accumulate(dk, ds, q_tile, staging), dv
@@ -609,7 +641,7 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
   def body(refs):
     dk_ref, dv_ref = refs
     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-    ds = (p * (dp - delta)).astype(dtype)
+    ds = d_logits().astype(dtype)
     if with_ds is not None:
       with_ds(ds)
     plgpu.wgmma(dk_ref, ds, q_tile)
@@ -638,6 +670,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   c = scale * LOG2_E
   interpreting = is_interpreting()
   with_dk, with_dv = "dk" in outputs, "dv" in outputs
+  fold_stats = cfg.fold_stats and with_dk and c != 0  # (c = 0: no -lse2 / c)
   num_resident = 2 if with_dk else 1  # K (and V)
   num_streamed = 4 if with_dk else 3  # Q, dO, lse (and delta)
   grid = dict(heads=num_kv_heads, kv_tiles=num_kv_tiles, batch=batch)
@@ -717,23 +750,32 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
           lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
           return lse2, (plgpu.load(delta_ring.at[slot], layout=col_layout) if with_dk else None)
 
-        stats = load_stats() if cfg.stats_first else None
         # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
-        if with_dk:
-          s, dp = _mma_pair(k_operand, q_tile.transpose((1, 0)),
-                            v_operand, do_tile.transpose((1, 0)), (bk, bq))
+        along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+        if fold_stats:
+          lse2, delta = load_stats()
+          s, dp = _mma_accumulate_smem_pair(
+              along_keys(lse2 * (-1.0 / c)), k_operand, q_tile.transpose((1, 0)),
+              along_keys(-delta), v_operand, do_tile.transpose((1, 0)))
+          lse2 = delta = None  # in s and dp
         else:
-          s = _mma(k_operand, q_tile.transpose((1, 0)), (bk, bq))
-        lse2, delta = stats or load_stats()
+          stats = load_stats() if cfg.stats_first else None
+          if with_dk:
+            s, dp = _mma_pair(k_operand, q_tile.transpose((1, 0)),
+                              v_operand, do_tile.transpose((1, 0)), (bk, bq))
+          else:
+            s = _mma(k_operand, q_tile.transpose((1, 0)), (bk, bq))
+          lse2, delta = stats or load_stats()
+          if with_dk:
+            delta = along_keys(delta)
         p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
-        if with_dk:
-          delta = lax.broadcast_in_dim(delta, s.shape, [1])
         if with_dk and with_dv:
           acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
                                                q_tile, do_tile, stage)
         elif with_dk:
-          acc["dk"] = _mma_accumulate(acc["dk"], (p * (dp - delta)).astype(dtype), q_tile, stage)
+          ds = p * dp if delta is None else p * (dp - delta)
+          acc["dk"] = _mma_accumulate(acc["dk"], ds.astype(dtype), q_tile, stage)
         else:
           acc["dv"] = _mma_accumulate(acc["dv"], p.astype(dtype), do_tile, stage)
         bars.stream.consumer_release(step)
@@ -1442,7 +1484,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   # and head dims to multiples of 64 (a copy only for unaligned shapes).
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
-  config = config or choose_config(d, mask)
+  config = config or choose_config(d, mask, num_q_heads // num_kv_heads)
   lse2, delta = _preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
 
   def pad(x, t_pad):
