@@ -202,10 +202,18 @@ def test_lse_and_delta_are_folded_into_the_accumulators_only_for_causal_gqa_at_1
   assert not folds(MaskSpec(left=256, right=0), 4)
 
 
-def test_folded_statistics_need_the_one_warpgroup_dk_dv_kernel():
-  for other in (dict(dk_dv="head_dim_split"), dict(dq="fused", overlap_kernels=False)):
-    with pytest.raises(ValueError, match="fold_stats"):
-      sm90_backward.BackwardConfig(fold_stats=True, **other)
+@pytest.mark.parametrize("option", ["fold_stats", "operands_in_registers"])
+def test_dk_dv_register_options_need_the_one_warpgroup_dk_dv_kernel(option):
+  """Options of `_build_dkv_kernel` are refused where another kernel runs
+  (the head-dim split at 256, or dQ fused into the dK/dV kernel)."""
+  for other in (dict(dk_dv="head_dim_split"), dict(dq="fused")):
+    with pytest.raises(ValueError, match=option):
+      sm90_backward.BackwardConfig(**{option: True}, **other)
+
+
+def test_dq_register_operands_need_the_separate_dq_kernel():
+  with pytest.raises(ValueError, match="dq_operands_in_registers"):
+    sm90_backward.BackwardConfig(dq="fused", dq_operands_in_registers=True)
 
 
 def test_overlapped_kernels_must_not_read_each_others_outputs():

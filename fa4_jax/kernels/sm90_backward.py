@@ -201,10 +201,15 @@ class BackwardConfig:
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
       raise ValueError(f"delta_in_dq needs block_q to divide the dQ kernel's "
                        f"{dq_rows} rows per CTA; got block_q={self.block_q}")
-    if self.fold_stats and (self.dk_dv == "head_dim_split" or self.dq == "fused"):
-      raise ValueError(f"fold_stats is a choice of the dK/dV kernel of the 'fused' and "
-                       f"'two_passes' schemes with dq='separate'; got dk_dv={self.dk_dv!r}, "
-                       f"dq={self.dq!r}: set fold_stats=False")
+    one_warpgroup_dk_dv = self.dk_dv != "head_dim_split" and self.dq == "separate"
+    for name in ("fold_stats", "operands_in_registers"):
+      if getattr(self, name) and not one_warpgroup_dk_dv:
+        raise ValueError(f"{name} is a choice of the dK/dV kernel of the 'fused' and "
+                         f"'two_passes' schemes with dq='separate'; got dk_dv={self.dk_dv!r}, "
+                         f"dq={self.dq!r}: set {name}=False")
+    if self.dq_operands_in_registers and self.dq != "separate":
+      raise ValueError(f"dq_operands_in_registers is a choice of the separate dQ kernel; "
+                       f"got dq={self.dq!r}: set dq_operands_in_registers=False")
     check_register_split("BackwardConfig (dK/dV kernel)", self.producer_registers,
                          self.num_consumers, self.consumer_registers)
     check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
@@ -284,9 +289,9 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConf
   # (H32/8) under a causal mask the dK/dV kernel spilled 348 bytes (ptxas)
   # and Nsight Compute counted 53 M spill requests in it, where H16 dense has
   # none; folded, 92 bytes, and the backward takes 5.00 vs 5.08 ms and 5.05
-  # vs 5.11 in two runs. Elsewhere the loads before the wgmmas cost more
-  # than the spills save: 4.87 vs 4.73 ms H16 dense, 2.56 vs 2.53 causal,
-  # 10.24 vs 9.68 GQA dense.
+  # vs 5.11 in two runs (H200: 5.02 vs 5.15). Elsewhere the loads before the
+  # wgmmas cost more than the spills save: 4.87 vs 4.73 ms H16 dense, 2.56 vs
+  # 2.53 causal, 10.24 vs 9.68 GQA dense.
   fold_stats = group > 1 and mask.right is not None and mask.left is None and d > 64
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
@@ -589,7 +594,7 @@ def _mma_accumulate(acc, a, b_smem, staging):
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def _mma_accumulate_smem_pair(acc0, a0, b0, acc1, a1, b1):
+def _mma_accumulate_pair(acc0, a0, b0, acc1, a1, b1):
   """(acc0 + a0 @ b0, acc1 + a1 @ b1), both wgmmas issued before one wait.
 
   In place on hardware, where `a0` and `a1` may also be 16-bit arrays in
@@ -754,7 +759,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
         if fold_stats:
           lse2, delta = load_stats()
-          s, dp = _mma_accumulate_smem_pair(
+          s, dp = _mma_accumulate_pair(
               along_keys(lse2 * (-1.0 / c)), k_operand, q_tile.transpose((1, 0)),
               along_keys(-delta), v_operand, do_tile.transpose((1, 0)))
           lse2 = delta = None  # in s and dp
@@ -950,7 +955,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
           pds.producer_publish(step)
         else:
           pds.consumer_wait(step)
-        dk, dv = _mma_accumulate_smem_pair(acc[0], ds_tile, q_tile.at[:, cols],
+        dk, dv = _mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
                                            acc[1], p_tile, do_tile.at[:, cols])
         stream.consumer_release(step)
         pds.consumer_release(step)
