@@ -273,7 +273,8 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConf
   # window gains 3.6 % (0.863 -> 0.832), the 4096-key window 0.6 %; causal
   # rows without a window lose 0-3 % (their dK/dV tail is short: light key
   # tiles run last), so they keep delta in the dQ kernel.
-  delta_in_dq = mask.left is None and mask.right is not None
+  causal_without_window = mask.left is None and mask.right is not None
+  delta_in_dq = causal_without_window
   #
   # Register A operands (`operands_in_registers`, `dq_operands_in_registers`)
   # at D = 64, H100, B2 S8192 H32, span, two runs of interleaved rounds
@@ -292,7 +293,7 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConf
   # vs 5.11 in two runs (H200: 5.02 vs 5.15). Elsewhere the loads before the
   # wgmmas cost more than the spills save: 4.87 vs 4.73 ms H16 dense, 2.56 vs
   # 2.53 causal, 10.24 vs 9.68 GQA dense.
-  fold_stats = group > 1 and mask.right is not None and mask.left is None and d > 64
+  fold_stats = causal_without_window and group > 1 and d > 64
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
@@ -626,6 +627,12 @@ def _row_delta(o_tile, do_tile, lse2):
   return jnp.where(lse2 == jnp.inf, 0.0, delta)
 
 
+def _scores_grad(p, dp, delta):
+  """dS^T = P^T * (dP^T - delta), in fp32; `delta=None`: dp already holds
+  dP^T - delta (`fold_stats`)."""
+  return p * dp if delta is None else p * (dp - delta)
+
+
 def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
   """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta)
   (`delta=None`: dp already holds dP^T - delta).
@@ -635,10 +642,9 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
   if given, receives dS^T in the input dtype while the dV wgmma runs.
   """
   dtype = q_tile.dtype
-  d_logits = (lambda: p * dp) if delta is None else (lambda: p * (dp - delta))
   if is_interpreting():
     dv = _mma_accumulate(dv, p.astype(dtype), do_tile, staging)
-    ds = d_logits().astype(dtype)
+    ds = _scores_grad(p, dp, delta).astype(dtype)
     if with_ds is not None:
       with_ds(ds)
     return _mma_accumulate(dk, ds, q_tile, staging), dv
@@ -646,7 +652,7 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging, with_ds=None):
   def body(refs):
     dk_ref, dv_ref = refs
     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-    ds = d_logits().astype(dtype)
+    ds = _scores_grad(p, dp, delta).astype(dtype)
     if with_ds is not None:
       with_ds(ds)
     plgpu.wgmma(dk_ref, ds, q_tile)
@@ -779,8 +785,8 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
           acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
                                                q_tile, do_tile, stage)
         elif with_dk:
-          ds = p * dp if delta is None else p * (dp - delta)
-          acc["dk"] = _mma_accumulate(acc["dk"], ds.astype(dtype), q_tile, stage)
+          acc["dk"] = _mma_accumulate(acc["dk"], _scores_grad(p, dp, delta).astype(dtype),
+                                      q_tile, stage)
         else:
           acc["dv"] = _mma_accumulate(acc["dv"], p.astype(dtype), do_tile, stage)
         bars.stream.consumer_release(step)
