@@ -71,6 +71,9 @@ CASES = [
     ("B1 S32768 H16 D128 causal window 4096", 1, 32768, 16, 16, 128, True, 4095, False),
     ("B2 S8192 H8 D256", 2, 8192, 8, 8, 256, False, None, True),
     ("B2 S8192 H8 D256 causal", 2, 8192, 8, 8, 256, True, None, True),
+    # DESIGN.md's short-sequence rows: many CTAs with little work each
+    ("B8 S2048 H16 D128", 8, 2048, 16, 16, 128, False, None, True),
+    ("B8 S2048 H16 D128 causal", 8, 2048, 16, 16, 128, True, None, True),
     # not in DESIGN.md's table: the two-pass dK/dV scheme of head dim 192
     ("B2 S8192 H8 D192", 2, 8192, 8, 8, 192, False, None, True),
     ("B2 S8192 H8 D192 causal", 2, 8192, 8, 8, 192, True, None, False),
