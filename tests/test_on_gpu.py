@@ -135,8 +135,6 @@ def test_fused_backward_matches_the_xla_path_and_repeats_bit_for_bit(case):
   """dQ inside the dK/dV kernel, summed across CTAs by int32 TMA reduce-adds
   that land in whatever order the hardware picks: the gradients must match
   the f32 XLA backward and be bit-identical from one run to the next."""
-  import dataclasses
-
   from fa4_jax.kernels import sm90_backward
   b, tq, tk, nq, nkv, d, spec, _ = case
   q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=4)
@@ -148,8 +146,7 @@ def test_fused_backward_matches_the_xla_path_and_repeats_bit_for_bit(case):
                                      scale=d**-0.5, spec=spec)
     exact = xla_attention.backward(f32(q), f32(k), f32(v), None, None, ql, kl, out, lse,
                                    f32(dout), scale=d**-0.5, spec=spec)[:3]
-  config = dataclasses.replace(sm90_backward.choose_config(d, spec), dq="fused",
-                               delta_in_dq=False, overlap_kernels=False)
+  config = sm90_backward.choose_config(d, spec).with_fused_dq()
   run = jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
                                                    config=config))
   first = run(q, k, v, out.astype(q.dtype), lse, dout)

@@ -213,6 +213,16 @@ def test_dk_dv_register_options_need_the_one_warpgroup_dk_dv_kernel(option):
       sm90_backward.BackwardConfig(**{option: True}, **other)
 
 
+def test_every_heuristic_config_switches_to_the_fused_dq_kernel():
+  """`with_fused_dq` drops the options only the separate kernels have (the
+  heuristic folds the statistics under windows, keeps D = 64 operands in
+  registers, ...), so any heuristic choice can be compared with one kernel."""
+  for head_dim, config in sm90_backward.all_configs():
+    if config.dk_dv == "fused":
+      fused = config.with_fused_dq()
+      assert (fused.dq, fused.block_kv, fused.block_q) == ("fused", config.block_kv, config.block_q)
+
+
 def test_dq_register_operands_need_the_separate_dq_kernel():
   with pytest.raises(ValueError, match="dq_operands_in_registers"):
     sm90_backward.BackwardConfig(dq="fused", dq_operands_in_registers=True)
@@ -261,9 +271,7 @@ def test_gradients_are_bit_identical_across_runs(run_interpreted):
 
 
 def _fused(case: Case):
-  return dataclasses.replace(
-      sm90_backward.choose_config(case.head_dim, case.mask), dq="fused", dk_dv="fused",
-      delta_in_dq=False, overlap_kernels=False)
+  return sm90_backward.choose_config(case.head_dim, case.mask).with_fused_dq()
 
 
 FUSED_CASES = {
@@ -338,8 +346,7 @@ def test_fused_dq_needs_the_fused_dk_dv_scheme():
 
 
 def test_fused_kernel_adds_dq_with_a_tma_reduction_and_fits_smem(cross_lower):
-  config = dataclasses.replace(sm90_backward.choose_config(128, MaskSpec()), dq="fused",
-                               delta_in_dq=False, overlap_kernels=False)
+  config = sm90_backward.choose_config(128, MaskSpec()).with_fused_dq()
   spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   q, kv, lse = spec((1, 512, 4, 128)), spec((1, 512, 2, 128)), spec((1, 4, 512), jnp.float32)
 

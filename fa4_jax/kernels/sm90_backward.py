@@ -215,6 +215,14 @@ class BackwardConfig:
     check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
                          self.dq_num_consumers, self.dq_consumer_registers)
 
+  def with_fused_dq(self) -> "BackwardConfig":
+    """This configuration with dQ computed in the dK/dV kernel (`dq="fused"`),
+    without the options of the separate kernels (delta from the dQ kernel,
+    overlapped kernels, folded statistics, register operands)."""
+    return dataclasses.replace(self, dq="fused", dk_dv="fused", delta_in_dq=False,
+                               overlap_kernels=False, fold_stats=False,
+                               operands_in_registers=False, dq_operands_in_registers=False)
+
   def dv_pass(self) -> "BackwardConfig":
     """The configuration of the dV pass of "two_passes"."""
     return dataclasses.replace(self, block_q=self.dv_block_q or self.block_q,
