@@ -23,7 +23,7 @@ CASES = [  # (B, Tq, Tk, Nq, Nkv, D, spec, lengths)
     (2, 53, 53, 4, 2, 32, MaskSpec(right=0), False),
     (1, 1000, 1000, 8, 8, 128, MaskSpec(right=0), False),
     (2, 300, 700, 8, 2, 64, MaskSpec(left=100, right=0), True),
-    # head dim 128 under a window: the backward folds lse and delta
+    # head dim 128 under a window with GQA and lengths
     (2, 300, 700, 8, 2, 128, MaskSpec(left=100, right=0), True),
     (1, 777, 513, 4, 1, 256, MaskSpec(), True),
     (1, 333, 257, 4, 2, 192, MaskSpec(right=0), False),

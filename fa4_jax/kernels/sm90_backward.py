@@ -300,13 +300,12 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConf
   # none; folded, 92 bytes, and the backward takes 5.00 vs 5.08 ms and 5.05
   # vs 5.11 in two runs (H200: 5.02 vs 5.15). Elsewhere the loads before the
   # wgmmas cost more than the spills save: 4.87 vs 4.73 ms H16 dense, 2.56 vs
-  # 2.53 causal, 10.24 vs 9.68 GQA dense. Under a causal window (masked tiles
-  # on both edges of each key tile's walk) folding gains at H16 too: 0.841 vs
-  # 0.849 ms with a 1024-key window (B1 S16384, five rounds, every folded
-  # round faster), 5.010 vs 5.028 with 4096 keys (B1 S32768, rounds overlap)
-  # (backward-fold-window-...-2026-11-24.json); windows with GQA fold as well
-  # (not measured on their own).
-  fold_stats = d > 64 and ((causal_without_window and group > 1) or mask.left is not None)
+  # 2.53 causal, 10.24 vs 9.68 GQA dense. Under causal windows it does not
+  # pay either (five interleaved rounds each): 1024 keys (B1 S16384) 0.841 vs
+  # 0.849 ms on an H100 but 0.809 vs 0.809 on an H200; 4096 keys (B1 S32768)
+  # 5.010 vs 5.028 on the H100, 4.908 vs 4.834 on the H200, every folded
+  # round slower there (backward-fold-window-..., backward-h200-fold-window*).
+  fold_stats = causal_without_window and group > 1 and d > 64
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
