@@ -87,7 +87,7 @@ def main():
     fl = bench_backward.flops(B, S, H, 128, causal, None)
     row = dict(case=name)
     for variant in ("full", "no_reduce", "no_dq"):
-      config = bench_backward.config_for("dq=fused,delta_in_dq=0,overlap_kernels=0," + args.config, 128, mask)
+      config = bench_backward.config_for(args.config, 128, mask).with_fused_dq()
       with stripped(variant):
         f = jax.jit(lambda q, k, v, o, l, do: sm90_backward.backward(
             q, k, v, o, l, do, None, None, scale=scale, mask=mask, config=config))

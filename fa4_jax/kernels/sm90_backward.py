@@ -974,7 +974,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
         else:
           pds.consumer_wait(step)
         dk, dv = _mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
-                                           acc[1], p_tile, do_tile.at[:, cols])
+                                      acc[1], p_tile, do_tile.at[:, cols])
         stream.consumer_release(step)
         pds.consumer_release(step)
         return dk, dv
