@@ -337,22 +337,39 @@ NO_CHAIN = LaunchChain()
 
 # Hopper: 64K 32-bit registers per SM; these kernels run one CTA per SM.
 REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 255
 
 
-def check_register_split(what: str, producer: int, consumers: int, per_consumer: int) -> None:
+def register_pool(num_warpgroups: int) -> int:
+  """Registers a CTA of `num_warpgroups` 128-thread warpgroups holds: the
+  launch gives every thread the same count, a multiple of 8, and
+  `set_max_registers` only moves registers between its warpgroups."""
+  threads = 128 * num_warpgroups
+  per_thread = min(REGISTERS_PER_SM // threads, MAX_REGISTERS_PER_THREAD) // 8 * 8
+  return per_thread * threads
+
+
+def check_register_split(what: str, producer: int, consumers: int, per_consumer: int,
+                         other: int = 0) -> None:
   """Raises ValueError unless one 128-thread producer warpgroup on `producer`
-  registers and `consumers` warpgroups on `per_consumer` fit the SM.
+  registers, `consumers` warpgroups on `per_consumer` and, if `other` is not
+  0, one more warpgroup on `other` fit the CTA's registers (`register_pool`).
 
   `set_max_registers` raises the consumers' registers out of those the
-  producer gave back; asking for more than the SM holds makes the consumers
-  wait forever (seen on an H100: a 40-register producer and three consumers
-  on 160, 66560 registers, never finished).
+  others gave back; asking for more than the CTA holds makes them wait
+  forever (seen on an H100: a 40-register producer and three consumers on
+  160, 66560 registers of a 65536 pool; and a 64-register producer and two
+  consumers on 224, 65536 of the 64512 that three warpgroups launch with).
   """
-  total = 128 * (producer + consumers * per_consumer)
-  if total > REGISTERS_PER_SM:
+  num_warpgroups = 1 + consumers + (other > 0)
+  total = 128 * (producer + consumers * per_consumer + other)
+  pool = register_pool(num_warpgroups)
+  if total > pool:
+    also = f" + other {other}" if other else ""
     raise ValueError(
-        f"{what}: 128 x (producer {producer} + {consumers} x consumer {per_consumer}) = "
-        f"{total} registers exceeds the {REGISTERS_PER_SM} registers of an SM")
+        f"{what}: 128 x (producer {producer} + {consumers} x consumer {per_consumer}{also}) = "
+        f"{total} registers exceeds the {pool} registers a CTA of {num_warpgroups} "
+        f"warpgroups launches with")
 
 
 def fori(lo, hi, body: Callable, carry):
