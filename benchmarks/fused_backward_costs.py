@@ -8,7 +8,7 @@ kernel as built and two stripped copies of it:
     full          as shipped
     no_reduce     dQ computed and staged in SMEM, the reduce-add TMA dropped
     no_dq         also the dQ wgmmas and their staging dropped (the dK/dV work
-                  and the dS^T hand-off between the consumers remain)
+                  and the dS^T hand-off to the dQ warpgroup remain)
 
 The stripped copies give wrong dQ; only their time is of interest. Kernel
 time by CUPTI, median of 10, bf16, as `bench_backward.py --timing cupti`
@@ -71,7 +71,7 @@ def stripped(variant: str):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--only", default="")
-  ap.add_argument("--config", default="consumer_registers=240,producer_registers=24")
+  ap.add_argument("--config", default="", help="key=value,... over with_fused_dq()")
   args = ap.parse_args()
   device = jax.devices()[0]
   rows = []
@@ -87,7 +87,8 @@ def main():
     fl = bench_backward.flops(B, S, H, 128, causal, None)
     row = dict(case=name)
     for variant in ("full", "no_reduce", "no_dq"):
-      config = bench_backward.config_for(args.config, 128, mask).with_fused_dq()
+      config = bench_backward.config_for(args.config, 128, mask,
+                                         base=sm90_backward.BackwardConfig.with_fused_dq)
       with stripped(variant):
         f = jax.jit(lambda q, k, v, o, l, do: sm90_backward.backward(
             q, k, v, o, l, do, None, None, scale=scale, mask=mask, config=config))

@@ -203,13 +203,15 @@ def test_lse_and_delta_are_folded_into_the_accumulators_only_for_causal_gqa_at_1
   assert not folds(MaskSpec(left=256, right=0), 4)
 
 
-@pytest.mark.parametrize("option", ["fold_stats", "operands_in_registers"])
-def test_dk_dv_register_options_need_the_one_warpgroup_dk_dv_kernel(option):
-  """Options of `_build_dkv_kernel` are refused where another kernel runs
-  (the head-dim split at 256, or dQ fused into the dK/dV kernel)."""
-  for other in (dict(dk_dv="head_dim_split"), dict(dq="fused")):
-    with pytest.raises(ValueError, match=option):
-      sm90_backward.BackwardConfig(**{option: True}, **other)
+def test_dk_dv_register_options_need_a_kernel_that_has_them():
+  """The head-dim split at 256 has neither option; the fused kernel folds
+  lse and delta but keeps K and V in SMEM."""
+  for option, others in (("fold_stats", [dict(dk_dv="head_dim_split")]),
+                         ("operands_in_registers", [dict(dk_dv="head_dim_split"),
+                                                    dict(dq="fused")])):
+    for other in others:
+      with pytest.raises(ValueError, match=option):
+        sm90_backward.BackwardConfig(**{option: True}, **other)
 
 
 def test_every_heuristic_config_switches_to_the_fused_dq_kernel():
@@ -304,6 +306,33 @@ def test_fused_gradients_are_bit_identical_across_runs(run_interpreted):
           for _ in range(2)]
   for a, b in zip(*runs):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", ["fp16_ragged_two_sided_window_skips_far_tiles",
+                                  "lengths_mask_keys_drop_rows_and_leave_a_batch_without_keys"])
+@pytest.mark.parametrize("placement", list(STATS_PLACEMENTS))
+def test_fused_kernel_takes_lse_and_delta_in_every_placement(name, placement, run_interpreted):
+  case = FUSED_CASES[name]
+  config = dataclasses.replace(_fused(case), **STATS_PLACEMENTS[placement])
+  _check_case(case, run_interpreted, config=config)
+
+
+def test_three_warpgroups_share_the_registers_they_launch_with():
+  """384 threads launch with 168 registers each (a multiple of 8), 64512 in
+  all: a 64-register producer and two consumers on 224 (65536) would wait
+  forever in `set_max_registers` (seen on an H100); four warpgroups launch
+  with 128 each, 65536 in all."""
+  with pytest.raises(ValueError, match="65536 registers exceeds the 64512"):
+    sm90_backward.BackwardConfig(producer_registers=64, consumer_registers=224)
+  sm90_backward.BackwardConfig(producer_registers=56, consumer_registers=224)
+  sm90_backward.BackwardConfig(dq="fused", producer_registers=24, consumer_registers=208,
+                               dq_warpgroup_registers=72)
+
+
+def test_the_fused_kernel_counts_its_dq_warpgroup_in_the_registers():
+  with pytest.raises(ValueError, match="other 72"):  # 24 + 2 x 240 + 72 > 512 per thread
+    sm90_backward.BackwardConfig(dq="fused", producer_registers=24, consumer_registers=240)
+  sm90_backward.BackwardConfig(producer_registers=24, consumer_registers=240)  # no dQ warpgroup
 
 
 def test_fixed_point_bound_holds_for_every_partial_sum_of_dq():

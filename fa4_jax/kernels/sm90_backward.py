@@ -46,11 +46,11 @@ arrival order are not deterministic. Two kernels recompute S and dP once more
 deterministic and simple. The one-kernel alternative is here too
 (`BackwardConfig.dq == "fused"`, `_build_fused_kernel`): it adds dQ in int32
 fixed point (`fa4_jax.kernels.fixed_point`), so it is deterministic as well,
-but on an H100 it is slower at head dim 128 (B2 S8192 H16: 5.8 ms of kernel
-against 3.1 + 2.0 ms then, 2.75 + 1.98 since `stats_first`; its dS^T hand-off
-between the consumers costs ~1 ms and its dQ step ~1.7 ms, the int32
-reduce-adds themselves only ~0.3 ms, see BENCHMARKS.md), so the heuristic
-does not pick it.
+but on an H100 it is slower at head dim 128 (same process, B2 S8192 H16: 4.92
+ms of kernel against 2.79 + 2.03, 5.14 against 4.69 ms in all; B1 S16384 1-2 %
+behind): a fourth warpgroup for dQ leaves its consumers 208 registers, too
+few for the early lse and delta loads that make the dK/dV kernel fast (see
+BENCHMARKS.md), so the heuristic does not pick it.
 
 Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
@@ -139,12 +139,17 @@ class BackwardConfig:
   dv_block_q: int = 0  # 0: as block_q
   dv_num_stages: int = 0  # 0: as num_stages
   # dQ by its own kernel, or inside the dK/dV kernel ("fused": head dim 128,
-  # `dk_dv == "fused"`), which hands dS^T between its consumers through a
-  # ring of `ds_slots` SMEM slots. "fused" is deterministic too, but measured
-  # slower (H100, B2 S8192 H16 D128: 456 vs 533 TFLOP/s with 240 consumer
-  # registers, 368 with 232): an option, not the heuristic's choice.
+  # `dk_dv == "fused"`), whose consumers hand dS^T to a dQ warpgroup through
+  # a ring of `ds_slots` SMEM slots. "fused" is deterministic too, but
+  # measured slower (H100, same process, B2 S8192 H16 D128: 535 vs 586
+  # TFLOP/s; B1 S16384: 532 vs 543): an option, not the heuristic's choice.
   dq: str = "separate"
   ds_slots: int = 3
+  # dq="fused": the registers of the kernel's fourth warpgroup, which
+  # computes dQ from the dS^T ring (its GEMM, the int32 conversion, the
+  # reduce-adds). It shares the CTA's registers with the producer and the
+  # consumers (`check_register_split`); below ~72 it spills.
+  dq_warpgroup_registers: int = 72
   # dK/dV kernel ("fused" scheme): load a block's lse and delta from SMEM
   # before waiting for its S^T and dP^T GEMMs rather than after (Nsight
   # Compute: the first FFMA of P^T waited on those loads). Holds them in
@@ -201,27 +206,35 @@ class BackwardConfig:
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
       raise ValueError(f"delta_in_dq needs block_q to divide the dQ kernel's "
                        f"{dq_rows} rows per CTA; got block_q={self.block_q}")
-    one_warpgroup_dk_dv = self.dk_dv != "head_dim_split" and self.dq == "separate"
-    for name in ("fold_stats", "operands_in_registers"):
-      if getattr(self, name) and not one_warpgroup_dk_dv:
-        raise ValueError(f"{name} is a choice of the dK/dV kernel of the 'fused' and "
-                         f"'two_passes' schemes with dq='separate'; got dk_dv={self.dk_dv!r}, "
-                         f"dq={self.dq!r}: set {name}=False")
+    if self.fold_stats and self.dk_dv == "head_dim_split":
+      raise ValueError(f"fold_stats is a choice of the dK/dV kernels whose consumers own whole "
+                       f"key tiles ('fused' and 'two_passes'); got dk_dv={self.dk_dv!r}: "
+                       f"set fold_stats=False")
+    if self.operands_in_registers and (self.dk_dv == "head_dim_split" or self.dq != "separate"):
+      raise ValueError(f"operands_in_registers is a choice of the dK/dV kernel of the 'fused' "
+                       f"and 'two_passes' schemes with dq='separate'; got dk_dv={self.dk_dv!r}, "
+                       f"dq={self.dq!r}: set operands_in_registers=False")
     if self.dq_operands_in_registers and self.dq != "separate":
       raise ValueError(f"dq_operands_in_registers is a choice of the separate dQ kernel; "
                        f"got dq={self.dq!r}: set dq_operands_in_registers=False")
     check_register_split("BackwardConfig (dK/dV kernel)", self.producer_registers,
-                         self.num_consumers, self.consumer_registers)
+                         self.num_consumers, self.consumer_registers,
+                         other=self.dq_warpgroup_registers if self.dq == "fused" else 0)
     check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
                          self.dq_num_consumers, self.dq_consumer_registers)
 
   def with_fused_dq(self) -> "BackwardConfig":
     """This configuration with dQ computed in the dK/dV kernel (`dq="fused"`),
     without the options of the separate kernels (delta from the dQ kernel,
-    overlapped kernels, folded statistics, register operands)."""
+    overlapped kernels, register operands), its consumers on 208 registers
+    so that the dQ warpgroup gets its 72 (a 24-register producer), loading
+    lse and delta after the S^T / dP^T wait (before it, or folded, they
+    spill there: ptxas 548 and 308 bytes, and run slower)."""
     return dataclasses.replace(self, dq="fused", dk_dv="fused", delta_in_dq=False,
-                               overlap_kernels=False, fold_stats=False,
-                               operands_in_registers=False, dq_operands_in_registers=False)
+                               overlap_kernels=False, fold_stats=False, stats_first=False,
+                               operands_in_registers=False, dq_operands_in_registers=False,
+                               producer_registers=24, consumer_registers=208,
+                               dq_warpgroup_registers=72)
 
   def dv_pass(self) -> "BackwardConfig":
     """The configuration of the dV pass of "two_passes"."""
@@ -630,6 +643,34 @@ def _mma_accumulate_pair(acc0, a0, b0, acc1, a1, b1):
   return pl.run_state(in_place)((plgpu.ACC.init(acc0), plgpu.ACC.init(acc1)))
 
 
+def _transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: float,
+                       fold_stats: bool, stats_first: bool):
+  """S^T = K Q^T and, given `v_operand`, dP^T = V dO^T of one step of a
+  kernel that owns keys ([keys, queries] tiles), with the statistics the
+  softmax needs: (s, dp, lse2, delta), delta broadcast along the keys.
+
+  `load_stats()` returns (lse2, delta or None) from SMEM; `stats_first`
+  calls it before waiting for the wgmmas. With `fold_stats` the wgmmas start
+  from -lse2 / c and -delta, so s holds S^T - lse2 / c and dp holds
+  dP^T - delta, and lse2 = delta = None.
+  """
+  bk, bq = k_operand.shape[0], q_tile.shape[0]
+  along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+  q_t, do_t = q_tile.transpose((1, 0)), do_tile.transpose((1, 0))
+  if fold_stats:
+    lse2, delta = load_stats()
+    s, dp = _mma_accumulate_pair(along_keys(lse2 * (-1.0 / c)), k_operand, q_t,
+                                 along_keys(-delta), v_operand, do_t)
+    return s, dp, None, None
+  stats = load_stats() if stats_first else None
+  if v_operand is None:
+    s, dp = _mma(k_operand, q_t, (bk, bq)), None
+  else:
+    s, dp = _mma_pair(k_operand, q_t, v_operand, do_t, (bk, bq))
+  lse2, delta = stats or load_stats()
+  return s, dp, lse2, (None if delta is None else along_keys(delta))
+
+
 def _row_delta(o_tile, do_tile, lse2):
   """delta = rowsum(dO * O) in float32 of one tile of rows, 0 on rows whose
   lse2 is +inf: they contribute nothing, and their O and dO may hold
@@ -773,24 +814,9 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
           lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
           return lse2, (plgpu.load(delta_ring.at[slot], layout=col_layout) if with_dk else None)
 
-        # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
-        along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
-        if fold_stats:
-          lse2, delta = load_stats()
-          s, dp = _mma_accumulate_pair(
-              along_keys(lse2 * (-1.0 / c)), k_operand, q_tile.transpose((1, 0)),
-              along_keys(-delta), v_operand, do_tile.transpose((1, 0)))
-          lse2 = delta = None  # in s and dp
-        else:
-          stats = load_stats() if cfg.stats_first else None
-          if with_dk:
-            s, dp = _mma_pair(k_operand, q_tile.transpose((1, 0)),
-                              v_operand, do_tile.transpose((1, 0)), (bk, bq))
-          else:
-            s = _mma(k_operand, q_tile.transpose((1, 0)), (bk, bq))
-          lse2, delta = stats or load_stats()
-          if with_dk:
-            delta = along_keys(delta)
+        s, dp, lse2, delta = _transposed_scores(
+            k_operand, v_operand, q_tile, do_tile, load_stats, c=c, fold_stats=fold_stats,
+            stats_first=cfg.stats_first)
         p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
         if with_dk and with_dv:
@@ -1042,16 +1068,19 @@ class FusedBackwardBarriers:
 
   | barrier             | arrives (count)                                | waits                          |
   |---------------------|------------------------------------------------|--------------------------------|
-  | resident.full[0]    | producer TMAs of K_0, V_0, K_1, V_1 (4)        | both consumers, once (each     |
-  |                     |                                                | reads both K tiles for dQ)     |
+  | resident.full[0]    | producer TMAs of K_0, V_0, K_1, V_1 (4)        | both consumers and the dQ      |
+  |                     |                                                | warpgroup (reads both K tiles),|
+  |                     |                                                | once                           |
   | stream.full[slot]   | producer TMAs of Q, dO, lse2, delta and the    | both consumers, every step     |
   |                     | rows' inverse quanta (5)                       |                                |
   | stream.consumed[s]  | each consumer when its step is done (2)        | producer, before refilling     |
-  | ds.full[slot]       | each consumer after storing its half of dS^T   | both consumers, in the step    |
-  |                     | of a step (2)                                  | after (dQ of the step before)  |
-  | ds.consumed[slot]   | each consumer after its dQ wgmmas read the     | both consumers, before storing |
-  |                     | slot (2)                                       | into the slot again            |
-  | epilogue            | each consumer after its last dQ wgmma (2)      | both; then K tiles hold dK     |
+  | ds.full[slot]       | each consumer after storing its half of dS^T   | the dQ warpgroup               |
+  |                     | of a step, consumer 0 also the rows' inverse   |                                |
+  |                     | quanta (2)                                     |                                |
+  | ds.consumed[slot]   | the dQ warpgroup after its dQ wgmmas read the  | both consumers, before storing |
+  |                     | slot (1)                                       | into the slot again            |
+  | epilogue            | each consumer, and the dQ warpgroup after its  | both consumers; then the K     |
+  |                     | last dQ wgmma (3)                              | tiles take dK                  |
   """
 
   resident: OneShotBuffer
@@ -1066,8 +1095,8 @@ class FusedBackwardBarriers:
     return (
         plgpu.Barrier(num_arrivals=2 * num_consumers, num_barriers=1),
         *BundleRing.barrier_types(num_stages, num_consumers, cls.STREAMED),
-        *SlotRing.barrier_types(ds_slots, num_consumers, producers=num_consumers),
-        Rendezvous.barrier_type(num_consumers),
+        *SlotRing.barrier_types(ds_slots, 1, producers=num_consumers),
+        Rendezvous.barrier_type(num_consumers + 1),
     )
 
   @classmethod
@@ -1077,8 +1106,8 @@ class FusedBackwardBarriers:
         resident=OneShotBuffer(resident_full),
         stream=BundleRing(SlotRing(stream_full, stream_consumed, num_stages, num_consumers),
                           cls.STREAMED),
-        ds=SlotRing(ds_full, ds_consumed, ds_slots, num_consumers),
-        epilogue=Rendezvous(epilogue, num_consumers),
+        ds=SlotRing(ds_full, ds_consumed, ds_slots, 1),
+        epilogue=Rendezvous(epilogue, num_consumers + 1),
     )
 
 
@@ -1089,34 +1118,43 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
 
   The dK/dV kernel's CTA (two consumers, `block_kv` keys each, their dK and
   dV in registers, query blocks of every head of the GQA group streamed
-  through a ring), which also produces dQ, so S and dP are computed once (five
+  through a ring), plus a dQ warpgroup, so S and dP are computed once (five
   tile GEMMs per step instead of the two kernels' seven):
 
-    step n, consumer w: S^T, dP^T -> P^T, dS^T; dV_w += P^T dO, dK_w += dS^T Q,
-                        dS^T_w (16-bit) -> ds ring slot of step n;
-                        dQ[:, cols_w] of step n-1 = dS K[:, cols_w] over both
-                        halves of the key tile (from the ds ring), in int32
-                        steps of the row's quantum -> TMA reduce-add.
+    step n, consumer w:  S^T, dP^T -> P^T, dS^T; dV_w += P^T dO, dK_w += dS^T Q,
+                         dS^T_w (16-bit) -> ds ring slot of step n
+                         (consumer 0: the rows' inverse quanta beside it)
+    step n, dQ warpgroup: dQ[:, half] = dS K[:, half] over both halves of the
+                         key tile, for each half of dQ's columns in turn, in
+                         int32 steps of the row's quantum -> TMA reduce-add.
 
-  dQ of a step runs one step later, so the consumer that finishes its half
-  of dS^T first does not wait for the other one. The reduce-adds of all CTAs
-  land in one int32 buffer (`dq_acc`, zeros, a `jax.Ref` operand): integer
-  sums do not depend on their order, so dQ is deterministic
-  (`fa4_jax.kernels.fixed_point`). Under the interpreter, which has no TMA
-  reduction, each CTA writes its partials to a slice of its own
-  (`dq_acc` then has a leading KV-tile axis, summed afterwards): the same
-  integers, the same sum.
+  The dQ warpgroup keeps the dQ GEMM, its conversion and the reduce-adds off
+  the consumers' path (when the consumers computed dQ themselves, one step
+  later, the kernel was 5-16 % slower; BENCHMARKS.md). It needs ~72 registers
+  per thread; the consumers give up 32 of their 240 for it, so lse and delta
+  are loaded after the S^T / dP^T wait. The inverse quanta travel with dS^T
+  because the stream slot that holds them is released before the dQ
+  warpgroup gets to the step. The reduce-adds of all CTAs land in one int32
+  buffer (`dq_acc`, zeros, a `jax.Ref` operand): integer sums do not depend
+  on their order, so dQ is deterministic (`fa4_jax.kernels.fixed_point`).
+  Under the interpreter, which has no TMA reduction, each CTA writes its
+  partials to a slice of its own (`dq_acc` then has a leading KV-tile axis,
+  summed afterwards): the same integers, the same sum.
   """
   cfg = config
   bk, bq, nc = cfg.block_kv, cfg.block_q, cfg.num_consumers
   if nc != 2 or head_dim % (64 * nc) or head_dim > MAX_FUSED_DK_DV_HEAD_DIM:
     raise KernelUnsupported(
         f"sm90 fused backward: needs two consumers and head_dim 128; got {nc}, {head_dim}")
+  # dQ columns per pass of the dQ warpgroup (64: the width of the K tiles'
+  # swizzled SMEM tiles, and an accumulator of 32 registers per thread).
   dq_cols = head_dim // nc
   group = num_q_heads // num_kv_heads
   num_kv_tiles = cdiv(kv_seq, nc * bk)
   c = scale * LOG2_E
   interpreting = is_interpreting()
+  fold_stats = cfg.fold_stats and c != 0  # (c = 0: no -lse2 / c)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along dQ's rows
 
   def kernel(*refs):
     refs = list(refs)
@@ -1126,7 +1164,7 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
     kv_len_ref = refs.pop(0) if has_kv_lengths else None
     dq_acc_ref, dk_ref, dv_ref, smem, barrier_refs = refs
     (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, inv_quanta_ring,
-     ds_smem, dq_stage, *staging) = smem
+     ds_smem, ds_quanta, dq_stage, *staging) = smem
     bars = FusedBackwardBarriers.from_refs(barrier_refs, cfg.num_stages, cfg.ds_slots, nc)
 
     work = _KeyTileWork.of_this_cta(
@@ -1158,6 +1196,45 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
 
       bars.stream.producer_drain(num_steps)
 
+    @pl.when(wg == nc + 1)
+    def _dq_warpgroup():
+      plgpu.set_max_registers(cfg.dq_warpgroup_registers, action="decrease")
+      bars.resident.consumer_wait(0, 0)  # K tiles
+
+      @pl.loop(0, num_steps)
+      def _(step):
+        slot = bars.ds.slot(step)
+        bars.ds.consumer_wait(step)
+        inv_quanta = plgpu.load(ds_quanta.at[slot], layout=row_layout)
+        for h in range(nc):  # dQ's column halves, one stage each
+          cols = pl.ds(h * dq_cols, dq_cols)
+
+          def body(acc_ref):
+            for w in range(nc):
+              plgpu.wgmma(acc_ref, ds_smem.at[slot, w].transpose((1, 0)), k_smem.at[w, :, cols])
+            return acc_ref[...]
+
+          dq = pl.run_scoped(body, plgpu.ACC((bq, dq_cols), jnp.float32))
+          if h == nc - 1:
+            bars.ds.consumer_release(step)
+          steps = jnp.round(dq * lax.broadcast_in_dim(inv_quanta, dq.shape, [0]))
+          # The add of the other half may still be reading; this stage's,
+          # issued a half-step earlier, must be done.
+          plgpu.wait_smem_to_gmem(nc - 1, wait_read_only=True)
+          dq_stage.at[h][...] = steps.astype(jnp.int32)
+          plgpu.commit_smem()
+          head, qb = rows_of(step)
+          rows = pl.ds(qb * bq, bq)
+          if interpreting:  # no TMA reduction: partials of this KV tile, summed later
+            plgpu.copy_smem_to_gmem(dq_stage.at[h],
+                                    dq_acc_ref.at[work.kv_tile, batch_idx, rows, head, cols])
+          else:
+            plgpu.copy_smem_to_gmem(dq_stage.at[h], dq_acc_ref.at[batch_idx, rows, head, cols],
+                                    reduction_op="add")
+
+      bars.epilogue.arrive()  # its wgmmas have read the K tiles for the last time
+      plgpu.wait_smem_to_gmem(0)
+
     @pl.when(wg < nc)
     def _consumer():
       plgpu.set_max_registers(cfg.consumer_registers, action="increase")
@@ -1165,78 +1242,47 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
       own = _own_ranges(q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq), lo, hi)
       k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
       col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns (query rows)
-      row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along dQ's rows
       stage = staging[0].at[wg] if interpreting else None
-      cols = pl.ds(wg * dq_cols, dq_cols)
 
       def publish_ds(step, ds):
-        """This consumer's half of dS^T of `step` -> the ds ring."""
+        """This consumer's half of dS^T of `step` -> the ds ring (consumer 0
+        also the rows' inverse quanta, from the stream slot it still holds)."""
         bars.ds.producer_acquire(step)  # the dQ wgmmas of step - ds_slots are done
-        ds_smem.at[bars.ds.slot(step), wg][...] = ds
+        ds_slot = bars.ds.slot(step)
+        ds_smem.at[ds_slot, wg][...] = ds
+
+        @pl.when(wg == 0)
+        def _():
+          ds_quanta.at[ds_slot][...] = plgpu.load(inv_quanta_ring.at[bars.stream.slot(step)],
+                                                  layout=row_layout)
+
         bars.ds.producer_publish(step)
 
-      def dq_of(step, inv_quanta):
-        """dQ[:, cols] of `step`'s query block, from both halves of dS^T, in
-        int32 steps of each row's quantum, added into dq_acc."""
-        slot = bars.ds.slot(step)
-        bars.ds.consumer_wait(step)
-
-        def body(acc_ref):
-          for w in range(nc):
-            plgpu.wgmma(acc_ref, ds_smem.at[slot, w].transpose((1, 0)), k_smem.at[w, :, cols])
-          return acc_ref[...]
-
-        dq = pl.run_scoped(body, plgpu.ACC((bq, dq_cols), jnp.float32))
-        bars.ds.consumer_release(step)
-        steps = jnp.round(dq * lax.broadcast_in_dim(inv_quanta, dq.shape, [0])).astype(jnp.int32)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_stage
-        dq_stage.at[wg][...] = steps
-        plgpu.commit_smem()
-        head, qb = rows_of(step)
-        rows = pl.ds(qb * bq, bq)
-        if interpreting:  # no TMA reduction: partials of this KV tile, summed later
-          plgpu.copy_smem_to_gmem(dq_stage.at[wg],
-                                  dq_acc_ref.at[work.kv_tile, batch_idx, rows, head, cols])
-        else:
-          plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_acc_ref.at[batch_idx, rows, head, cols],
-                                  reduction_op="add")
-
       def step_fn(qb, acc, *, masked, head_step0):
-        dk, dv, prev_inv_quanta = acc
+        dk, dv = acc
         step = head_step0 + (qb - lo)
         slot = bars.stream.slot(step)
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
         bars.stream.consumer_wait(step)
-        inv_quanta = plgpu.load(inv_quanta_ring.at[slot], layout=row_layout)
-        s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
-                          v_tile, do_tile.transpose((1, 0)), (bk, bq))
-        p = _probabilities(s, plgpu.load(lse_ring.at[slot], layout=col_layout),
-                           q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True, kv_len=kv_len,
-                           mask=mask, c=c, masked=masked)
-        delta = lax.broadcast_in_dim(plgpu.load(delta_ring.at[slot], layout=col_layout), s.shape, [1])
+        load_stats = lambda: (plgpu.load(lse_ring.at[slot], layout=col_layout),
+                              plgpu.load(delta_ring.at[slot], layout=col_layout))
+        s, dp, lse2, delta = _transposed_scores(
+            k_tile, v_tile, q_tile, do_tile, load_stats, c=c, fold_stats=fold_stats,
+            stats_first=cfg.stats_first)
+        p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
+                           kv_len=kv_len, mask=mask, c=c, masked=masked)
         dk, dv = _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, stage,
                                with_ds=functools.partial(publish_ds, step))
-        return end_of_step(step, dk, dv, inv_quanta, prev_inv_quanta)
+        bars.stream.consumer_release(step)
+        return dk, dv
 
       def skip_fn(qb, acc, *, head_step0):
         """None of this consumer's keys sees the block: its half of dS^T is 0."""
-        dk, dv, prev_inv_quanta = acc
         step = head_step0 + (qb - lo)
         bars.stream.consumer_wait(step)
-        inv_quanta = plgpu.load(inv_quanta_ring.at[bars.stream.slot(step)], layout=row_layout)
         publish_ds(step, plgpu.layout_cast(jnp.zeros((bk, bq), dtype), plgpu.Layout.WGMMA))
-        return end_of_step(step, dk, dv, inv_quanta, prev_inv_quanta)
-
-      def end_of_step(step, dk, dv, inv_quanta, prev_inv_quanta):
-        """The slot's release and the previous step's dQ (this step's runs
-        one step later, with `inv_quanta` carried)."""
         bars.stream.consumer_release(step)
-
-        @pl.when(step > 0)
-        def _():
-          dq_of(step - 1, prev_inv_quanta)
-
-        return dk, dv, inv_quanta
+        return acc
 
       def one_head(g, acc):
         head_step0 = g * blocks_per_head
@@ -1245,17 +1291,11 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
                      functools.partial(skip_fn, head_step0=head_step0), acc)
 
       bars.resident.consumer_wait(0, 0)
-      no_quanta = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-      dk, dv, last_inv_quanta = lax.fori_loop(
-          0, group, one_head, (_zeros((bk, head_dim)), _zeros((bk, head_dim)), no_quanta))
-
-      @pl.when(num_steps > 0)
-      def _():
-        dq_of(num_steps - 1, last_inv_quanta)
-
+      dk, dv = lax.fori_loop(0, group, one_head,
+                             (_zeros((bk, head_dim)), _zeros((bk, head_dim))))
       bars.ds.producer_drain(num_steps)
-      # Both consumers' dQ wgmmas read both K tiles: only after both are done
-      # may the K tiles take dK (and the V tiles, read by their owner only, dV).
+      # The dQ warpgroup's wgmmas read both K tiles: only after its last may
+      # the K tiles take dK (and the V tiles, read by their owner only, dV).
       bars.epilogue.sync()
       k_tile[...] = (dk * scale).astype(dtype)
       v_tile[...] = dv.astype(dtype)
@@ -1263,7 +1303,7 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
       keys = (batch_idx, pl.ds(k_lo, bk), kv_head)
       plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
       plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
-      plgpu.wait_smem_to_gmem(0)  # also the last dQ additions
+      plgpu.wait_smem_to_gmem(0)
 
   swizzle = _swizzle_bytes(dtype, bk, bq)
   resident_tile = _smem_tile((nc, bk, head_dim), dtype, swizzle)
@@ -1275,6 +1315,7 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
       ring_tile, ring_tile,  # Q, dO rings
       ring_stats, ring_stats, ring_stats,  # lse2, delta, inverse quanta rings
       _smem_tile((cfg.ds_slots, nc, bk, bq), dtype, swizzle),  # dS^T halves
+      plgpu.SMEM((cfg.ds_slots, bq), jnp.float32),  # their rows' inverse quanta
       _smem_tile((nc, bq, dq_cols), jnp.int32, 128),  # dQ steps on their way out
   ]
   if interpreting:
@@ -1288,7 +1329,7 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
           cfg.num_stages, cfg.ds_slots, nc)),
       grid=(num_kv_heads, num_kv_tiles, batch),
       grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=nc + 1,
+      num_threads=nc + 2,  # consumers, producer, dQ warpgroup
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
