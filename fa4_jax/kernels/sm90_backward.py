@@ -48,9 +48,10 @@ deterministic and simple. The one-kernel alternative is here too
 fixed point (`fa4_jax.kernels.fixed_point`), so it is deterministic as well,
 but on an H100 it is slower at head dim 128 (same process, B2 S8192 H16: 4.92
 ms of kernel against 2.79 + 2.03, 5.14 against 4.69 ms in all; 2-15 % behind
-without a window, 32 % under a 1024-key one): a fourth warpgroup for dQ leaves its consumers 208 registers, too
-few for the early lse and delta loads that make the dK/dV kernel fast (see
-BENCHMARKS.md), so the heuristic does not pick it.
+without a window, 32 % under a 1024-key one): a fourth warpgroup for dQ
+leaves its consumers 208 registers, too few for the early lse and delta
+loads that make the dK/dV kernel fast (see BENCHMARKS.md), so the heuristic
+does not pick it.
 
 Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
