@@ -228,14 +228,14 @@ class BackwardConfig:
     """This configuration with dQ computed in the dK/dV kernel (`dq="fused"`),
     without the options of the separate kernels (delta from the dQ kernel,
     overlapped kernels, register operands), its consumers on 208 registers
-    so that the dQ warpgroup gets its 72 (a 24-register producer), loading
+    so that the dQ warpgroup gets its `dq_warpgroup_registers` (72; a
+    24-register producer), loading
     lse and delta after the S^T / dP^T wait (before it, or folded, they
     spill there: ptxas 548 and 308 bytes, and run slower)."""
     return dataclasses.replace(self, dq="fused", dk_dv="fused", delta_in_dq=False,
                                overlap_kernels=False, fold_stats=False, stats_first=False,
                                operands_in_registers=False, dq_operands_in_registers=False,
-                               producer_registers=24, consumer_registers=208,
-                               dq_warpgroup_registers=72)
+                               producer_registers=24, consumer_registers=208)
 
   def dv_pass(self) -> "BackwardConfig":
     """The configuration of the dV pass of "two_passes"."""
@@ -644,6 +644,19 @@ def _mma_accumulate_pair(acc0, a0, b0, acc1, a1, b1):
   return pl.run_state(in_place)((plgpu.ACC.init(acc0), plgpu.ACC.init(acc1)))
 
 
+def _stats_of_slot(lse_ring, delta_ring, slot):
+  """`load_stats` for `_transposed_scores`: (lse2, delta) of a ring slot as
+  vectors along S^T's columns; delta None without a delta ring (dV pass)."""
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  def load_stats():
+    lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+    return lse2, (None if delta_ring is None else
+                  plgpu.load(delta_ring.at[slot], layout=col_layout))
+
+  return load_stats
+
+
 def _transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: float,
                        fold_stats: bool, stats_first: bool):
   """S^T = K Q^T and, given `v_operand`, dP^T = V dO^T of one step of a
@@ -651,14 +664,15 @@ def _transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: 
   softmax needs: (s, dp, lse2, delta), delta broadcast along the keys.
 
   `load_stats()` returns (lse2, delta or None) from SMEM; `stats_first`
-  calls it before waiting for the wgmmas. With `fold_stats` the wgmmas start
-  from -lse2 / c and -delta, so s holds S^T - lse2 / c and dp holds
-  dP^T - delta, and lse2 = delta = None.
+  calls it before waiting for the wgmmas. With `fold_stats` (where there is
+  a dP^T and c != 0, so -lse2 / c exists) the wgmmas start from -lse2 / c
+  and -delta, so s holds S^T - lse2 / c and dp holds dP^T - delta, and
+  lse2 = delta = None.
   """
   bk, bq = k_operand.shape[0], q_tile.shape[0]
   along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
   q_t, do_t = q_tile.transpose((1, 0)), do_tile.transpose((1, 0))
-  if fold_stats:
+  if fold_stats and v_operand is not None and c != 0:
     lse2, delta = load_stats()
     s, dp = _mma_accumulate_pair(along_keys(lse2 * (-1.0 / c)), k_operand, q_t,
                                  along_keys(-delta), v_operand, do_t)
@@ -682,8 +696,8 @@ def _row_delta(o_tile, do_tile, lse2):
 
 
 def _scores_grad(p, dp, delta):
-  """dS^T = P^T * (dP^T - delta), in fp32; `delta=None`: dp already holds
-  dP^T - delta (`fold_stats`)."""
+  """dS = P * (dP - delta) in fp32, of a tile in either orientation (delta
+  broadcast to it); `delta=None`: dp already holds dP - delta (`fold_stats`)."""
   return p * dp if delta is None else p * (dp - delta)
 
 
@@ -735,7 +749,6 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   c = scale * LOG2_E
   interpreting = is_interpreting()
   with_dk, with_dv = "dk" in outputs, "dv" in outputs
-  fold_stats = cfg.fold_stats and with_dk and c != 0  # (c = 0: no -lse2 / c)
   num_resident = 2 if with_dk else 1  # K (and V)
   num_streamed = 4 if with_dk else 3  # Q, dO, lse (and delta)
   grid = dict(heads=num_kv_heads, kv_tiles=num_kv_tiles, batch=batch)
@@ -795,7 +808,6 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       own = _own_ranges(q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq), lo, hi)
       k_tile = k_smem.at[wg]
       v_tile = v_smem.at[wg] if with_dk else None
-      col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns
       stage = staging[0].at[wg] if interpreting else None
       bars.resident.consumer_wait(0, wg)
       k_operand, v_operand = k_tile, v_tile  # the A operands of S^T and dP^T
@@ -810,14 +822,9 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
         bars.stream.consumer_wait(step)
 
-        def load_stats():
-          """(lse2, delta) of this block; delta only for a pass with dK."""
-          lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-          return lse2, (plgpu.load(delta_ring.at[slot], layout=col_layout) if with_dk else None)
-
-        s, dp, lse2, delta = _transposed_scores(
-            k_operand, v_operand, q_tile, do_tile, load_stats, c=c, fold_stats=fold_stats,
-            stats_first=cfg.stats_first)
+        s, dp, lse2, delta = _transposed_scores(  # delta: only a pass with dK has it
+            k_operand, v_operand, q_tile, do_tile, _stats_of_slot(lse_ring, delta_ring, slot),
+            c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first)
         p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
         if with_dk and with_dv:
@@ -974,7 +981,6 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
 
       stream.producer_drain(num_steps)
 
-    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns
 
     def consumer(h: int):
       cols = pl.ds(h * half, half)
@@ -986,14 +992,12 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
         p_tile, ds_tile = p_smem.at[pds.slot(step)], ds_smem.at[pds.slot(step)]
         stream.consumer_wait(step)
         if h == 0:
-          # S^T = K Q^T and dP^T = V dO^T: [bk, bq], keys along rows.
-          s, dp = _mma_pair(k_tile, q_tile.transpose((1, 0)),
-                            v_tile, do_tile.transpose((1, 0)), (bk, bq))
-          lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-          delta = plgpu.load(delta_ring.at[slot], layout=col_layout)
+          s, dp, lse2, delta = _transposed_scores(
+              k_tile, v_tile, q_tile, do_tile, _stats_of_slot(lse_ring, delta_ring, slot),
+              c=c, fold_stats=False, stats_first=False)
           p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                              kv_len=kv_len, mask=mask, c=c, masked=masked)
-          ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+          ds = _scores_grad(p, dp, delta)
           pds.producer_acquire(step)
           p_tile[...] = p.astype(dtype)
           ds_tile[...] = ds.astype(dtype)
@@ -1154,7 +1158,6 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
   num_kv_tiles = cdiv(kv_seq, nc * bk)
   c = scale * LOG2_E
   interpreting = is_interpreting()
-  fold_stats = cfg.fold_stats and c != 0  # (c = 0: no -lse2 / c)
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along dQ's rows
 
   def kernel(*refs):
@@ -1207,6 +1210,8 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
         slot = bars.ds.slot(step)
         bars.ds.consumer_wait(step)
         inv_quanta = plgpu.load(ds_quanta.at[slot], layout=row_layout)
+        head, qb = rows_of(step)
+        rows = pl.ds(qb * bq, bq)
         for h in range(nc):  # dQ's column halves, one stage each
           cols = pl.ds(h * dq_cols, dq_cols)
 
@@ -1224,8 +1229,6 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
           plgpu.wait_smem_to_gmem(nc - 1, wait_read_only=True)
           dq_stage.at[h][...] = steps.astype(jnp.int32)
           plgpu.commit_smem()
-          head, qb = rows_of(step)
-          rows = pl.ds(qb * bq, bq)
           if interpreting:  # no TMA reduction: partials of this KV tile, summed later
             plgpu.copy_smem_to_gmem(dq_stage.at[h],
                                     dq_acc_ref.at[work.kv_tile, batch_idx, rows, head, cols])
@@ -1242,7 +1245,6 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
       k_lo = cta_k_lo + wg * bk
       own = _own_ranges(q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq), lo, hi)
       k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
-      col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along S^T's columns (query rows)
       stage = staging[0].at[wg] if interpreting else None
 
       def publish_ds(step, ds):
@@ -1265,11 +1267,9 @@ def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_h
         slot = bars.stream.slot(step)
         q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
         bars.stream.consumer_wait(step)
-        load_stats = lambda: (plgpu.load(lse_ring.at[slot], layout=col_layout),
-                              plgpu.load(delta_ring.at[slot], layout=col_layout))
         s, dp, lse2, delta = _transposed_scores(
-            k_tile, v_tile, q_tile, do_tile, load_stats, c=c, fold_stats=fold_stats,
-            stats_first=cfg.stats_first)
+            k_tile, v_tile, q_tile, do_tile, _stats_of_slot(lse_ring, delta_ring, slot), c=c,
+            fold_stats=cfg.fold_stats, stats_first=cfg.stats_first)
         p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
         dk, dv = _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, stage,
@@ -1434,7 +1434,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
                           do_operand, v_tile.transpose((1, 0)), (bq, bk))
         p = _probabilities(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
                            kv_len=kv_len, mask=mask, c=c, masked=masked)
-        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+        ds = _scores_grad(p, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
         dq = _mma_accumulate(dq, ds.astype(dtype), k_tile, stage)
         bars.stream.consumer_release(step)
         return dq
