@@ -6,13 +6,15 @@
 # samples of the kernels' SASS). CASE is a case name of bench_forward.py or
 # bench_backward.py, CONFIG optional `key=value,...` overrides. The warm-up
 # call's kernels are skipped: one Mosaic GPU kernel per forward call, two per
-# backward call (dK/dV, then dQ), all of the second call are profiled.
+# backward call (dK/dV, then dQ; one with dq=fused), all of the second call
+# are profiled.
 # Clocks are left as the card has them.
 set -u
 out=$1; name=$2; pass=$3; case_name=$4; config=${5:-}
 case $pass in
   forward) kernels=1 ;;
-  backward) kernels=2 ;;
+  # dq=fused: one kernel computes dK, dV and dQ.
+  backward) case $config in *dq=fused*) kernels=1 ;; *) kernels=2 ;; esac ;;
   *) echo "pass must be forward or backward; got $pass" >&2; exit 2 ;;
 esac
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1

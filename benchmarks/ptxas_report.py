@@ -59,7 +59,10 @@ def summarize(dump_dir: pathlib.Path) -> str:
     text = report.read_text()
     regs = re.findall(r"Used (\d+) registers", text)
     stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    warnings = sorted(set(re.findall(r"warning[^\n]*", text)))
+    # C7510-C7515 ("wgmma.mma_async instructions are serialized ...") come as
+    # `ptxas info`, not warnings, and apply to every wgmma of the function:
+    # the most expensive line a report can hold.
+    warnings = sorted(set(re.findall(r"warning[^\n]*|[^\n]*Performance Loss[^\n]*", text)))
     lines.append(f"{report.name}: registers {regs}, stack/spill-stores/spill-loads {stack}")
     lines += [f"  {w[:200]}" for w in warnings]
   for res in sorted(dump_dir.glob("*resources*")):
