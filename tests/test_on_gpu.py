@@ -279,10 +279,11 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   """ptxas serializes every wgmma of a kernel (each waits for the one before)
   when a warpgroup lacks the registers to keep its wgmma pipeline (C7510-
   C7515, reported as `ptxas info`, not as a warning), and ignores
-  `setmaxnreg` below what a warpgroup needs (C7507). Either costs far more
-  than a spill: the one-kernel backward ran 1.5x slower than its parts for
-  it (BENCHMARKS.md). No configuration the heuristics pick may be compiled
-  that way; the control, which is, must be caught."""
+  `setmaxnreg` below what a warpgroup needs (C7507, which spills and
+  serializes). Either takes from every wgmma its overlap with the next
+  (BENCHMARKS.md, "ptxas serialized every wgmma of the one kernel"). No
+  configuration the heuristics pick may be compiled that way; the control,
+  which is, must be caught."""
   import os
   import pathlib
   import re

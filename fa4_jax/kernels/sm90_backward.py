@@ -231,10 +231,10 @@ class BackwardConfig:
     so that the dQ warpgroup gets its `dq_warpgroup_registers` (72; a
     24-register producer), loading
     lse and delta after the S^T / dP^T wait (before it, or folded, they
-    spill there: ptxas 548 and 308 bytes, and run slower). On 208 registers
-    the consumers are short of what ptxas needs to keep a wgmma pipeline, so
-    it serializes every wgmma of the kernel (C7512); the ways around it that
-    were tried ran slower still (BENCHMARKS.md)."""
+    spill there: ptxas 548 and 308 bytes, and run slower). With this split
+    ptxas serializes every wgmma of the kernel (C7512; the dK/dV kernel's
+    consumers need 224 registers to escape it); the ways around it that were
+    tried ran slower still (BENCHMARKS.md)."""
     return dataclasses.replace(self, dq="fused", dk_dv="fused", delta_in_dq=False,
                                overlap_kernels=False, fold_stats=False, stats_first=False,
                                operands_in_registers=False, dq_operands_in_registers=False,
