@@ -1,0 +1,114 @@
+"""What ptxas makes of the sm90 kernels (skipped without a Hopper GPU).
+
+A kernel can be right and still compiled badly: ptxas decides, for the whole
+kernel, whether its wgmmas may overlap. This file is kept apart from
+`test_on_gpu.py` so that each runs within one ten-minute device command
+(this one takes about two minutes on an H100).
+"""
+
+import pytest
+
+from fa4_jax import backends
+
+pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
+                                reason="needs a Hopper GPU")
+
+
+# Compiles, with Mosaic GPU's ptxas dump switched on, the kernels of every
+# distinct config the heuristics pick, each with the mask it was picked for
+# (the items `int(argv[1]) :: int(argv[2])` of the list, so that several
+# children can share the work), and prints which dumps each call left. Item 0
+# is a control that ptxas is known to serialize: the one-kernel backward,
+# whose consumers have 208 registers (C7512).
+_COMPILE_HEURISTIC_KERNELS = r"""
+import os, sys
+import jax, jax.numpy as jnp
+from fa4_jax.kernels import sm90_backward, sm90_forward
+from fa4_jax.masks import MaskSpec
+
+def forward(d, mask, config):
+  q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
+  return lambda: sm90_forward.forward(q, q, q, None, None, scale=0.1, mask=mask,
+                                      config=config)[0]
+
+def backward(d, mask, group, config):
+  q = jnp.ones((1, 1024, 2 * group, d), jnp.bfloat16)
+  kv = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
+  lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
+  return lambda: sm90_backward.backward(q, kv, kv, q, lse, q, None, None, scale=0.1,
+                                        mask=mask, config=config)
+
+causal = MaskSpec(right=0)
+items = {"control: fused backward": backward(
+    128, causal, 1, sm90_backward.choose_config(128, causal).with_fused_dq())}
+for d in (64, 128, 192, 256):
+  for mask in (MaskSpec(), causal, MaskSpec(left=256, right=0)):
+    for seq in (1024, 8192):
+      config = sm90_forward.choose_config(d, mask, seq)
+      items.setdefault(f"forward d={d} {mask} {config}", forward(d, mask, config))
+    for group in (1, 4):
+      config = sm90_backward.choose_config(d, mask, group)
+      items.setdefault(f"backward d={d} {mask} group={group > 1} {config}",
+                       backward(d, mask, group, config))
+
+dump = os.environ["MOSAIC_GPU_DUMP_TO"]
+first, step = int(sys.argv[1]), int(sys.argv[2])
+print("ITEMS", len(items), flush=True)
+for index, (name, call) in enumerate(list(items.items())[first::step]):
+  jax.block_until_ready(jax.jit(call)())
+  new = []
+  for f in sorted(os.listdir(dump)):  # renamed: the next call may reuse the names
+    if f.endswith(".ptxas") and not f.startswith("call"):
+      new.append(f"call{first}-{index}-{f}")
+      os.rename(os.path.join(dump, f), os.path.join(dump, new[-1]))
+  print("CALL", "|".join([name, *new]), flush=True)
+"""
+
+
+def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
+  """ptxas serializes every wgmma of a kernel (each waits for the one before)
+  when a warpgroup lacks the registers to keep its wgmma pipeline (C7510-
+  C7515, reported as `ptxas info`, not as a warning), and ignores
+  `setmaxnreg` below what a warpgroup needs (C7507, which spills and
+  serializes). Either takes from every wgmma its overlap with the next
+  (BENCHMARKS.md, "ptxas serialized every wgmma of the one kernel"). No
+  configuration the heuristics pick may be compiled that way; the control,
+  which is, must be caught."""
+  import os
+  import pathlib
+  import re
+  import subprocess
+  import sys
+
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  children = 4  # ptxas dominates: compile on several cores at once
+  dump_dirs = [tmp_path / f"child{i}" for i in range(children)]
+  procs = []
+  for i, dump_dir in enumerate(dump_dirs):
+    dump_dir.mkdir()
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(dump_dir),
+               PYTHONPATH=str(repo), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    procs.append(subprocess.Popen([sys.executable, "-c", _COMPILE_HEURISTIC_KERNELS, str(i),
+                                   str(children)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+  outputs = [p.communicate(timeout=600) for p in procs]
+  calls, num_items = [], None
+  for p, dump_dir, (out, err) in zip(procs, dump_dirs, outputs):
+    assert p.returncode == 0, err[-3000:]
+    for line in out.splitlines():
+      if line.startswith("ITEMS "):
+        num_items = int(line.split()[1])
+      elif line.startswith("CALL "):
+        name, *dumps = line[len("CALL "):].split("|")
+        calls.append((name, [dump_dir / d for d in dumps]))
+  assert len(calls) == num_items, [name for name, _ in calls]
+
+  def serialization(dumps):
+    return [line.strip() for dump in dumps for line in dump.read_text().splitlines()
+            if re.search(r"\(C75(0[7-9]|1\d)\)", line)]
+
+  found = {name: serialization(dumps) for name, dumps in calls}
+  assert all(dumps for _, dumps in calls), "a call left no ptxas report"
+  assert found.pop("control: fused backward"), "the control's serialization went unseen"
+  bad = [f"{name}: {message}" for name, messages in found.items() for message in messages]
+  assert not bad, "\n".join(bad)
