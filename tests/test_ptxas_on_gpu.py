@@ -6,6 +6,12 @@ kernel, whether its wgmmas may overlap. This file is kept apart from
 (this one takes about two minutes on an H100).
 """
 
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
 import pytest
 
 from fa4_jax import backends
@@ -26,17 +32,21 @@ import jax, jax.numpy as jnp
 from fa4_jax.kernels import sm90_backward, sm90_forward
 from fa4_jax.masks import MaskSpec
 
+# Each item builds its inputs when it runs: a child runs a quarter of them.
 def forward(d, mask, config):
-  q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
-  return lambda: sm90_forward.forward(q, q, q, None, None, scale=0.1, mask=mask,
-                                      config=config)[0]
+  def call():
+    q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
+    return sm90_forward.forward(q, q, q, None, None, scale=0.1, mask=mask, config=config)[0]
+  return call
 
 def backward(d, mask, group, config):
-  q = jnp.ones((1, 1024, 2 * group, d), jnp.bfloat16)
-  kv = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
-  lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
-  return lambda: sm90_backward.backward(q, kv, kv, q, lse, q, None, None, scale=0.1,
-                                        mask=mask, config=config)
+  def call():
+    q = jnp.ones((1, 1024, 2 * group, d), jnp.bfloat16)
+    kv = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
+    lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
+    return sm90_backward.backward(q, kv, kv, q, lse, q, None, None, scale=0.1, mask=mask,
+                                  config=config)
+  return call
 
 causal = MaskSpec(right=0)
 items = {"control: fused backward": backward(
@@ -74,12 +84,6 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   (BENCHMARKS.md, "ptxas serialized every wgmma of the one kernel"). No
   configuration the heuristics pick may be compiled that way; the control,
   which is, must be caught."""
-  import os
-  import pathlib
-  import re
-  import subprocess
-  import sys
-
   repo = pathlib.Path(__file__).resolve().parents[1]
   children = 4  # ptxas dominates: compile on several cores at once
   dump_dirs = [tmp_path / f"child{i}" for i in range(children)]
