@@ -50,8 +50,10 @@ but on an H100 it is slower at head dim 128 (same process, B2 S8192 H16: 4.92
 ms of kernel against 2.79 + 2.03, 5.14 against 4.69 ms in all; 2-15 % behind
 without a window, 32 % under a 1024-key one): a fourth warpgroup for dQ
 leaves its consumers 208 registers, too few for the early lse and delta
-loads that make the dK/dV kernel fast (see BENCHMARKS.md), so the heuristic
-does not pick it.
+loads that make the dK/dV kernel fast, and too few for ptxas to keep the
+wgmma pipeline (it serializes every wgmma of the kernel, C7512). The layouts
+that avoid that ran slower still (see BENCHMARKS.md), so the heuristic does
+not pick it.
 
 Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
@@ -983,7 +985,6 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
              (lse_ref.at[stats], lse_ring), (delta_ref.at[stats], delta_ring)], step)
 
       stream.producer_drain(num_steps)
-
 
     def consumer(h: int):
       cols = pl.ds(h * half, half)
