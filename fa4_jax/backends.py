@@ -22,7 +22,7 @@ import importlib
 
 from fa4_jax import interpret, xla_attention
 from fa4_jax.kernels import KernelUnsupported, default_device
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 from fa4_jax.vjp import Backend
 
 KERNEL_IMPLEMENTATIONS = ("sm90", "sm100")

@@ -72,7 +72,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fa4_jax import backends
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 from fa4_jax.validation import validate
 
 # ---------------------------------------------------------------------------

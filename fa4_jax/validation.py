@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90", "sm100", "cudnn")

@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 
 from fa4_jax import sharding
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 
 @dataclasses.dataclass(frozen=True)

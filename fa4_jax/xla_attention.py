@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fa4_jax.masks import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, cdiv
 
 Array = jax.Array
 

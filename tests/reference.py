@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 
 def visible_mask(t, s, *, is_causal=False, window=None, q_lengths=None,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 T, S, BQ, BK = 37, 45, 8, 8
 SPECS = [

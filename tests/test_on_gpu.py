@@ -13,7 +13,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax import backends, xla_attention
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
                                 reason="needs a Hopper GPU")

@@ -30,7 +30,7 @@ _COMPILE_HEURISTIC_KERNELS = r"""
 import os, sys
 import jax, jax.numpy as jnp
 from fa4_jax.kernels import sm90_backward, sm90_forward
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 # Each item builds its inputs when it runs: a child runs a quarter of them.
 def forward(d, mask, config):

@@ -20,7 +20,7 @@ import pytest
 import reference
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_forward
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 BF16_ATOL = 2e-2
 LSE_ATOL = 1e-3

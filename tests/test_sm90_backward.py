@@ -26,7 +26,7 @@ import pytest
 from fa4_jax import xla_attention
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_backward
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase
 

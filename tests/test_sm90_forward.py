@@ -21,7 +21,7 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase
 

@@ -47,7 +47,7 @@ def check_common(kernel: str, q_shape, k_shape, dtype, mask) -> tuple[int, int, 
   """
   import jax.numpy as jnp
 
-  from fa4_jax.masks import MaskSpec
+  from fa4_jax.scores import MaskSpec
 
   if len(q_shape) != 4 or len(k_shape) != 4:
     raise KernelUnsupported(

@@ -82,7 +82,7 @@ def _compile_in_this_process(dump_dir: str) -> None:
   import jax.numpy as jnp
 
   from fa4_jax.kernels import sm100_forward
-  from fa4_jax.masks import MaskSpec
+  from fa4_jax.scores import MaskSpec
 
   print("device:", jax.devices()[0], "compute_capability:",
         getattr(jax.devices()[0], "compute_capability", None), flush=True)

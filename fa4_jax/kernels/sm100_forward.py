@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.masks import MaskSpec
+from fa4_jax.scores import MaskSpec
 
 # Hardware limits of one sm_100 SM.
 TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits

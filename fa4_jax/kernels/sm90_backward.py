@@ -87,7 +87,7 @@ from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, LaunchChain, OneShot
                                      Rendezvous, SlotRing, check_register_split, fori,
                                      sequence_lengths)
 from fa4_jax.kernels.sm90_forward import kv_tile_ranges, padded_head_dim
-from fa4_jax.masks import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, cdiv
 
 LOG2_E = math.log2(math.e)
 MAX_HEAD_DIM = 256

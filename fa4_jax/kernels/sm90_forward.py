@@ -33,7 +33,7 @@ in the warps where some row's max moved (a warp-uniform branch,
 `fa4_jax.kernels.accumulator.rescale_rows`): after the first blocks that is
 almost never, and the multiply costs head_dim / 2 FMULs per thread and block.
 
-Masks (`fa4_jax.masks.MaskSpec`, lengths): each consumer walks the KV blocks
+Masks (`fa4_jax.scores.MaskSpec`, lengths): each consumer walks the KV blocks
 its rows can see; blocks fully visible run without an element mask, boundary
 blocks (diagonal, window edge, length edge) with one, and blocks outside its
 own range (but inside the CTA's, which the producer loads) only keep the
@@ -73,7 +73,7 @@ from fa4_jax.kernels import KernelUnsupported, check_common, default_device
 from fa4_jax.kernels.accumulator import exact_alpha, rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       fori, sequence_lengths)
-from fa4_jax.masks import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, cdiv
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)

@@ -1,0 +1,32 @@
+"""What the sm90 kernels share about their tiles: padded head dims and the
+SMEM layout that both TMA and `wgmma` read."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.scores import cdiv
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """The kernels work on head dims that are multiples of 64 (128-byte
+  swizzled rows); others are zero-padded up to that."""
+  return cdiv(head_dim, 64) * 64
+
+
+def swizzle_bytes(dtype, *block_rows: int) -> int:
+  """The SMEM swizzle of every tile of a kernel whose GEMMs contract over
+  these block sizes. wgmma wants its two SMEM operands equally swizzled and
+  the swizzle span (in elements) to divide the contraction: 128 bytes for
+  blocks of 64 rows or more, 64 bytes when a block has 32 rows."""
+  return min(128, min(block_rows) * jnp.dtype(dtype).itemsize)
+
+
+def smem_tile(shape, dtype, swizzle: int = 128):
+  """SMEM layout wgmma and TMA use directly: (8, swizzle span) tiles, swizzled."""
+  tile_cols = swizzle // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(
+      shape, dtype,
+      transforms=(plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swizzle)),
+  )

@@ -1,0 +1,338 @@
+"""The score pipeline: which keys a query sees and how a score becomes a probability.
+
+Every backend (the XLA path, the sm90 forward and backward kernels, the sm100
+forward kernel) reads this one module, so "causal", "window" and "length"
+mean the same thing everywhere, and a new mask kind or score modification is
+added here once:
+
+| stage | here | a new feature goes |
+|---|---|---|
+| which tiles a tile visits | `MaskSpec.key_block_range` / `query_block_range`, `kv_tile_ranges` (query tile -> key blocks: forward, dQ), `q_tile_ranges` (key tile -> query blocks: dK/dV) | per-tile bounds of a new mask (segment ids: each tile's id range) narrow `lo`/`hi` and `full_lo`/`full_hi` |
+| whether a tile needs the element mask | `TileRanges.full_lo` / `full_hi`, `MaskSpec.tile_is_full` | a tile is full only if the new test holds for all its pairs |
+| the element mask | `visible` | one more `&` term (the segment test) |
+| the softmax statistics | `initial_row_max`, `online_softmax`, `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
+
+The kernels keep the statistics in their accumulator's row layout and call
+these functions on whole tiles, so the same code runs on wgmma register
+fragments (sm90), tcgen05 TMEM loads (sm100) and plain arrays (XLA path).
+
+Positions: query row `i` sits at absolute position `i + q_offset`; key column `j`
+at position `j`. Query `i` may see key `j` when
+
+    (left  is None or j >= i + q_offset - left) and
+    (right is None or j <= i + q_offset + right)
+
+`jax.nn.dot_product_attention` aligns the causal mask top-left (`q_offset = 0`:
+row 0 sees key 0), also when the query and key lengths differ; that is what
+`fa4_jax.attention` does by default. A causal mask is `right = 0`; a causal
+mask with `local_window_size=(l, r)` is `left = l, right = min(r, 0)`.
+
+Sequence lengths (`query_seq_lengths`, `key_value_seq_lengths`) are run-time
+arrays, not part of the spec: keys at or past the length are masked and query
+rows at or past the length produce zeros, as in `jax.nn`.
+
+The tile helpers below work on Python ints and on traced int32 scalars alike,
+so kernels can call them inside their bodies and the XLA path at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+Int = Any  # a Python int or a traced int32 scalar
+
+
+def _is_static(*xs) -> bool:
+  return all(isinstance(x, int) for x in xs)
+
+
+def _max(a: Int, b: Int) -> Int:
+  return max(a, b) if _is_static(a, b) else jnp.maximum(a, b)
+
+
+def _min(a: Int, b: Int) -> Int:
+  return min(a, b) if _is_static(a, b) else jnp.minimum(a, b)
+
+
+def cdiv(a: Int, b: int) -> Int:
+  """Ceiling division for non-negative `a`."""
+  return (a + b - 1) // b
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static (shape-independent) mask: a band around the diagonal.
+
+  `left` / `right`: how many positions before / after its own a query may
+  see; `None` means unbounded on that side. `q_offset`: absolute position of
+  query row 0 (0 aligns top-left, as `jax.nn` does).
+  """
+
+  left: int | None = None
+  right: int | None = None
+  q_offset: int = 0
+
+  @classmethod
+  def from_arguments(
+      cls,
+      is_causal: bool,
+      local_window_size: tuple[int, int] | None,
+      q_offset: int = 0,
+  ) -> "MaskSpec":
+    left = right = None
+    if local_window_size is not None:
+      left, right = local_window_size
+    if is_causal:
+      right = 0 if right is None else min(right, 0)
+    return cls(left=left, right=right, q_offset=q_offset)
+
+  @property
+  def is_dense(self) -> bool:
+    """True when every query sees every key (before lengths apply)."""
+    return self.left is None and self.right is None
+
+  @property
+  def is_causal(self) -> bool:
+    return self.left is None and self.right == 0
+
+  def visible(self, q_idx, k_idx):
+    """Elementwise: may query row `q_idx` see key column `k_idx`?
+
+    Broadcasts like `q_idx[:, None]` against `k_idx[None, :]` would; works on
+    jnp arrays inside and outside kernels.
+    """
+    ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(k_idx)), bool)
+    pos = q_idx + self.q_offset
+    if self.left is not None:
+      ok = ok & (k_idx >= pos - self.left)
+    if self.right is not None:
+      ok = ok & (k_idx <= pos + self.right)
+    return ok
+
+  # --- Tile-level questions (half-open ranges [lo, hi)). ---
+
+  def key_range(self, q_lo: Int, q_hi: Int, num_keys: Int) -> tuple[Int, Int]:
+    """Keys [k_lo, k_hi) that some query in rows [q_lo, q_hi) may see.
+
+    `num_keys` caps the range (pass the key/value length there). The range is
+    empty (k_lo >= k_hi) when the rows see nothing.
+    """
+    k_lo, k_hi = 0, num_keys
+    if self.left is not None:
+      k_lo = _max(k_lo, q_lo + self.q_offset - self.left)
+    if self.right is not None:
+      k_hi = _min(k_hi, q_hi - 1 + self.q_offset + self.right + 1)
+    return k_lo, k_hi
+
+  def query_range(self, k_lo: Int, k_hi: Int, num_queries: Int) -> tuple[Int, Int]:
+    """Query rows [q_lo, q_hi) that may see some key in [k_lo, k_hi)."""
+    q_lo, q_hi = 0, num_queries
+    if self.right is not None:
+      # j <= i + off + right  <=>  i >= j - off - right
+      q_lo = _max(q_lo, k_lo - self.q_offset - self.right)
+    if self.left is not None:
+      # j >= i + off - left  <=>  i <= j - off + left
+      q_hi = _min(q_hi, (k_hi - 1) - self.q_offset + self.left + 1)
+    return q_lo, q_hi
+
+  def tile_is_full(self, q_lo: Int, q_hi: Int, k_lo: Int, k_hi: Int):
+    """True when every (query, key) pair of the tile is visible, so the tile
+    needs no element mask (lengths aside)."""
+    full = True
+    if self.left is not None:
+      # the last query row must still see the first key
+      full = full & (k_lo >= (q_hi - 1) + self.q_offset - self.left)
+    if self.right is not None:
+      # the first query row must already see the last key
+      full = full & ((k_hi - 1) <= q_lo + self.q_offset + self.right)
+    return full
+
+  def key_block_range(
+      self, q_lo: Int, q_hi: Int, num_keys: Int, block_k: int
+  ) -> tuple[Int, Int]:
+    """Key blocks [b_lo, b_hi) of size `block_k` that rows [q_lo, q_hi) touch."""
+    k_lo, k_hi = self.key_range(q_lo, q_hi, num_keys)
+    b_lo = k_lo // block_k
+    b_hi = _max(b_lo, cdiv(k_hi, block_k))
+    return b_lo, b_hi
+
+  def query_block_range(
+      self, k_lo: Int, k_hi: Int, num_queries: Int, block_q: int
+  ) -> tuple[Int, Int]:
+    """Query blocks [b_lo, b_hi) of size `block_q` that keys [k_lo, k_hi) touch."""
+    q_lo, q_hi = self.query_range(k_lo, k_hi, num_queries)
+    b_lo = q_lo // block_q
+    b_hi = _max(b_lo, cdiv(q_hi, block_q))
+    return b_lo, b_hi
+
+
+# --- Tile ranges of the kernels ---------------------------------------------
+# Half-open block ranges; Python ints or traced int32 scalars.
+
+
+def floor_div(x: Int, d: int) -> Int:
+  """Floor division of a possibly negative int32 scalar by a positive int."""
+  if isinstance(x, int):
+    return x // d
+  return jnp.where(x >= 0, lax.div(x, d), -lax.div(d - 1 - x, d))
+
+
+def ceil_div_nonneg(x: Int, d: int) -> Int:
+  if isinstance(x, int):
+    return -(-x // d)
+  return lax.div(x + (d - 1), d)
+
+
+def clip(x: Int, lo: Int, hi: Int) -> Int:
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileRanges:
+  """Blocks [lo, hi) a tile may touch; [full_lo, full_hi) of them need no
+  element mask (every pair visible, every key inside the length)."""
+
+  lo: Any
+  hi: Any
+  full_lo: Any
+  full_hi: Any
+
+  def within(self, lo: Int, hi: Int) -> "TileRanges":
+    """These ranges clipped into [lo, hi): a consumer's own blocks inside the
+    CTA's range, which the producer loads for all consumers."""
+    own_lo = clip(self.lo, lo, hi)
+    own_hi = clip(self.hi, own_lo, hi)
+    full_lo = clip(self.full_lo, own_lo, own_hi)
+    full_hi = clip(self.full_hi, full_lo, own_hi)
+    return TileRanges(own_lo, own_hi, full_lo, full_hi)
+
+
+def kv_tile_ranges(mask: MaskSpec, q_lo, q_hi, q_len, kv_len, block_kv: int) -> TileRanges:
+  """Key blocks of query rows [q_lo, q_hi) (rows >= q_len do not count): the
+  forward and the dQ kernel walk these.
+
+  `full` blocks are those for which `mask.tile_is_full` holds and all keys
+  are below `kv_len`.
+  """
+  q_hi = jnp.minimum(q_hi, q_len)
+  lo, hi = mask.key_block_range(q_lo, q_hi, kv_len, block_kv)
+  hi = jnp.where(q_lo < q_hi, hi, lo)  # no valid rows: nothing to see
+  off = mask.q_offset
+  full_lo, full_hi = lo, hi
+  if mask.left is not None:
+    # full on the left iff first key >= (last row) + off - left
+    full_lo = ceil_div_nonneg(jnp.maximum(q_hi - 1 + off - mask.left, 0), block_kv)
+  if mask.right is not None:
+    # full on the right iff last key <= (first row) + off + right
+    full_hi = floor_div(q_lo + off + mask.right + 1, block_kv)
+  full_hi = jnp.minimum(full_hi, floor_div(kv_len, block_kv))  # length edge
+  full_lo = clip(full_lo, lo, hi)
+  full_hi = clip(full_hi, full_lo, hi)
+  return TileRanges(lo, hi, full_lo, full_hi)
+
+
+def q_tile_ranges(mask: MaskSpec, k_lo, k_hi, q_len, kv_len, block_q: int) -> TileRanges:
+  """Query blocks that may see keys [k_lo, k_hi) (keys >= kv_len do not
+  count): the dK/dV kernels walk these. The mirror of `kv_tile_ranges`.
+
+  A block is full when every (row, key) pair is visible under `mask` and
+  every key is below `kv_len`; rows past `q_len` need no mask (the backward
+  gives them an lse of +inf, so P = 0 there).
+  """
+  k_lo, k_hi, q_len, kv_len = (jnp.asarray(x, jnp.int32) for x in (k_lo, k_hi, q_len, kv_len))
+  k_valid_hi = jnp.minimum(k_hi, kv_len)
+  lo, hi = mask.query_block_range(k_lo, k_valid_hi, q_len, block_q)
+  hi = jnp.where(k_lo < k_valid_hi, hi, lo)  # no valid key: nothing to do
+  off = mask.q_offset
+  full_lo, full_hi = lo, hi
+  if mask.right is not None:
+    # the block's first row must see the last key: row >= (k_hi-1) - off - right
+    full_lo = ceil_div_nonneg(jnp.maximum(k_hi - 1 - off - mask.right, 0), block_q)
+  if mask.left is not None:
+    # the block's last row must see the first key: row <= k_lo + left - off
+    full_hi = floor_div(k_lo + mask.left - off + 1, block_q)
+  full_hi = jnp.where(k_hi <= kv_len, full_hi, lo)  # length edge inside the tile
+  full_lo = clip(full_lo, lo, hi)
+  full_hi = clip(full_hi, full_lo, hi)
+  return TileRanges(lo, hi, full_lo, full_hi)
+
+
+# --- The element mask ----------------------------------------------------------
+
+
+def visible(mask: MaskSpec, q_idx, k_idx, kv_len):
+  """May query row `q_idx` see key `k_idx` (elementwise, broadcasting)?
+
+  The mask and the key length; rows past the query length are the caller's
+  business (the forward zeroes their output, the backward their P through
+  the lse). Every backend's element mask is this one test.
+  """
+  return mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+
+
+# --- The online softmax ---------------------------------------------------------
+# Logits are kept raw; c = scale * log2(e) is folded into one FMA before exp2,
+# and the running max m is kept in those scaled log2 units.
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+# Move a row's running max only when it grew by more than this (log2 units):
+# a stale max is used for both l and O, so the result stays exact and P stays
+# below 2**RESCALE_THRESHOLD, while O is rescaled far less often.
+RESCALE_THRESHOLD = 8.0
+# Finite "minus infinity" for the running max: rows that have seen only masked
+# keys keep it, and exp2(-inf - M_INIT) = 0 never produces inf - inf = NaN.
+M_INIT = -1e30
+
+
+def exact_alpha(m_old, m_new):
+  """exp2(m_old - m_new), exactly 1.0 where the max did not move (the
+  approximate exp2 of 0 is not promised to be exactly 1)."""
+  return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))
+
+
+def online_softmax(s, m, c: float):
+  """One tile's step of the online softmax: (P, new running max, alpha).
+
+  `s`: raw logits [rows, keys] (masked ones at -inf, or +inf when c < 0);
+  `m`: the running max of the rows in scaled log2 units. P = exp2(c s - m')
+  and the caller rescales its sum and O by `alpha` = exp2(m - m').
+  """
+  row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
+  m_grown = jnp.maximum(m, row_best * c)
+  # Keep the stale max unless it grew enough to risk overflow.
+  m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
+  alpha = exact_alpha(m, m_new)
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  return p, m_new, alpha
+
+
+def _inverse_sum(l):
+  seen_any = l > 0.0
+  return seen_any, jnp.where(seen_any, 1.0 / jnp.where(seen_any, l, 1.0), 0.0)
+
+
+def _log_sum_exp(m, l, seen_any):
+  return jnp.where(seen_any, (m + jnp.log2(jnp.where(seen_any, l, 1.0))) * LN_2, -jnp.inf)
+
+
+def finish_rows(m, l):
+  """(1 / l, natural-log lse) of rows with running max `m` and sum `l`.
+
+  Rows that saw no key (l = 0) get 0 and -inf: their output is zeros.
+  """
+  seen_any, inv_l = _inverse_sum(l)
+  return inv_l, _log_sum_exp(m, l, seen_any)
+
+
+def normalize(acc, m, l):
+  """(O / l, lse) for an accumulator `acc` [rows, head_dim] in registers;
+  `finish_rows` for kernels that scale O piece by piece."""
+  seen_any, inv_l = _inverse_sum(l)
+  out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+  return out, _log_sum_exp(m, l, seen_any)

@@ -1,0 +1,144 @@
+"""Fingerprints of every kernel the heuristics build, for refactors.
+
+Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
+the sm100 forward for every head dim, mask and grouping the heuristics
+distinguish, plus the XLA path, and prints one SHA-256 per case of the
+Mosaic GPU modules (MLIR without debug locations) or of the StableHLO.
+
+A refactor that leaves every fingerprint unchanged hands the GPU the very
+same programs, so it cannot have changed their speed or their registers.
+
+    python tools/kernel_fingerprints.py > before.json   # on the old commit
+    python tools/kernel_fingerprints.py --compare before.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from fa4_jax import testing, xla_attention
+from fa4_jax.scores import MaskSpec
+
+MASKS = {"dense": MaskSpec(), "causal": MaskSpec(right=0),
+         "window": MaskSpec(left=256, right=0)}
+
+
+def _digest(texts) -> str:
+  h = hashlib.sha256()
+  for t in texts:
+    h.update(t.encode())
+  return h.hexdigest()[:16]
+
+
+def _sm90_forward(d, mask, seq, lengths):
+  from fa4_jax.kernels import sm90_forward
+  q = jax.ShapeDtypeStruct((2, seq, 4, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
+  ln = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def f(q, k, v, ql, kl):
+    return sm90_forward.forward(q, k, v, ql if lengths else None, kl if lengths else None,
+                                scale=0.125, mask=mask)
+  return f, (q, kv, kv, ln, ln)
+
+
+def _sm90_backward(d, mask, seq, lengths, group=1):
+  from fa4_jax.kernels import sm90_backward
+  q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
+  ln = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def f(q, k, v, o, lse, do, ql, kl):
+    return sm90_backward.backward(q, k, v, o, lse, do, ql if lengths else None,
+                                  kl if lengths else None, scale=0.125, mask=mask)
+  return f, (q, kv, kv, q, lse, q, ln, ln)
+
+
+def _sm100_forward(d, mask, seq, lengths):
+  from fa4_jax.kernels import sm100_forward
+  q = jax.ShapeDtypeStruct((2, seq, 4, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
+  ln = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def f(q, k, v, ql, kl):
+    return sm100_forward.forward(q, k, v, ql if lengths else None, kl if lengths else None,
+                                 scale=0.125, mask=mask)
+  return f, (q, kv, kv, ln, ln)
+
+
+def _xla(mask, seq, lengths, backward):
+  q = jax.ShapeDtypeStruct((2, seq, 4, 64), jnp.float32)
+  kv = jax.ShapeDtypeStruct((2, seq, 2, 64), jnp.float32)
+  ln = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def fwd(q, k, v, ql, kl):
+    return xla_attention.forward(q, k, v, None, None, ql if lengths else None,
+                                 kl if lengths else None, scale=0.125, spec=mask)
+
+  def bwd(q, k, v, ql, kl):
+    out, lse = fwd(q, k, v, ql, kl)
+    return xla_attention.backward(q, k, v, None, None, ql if lengths else None,
+                                  kl if lengths else None, out, lse, out, scale=0.125,
+                                  spec=mask)
+  return (bwd if backward else fwd), (q, kv, kv, ln, ln)
+
+
+def cases():
+  for d in (64, 80, 128, 192, 256):
+    for mname, mask in MASKS.items():
+      for seq in (1000, 8192):
+        lengths = seq == 1000
+        yield f"sm90 forward d{d} {mname} s{seq}", "sm_90", _sm90_forward(d, mask, seq, lengths)
+        for group in (1, 4):
+          yield (f"sm90 backward d{d} {mname} s{seq} g{group}", "sm_90",
+                 _sm90_backward(d, mask, seq, lengths, group))
+  for d in (64, 128, 256):
+    for mname, mask in MASKS.items():
+      for seq in (1000, 4096):
+        yield (f"sm100 forward d{d} {mname} s{seq}", "sm_100",
+               _sm100_forward(d, mask, seq, seq == 1000))
+  for mname, mask in MASKS.items():
+    for backward in (False, True):
+      yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(
+          mask, 2048, True, backward)
+
+
+def fingerprint(arch, fn_specs) -> str:
+  fn, specs = fn_specs
+  if arch is None:
+    lowered = jax.jit(fn).trace(*specs).lower()
+    return _digest([lowered.compiler_ir("stablehlo").operation.get_asm(enable_debug_info=False)])
+  return _digest(testing.cross_lower(fn, *specs, arch=arch).modules)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--compare", help="a JSON printed by an earlier run")
+  parser.add_argument("--only", default="", help="run the cases whose name contains this")
+  args = parser.parse_args()
+  found = {}
+  for name, arch, fn_specs in cases():
+    if args.only in name:
+      found[name] = fingerprint(arch, fn_specs)
+      print(f"{name}: {found[name]}", file=sys.stderr, flush=True)
+  if not args.compare:
+    json.dump(found, sys.stdout, indent=1)
+    return 0
+  with open(args.compare) as f:
+    before = json.load(f)
+  changed = [n for n in found if before.get(n) != found[n]]
+  for n in changed:
+    print(f"CHANGED {n}: {before.get(n)} -> {found[n]}")
+  print(f"{len(found) - len(changed)} unchanged, {len(changed)} changed")
+  return 1 if changed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
