@@ -34,7 +34,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa4_jax import xla_attention  # noqa: E402
 from fa4_jax.kernels import sm90_backward  # noqa: E402
-from fa4_jax.masks import MaskSpec  # noqa: E402
+from fa4_jax.scores import MaskSpec  # noqa: E402
 
 import bench_backward  # noqa: E402
 import bench_common  # noqa: E402

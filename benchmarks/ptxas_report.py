@@ -33,7 +33,7 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
   import jax.numpy as jnp
 
   from fa4_jax.kernels import sm90_backward, sm90_forward
-  from fa4_jax.masks import MaskSpec
+  from fa4_jax.scores import MaskSpec
 
   mask = MaskSpec.from_arguments(causal, None)
   q = jnp.ones((1, 1024, 2 * group, head_dim), jnp.bfloat16)

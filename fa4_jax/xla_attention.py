@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fa4_jax import scores
 from fa4_jax.scores import MaskSpec, cdiv
 
 Array = jax.Array
@@ -127,8 +128,8 @@ class _Problem:
     if self.bias is not None:
       s = s + self._slice_pair(self.bias, qb, kb).astype(jnp.float32)
     rows, cols = self.q_rows(qb), self.k_cols(kb)
-    visible = self.spec.visible(rows[:, None], cols[None, :])  # [bq, bk]
-    visible = visible & (cols[None, None, :] < self.kv_len[:, None, None])  # [B,1,bk]
+    visible = scores.visible(self.spec, rows[None, :, None], cols[None, None, :],
+                             self.kv_len[:, None, None])  # [B, bq, bk]
     visible = visible[:, None, None]  # [B, 1, 1, bq, bk]
     if self.mask is not None:
       visible = visible & self._slice_pair(self.mask, qb, kb)
