@@ -10,7 +10,7 @@ added here once:
 | which tiles a tile visits | `MaskSpec.key_block_range` / `query_block_range`, `kv_tile_ranges` (query tile -> key blocks: forward, dQ), `q_tile_ranges` (key tile -> query blocks: dK/dV) | per-tile bounds of a new mask (segment ids: each tile's id range) narrow `lo`/`hi` and `full_lo`/`full_hi` |
 | whether a tile needs the element mask | `TileRanges.full_lo` / `full_hi`, `MaskSpec.tile_is_full` | a tile is full only if the new test holds for all its pairs |
 | the element mask | `visible` | one more `&` term (the segment test) |
-| the softmax statistics | `initial_row_max`, `online_softmax`, `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
+| the softmax statistics | `initial_row_stats`, `online_softmax`, `normalize` / `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
 
 The kernels keep the statistics in their accumulator's row layout and call
 these functions on whole tiles, so the same code runs on wgmma register
@@ -288,6 +288,14 @@ RESCALE_THRESHOLD = 8.0
 # Finite "minus infinity" for the running max: rows that have seen only masked
 # keys keep it, and exp2(-inf - M_INIT) = 0 never produces inf - inf = NaN.
 M_INIT = -1e30
+
+
+def initial_row_stats(num_rows: int, place=lambda x: x):
+  """(running max, running sum) of `num_rows` rows before their first key:
+  `M_INIT` and 0. `place` puts each vector into the kernel's row layout."""
+  m = place(jnp.full((num_rows,), M_INIT, jnp.float32))
+  l = place(jnp.full((num_rows,), 0.0, jnp.float32))
+  return m, l
 
 
 def exact_alpha(m_old, m_new):
