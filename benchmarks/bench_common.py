@@ -94,6 +94,6 @@ def selected(cases, only):
 def case_mask(causal: bool, window_left):
   """(MaskSpec, jax.nn's local_window_size) of a benchmark case: causal or
   not, and a window of `window_left` keys to the left (None: no window)."""
-  from fa4_jax.masks import MaskSpec  # the scripts put the repository on sys.path first
+  from fa4_jax.scores import MaskSpec  # the scripts put the repository on sys.path first
   window = None if window_left is None else (window_left, 0)
   return MaskSpec.from_arguments(causal, window), window
