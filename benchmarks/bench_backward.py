@@ -118,11 +118,10 @@ def errors(grads, ref):
   return out
 
 
-def config_for(text, head_dim, mask, group=1, base=lambda config: config):
-  """The heuristic's config for (head dim, mask, GQA group), through `base`
-  (e.g. `BackwardConfig.with_fused_dq`), with the `key=value,...` overrides
-  of `text`."""
-  config = base(sm90_backward.choose_config(head_dim, mask, group))
+def config_for(text, head_dim, mask, group=1):
+  """The heuristic's config for (head dim, mask, GQA group), with the
+  `key=value,...` overrides of `text`."""
+  config = sm90_backward.choose_config(head_dim, mask, group)
   changes = {}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")

@@ -1,8 +1,11 @@
-"""Pieces every benchmark script shares: a wall-clock timer, a kernel-span
-timer, where results go, and the options that pick cases and name a run."""
+"""Pieces every benchmark script shares: a wall-clock timer, the CUPTI
+kernel timer, a kernel-span timer, where results go, the options that pick
+cases and name a run, and the sweep's GPU shapes (which `bench_forward.py
+--short` reuses). The scripts import this module; it imports none of them."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import glob
 import os
@@ -13,6 +16,18 @@ import time
 import jax
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+ITERATIONS = 10  # calls per CUPTI measurement
+
+
+def kernel_ms(f, *args) -> float:
+  """CUPTI kernel time of `f(*args)`, median of ITERATIONS calls, summing
+  every kernel a call launches (jax's Mosaic GPU profiler; GPU only)."""
+  import numpy as np
+  from jax.experimental.mosaic.gpu import profiler
+
+  _, times = profiler.measure(f, iterations=ITERATIONS)(*args)
+  return float(np.median(times))
 
 
 def wall_ms(compiled, args, repeats: int, warmup: int = 1) -> float:
@@ -97,3 +112,56 @@ def case_mask(causal: bool, window_left):
   from fa4_jax.scores import MaskSpec  # the scripts put the repository on sys.path first
   window = None if window_left is None else (window_left, 0)
   return MaskSpec.from_arguments(causal, window), window
+
+
+# ----------------------------------------------------------------------------
+# The GPU sweep's shapes (sweep.py; bench_forward.py --short takes S <= 4096).
+
+TOKENS_PER_CALL = 32768  # B * S
+WIDTH = 2048  # H * D (query heads)
+SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+HEAD_DIMS = (64, 128, 256)
+GQA_HEAD_DIM, GQA_Q_HEADS, GQA_KV_HEADS = 128, 16, 4
+BACKWARD_FLOPS_FACTOR = 2.5  # backward FLOPs / forward FLOPs
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  B: int
+  S: int
+  Hq: int
+  Hkv: int
+  D: int
+  causal: bool
+
+  @property
+  def name(self) -> str:
+    heads = f"H{self.Hq}" if self.Hq == self.Hkv else f"H{self.Hq}/{self.Hkv}"
+    return f"B{self.B} S{self.S} {heads} D{self.D}" + (" causal" if self.causal else "")
+
+  @property
+  def group(self) -> str:
+    """Which plot the case belongs to: one per head dim, GQA on its own."""
+    return f"D{self.D}" + ("" if self.Hq == self.Hkv else f"-GQA{self.Hq}-{self.Hkv}")
+
+  def flops(self, pass_name: str) -> float:
+    forward = 4 * self.B * self.Hq * self.S * self.S * self.D / (2 if self.causal else 1)
+    return forward if pass_name == "forward" else forward * (1 + BACKWARD_FLOPS_FACTOR)
+
+
+def gpu_cases(quick: bool) -> list[Case]:
+  if quick:  # a few shapes: short and long, causal and not, one GQA
+    return [Case(TOKENS_PER_CALL // s, s, 16, 16, 128, c)
+            for s in (1024, 8192) for c in (False, True)] + [
+                Case(TOKENS_PER_CALL // 8192, 8192, GQA_Q_HEADS, GQA_KV_HEADS,
+                     GQA_HEAD_DIM, True)]
+  cases = []
+  for d in HEAD_DIMS:
+    for s in SEQ_LENS:
+      for c in (False, True):
+        cases.append(Case(TOKENS_PER_CALL // s, s, WIDTH // d, WIDTH // d, d, c))
+  for s in SEQ_LENS:
+    for c in (False, True):
+      cases.append(Case(TOKENS_PER_CALL // s, s, GQA_Q_HEADS, GQA_KV_HEADS,
+                        GQA_HEAD_DIM, c))
+  return cases

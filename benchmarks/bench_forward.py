@@ -26,18 +26,15 @@ import math
 import os
 import sys
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import profiler
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa4_jax.kernels import sm90_forward  # noqa: E402
 
 import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
 
-ITERATIONS = 10
+ITERATIONS = bench_common.ITERATIONS
 
 # (name, B, S, Hq, Hkv, D, causal, window_left)
 CASES = [
@@ -61,10 +58,8 @@ def short_cases():
   """--short: the sweep's shapes up to S = 4096 at D = 64 and 128 and GQA
   (B = 32768 / S), where a CTA walks few KV blocks and its prologue and
   epilogue weigh most."""
-  import sweep  # noqa: PLC0415  (sweep imports this module)
-
   return [(c.name, c.B, c.S, c.Hq, c.Hkv, c.D, c.causal, None)
-          for c in sweep.gpu_cases(quick=False) if c.S <= 4096 and c.D <= 128]
+          for c in bench_common.gpu_cases(quick=False) if c.S <= 4096 and c.D <= 128]
 
 
 def flops(B, S, H, D, causal, window_left):
@@ -73,9 +68,7 @@ def flops(B, S, H, D, causal, window_left):
   return 4 * B * H * S * S * D / (2 if causal else 1)
 
 
-def kernel_ms(f, *args):
-  _, times = profiler.measure(f, iterations=ITERATIONS)(*args)
-  return float(np.median(times))
+kernel_ms = bench_common.kernel_ms
 
 
 def reference_rows(q, k, v, causal, window_left, heads):

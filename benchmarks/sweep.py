@@ -9,8 +9,7 @@ On a GPU (the real sweep), in one process, for every shape below:
   - passes: forward, and forward+backward (one jitted call returning the
     output and dq, dk, dv);
   - time: CUPTI kernel time, median of 10 calls, summing every kernel a call
-    launches (`kernel_ms` imported from bench_forward.py, the method of
-    BENCHMARKS.md);
+    launches (`bench_common.kernel_ms`, the method of BENCHMARKS.md);
   - FLOPs: forward 4*B*H*S^2*D, halved when causal; backward 2.5x the
     forward, so forward+backward counts 3.5x.
   Shapes: S = 512 ... 32768; head dims 64, 128, 256; causal and not; tokens
@@ -56,7 +55,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # the repository, for fa4_jax
-sys.path.insert(0, HERE)  # this folder, for bench_forward
+sys.path.insert(0, HERE)  # this folder, for bench_common
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -67,59 +66,14 @@ import bench_common  # noqa: E402
 
 RESULTS_DIR = os.path.join(HERE, "results")
 
-# GPU sweep shape rules.
-TOKENS_PER_CALL = 32768  # B * S
-WIDTH = 2048  # H * D (query heads)
-SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-HEAD_DIMS = (64, 128, 256)
-GQA_HEAD_DIM, GQA_Q_HEADS, GQA_KV_HEADS = 128, 16, 4
+# GPU sweep shape rules: bench_common's (bench_forward.py --short reuses them).
+from bench_common import (  # noqa: E402,F401  (sweep.Case, sweep.gpu_cases, ... as before)
+    BACKWARD_FLOPS_FACTOR, GQA_HEAD_DIM, GQA_KV_HEADS, GQA_Q_HEADS, HEAD_DIMS, SEQ_LENS,
+    TOKENS_PER_CALL, WIDTH, Case, gpu_cases)
 
-BACKWARD_FLOPS_FACTOR = 2.5  # backward FLOPs / forward FLOPs
 PASSES = ("forward", "fwd+bwd")
 GPU_IMPLS = ("fa4_jax", "cudnn", "jax.nn xla")
 CPU_IMPLS = ("fa4_jax", "jax.nn xla")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  B: int
-  S: int
-  Hq: int
-  Hkv: int
-  D: int
-  causal: bool
-
-  @property
-  def name(self) -> str:
-    heads = f"H{self.Hq}" if self.Hq == self.Hkv else f"H{self.Hq}/{self.Hkv}"
-    return f"B{self.B} S{self.S} {heads} D{self.D}" + (" causal" if self.causal else "")
-
-  @property
-  def group(self) -> str:
-    """Which plot the case belongs to: one per head dim, GQA on its own."""
-    return f"D{self.D}" + ("" if self.Hq == self.Hkv else f"-GQA{self.Hq}-{self.Hkv}")
-
-  def flops(self, pass_name: str) -> float:
-    forward = 4 * self.B * self.Hq * self.S * self.S * self.D / (2 if self.causal else 1)
-    return forward if pass_name == "forward" else forward * (1 + BACKWARD_FLOPS_FACTOR)
-
-
-def gpu_cases(quick: bool) -> list[Case]:
-  if quick:  # a few shapes: short and long, causal and not, one GQA
-    return [Case(TOKENS_PER_CALL // s, s, 16, 16, 128, c)
-            for s in (1024, 8192) for c in (False, True)] + [
-                Case(TOKENS_PER_CALL // 8192, 8192, GQA_Q_HEADS, GQA_KV_HEADS,
-                     GQA_HEAD_DIM, True)]
-  cases = []
-  for d in HEAD_DIMS:
-    for s in SEQ_LENS:
-      for c in (False, True):
-        cases.append(Case(TOKENS_PER_CALL // s, s, WIDTH // d, WIDTH // d, d, c))
-  for s in SEQ_LENS:
-    for c in (False, True):
-      cases.append(Case(TOKENS_PER_CALL // s, s, GQA_Q_HEADS, GQA_KV_HEADS,
-                        GQA_HEAD_DIM, c))
-  return cases
 
 
 def cpu_cases(quick: bool) -> list[Case]:
@@ -204,10 +158,9 @@ def measure_gpu(fn, args, flops, timer, memory_limit):
 
 def gpu_sweep(cases, timer=None, memory_limit=None, impls=GPU_IMPLS):
   """Rows for the GPU sweep. `timer(f, *args) -> ms` defaults to CUPTI kernel
-  time (bench_forward.kernel_ms); `memory_limit` to the device's bytes_limit."""
+  time (bench_common.kernel_ms); `memory_limit` to the device's bytes_limit."""
   if timer is None:
-    import bench_forward  # imported here: it needs jax's Mosaic GPU profiler
-    timer = bench_forward.kernel_ms
+    timer = bench_common.kernel_ms
   if memory_limit is None:
     memory_limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   rows = []
@@ -395,7 +348,7 @@ def write(out_dir, stem, meta, markdown, plots):
 
 GPU_METHOD = (
     "CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure via "
-    "bench_forward.kernel_ms), median of 10 calls, every kernel of a call "
+    "bench_common.kernel_ms), median of 10 calls, every kernel of a call "
     "summed; all implementations in one process; bfloat16 inputs; FLOPs "
     f"4*B*H*S^2*D halved when causal, fwd+bwd {1 + BACKWARD_FLOPS_FACTOR}x")
 

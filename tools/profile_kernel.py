@@ -8,7 +8,7 @@ and dQ; `ncu_profile.sh` does this):
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \\
         --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
-        --set full -o report python3 benchmarks/profile_kernel.py forward \\
+        --set full -o report python3 tools/profile_kernel.py forward \\
         --case "B2 S8192 H32 D64 causal" [--config key=value,...]
 
 (Preallocation off: ncu saves and restores the memory a replayed kernel can
@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)  # fa4_jax
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the benchmarks' cases and configs
 import bench_backward  # noqa: E402
 import bench_forward  # noqa: E402
 from fa4_jax.kernels import sm90_backward, sm90_forward  # noqa: E402

@@ -8,7 +8,7 @@ plugin lowers and assembles the kernel for sm_100a and, with the
 `MOSAIC_GPU_DUMP_*` variables, leaves the PTX, the ptxas report and the SASS
 in a folder. Running the cubin then fails (it is not H100 code): expected.
 
-    python -m fa4_jax.kernels.sm100_compile_probe OUT_DIR
+    python3 tools/sm100_compile_probe.py OUT_DIR
 
 Not used by the library; a tool for checking the Blackwell kernel where no
 Blackwell GPU is available. The dump folder's `*.ptxas` / `*.resources.txt`
@@ -22,6 +22,9 @@ import pathlib
 import shutil
 import subprocess
 import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 
 # Preloaded into the probe process: wraps the driver's cuDeviceGetAttribute
 # (however it is looked up: dlsym or cuGetProcAddress) so that the compute
@@ -116,7 +119,7 @@ def main(out: str) -> int:
       MOSAIC_GPU_DUMP_RESOURCES="1",
       MOSAIC_GPU_DUMP_TO=str(dump_dir),
   )
-  code = (f"from fa4_jax.kernels import sm100_compile_probe as p; "
+  code = (f"import sys; sys.path[:0] = [{HERE!r}, {REPO!r}]; import sm100_compile_probe as p; "
           f"p._compile_in_this_process({str(dump_dir)!r})")
   return subprocess.run([sys.executable, "-c", code], env=env).returncode
 

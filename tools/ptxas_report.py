@@ -7,7 +7,7 @@ prints, per kernel, what `MOSAIC_GPU_DUMP_PTXAS` / `MOSAIC_GPU_DUMP_RESOURCES`
 left: registers per thread, stack frame, spill stores / loads. The first
 thing to read when a configuration is slower than expected.
 
-    python3 benchmarks/ptxas_report.py [--head-dim 128] [--causal] [--backward]
+    python3 tools/ptxas_report.py [--head-dim 128] [--causal] [--backward]
         [--config key=value,...]... [--keep DIR]
 """
 
@@ -22,13 +22,15 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BENCHMARKS = os.path.join(REPO, "benchmarks")  # bench_forward / bench_backward: config_for
 
 
 def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
              backward: bool = False, group: int = 1) -> None:
   """Runs in a child process with the dump variables set."""
-  sys.path.insert(0, os.path.join(HERE, ".."))
-  sys.path.insert(0, HERE)
+  sys.path.insert(0, REPO)
+  sys.path.insert(0, BENCHMARKS)
   import jax
   import jax.numpy as jnp
 

@@ -11,7 +11,7 @@ phase (calls x FLOPs / seconds), so launch gaps and the small XLA kernels
 count; it is for comparing the columns, not a kernel time.
 
 Usage (on the GPU machine, from the repository root):
-    python3 benchmarks/power_draw.py [--only SUBSTRING] [--seconds 6] [--repeats 2]
+    python3 tools/power_draw.py [--only SUBSTRING] [--seconds 6] [--repeats 2]
         [--config key=value,... (repeatable: one column per config)] [--tag NAME]
 Cases are bench_backward.py's (without --only: the B1 S16384 H16 D128 rows). Writes benchmarks/results/power[-NAME]-<device>-<date>.json
 (or $OUT/ when OUT is set) and prints a Markdown table.
@@ -31,7 +31,9 @@ import time
 
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # fa4_jax
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # bench_backward's cases, bench_common
 import bench_backward  # noqa: E402
 import bench_common  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Where the warps of a profiled kernel wait: a summary of `ncu_profile.sh`'s SASS CSV.
 
-    python3 benchmarks/ncu_stalls.py NAME-sass.csv [--kernel 0] [--top 25]
+    python3 tools/ncu_stalls.py NAME-sass.csv [--kernel 0] [--top 25]
 
 Prints the stall reasons over all sampled instructions of one kernel of the
 report (0: the first profiled launch; a backward call has two, dK/dV then dQ)
