@@ -7,8 +7,9 @@ Accumulators live in tensor memory (TMEM); warpgroups specialise:
     wg 0 .. nq-1   softmax of Q tile i: S_i (TMEM) -> P_i (TMEM, over S_i),
                    running max / sum, rescale factor for the correction wg.
     wg nq          correction: rescales O_i in TMEM when a row's max grew
-                   past `RESCALE_THRESHOLD` (exact: P is computed against the
-                   same stale max), then the epilogue O / l and the LSE.
+                   past `scores.RESCALE_THRESHOLD` (exact: P is computed
+                   against the same stale max), then the epilogue O / l and
+                   the LSE.
     wg nq+1        warp 0: TMA loads (Q once, K and V into a ring of slots);
                    warp 1: issues every tcgen05 MMA (one thread).
 
@@ -24,6 +25,11 @@ Every barrier is declared once in `ForwardBarriers` with its arrival count,
 the role that arrives on it and the roles that wait on it; the roles use its
 producer_* / consumer_* accessors, never a raw barrier.
 
+The element mask and the online softmax (running max from `scores.M_INIT`,
+threshold, exact rescale factor, 1 / l and LSE) come from `fa4_jax.scores`,
+the one implementation every backend uses, applied to whole tiles in the
+TMEM row layout.
+
 Each role is a module-level function of a `ForwardContext` (static
 configuration, refs, barriers, this CTA's tile geometry): `load_warp`,
 `mma_warp`, `softmax_wg`, `correction_wg` and its `epilogue`. The kernel body
@@ -35,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -44,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.scores import MaskSpec
@@ -53,16 +59,10 @@ TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
 SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
 
 BLOCK_Q = 128  # rows of one Q tile = TMEM lanes = threads of a warpgroup
-# A row's running max is only raised (and O rescaled) when the new max beats
-# it by more than this many powers of two; below that P may reach 2**8, which
-# bf16/f16 and the f32 sums hold exactly enough. The result is exact either way.
-RESCALE_THRESHOLD = 8.0
 # Columns of O handled at once by the correction warpgroup (rescale) and by
 # the epilogue: bounds its register use.
 RESCALE_CHUNK = 32
 EPILOGUE_CHUNK = 64
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -581,7 +581,7 @@ def mma_warp(ctx: ForwardContext) -> None:
 def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo):
   rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + r_lo
   cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + k_lo
-  ok = ctx.statics.mask.visible(rows, cols) & (cols < ctx.kv_len) & (rows < ctx.q_len)
+  ok = scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len) & (rows < ctx.q_len)
   return jnp.where(ok, s, -jnp.inf)
 
 
@@ -589,7 +589,6 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, n, carry):
   """Key block n of Q tile i (first row r_lo): S_i -> P_i, the running
   statistics, and the rescale factors for the correction warpgroup."""
   bars, bn = ctx.bars, ctx.cfg.block_kv
-  scale_log2 = ctx.statics.scale_log2
   m_run, l_run = carry  # log2-scaled running max, running sum
   k_lo = (ctx.blk_lo + n) * bn
   bars.consumer_s(i).wait()
@@ -601,12 +600,8 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, n, carry):
       & (r_lo + BLOCK_Q <= ctx.q_len)
   )
   s = lax.cond(needs_no_mask, lambda s: s, lambda s: _masked_scores(ctx, s, r_lo, k_lo), s)
-  m_new = jnp.maximum(m_run, s.max(axis=1) * scale_log2)
-  # Raise the max only when it grew past the threshold (or was -inf).
-  m_use = jnp.where(m_new - m_run > RESCALE_THRESHOLD, m_new, m_run)
-  alpha = jnp.where(m_use > m_run, jnp.exp2(m_run - m_use), 1.0)
-  m_base = jnp.where(m_use == -jnp.inf, 0.0, m_use)
-  p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_base, s.shape, [0]))
+  # The shared step: the max moves only past the threshold; alpha is exact.
+  p, m_run, alpha = scores.online_softmax(s, m_run, ctx.statics.scale_log2)
   l_run = l_run * alpha + p.sum(axis=1)
   plgpu.wait_load_tmem()  # S_i fully read before P_i overwrites it
   plgpu.async_store_tmem(ctx.p_tmem(i), p.astype(ctx.cfg.dtype))
@@ -619,7 +614,7 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, n, carry):
   ctx.refs.alpha_smem[i] = alpha
   bars.producer_c_commit(i)
   bars.producer_p_commit(i)
-  return m_use, l_run
+  return m_run, l_run
 
 
 def softmax_wg(ctx: ForwardContext, i) -> None:
@@ -631,10 +626,11 @@ def softmax_wg(ctx: ForwardContext, i) -> None:
   @pl.when(ctx.num_steps > 0)
   def _():
     init = (
-        plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), _ROW_VECTOR_LAYOUT),
+        plgpu.layout_cast(jnp.full((BLOCK_Q,), scores.M_INIT, jnp.float32), _ROW_VECTOR_LAYOUT),
         plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), _ROW_VECTOR_LAYOUT),
     )
-    m_run, l_run = lax.fori_loop(0, ctx.num_steps, functools.partial(_softmax_step, ctx, i, r_lo), init)
+    step = functools.partial(_softmax_step, ctx, i, r_lo)
+    m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
     # Final statistics for the epilogue, through the same hand-off.
     bars.producer_c_acquire(i)
     refs.m_smem[i] = m_run
@@ -714,9 +710,7 @@ def epilogue(ctx: ForwardContext) -> None:
     l = plgpu.load(refs.l_smem.at[i], layout=_EPILOGUE_VECTOR_LAYOUT)
     bars.consumer_c_release(i)
     bars.consumer_o(i).wait()  # the last P_i V MMA
-    seen = l > 0.0
-    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN_2, -jnp.inf)
+    inv_l, lse = scores.finish_rows(m, l)
 
     def normalized(c, i=i, inv_l=inv_l):
       o = plgpu.async_load_tmem(
@@ -803,7 +797,7 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
   """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
   whose true extents are tq, tk (rows/keys past them are padding)."""
   statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
-                          scale_log2=scale * LOG2_E)
+                          scale_log2=scale * scores.LOG2_E)
 
   def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
              q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
