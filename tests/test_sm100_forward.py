@@ -7,10 +7,13 @@
 * Cross-lowering: the kernel is lowered for sm_100 on the CPU; the module must
   use tcgen05 MMAs (P read from TMEM), TMEM loads/stores/allocation, and fit
   the shared-memory and tensor-memory budgets.
+* The barrier table: every `ForwardBarriers` accessor is listed in the row of
+  the barrier it arrives on or waits on, and every barrier has both sides.
 """
 
 import shutil
 import subprocess
+import types
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +219,64 @@ def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
     assert ".target sm_100a" in ptx.read_text()
     cubin = tmp_path / (ptx.stem + ".cubin")
     subprocess.run([_PTXAS, "-arch=sm_100a", str(ptx), "-o", str(cubin)], check=True)
+
+
+def _barrier_table_rows():
+  """The ForwardBarriers docstring table: barrier name -> its row's text
+  (continuation lines included)."""
+  doc = sm100_forward.ForwardBarriers.__doc__
+  names = sm100_forward.ForwardBarriers.SPECS
+  rows, current = {}, None
+  for line in doc.splitlines():
+    first = line.split()[0] if line.strip() else None
+    if first in names:
+      current = first
+      rows[current] = line
+    elif first is None:
+      current = None
+    elif current is not None and line.startswith(" " * 10):
+      rows[current] += " " + line.strip()
+  return rows
+
+
+def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
+  """Every accessor of ForwardBarriers (the only way the roles touch a
+  barrier) appears in the row of the barrier it arrives on or waits on, and
+  every barrier has both an arriving and a waiting side."""
+  bars_cls = sm100_forward.ForwardBarriers
+  rows = _barrier_table_rows()
+  assert sorted(rows) == sorted(bars_cls.SPECS)
+
+  log = []
+
+  class FakeBarrierArray:
+    def __init__(self, name):
+      self.at = {0: name}  # .at[0] is the barrier's name
+
+  fake_plgpu = types.SimpleNamespace(
+      barrier_wait=lambda ref: log.append(("wait", ref)),
+      barrier_arrive=lambda ref: log.append(("arrive", ref)),
+      tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)),
+  )
+  monkeypatch.setattr(sm100_forward, "plgpu", fake_plgpu)
+  cfg = sm100_forward.tile_config(64, jnp.bfloat16)
+  bars = bars_cls(cfg, {name: FakeBarrierArray(name) for name in bars_cls.SPECS})
+  bars._drain = True
+  accessors = [m for m in dir(bars_cls) if m.startswith(("producer_", "consumer_", "drain_"))]
+  sides = {name: set() for name in bars_cls.SPECS}
+  for method in accessors:
+    assert method in " ".join(rows.values()), f"{method} is missing from the barrier table"
+    if method == "drain_kv_rings":
+      continue  # a pl.loop over producer_k_acquire / producer_v_acquire
+    log.clear()
+    result = getattr(bars, method)(0)
+    if isinstance(result, sm100_forward._Waiter):
+      result.wait()
+    elif result is not None:
+      log.append(("arrive", result))  # a barrier handed to TMA or to an MMA
+    assert log, method
+    for side, name in log:
+      assert method in rows[name], f"{method} ({side} on {name}) is not in the {name} row"
+      sides[name].add(side)
+  for name, seen in sides.items():
+    assert seen == {"arrive", "wait"}, f"{name}: only {seen}"

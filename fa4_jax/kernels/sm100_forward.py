@@ -7,8 +7,9 @@ Accumulators live in tensor memory (TMEM); warpgroups specialise:
     wg 0 .. nq-1   softmax of Q tile i: S_i (TMEM) -> P_i (TMEM, over S_i),
                    running max / sum, rescale factor for the correction wg.
     wg nq          correction: rescales O_i in TMEM when a row's max grew
-                   past `RESCALE_THRESHOLD` (exact: P is computed against the
-                   same stale max), then the epilogue O / l and the LSE.
+                   past `scores.RESCALE_THRESHOLD` (exact: P is computed
+                   against the same stale max), then the epilogue O / l and
+                   the LSE.
     wg nq+1        warp 0: TMA loads (Q once, K and V into a ring of slots);
                    warp 1: issues every tcgen05 MMA (one thread).
 
@@ -20,14 +21,27 @@ so two MMAs separate the production of S_i from the consumption of P_i and
 the softmax of one tile overlaps the tensor core's work on the other. K is
 fed k-major (K^T of a row-major tile), V mn-major, P straight from TMEM.
 
-Every barrier is declared once in `ForwardBarriers` with its arrival count;
-kernels use its producer_* / consumer_* accessors, never a raw barrier.
+Every barrier is declared once in `ForwardBarriers` with its arrival count,
+the role that arrives on it and the roles that wait on it; the roles use its
+producer_* / consumer_* accessors, never a raw barrier.
+
+The element mask and the online softmax (running max from `scores.M_INIT`,
+threshold, exact rescale factor, 1 / l and LSE) come from `fa4_jax.scores`,
+the one implementation every backend uses, applied to whole tiles in the
+TMEM row layout.
+
+Each role is a module-level function of a `ForwardContext` (static
+configuration, refs, barriers, this CTA's tile geometry): `load_warp`,
+`mma_warp`, `softmax_wg`, `correction_wg` and its `epilogue`. The kernel body
+builds the context and `dispatch_roles` hands each warpgroup (and each warp
+of the last one) its role.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.scores import MaskSpec
@@ -44,16 +59,10 @@ TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
 SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
 
 BLOCK_Q = 128  # rows of one Q tile = TMEM lanes = threads of a warpgroup
-# A row's running max is only raised (and O rescaled) when the new max beats
-# it by more than this many powers of two; below that P may reach 2**8, which
-# bf16/f16 and the f32 sums hold exactly enough. The result is exact either way.
-RESCALE_THRESHOLD = 8.0
 # Columns of O handled at once by the correction warpgroup (rescale) and by
 # the epilogue: bounds its register use.
 RESCALE_CHUNK = 32
 EPILOGUE_CHUNK = 64
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -172,19 +181,33 @@ class _Waiter:
 class ForwardBarriers:
   """Every mbarrier of the forward kernel (cf. the reference `Depth512MBars`).
 
-  name        count        arrivals  tensor-core  producer -> consumer
-  q_full      num_q_tiles  1 (TMA)   no           load warp -> MMA warp
-  k_full      stages       1 (TMA)   no           load warp -> MMA warp
-  k_free      stages       1 (MMA)   yes          MMA warp (commit) -> load warp
-  v_full      stages       1 (TMA)   no           load warp -> MMA warp
-  v_free      stages       1 (MMA)   yes          MMA warp (commit) -> load warp
-  s_full      num_q_tiles  1 (MMA)   yes          MMA warp (S_i done) -> softmax_i
-  po_ready    num_q_tiles  2         yes          softmax_i (P_i in TMEM) +
-                                                  correction (O_i rescaled) -> MMA
-  o_done      num_q_tiles  1 (MMA)   yes          MMA warp (O_i += P_i V) -> correction,
-                                                  and -> MMA warp (before S_i is rewritten)
-  c_full      num_q_tiles  1         no           softmax_i (row factors in SMEM) -> correction
-  c_free      num_q_tiles  1         no           correction (factors read) -> softmax_i
+  Who arrives on each barrier and who waits on it, by role and accessor
+  (no role touches a barrier except through these accessors):
+
+  name      count   arrivals  t-core  arrived on by                   waited on by
+  q_full    tiles   1 (TMA)   no      load: producer_q (TMA bytes)    MMA: consumer_q
+  k_full    stages  1 (TMA)   no      load: producer_k (TMA bytes)    MMA: consumer_k
+  k_free    stages  1 (MMA)   yes     MMA: consumer_k_release         load: producer_k_acquire,
+                                                                            drain_kv_rings*
+  v_full    stages  1 (TMA)   no      load: producer_v (TMA bytes)    MMA: consumer_v
+  v_free    stages  1 (MMA)   yes     MMA: consumer_v_release         load: producer_v_acquire,
+                                                                            drain_kv_rings*
+  s_full    tiles   1 (MMA)   yes     MMA: producer_s (S_i = Q_i K^T) softmax_i: consumer_s
+  po_ready  tiles   2         yes     softmax_i: producer_p_commit    MMA: producer_o_acquire
+                                        (P_i in TMEM) and
+                                      correction: consumer_o_release
+                                        (O_i rescaled)
+  o_done    tiles   1 (MMA)   yes     MMA: producer_o (O_i += P_i V)  correction: consumer_o;
+                                                                      MMA: producer_s_acquire
+                                                                        (before S_i is
+                                                                        rewritten), drain_o*
+  c_full    tiles   1         no      softmax_i: producer_c_commit    correction: consumer_c
+                                        (row factors in SMEM)
+  c_free    tiles   1         no      correction: consumer_c_release  softmax_i: producer_c_acquire,
+                                                                                 drain_c*
+
+  tiles = num_q_tiles, stages = num_kv_stages; t-core: the barrier orders
+  tensor-core work (tcgen05 commits arrive on it). * interpreter only.
 
   S_i needs no "free" barrier of its own: P_i overwrites S_i (same TMEM
   columns), and the MMA warp issues the next S_i MMA only after the P_i V MMA
@@ -337,7 +360,7 @@ class ForwardBarriers:
 
 
 # ---------------------------------------------------------------------------
-# The kernel.
+# The kernel: a context that every role reads, one function per role.
 # ---------------------------------------------------------------------------
 
 
@@ -351,288 +374,404 @@ def _rem(x, n: int):
   return lax.rem(x, jnp.asarray(n, x.dtype))
 
 
-def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
-                  num_kv_heads, scale: float, mask: MaskSpec):
-  """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
-  whose true extents are tq, tk (rows/keys past them are padding)."""
-  nq = cfg.num_q_tiles
-  bn = cfg.block_kv
-  stages = cfg.num_kv_stages
-  dtype = cfg.dtype
-  head_dim = cfg.head_dim
-  group = num_q_heads // num_kv_heads
-  num_q_ctas = pl.cdiv(tq_pad, cfg.rows_per_cta)
-  scale_log2 = scale * LOG2_E
+# Warps of the load/MMA warpgroup.
+LOAD_WARP, MMA_WARP = 0, 1
 
-  SOFTMAX_WGS = tuple(range(nq))
-  CORRECTION_WG = nq
-  LOAD_MMA_WG = nq + 1
-  LOAD_WARP, MMA_WARP = 0, 1
 
-  def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
-             q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
-             sp_tmem, o_tmem, barrier_refs):
-    bars = ForwardBarriers(cfg, barrier_refs)
-    wg = lax.axis_index("wg")
+@dataclasses.dataclass(frozen=True)
+class KernelStatics:
+  """What `_build_kernel` fixes at trace time, the same for every CTA."""
+
+  cfg: TileConfig
+  mask: MaskSpec
+  tq: int  # true extents; the arrays may be padded past them
+  tk: int
+  group: int  # query heads per key/value head
+  scale_log2: float  # softmax scale * log2(e), folded into the exp2
+
+  # Warpgroups (the "wg" threads of plgpu.kernel), as in the module docstring.
+  @property
+  def softmax_wgs(self) -> tuple[int, ...]:
+    return tuple(range(self.cfg.num_q_tiles))
+
+  @property
+  def correction_wg(self) -> int:
+    return self.cfg.num_q_tiles
+
+  @property
+  def load_mma_wg(self) -> int:
+    return self.cfg.num_q_tiles + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardRefs:
+  """The kernel's operands (GMEM) and its SMEM / TMEM scratch."""
+
+  q_ref: Any
+  k_ref: Any
+  v_ref: Any
+  q_len_ref: Any
+  kv_len_ref: Any
+  out_ref: Any
+  lse_ref: Any
+  q_smem: Any  # Q_i, later O_i on its way out
+  k_smem: Any  # K ring
+  v_smem: Any  # V ring
+  alpha_smem: Any  # per-row rescale factors, softmax_i -> correction
+  m_smem: Any  # final running max, softmax_i -> epilogue
+  l_smem: Any  # final running sum, softmax_i -> epilogue
+  lse_smem: Any
+  sp_tmem: Any  # S_i / P_i (RefUnion: P_i over S_i's columns)
+  o_tmem: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+  """What every role reads: the static configuration, the refs, the
+  barriers and this CTA's tile geometry (traced scalars)."""
+
+  statics: KernelStatics
+  refs: ForwardRefs
+  bars: ForwardBarriers
+  b: Any  # batch
+  h: Any  # query head
+  kv_h: Any  # its key/value head
+  row0: Any  # first query row of the CTA
+  q_len: Any  # run-time lengths, clamped to the array extents
+  kv_len: Any
+  blk_lo: Any  # the CTA walks key blocks [blk_lo, blk_lo + num_steps)
+  num_steps: Any
+
+  @classmethod
+  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers):
+    cfg, mask = statics.cfg, statics.mask
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
-    kv_h = lax.div(h, jnp.asarray(group, h.dtype))
+    kv_h = lax.div(h, jnp.asarray(statics.group, h.dtype))
     row0 = lax.axis_index("q_chunk") * cfg.rows_per_cta
 
     # Run-time lengths, clamped to the array extents.
-    q_len = jnp.minimum(q_len_ref[b], tq)
-    kv_len = jnp.minimum(kv_len_ref[b], tk)
+    q_len = jnp.minimum(refs.q_len_ref[b], statics.tq)
+    kv_len = jnp.minimum(refs.kv_len_ref[b], statics.tk)
 
     # Key blocks any row of this CTA may see: [blk_lo, blk_lo + num_steps).
     cta_rows_hi = jnp.minimum(row0 + cfg.rows_per_cta, q_len)
-    blk_lo, blk_hi = mask.key_block_range(row0, cta_rows_hi, kv_len, bn)
+    blk_lo, blk_hi = mask.key_block_range(row0, cta_rows_hi, kv_len, cfg.block_kv)
     blk_lo = jnp.asarray(blk_lo, jnp.int32)
     num_steps = jnp.where(cta_rows_hi > row0, jnp.maximum(blk_hi - blk_lo, 0), 0)
     num_steps = num_steps.astype(jnp.int32)
+    return cls(statics, refs, bars, b=b, h=h, kv_h=kv_h, row0=row0, q_len=q_len,
+               kv_len=kv_len, blk_lo=blk_lo, num_steps=num_steps)
 
-    def tile_rows(i):
-      return row0 + i * BLOCK_Q
+  @property
+  def cfg(self) -> TileConfig:
+    return self.statics.cfg
 
-    def s_tmem(i):
-      return sp_tmem[i][0]
+  def tile_rows(self, i):
+    """First query row of Q tile i."""
+    return self.row0 + i * BLOCK_Q
 
-    def p_tmem(i):
-      return sp_tmem[i][1]
+  def s_tmem(self, i):
+    return self.refs.sp_tmem[i][0]
 
-    # ----------------------------- load warp -----------------------------
-    def load_warp():
-      @pl.when(num_steps > 0)
-      def _():
-        for i in range(nq):
-          plgpu.copy_gmem_to_smem(
-              q_ref.at[b, pl.ds(tile_rows(i), BLOCK_Q), h],
-              q_smem.at[i],
-              bars.producer_q(i),
-          )
+  def p_tmem(self, i):
+    return self.refs.sp_tmem[i][1]
 
-      @pl.loop(0, num_steps)
-      def _(n):
-        slot = _rem(n, stages)
-        keys = pl.ds((blk_lo + n) * bn, bn)
 
-        @pl.when(n >= stages)
-        def _():
-          bars.producer_k_acquire(slot)
+# ----------------------------- load warp -------------------------------------
 
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_h], k_smem.at[slot], bars.producer_k(slot))
 
-        @pl.when(n >= stages)
-        def _():
-          bars.producer_v_acquire(slot)
+def load_warp(ctx: ForwardContext) -> None:
+  """TMA loads: Q_i once, then K_n and V_n into the ring of slots."""
+  refs, bars = ctx.refs, ctx.bars
+  bn, stages = ctx.cfg.block_kv, ctx.cfg.num_kv_stages
 
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_h], v_smem.at[slot], bars.producer_v(slot))
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    for i in range(ctx.cfg.num_q_tiles):
+      plgpu.copy_gmem_to_smem(
+          refs.q_ref.at[ctx.b, pl.ds(ctx.tile_rows(i), BLOCK_Q), ctx.h],
+          refs.q_smem.at[i],
+          bars.producer_q(i),
+      )
 
-      bars.drain_kv_rings(num_steps)
+  @pl.loop(0, ctx.num_steps)
+  def _(n):
+    slot = _rem(n, stages)
+    keys = pl.ds((ctx.blk_lo + n) * bn, bn)
 
-    # ----------------------------- MMA warp ------------------------------
-    def mma_warp():
-      def s_mma(i, n, k_t):
-        """S_i = Q_i K_n^T, once P_i of the previous block has been consumed."""
+    @pl.when(n >= stages)
+    def _():
+      bars.producer_k_acquire(slot)
+
+    plgpu.copy_gmem_to_smem(
+        refs.k_ref.at[ctx.b, keys, ctx.kv_h], refs.k_smem.at[slot], bars.producer_k(slot))
+
+    @pl.when(n >= stages)
+    def _():
+      bars.producer_v_acquire(slot)
+
+    plgpu.copy_gmem_to_smem(
+        refs.v_ref.at[ctx.b, keys, ctx.kv_h], refs.v_smem.at[slot], bars.producer_v(slot))
+
+  bars.drain_kv_rings(ctx.num_steps)
+
+
+# ----------------------------- MMA warp --------------------------------------
+
+
+def _s_mma(ctx: ForwardContext, i, n, k_t) -> None:
+  """S_i = Q_i K_n^T, once P_i of the previous block has been consumed."""
+  @pl.when(n > 0)
+  def _():
+    ctx.bars.producer_s_acquire(i)
+
+  plgpu.tcgen05_mma(ctx.s_tmem(i), ctx.refs.q_smem.at[i], k_t, ctx.bars.producer_s(i),
+                    accumulate=False)
+
+
+def _pv_mma(ctx: ForwardContext, i, n) -> None:
+  """O_i += P_i V_n (overwrite at n == 0)."""
+  ctx.bars.producer_o_acquire(i)
+  plgpu.tcgen05_mma(
+      ctx.refs.o_tmem[i], ctx.p_tmem(i), ctx.refs.v_smem.at[_rem(n, ctx.cfg.num_kv_stages)],
+      ctx.bars.producer_o(i), accumulate=n > 0,
+  )
+
+
+def mma_warp(ctx: ForwardContext) -> None:
+  """One thread issues every tcgen05 MMA, in the order of the module docstring."""
+  bars, nq, stages = ctx.bars, ctx.cfg.num_q_tiles, ctx.cfg.num_kv_stages
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    for i in range(nq):
+      bars.consumer_q(i).wait()
+
+    @pl.loop(0, ctx.num_steps)
+    def _(n):
+      slot = _rem(n, stages)
+      k_t = ctx.refs.k_smem.at[slot].T  # k-major B operand
+      bars.consumer_k(slot).wait()
+      _s_mma(ctx, 0, n, k_t)
+      if nq == 2:
         @pl.when(n > 0)
         def _():
-          bars.producer_s_acquire(i)
+          _pv_mma(ctx, 1, n - 1)
+          bars.consumer_v_release(_rem(n - 1, stages))  # V_(n-1) read by both tiles
 
-        plgpu.tcgen05_mma(s_tmem(i), q_smem.at[i], k_t, bars.producer_s(i), accumulate=False)
+        _s_mma(ctx, 1, n, k_t)
+      bars.consumer_k_release(slot)
+      bars.consumer_v(slot).wait()
+      _pv_mma(ctx, 0, n)
+      if nq == 1:
+        bars.consumer_v_release(slot)
 
-      def pv_mma(i, n):
-        """O_i += P_i V_n (overwrite at n == 0)."""
-        bars.producer_o_acquire(i)
-        plgpu.tcgen05_mma(
-            o_tmem[i], p_tmem(i), v_smem.at[_rem(n, stages)],
-            bars.producer_o(i), accumulate=n > 0,
-        )
+    if nq == 2:
+      last = ctx.num_steps - 1
+      _pv_mma(ctx, 1, last)
+      bars.consumer_v_release(_rem(last, stages))
+    for i in range(nq):
+      bars.drain_o(i)
 
-      @pl.when(num_steps > 0)
-      def _():
-        for i in range(nq):
-          bars.consumer_q(i).wait()
 
-        @pl.loop(0, num_steps)
-        def _(n):
-          slot = _rem(n, stages)
-          k_t = k_smem.at[slot].T  # k-major B operand
-          bars.consumer_k(slot).wait()
-          s_mma(0, n, k_t)
-          if nq == 2:
-            @pl.when(n > 0)
-            def _():
-              pv_mma(1, n - 1)
-              bars.consumer_v_release(_rem(n - 1, stages))  # V_(n-1) read by both tiles
+# ----------------------------- softmax warpgroups ----------------------------
 
-            s_mma(1, n, k_t)
-          bars.consumer_k_release(slot)
-          bars.consumer_v(slot).wait()
-          pv_mma(0, n)
-          if nq == 1:
-            bars.consumer_v_release(slot)
 
-        if nq == 2:
-          last = num_steps - 1
-          pv_mma(1, last)
-          bars.consumer_v_release(_rem(last, stages))
-        for i in range(nq):
-          bars.drain_o(i)
+def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo):
+  rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + r_lo
+  cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + k_lo
+  ok = scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len) & (rows < ctx.q_len)
+  return jnp.where(ok, s, -jnp.inf)
 
-    # ----------------------------- softmax -------------------------------
-    def softmax_wg(i):
-      r_lo = tile_rows(i)
 
-      def masked_scores(s, k_lo):
-        rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + r_lo
-        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + k_lo
-        ok = mask.visible(rows, cols) & (cols < kv_len) & (rows < q_len)
-        return jnp.where(ok, s, -jnp.inf)
+def _softmax_step(ctx: ForwardContext, i, r_lo, n, carry):
+  """Key block n of Q tile i (first row r_lo): S_i -> P_i, the running
+  statistics, and the rescale factors for the correction warpgroup."""
+  bars, bn = ctx.bars, ctx.cfg.block_kv
+  m_run, l_run = carry  # log2-scaled running max, running sum
+  k_lo = (ctx.blk_lo + n) * bn
+  bars.consumer_s(i).wait()
+  s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=_ROW_LAYOUT)
+  # Element masks only where the block straddles a mask/length edge.
+  needs_no_mask = (
+      ctx.statics.mask.tile_is_full(r_lo, r_lo + BLOCK_Q, k_lo, k_lo + bn)
+      & (k_lo + bn <= ctx.kv_len)
+      & (r_lo + BLOCK_Q <= ctx.q_len)
+  )
+  s = lax.cond(needs_no_mask, lambda s: s, lambda s: _masked_scores(ctx, s, r_lo, k_lo), s)
+  # The shared step: the max moves only past the threshold; alpha is exact.
+  p, m_run, alpha = scores.online_softmax(s, m_run, ctx.statics.scale_log2)
+  l_run = l_run * alpha + p.sum(axis=1)
+  plgpu.wait_load_tmem()  # S_i fully read before P_i overwrites it
+  plgpu.async_store_tmem(ctx.p_tmem(i), p.astype(ctx.cfg.dtype))
+  plgpu.commit_tmem()
+  # Hand the row factors to the correction warpgroup.
+  @pl.when(n > 0)
+  def _():
+    bars.producer_c_acquire(i)
 
-      def step(n, carry):
-        m_run, l_run = carry  # log2-scaled running max, running sum
-        k_lo = (blk_lo + n) * bn
-        bars.consumer_s(i).wait()
-        s = plgpu.async_load_tmem(s_tmem(i), layout=_ROW_LAYOUT)
-        # Element masks only where the block straddles a mask/length edge.
-        needs_no_mask = (
-            mask.tile_is_full(r_lo, r_lo + BLOCK_Q, k_lo, k_lo + bn)
-            & (k_lo + bn <= kv_len)
-            & (r_lo + BLOCK_Q <= q_len)
-        )
-        s = lax.cond(needs_no_mask, lambda s: s, lambda s: masked_scores(s, k_lo), s)
-        m_new = jnp.maximum(m_run, s.max(axis=1) * scale_log2)
-        # Raise the max only when it grew past the threshold (or was -inf).
-        m_use = jnp.where(m_new - m_run > RESCALE_THRESHOLD, m_new, m_run)
-        alpha = jnp.where(m_use > m_run, jnp.exp2(m_run - m_use), 1.0)
-        m_base = jnp.where(m_use == -jnp.inf, 0.0, m_use)
-        p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_base, s.shape, [0]))
-        l_run = l_run * alpha + p.sum(axis=1)
-        plgpu.wait_load_tmem()  # S_i fully read before P_i overwrites it
-        plgpu.async_store_tmem(p_tmem(i), p.astype(dtype))
-        plgpu.commit_tmem()
-        # Hand the row factors to the correction warpgroup.
+  ctx.refs.alpha_smem[i] = alpha
+  bars.producer_c_commit(i)
+  bars.producer_p_commit(i)
+  return m_run, l_run
+
+
+def softmax_wg(ctx: ForwardContext, i) -> None:
+  """Softmax of Q tile i over the CTA's key blocks; the final running max
+  and sum go to the epilogue through the same hand-off as the factors."""
+  bars, refs = ctx.bars, ctx.refs
+  r_lo = ctx.tile_rows(i)
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    init = (
+        plgpu.layout_cast(jnp.full((BLOCK_Q,), scores.M_INIT, jnp.float32), _ROW_VECTOR_LAYOUT),
+        plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), _ROW_VECTOR_LAYOUT),
+    )
+    step = functools.partial(_softmax_step, ctx, i, r_lo)
+    m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
+    # Final statistics for the epilogue, through the same hand-off.
+    bars.producer_c_acquire(i)
+    refs.m_smem[i] = m_run
+    refs.l_smem[i] = l_run
+    bars.producer_c_commit(i)
+    bars.drain_c(i)
+
+
+# ----------------------------- correction warpgroup --------------------------
+
+
+def _rescale_o(ctx: ForwardContext, i, alpha) -> None:
+  """O_i *= alpha in TMEM, in column chunks to stay within the registers."""
+  o_tmem = ctx.refs.o_tmem[i]
+  for c in range(0, ctx.cfg.head_dim, RESCALE_CHUNK):
+    chunk = o_tmem.at[:, pl.ds(c, RESCALE_CHUNK)]
+    o = plgpu.async_load_tmem(chunk, layout=_ROW_LAYOUT)
+    o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+    plgpu.wait_load_tmem()
+    plgpu.async_store_tmem(chunk, o)
+  plgpu.commit_tmem()
+
+
+def correction_wg(ctx: ForwardContext) -> None:
+  """Per key block, rescale O_i where a row's max moved; then the epilogue."""
+  bars = ctx.bars
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    @pl.loop(0, ctx.num_steps)
+    def _(n):
+      for i in range(ctx.cfg.num_q_tiles):
+        bars.consumer_c(i).wait()
+        alpha = plgpu.load(ctx.refs.alpha_smem.at[i], layout=_ROW_VECTOR_LAYOUT)
+        bars.consumer_c_release(i)
+
         @pl.when(n > 0)
         def _():
-          bars.producer_c_acquire(i)
+          bars.consumer_o(i).wait()
 
-        alpha_smem[i] = alpha
-        bars.producer_c_commit(i)
-        bars.producer_p_commit(i)
-        return m_use, l_run
+          @pl.when(jnp.min(alpha) < 1.0)
+          def _():
+            _rescale_o(ctx, i, alpha)
 
-      @pl.when(num_steps > 0)
-      def _():
-        init = (
-            plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), _ROW_VECTOR_LAYOUT),
-            plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), _ROW_VECTOR_LAYOUT),
-        )
-        m_run, l_run = lax.fori_loop(0, num_steps, step, init)
-        # Final statistics for the epilogue, through the same hand-off.
-        bars.producer_c_acquire(i)
-        m_smem[i] = m_run
-        l_smem[i] = l_run
-        bars.producer_c_commit(i)
-        bars.drain_c(i)
+        bars.consumer_o_release(i)
 
-    # ----------------------------- correction ----------------------------
-    def correction_wg():
-      def store_tile(i, o_chunk, lse):
-        """O_i (column chunk by chunk) and lse_i to GMEM through SMEM."""
-        for c in range(0, head_dim, EPILOGUE_CHUNK):
-          # Q_i is dead: every MMA reading it has completed.
-          q_smem[i, :, pl.ds(c, EPILOGUE_CHUNK)] = o_chunk(c)
-        lse_smem[i] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[i], out_ref.at[b, pl.ds(tile_rows(i), BLOCK_Q), h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[i], lse_ref.at[b, h, pl.ds(tile_rows(i), BLOCK_Q)])
+    epilogue(ctx)
 
-      @pl.when(num_steps > 0)
-      def _():
-        @pl.loop(0, num_steps)
-        def _(n):
-          for i in range(nq):
-            bars.consumer_c(i).wait()
-            alpha = plgpu.load(alpha_smem.at[i], layout=_ROW_VECTOR_LAYOUT)
-            bars.consumer_c_release(i)
+  @pl.when(ctx.num_steps == 0)
+  def _():
+    epilogue_no_keys(ctx)
 
-            @pl.when(n > 0)
-            def _():
-              bars.consumer_o(i).wait()
 
-              @pl.when(jnp.min(alpha) < 1.0)
-              def _():
-                # In column chunks, to stay within the warpgroup's registers.
-                for c in range(0, head_dim, RESCALE_CHUNK):
-                  chunk = o_tmem[i].at[:, pl.ds(c, RESCALE_CHUNK)]
-                  o = plgpu.async_load_tmem(chunk, layout=_ROW_LAYOUT)
-                  o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-                  plgpu.wait_load_tmem()
-                  plgpu.async_store_tmem(chunk, o)
-                plgpu.commit_tmem()
+# ----------------------------- epilogue (correction warpgroup) ---------------
 
-            bars.consumer_o_release(i)
 
-        for i in range(nq):
-          bars.consumer_c(i).wait()
-          m = plgpu.load(m_smem.at[i], layout=_EPILOGUE_VECTOR_LAYOUT)
-          l = plgpu.load(l_smem.at[i], layout=_EPILOGUE_VECTOR_LAYOUT)
-          bars.consumer_c_release(i)
-          bars.consumer_o(i).wait()  # the last P_i V MMA
-          seen = l > 0.0
-          inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-          lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN_2, -jnp.inf)
+def _store_tile(ctx: ForwardContext, i, o_chunk, lse) -> None:
+  """O_i (column chunk by chunk) and lse_i to GMEM through SMEM."""
+  refs = ctx.refs
+  for c in range(0, ctx.cfg.head_dim, EPILOGUE_CHUNK):
+    # Q_i is dead: every MMA reading it has completed.
+    refs.q_smem[i, :, pl.ds(c, EPILOGUE_CHUNK)] = o_chunk(c)
+  refs.lse_smem[i] = lse
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(
+      refs.q_smem.at[i], refs.out_ref.at[ctx.b, pl.ds(ctx.tile_rows(i), BLOCK_Q), ctx.h])
+  plgpu.copy_smem_to_gmem(
+      refs.lse_smem.at[i], refs.lse_ref.at[ctx.b, ctx.h, pl.ds(ctx.tile_rows(i), BLOCK_Q)])
 
-          def normalized(c, i=i, inv_l=inv_l):
-            o = plgpu.async_load_tmem(
-                o_tmem[i].at[:, pl.ds(c, EPILOGUE_CHUNK)], layout=_EPILOGUE_LAYOUT)
-            return (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(dtype)
 
-          store_tile(i, normalized, lse)
-        plgpu.wait_smem_to_gmem(0)
+def epilogue(ctx: ForwardContext) -> None:
+  """O_i / l and the LSE, once the last P_i V MMA completed."""
+  bars, refs = ctx.bars, ctx.refs
+  for i in range(ctx.cfg.num_q_tiles):
+    bars.consumer_c(i).wait()
+    m = plgpu.load(refs.m_smem.at[i], layout=_EPILOGUE_VECTOR_LAYOUT)
+    l = plgpu.load(refs.l_smem.at[i], layout=_EPILOGUE_VECTOR_LAYOUT)
+    bars.consumer_c_release(i)
+    bars.consumer_o(i).wait()  # the last P_i V MMA
+    inv_l, lse = scores.finish_rows(m, l)
 
-      @pl.when(num_steps == 0)
-      def _():
-        # No row of this CTA sees a key: zeros and lse = -inf.
-        for i in range(nq):
-          zeros = lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), dtype)
-          minus_inf = jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32)
-          store_tile(i, zeros, minus_inf)
-        plgpu.wait_smem_to_gmem(0)
+    def normalized(c, i=i, inv_l=inv_l):
+      o = plgpu.async_load_tmem(
+          refs.o_tmem[i].at[:, pl.ds(c, EPILOGUE_CHUNK)], layout=_EPILOGUE_LAYOUT)
+      return (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(ctx.cfg.dtype)
 
-    # ----------------------------- dispatch ------------------------------
-    def set_registers(role):
-      if is_interpreting():
-        return  # the interpreter has no register file
-      n, action = REGISTERS[nq][role]
-      plgpu.set_max_registers(n, action=action)
+    _store_tile(ctx, i, normalized, lse)
+  plgpu.wait_smem_to_gmem(0)
 
-    for i in SOFTMAX_WGS:
-      @pl.when(wg == i)
-      def _():
-        set_registers("softmax")
-        softmax_wg(i)
 
-    @pl.when(wg == CORRECTION_WG)
+def epilogue_no_keys(ctx: ForwardContext) -> None:
+  """No row of this CTA sees a key: zeros and lse = -inf."""
+  for i in range(ctx.cfg.num_q_tiles):
+    zeros = lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.cfg.dtype)
+    minus_inf = jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32)
+    _store_tile(ctx, i, zeros, minus_inf)
+  plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------- dispatch --------------------------------------
+
+
+def _set_registers(ctx: ForwardContext, role: str) -> None:
+  if is_interpreting():
+    return  # the interpreter has no register file
+  n, action = REGISTERS[ctx.cfg.num_q_tiles][role]
+  plgpu.set_max_registers(n, action=action)
+
+
+def dispatch_roles(ctx: ForwardContext, wg) -> None:
+  """Each warpgroup (and each warp of the last one) runs its role."""
+  for i in ctx.statics.softmax_wgs:
+    @pl.when(wg == i)
     def _():
-      set_registers("correction")
-      correction_wg()
+      _set_registers(ctx, "softmax")
+      softmax_wg(ctx, i)
 
-    @pl.when(wg == LOAD_MMA_WG)
-    def _():
-      set_registers("load_mma")
-      @plgpu.warp_map
-      def _(warp):
-        @pl.when(warp == LOAD_WARP)
-        def _():
-          load_warp()
+  @pl.when(wg == ctx.statics.correction_wg)
+  def _():
+    _set_registers(ctx, "correction")
+    correction_wg(ctx)
 
-        @pl.when(warp == MMA_WARP)
-        def _():
-          mma_warp()
+  @pl.when(wg == ctx.statics.load_mma_wg)
+  def _():
+    _set_registers(ctx, "load_mma")
+    @plgpu.warp_map
+    def _(warp):
+      @pl.when(warp == LOAD_WARP)
+      def _():
+        load_warp(ctx)
 
-  item = jnp.dtype(dtype)
-  tf = _smem_transforms(dtype, head_dim)
-  scratch = dict(
+      @pl.when(warp == MMA_WARP)
+      def _():
+        mma_warp(ctx)
+
+
+def _scratch_types(cfg: TileConfig) -> dict:
+  nq, bn, stages, head_dim = cfg.num_q_tiles, cfg.block_kv, cfg.num_kv_stages, cfg.head_dim
+  item = jnp.dtype(cfg.dtype)
+  tf = _smem_transforms(cfg.dtype, head_dim)
+  return dict(
       q_smem=plgpu.SMEM((nq, BLOCK_Q, head_dim), item, transforms=tf),
       k_smem=plgpu.SMEM((stages, bn, head_dim), item, transforms=tf),
       v_smem=plgpu.SMEM((stages, bn, head_dim), item, transforms=tf),
@@ -651,6 +790,27 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
       o_tmem=[plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32) for _ in range(nq)],
       barrier_refs=ForwardBarriers.scratch_types(cfg),
   )
+
+
+def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
+                  num_kv_heads, scale: float, mask: MaskSpec):
+  """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
+  whose true extents are tq, tk (rows/keys past them are padding)."""
+  statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
+                          scale_log2=scale * scores.LOG2_E)
+
+  def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
+             q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
+             sp_tmem, o_tmem, barrier_refs):
+    refs = ForwardRefs(
+        q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
+        out_ref=out_ref, lse_ref=lse_ref, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
+        alpha_smem=alpha_smem, m_smem=m_smem, l_smem=l_smem, lse_smem=lse_smem,
+        sp_tmem=sp_tmem, o_tmem=o_tmem)
+    bars = ForwardBarriers(cfg, barrier_refs)
+    wg = lax.axis_index("wg")
+    dispatch_roles(ForwardContext.create(statics, refs, bars), wg)
+
   del tk_pad  # the K/V extents come with the arrays
   # LSE rows go out in 1-D TMA boxes along the sequence, its contiguous axis.
   # On an H100 the sm90 kernel's LSE came back wrong where such a box ran past
@@ -658,17 +818,17 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
   # whole CTAs here too and `forward` slices it.
   lse_seq = _round_up(tq_pad, cfg.rows_per_cta)
   out_types = (
-      jax.ShapeDtypeStruct((batch, tq_pad, num_q_heads, head_dim), item),
+      jax.ShapeDtypeStruct((batch, tq_pad, num_q_heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
       kernel,
       out_type=out_types,
-      grid=(num_q_heads, num_q_ctas, batch),
+      grid=(num_q_heads, pl.cdiv(tq_pad, cfg.rows_per_cta), batch),
       grid_names=("heads", "q_chunk", "batch"),
-      num_threads=nq + 2,
+      num_threads=cfg.num_q_tiles + 2,
       thread_name="wg",
-      scratch_types=scratch,
+      scratch_types=_scratch_types(cfg),
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
 
