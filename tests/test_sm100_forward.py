@@ -11,8 +11,10 @@
   the barrier it arrives on or waits on, and every barrier has both sides.
 """
 
+import pathlib
 import shutil
 import subprocess
+import sys
 import types
 
 import jax
@@ -171,7 +173,7 @@ def test_cross_lowers_for_sm100_with_tcgen05_and_tmem(head_dim, causal, tq, tk, 
 # --- Compiling for sm_100a --------------------------------------------------
 # The stock CPU wheels cannot turn a Mosaic GPU module into PTX (the lowering
 # passes live in the CUDA plugin, which compiles for the GPU it finds). On a
-# machine with any NVIDIA GPU, `fa4_jax.kernels.sm100_compile_probe` makes the
+# machine with any NVIDIA GPU, `tools/sm100_compile_probe.py` makes the
 # driver report compute capability 10.0 and collects the sm_100a PTX, the
 # ptxas report and the resources. ptxas alone (CUDA >= 12.8) assembles sm_100a.
 
@@ -209,7 +211,12 @@ def _has_cuda_gpu() -> bool:
                     "the plugin compiles Mosaic GPU modules only for a present device")
 @pytest.mark.skipif(_PTXAS is None, reason="ptxas is not on PATH")
 def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
-  from fa4_jax.kernels import sm100_compile_probe
+  tools = pathlib.Path(__file__).resolve().parents[1] / "tools"
+  sys.path.insert(0, str(tools))
+  try:
+    import sm100_compile_probe
+  finally:
+    sys.path.remove(str(tools))
 
   assert sm100_compile_probe.main(str(tmp_path)) == 0
   dump = tmp_path / "mosaic_dump"
