@@ -14,11 +14,12 @@ barrier makes one warpgroup's softmax run while the other's GEMMs execute.
 At D = 64 the softmax takes longer than the other's GEMMs, so taking turns
 would serialize the softmaxes; there three consumers (warpgroups 0-2, the
 producer is warpgroup 3) run without turns (`ForwardConfig.pingpong`).
-Inside a warpgroup, the wait for the next K tile is issued while P V runs.
-`ForwardConfig.schedule` also offers FA3's intra-warpgroup overlap (the
-softmax of block j runs while O += P_{j-1} V_{j-1} executes) and a
-back-to-back issue of both GEMMs; both measured slower on an H100 (see
-BENCHMARKS.md), so the heuristic keeps the serial order.
+Inside a warpgroup the GEMMs run in order (S = Q K^T, softmax, O += P V),
+and the wait for the next K tile is issued while P V runs. FA3's
+intra-warpgroup overlap (the softmax of block j while O += P_{j-1} V_{j-1}
+runs), a back-to-back issue of both GEMMs and P staged through SMEM all
+measured slower on an H100 (BENCHMARKS.md) and were removed; commit dcef065
+still has them.
 
 Every barrier and who arrives on it is listed in `ForwardBarriers`; the ring
 arithmetic lives in `fa4_jax.kernels.pipeline`.
@@ -91,12 +92,15 @@ SMEM_LIMIT_BYTES = 232448
 # (cross-lowered heuristic configs add 376-712 bytes; a test checks it).
 SMEM_RESERVE_BYTES = 1024
 MAX_HEAD_DIM = 256
-SCHEDULES = ("serial", "qk_then_pv", "pv_then_qk")
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-  """Static tiling of the kernel. A CTA covers `num_consumers * block_q` rows."""
+  """Static tiling of the kernel. A CTA covers `num_consumers * block_q` rows.
+
+  The paired GEMM schedules and P in SMEM measured slower and were removed
+  (commit dcef065 has them).
+  """
 
   block_q: int  # query rows per consumer warpgroup (wgmma M)
   block_kv: int  # keys per ring slot
@@ -106,17 +110,6 @@ class ForwardConfig:
   consumer_registers: int = 232
   # Finish the row sums before handing the tensor core over, or after.
   sum_before_handoff: bool = False
-  # How a consumer orders its two GEMMs per KV block:
-  #   "serial":     S_j = Q K_j^T, softmax, O += P_j V_j, each waited for.
-  #   "qk_then_pv": S_j, then O += P_{j-1} V_{j-1} issued back to back; the
-  #                 softmax of S_j runs while the P V wgmma executes (FA3's
-  #                 intra-warpgroup overlap).
-  #   "pv_then_qk": O += P_{j-1} V_{j-1}, then S_j, issued back to back and
-  #                 both waited for: no tensor-core gap between them.
-  schedule: str = "serial"
-  # P goes through SMEM (wgmma reads both operands from SMEM) instead of
-  # registers; needs an SMEM tile of block_q x block_kv per consumer.
-  p_in_smem: bool = False
   # Persistent grid: one CTA per SM walks work items; the next tile's Q loads
   # while the current tile's O is stored (needs SMEM for separate O tiles).
   persistent: bool = False
@@ -139,8 +132,6 @@ class ForwardConfig:
   pingpong: bool = True
 
   def __post_init__(self):
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"ForwardConfig.schedule must be one of {SCHEDULES}; got {self.schedule!r}")
     if self.pingpong and self.num_consumers != 2:
       raise ValueError("ForwardConfig.pingpong alternates two consumers; "
                        f"got num_consumers={self.num_consumers} (set pingpong=False)")
@@ -168,8 +159,7 @@ class ForwardConfig:
     kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
     lse = self.num_consumers * self.block_q * 4
     o_tiles = tile if self.persistent else 0
-    p_tiles = self.num_consumers * self.block_q * self.block_kv * itemsize if self.p_in_smem else 0
-    return q_tiles + kv_ring + lse + o_tiles + p_tiles
+    return q_tiles + kv_ring + lse + o_tiles
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -500,7 +490,7 @@ def _build_kernel(
     out_ref, lse_ref, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if cfg.persistent else None
-    p_smem = optional_smem.pop(0) if (interpreting or cfg.p_in_smem) else None
+    p_smem = optional_smem.pop(0) if interpreting else None
     bars = ForwardBarriers.from_refs(cfg, barrier_refs)
     wg = lax.axis_index("wg")
 
@@ -587,14 +577,13 @@ def _build_kernel(
 
         def p_times_v(acc, p, v_tile, while_running):
           """O += P V, with `while_running()` issued while the wgmma runs."""
-          p_operand = p
-          if interpreting or cfg.p_in_smem:
-            p_operand = p_smem.at[wg]
-            p_operand[...] = p
-            plgpu.commit_smem()
           if interpreting:
             # The interpreter rejects wgmma with A in registers and run_state:
             # stage P through SMEM and add a fresh accumulator.
+            p_operand = p_smem.at[wg]
+            p_operand[...] = p
+            plgpu.commit_smem()
+
             def pv_delta(delta_ref):
               plgpu.wgmma(delta_ref, p_operand, v_tile)
               while_running()
@@ -603,7 +592,7 @@ def _build_kernel(
             return acc + pl.run_scoped(pv_delta, plgpu.ACC((bq, head_dim), jnp.float32))
 
           def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_operand, v_tile)
+            plgpu.wgmma(acc_ref, p, v_tile)
             while_running()
 
           return pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -663,84 +652,6 @@ def _build_kernel(
           bars.v.consumer_release(step)
           return acc, m_new, l
 
-        # --- the paired schedules (`schedule` "qk_then_pv" / "pv_then_qk") ---
-        # Block j's step issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1},
-        # and runs the softmax of S_j while the P V wgmma still runs; O is
-        # rescaled by alpha_j once it lands. The first block of the consumer's
-        # range only computes P; the last P V runs after the loop.
-
-        def paired_gemms(acc, p_prev, j, after_qk, outs_like):
-          """Issues S = Q K_j^T and O += P_prev V_{j-1} back to back, in the
-          schedule's order; after_qk(S) runs as soon as S is ready ("qk_then_pv":
-          while the P V wgmma still runs). Returns (O, after_qk's outputs)."""
-          k_tile = k_smem.at[bars.k.slot(ring_step(j))]
-          v_tile = v_smem.at[bars.v.slot(ring_step(j - 1))]
-          if interpreting:
-            # No register-A wgmma, no run_state: the same order of barrier
-            # operations, with P staged through SMEM (see `p_times_v`).
-            s = pl.run_scoped(functools.partial(qk, k_tile=k_tile), plgpu.ACC((bq, bk), jnp.float32))
-            acc = p_times_v(acc, p_prev, v_tile, lambda: None)
-            return acc, after_qk(s)
-
-          p_operand = p_prev
-          if cfg.p_in_smem:
-            p_operand = p_smem.at[wg]
-            p_operand[...] = p_prev  # the previous P V has completed
-            plgpu.commit_smem()
-
-          def body(refs):
-            acc_ref, out_refs = refs
-
-            def issue(s_ref):
-              if cfg.schedule == "qk_then_pv":
-                plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-                plgpu.wgmma(acc_ref, p_operand, v_tile)
-                bars.pingpong.sync()  # the other consumer's softmax ends here
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S only
-              plgpu.wgmma(acc_ref, p_operand, v_tile)
-              plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-              bars.pingpong.sync()
-              return plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-
-            outs = after_qk(pl.run_scoped(issue, plgpu.ACC((bq, bk), jnp.float32)))
-            for ref, value in zip(out_refs, outs):
-              ref[...] = value
-
-          return pl.run_state(body)((plgpu.ACC.init(acc), tuple(outs_like)))
-
-        def first_overlapped_step(j, carry):
-          acc, m, l, p_prev = carry
-          step = ring_step(j)
-          s = pl.run_scoped(functools.partial(qk, k_tile=k_smem.at[bars.k.slot(step)]),
-                            plgpu.ACC((bq, bk), jnp.float32))
-          bars.k.consumer_release(step)
-          # The first block of a range may be a boundary block: always masked.
-          p16, m_new, l, _, _ = softmax_and_hand_off(s, m, l, j, masked=True)
-          wait_next_k(j)
-          return acc, m_new, l, p16
-
-        def overlapped_step(j, carry, *, masked: bool):
-          acc, m, l, p_prev = carry
-          step = ring_step(j)
-
-          def after_qk(s):
-            bars.k.consumer_release(step)
-            outs = softmax_and_hand_off(s, m, l, j, masked=masked)[:4]
-            wait_next_k(j)
-            return outs
-
-          acc, (p16, m_new, l, alpha) = paired_gemms(acc, p_prev, j, after_qk, (p_prev, m, l, m))
-          bars.v.consumer_release(step - 1)
-          acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-          return acc, m_new, l, p16
-
-        def last_pv(j, carry):
-          acc, m, l, p_prev = carry
-          step = ring_step(j)
-          acc = p_times_v(acc, p_prev, v_smem.at[bars.v.slot(step)], lambda: None)
-          bars.v.consumer_release(step)
-          return acc, m, l, p_prev
-
         def skip_step(j, carry):
           """A block this consumer's rows cannot see: keep the protocol going."""
           step = ring_step(j)
@@ -764,23 +675,9 @@ def _build_kernel(
 
         pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
         carry = fori(lo, own_lo, skip_step, (acc, m, l))
-        if cfg.schedule != "serial":
-          p16 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-          carry = (*carry, p16)
-          # Loops of zero or one step stand in for "if the range is not empty".
-          first_hi = jnp.minimum(own_lo + 1, own_hi)
-          carry = fori(own_lo, first_hi, first_overlapped_step, carry)
-          rest_full_lo = _clip(full_lo, first_hi, own_hi)
-          rest_full_hi = _clip(full_hi, rest_full_lo, own_hi)
-          carry = fori(first_hi, rest_full_lo, functools.partial(overlapped_step, masked=True), carry)
-          carry = fori(rest_full_lo, rest_full_hi, functools.partial(overlapped_step, masked=False), carry)
-          carry = fori(rest_full_hi, own_hi, functools.partial(overlapped_step, masked=True), carry)
-          carry = fori(jnp.maximum(own_hi - 1, own_lo), own_hi, last_pv, carry)
-          carry = carry[:3]
-        else:
-          carry = fori(own_lo, full_lo, functools.partial(compute_step, masked=True), carry)
-          carry = fori(full_lo, full_hi, functools.partial(compute_step, masked=False), carry)
-          carry = fori(full_hi, own_hi, functools.partial(compute_step, masked=True), carry)
+        carry = fori(own_lo, full_lo, functools.partial(compute_step, masked=True), carry)
+        carry = fori(full_lo, full_hi, functools.partial(compute_step, masked=False), carry)
+        carry = fori(full_hi, own_hi, functools.partial(compute_step, masked=True), carry)
         carry = fori(own_hi, hi, skip_step, carry)
         pl.when(wg == 0)(bars.pingpong.sync)
         acc, m, l = carry
@@ -817,7 +714,7 @@ def _build_kernel(
   if cfg.persistent:
     # O tiles of their own, so the next work item's Q can land during the epilogue.
     smem.append(_smem_tile((cfg.num_consumers, bq, head_dim), dtype))
-  if interpreting or cfg.p_in_smem:
+  if interpreting:
     smem.append(_smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   # The LSE rows are stored with 1-D TMA boxes along the sequence, its
   # contiguous axis. On an H100 a box that ran past the end of that axis left
