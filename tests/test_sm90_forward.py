@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward
 from fa4_jax.scores import MaskSpec
@@ -290,7 +291,7 @@ def test_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the_mask(
   block = 16
   for q_lo, q_len, kv_len in itertools.product((0, 16, 48), (20, 64), (0, 33, 64, 80)):
     q_hi = q_lo + 32
-    r = sm90_forward.kv_tile_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
+    r = scores.kv_tile_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
     lo, hi, full_lo, full_hi = (int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi))
     seen, full = _brute_force_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
     assert set(seen) <= set(range(lo, hi)), (q_lo, q_len, kv_len)

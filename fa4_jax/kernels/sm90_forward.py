@@ -24,11 +24,13 @@ still has them.
 Every barrier and who arrives on it is listed in `ForwardBarriers`; the ring
 arithmetic lives in `fa4_jax.kernels.pipeline`.
 
-Softmax: logits are kept raw; `c = scale * log2(e)` is folded into one FMA
-before `exp2`, the running max `m` is kept in those scaled log2 units, in the
-wgmma accumulator's row layout. The max is only moved when a row's max grew by
-more than `RESCALE_THRESHOLD` (log2 units): a stale max is used for both l and
-O, so the result stays exact and P stays below 2**RESCALE_THRESHOLD. With
+Softmax (`fa4_jax.scores.online_softmax`, which also holds the tile ranges
+and the element mask): logits are kept raw; `c = scale * log2(e)` is folded
+into one FMA before `exp2`, the running max `m` is kept in those scaled log2
+units, in the wgmma accumulator's row layout. The max is only moved when a
+row's max grew by more than `scores.RESCALE_THRESHOLD` (log2 units): a stale
+max is used for both l and O, so the result stays exact and P stays below
+2**RESCALE_THRESHOLD. With
 `ForwardConfig.conditional_rescale`, O is multiplied by the rescale factor only
 in the warps where some row's max moved (a warp-uniform branch,
 `fa4_jax.kernels.accumulator.rescale_rows`): after the first blocks that is
@@ -60,8 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,18 +71,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common, default_device
-from fa4_jax.kernels.accumulator import exact_alpha, rescale_rows
+from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       fori, sequence_lengths)
-from fa4_jax.scores import MaskSpec, cdiv
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-# Move a row's running max only when it grew by more than this (log2 units).
-RESCALE_THRESHOLD = 8.0
-# Finite "minus infinity" for the running max: rows that have seen only masked
-# keys keep it, and exp2(-inf - M_INIT) = 0 never produces inf - inf = NaN.
-M_INIT = -1e30
+# padded_head_dim and kv_tile_ranges are imported from here by other modules.
+from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
+from fa4_jax.scores import (LOG2_E, M_INIT, MaskSpec, cdiv, kv_tile_ranges, normalize,
+                            online_softmax, visible)
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
 H100_SMS = 132
@@ -160,12 +155,6 @@ class ForwardConfig:
     lse = self.num_consumers * self.block_q * 4
     o_tiles = tile if self.persistent else 0
     return q_tiles + kv_ring + lse + o_tiles
-
-
-def padded_head_dim(head_dim: int) -> int:
-  """The kernel works on head dims that are multiples of 64 (128-byte
-  swizzled rows); others are zero-padded up to that."""
-  return cdiv(head_dim, 64) * 64
 
 
 def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
@@ -321,67 +310,6 @@ class ForwardBarriers:
         v=SlotRing(v_full, v_consumed, n, c),
         pingpong=Rendezvous(pingpong, c) if config.pingpong else Rendezvous.disabled(),
     )
-
-
-def _floor_div(x, d: int):
-  """Floor division of a possibly negative int32 scalar by a positive int."""
-  if isinstance(x, int):
-    return x // d
-  return jnp.where(x >= 0, lax.div(x, d), -lax.div(d - 1 - x, d))
-
-
-def _ceil_div_nonneg(x, d: int):
-  if isinstance(x, int):
-    return -(-x // d)
-  return lax.div(x + (d - 1), d)
-
-
-def _clip(x, lo, hi):
-  return jnp.minimum(jnp.maximum(x, lo), hi)
-
-
-@dataclasses.dataclass(frozen=True)
-class _TileRanges:
-  """KV block ranges of one query tile: [lo, hi) all it may see, and the
-  part [full_lo, full_hi) that needs no element mask."""
-
-  lo: Any
-  hi: Any
-  full_lo: Any
-  full_hi: Any
-
-
-def kv_tile_ranges(mask: MaskSpec, q_lo, q_hi, q_len, kv_len, block_kv: int) -> _TileRanges:
-  """Block ranges for query rows [q_lo, q_hi) (rows >= q_len do not count).
-
-  Works on Python ints and traced int32 scalars. `full` blocks are those for
-  which `mask.tile_is_full` holds and all keys are below `kv_len`.
-  """
-  q_hi = jnp.minimum(q_hi, q_len)
-  lo, hi = mask.key_block_range(q_lo, q_hi, kv_len, block_kv)
-  hi = jnp.where(q_lo < q_hi, hi, lo)  # no valid rows: nothing to see
-  off = mask.q_offset
-  full_lo, full_hi = lo, hi
-  if mask.left is not None:
-    # full on the left iff first key >= (last row) + off - left
-    full_lo = _ceil_div_nonneg(jnp.maximum(q_hi - 1 + off - mask.left, 0), block_kv)
-  if mask.right is not None:
-    # full on the right iff last key <= (first row) + off + right
-    full_hi = _floor_div(q_lo + off + mask.right + 1, block_kv)
-  full_hi = jnp.minimum(full_hi, _floor_div(kv_len, block_kv))  # length edge
-  full_lo = _clip(full_lo, lo, hi)
-  full_hi = _clip(full_hi, full_lo, hi)
-  return _TileRanges(lo, hi, full_lo, full_hi)
-
-
-def _smem_tile(shape, dtype):
-  """SMEM layout wgmma reads directly: (8, 64)-element tiles, 128-byte swizzle."""
-  swizzle = 128
-  tile_cols = swizzle // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(
-      shape, dtype,
-      transforms=(plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swizzle)),
-  )
 
 
 def _div(x, n: int):
@@ -563,11 +491,7 @@ def _build_kernel(
         o_tile = o_smem.at[wg] if cfg.persistent else q_tile
         lo, hi, q_len, kv_len = g["lo"], g["hi"], g["q_len"], g["kv_len"]
         q_lo = g["cta_q_lo"] + wg * bq
-        own = kv_tile_ranges(mask, q_lo, q_lo + bq, q_len, kv_len, bk)
-        own_lo = _clip(own.lo, lo, hi)
-        own_hi = _clip(own.hi, own_lo, hi)
-        full_lo = _clip(own.full_lo, own_lo, own_hi)
-        full_hi = _clip(own.full_hi, full_lo, own_hi)
+        own = kv_tile_ranges(mask, q_lo, q_lo + bq, q_len, kv_len, bk).within(lo, hi)
         ring_step = lambda j: step0 + (j - lo)  # ring position of KV block j
 
         def wait_next_k(j):
@@ -602,20 +526,13 @@ def _build_kernel(
           bars.pingpong.sync()  # the other consumer's softmax ends here
           return s_ref[...]
 
-        def online_softmax(s, m, j, *, masked: bool):
+        def block_softmax(s, m, j, *, masked: bool):
           """(P, new running max, alpha) for the logits of KV block j."""
           if masked:
             q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
             k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-            visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
-            s = jnp.where(visible, s, masked_logit)
-          row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
-          m_grown = jnp.maximum(m, row_best * c)
-          # Keep the stale max unless it grew enough to risk overflow.
-          m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
-          alpha = exact_alpha(m, m_new)
-          p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-          return p, m_new, alpha
+            s = jnp.where(visible(mask, q_idx, k_idx, kv_len), s, masked_logit)
+          return online_softmax(s, m, c)
 
         def hand_off(step):
           bars.pingpong.arrive()  # done with softmax
@@ -626,7 +543,7 @@ def _build_kernel(
           """Softmax of block j, the hand-off of the tensor core, and the row
           sums before or after it (`sum_before_handoff`). `acc`, if given, is
           rescaled before the hand-off."""
-          p, m_new, alpha = online_softmax(s, m, j, masked=masked)
+          p, m_new, alpha = block_softmax(s, m, j, masked=masked)
           if acc is not None:
             acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
           p16 = p.astype(dtype)
@@ -674,11 +591,11 @@ def _build_kernel(
           bars.k.consumer_wait(step0)
 
         pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
-        carry = fori(lo, own_lo, skip_step, (acc, m, l))
-        carry = fori(own_lo, full_lo, functools.partial(compute_step, masked=True), carry)
-        carry = fori(full_lo, full_hi, functools.partial(compute_step, masked=False), carry)
-        carry = fori(full_hi, own_hi, functools.partial(compute_step, masked=True), carry)
-        carry = fori(own_hi, hi, skip_step, carry)
+        carry = fori(lo, own.lo, skip_step, (acc, m, l))
+        carry = fori(own.lo, own.full_lo, functools.partial(compute_step, masked=True), carry)
+        carry = fori(own.full_lo, own.full_hi, functools.partial(compute_step, masked=False), carry)
+        carry = fori(own.full_hi, own.hi, functools.partial(compute_step, masked=True), carry)
+        carry = fori(own.hi, hi, skip_step, carry)
         pl.when(wg == 0)(bars.pingpong.sync)
         acc, m, l = carry
         if cfg.persistent:
@@ -687,10 +604,7 @@ def _build_kernel(
         if has_q_lengths:
           rows = q_lo + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout)
           l = jnp.where(rows < q_len, l, 0.0)  # rows past the length: zeros, lse -inf
-        seen_any = l > 0.0
-        inv_l = jnp.where(seen_any, 1.0 / jnp.where(seen_any, l, 1.0), 0.0)
-        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        lse = jnp.where(seen_any, (m + jnp.log2(jnp.where(seen_any, l, 1.0))) * LN_2, -jnp.inf)
+        out, lse = normalize(acc, m, l)
         if cfg.persistent:
           # The previous tile's stores must have read o_tile and the LSE row.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -706,16 +620,16 @@ def _build_kernel(
       plgpu.wait_smem_to_gmem(0)
 
   smem = [
-      _smem_tile((cfg.q_depth * cfg.num_consumers, bq, head_dim), dtype),  # Q tiles (then O)
-      _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # K ring
-      _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # V ring
+      smem_tile((cfg.q_depth * cfg.num_consumers, bq, head_dim), dtype),  # Q tiles (then O)
+      smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # K ring
+      smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # V ring
       plgpu.SMEM((cfg.num_consumers, bq), jnp.float32),  # LSE rows
   ]
   if cfg.persistent:
     # O tiles of their own, so the next work item's Q can land during the epilogue.
-    smem.append(_smem_tile((cfg.num_consumers, bq, head_dim), dtype))
+    smem.append(smem_tile((cfg.num_consumers, bq, head_dim), dtype))
   if interpreting:
-    smem.append(_smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
+    smem.append(smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   # The LSE rows are stored with 1-D TMA boxes along the sequence, its
   # contiguous axis. On an H100 a box that ran past the end of that axis left
   # wrong values (seen at q_seq = 56, block_q = 64; the interpreter clips it
