@@ -45,7 +45,7 @@ first.
 
 Grid: one CTA per (q head, q tile, batch); or, with `ForwardConfig.persistent`
 (chosen when a tile walks few KV blocks: short sequences, local windows), one
-CTA per SM walks a share of those work items (`PersistentWork`: in the
+CTA per SM walks a share of those work items (`fa4_jax.kernels.schedule`: in the
 grid's launch order, causal tiles paired heavy with light so that every CTA
 gets the same work), the K/V ring and Q buffers carrying their barrier phases
 across items, so that one item's Q load and O store overlap the neighbouring
@@ -74,10 +74,12 @@ from fa4_jax.kernels import KernelUnsupported, check_common, default_device
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       fori, sequence_lengths)
+from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 # padded_head_dim and kv_tile_ranges are imported from here by other modules.
 from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
 from fa4_jax.scores import (LOG2_E, M_INIT, MaskSpec, cdiv, kv_tile_ranges, normalize,
                             online_softmax, visible)
+
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
 H100_SMS = 132
@@ -197,7 +199,7 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True,
                          conditional_rescale=True)
   if kv_seq is not None:
-    limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if _pairs_causal_tiles(mask)
+    limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if pairs_causal_tiles(mask)
              else PERSISTENT_MAX_MEAN_BLOCKS)
     if mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit:
       config = dataclasses.replace(config, persistent=True)
@@ -224,12 +226,6 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
 # vs 475 on 2026-11-22). The thresholds sit between the measured points.
 PERSISTENT_MAX_MEAN_BLOCKS = 24
 PERSISTENT_MAX_MEAN_BLOCKS_PAIRED = 12
-
-
-def _pairs_causal_tiles(mask: MaskSpec) -> bool:
-  """Causal-like masks (a right bound, no left one): later query tiles see
-  more keys, so they run first and a persistent grid pairs them."""
-  return mask.right is not None and mask.left is None
 
 
 def mean_kv_blocks_per_tile(config: ForwardConfig, mask: MaskSpec, kv_seq: int,
@@ -312,76 +308,6 @@ class ForwardBarriers:
     )
 
 
-def _div(x, n: int):
-  return x // n if isinstance(x, int) else lax.div(x, jnp.int32(n))
-
-
-def _rem(x, n: int):
-  return x % n if isinstance(x, int) else lax.rem(x, jnp.int32(n))
-
-
-@dataclasses.dataclass(frozen=True)
-class PersistentWork:
-  """The work items of a persistent grid: which (batch, q head, q tile) the
-  i-th item of CTA `cta` is, in closed form (Python ints or int32 scalars).
-
-  Units of work are dealt round-robin to the CTAs, heads varying fastest,
-  then q tiles, then the batch, as the hardware launches a (heads, q_tiles,
-  batch) grid: the units in flight read the K/V of few (batch, head) pairs,
-  which stay in L2 (walking the batch before the tiles measured 412 vs 629
-  TFLOP/s at B8 S2048 D128 on an H100).
-
-  A unit is one q tile, or, under causal-like masks (`paired`), a pair of
-  tiles whose costs add up to the same for every pair: the heaviest with the
-  lightest, and so on (the heavy one first). Dealing single causal tiles
-  round-robin gave some CTAs only heavy tiles (436 vs 531 TFLOP/s at B8
-  S2048 causal). An odd tile count gets one empty tile past the end (no KV
-  blocks; its rows are past the query length, so nothing lands in the output).
-  """
-
-  batch: int
-  num_heads: int
-  num_q_tiles: int
-  num_sms: int
-  paired: bool
-
-  @property
-  def tile_slots(self) -> int:
-    return self.num_q_tiles + (self.num_q_tiles % 2 if self.paired else 0)
-
-  @property
-  def tiles_per_unit(self) -> int:
-    return 2 if self.paired else 1
-
-  @property
-  def num_units(self) -> int:
-    return self.batch * self.num_heads * self.tile_slots // self.tiles_per_unit
-
-  @property
-  def num_ctas(self) -> int:
-    return min(self.num_units, self.num_sms)
-
-  def count(self, cta):
-    """Work items (tiles) of CTA `cta`."""
-    return _div(self.num_units - cta + (self.num_ctas - 1), self.num_ctas) * self.tiles_per_unit
-
-  def coords(self, cta, i):
-    """(batch, q head, q tile) of CTA `cta`'s i-th work item."""
-    unit = cta + _div(i, self.tiles_per_unit) * self.num_ctas
-    head = _rem(unit, self.num_heads)
-    rest = _div(unit, self.num_heads)
-    per_batch = self.tile_slots // self.tiles_per_unit
-    position, batch_idx = _rem(rest, per_batch), _div(rest, per_batch)
-    last = self.tile_slots - 1
-    if not self.paired:
-      return batch_idx, head, position
-    first = _rem(i, 2) == 0
-    heavy, light = last - position, position
-    if isinstance(i, int):
-      return batch_idx, head, heavy if first else light
-    return batch_idx, head, jnp.where(first, heavy, light)
-
-
 def _build_kernel(
     *,
     batch: int,
@@ -403,7 +329,7 @@ def _build_kernel(
   group = num_q_heads // num_kv_heads
   c = scale * LOG2_E  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2)
   # Heavy tiles first: with a right bound (causal), later rows see more keys.
-  heavy_last = _pairs_causal_tiles(mask)
+  heavy_last = pairs_causal_tiles(mask)
   masked_logit = -jnp.inf if c >= 0 else jnp.inf
   interpreting = is_interpreting()
 
@@ -430,7 +356,7 @@ def _build_kernel(
       # One work item per CTA; heavy causal tiles are launched first.
       my_tiles = 1
       tile = lax.axis_index("q_tiles")
-      tile = num_q_tiles - 1 - tile if heavy_last else tile
+      tile = heavy_first_tile(tile, num_q_tiles, heavy_last)
       coords = (lax.axis_index("batch"), lax.axis_index("heads"), tile)
       tile_coords = lambda i: coords
 
