@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward
 from fa4_jax.scores import MaskSpec
@@ -209,34 +210,18 @@ def test_key_blocks_of_192_keep_tails_and_the_diagonal_right(run_interpreted):
   _run_and_compare(case, run_interpreted, config=config)
 
 
-# Every GEMM order the kernel offers (`ForwardConfig.schedule`, `p_in_smem`),
-# not only the heuristic's, keeps the numerics and the barrier protocol.
-SCHEDULES = [("qk_then_pv", False), ("qk_then_pv", True), ("pv_then_qk", False), ("serial", True)]
-SCHEDULE_CASES = {
-    "causal_with_lengths": Case(
-        batch=2, is_causal=True, q_lengths=(200, 37), kv_lengths=(256, 100), head_dim=128),
-    "gqa_window_ragged": Case(q_heads=4, kv_heads=2, window=(40, 20), q_seq=77, kv_seq=300),
-}
-
-
-@pytest.mark.parametrize("schedule,p_in_smem", SCHEDULES)
-@pytest.mark.parametrize("name", list(SCHEDULE_CASES))
-def test_every_gemm_schedule_matches_jax_nn_without_races(name, schedule, p_in_smem, run_interpreted):
-  case = SCHEDULE_CASES[name]
-  config = dataclasses.replace(
-      sm90_forward.choose_config(sm90_forward.padded_head_dim(case.head_dim), case.mask),
-      schedule=schedule, p_in_smem=p_in_smem, block_kv=128, num_kv_stages=2)
-  _run_and_compare(case, run_interpreted, config=config)
-
-
 # Consumers that do not take turns (`pingpong=False`), two or three of them
 # (the D = 64 heuristic): each still walks its own rows' blocks and keeps the
 # ring protocol.
 UNSYNCHRONIZED = [(2, 256), (3, 128)]
 # Registers (producer, consumer) that fit the SM for that many consumers.
 REGISTERS = {2: (24, 240), 3: (24, 160)}
-UNSYNCHRONIZED_CASES = {name: dataclasses.replace(case, head_dim=64)
-                        for name, case in SCHEDULE_CASES.items()}
+UNSYNCHRONIZED_CASES = {
+    "causal_with_lengths": Case(
+        batch=2, is_causal=True, q_lengths=(200, 37), kv_lengths=(256, 100), head_dim=64),
+    "gqa_window_ragged": Case(q_heads=4, kv_heads=2, window=(40, 20), q_seq=77, kv_seq=300,
+                              head_dim=64),
+}
 
 
 @pytest.mark.parametrize("num_consumers,block_kv", UNSYNCHRONIZED)
@@ -306,7 +291,7 @@ def test_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the_mask(
   block = 16
   for q_lo, q_len, kv_len in itertools.product((0, 16, 48), (20, 64), (0, 33, 64, 80)):
     q_hi = q_lo + 32
-    r = sm90_forward.kv_tile_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
+    r = scores.kv_tile_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
     lo, hi, full_lo, full_hi = (int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi))
     seen, full = _brute_force_ranges(mask, q_lo, q_hi, q_len, kv_len, block)
     assert set(seen) <= set(range(lo, hi)), (q_lo, q_len, kv_len)
@@ -368,16 +353,6 @@ def test_conditional_rescale_branches_on_a_warp_vote(head_dim):
     _assert_fits_and_uses_hopper_instructions(lowered)
     assert lowered.has("nvvm.vote.sync any") == conditional
     assert lowered.has("scf.if") or not conditional
-
-
-@pytest.mark.parametrize("schedule,p_in_smem", SCHEDULES)
-def test_every_gemm_schedule_lowers_for_hopper(schedule, p_in_smem):
-  config = dataclasses.replace(sm90_forward.choose_config(128, MaskSpec(right=0)),
-                               schedule=schedule, p_in_smem=p_in_smem)
-  lowered = _lower(128, MaskSpec(right=0), config)
-  _assert_fits_and_uses_hopper_instructions(lowered)
-  # The paired schedules keep one GEMM in flight while waiting for the other.
-  assert lowered.has("wgmma.wait_group.sync.aligned 1") == (schedule == "qk_then_pv")
 
 
 def test_masked_length_and_window_variant_lowers_for_hopper():

@@ -14,24 +14,27 @@ barrier makes one warpgroup's softmax run while the other's GEMMs execute.
 At D = 64 the softmax takes longer than the other's GEMMs, so taking turns
 would serialize the softmaxes; there three consumers (warpgroups 0-2, the
 producer is warpgroup 3) run without turns (`ForwardConfig.pingpong`).
-Inside a warpgroup, the wait for the next K tile is issued while P V runs.
-`ForwardConfig.schedule` also offers FA3's intra-warpgroup overlap (the
-softmax of block j runs while O += P_{j-1} V_{j-1} executes) and a
-back-to-back issue of both GEMMs; both measured slower on an H100 (see
-BENCHMARKS.md), so the heuristic keeps the serial order.
+Inside a warpgroup the GEMMs run in order (S = Q K^T, softmax, O += P V),
+and the wait for the next K tile is issued while P V runs. FA3's
+intra-warpgroup overlap (the softmax of block j while O += P_{j-1} V_{j-1}
+runs), a back-to-back issue of both GEMMs and P staged through SMEM all
+measured slower on an H100 (BENCHMARKS.md) and were removed; commit dcef065
+still has them.
 
 Every barrier and who arrives on it is listed in `ForwardBarriers`; the ring
 arithmetic lives in `fa4_jax.kernels.pipeline`.
 
-Softmax: logits are kept raw; `c = scale * log2(e)` is folded into one FMA
-before `exp2`, the running max `m` is kept in those scaled log2 units, in the
-wgmma accumulator's row layout. The max is only moved when a row's max grew by
-more than `RESCALE_THRESHOLD` (log2 units): a stale max is used for both l and
-O, so the result stays exact and P stays below 2**RESCALE_THRESHOLD. With
-`ForwardConfig.conditional_rescale`, O is multiplied by the rescale factor only
-in the warps where some row's max moved (a warp-uniform branch,
-`fa4_jax.kernels.accumulator.rescale_rows`): after the first blocks that is
-almost never, and the multiply costs head_dim / 2 FMULs per thread and block.
+Softmax (`fa4_jax.scores.online_softmax`, which also holds the tile ranges and
+the element mask): logits are kept raw; `c = scale * log2(e)` is folded into
+one FMA before `exp2`, the running max `m` is kept in those scaled log2 units,
+in the wgmma accumulator's row layout. The max is only moved when a row's max
+grew by more than `scores.RESCALE_THRESHOLD` (log2 units): a stale max is used
+for both l and O, so the result stays exact and P stays below
+2**RESCALE_THRESHOLD. With `ForwardConfig.conditional_rescale`, O is
+multiplied by the rescale factor only in the warps where some row's max moved
+(a warp-uniform branch, `fa4_jax.kernels.accumulator.rescale_rows`): after the
+first blocks that is almost never, and the multiply costs head_dim / 2 FMULs
+per thread and block.
 
 Masks (`fa4_jax.scores.MaskSpec`, lengths): each consumer walks the KV blocks
 its rows can see; blocks fully visible run without an element mask, boundary
@@ -40,27 +43,32 @@ own range (but inside the CTA's, which the producer loads) only keep the
 barrier protocol going. Causal-like masks schedule the heaviest query tiles
 first.
 
-Grid: one CTA per (q head, q tile, batch); or, with `ForwardConfig.persistent`
-(chosen when a tile walks few KV blocks: short sequences, local windows), one
-CTA per SM walks a share of those work items (`PersistentWork`: in the
-grid's launch order, causal tiles paired heavy with light so that every CTA
-gets the same work), the K/V ring and Q buffers carrying their barrier phases
-across items, so that one item's Q load and O store overlap the neighbouring
-items' work. With two Q tiles per consumer (`ForwardConfig.q_buffers`) the
-next item's Q loads while the current item runs, instead of after its last
-Q K^T with the next K/V loads queued behind it.
+Grid (`fa4_jax.kernels.schedule`): one CTA per (q head, q tile, batch); or,
+with `ForwardConfig.persistent` (chosen when a tile walks few KV blocks: short
+sequences, local windows), one CTA per SM walks a share of those work items
+(in the grid's launch order, causal tiles paired heavy with light so that
+every CTA gets the same work), the K/V ring and Q buffers carrying their
+barrier phases across items, so that one item's Q load and O store overlap the
+neighbouring items' work. With two Q tiles per consumer
+(`ForwardConfig.q_buffers`) the next item's Q loads while the current item
+runs, instead of after its last Q K^T with the next K/V loads queued behind
+it.
 
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
-(`p_times_v`, `SlotRing.producer_drain` / `OneShotBuffer.producer_drain`).
+(`_ConsumerTile.p_times_v`, `SlotRing.producer_drain` /
+`OneShotBuffer.producer_drain`).
+
+Code: the roles are functions of one `_Context` (the call's static facts,
+refs, barriers, the CTA's work items): `_producer`, `_consumer` (its KV walk
+and per-block steps in `_ConsumerTile`) and `_epilogue`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,18 +78,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common, default_device
-from fa4_jax.kernels.accumulator import exact_alpha, rescale_rows
+from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       fori, sequence_lengths)
-from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
+# padded_head_dim and kv_tile_ranges are imported from here by other modules.
+from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
+from fa4_jax.scores import (LOG2_E, M_INIT, MaskSpec, TileRanges, cdiv, kv_tile_ranges,
+                            normalize, online_softmax, visible)
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-# Move a row's running max only when it grew by more than this (log2 units).
-RESCALE_THRESHOLD = 8.0
-# Finite "minus infinity" for the running max: rows that have seen only masked
-# keys keep it, and exp2(-inf - M_INIT) = 0 never produces inf - inf = NaN.
-M_INIT = -1e30
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
 H100_SMS = 132
@@ -91,32 +96,29 @@ SMEM_LIMIT_BYTES = 232448
 # (cross-lowered heuristic configs add 376-712 bytes; a test checks it).
 SMEM_RESERVE_BYTES = 1024
 MAX_HEAD_DIM = 256
-SCHEDULES = ("serial", "qk_then_pv", "pv_then_qk")
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-  """Static tiling of the kernel. A CTA covers `num_consumers * block_q` rows."""
+  """Static tiling of the kernel. A CTA covers `num_consumers * block_q` rows.
+
+  Block sizes, stages, consumers and registers per head dim: `choose_config`
+  says what each choice measured. The paired GEMM schedules and P in SMEM
+  measured slower and were removed (commit dcef065 has them).
+  """
 
   block_q: int  # query rows per consumer warpgroup (wgmma M)
   block_kv: int  # keys per ring slot
   num_kv_stages: int  # slots in the K ring and in the V ring
+  # Consumer warpgroups: 3 at D = 64 (528 vs 504 TFLOP/s dense, see `choose_config`).
   num_consumers: int = 2
   producer_registers: int = 40
   consumer_registers: int = 232
-  # Finish the row sums before handing the tensor core over, or after.
+  # Finish the row sums before handing the tensor core over, or after. H100:
+  # before wins at D = 64 (528 vs 495 dense, 478 vs 453 causal, three
+  # consumers) and ties or wins at D = 256 (697 vs 692 causal); after wins
+  # at D = 128 (B8 S2048: 648 vs 635; BENCHMARKS.md).
   sum_before_handoff: bool = False
-  # How a consumer orders its two GEMMs per KV block:
-  #   "serial":     S_j = Q K_j^T, softmax, O += P_j V_j, each waited for.
-  #   "qk_then_pv": S_j, then O += P_{j-1} V_{j-1} issued back to back; the
-  #                 softmax of S_j runs while the P V wgmma executes (FA3's
-  #                 intra-warpgroup overlap).
-  #   "pv_then_qk": O += P_{j-1} V_{j-1}, then S_j, issued back to back and
-  #                 both waited for: no tensor-core gap between them.
-  schedule: str = "serial"
-  # P goes through SMEM (wgmma reads both operands from SMEM) instead of
-  # registers; needs an SMEM tile of block_q x block_kv per consumer.
-  p_in_smem: bool = False
   # Persistent grid: one CTA per SM walks work items; the next tile's Q loads
   # while the current tile's O is stored (needs SMEM for separate O tiles).
   persistent: bool = False
@@ -139,8 +141,6 @@ class ForwardConfig:
   pingpong: bool = True
 
   def __post_init__(self):
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"ForwardConfig.schedule must be one of {SCHEDULES}; got {self.schedule!r}")
     if self.pingpong and self.num_consumers != 2:
       raise ValueError("ForwardConfig.pingpong alternates two consumers; "
                        f"got num_consumers={self.num_consumers} (set pingpong=False)")
@@ -168,14 +168,7 @@ class ForwardConfig:
     kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
     lse = self.num_consumers * self.block_q * 4
     o_tiles = tile if self.persistent else 0
-    p_tiles = self.num_consumers * self.block_q * self.block_kv * itemsize if self.p_in_smem else 0
-    return q_tiles + kv_ring + lse + o_tiles + p_tiles
-
-
-def padded_head_dim(head_dim: int) -> int:
-  """The kernel works on head dims that are multiples of 64 (128-byte
-  swizzled rows); others are zero-padded up to that."""
-  return cdiv(head_dim, 64) * 64
+    return q_tiles + kv_ring + lse + o_tiles
 
 
 def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
@@ -218,7 +211,7 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True,
                          conditional_rescale=True)
   if kv_seq is not None:
-    limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if _pairs_causal_tiles(mask)
+    limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if pairs_causal_tiles(mask)
              else PERSISTENT_MAX_MEAN_BLOCKS)
     if mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit:
       config = dataclasses.replace(config, persistent=True)
@@ -245,12 +238,6 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
 # vs 475 on 2026-11-22). The thresholds sit between the measured points.
 PERSISTENT_MAX_MEAN_BLOCKS = 24
 PERSISTENT_MAX_MEAN_BLOCKS_PAIRED = 12
-
-
-def _pairs_causal_tiles(mask: MaskSpec) -> bool:
-  """Causal-like masks (a right bound, no left one): later query tiles see
-  more keys, so they run first and a persistent grid pairs them."""
-  return mask.right is not None and mask.left is None
 
 
 def mean_kv_blocks_per_tile(config: ForwardConfig, mask: MaskSpec, kv_seq: int,
@@ -333,135 +320,383 @@ class ForwardBarriers:
     )
 
 
-def _floor_div(x, d: int):
-  """Floor division of a possibly negative int32 scalar by a positive int."""
-  if isinstance(x, int):
-    return x // d
-  return jnp.where(x >= 0, lax.div(x, d), -lax.div(d - 1 - x, d))
+# --- The kernel: one context, three roles -----------------------------------
+# `_build_kernel` fixes the call's static facts (`_Call`); inside the kernel
+# `_Context` adds the refs, the barriers and the CTA's work items, and the
+# roles read it: `_producer` (TMA loads), `_consumer` with `_ConsumerTile`
+# (Q K^T, online softmax, P V, the hand-off of the tensor core) and
+# `_epilogue` (normalise, store O and the lse). The order of the traced
+# operations is the program: moving one changes the kernel.
 
-
-def _ceil_div_nonneg(x, d: int):
-  if isinstance(x, int):
-    return -(-x // d)
-  return lax.div(x + (d - 1), d)
-
-
-def _clip(x, lo, hi):
-  return jnp.minimum(jnp.maximum(x, lo), hi)
+# Per-row values (m, l, lse) in the wgmma accumulator's row layout.
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 
 
 @dataclasses.dataclass(frozen=True)
-class _TileRanges:
-  """KV block ranges of one query tile: [lo, hi) all it may see, and the
-  part [full_lo, full_hi) that needs no element mask."""
+class _Call:
+  """What one call fixes before tracing, read by every role."""
 
-  lo: Any
+  config: ForwardConfig
+  mask: MaskSpec
+  q_seq: int  # padded query length (the arrays' extent)
+  kv_valid: int  # the true key length; keys past it are TMA padding
+  head_dim: int  # padded
+  dtype: Any
+  group: int  # q heads per kv head
+  num_q_tiles: int  # CTA tiles of `config.block_q_cta` rows
+  c: float  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2)
+  # Causal-like masks: later query tiles see more keys; they run first
+  # (`schedule.heavy_first_tile`) and a persistent grid pairs them.
+  heavy_first: bool
+  work: PersistentWork | None  # the persistent grid's work items
+  interpreting: bool
+  has_q_lengths: bool
+  has_kv_lengths: bool
+
+  @property
+  def masked_logit(self) -> float:
+    """The logit of a masked key: it loses every max (min when c < 0)."""
+    return -jnp.inf if self.c >= 0 else jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+  """The kernel's operands in GMEM and its SMEM buffers."""
+
+  q: Any
+  k: Any
+  v: Any
+  q_len: Any  # None without query lengths
+  kv_len: Any  # None without key lengths
+  out: Any
+  lse: Any
+  q_smem: Any  # Q tiles (and O, without a persistent grid)
+  k_smem: Any  # K ring
+  v_smem: Any  # V ring
+  lse_smem: Any  # LSE rows
+  o_smem: Any  # O tiles (persistent grid only)
+  p_smem: Any  # P staging (interpreter only)
+
+  @classmethod
+  def unpack(cls, call: _Call, refs) -> tuple["_Refs", Any]:
+    """(refs, barrier refs) from the kernel's arguments."""
+    refs = list(refs)
+    q, k, v = refs[:3]
+    del refs[:3]
+    q_len = refs.pop(0) if call.has_q_lengths else None
+    kv_len = refs.pop(0) if call.has_kv_lengths else None
+    out, lse, smem, barrier_refs = refs
+    q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
+    o_smem = optional_smem.pop(0) if call.config.persistent else None
+    p_smem = optional_smem.pop(0) if call.interpreting else None
+    return cls(q, k, v, q_len, kv_len, out, lse, q_smem, k_smem, v_smem, lse_smem, o_smem,
+               p_smem), barrier_refs
+
+
+def _scratch_smem(call: _Call) -> list:
+  """The SMEM buffers, in the order `_Refs.unpack` reads them."""
+  cfg, d, dtype = call.config, call.head_dim, call.dtype
+  bq, bk = cfg.block_q, cfg.block_kv
+  smem = [
+      smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles (then O)
+      smem_tile((cfg.num_kv_stages, bk, d), dtype),  # K ring
+      smem_tile((cfg.num_kv_stages, bk, d), dtype),  # V ring
+      plgpu.SMEM((cfg.num_consumers, bq), jnp.float32),  # LSE rows
+  ]
+  if cfg.persistent:
+    # O tiles of their own, so the next work item's Q can land during the epilogue.
+    smem.append(smem_tile((cfg.num_consumers, bq, d), dtype))
+  if call.interpreting:
+    smem.append(smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
+  return smem
+
+
+@dataclasses.dataclass(frozen=True)
+class _WorkItem:
+  """One (batch, q head, q tile) work item of a CTA, as both roles see it."""
+
+  batch_idx: Any
+  head: Any
+  q_len: Any
+  kv_len: Any
+  cta_q_lo: Any  # first query row of the CTA tile
+  lo: Any  # the producer loads KV blocks [lo, hi) for the whole CTA tile
   hi: Any
-  full_lo: Any
-  full_hi: Any
-
-
-def kv_tile_ranges(mask: MaskSpec, q_lo, q_hi, q_len, kv_len, block_kv: int) -> _TileRanges:
-  """Block ranges for query rows [q_lo, q_hi) (rows >= q_len do not count).
-
-  Works on Python ints and traced int32 scalars. `full` blocks are those for
-  which `mask.tile_is_full` holds and all keys are below `kv_len`.
-  """
-  q_hi = jnp.minimum(q_hi, q_len)
-  lo, hi = mask.key_block_range(q_lo, q_hi, kv_len, block_kv)
-  hi = jnp.where(q_lo < q_hi, hi, lo)  # no valid rows: nothing to see
-  off = mask.q_offset
-  full_lo, full_hi = lo, hi
-  if mask.left is not None:
-    # full on the left iff first key >= (last row) + off - left
-    full_lo = _ceil_div_nonneg(jnp.maximum(q_hi - 1 + off - mask.left, 0), block_kv)
-  if mask.right is not None:
-    # full on the right iff last key <= (first row) + off + right
-    full_hi = _floor_div(q_lo + off + mask.right + 1, block_kv)
-  full_hi = jnp.minimum(full_hi, _floor_div(kv_len, block_kv))  # length edge
-  full_lo = _clip(full_lo, lo, hi)
-  full_hi = _clip(full_hi, full_lo, hi)
-  return _TileRanges(lo, hi, full_lo, full_hi)
-
-
-def _smem_tile(shape, dtype):
-  """SMEM layout wgmma reads directly: (8, 64)-element tiles, 128-byte swizzle."""
-  swizzle = 128
-  tile_cols = swizzle // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(
-      shape, dtype,
-      transforms=(plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swizzle)),
-  )
-
-
-def _div(x, n: int):
-  return x // n if isinstance(x, int) else lax.div(x, jnp.int32(n))
-
-
-def _rem(x, n: int):
-  return x % n if isinstance(x, int) else lax.rem(x, jnp.int32(n))
 
 
 @dataclasses.dataclass(frozen=True)
-class PersistentWork:
-  """The work items of a persistent grid: which (batch, q head, q tile) the
-  i-th item of CTA `cta` is, in closed form (Python ints or int32 scalars).
+class _Context:
+  """What the roles of one CTA share: the call, the refs, the barriers, the
+  warpgroup's index and the CTA's work items."""
 
-  Units of work are dealt round-robin to the CTAs, heads varying fastest,
-  then q tiles, then the batch, as the hardware launches a (heads, q_tiles,
-  batch) grid: the units in flight read the K/V of few (batch, head) pairs,
-  which stay in L2 (walking the batch before the tiles measured 412 vs 629
-  TFLOP/s at B8 S2048 D128 on an H100).
+  call: _Call
+  refs: _Refs
+  bars: ForwardBarriers
+  wg: Any  # this warpgroup's index
+  num_items: Any  # work items of this CTA
+  item_coords: Callable  # i -> (batch, q head, q tile) of work item i
 
-  A unit is one q tile, or, under causal-like masks (`paired`), a pair of
-  tiles whose costs add up to the same for every pair: the heaviest with the
-  lightest, and so on (the heavy one first). Dealing single causal tiles
-  round-robin gave some CTAs only heavy tiles (436 vs 531 TFLOP/s at B8
-  S2048 causal). An odd tile count gets one empty tile past the end (no KV
-  blocks; its rows are past the query length, so nothing lands in the output).
-  """
+  @classmethod
+  def create(cls, call: _Call, refs: _Refs, barrier_refs) -> "_Context":
+    cfg = call.config
+    bars = ForwardBarriers.from_refs(cfg, barrier_refs)
+    wg = lax.axis_index("wg")
+    if cfg.persistent:
+      cta = lax.axis_index("ctas")
+      num_items = call.work.count(cta)
+      item_coords = functools.partial(call.work.coords, cta)
+    else:
+      # One work item per CTA; heavy causal tiles are launched first.
+      tile = heavy_first_tile(lax.axis_index("q_tiles"), call.num_q_tiles, call.heavy_first)
+      coords = (lax.axis_index("batch"), lax.axis_index("heads"), tile)
+      num_items, item_coords = 1, lambda i: coords
+    return cls(call, refs, bars, wg, num_items, item_coords)
 
-  batch: int
-  num_heads: int
-  num_q_tiles: int
-  num_sms: int
-  paired: bool
+  def item(self, i) -> _WorkItem:
+    """Everything about this CTA's work item i both roles agree on."""
+    call, cfg = self.call, self.call.config
+    batch_idx, head, tile = self.item_coords(i)
+    q_len, kv_len = sequence_lengths(self.refs.q_len, self.refs.kv_len, batch_idx, call.q_seq,
+                                     call.kv_valid)
+    cta_q_lo = tile * cfg.block_q_cta
+    blocks = kv_tile_ranges(call.mask, cta_q_lo, cta_q_lo + cfg.block_q_cta, q_len, kv_len,
+                            cfg.block_kv)
+    return _WorkItem(batch_idx, head, q_len, kv_len, cta_q_lo, blocks.lo, blocks.hi)
 
-  @property
-  def tile_slots(self) -> int:
-    return self.num_q_tiles + (self.num_q_tiles % 2 if self.paired else 0)
+  def item_loop(self, body, init):
+    """Runs body(i, carry) over this CTA's work items (a loop even for one
+    item, so the ring position is a run-time value wgmma closures accept)."""
+    return lax.fori_loop(0, self.num_items, body, init)
 
-  @property
-  def tiles_per_unit(self) -> int:
-    return 2 if self.paired else 1
 
-  @property
-  def num_units(self) -> int:
-    return self.batch * self.num_heads * self.tile_slots // self.tiles_per_unit
+def _producer(ctx: _Context) -> None:
+  """Warpgroup `num_consumers`: per work item, TMA loads of the consumers' Q
+  tiles, then of the K and V blocks [lo, hi) into the rings."""
+  cfg, refs, bars = ctx.call.config, ctx.refs, ctx.bars
+  bq, bk = cfg.block_q, cfg.block_kv
+  plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
-  @property
-  def num_ctas(self) -> int:
-    return min(self.num_units, self.num_sms)
+  def produce_item(i, step0):
+    item = ctx.item(i)
+    for c_i in range(cfg.num_consumers):
+      if cfg.persistent:
+        bars.q.producer_acquire(i, c_i)
+      rows = pl.ds(item.cta_q_lo + c_i * bq, bq)
+      bars.q.producer_fill(refs.q.at[item.batch_idx, rows, item.head], refs.q_smem, i, c_i)
+    kv_head = lax.div(item.head, jnp.int32(ctx.call.group))
 
-  def count(self, cta):
-    """Work items (tiles) of CTA `cta`."""
-    return _div(self.num_units - cta + (self.num_ctas - 1), self.num_ctas) * self.tiles_per_unit
+    @pl.loop(item.lo, item.hi)
+    def _(j):
+      step = step0 + j - item.lo
+      keys = (item.batch_idx, pl.ds(j * bk, bk), kv_head)
+      bars.k.producer_acquire(step)
+      bars.k.producer_fill(refs.k.at[keys], refs.k_smem, step)
+      bars.v.producer_acquire(step)
+      bars.v.producer_fill(refs.v.at[keys], refs.v_smem, step)
 
-  def coords(self, cta, i):
-    """(batch, q head, q tile) of CTA `cta`'s i-th work item."""
-    unit = cta + _div(i, self.tiles_per_unit) * self.num_ctas
-    head = _rem(unit, self.num_heads)
-    rest = _div(unit, self.num_heads)
-    per_batch = self.tile_slots // self.tiles_per_unit
-    position, batch_idx = _rem(rest, per_batch), _div(rest, per_batch)
-    last = self.tile_slots - 1
-    if not self.paired:
-      return batch_idx, head, position
-    first = _rem(i, 2) == 0
-    heavy, light = last - position, position
-    if isinstance(i, int):
-      return batch_idx, head, heavy if first else light
-    return batch_idx, head, jnp.where(first, heavy, light)
+    return step0 + (item.hi - item.lo)
+
+  total_steps = ctx.item_loop(produce_item, jnp.int32(0))
+  bars.k.producer_drain(total_steps)
+  bars.v.producer_drain(total_steps)
+  if cfg.persistent:
+    bars.q.producer_drain(ctx.num_items)
+
+
+def _consumer(ctx: _Context) -> None:
+  """Warpgroups 0 .. num_consumers - 1: consumer `wg` computes the rows
+  [wg * block_q, (wg + 1) * block_q) of every work item of the CTA."""
+  plgpu.set_max_registers(ctx.call.config.consumer_registers, action="increase")
+  ctx.item_loop(functools.partial(_consume_item, ctx), jnp.int32(0))
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _consume_item(ctx: _Context, i, step0):
+  """One consumer's share of work item i, whose first KV block sits at ring
+  position `step0`; returns the ring position after the item."""
+  tile = _ConsumerTile.create(ctx, i, step0)
+  acc, m, l = tile.walk_kv_blocks()
+  if ctx.call.config.persistent:
+    ctx.bars.q.consumer_release(i, ctx.wg)  # every QK of this tile completed
+  _epilogue(ctx, tile, acc, m, l)
+  return step0 + (tile.item.hi - tile.item.lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConsumerTile:
+  """One consumer's Q tile of one work item: the walk over the CTA's KV
+  blocks, with the steps it runs per block."""
+
+  ctx: _Context
+  index: Any  # the work item's index in the CTA
+  item: _WorkItem
+  step0: Any  # ring position of KV block `item.lo`
+  q_tile: Any
+  o_tile: Any
+  q_lo: Any  # first query row of this consumer's tile
+  own: TileRanges  # the blocks its rows see, inside [item.lo, item.hi)
+
+  @classmethod
+  def create(cls, ctx: _Context, i, step0) -> "_ConsumerTile":
+    cfg, wg = ctx.call.config, ctx.wg
+    item = ctx.item(i)
+    q_tile = ctx.refs.q_smem.at[ctx.bars.q.buffer(i, wg)]
+    o_tile = ctx.refs.o_smem.at[wg] if cfg.persistent else q_tile
+    q_lo = item.cta_q_lo + wg * cfg.block_q
+    own = kv_tile_ranges(ctx.call.mask, q_lo, q_lo + cfg.block_q, item.q_len, item.kv_len,
+                         cfg.block_kv).within(item.lo, item.hi)
+    return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own)
+
+  def walk_kv_blocks(self):
+    """(O, m, l) of the tile, unnormalised. Every consumer steps through all
+    of the CTA's blocks [lo, hi) to keep the ring protocol; it computes only
+    its own ones, masking the elements of the boundary blocks."""
+    cfg, bars, wg = self.ctx.call.config, self.ctx.bars, self.ctx.wg
+    bq, lo, hi, own = cfg.block_q, self.item.lo, self.item.hi, self.own
+    bars.q.consumer_wait(self.index, wg)
+    m = plgpu.layout_cast(jnp.full((bq,), M_INIT, jnp.float32), _ROW_LAYOUT)
+    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), _ROW_LAYOUT)
+    acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.head_dim), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA)
+
+    @pl.when(hi > lo)
+    def _():
+      bars.k.consumer_wait(self.step0)
+
+    pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
+    masked = functools.partial(self.compute_step, masked=True)
+    carry = fori(lo, own.lo, self.skip_step, (acc, m, l))
+    carry = fori(own.lo, own.full_lo, masked, carry)
+    carry = fori(own.full_lo, own.full_hi, functools.partial(self.compute_step, masked=False),
+                 carry)
+    carry = fori(own.full_hi, own.hi, masked, carry)
+    carry = fori(own.hi, hi, self.skip_step, carry)
+    pl.when(wg == 0)(bars.pingpong.sync)
+    return carry
+
+  def ring_step(self, j):
+    """Ring position of KV block j."""
+    return self.step0 + (j - self.item.lo)
+
+  def compute_step(self, j, carry, *, masked: bool):
+    """S = Q K^T, softmax, O += P V, one after the other."""
+    cfg, bars = self.ctx.call.config, self.ctx.bars
+    acc, m, l = carry
+    step = self.ring_step(j)
+    s = pl.run_scoped(functools.partial(self.qk, k_tile=self.ctx.refs.k_smem.at[bars.k.slot(step)]),
+                      plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
+    bars.k.consumer_release(step)
+    p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked)
+    acc = self.p_times_v(acc, p16, self.ctx.refs.v_smem.at[bars.v.slot(step)],
+                         lambda: self.wait_next_k(j))
+    bars.v.consumer_release(step)
+    return acc, m_new, l
+
+  def skip_step(self, j, carry):
+    """A block this consumer's rows cannot see: keep the protocol going."""
+    bars = self.ctx.bars
+    step = self.ring_step(j)
+    bars.pingpong.sync()
+    bars.k.consumer_release(step)
+    bars.pingpong.arrive()
+    bars.v.consumer_wait(step)
+    bars.pingpong.wait()
+    bars.v.consumer_release(step)
+    self.wait_next_k(j)
+    return carry
+
+  def qk(self, s_ref, k_tile):
+    plgpu.wgmma(s_ref, self.q_tile, k_tile.transpose((1, 0)))
+    self.ctx.bars.pingpong.sync()  # the other consumer's softmax ends here
+    return s_ref[...]
+
+  def block_softmax(self, s, m, j, *, masked: bool):
+    """(P, new running max, alpha) for the logits of KV block j."""
+    call = self.ctx.call
+    if masked:
+      q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+      k_idx = j * call.config.block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
+                                                                layout=plgpu.Layout.WGMMA)
+      s = jnp.where(visible(call.mask, q_idx, k_idx, self.item.kv_len), s, call.masked_logit)
+    return online_softmax(s, m, call.c)
+
+  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool):
+    """Softmax of block j, O rescaled, the hand-off of the tensor core, and
+    the row sums before or after it (`sum_before_handoff`)."""
+    cfg = self.ctx.call.config
+    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked)
+    acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
+    p16 = p.astype(self.ctx.call.dtype)
+    if cfg.sum_before_handoff:
+      l = l * alpha + p.sum(axis=1)
+      # Pin the order: the softmax must be done before the hand-off.
+      acc, l, m_new, alpha, p16 = lax.optimization_barrier((acc, l, m_new, alpha, p16))
+      self.hand_off(self.ring_step(j))
+    else:
+      self.hand_off(self.ring_step(j))
+      l = l * alpha + p.sum(axis=1)
+    return p16, m_new, l, acc
+
+  def hand_off(self, step):
+    bars = self.ctx.bars
+    bars.pingpong.arrive()  # done with softmax
+    bars.v.consumer_wait(step)
+    bars.pingpong.wait()  # tensor core free: the other consumer issued its QK
+
+  def p_times_v(self, acc, p, v_tile, while_running):
+    """O += P V, with `while_running()` issued while the wgmma runs."""
+    call = self.ctx.call
+    if call.interpreting:
+      # The interpreter rejects wgmma with A in registers and run_state:
+      # stage P through SMEM and add a fresh accumulator.
+      p_operand = self.ctx.refs.p_smem.at[self.ctx.wg]
+      p_operand[...] = p
+      plgpu.commit_smem()
+
+      def pv_delta(delta_ref):
+        plgpu.wgmma(delta_ref, p_operand, v_tile)
+        while_running()
+        return delta_ref[...]
+
+      return acc + pl.run_scoped(pv_delta,
+                                 plgpu.ACC((call.config.block_q, call.head_dim), jnp.float32))
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, p, v_tile)
+      while_running()
+
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+  def wait_next_k(self, j):
+    @pl.when(j + 1 < self.item.hi)
+    def _():
+      self.ctx.bars.k.consumer_wait(self.ring_step(j + 1))
+
+
+def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
+  """O / l and the lse of the consumer's rows, stored through SMEM by TMA."""
+  call, refs, wg = ctx.call, ctx.refs, ctx.wg
+  bq = call.config.block_q
+  if call.has_q_lengths:
+    rows = tile.q_lo + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW_LAYOUT)
+    l = jnp.where(rows < tile.item.q_len, l, 0.0)  # rows past the length: zeros, lse -inf
+  out, lse = normalize(acc, m, l)
+  if call.config.persistent:
+    # The previous tile's stores must have read o_tile and the LSE row.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  tile.o_tile[...] = out.astype(call.dtype)
+  refs.lse_smem.at[wg][...] = lse
+  plgpu.commit_smem()
+  b_i, h_i = tile.item.batch_idx, tile.item.head
+  plgpu.copy_smem_to_gmem(tile.o_tile, refs.out.at[b_i, pl.ds(tile.q_lo, bq), h_i])
+  plgpu.copy_smem_to_gmem(refs.lse_smem.at[wg], refs.lse.at[b_i, h_i, pl.ds(tile.q_lo, bq)])
+
+
+def _kernel(call: _Call, *refs) -> None:
+  refs, barrier_refs = _Refs.unpack(call, refs)
+  ctx = _Context.create(call, refs, barrier_refs)
+  pl.when(ctx.wg == call.config.num_consumers)(functools.partial(_producer, ctx))
+  pl.when(ctx.wg < call.config.num_consumers)(functools.partial(_consumer, ctx))
 
 
 def _build_kernel(
@@ -480,345 +715,20 @@ def _build_kernel(
     has_q_lengths: bool,
     has_kv_lengths: bool,
 ):
-  bq, bk, cfg = config.block_q, config.block_kv, config
+  cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
-  group = num_q_heads // num_kv_heads
-  c = scale * LOG2_E  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2)
-  # Heavy tiles first: with a right bound (causal), later rows see more keys.
-  heavy_last = _pairs_causal_tiles(mask)
-  masked_logit = -jnp.inf if c >= 0 else jnp.inf
-  interpreting = is_interpreting()
+  heavy_first = pairs_causal_tiles(mask)
+  work = (PersistentWork(batch, num_q_heads, num_q_tiles, cfg.num_sms, heavy_first)
+          if cfg.persistent else None)
+  call = _Call(config=cfg, mask=mask, q_seq=q_seq, kv_valid=kv_valid, head_dim=head_dim,
+               dtype=dtype, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles,
+               c=scale * LOG2_E, heavy_first=heavy_first, work=work,
+               interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
+               has_kv_lengths=has_kv_lengths)
 
-  work = PersistentWork(batch, num_q_heads, num_q_tiles, cfg.num_sms, heavy_last) if cfg.persistent else None
+  def kernel(*refs):  # Mosaic GPU names the kernel after this function
+    _kernel(call, *refs)
 
-  def kernel(*refs):
-    refs = list(refs)
-    q_ref, k_ref, v_ref = refs[:3]
-    del refs[:3]
-    q_len_ref = refs.pop(0) if has_q_lengths else None
-    kv_len_ref = refs.pop(0) if has_kv_lengths else None
-    out_ref, lse_ref, smem, barrier_refs = refs
-    q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
-    o_smem = optional_smem.pop(0) if cfg.persistent else None
-    p_smem = optional_smem.pop(0) if (interpreting or cfg.p_in_smem) else None
-    bars = ForwardBarriers.from_refs(cfg, barrier_refs)
-    wg = lax.axis_index("wg")
-
-    if cfg.persistent:
-      cta = lax.axis_index("ctas")
-      my_tiles = work.count(cta)
-      tile_coords = functools.partial(work.coords, cta)
-    else:
-      # One work item per CTA; heavy causal tiles are launched first.
-      my_tiles = 1
-      tile = lax.axis_index("q_tiles")
-      tile = num_q_tiles - 1 - tile if heavy_last else tile
-      coords = (lax.axis_index("batch"), lax.axis_index("heads"), tile)
-      tile_coords = lambda i: coords
-
-    def geometry(i):
-      """Everything about this CTA's work item i both roles agree on."""
-      batch_idx, head, tile = tile_coords(i)
-      q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
-      cta_q_lo = tile * cfg.block_q_cta
-      blocks = kv_tile_ranges(mask, cta_q_lo, cta_q_lo + cfg.block_q_cta, q_len, kv_len, bk)
-      # The producer loads KV blocks [lo, hi) for the whole CTA tile.
-      return dict(batch_idx=batch_idx, head=head, q_len=q_len, kv_len=kv_len,
-                  cta_q_lo=cta_q_lo, lo=blocks.lo, hi=blocks.hi)
-
-    def tile_loop(body, init):
-      """Runs body(i, carry) over this CTA's work items (a loop even for one
-      item, so the ring position is a run-time value wgmma closures accept)."""
-      return lax.fori_loop(0, my_tiles, body, init)
-
-    @pl.when(wg == cfg.num_consumers)
-    def _producer():
-      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-
-      def produce_tile(i, step0):
-        g = geometry(i)
-        lo, hi = g["lo"], g["hi"]
-        for c_i in range(cfg.num_consumers):
-          if cfg.persistent:
-            bars.q.producer_acquire(i, c_i)
-          rows = pl.ds(g["cta_q_lo"] + c_i * bq, bq)
-          bars.q.producer_fill(q_ref.at[g["batch_idx"], rows, g["head"]], q_smem, i, c_i)
-        kv_head = lax.div(g["head"], jnp.int32(group))
-
-        @pl.loop(lo, hi)
-        def _(j):
-          step = step0 + j - lo
-          keys = (g["batch_idx"], pl.ds(j * bk, bk), kv_head)
-          bars.k.producer_acquire(step)
-          bars.k.producer_fill(k_ref.at[keys], k_smem, step)
-          bars.v.producer_acquire(step)
-          bars.v.producer_fill(v_ref.at[keys], v_smem, step)
-
-        return step0 + (hi - lo)
-
-      total_steps = tile_loop(produce_tile, jnp.int32(0))
-      bars.k.producer_drain(total_steps)
-      bars.v.producer_drain(total_steps)
-      if cfg.persistent:
-        bars.q.producer_drain(my_tiles)
-
-    @pl.when(wg < cfg.num_consumers)
-    def _consumer():
-      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-      row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-      def consume_tile(i, step0):
-        g = geometry(i)
-        q_tile = q_smem.at[bars.q.buffer(i, wg)]
-        o_tile = o_smem.at[wg] if cfg.persistent else q_tile
-        lo, hi, q_len, kv_len = g["lo"], g["hi"], g["q_len"], g["kv_len"]
-        q_lo = g["cta_q_lo"] + wg * bq
-        own = kv_tile_ranges(mask, q_lo, q_lo + bq, q_len, kv_len, bk)
-        own_lo = _clip(own.lo, lo, hi)
-        own_hi = _clip(own.hi, own_lo, hi)
-        full_lo = _clip(own.full_lo, own_lo, own_hi)
-        full_hi = _clip(own.full_hi, full_lo, own_hi)
-        ring_step = lambda j: step0 + (j - lo)  # ring position of KV block j
-
-        def wait_next_k(j):
-          @pl.when(j + 1 < hi)
-          def _():
-            bars.k.consumer_wait(ring_step(j + 1))
-
-        def p_times_v(acc, p, v_tile, while_running):
-          """O += P V, with `while_running()` issued while the wgmma runs."""
-          p_operand = p
-          if interpreting or cfg.p_in_smem:
-            p_operand = p_smem.at[wg]
-            p_operand[...] = p
-            plgpu.commit_smem()
-          if interpreting:
-            # The interpreter rejects wgmma with A in registers and run_state:
-            # stage P through SMEM and add a fresh accumulator.
-            def pv_delta(delta_ref):
-              plgpu.wgmma(delta_ref, p_operand, v_tile)
-              while_running()
-              return delta_ref[...]
-
-            return acc + pl.run_scoped(pv_delta, plgpu.ACC((bq, head_dim), jnp.float32))
-
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_operand, v_tile)
-            while_running()
-
-          return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-        def qk(s_ref, k_tile):
-          plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-          bars.pingpong.sync()  # the other consumer's softmax ends here
-          return s_ref[...]
-
-        def online_softmax(s, m, j, *, masked: bool):
-          """(P, new running max, alpha) for the logits of KV block j."""
-          if masked:
-            q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-            k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-            visible = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
-            s = jnp.where(visible, s, masked_logit)
-          row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
-          m_grown = jnp.maximum(m, row_best * c)
-          # Keep the stale max unless it grew enough to risk overflow.
-          m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
-          alpha = exact_alpha(m, m_new)
-          p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-          return p, m_new, alpha
-
-        def hand_off(step):
-          bars.pingpong.arrive()  # done with softmax
-          bars.v.consumer_wait(step)
-          bars.pingpong.wait()  # tensor core free: the other consumer issued its QK
-
-        def softmax_and_hand_off(s, m, l, j, *, masked: bool, acc=None):
-          """Softmax of block j, the hand-off of the tensor core, and the row
-          sums before or after it (`sum_before_handoff`). `acc`, if given, is
-          rescaled before the hand-off."""
-          p, m_new, alpha = online_softmax(s, m, j, masked=masked)
-          if acc is not None:
-            acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-          p16 = p.astype(dtype)
-          if cfg.sum_before_handoff:
-            l = l * alpha + p.sum(axis=1)
-            # Pin the order: the softmax must be done before the hand-off.
-            acc, l, m_new, alpha, p16 = lax.optimization_barrier((acc, l, m_new, alpha, p16))
-            hand_off(ring_step(j))
-          else:
-            hand_off(ring_step(j))
-            l = l * alpha + p.sum(axis=1)
-          return p16, m_new, l, alpha, acc
-
-        def compute_step(j, carry, *, masked: bool):
-          """S = Q K^T, softmax, O += P V, one after the other."""
-          acc, m, l = carry
-          step = ring_step(j)
-          s = pl.run_scoped(functools.partial(qk, k_tile=k_smem.at[bars.k.slot(step)]),
-                            plgpu.ACC((bq, bk), jnp.float32))
-          bars.k.consumer_release(step)
-          p16, m_new, l, _, acc = softmax_and_hand_off(s, m, l, j, masked=masked, acc=acc)
-          acc = p_times_v(acc, p16, v_smem.at[bars.v.slot(step)], lambda: wait_next_k(j))
-          bars.v.consumer_release(step)
-          return acc, m_new, l
-
-        # --- the paired schedules (`schedule` "qk_then_pv" / "pv_then_qk") ---
-        # Block j's step issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1},
-        # and runs the softmax of S_j while the P V wgmma still runs; O is
-        # rescaled by alpha_j once it lands. The first block of the consumer's
-        # range only computes P; the last P V runs after the loop.
-
-        def paired_gemms(acc, p_prev, j, after_qk, outs_like):
-          """Issues S = Q K_j^T and O += P_prev V_{j-1} back to back, in the
-          schedule's order; after_qk(S) runs as soon as S is ready ("qk_then_pv":
-          while the P V wgmma still runs). Returns (O, after_qk's outputs)."""
-          k_tile = k_smem.at[bars.k.slot(ring_step(j))]
-          v_tile = v_smem.at[bars.v.slot(ring_step(j - 1))]
-          if interpreting:
-            # No register-A wgmma, no run_state: the same order of barrier
-            # operations, with P staged through SMEM (see `p_times_v`).
-            s = pl.run_scoped(functools.partial(qk, k_tile=k_tile), plgpu.ACC((bq, bk), jnp.float32))
-            acc = p_times_v(acc, p_prev, v_tile, lambda: None)
-            return acc, after_qk(s)
-
-          p_operand = p_prev
-          if cfg.p_in_smem:
-            p_operand = p_smem.at[wg]
-            p_operand[...] = p_prev  # the previous P V has completed
-            plgpu.commit_smem()
-
-          def body(refs):
-            acc_ref, out_refs = refs
-
-            def issue(s_ref):
-              if cfg.schedule == "qk_then_pv":
-                plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-                plgpu.wgmma(acc_ref, p_operand, v_tile)
-                bars.pingpong.sync()  # the other consumer's softmax ends here
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S only
-              plgpu.wgmma(acc_ref, p_operand, v_tile)
-              plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-              bars.pingpong.sync()
-              return plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-
-            outs = after_qk(pl.run_scoped(issue, plgpu.ACC((bq, bk), jnp.float32)))
-            for ref, value in zip(out_refs, outs):
-              ref[...] = value
-
-          return pl.run_state(body)((plgpu.ACC.init(acc), tuple(outs_like)))
-
-        def first_overlapped_step(j, carry):
-          acc, m, l, p_prev = carry
-          step = ring_step(j)
-          s = pl.run_scoped(functools.partial(qk, k_tile=k_smem.at[bars.k.slot(step)]),
-                            plgpu.ACC((bq, bk), jnp.float32))
-          bars.k.consumer_release(step)
-          # The first block of a range may be a boundary block: always masked.
-          p16, m_new, l, _, _ = softmax_and_hand_off(s, m, l, j, masked=True)
-          wait_next_k(j)
-          return acc, m_new, l, p16
-
-        def overlapped_step(j, carry, *, masked: bool):
-          acc, m, l, p_prev = carry
-          step = ring_step(j)
-
-          def after_qk(s):
-            bars.k.consumer_release(step)
-            outs = softmax_and_hand_off(s, m, l, j, masked=masked)[:4]
-            wait_next_k(j)
-            return outs
-
-          acc, (p16, m_new, l, alpha) = paired_gemms(acc, p_prev, j, after_qk, (p_prev, m, l, m))
-          bars.v.consumer_release(step - 1)
-          acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-          return acc, m_new, l, p16
-
-        def last_pv(j, carry):
-          acc, m, l, p_prev = carry
-          step = ring_step(j)
-          acc = p_times_v(acc, p_prev, v_smem.at[bars.v.slot(step)], lambda: None)
-          bars.v.consumer_release(step)
-          return acc, m, l, p_prev
-
-        def skip_step(j, carry):
-          """A block this consumer's rows cannot see: keep the protocol going."""
-          step = ring_step(j)
-          bars.pingpong.sync()
-          bars.k.consumer_release(step)
-          bars.pingpong.arrive()
-          bars.v.consumer_wait(step)
-          bars.pingpong.wait()
-          bars.v.consumer_release(step)
-          wait_next_k(j)
-          return carry
-
-        bars.q.consumer_wait(i, wg)
-        m = plgpu.layout_cast(jnp.full((bq,), M_INIT, jnp.float32), row_layout)
-        l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
-        acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-        @pl.when(hi > lo)
-        def _():
-          bars.k.consumer_wait(step0)
-
-        pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
-        carry = fori(lo, own_lo, skip_step, (acc, m, l))
-        if cfg.schedule != "serial":
-          p16 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-          carry = (*carry, p16)
-          # Loops of zero or one step stand in for "if the range is not empty".
-          first_hi = jnp.minimum(own_lo + 1, own_hi)
-          carry = fori(own_lo, first_hi, first_overlapped_step, carry)
-          rest_full_lo = _clip(full_lo, first_hi, own_hi)
-          rest_full_hi = _clip(full_hi, rest_full_lo, own_hi)
-          carry = fori(first_hi, rest_full_lo, functools.partial(overlapped_step, masked=True), carry)
-          carry = fori(rest_full_lo, rest_full_hi, functools.partial(overlapped_step, masked=False), carry)
-          carry = fori(rest_full_hi, own_hi, functools.partial(overlapped_step, masked=True), carry)
-          carry = fori(jnp.maximum(own_hi - 1, own_lo), own_hi, last_pv, carry)
-          carry = carry[:3]
-        else:
-          carry = fori(own_lo, full_lo, functools.partial(compute_step, masked=True), carry)
-          carry = fori(full_lo, full_hi, functools.partial(compute_step, masked=False), carry)
-          carry = fori(full_hi, own_hi, functools.partial(compute_step, masked=True), carry)
-        carry = fori(own_hi, hi, skip_step, carry)
-        pl.when(wg == 0)(bars.pingpong.sync)
-        acc, m, l = carry
-        if cfg.persistent:
-          bars.q.consumer_release(i, wg)  # every QK of this tile completed
-
-        if has_q_lengths:
-          rows = q_lo + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout)
-          l = jnp.where(rows < q_len, l, 0.0)  # rows past the length: zeros, lse -inf
-        seen_any = l > 0.0
-        inv_l = jnp.where(seen_any, 1.0 / jnp.where(seen_any, l, 1.0), 0.0)
-        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        lse = jnp.where(seen_any, (m + jnp.log2(jnp.where(seen_any, l, 1.0))) * LN_2, -jnp.inf)
-        if cfg.persistent:
-          # The previous tile's stores must have read o_tile and the LSE row.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_tile[...] = out.astype(dtype)
-        lse_smem.at[wg][...] = lse
-        plgpu.commit_smem()
-        b_i, h_i = g["batch_idx"], g["head"]
-        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b_i, pl.ds(q_lo, bq), h_i])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_i, h_i, pl.ds(q_lo, bq)])
-        return step0 + (hi - lo)
-
-      tile_loop(consume_tile, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
-
-  smem = [
-      _smem_tile((cfg.q_depth * cfg.num_consumers, bq, head_dim), dtype),  # Q tiles (then O)
-      _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # K ring
-      _smem_tile((cfg.num_kv_stages, bk, head_dim), dtype),  # V ring
-      plgpu.SMEM((cfg.num_consumers, bq), jnp.float32),  # LSE rows
-  ]
-  if cfg.persistent:
-    # O tiles of their own, so the next work item's Q can land during the epilogue.
-    smem.append(_smem_tile((cfg.num_consumers, bq, head_dim), dtype))
-  if interpreting or cfg.p_in_smem:
-    smem.append(_smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   # The LSE rows are stored with 1-D TMA boxes along the sequence, its
   # contiguous axis. On an H100 a box that ran past the end of that axis left
   # wrong values (seen at q_seq = 56, block_q = 64; the interpreter clips it
@@ -831,7 +741,7 @@ def _build_kernel(
   return plgpu.kernel(
       kernel,
       out_type=out_type,
-      scratch_types=(tuple(smem), ForwardBarriers.scratch_types(cfg)),
+      scratch_types=(tuple(_scratch_smem(call)), ForwardBarriers.scratch_types(cfg)),
       grid=(work.num_ctas,) if cfg.persistent else (num_q_heads, num_q_tiles, batch),
       grid_names=("ctas",) if cfg.persistent else ("heads", "q_tiles", "batch"),
       num_threads=cfg.num_consumers + 1,
