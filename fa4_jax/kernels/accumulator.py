@@ -76,8 +76,3 @@ def _rescale_where_any_row_changed(acc, alpha):
 
   return rescale(acc, alpha)
 
-
-def exact_alpha(m_old, m_new):
-  """exp2(m_old - m_new), exactly 1.0 where the max did not move (the
-  approximate exp2 of 0 is not promised to be exactly 1)."""
-  return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))
