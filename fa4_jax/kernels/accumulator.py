@@ -24,7 +24,6 @@ from __future__ import annotations
 import numpy as np
 
 import jax.experimental.mosaic.gpu as mgpu
-import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, nvvm, scf, vector
