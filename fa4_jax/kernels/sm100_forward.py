@@ -625,10 +625,8 @@ def softmax_wg(ctx: ForwardContext, i) -> None:
 
   @pl.when(ctx.num_steps > 0)
   def _():
-    init = (
-        plgpu.layout_cast(jnp.full((BLOCK_Q,), scores.M_INIT, jnp.float32), _ROW_VECTOR_LAYOUT),
-        plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), _ROW_VECTOR_LAYOUT),
-    )
+    init = scores.initial_row_stats(
+        BLOCK_Q, place=lambda x: plgpu.layout_cast(x, _ROW_VECTOR_LAYOUT))
     step = functools.partial(_softmax_step, ctx, i, r_lo)
     m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
     # Final statistics for the epilogue, through the same hand-off.

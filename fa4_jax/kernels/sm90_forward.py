@@ -84,8 +84,8 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 # padded_head_dim and kv_tile_ranges are imported from here by other modules.
 from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
-from fa4_jax.scores import (LOG2_E, M_INIT, MaskSpec, TileRanges, cdiv, kv_tile_ranges,
-                            normalize, online_softmax, visible)
+from fa4_jax.scores import (LOG2_E, MaskSpec, TileRanges, cdiv, initial_row_stats,
+                            kv_tile_ranges, normalize, online_softmax, visible)
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -554,8 +554,7 @@ class _ConsumerTile:
     cfg, bars, wg = self.ctx.call.config, self.ctx.bars, self.ctx.wg
     bq, lo, hi, own = cfg.block_q, self.item.lo, self.item.hi, self.own
     bars.q.consumer_wait(self.index, wg)
-    m = plgpu.layout_cast(jnp.full((bq,), M_INIT, jnp.float32), _ROW_LAYOUT)
-    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), _ROW_LAYOUT)
+    m, l = initial_row_stats(bq, place=lambda x: plgpu.layout_cast(x, _ROW_LAYOUT))
     acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.head_dim), 0.0, jnp.float32),
                             plgpu.Layout.WGMMA)
 
