@@ -18,7 +18,7 @@ Inside a warpgroup the GEMMs run in order (S = Q K^T, softmax, O += P V),
 and the wait for the next K tile is issued while P V runs. FA3's
 intra-warpgroup overlap (the softmax of block j while O += P_{j-1} V_{j-1}
 runs), a back-to-back issue of both GEMMs and P staged through SMEM all
-measured slower on an H100 (BENCHMARKS.md) and were removed; commit dcef065
+measured slower on an H100 (docs/performance-notes.md) and were removed; commit dcef065
 still has them.
 
 Every barrier and who arrives on it is listed in `ForwardBarriers`; the ring
@@ -117,7 +117,7 @@ class ForwardConfig:
   # Finish the row sums before handing the tensor core over, or after. H100:
   # before wins at D = 64 (528 vs 495 dense, 478 vs 453 causal, three
   # consumers) and ties or wins at D = 256 (697 vs 692 causal); after wins
-  # at D = 128 (B8 S2048: 648 vs 635; BENCHMARKS.md).
+  # at D = 128 (B8 S2048: 648 vs 635; docs/performance-notes.md).
   sum_before_handoff: bool = False
   # Persistent grid: one CTA per SM walks work items; the next tile's Q loads
   # while the current tile's O is stored (needs SMEM for separate O tiles).
