@@ -43,17 +43,11 @@ Why two kernels rather than one with a dQ reduction: a single kernel must add
 partial dQ tiles from many CTAs into one buffer, and float additions in
 arrival order are not deterministic. Two kernels recompute S and dP once more
 (7 instead of 5 GEMMs of one tile, +40% tensor work in dQ's share) but stay
-deterministic and simple. The one-kernel alternative is here too
-(`BackwardConfig.dq == "fused"`, `_build_fused_kernel`): it adds dQ in int32
-fixed point (`fa4_jax.kernels.fixed_point`), so it is deterministic as well,
-but on an H100 it is slower at head dim 128 (same process, B2 S8192 H16: 4.92
-ms of kernel against 2.79 + 2.03, 5.14 against 4.69 ms in all; 2-15 % behind
-without a window, 32 % under a 1024-key one): a fourth warpgroup for dQ
-leaves its consumers 208 registers, too few for the early lse and delta
-loads that make the dK/dV kernel fast, and too few for ptxas to keep the
-wgmma pipeline (it serializes every wgmma of the kernel, C7512). The layouts
-that avoid that ran slower still (see BENCHMARKS.md), so the heuristic does
-not pick it.
+deterministic and simple. A one-kernel variant (a dQ warpgroup summing dQ
+in int32 fixed point, deterministic as well) was slower on an H100 at head
+dim 128 (B2 S8192 H16: 5.14 against 4.69 ms; 2-15 % behind without a
+window, 32 % under a 1024-key one): it left the package, its code is at
+commit `dcef065` and the measurements in BENCHMARKS.md.
 
 Barrier protocol (see `BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
@@ -82,7 +76,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported, check_common, fixed_point
+from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, LaunchChain, OneShotBuffer,
                                      Rendezvous, SlotRing, check_register_split, fori,
                                      sequence_lengths)
@@ -96,9 +90,6 @@ MAX_HEAD_DIM = 256
 # computed by two passes of the dK/dV kernel, one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
-# "separate": the dQ kernel recomputes S and dP; "fused": the dK/dV kernel
-# also adds dQ in int32 fixed point (`_build_fused_kernel`).
-DQ_SCHEMES = ("separate", "fused")
 # lse and delta are padded to a multiple of this (every block size divides it).
 STATS_ALIGN = 128
 
@@ -117,11 +108,14 @@ class BackwardConfig:
   - "head_dim_split": a CTA owns `block_kv` keys and each consumer keeps half
     the head dim of their dK and dV (`_build_dkv_head_split_kernel`).
   - "two_passes": the fused kernel runs twice, accumulating dK only, then dV
-    only (S^T is computed twice: 5 tile GEMMs per query block instead of 4;
-    `dv_block_q` and `dv_num_stages`, when set, tile the dV pass, which
-    holds no V).
-  dQ kernel: a CTA owns `2 * dq_block_q` rows and streams `dq_block_kv`-key
-  tiles through `dq_num_stages` slots.
+    only (S^T is computed twice: 5 tile GEMMs per query block instead of 4).
+  dQ kernel: a CTA owns `dq_num_consumers * dq_block_q` rows and streams
+  `dq_block_kv`-key tiles through `dq_num_stages` slots.
+
+  dQ inside the dK/dV kernel (one kernel, five tile GEMMs instead of seven,
+  dQ summed in int32 fixed point) was measured slower on an H100 (B2 S8192
+  H16 D128: 535 vs 586 TFLOP/s; B1 S16384: 532 vs 543) and left the package;
+  its code is at commit `dcef065`, the measurements in BENCHMARKS.md.
   """
 
   block_kv: int = 64
@@ -139,20 +133,6 @@ class BackwardConfig:
   dq_num_consumers: int = 2
   dq_producer_registers: int = 40
   dq_consumer_registers: int = 232
-  dv_block_q: int = 0  # 0: as block_q
-  dv_num_stages: int = 0  # 0: as num_stages
-  # dQ by its own kernel, or inside the dK/dV kernel ("fused": head dim 128,
-  # `dk_dv == "fused"`), whose consumers hand dS^T to a dQ warpgroup through
-  # a ring of `ds_slots` SMEM slots. "fused" is deterministic too, but
-  # measured slower (H100, same process, B2 S8192 H16 D128: 535 vs 586
-  # TFLOP/s; B1 S16384: 532 vs 543): an option, not the heuristic's choice.
-  dq: str = "separate"
-  ds_slots: int = 3
-  # dq="fused": the registers of the kernel's fourth warpgroup, which
-  # computes dQ from the dS^T ring (its GEMM, the int32 conversion, the
-  # reduce-adds). It shares the CTA's registers with the producer and the
-  # consumers (`check_register_split`); below ~72 it spills.
-  dq_warpgroup_registers: int = 72
   # dK/dV kernel ("fused" scheme): load a block's lse and delta from SMEM
   # before waiting for its S^T and dP^T GEMMs rather than after (Nsight
   # Compute: the first FFMA of P^T waited on those loads). Holds them in
@@ -161,7 +141,7 @@ class BackwardConfig:
   # delta = rowsum(dO * O) computed by the dQ kernel (which then runs first,
   # loads each consumer's O tile beside its dO tile and hands delta to the
   # dK/dV kernel) instead of by an XLA reduction before both kernels. Needs
-  # `dq == "separate"` and SMEM for the O tiles (head dim <= 128).
+  # SMEM for the O tiles (head dim <= 128).
   delta_in_dq: bool = False
   # Launch each kernel while the one before it finishes (programmatic
   # dependent launch, `pipeline.LaunchChain`): the dQ kernel's CTAs fill the
@@ -193,17 +173,9 @@ class BackwardConfig:
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
       raise ValueError(f"dk_dv must be one of {DK_DV_SCHEMES}; got {self.dk_dv!r}")
-    if self.dq not in DQ_SCHEMES:
-      raise ValueError(f"dq must be one of {DQ_SCHEMES}; got {self.dq!r}")
-    if self.dq == "fused" and self.dk_dv != "fused":
-      raise ValueError(f"dq='fused' needs dk_dv='fused'; got {self.dk_dv!r}")
-    if self.delta_in_dq and self.dq != "separate":
-      raise ValueError(f"delta_in_dq needs dq='separate' (the dQ kernel computes delta); "
-                       f"got dq={self.dq!r}: set delta_in_dq=False")
-    if self.overlap_kernels and (self.delta_in_dq or self.dq != "separate"):
-      raise ValueError(f"overlap_kernels needs independent kernels: dq='separate' and "
-                       f"delta_in_dq=False; got dq={self.dq!r}, delta_in_dq={self.delta_in_dq}: "
-                       f"set overlap_kernels=False")
+    if self.overlap_kernels and self.delta_in_dq:
+      raise ValueError(f"overlap_kernels needs independent kernels: delta_in_dq=False; "
+                       f"got delta_in_dq={self.delta_in_dq}: set overlap_kernels=False")
     dq_rows = self.dq_num_consumers * self.dq_block_q
     if self.delta_in_dq and dq_rows % self.block_q:  # (the dV pass reads no delta)
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
@@ -213,40 +185,14 @@ class BackwardConfig:
       raise ValueError(f"fold_stats is a choice of the dK/dV kernels whose consumers own whole "
                        f"key tiles ('fused' and 'two_passes'); got dk_dv={self.dk_dv!r}: "
                        f"set fold_stats=False")
-    if self.operands_in_registers and (self.dk_dv == "head_dim_split" or self.dq != "separate"):
+    if self.operands_in_registers and self.dk_dv == "head_dim_split":
       raise ValueError(f"operands_in_registers is a choice of the dK/dV kernel of the 'fused' "
-                       f"and 'two_passes' schemes with dq='separate'; got dk_dv={self.dk_dv!r}, "
-                       f"dq={self.dq!r}: set operands_in_registers=False")
-    if self.dq_operands_in_registers and self.dq != "separate":
-      raise ValueError(f"dq_operands_in_registers is a choice of the separate dQ kernel; "
-                       f"got dq={self.dq!r}: set dq_operands_in_registers=False")
+                       f"and 'two_passes' schemes; got dk_dv={self.dk_dv!r}: "
+                       f"set operands_in_registers=False")
     check_register_split("BackwardConfig (dK/dV kernel)", self.producer_registers,
-                         self.num_consumers, self.consumer_registers,
-                         other=self.dq_warpgroup_registers if self.dq == "fused" else 0)
+                         self.num_consumers, self.consumer_registers)
     check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
                          self.dq_num_consumers, self.dq_consumer_registers)
-
-  def with_fused_dq(self) -> "BackwardConfig":
-    """This configuration with dQ computed in the dK/dV kernel (`dq="fused"`),
-    without the options of the separate kernels (delta from the dQ kernel,
-    overlapped kernels, register operands), its consumers on 208 registers
-    so that the dQ warpgroup gets its `dq_warpgroup_registers` (72; a
-    24-register producer), loading
-    lse and delta after the S^T / dP^T wait (before it, or folded, they
-    spill there: ptxas 548 and 308 bytes, and run slower). With this split
-    ptxas serializes every wgmma of the kernel (C7512; the dK/dV kernel's
-    consumers need 224 registers to escape it); the ways around it that were
-    tried ran slower still (BENCHMARKS.md)."""
-    return dataclasses.replace(self, dq="fused", dk_dv="fused", delta_in_dq=False,
-                               overlap_kernels=False, fold_stats=False, stats_first=False,
-                               operands_in_registers=False, dq_operands_in_registers=False,
-                               producer_registers=24, consumer_registers=208)
-
-  def dv_pass(self) -> "BackwardConfig":
-    """The configuration of the dV pass of "two_passes"."""
-    return dataclasses.replace(self, block_q=self.dv_block_q or self.block_q,
-                               num_stages=self.dv_num_stages or self.num_stages)
-
 
 def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConfig:
   """Block sizes per (padded) head dim; the same for every mask. Where delta
@@ -1068,278 +1014,6 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   )
 
 
-# --- dK, dV and dQ in one kernel -----------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedBackwardBarriers:
-  """Every barrier of the fused kernel, with its producer and consumer side.
-
-  | barrier             | arrives (count)                                | waits                          |
-  |---------------------|------------------------------------------------|--------------------------------|
-  | resident.full[0]    | producer TMAs of K_0, V_0, K_1, V_1 (4)        | both consumers and the dQ      |
-  |                     |                                                | warpgroup (reads both K tiles),|
-  |                     |                                                | once                           |
-  | stream.full[slot]   | producer TMAs of Q, dO, lse2, delta and the    | both consumers, every step     |
-  |                     | rows' inverse quanta (5)                       |                                |
-  | stream.consumed[s]  | each consumer when its step is done (2)        | producer, before refilling     |
-  | ds.full[slot]       | each consumer after storing its half of dS^T   | the dQ warpgroup               |
-  |                     | of a step, consumer 0 also the rows' inverse   |                                |
-  |                     | quanta (2)                                     |                                |
-  | ds.consumed[slot]   | the dQ warpgroup after its dQ wgmmas read the  | both consumers, before storing |
-  |                     | slot (1)                                       | into the slot again            |
-  | epilogue            | each consumer, and the dQ warpgroup after its  | both consumers; then the K     |
-  |                     | last dQ wgmma (3)                              | tiles take dK                  |
-  """
-
-  resident: OneShotBuffer
-  stream: BundleRing
-  ds: SlotRing
-  epilogue: Rendezvous
-
-  STREAMED = 5  # Q, dO, lse2, delta, inverse quanta
-
-  @classmethod
-  def scratch_types(cls, num_stages: int, ds_slots: int, num_consumers: int = 2):
-    return (
-        plgpu.Barrier(num_arrivals=2 * num_consumers, num_barriers=1),
-        *BundleRing.barrier_types(num_stages, num_consumers, cls.STREAMED),
-        *SlotRing.barrier_types(ds_slots, 1, producers=num_consumers),
-        Rendezvous.barrier_type(num_consumers + 1),
-    )
-
-  @classmethod
-  def from_refs(cls, refs, num_stages: int, ds_slots: int, num_consumers: int = 2):
-    resident_full, stream_full, stream_consumed, ds_full, ds_consumed, epilogue = refs
-    return cls(
-        resident=OneShotBuffer(resident_full),
-        stream=BundleRing(SlotRing(stream_full, stream_consumed, num_stages, num_consumers),
-                          cls.STREAMED),
-        ds=SlotRing(ds_full, ds_consumed, ds_slots, 1),
-        epilogue=Rendezvous(epilogue, num_consumers + 1),
-    )
-
-
-def _build_fused_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
-                        head_dim, dtype, scale, mask, config, has_q_lengths,
-                        has_kv_lengths):
-  """dK, dV and dQ in one kernel (`BackwardConfig.dq == "fused"`).
-
-  The dK/dV kernel's CTA (two consumers, `block_kv` keys each, their dK and
-  dV in registers, query blocks of every head of the GQA group streamed
-  through a ring), plus a dQ warpgroup, so S and dP are computed once (five
-  tile GEMMs per step instead of the two kernels' seven):
-
-    step n, consumer w:  S^T, dP^T -> P^T, dS^T; dV_w += P^T dO, dK_w += dS^T Q,
-                         dS^T_w (16-bit) -> ds ring slot of step n
-                         (consumer 0: the rows' inverse quanta beside it)
-    step n, dQ warpgroup: dQ[:, half] = dS K[:, half] over both halves of the
-                         key tile, for each half of dQ's columns in turn, in
-                         int32 steps of the row's quantum -> TMA reduce-add.
-
-  The dQ warpgroup keeps the dQ GEMM, its conversion and the reduce-adds off
-  the consumers' path (when the consumers computed dQ themselves, one step
-  later, the kernel was 5-16 % slower; BENCHMARKS.md). It needs ~72 registers
-  per thread; the consumers give up 32 of their 240 for it, so lse and delta
-  are loaded after the S^T / dP^T wait. The inverse quanta travel with dS^T
-  because the stream slot that holds them is released before the dQ
-  warpgroup gets to the step. The reduce-adds of all CTAs land in one int32
-  buffer (`dq_acc`, zeros, a `jax.Ref` operand): integer sums do not depend
-  on their order, so dQ is deterministic (`fa4_jax.kernels.fixed_point`).
-  Under the interpreter, which has no TMA reduction, each CTA writes its
-  partials to a slice of its own (`dq_acc` then has a leading KV-tile axis,
-  summed afterwards): the same integers, the same sum.
-  """
-  cfg = config
-  bk, bq, nc = cfg.block_kv, cfg.block_q, cfg.num_consumers
-  if nc != 2 or head_dim % (64 * nc) or head_dim > MAX_FUSED_DK_DV_HEAD_DIM:
-    raise KernelUnsupported(
-        f"sm90 fused backward: needs two consumers and head_dim 128; got {nc}, {head_dim}")
-  # dQ columns per pass of the dQ warpgroup (64: the width of the K tiles'
-  # swizzled SMEM tiles, and an accumulator of 32 registers per thread).
-  dq_cols = head_dim // nc
-  group = num_q_heads // num_kv_heads
-  num_kv_tiles = cdiv(kv_seq, nc * bk)
-  c = scale * LOG2_E
-  interpreting = is_interpreting()
-  row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along dQ's rows
-
-  def kernel(*refs):
-    refs = list(refs)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, inv_quanta_ref = refs[:7]
-    del refs[:7]
-    q_len_ref = refs.pop(0) if has_q_lengths else None
-    kv_len_ref = refs.pop(0) if has_kv_lengths else None
-    dq_acc_ref, dk_ref, dv_ref, smem, barrier_refs = refs
-    (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, inv_quanta_ring,
-     ds_smem, ds_quanta, dq_stage, *staging) = smem
-    bars = FusedBackwardBarriers.from_refs(barrier_refs, cfg.num_stages, cfg.ds_slots, nc)
-
-    work = _KeyTileWork.of_this_cta(
-        num_keys=nc * bk, block_q=bq, mask=mask, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
-        q_seq=q_seq, kv_valid=kv_valid, group=group)
-    kv_head, batch_idx, cta_k_lo = work.kv_head, work.batch_idx, work.k_lo
-    q_len, kv_len, lo, hi = work.q_len, work.kv_len, work.lo, work.hi
-    blocks_per_head, num_steps, rows_of = work.blocks_per_head, work.num_steps, work.rows_of
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == nc)
-    def _producer():
-      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-      for i in range(nc):
-        keys = (batch_idx, pl.ds(cta_k_lo + i * bk, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[i], bars.resident.full.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[i], bars.resident.full.at[0])
-
-      @pl.loop(0, num_steps)
-      def _(step):
-        head, qb = rows_of(step)
-        rows = (batch_idx, pl.ds(qb * bq, bq), head)
-        stats = (batch_idx, head, pl.ds(qb * bq, bq))
-        bars.stream.producer_acquire(step)
-        bars.stream.producer_fill(
-            [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring),
-             (lse_ref.at[stats], lse_ring), (delta_ref.at[stats], delta_ring),
-             (inv_quanta_ref.at[stats], inv_quanta_ring)], step)
-
-      bars.stream.producer_drain(num_steps)
-
-    @pl.when(wg == nc + 1)
-    def _dq_warpgroup():
-      plgpu.set_max_registers(cfg.dq_warpgroup_registers, action="decrease")
-      bars.resident.consumer_wait(0, 0)  # K tiles
-
-      @pl.loop(0, num_steps)
-      def _(step):
-        slot = bars.ds.slot(step)
-        bars.ds.consumer_wait(step)
-        inv_quanta = plgpu.load(ds_quanta.at[slot], layout=row_layout)
-        head, qb = rows_of(step)
-        rows = pl.ds(qb * bq, bq)
-        for h in range(nc):  # dQ's column halves, one stage each
-          cols = pl.ds(h * dq_cols, dq_cols)
-
-          def body(acc_ref):
-            for w in range(nc):
-              plgpu.wgmma(acc_ref, ds_smem.at[slot, w].transpose((1, 0)), k_smem.at[w, :, cols])
-            return acc_ref[...]
-
-          dq = pl.run_scoped(body, plgpu.ACC((bq, dq_cols), jnp.float32))
-          if h == nc - 1:
-            bars.ds.consumer_release(step)
-          steps = jnp.round(dq * lax.broadcast_in_dim(inv_quanta, dq.shape, [0]))
-          # The add of the other half may still be reading; this stage's,
-          # issued a half-step earlier, must be done.
-          plgpu.wait_smem_to_gmem(nc - 1, wait_read_only=True)
-          dq_stage.at[h][...] = steps.astype(jnp.int32)
-          plgpu.commit_smem()
-          if interpreting:  # no TMA reduction: partials of this KV tile, summed later
-            plgpu.copy_smem_to_gmem(dq_stage.at[h],
-                                    dq_acc_ref.at[work.kv_tile, batch_idx, rows, head, cols])
-          else:
-            plgpu.copy_smem_to_gmem(dq_stage.at[h], dq_acc_ref.at[batch_idx, rows, head, cols],
-                                    reduction_op="add")
-
-      bars.epilogue.arrive()  # its wgmmas have read the K tiles for the last time
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg < nc)
-    def _consumer():
-      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-      k_lo = cta_k_lo + wg * bk
-      own = _own_ranges(q_tile_ranges(mask, k_lo, k_lo + bk, q_len, kv_len, bq), lo, hi)
-      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
-      stage = staging[0].at[wg] if interpreting else None
-
-      def publish_ds(step, ds):
-        """This consumer's half of dS^T of `step` -> the ds ring (consumer 0
-        also the rows' inverse quanta, from the stream slot it still holds)."""
-        bars.ds.producer_acquire(step)  # the dQ wgmmas of step - ds_slots are done
-        ds_slot = bars.ds.slot(step)
-        ds_smem.at[ds_slot, wg][...] = ds
-
-        @pl.when(wg == 0)
-        def _():
-          ds_quanta.at[ds_slot][...] = plgpu.load(inv_quanta_ring.at[bars.stream.slot(step)],
-                                                  layout=row_layout)
-
-        bars.ds.producer_publish(step)
-
-      def step_fn(qb, acc, *, masked, head_step0):
-        dk, dv = acc
-        step = head_step0 + (qb - lo)
-        slot = bars.stream.slot(step)
-        q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
-        bars.stream.consumer_wait(step)
-        s, dp, lse2, delta = _transposed_scores(
-            k_tile, v_tile, q_tile, do_tile, _stats_of_slot(lse_ring, delta_ring, slot), c=c,
-            fold_stats=cfg.fold_stats, stats_first=cfg.stats_first)
-        p = _probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
-                           kv_len=kv_len, mask=mask, c=c, masked=masked)
-        dk, dv = _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, stage,
-                               with_ds=functools.partial(publish_ds, step))
-        bars.stream.consumer_release(step)
-        return dk, dv
-
-      def skip_fn(qb, acc, *, head_step0):
-        """None of this consumer's keys sees the block: its half of dS^T is 0."""
-        step = head_step0 + (qb - lo)
-        bars.stream.consumer_wait(step)
-        publish_ds(step, plgpu.layout_cast(jnp.zeros((bk, bq), dtype), plgpu.Layout.WGMMA))
-        bars.stream.consumer_release(step)
-        return acc
-
-      def one_head(g, acc):
-        head_step0 = g * blocks_per_head
-        return _walk(lo, hi, own,
-                     functools.partial(step_fn, head_step0=head_step0),
-                     functools.partial(skip_fn, head_step0=head_step0), acc)
-
-      bars.resident.consumer_wait(0, 0)
-      dk, dv = lax.fori_loop(0, group, one_head,
-                             (_zeros((bk, head_dim)), _zeros((bk, head_dim))))
-      bars.ds.producer_drain(num_steps)
-      # The dQ warpgroup's wgmmas read both K tiles: only after its last may
-      # the K tiles take dK (and the V tiles, read by their owner only, dV).
-      bars.epilogue.sync()
-      k_tile[...] = (dk * scale).astype(dtype)
-      v_tile[...] = dv.astype(dtype)
-      plgpu.commit_smem()
-      keys = (batch_idx, pl.ds(k_lo, bk), kv_head)
-      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
-      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
-      plgpu.wait_smem_to_gmem(0)
-
-  swizzle = _swizzle_bytes(dtype, bk, bq)
-  resident_tile = _smem_tile((nc, bk, head_dim), dtype, swizzle)
-  ring_tile = _smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle)
-  ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
-  smem = [
-      resident_tile,  # K tiles, then dK
-      resident_tile,  # V tiles, then dV
-      ring_tile, ring_tile,  # Q, dO rings
-      ring_stats, ring_stats, ring_stats,  # lse2, delta, inverse quanta rings
-      _smem_tile((cfg.ds_slots, nc, bk, bq), dtype, swizzle),  # dS^T halves
-      plgpu.SMEM((cfg.ds_slots, bq), jnp.float32),  # their rows' inverse quanta
-      _smem_tile((nc, bq, dq_cols), jnp.int32, 128),  # dQ steps on their way out
-  ]
-  if interpreting:
-    smem.append(_smem_tile((nc, bk, bq), dtype, swizzle))  # P^T / dS^T staging
-  out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype)
-                   for _ in range(2))
-  return plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=(tuple(smem), FusedBackwardBarriers.scratch_types(
-          cfg.num_stages, cfg.ds_slots, nc)),
-      grid=(num_kv_heads, num_kv_tiles, batch),
-      grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=nc + 2,  # consumers, producer, dQ warpgroup
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )
-
-
 # --- dQ ------------------------------------------------------------------------
 
 
@@ -1511,28 +1185,6 @@ def _preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = Tru
   return lse2, jnp.pad(jnp.where(live, delta, 0.0), pad)
 
 
-def _fused_backward(common, args, k, v, dout):
-  """(dq, dk, dv) from the fused kernel: dQ summed in int32 fixed point
-  (`fa4_jax.kernels.fixed_point`), converted back to the input dtype."""
-  batch, q_pad, num_q_heads = common["batch"], common["q_seq"], common["num_q_heads"]
-  bounds = fixed_point.row_bounds(k, v, dout, num_q_heads)  # [B, Nq, q_pad]
-  lse2 = args[4]
-  inv_quanta = jnp.pad(fixed_point.inverse_quanta(bounds),
-                       [(0, 0), (0, 0), (0, lse2.shape[-1] - q_pad)])
-  shape = (batch, q_pad, num_q_heads, common["head_dim"])
-  interpreting = is_interpreting()
-  if interpreting:  # one slice of partials per CTA column of keys (no TMA reduction)
-    config = common["config"]
-    shape = (cdiv(common["kv_seq"], config.num_consumers * config.block_kv),) + shape
-  dq_acc = jax.new_ref(jnp.zeros(shape, jnp.int32))
-  dk, dv = _build_fused_kernel(**common)(*args[:6], inv_quanta, *args[6:], dq_acc)
-  dq_fixed = dq_acc[...]
-  if interpreting:
-    dq_fixed = jnp.sum(dq_fixed, axis=0, dtype=jnp.int32)
-  dq = fixed_point.to_float(dq_fixed, bounds, common["scale"], common["dtype"])
-  return dq, dk, dv
-
-
 def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
              mask: MaskSpec, config: BackwardConfig | None = None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
@@ -1577,7 +1229,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     o = pad(out.astype(dtype), q_pad)
     dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths)
   args = [q, k, v, dout, lse2, delta, *lengths]
-  # With `overlap_kernels` (which implies the separate dQ kernel, last) each
+  # With `overlap_kernels` (the dQ kernel last) each
   # kernel below launches while the one before it finishes: the dK/dV
   # kernel, or the dK and the dV pass, release the next; all but the first
   # follow the previous one.
@@ -1585,17 +1237,14 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   first_dkv = LaunchChain(releases_next=overlap)
   second_dkv = LaunchChain(releases_next=overlap, follows_previous=overlap)
   last_dq = LaunchChain(follows_previous=overlap)
-  if config.dq == "fused":
-    dq, dk, dv = _fused_backward(common, args, k, v, dout)
-  elif config.dk_dv == "fused":
+  if config.dk_dv == "fused":
     dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"), chain=first_dkv)(*args)
   elif config.dk_dv == "head_dim_split":
     dk, dv = _build_dkv_head_split_kernel(**common, chain=first_dkv)(*args)
   else:
     (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=first_dkv)(*args)
-    (dv,) = _build_dkv_kernel(**dict(common, config=config.dv_pass()), outputs=("dv",),
-                              chain=second_dkv)(*args)
-  if config.dq == "separate" and not config.delta_in_dq:
+    (dv,) = _build_dkv_kernel(**common, outputs=("dv",), chain=second_dkv)(*args)
+  if not config.delta_in_dq:
     dq = _build_dq_kernel(**common, chain=last_dq)(*args)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
