@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax import xla_attention
+from fa4_jax import scores, xla_attention
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_backward
 from fa4_jax.scores import MaskSpec
@@ -204,43 +204,21 @@ def test_lse_and_delta_are_folded_into_the_accumulators_only_for_causal_gqa_at_1
 
 
 def test_dk_dv_register_options_need_a_kernel_that_has_them():
-  """The head-dim split at 256 has neither option; the fused kernel folds
-  lse and delta but keeps K and V in SMEM."""
+  """The head-dim split at 256 has neither option."""
   for option, others in (("fold_stats", [dict(dk_dv="head_dim_split")]),
-                         ("operands_in_registers", [dict(dk_dv="head_dim_split"),
-                                                    dict(dq="fused")])):
+                         ("operands_in_registers", [dict(dk_dv="head_dim_split")])):
     for other in others:
       with pytest.raises(ValueError, match=option):
         sm90_backward.BackwardConfig(**{option: True}, **other)
 
 
-def test_every_heuristic_config_switches_to_the_fused_dq_kernel():
-  """`with_fused_dq` drops the options only the separate kernels have (the
-  heuristic folds the statistics for causal GQA, keeps D = 64 operands in
-  registers, ...), so any heuristic choice can be compared with one kernel."""
-  for head_dim, config in sm90_backward.all_configs():
-    if config.dk_dv == "fused":
-      fused = config.with_fused_dq()
-      assert (fused.dq, fused.block_kv, fused.block_q) == ("fused", config.block_kv, config.block_q)
-
-
-def test_dq_register_operands_need_the_separate_dq_kernel():
-  with pytest.raises(ValueError, match="dq_operands_in_registers"):
-    sm90_backward.BackwardConfig(dq="fused", dq_operands_in_registers=True)
-
-
 def test_overlapped_kernels_must_not_read_each_others_outputs():
-  """With `delta_in_dq` the dK/dV kernel reads the dQ kernel's delta; with
-  `dq="fused"` there is one kernel."""
+  """With `delta_in_dq` the dK/dV kernel reads the dQ kernel's delta."""
   with pytest.raises(ValueError, match="overlap_kernels"):
     sm90_backward.BackwardConfig(delta_in_dq=True, overlap_kernels=True)
-  with pytest.raises(ValueError, match="overlap_kernels"):
-    sm90_backward.BackwardConfig(dq="fused", overlap_kernels=True)
 
 
-def test_delta_in_dq_kernel_needs_the_separate_dq_kernel_and_whole_blocks():
-  with pytest.raises(ValueError, match="delta_in_dq"):
-    sm90_backward.BackwardConfig(dq="fused", delta_in_dq=True)
+def test_delta_in_dq_kernel_needs_whole_blocks():
   with pytest.raises(ValueError, match="block_q"):  # 2 x 64 dQ rows, 96-row dK/dV blocks
     sm90_backward.BackwardConfig(block_q=96, dq_num_consumers=2, dq_block_q=64,
                                  delta_in_dq=True)
@@ -268,55 +246,6 @@ def test_gradients_are_bit_identical_across_runs(run_interpreted):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# --- dQ inside the dK/dV kernel (int32 fixed point) ------------------------------
-
-
-def _fused(case: Case):
-  return sm90_backward.choose_config(case.head_dim, case.mask).with_fused_dq()
-
-
-FUSED_CASES = {
-    "dense_bf16": Case(head_dim=128, q_seq=200, kv_seq=200),
-    "causal_gqa_sums_dk_dv_over_the_group": Case(
-        q_heads=4, kv_heads=2, head_dim=128, is_causal=True, q_seq=300, kv_seq=300),
-    "fp16_ragged_two_sided_window_skips_far_tiles": Case(
-        dtype="float16", head_dim=128, window=(40, 20), q_seq=77, kv_seq=330),
-    "lengths_mask_keys_drop_rows_and_leave_a_batch_without_keys": Case(
-        batch=2, head_dim=128, is_causal=True, q_seq=104, kv_seq=136,
-        q_lengths=(70, 104), kv_lengths=(136, 0)),
-    # Query rows see the keys of only one of the two consumers (a causal
-    # diagonal inside the CTA): the other one contributes a zero half of dS.
-    "queries_shorter_than_keys_one_consumer_sees_nothing": Case(
-        head_dim=128, is_causal=True, q_seq=40, kv_seq=256),
-}
-
-
-@pytest.mark.parametrize("name", list(FUSED_CASES))
-def test_fused_dq_matches_xla_backward_and_jax_nn_without_races(name, run_interpreted):
-  case = FUSED_CASES[name]
-  _check_case(case, run_interpreted, config=_fused(case))
-
-
-def test_fused_gradients_are_bit_identical_across_runs(run_interpreted):
-  case = FUSED_CASES["causal_gqa_sums_dk_dv_over_the_group"]
-  q, k, v, dout = _inputs(case)
-  scale = 1.0 / math.sqrt(case.head_dim)
-  out, lse = _forward(case, q, k, v, scale)
-  runs = [_kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, _fused(case))
-          for _ in range(2)]
-  for a, b in zip(*runs):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("name", ["fp16_ragged_two_sided_window_skips_far_tiles",
-                                  "lengths_mask_keys_drop_rows_and_leave_a_batch_without_keys"])
-@pytest.mark.parametrize("placement", list(STATS_PLACEMENTS))
-def test_fused_kernel_takes_lse_and_delta_in_every_placement(name, placement, run_interpreted):
-  case = FUSED_CASES[name]
-  config = dataclasses.replace(_fused(case), **STATS_PLACEMENTS[placement])
-  _check_case(case, run_interpreted, config=config)
-
-
 def test_three_warpgroups_share_the_registers_they_launch_with():
   """384 threads launch with 168 registers each (a multiple of 8), 64512 in
   all: a 64-register producer and two consumers on 224 (65536) would wait
@@ -325,68 +254,6 @@ def test_three_warpgroups_share_the_registers_they_launch_with():
   with pytest.raises(ValueError, match="65536 registers exceeds the 64512"):
     sm90_backward.BackwardConfig(producer_registers=64, consumer_registers=224)
   sm90_backward.BackwardConfig(producer_registers=56, consumer_registers=224)
-  sm90_backward.BackwardConfig(dq="fused", producer_registers=24, consumer_registers=208,
-                               dq_warpgroup_registers=72)
-
-
-def test_the_fused_kernel_counts_its_dq_warpgroup_in_the_registers():
-  with pytest.raises(ValueError, match="other 72"):  # 24 + 2 x 240 + 72 > 512 per thread
-    sm90_backward.BackwardConfig(dq="fused", producer_registers=24, consumer_registers=240)
-  sm90_backward.BackwardConfig(producer_registers=24, consumer_registers=240)  # no dQ warpgroup
-
-
-def test_fixed_point_bound_holds_for_every_partial_sum_of_dq():
-  """B_i bounds |sum over any key tiles of dS_ij K_jd| (computed here in f64
-  from the definitions), with room to spare inside int32: the quantum never
-  lets a partial sum reach 2**31 steps."""
-  from fa4_jax.kernels import fixed_point
-  rng = np.random.default_rng(0)
-  t, d, tile = 256, 64, 32
-  for trial in range(4):
-    spread = 1.0 + 3.0 * trial  # peakier attention as the logits grow
-    q, k, v, do = (rng.normal(size=(t, d)) * s for s in (spread, spread, 1.0, 1.0))
-    logits = q @ k.T / math.sqrt(d)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    out = p @ v
-    ds = p * (do @ v.T - np.sum(do * out, -1, keepdims=True))
-    partial = np.cumsum([ds[:, j:j + tile] @ k[j:j + tile] for j in range(0, t, tile)], axis=0)
-    as_bnt = lambda x: jnp.asarray(x[None, :, None, :], jnp.float32)  # [1, T, 1, D]
-    bound = np.asarray(fixed_point.row_bounds(as_bnt(k), as_bnt(v), as_bnt(do), 1))[0, 0]
-    assert np.all(np.abs(partial) <= bound[None, :, None])
-    steps = np.abs(partial) * np.asarray(fixed_point.inverse_quanta(jnp.asarray(bound)))[None, :, None]
-    assert steps.max() < 2.0 ** 30
-
-
-def test_fixed_point_rows_with_zero_or_non_finite_bounds():
-  from fa4_jax.kernels import fixed_point
-  bounds = jnp.asarray([[[0.0, 3.0, jnp.inf, jnp.nan]]])  # [B=1, N=1, T=4]
-  np.testing.assert_array_equal(fixed_point.inverse_quanta(bounds)[0, 0, [0, 2, 3]], 0.0)
-  dq = fixed_point.to_float(jnp.ones((1, 4, 1, 2), jnp.int32), bounds, 0.5, jnp.float32)
-  assert np.all(np.asarray(dq[0, 0]) == 0.0)
-  np.testing.assert_allclose(dq[0, 1], 0.5 * 3.0 / 2.0 ** fixed_point.QUANTUM_BITS)
-  assert np.all(np.isnan(np.asarray(dq[0, 2:])))
-
-
-def test_fused_dq_needs_the_fused_dk_dv_scheme():
-  with pytest.raises(ValueError, match="dk_dv"):
-    sm90_backward.BackwardConfig(dq="fused", dk_dv="head_dim_split")
-
-
-def test_fused_kernel_adds_dq_with_a_tma_reduction_and_fits_smem(cross_lower):
-  config = sm90_backward.choose_config(128, MaskSpec()).with_fused_dq()
-  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
-  q, kv, lse = spec((1, 512, 4, 128)), spec((1, 512, 2, 128)), spec((1, 4, 512), jnp.float32)
-
-  def fn(q, k, v, out, lse, dout):
-    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
-                                  mask=MaskSpec(right=0), config=config)
-
-  lowered = cross_lower(fn, q, kv, kv, q, lse, q)
-  assert len(lowered.smem_bytes) == 1  # one kernel: no dQ kernel
-  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
-  assert lowered.has("wgmma.mma_async")
-  assert lowered.has("cp.reduce.async.bulk.tensor")
 
 
 # --- tile ranges -------------------------------------------------------------
@@ -414,7 +281,7 @@ def test_query_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the
   block = 16
   for k_lo, q_len, kv_len in itertools.product((0, 16, 48), (20, 64, 100), (0, 33, 64, 80)):
     k_hi = k_lo + 32
-    r = sm90_backward.q_tile_ranges(mask, k_lo, k_hi, q_len, kv_len, block)
+    r = scores.q_tile_ranges(mask, k_lo, k_hi, q_len, kv_len, block)
     lo, hi, full_lo, full_hi = (int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi))
     seen, full = _brute_force_query_blocks(mask, k_lo, k_hi, q_len, kv_len, block)
     assert set(seen) <= set(range(lo, hi)), (k_lo, q_len, kv_len)

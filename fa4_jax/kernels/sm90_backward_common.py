@@ -1,0 +1,326 @@
+"""What the sm90 backward kernels share: the barrier table of a producer and
+its consumers, the walk over a tile's blocks, the softmax and gradient of one
+tile, and the wgmma helpers.
+
+The dK/dV kernels (`sm90_backward_dkdv`) own key tiles and compute scores
+transposed ([keys, queries]); the dQ kernel (`sm90_backward_dq`) owns query
+rows. Both read tile ranges and the element mask from `fa4_jax.scores`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax import scores
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, fori, sequence_lengths
+from fa4_jax.scores import MaskSpec, TileRanges
+
+
+# --- barriers ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardBarriers:
+  """Every barrier of one backward kernel, with its producer and consumer side.
+
+  | barrier            | arrives (count)                        | waits                  |
+  |--------------------|----------------------------------------|------------------------|
+  | resident.full[i]   | producer TMAs of consumer i's resident | consumer i, once       |
+  |                    | operands (one per operand)             |                        |
+  | stream.full[slot]  | producer TMAs of step n (one/operand)  | both consumers, each n |
+  | stream.consumed[s] | each consumer after its last wgmma     | producer, before it    |
+  |                    | reading the slot (2)                   | refills the slot       |
+
+  dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
+  dQ kernel:    resident = (Q, dO, lse, delta), or (Q, dO, lse, O) with
+                `delta_in_dq`; stream = (K, V).
+  The epilogue of consumer i writes its result into its own resident buffer
+  (only consumer i reads it, and all its wgmmas have completed), then TMA-
+  stores it and waits for the store before the CTA exits.
+  """
+
+  resident: OneShotBuffer
+  stream: BundleRing
+
+  @staticmethod
+  def scratch_types(num_consumers, num_stages, num_resident, num_streamed):
+    return (
+        plgpu.Barrier(num_arrivals=num_resident, num_barriers=num_consumers),
+        *BundleRing.barrier_types(num_stages, num_consumers, num_streamed),
+    )
+
+  @classmethod
+  def from_refs(cls, refs, num_consumers, num_stages, num_streamed):
+    resident_full, stream_full, stream_consumed = refs
+    ring = SlotRing(stream_full, stream_consumed, num_stages, num_consumers)
+    return cls(resident=OneShotBuffer(resident_full),
+               stream=BundleRing(ring, num_streamed))
+
+  def producer_fill_resident(self, copies, i):
+    for src, dst in copies:
+      plgpu.copy_gmem_to_smem(src, dst, self.resident.full.at[i])
+
+
+
+# --- the operands of every kernel ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRefs:
+  """The GMEM inputs every backward kernel takes, in this order: Q, K, V, dO,
+  lse2, delta (O in the dQ kernel with `delta_in_dq`), then the optional
+  sequence lengths."""
+
+  q: Any
+  k: Any
+  v: Any
+  do: Any
+  lse: Any
+  delta: Any  # or O
+  q_len: Any  # None without query lengths
+  kv_len: Any  # None without key lengths
+
+  @classmethod
+  def split(cls, refs, has_q_lengths: bool, has_kv_lengths: bool):
+    """(the inputs, the rest: outputs, SMEM scratch, barriers)."""
+    refs = list(refs)
+    inputs = refs[:6]
+    del refs[:6]
+    q_len = refs.pop(0) if has_q_lengths else None
+    kv_len = refs.pop(0) if has_kv_lengths else None
+    return cls(*inputs, q_len, kv_len), refs
+
+
+def launch(kernel, *, out_type, smem, barriers, grid: dict, num_threads: int):
+  """`kernel` as a Mosaic GPU kernel over `grid` (axis name -> size), with
+  `num_threads` warpgroups named "wg"."""
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=(smem, barriers),
+      grid=tuple(grid.values()),
+      grid_names=tuple(grid),
+      num_threads=num_threads,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+
+# --- walking a tile's blocks ---------------------------------------------------
+
+
+def walk(lo, hi, own: TileRanges, step_fn, skip_fn, carry):
+  """Runs blocks [lo, hi): skip / masked / full / masked / skip."""
+  carry = fori(lo, own.lo, skip_fn, carry)
+  carry = fori(own.lo, own.full_lo, functools.partial(step_fn, masked=True), carry)
+  carry = fori(own.full_lo, own.full_hi, functools.partial(step_fn, masked=False), carry)
+  carry = fori(own.full_hi, own.hi, functools.partial(step_fn, masked=True), carry)
+  carry = fori(own.hi, hi, skip_fn, carry)
+  return carry
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTileWork:
+  """What a CTA that owns keys [k_lo, k_lo + num_keys) of one KV head walks
+  (the dK/dV and the head-split kernel): every query block of every
+  query head of the GQA group that may see those keys, head-major (all
+  blocks [lo, hi) of the group's first head, then the next head's, ...)."""
+
+  kv_head: Any
+  batch_idx: Any
+  kv_tile: Any  # the CTA's position along the key axis
+  k_lo: Any
+  q_len: Any
+  kv_len: Any
+  ranges: TileRanges  # the query blocks [lo, hi) of one head, and the full ones
+  group: int
+
+  @classmethod
+  def of_this_cta(cls, *, num_keys, block_q, mask, q_len_ref, kv_len_ref, q_seq,
+                  kv_valid, group):
+    """The CTA at grid position (heads, kv_tiles, batch)."""
+    kv_head = lax.axis_index("heads")
+    batch_idx = lax.axis_index("batch")
+    kv_tile = lax.axis_index("kv_tiles")
+    k_lo = kv_tile * num_keys
+    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
+    ranges = scores.q_tile_ranges(mask, k_lo, k_lo + num_keys, q_len, kv_len, block_q)
+    return cls(kv_head, batch_idx, kv_tile, k_lo, q_len, kv_len, ranges, group)
+
+  @property
+  def lo(self):
+    return self.ranges.lo
+
+  @property
+  def hi(self):
+    return self.ranges.hi
+
+  @property
+  def blocks_per_head(self):
+    return self.hi - self.lo
+
+  @property
+  def num_steps(self):
+    return self.group * self.blocks_per_head
+
+  def rows_of(self, step):
+    """(query head, query block) of `step`."""
+    return (self.kv_head * self.group + lax.div(step, self.blocks_per_head),
+            self.lo + lax.rem(step, self.blocks_per_head))
+
+
+
+# --- one tile's softmax and gradient, and the wgmmas ---------------------------
+
+
+def probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: MaskSpec,
+                   c: float, masked: bool):
+  """P = exp2(c * S - lse2) of one tile (S^T when `keys_along_rows`, as in the
+  kernels that own keys; S in the dQ kernel), 0 where the mask or the key
+  length hides an element; `masked=False` for tiles known to be fully visible.
+  `lse2=None`: s already holds S - lse2 / c."""
+  if lse2 is None:  # already in s (`fold_stats`)
+    logits2 = s * c
+  else:
+    logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
+  if masked:
+    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape, layout=plgpu.Layout.WGMMA)
+    row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
+    rows, cols = row_lo + iota(0), col_lo + iota(1)
+    k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
+    logits2 = jnp.where(scores.visible(mask, q_idx, k_idx, kv_len), logits2, -jnp.inf)
+  return jnp.exp2(logits2)
+
+
+def mma(a, b, shape):
+  """a @ b in fp32 (both in SMEM)."""
+
+  def body(ref):
+    plgpu.wgmma(ref, a, b)
+    return ref[...]
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def load_operand(tile):
+  """An SMEM tile in registers, laid out as a wgmma A operand."""
+  return plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+
+
+def mma_pair(a0, b0, a1, b1, shape):
+  """(a0 @ b0, a1 @ b1) in fp32, both wgmmas issued before one wait."""
+
+  def body(refs):
+    r0, r1 = refs
+    plgpu.wgmma(r0, a0, b0)
+    plgpu.wgmma(r1, a1, b1)
+    return r0[...], r1[...]
+
+  acc = plgpu.ACC(shape, jnp.float32)
+  return pl.run_scoped(body, (acc, acc))
+
+
+def mma_accumulate(acc, a, b_smem, staging):
+  """acc + a @ b_smem with `a` (a 16-bit array in registers).
+
+  On hardware wgmma reads `a` from registers and accumulates in place. The
+  interpreter rejects register A operands and `run_state`: there `a` goes
+  through the SMEM `staging` buffer into a fresh accumulator.
+  """
+  if is_interpreting():
+    staging[...] = a
+    plgpu.commit_smem()
+
+    def body(ref):
+      plgpu.wgmma(ref, staging, b_smem)
+      return ref[...]
+
+    return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
+
+  def body(ref):
+    plgpu.wgmma(ref, a, b_smem)
+
+  return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def mma_accumulate_pair(acc0, a0, b0, acc1, a1, b1):
+  """(acc0 + a0 @ b0, acc1 + a1 @ b1), both wgmmas issued before one wait.
+
+  In place on hardware, where `a0` and `a1` may also be 16-bit arrays in
+  registers; the interpreter (no `run_state`) adds fresh products, from SMEM.
+  """
+  if is_interpreting():
+    def fresh(refs):
+      plgpu.wgmma(refs[0], a0, b0)
+      plgpu.wgmma(refs[1], a1, b1)
+      return refs[0][...], refs[1][...]
+
+    d0, d1 = pl.run_scoped(fresh, (plgpu.ACC(acc0.shape, jnp.float32),
+                                   plgpu.ACC(acc1.shape, jnp.float32)))
+    return acc0 + d0, acc1 + d1
+
+  def in_place(refs):
+    plgpu.wgmma(refs[0], a0, b0)
+    plgpu.wgmma(refs[1], a1, b1)
+
+  return pl.run_state(in_place)((plgpu.ACC.init(acc0), plgpu.ACC.init(acc1)))
+
+
+def stats_of_slot(lse_ring, delta_ring, slot):
+  """`load_stats` for `transposed_scores`: (lse2, delta) of a ring slot as
+  vectors along S^T's columns; delta None without a delta ring (dV pass)."""
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  def load_stats():
+    lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
+    return lse2, (None if delta_ring is None else
+                  plgpu.load(delta_ring.at[slot], layout=col_layout))
+
+  return load_stats
+
+
+def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: float,
+                       fold_stats: bool, stats_first: bool):
+  """S^T = K Q^T and, given `v_operand`, dP^T = V dO^T of one step of a
+  kernel that owns keys ([keys, queries] tiles), with the statistics the
+  softmax needs: (s, dp, lse2, delta), delta broadcast along the keys.
+
+  `load_stats()` returns (lse2, delta or None) from SMEM; `stats_first`
+  calls it before waiting for the wgmmas. With `fold_stats` (where there is
+  a dP^T and c != 0, so -lse2 / c exists) the wgmmas start from -lse2 / c
+  and -delta, so s holds S^T - lse2 / c and dp holds dP^T - delta, and
+  lse2 = delta = None.
+  """
+  bk, bq = k_operand.shape[0], q_tile.shape[0]
+  along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+  q_t, do_t = q_tile.transpose((1, 0)), do_tile.transpose((1, 0))
+  if fold_stats and v_operand is not None and c != 0:
+    lse2, delta = load_stats()
+    s, dp = mma_accumulate_pair(along_keys(lse2 * (-1.0 / c)), k_operand, q_t,
+                                 along_keys(-delta), v_operand, do_t)
+    return s, dp, None, None
+  stats = load_stats() if stats_first else None
+  if v_operand is None:
+    s, dp = mma(k_operand, q_t, (bk, bq)), None
+  else:
+    s, dp = mma_pair(k_operand, q_t, v_operand, do_t, (bk, bq))
+  lse2, delta = stats or load_stats()
+  return s, dp, lse2, (None if delta is None else along_keys(delta))
+
+
+def scores_grad(p, dp, delta):
+  """dS = P * (dP - delta) in fp32, of a tile in either orientation (delta
+  broadcast to it); `delta=None`: dp already holds dP - delta (`fold_stats`)."""
+  return p * dp if delta is None else p * (dp - delta)
+
+
+def zeros(shape):
+  return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)

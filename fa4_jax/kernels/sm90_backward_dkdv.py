@@ -1,0 +1,493 @@
+"""The dK/dV kernels of the sm90 backward: CTAs that own key tiles.
+
+`_build_dkv_kernel`: one CTA per (kv head, KV tile of `num_consumers *
+block_kv` keys, batch). Each consumer warpgroup owns `block_kv` keys and keeps
+their dK and dV in registers; a producer warpgroup streams (Q, dO, lse2,
+delta) tiles of every query head of the GQA group and every query block the
+mask lets these keys be seen by (`BackwardBarriers`). With `outputs` naming
+one gradient it is one pass of the "two_passes" scheme (head dim 192).
+
+`_build_dkv_head_split_kernel`: at head dim 256 the two consumers share one
+key tile and split the head dim of dK and dV (`_HeadSplitBarriers`).
+
+Each kernel reads as its roles: a producer, the consumers, their epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax import scores
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
+                                     SlotRing)
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KeyTileWork,
+                                                  launch, load_operand, mma_accumulate,
+                                                  mma_accumulate_pair, probabilities,
+                                                  scores_grad, stats_of_slot,
+                                                  transposed_scores, walk, zeros)
+from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
+from fa4_jax.scores import LOG2_E, MaskSpec, cdiv
+
+
+def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
+  """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta)
+  (`delta=None`: dp already holds dP^T - delta).
+
+  On hardware the dV wgmma is issued first and dS is computed while it runs;
+  one wait covers both. (Here `p` is P^T: keys along rows.)
+  """
+  dtype = q_tile.dtype
+  if is_interpreting():
+    dv = mma_accumulate(dv, p.astype(dtype), do_tile, staging)
+    ds = scores_grad(p, dp, delta).astype(dtype)
+    return mma_accumulate(dk, ds, q_tile, staging), dv
+
+  def body(refs):
+    dk_ref, dv_ref = refs
+    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+    ds = scores_grad(p, dp, delta).astype(dtype)
+    plgpu.wgmma(dk_ref, ds, q_tile)
+
+  return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+
+
+# --- dK / dV: each consumer owns a key tile -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _DkvPass:
+  """The static description of one dK/dV kernel (or pass)."""
+
+  cfg: Any  # BackwardConfig
+  mask: MaskSpec
+  dtype: Any
+  head_dim: int
+  scale: float
+  group: int
+  outputs: tuple[str, ...]
+  interpreting: bool
+
+  @property
+  def with_dk(self) -> bool:
+    return "dk" in self.outputs
+
+  @property
+  def with_dv(self) -> bool:
+    return "dv" in self.outputs
+
+  @property
+  def c(self) -> float:
+    return self.scale * LOG2_E
+
+  @property
+  def num_streamed(self) -> int:
+    return 4 if self.with_dk else 3  # Q, dO, lse (and delta)
+
+  def smem(self):
+    """Scratch SMEM, in the order `_DkvSmem` unpacks it."""
+    cfg, bk, bq, nc = self.cfg, self.cfg.block_kv, self.cfg.block_q, self.cfg.num_consumers
+    swizzle = swizzle_bytes(self.dtype, bk, bq)
+    resident_tile = smem_tile((nc, bk, self.head_dim), self.dtype, swizzle)
+    ring_tile = smem_tile((cfg.num_stages, bq, self.head_dim), self.dtype, swizzle)
+    ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
+    smem = [resident_tile]  # K tiles, then dK (or dV)
+    if self.with_dk:
+      smem.append(resident_tile)  # V tiles, then dV
+    smem += [ring_tile, ring_tile, ring_stats]  # Q, dO, lse2 rings
+    if self.with_dk:
+      smem.append(ring_stats)  # delta ring
+    if self.interpreting:
+      smem.append(smem_tile((nc, bk, bq), self.dtype, swizzle))  # P^T / dS^T staging
+    return tuple(smem)
+
+
+class _DkvSmem(NamedTuple):
+  k: Any
+  v: Any  # None in a pass without dK
+  q_ring: Any
+  do_ring: Any
+  lse_ring: Any
+  delta_ring: Any  # None in a pass without dK
+  staging: list
+
+  @classmethod
+  def unpack(cls, smem, with_dk: bool) -> "_DkvSmem":
+    smem = iter(smem)
+    k = next(smem)
+    v = next(smem) if with_dk else None
+    q_ring, do_ring, lse_ring = next(smem), next(smem), next(smem)
+    delta_ring = next(smem) if with_dk else None
+    return cls(k, v, q_ring, do_ring, lse_ring, delta_ring, list(smem))
+
+
+def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: BackwardBarriers,
+                  work: KeyTileWork, num_steps):
+  """Each consumer's K (and V) tile once, then (Q, dO, lse2, delta) of every
+  step through the ring."""
+  cfg, bk, bq = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q
+  plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+  for i in range(cfg.num_consumers):
+    keys = (work.batch_idx, pl.ds(work.k_lo + i * bk, bk), work.kv_head)
+    resident = [(gmem.k.at[keys], smem.k.at[i])]
+    if kp.with_dk:
+      resident.append((gmem.v.at[keys], smem.v.at[i]))
+    bars.producer_fill_resident(resident, i)
+
+  @pl.loop(0, num_steps)
+  def _(step):
+    head, qb = work.rows_of(step)
+    rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
+    stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
+    streamed = [(gmem.q.at[rows], smem.q_ring), (gmem.do.at[rows], smem.do_ring),
+                (gmem.lse.at[stats], smem.lse_ring)]
+    if kp.with_dk:
+      streamed.append((gmem.delta.at[stats], smem.delta_ring))
+    bars.stream.producer_acquire(step)
+    bars.stream.producer_fill(streamed, step)
+
+  bars.stream.producer_drain(num_steps)
+
+
+def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
+                  work: KeyTileWork, blocks_per_head):
+  """Consumer `wg`: the dK and/or dV of its `block_kv` keys over every step
+  of the CTA (steps its keys cannot see only keep the ring going).
+  Returns (accumulators by name, its first key)."""
+  cfg, bk, bq, c, mask = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c, kp.mask
+  lo, hi = work.lo, work.hi
+  plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+  k_lo = work.k_lo + wg * bk
+  own = scores.q_tile_ranges(mask, k_lo, k_lo + bk, work.q_len, work.kv_len, bq).within(lo, hi)
+  k_tile = smem.k.at[wg]
+  v_tile = smem.v.at[wg] if kp.with_dk else None
+  stage = smem.staging[0].at[wg] if kp.interpreting else None
+  bars.resident.consumer_wait(0, wg)
+  k_operand, v_operand = k_tile, v_tile  # the A operands of S^T and dP^T
+  if cfg.operands_in_registers and not kp.interpreting:
+    k_operand = load_operand(k_tile)
+    v_operand = load_operand(v_tile) if kp.with_dk else None
+
+  def step_fn(qb, acc, *, masked, head_step0):
+    acc = dict(acc)
+    step = head_step0 + (qb - lo)
+    slot = bars.stream.slot(step)
+    q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
+    bars.stream.consumer_wait(step)
+
+    s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
+        k_operand, v_operand, q_tile, do_tile,
+        stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
+        c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first)
+    p = probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
+                      kv_len=work.kv_len, mask=mask, c=c, masked=masked)
+    if kp.with_dk and kp.with_dv:
+      acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
+                                           q_tile, do_tile, stage)
+    elif kp.with_dk:
+      acc["dk"] = mma_accumulate(acc["dk"], scores_grad(p, dp, delta).astype(kp.dtype),
+                                 q_tile, stage)
+    else:
+      acc["dv"] = mma_accumulate(acc["dv"], p.astype(kp.dtype), do_tile, stage)
+    bars.stream.consumer_release(step)
+    return acc
+
+  def skip_fn(qb, acc, *, head_step0):
+    step = head_step0 + (qb - lo)
+    bars.stream.consumer_wait(step)
+    bars.stream.consumer_release(step)
+    return acc
+
+  def one_head(g, acc):
+    head_step0 = g * blocks_per_head
+    return walk(lo, hi, own,
+                functools.partial(step_fn, head_step0=head_step0),
+                functools.partial(skip_fn, head_step0=head_step0), acc)
+
+  acc = lax.fori_loop(0, kp.group, one_head,
+                      {g: zeros((bk, kp.head_dim)) for g in kp.outputs})
+  return acc, k_lo
+
+
+def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, grad_refs,
+                  work: KeyTileWork):
+  """Every wgmma reading K and V has completed, so their tiles hold the
+  results on the way out (dV uses the K tile when V is absent)."""
+  bk = kp.cfg.block_kv
+  k_tile = smem.k.at[wg]
+  out_tiles = {"dk": k_tile, "dv": smem.v.at[wg] if kp.with_dk else k_tile}
+  for g in kp.outputs:
+    out_tiles[g][...] = (acc[g] * kp.scale if g == "dk" else acc[g]).astype(kp.dtype)
+  plgpu.commit_smem()
+  keys = (work.batch_idx, pl.ds(k_lo, bk), work.kv_head)
+  for g, grad_ref in zip(kp.outputs, grad_refs):
+    plgpu.copy_smem_to_gmem(out_tiles[g], grad_ref.at[keys])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
+                      head_dim, dtype, scale, mask, config, has_q_lengths,
+                      has_kv_lengths, outputs=("dk", "dv"), chain=NO_CHAIN):
+  """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
+
+  A pass without dK needs neither V (for dP) nor delta: they are not loaded.
+  """
+  cfg = config
+  nc = cfg.num_consumers
+  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads,
+                tuple(outputs), is_interpreting())
+  grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, nc * cfg.block_kv), batch=batch)
+
+  def kernel(*refs):
+    chain.at_start()
+    gmem, (*grad_refs, smem, barrier_refs) = KernelRefs.split(refs, has_q_lengths,
+                                                              has_kv_lengths)
+    smem = _DkvSmem.unpack(smem, kp.with_dk)
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed)
+    work = KeyTileWork.of_this_cta(
+        num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, q_len_ref=gmem.q_len,
+        kv_len_ref=gmem.kv_len, q_seq=q_seq, kv_valid=kv_valid, group=kp.group)
+    # Once per CTA, outside the roles (as the roles' loops use them).
+    blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
+    wg = lax.axis_index("wg")
+
+    pl.when(wg == nc)(lambda: _dkv_producer(kp, gmem, smem, bars, work, num_steps))
+
+    @pl.when(wg < nc)
+    def _consumers():
+      acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, blocks_per_head)
+      _dkv_epilogue(kp, wg, acc, k_lo, smem, grad_refs, work)
+
+    chain.at_exit(grid)
+
+  out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype)
+                   for _ in outputs)
+  num_resident = 2 if kp.with_dk else 1  # K (and V)
+  return launch(kernel, out_type=out_type, smem=kp.smem(),
+                barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, num_resident,
+                                                        kp.num_streamed),
+                grid=grid, num_threads=nc + 1)
+
+
+# --- dK / dV at head dim 256: the consumers split the head dim ------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadSplitBarriers:
+  """Every barrier of the head-split kernel (every wait is matched by the
+  arrive in the same row).
+
+  | barrier              | arrives (count)                          | waits                     |
+  |----------------------|------------------------------------------|---------------------------|
+  | resident.full[0]     | producer TMAs of K and V (2)             | both consumers, once      |
+  | stream.full[slot]    | producer TMAs of Q, dO, lse2, delta (4)  | both consumers, each step |
+  | stream.consumed[slot]| each consumer after its dK/dV GEMMs (2)  | producer, before refill   |
+  | pds.full[slot]       | warpgroup 0 after storing P^T, dS^T (1)  | warpgroup 1               |
+  | pds.consumed[slot]   | each consumer after its dK/dV GEMMs (2)  | warpgroup 0, before it    |
+  |                      |                                          | rewrites the slot         |
+  | epilogue             | each consumer after writing its halves   | both consumers; then one  |
+  |                      | of dK and dV into the K and V tiles (2)  | TMA-stores dK, the other dV|
+  """
+
+  resident: OneShotBuffer
+  stream: BundleRing
+  pds: SlotRing
+  epilogue: Rendezvous
+
+  @staticmethod
+  def scratch_types(num_stages: int):
+    return (
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # resident: K and V
+        *BundleRing.barrier_types(num_stages, 2, 4),
+        *SlotRing.barrier_types(2, 2),  # pds
+        Rendezvous.barrier_type(2),  # epilogue
+    )
+
+  @classmethod
+  def from_refs(cls, refs, num_stages: int) -> "_HeadSplitBarriers":
+    (resident_full, stream_full, stream_consumed,
+     pds_full, pds_consumed, epilogue_barrier) = refs
+    return cls(resident=OneShotBuffer(resident_full),
+               stream=BundleRing(SlotRing(stream_full, stream_consumed, num_stages, 2), 4),
+               pds=SlotRing(pds_full, pds_consumed, 2, 2),
+               epilogue=Rendezvous(epilogue_barrier, 2))
+
+
+class _HeadSplitSmem(NamedTuple):
+  k: Any  # K tile, then dK
+  v: Any  # V tile, then dV
+  q_ring: Any
+  do_ring: Any
+  lse_ring: Any
+  delta_ring: Any
+  p: Any  # pds ring: P^T
+  ds: Any  # pds ring: dS^T
+
+  @staticmethod
+  def types(cfg, head_dim: int, dtype):
+    bk, bq = cfg.block_kv, cfg.block_q
+    swizzle = swizzle_bytes(dtype, bk, bq)
+    ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
+    return (
+        smem_tile((bk, head_dim), dtype, swizzle),  # K tile, then dK
+        smem_tile((bk, head_dim), dtype, swizzle),  # V tile, then dV
+        smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # Q ring
+        smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # dO ring
+        ring_stats, ring_stats,  # lse2 and delta rings
+        smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: P^T
+        smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: dS^T
+    )
+
+
+def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
+                         bars: _HeadSplitBarriers, work: KeyTileWork, keys, num_steps):
+  """K and V once, then (Q, dO, lse2, delta) of every step through the ring."""
+  bq = cfg.block_q
+  plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+  plgpu.copy_gmem_to_smem(gmem.k.at[keys], smem.k, bars.resident.full.at[0])
+  plgpu.copy_gmem_to_smem(gmem.v.at[keys], smem.v, bars.resident.full.at[0])
+
+  @pl.loop(0, num_steps)
+  def _(step):
+    head, qb = work.rows_of(step)
+    rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
+    stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
+    bars.stream.producer_acquire(step)
+    bars.stream.producer_fill(
+        [(gmem.q.at[rows], smem.q_ring), (gmem.do.at[rows], smem.do_ring),
+         (gmem.lse.at[stats], smem.lse_ring), (gmem.delta.at[stats], smem.delta_ring)], step)
+
+  bars.stream.producer_drain(num_steps)
+
+
+def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _HeadSplitBarriers,
+                         work: KeyTileWork, blocks_per_head, num_steps):
+  """Consumer `h`: columns [h * d/2, (h + 1) * d/2) of dK and dV of the CTA's
+  keys. Warpgroup 0 computes P^T and dS^T of each step and hands them to
+  warpgroup 1 through the pds ring. Returns (dK half, dV half)."""
+  cfg, bk, bq, c = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c
+  half = kp.head_dim // 2
+  cols = pl.ds(h * half, half)
+  lo, hi = work.lo, work.hi
+  stream, pds = bars.stream, bars.pds
+
+  def step_fn(qb, acc, *, masked, head_step0):
+    step = head_step0 + (qb - lo)
+    slot = stream.slot(step)
+    q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
+    p_tile, ds_tile = smem.p.at[pds.slot(step)], smem.ds.at[pds.slot(step)]
+    stream.consumer_wait(step)
+    if h == 0:
+      s, dp, lse2, delta = transposed_scores(
+          smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
+          c=c, fold_stats=False, stats_first=False)
+      p = probabilities(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
+                        kv_len=work.kv_len, mask=kp.mask, c=c, masked=masked)
+      ds = scores_grad(p, dp, delta)
+      pds.producer_acquire(step)
+      p_tile[...] = p.astype(kp.dtype)
+      ds_tile[...] = ds.astype(kp.dtype)
+      pds.producer_publish(step)
+    else:
+      pds.consumer_wait(step)
+    dk, dv = mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
+                                 acc[1], p_tile, do_tile.at[:, cols])
+    stream.consumer_release(step)
+    pds.consumer_release(step)
+    return dk, dv
+
+  def one_head(g, acc):
+    head_step0 = g * blocks_per_head
+    # One consumer tile: the CTA's ranges are its own.
+    return walk(lo, hi, work.ranges, functools.partial(step_fn, head_step0=head_step0),
+                lambda qb, acc: acc, acc)
+
+  plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+  bars.resident.consumer_wait(0, 0)
+  dk, dv = lax.fori_loop(0, kp.group, one_head, (zeros((bk, half)), zeros((bk, half))))
+  if h == 0:
+    pds.producer_drain(num_steps)
+  return dk, dv
+
+
+def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
+                         bars: _HeadSplitBarriers, dk_ref, dv_ref, keys):
+  """dK_h and dV_h go into column halves of the K and V tiles (TMA wants
+  contiguous SMEM, so whole tiles go out after the rendezvous). Only
+  warpgroup 0 reads K and V, and its last reads completed before it published
+  the last pds slot that warpgroup 1 waited for; both waited for K and V to
+  have landed, so a CTA with no work cannot race their TMA."""
+  half = kp.head_dim // 2
+  cols = pl.ds(h * half, half)
+  smem.k.at[:, cols][...] = (dk * kp.scale).astype(kp.dtype)
+  smem.v.at[:, cols][...] = dv.astype(kp.dtype)
+  plgpu.commit_smem()
+  bars.epilogue.sync()
+  out_tile, out_ref = (smem.k, dk_ref) if h == 0 else (smem.v, dv_ref)
+  plgpu.copy_smem_to_gmem(out_tile, out_ref.at[keys])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
+                                 num_kv_heads, head_dim, dtype, scale, mask, config,
+                                 has_q_lengths, has_kv_lengths, chain=NO_CHAIN):
+  """dK and dV where they do not fit one warpgroup's registers (head dim 256).
+
+  A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
+  [h * d/2, (h + 1) * d/2) of their dK and dV: d/2 fp32 registers per thread,
+  like dK + dV at head dim 128. Every column needs the whole P^T and dS^T of a
+  step. Warpgroup 0 computes them (in fp32, as `_build_dkv_kernel` does) and
+  hands them to warpgroup 1 through a double-buffered SMEM ring:
+
+    warpgroup 0: S^T = K Q^T, dP^T = V dO^T, P^T, dS^T -> pds ring
+                 dV_0 += P^T dO_0,  dK_0 += dS^T Q_0
+    warpgroup 1: dV_1 += P^T dO_1,  dK_1 += dS^T Q_1   (from the ring)
+
+  Four tile GEMMs per query block (S^T, dP^T, dV, dK) as in the "fused"
+  scheme, where two passes of `_build_dkv_kernel` run five. Warpgroup 1's
+  GEMMs of step n run on the tensor core while warpgroup 0 computes the
+  softmax of step n + 1. Barriers: `_HeadSplitBarriers`.
+  """
+  cfg = config
+  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads,
+                ("dk", "dv"), is_interpreting())
+  bk = cfg.block_kv
+  grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, bk), batch=batch)
+
+  def kernel(*refs):
+    chain.at_start()
+    gmem, (dk_ref, dv_ref, smem, barrier_refs) = KernelRefs.split(refs, has_q_lengths,
+                                                                  has_kv_lengths)
+    smem = _HeadSplitSmem(*smem)
+    bars = _HeadSplitBarriers.from_refs(barrier_refs, cfg.num_stages)
+    work = KeyTileWork.of_this_cta(
+        num_keys=bk, block_q=cfg.block_q, mask=mask, q_len_ref=gmem.q_len,
+        kv_len_ref=gmem.kv_len, q_seq=q_seq, kv_valid=kv_valid, group=kp.group)
+    # Once per CTA, outside the roles (as the roles' loops use them).
+    blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
+    keys = (work.batch_idx, pl.ds(work.k_lo, bk), work.kv_head)
+    wg = lax.axis_index("wg")
+
+    pl.when(wg == 2)(
+        lambda: _head_split_producer(cfg, gmem, smem, bars, work, keys, num_steps))
+
+    def consumer(h: int):
+      dk, dv = _head_split_consumer(h, kp, smem, bars, work, blocks_per_head, num_steps)
+      _head_split_epilogue(h, kp, dk, dv, smem, bars, dk_ref, dv_ref, keys)
+
+    pl.when(wg == 0)(lambda: consumer(0))
+    pl.when(wg == 1)(lambda: consumer(1))
+    chain.at_exit(grid)
+
+  out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype),) * 2
+  return launch(kernel, out_type=out_type, smem=_HeadSplitSmem.types(cfg, head_dim, dtype),
+                barriers=_HeadSplitBarriers.scratch_types(cfg.num_stages),
+                grid=grid, num_threads=3)

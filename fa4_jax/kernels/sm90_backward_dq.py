@@ -1,0 +1,260 @@
+"""The dQ kernel of the sm90 backward: CTAs that own query rows.
+
+One CTA per (q head, Q tile of `dq_num_consumers * dq_block_q` rows, batch):
+each consumer warpgroup owns `dq_block_q` rows and their dQ, and the producer
+streams (K, V) tiles of the key blocks those rows see (`BackwardBarriers`).
+With `BackwardConfig.delta_in_dq` each consumer also loads its rows' O tile,
+computes their delta before its first block and writes it out for the dK/dV
+kernel, which then runs after this one.
+
+The kernel reads as its roles: a producer, the consumers, their epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax import scores
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, launch,
+                                                  load_operand, mma_accumulate, mma_pair,
+                                                  probabilities, scores_grad, walk, zeros)
+from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
+from fa4_jax.scores import LOG2_E, MaskSpec, TileRanges, cdiv
+
+
+def _row_delta(o_tile, do_tile, lse2):
+  """delta = rowsum(dO * O) in float32 of one tile of rows, 0 on rows whose
+  lse2 is +inf: they contribute nothing, and their O and dO may hold
+  anything (0 * inf would otherwise reach dS)."""
+  load = functools.partial(plgpu.load, layout=plgpu.Layout.WGMMA)
+  delta = jnp.sum(load(o_tile).astype(jnp.float32) * load(do_tile).astype(jnp.float32), axis=1)
+  return jnp.where(lse2 == jnp.inf, 0.0, delta)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DqKernel:
+  """The static description of the dQ kernel."""
+
+  cfg: Any  # BackwardConfig
+  mask: MaskSpec
+  dtype: Any
+  head_dim: int
+  scale: float
+  group: int
+  num_q_tiles: int
+  interpreting: bool
+
+  @property
+  def c(self) -> float:
+    return self.scale * LOG2_E
+
+  @property
+  def with_delta(self) -> bool:
+    """The sixth input is O (not delta) and delta an output."""
+    return self.cfg.delta_in_dq
+
+  def smem(self):
+    """Scratch SMEM, in the order `_DqSmem` unpacks it."""
+    cfg, nc, bq, bk = self.cfg, self.cfg.dq_num_consumers, self.cfg.dq_block_q, self.cfg.dq_block_kv
+    swizzle = swizzle_bytes(self.dtype, bq, bk)
+    smem = [
+        smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # Q tiles, then dQ
+        smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # dO tiles
+        plgpu.SMEM((nc, bq), jnp.float32),  # lse2
+        plgpu.SMEM((nc, bq), jnp.float32),  # delta
+        smem_tile((cfg.dq_num_stages, bk, self.head_dim), self.dtype, swizzle),  # K ring
+        smem_tile((cfg.dq_num_stages, bk, self.head_dim), self.dtype, swizzle),  # V ring
+    ]
+    if self.with_delta:
+      smem.append(smem_tile((nc, bq, self.head_dim), self.dtype, swizzle))  # O tiles
+    if self.interpreting:
+      smem.append(smem_tile((nc, bq, bk), self.dtype, swizzle))  # dS staging
+    return tuple(smem)
+
+
+class _DqSmem(NamedTuple):
+  q: Any
+  do: Any
+  lse: Any
+  delta: Any
+  k_ring: Any
+  v_ring: Any
+  o: Any  # None without `delta_in_dq`
+  staging: list
+
+  @classmethod
+  def unpack(cls, smem, with_delta: bool) -> "_DqSmem":
+    q, do, lse, delta, k_ring, v_ring, *staging = smem
+    o = staging.pop(0) if with_delta else None
+    return cls(q, do, lse, delta, k_ring, v_ring, o, staging)
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueryTileWork:
+  """What a CTA that owns query rows [q_lo, q_lo + rows) of one head walks:
+  the key blocks [lo, hi) those rows may see."""
+
+  head: Any
+  kv_head: Any
+  batch_idx: Any
+  q_lo: Any
+  q_len: Any
+  kv_len: Any
+  ranges: TileRanges
+
+  @classmethod
+  def of_this_cta(cls, kd: _DqKernel, *, q_len_ref, kv_len_ref, q_seq, kv_valid):
+    """The CTA at grid position (heads, q_tiles, batch)."""
+    nc, bq = kd.cfg.dq_num_consumers, kd.cfg.dq_block_q
+    head = lax.axis_index("heads")
+    batch_idx = lax.axis_index("batch")
+    tile = lax.axis_index("q_tiles")
+    # Heavy tiles first: with a right bound (causal), later rows see more keys.
+    if kd.mask.right is not None and kd.mask.left is None:
+      tile = kd.num_q_tiles - 1 - tile
+    kv_head = lax.div(head, jnp.int32(kd.group))
+    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
+    q_lo = tile * (nc * bq)
+    ranges = scores.kv_tile_ranges(kd.mask, q_lo, q_lo + nc * bq, q_len, kv_len,
+                                   kd.cfg.dq_block_kv)
+    return cls(head, kv_head, batch_idx, q_lo, q_len, kv_len, ranges)
+
+
+def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardBarriers,
+                 work: _QueryTileWork):
+  """Each consumer's Q, dO, lse2 and delta (or O) once, then the (K, V)
+  tiles of the CTA's key blocks through the ring."""
+  cfg, nc, bq, bk = kd.cfg, kd.cfg.dq_num_consumers, kd.cfg.dq_block_q, kd.cfg.dq_block_kv
+  lo, hi = work.ranges.lo, work.ranges.hi
+  plgpu.set_max_registers(cfg.dq_producer_registers, action="decrease")
+  for i in range(nc):
+    rows = (work.batch_idx, pl.ds(work.q_lo + i * bq, bq), work.head)
+    stats = (work.batch_idx, work.head, pl.ds(work.q_lo + i * bq, bq))
+    fourth = ((gmem.delta.at[rows], smem.o.at[i]) if kd.with_delta
+              else (gmem.delta.at[stats], smem.delta.at[i]))
+    bars.producer_fill_resident(
+        [(gmem.q.at[rows], smem.q.at[i]), (gmem.do.at[rows], smem.do.at[i]),
+         (gmem.lse.at[stats], smem.lse.at[i]), fourth], i)
+
+  @pl.loop(lo, hi)
+  def _(j):
+    step = j - lo
+    keys = (work.batch_idx, pl.ds(j * bk, bk), work.kv_head)
+    bars.stream.producer_acquire(step)
+    bars.stream.producer_fill([(gmem.k.at[keys], smem.k_ring), (gmem.v.at[keys], smem.v_ring)],
+                              step)
+
+  bars.stream.producer_drain(hi - lo)
+
+
+def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
+                 work: _QueryTileWork, delta_out):
+  """Consumer `wg`: dQ of its `dq_block_q` rows over the CTA's key blocks
+  (blocks its rows cannot see only keep the ring going). Returns (dQ, its
+  first row)."""
+  cfg, bq, bk, c, mask = kd.cfg, kd.cfg.dq_block_q, kd.cfg.dq_block_kv, kd.c, kd.mask
+  lo, hi = work.ranges.lo, work.ranges.hi
+  plgpu.set_max_registers(cfg.dq_consumer_registers, action="increase")
+  q_lo = work.q_lo + wg * bq
+  own = scores.kv_tile_ranges(mask, q_lo, q_lo + bq, work.q_len, work.kv_len, bk).within(lo, hi)
+  q_tile, do_tile = smem.q.at[wg], smem.do.at[wg]
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along S's rows
+  stage = smem.staging[0].at[wg] if kd.interpreting else None
+
+  bars.resident.consumer_wait(0, wg)
+  q_operand, do_operand = q_tile, do_tile  # the A operands of S and dP
+  if cfg.dq_operands_in_registers and not kd.interpreting:
+    q_operand, do_operand = load_operand(q_tile), load_operand(do_tile)
+  lse2 = plgpu.load(smem.lse.at[wg], layout=row_layout)
+  if kd.with_delta:
+    # delta of this consumer's rows, for itself and (through GMEM) for
+    # the dK/dV kernel, which runs after this one.
+    delta = _row_delta(smem.o.at[wg], do_tile, lse2)
+    smem.delta.at[wg][...] = delta
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem.delta.at[wg],
+                            delta_out[0].at[work.batch_idx, work.head, pl.ds(q_lo, bq)])
+  else:
+    delta = plgpu.load(smem.delta.at[wg], layout=row_layout)
+
+  def step_fn(j, dq, *, masked):
+    step = j - lo
+    slot = bars.stream.slot(step)
+    k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
+    bars.stream.consumer_wait(step)
+    s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
+                     do_operand, v_tile.transpose((1, 0)), (bq, bk))
+    p = probabilities(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+                      kv_len=work.kv_len, mask=mask, c=c, masked=masked)
+    ds = scores_grad(p, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
+    dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
+    bars.stream.consumer_release(step)
+    return dq
+
+  def skip_fn(j, dq):
+    bars.stream.consumer_wait(j - lo)
+    bars.stream.consumer_release(j - lo)
+    return dq
+
+  return walk(lo, hi, own, step_fn, skip_fn, zeros((bq, kd.head_dim))), q_lo
+
+
+def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _QueryTileWork):
+  """Every wgmma reading Q has completed: its tile takes dQ on the way out."""
+  bq = kd.cfg.dq_block_q
+  q_tile = smem.q.at[wg]
+  q_tile[...] = (dq * kd.scale).astype(kd.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[work.batch_idx, pl.ds(q_lo, bq), work.head])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
+                     head_dim, dtype, scale, mask, config, has_q_lengths,
+                     has_kv_lengths, chain=NO_CHAIN):
+  """The dQ kernel: dq, and with `delta_in_dq` also delta [B, Nq, rows]."""
+  cfg = config
+  nc, bq = cfg.dq_num_consumers, cfg.dq_block_q
+  num_q_tiles = cdiv(q_seq, nc * bq)
+  kd = _DqKernel(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads,
+                 num_q_tiles, is_interpreting())
+  grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
+
+  def kernel(*refs):
+    chain.at_start()
+    gmem, (dq_ref, *delta_out, smem, barrier_refs) = KernelRefs.split(refs, has_q_lengths,
+                                                                      has_kv_lengths)
+    smem = _DqSmem.unpack(smem, kd.with_delta)
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, 2)
+    work = _QueryTileWork.of_this_cta(kd, q_len_ref=gmem.q_len, kv_len_ref=gmem.kv_len,
+                                      q_seq=q_seq, kv_valid=kv_valid)
+    wg = lax.axis_index("wg")
+
+    pl.when(wg == nc)(lambda: _dq_producer(kd, gmem, smem, bars, work))
+
+    @pl.when(wg < nc)
+    def _consumers():
+      dq, q_lo = _dq_consumer(kd, wg, smem, bars, work, delta_out)
+      _dq_epilogue(kd, wg, dq, q_lo, smem, dq_ref, work)
+
+    chain.at_exit(grid)
+
+  out_type = jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype)
+  if kd.with_delta:
+    # Every row of every CTA's tiles is written (0 past the query length), so
+    # the dK/dV kernel's blocks, which divide a CTA's rows, read only written rows.
+    delta_type = jax.ShapeDtypeStruct((batch, num_q_heads, num_q_tiles * nc * bq), jnp.float32)
+    out_type = (out_type, delta_type)
+  return launch(kernel, out_type=out_type, smem=kd.smem(),
+                barriers=BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4, 2),
+                grid=grid, num_threads=nc + 1)
