@@ -84,7 +84,7 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   C7515, reported as `ptxas info`, not as a warning), and ignores
   `setmaxnreg` below what a warpgroup needs (C7507, which spills and
   serializes). Either takes from every wgmma its overlap with the next
-  (BENCHMARKS.md, "ptxas serialized every wgmma of the one kernel"). No
+  (docs/performance-notes.md, "ptxas serialized every wgmma of the one kernel"). No
   configuration the heuristics pick may be compiled that way; the control,
   which is, must be caught."""
   repo = pathlib.Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ deterministic and simple. A one-kernel variant (a dQ warpgroup summing dQ
 in int32 fixed point, deterministic as well) was slower on an H100 at head
 dim 128 (B2 S8192 H16: 5.14 against 4.69 ms; 2-15 % behind without a
 window, 32 % under a 1024-key one): it left the package, its code is at
-commit `dcef065` and the measurements in BENCHMARKS.md.
+commit `dcef065` and the measurements in docs/performance-notes.md.
 
 This module holds the configuration, the heuristic and the entry point;
 what the kernels share (barrier table, block walk, one tile's softmax and
@@ -112,7 +112,7 @@ class BackwardConfig:
   dQ inside the dK/dV kernel (one kernel, five tile GEMMs instead of seven,
   dQ summed in int32 fixed point) was measured slower on an H100 (B2 S8192
   H16 D128: 535 vs 586 TFLOP/s; B1 S16384: 532 vs 543) and left the package;
-  its code is at commit `dcef065`, the measurements in BENCHMARKS.md.
+  its code is at commit `dcef065`, the measurements in docs/performance-notes.md.
   """
 
   block_kv: int = 64

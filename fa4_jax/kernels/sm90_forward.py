@@ -82,7 +82,6 @@ from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       fori, sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
-# padded_head_dim and kv_tile_ranges are imported from here by other modules.
 from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
 from fa4_jax.scores import (LOG2_E, MaskSpec, TileRanges, cdiv, initial_row_stats,
                             kv_tile_ranges, normalize, online_softmax, visible)
