@@ -74,14 +74,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels import KernelUnsupported, sm90_tiles
 from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
 from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
 from fa4_jax.scores import LOG2_E, MaskSpec, cdiv
 
-MAX_HEAD_DIM = 256
 # dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
 # above this head dim they do not fit beside S and dP, so dK and dV are
 # computed by two passes of the dK/dV kernel, one accumulator each.
@@ -300,19 +299,15 @@ def all_configs() -> list[tuple[int, BackwardConfig]]:
   """Every (padded head dim, config) the heuristic can pick (for tests)."""
   seen = {}
   for d in (64, 128, 192, 256):
-    for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
+    for mask in sm90_tiles.HEURISTIC_MASKS:
       for group in (1, 4):
         seen[(d, choose_config(d, mask, group))] = None
   return list(seen)
 
 
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
-  """Raises KernelUnsupported when the fused backward cannot serve the call."""
-  d = check_common("sm90 backward", q_shape, k_shape, dtype, mask)[-1]
-  if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
-    raise KernelUnsupported(
-        f"sm90 backward: head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; "
-        f"got {d}")
+  """Raises KernelUnsupported when the backward kernels cannot serve the call."""
+  sm90_tiles.check_supported("sm90 backward", q_shape, k_shape, dtype, mask)
 
 
 # --- entry point -----------------------------------------------------------------

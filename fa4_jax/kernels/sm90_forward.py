@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported, check_common, default_device
+from fa4_jax.kernels import KernelUnsupported, default_device, sm90_tiles
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       fori, sequence_lengths)
@@ -94,7 +94,6 @@ SMEM_LIMIT_BYTES = 232448
 # Barriers and alignment padding on top of `ForwardConfig.smem_bytes`
 # (cross-lowered heuristic configs add 376-712 bytes; a test checks it).
 SMEM_RESERVE_BYTES = 1024
-MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +254,7 @@ def all_configs() -> list[tuple[int, ForwardConfig]]:
   """Every (padded head dim, config) the heuristic can pick (for tests)."""
   seen = {}
   for d in (64, 128, 192, 256):
-    for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
+    for mask in sm90_tiles.HEURISTIC_MASKS:
       for kv_seq in (1024, 8192):
         seen[(d, choose_config(d, mask, kv_seq))] = None
   return list(seen)
@@ -263,10 +262,7 @@ def all_configs() -> list[tuple[int, ForwardConfig]]:
 
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   """Raises KernelUnsupported when this kernel cannot serve the call."""
-  d = check_common("sm90 forward", q_shape, k_shape, dtype, mask)[-1]
-  if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
-    raise KernelUnsupported(
-        f"sm90 forward: head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; got {d}")
+  sm90_tiles.check_supported("sm90 forward", q_shape, k_shape, dtype, mask)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,24 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fa4_jax.scores import cdiv
+from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.scores import MaskSpec, cdiv
+
+MAX_HEAD_DIM = 256
+
+# The masks the heuristics tell apart (dense, causal, a causal window): every
+# configuration they can pick shows up for one of these (`all_configs`).
+HEURISTIC_MASKS = (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0))
+
+
+def check_supported(kernel: str, q_shape, k_shape, dtype, mask: MaskSpec) -> int:
+  """The checks of every sm90 kernel; returns the head dim. Head dims other
+  than 64, 128, 192 and 256 are padded (`padded_head_dim`)."""
+  d = check_common(kernel, q_shape, k_shape, dtype, mask)[-1]
+  if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+    raise KernelUnsupported(
+        f"{kernel}: head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}]; got {d}")
+  return d
 
 
 def padded_head_dim(head_dim: int) -> int:
