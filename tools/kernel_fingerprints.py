@@ -42,15 +42,16 @@ def _digest(texts) -> str:
   return h.hexdigest()[:16]
 
 
-def _sm90_forward(d, mask, seq, lengths):
-  from fa4_jax.kernels import sm90_forward
+def _forward(kernel, d, mask, seq, lengths):
+  """The forward of kernel module `kernel` ("sm90_forward", "sm100_forward")."""
+  module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["forward"])
   q = jax.ShapeDtypeStruct((2, seq, 4, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
 
   def f(q, k, v, ql, kl):
-    return sm90_forward.forward(q, k, v, ql if lengths else None, kl if lengths else None,
-                                scale=0.125, mask=mask)
+    return module.forward(q, k, v, ql if lengths else None, kl if lengths else None,
+                          scale=0.125, mask=mask)
   return f, (q, kv, kv, ln, ln)
 
 
@@ -65,18 +66,6 @@ def _sm90_backward(d, mask, seq, lengths, group=1):
     return sm90_backward.backward(q, k, v, o, lse, do, ql if lengths else None,
                                   kl if lengths else None, scale=0.125, mask=mask)
   return f, (q, kv, kv, q, lse, q, ln, ln)
-
-
-def _sm100_forward(d, mask, seq, lengths):
-  from fa4_jax.kernels import sm100_forward
-  q = jax.ShapeDtypeStruct((2, seq, 4, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
-  ln = jax.ShapeDtypeStruct((2,), jnp.int32)
-
-  def f(q, k, v, ql, kl):
-    return sm100_forward.forward(q, k, v, ql if lengths else None, kl if lengths else None,
-                                 scale=0.125, mask=mask)
-  return f, (q, kv, kv, ln, ln)
 
 
 def _xla(mask, seq, lengths, backward):
@@ -101,7 +90,8 @@ def cases():
     for mname, mask in MASKS.items():
       for seq in (1000, 8192):
         lengths = seq == 1000
-        yield f"sm90 forward d{d} {mname} s{seq}", "sm_90", _sm90_forward(d, mask, seq, lengths)
+        yield (f"sm90 forward d{d} {mname} s{seq}", "sm_90",
+               _forward("sm90_forward", d, mask, seq, lengths))
         for group in (1, 4):
           yield (f"sm90 backward d{d} {mname} s{seq} g{group}", "sm_90",
                  _sm90_backward(d, mask, seq, lengths, group))
@@ -109,7 +99,7 @@ def cases():
     for mname, mask in MASKS.items():
       for seq in (1000, 4096):
         yield (f"sm100 forward d{d} {mname} s{seq}", "sm_100",
-               _sm100_forward(d, mask, seq, seq == 1000))
+               _forward("sm100_forward", d, mask, seq, seq == 1000))
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(
