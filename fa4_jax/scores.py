@@ -7,7 +7,7 @@ added here once:
 
 | stage | here | a new feature goes |
 |---|---|---|
-| which tiles a tile visits | `MaskSpec.key_block_range` / `query_block_range`, `kv_tile_ranges` (query tile -> key blocks: forward, dQ), `q_tile_ranges` (key tile -> query blocks: dK/dV) | per-tile bounds of a new mask (segment ids: each tile's id range) narrow `lo`/`hi` and `full_lo`/`full_hi` |
+| which tiles a tile visits | `MaskSpec.key_block_range` / `query_block_range`, `kv_tile_ranges` (query tile -> key blocks: forward, dQ), `q_tile_ranges` (key tile -> query blocks: dK/dV), `walk_blocks` (the kernels' loop over them) | per-tile bounds of a new mask (segment ids: each tile's id range) narrow `lo`/`hi` and `full_lo`/`full_hi` |
 | whether a tile needs the element mask | `TileRanges.full_lo` / `full_hi`, `MaskSpec.tile_is_full` | a tile is full only if the new test holds for all its pairs |
 | the element mask | `visible` | one more `&` term (the segment test) |
 | the softmax statistics | `initial_row_stats`, `online_softmax`, `normalize` / `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
@@ -38,6 +38,7 @@ so kernels can call them inside their bodies and the XLA path at trace time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -210,6 +211,23 @@ class TileRanges:
     full_lo = clip(self.full_lo, own_lo, own_hi)
     full_hi = clip(self.full_hi, full_lo, own_hi)
     return TileRanges(own_lo, own_hi, full_lo, full_hi)
+
+
+def walk_blocks(lo, hi, own: TileRanges, step_fn, skip_fn, carry):
+  """Runs blocks [lo, hi) of a CTA's range for one consumer whose own blocks
+  are `own` (already `within` [lo, hi)): skip / masked / full / masked /
+  skip. `step_fn(j, carry, masked=...)` computes block j, with the element
+  mask or without; `skip_fn(j, carry)` only keeps the CTA's pipeline going."""
+  carry = _fori(lo, own.lo, skip_fn, carry)
+  carry = _fori(own.lo, own.full_lo, functools.partial(step_fn, masked=True), carry)
+  carry = _fori(own.full_lo, own.full_hi, functools.partial(step_fn, masked=False), carry)
+  carry = _fori(own.full_hi, own.hi, functools.partial(step_fn, masked=True), carry)
+  carry = _fori(own.hi, hi, skip_fn, carry)
+  return carry
+
+
+def _fori(lo, hi, body, carry):
+  return lax.fori_loop(lo, jnp.maximum(lo, hi), body, carry)
 
 
 def kv_tile_ranges(mask: MaskSpec, q_lo, q_hi, q_len, kv_len, block_kv: int) -> TileRanges:

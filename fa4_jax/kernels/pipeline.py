@@ -33,9 +33,8 @@ the Hopper and Blackwell kernels can share them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -370,11 +369,6 @@ def check_register_split(what: str, producer: int, consumers: int, per_consumer:
         f"{what}: 128 x (producer {producer} + {consumers} x consumer {per_consumer}{also}) = "
         f"{total} registers exceeds the {pool} registers a CTA of {num_warpgroups} "
         f"warpgroups launches with")
-
-
-def fori(lo, hi, body: Callable, carry):
-  """`lax.fori_loop` over [lo, hi) that accepts traced bounds and empty ranges."""
-  return lax.fori_loop(lo, jnp.maximum(lo, hi), body, carry)
 
 
 def sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq: int, kv_valid: int):

@@ -20,7 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, fori, sequence_lengths
+from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
 from fa4_jax.scores import MaskSpec, TileRanges
 
 
@@ -115,16 +115,6 @@ def launch(kernel, *, out_type, smem, barriers, grid: dict, num_threads: int):
 
 
 # --- walking a tile's blocks ---------------------------------------------------
-
-
-def walk(lo, hi, own: TileRanges, step_fn, skip_fn, carry):
-  """Runs blocks [lo, hi): skip / masked / full / masked / skip."""
-  carry = fori(lo, own.lo, skip_fn, carry)
-  carry = fori(own.lo, own.full_lo, functools.partial(step_fn, masked=True), carry)
-  carry = fori(own.full_lo, own.full_hi, functools.partial(step_fn, masked=False), carry)
-  carry = fori(own.full_hi, own.hi, functools.partial(step_fn, masked=True), carry)
-  carry = fori(own.hi, hi, skip_fn, carry)
-  return carry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,9 +33,9 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, 
                                                   launch, load_operand, mma_accumulate,
                                                   mma_accumulate_pair, probabilities,
                                                   scores_grad, stats_of_slot,
-                                                  transposed_scores, walk, zeros)
+                                                  transposed_scores, zeros)
 from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
-from fa4_jax.scores import LOG2_E, MaskSpec, cdiv
+from fa4_jax.scores import LOG2_E, MaskSpec, cdiv, walk_blocks
 
 
 def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
@@ -208,7 +208,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
 
   def one_head(g, acc):
     head_step0 = g * blocks_per_head
-    return walk(lo, hi, own,
+    return walk_blocks(lo, hi, own,
                 functools.partial(step_fn, head_step0=head_step0),
                 functools.partial(skip_fn, head_step0=head_step0), acc)
 
@@ -407,7 +407,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
   def one_head(g, acc):
     head_step0 = g * blocks_per_head
     # One consumer tile: the CTA's ranges are its own.
-    return walk(lo, hi, work.ranges, functools.partial(step_fn, head_step0=head_step0),
+    return walk_blocks(lo, hi, work.ranges, functools.partial(step_fn, head_step0=head_step0),
                 lambda qb, acc: acc, acc)
 
   plgpu.set_max_registers(cfg.consumer_registers, action="increase")

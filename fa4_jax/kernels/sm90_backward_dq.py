@@ -27,9 +27,9 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, launch,
                                                   load_operand, mma_accumulate, mma_pair,
-                                                  probabilities, scores_grad, walk, zeros)
+                                                  probabilities, scores_grad, zeros)
 from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
-from fa4_jax.scores import LOG2_E, MaskSpec, TileRanges, cdiv
+from fa4_jax.scores import LOG2_E, MaskSpec, TileRanges, cdiv, walk_blocks
 
 
 def _row_delta(o_tile, do_tile, lse2):
@@ -206,7 +206,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     bars.stream.consumer_release(j - lo)
     return dq
 
-  return walk(lo, hi, own, step_fn, skip_fn, zeros((bq, kd.head_dim))), q_lo
+  return walk_blocks(lo, hi, own, step_fn, skip_fn, zeros((bq, kd.head_dim))), q_lo
 
 
 def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _QueryTileWork):

@@ -80,11 +80,11 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, default_device, sm90_tiles
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
-                                      fori, sequence_lengths)
+                                      sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
 from fa4_jax.scores import (LOG2_E, MaskSpec, TileRanges, cdiv, initial_row_stats,
-                            kv_tile_ranges, normalize, online_softmax, visible)
+                            kv_tile_ranges, normalize, online_softmax, visible, walk_blocks)
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -558,13 +558,7 @@ class _ConsumerTile:
       bars.k.consumer_wait(self.step0)
 
     pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
-    masked = functools.partial(self.compute_step, masked=True)
-    carry = fori(lo, own.lo, self.skip_step, (acc, m, l))
-    carry = fori(own.lo, own.full_lo, masked, carry)
-    carry = fori(own.full_lo, own.full_hi, functools.partial(self.compute_step, masked=False),
-                 carry)
-    carry = fori(own.full_hi, own.hi, masked, carry)
-    carry = fori(own.hi, hi, self.skip_step, carry)
+    carry = walk_blocks(lo, hi, own, self.compute_step, self.skip_step, (acc, m, l))
     pl.when(wg == 0)(bars.pingpong.sync)
     return carry
 
