@@ -14,7 +14,9 @@ added here once:
 
 The kernels keep the statistics in their accumulator's row layout and call
 these functions on whole tiles, so the same code runs on wgmma register
-fragments (sm90), tcgen05 TMEM loads (sm100) and plain arrays (XLA path).
+fragments (sm90) and tcgen05 TMEM loads (sm100). The XLA path reads the mask
+stages (`MaskSpec`'s block ranges, `visible`); its softmax is its own, in
+natural-log units with an exact running max, over batched blocks.
 
 Positions: query row `i` sits at absolute position `i + q_offset`; key column `j`
 at position `j`. Query `i` may see key `j` when
