@@ -74,6 +74,23 @@ class BackwardBarriers:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelStatics:
+  """What every backward kernel knows about its call before tracing."""
+
+  cfg: Any  # BackwardConfig
+  mask: MaskSpec
+  dtype: Any
+  head_dim: int
+  scale: float
+  group: int  # query heads per KV head
+
+  @property
+  def c(self) -> float:
+    """The folded softmax scale: exp(scale * s) = exp2(c * s)."""
+    return self.scale * scores.LOG2_E
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelRefs:
   """The GMEM inputs every backward kernel takes, in this order: Q, K, V, dO,
   lse2, delta (O in the dQ kernel with `delta_in_dq`), then the optional

@@ -29,13 +29,13 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
                                      SlotRing)
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KeyTileWork,
-                                                  launch, load_operand, mma_accumulate,
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
+                                                  KeyTileWork, launch, load_operand, mma_accumulate,
                                                   mma_accumulate_pair, probabilities,
                                                   scores_grad, stats_of_slot,
                                                   transposed_scores, zeros)
 from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
-from fa4_jax.scores import LOG2_E, MaskSpec, cdiv, walk_blocks
+from fa4_jax.scores import cdiv, walk_blocks
 
 
 def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
@@ -64,15 +64,9 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
 
 
 @dataclasses.dataclass(frozen=True)
-class _DkvPass:
+class _DkvPass(KernelStatics):
   """The static description of one dK/dV kernel (or pass)."""
 
-  cfg: Any  # BackwardConfig
-  mask: MaskSpec
-  dtype: Any
-  head_dim: int
-  scale: float
-  group: int
   outputs: tuple[str, ...]
   interpreting: bool
 
@@ -83,10 +77,6 @@ class _DkvPass:
   @property
   def with_dv(self) -> bool:
     return "dv" in self.outputs
-
-  @property
-  def c(self) -> float:
-    return self.scale * LOG2_E
 
   @property
   def num_streamed(self) -> int:

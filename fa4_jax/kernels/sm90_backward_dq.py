@@ -25,11 +25,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, launch,
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
+                                                  launch,
                                                   load_operand, mma_accumulate, mma_pair,
                                                   probabilities, scores_grad, zeros)
 from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
-from fa4_jax.scores import LOG2_E, MaskSpec, TileRanges, cdiv, walk_blocks
+from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
 
 def _row_delta(o_tile, do_tile, lse2):
@@ -42,21 +43,11 @@ def _row_delta(o_tile, do_tile, lse2):
 
 
 @dataclasses.dataclass(frozen=True)
-class _DqKernel:
+class _DqKernel(KernelStatics):
   """The static description of the dQ kernel."""
 
-  cfg: Any  # BackwardConfig
-  mask: MaskSpec
-  dtype: Any
-  head_dim: int
-  scale: float
-  group: int
   num_q_tiles: int
   interpreting: bool
-
-  @property
-  def c(self) -> float:
-    return self.scale * LOG2_E
 
   @property
   def with_delta(self) -> bool:
