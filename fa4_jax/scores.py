@@ -7,9 +7,9 @@ added here once:
 
 | stage | here | a new feature goes |
 |---|---|---|
-| which tiles a tile visits | `MaskSpec.key_block_range` / `query_block_range`, `kv_tile_ranges` (query tile -> key blocks: forward, dQ), `q_tile_ranges` (key tile -> query blocks: dK/dV), `walk_blocks` (the kernels' loop over them) | per-tile bounds of a new mask (segment ids: each tile's id range) narrow `lo`/`hi` and `full_lo`/`full_hi` |
+| which tiles a tile visits | `MaskSpec.key_block_range` / `query_block_range`, `kv_tile_ranges` (query tile -> key blocks: forward, dQ), `q_tile_ranges` (key tile -> query blocks: dK/dV), `segment_tile_ranges` (the blocks a tile's segment ids meet), `TileRanges.intersect`, `walk_blocks` (the kernels' loop over them) | per-tile bounds of a new mask narrow `lo`/`hi` and `full_lo`/`full_hi` through `intersect` |
 | whether a tile needs the element mask | `TileRanges.full_lo` / `full_hi`, `MaskSpec.tile_is_full` | a tile is full only if the new test holds for all its pairs |
-| the element mask | `visible` | one more `&` term (the segment test) |
+| the element mask | `visible` (band, key length, segment ids) | one more `&` term |
 | the softmax statistics | `initial_row_stats`, `online_softmax`, `normalize` / `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
 
 The kernels keep the statistics in their accumulator's row layout and call
@@ -205,6 +205,15 @@ class TileRanges:
   full_lo: Any
   full_hi: Any
 
+  def intersect(self, other: "TileRanges") -> "TileRanges":
+    """Blocks that both ranges allow; full only where both say full (two
+    masks, e.g. the band and the segment ids, must both see every pair)."""
+    lo = jnp.maximum(self.lo, other.lo)
+    hi = jnp.maximum(lo, jnp.minimum(self.hi, other.hi))
+    full_lo = clip(jnp.maximum(self.full_lo, other.full_lo), lo, hi)
+    full_hi = clip(jnp.minimum(self.full_hi, other.full_hi), full_lo, hi)
+    return TileRanges(lo, hi, full_lo, full_hi)
+
   def within(self, lo: Int, hi: Int) -> "TileRanges":
     """These ranges clipped into [lo, hi): a consumer's own blocks inside the
     CTA's range, which the producer loads for all consumers."""
@@ -282,17 +291,84 @@ def q_tile_ranges(mask: MaskSpec, k_lo, k_hi, q_len, kv_len, block_q: int) -> Ti
   return TileRanges(lo, hi, full_lo, full_hi)
 
 
+# --- Segment ids (packed sequences) ---------------------------------------------
+# Query i may see key j only when q_segment_ids[i] == kv_segment_ids[j]. At
+# tile level each tile's ids are summarised by their min and max: a key block
+# whose [min, max] does not meet the query tile's is skipped, and a pair of
+# tiles that both hold one id, the same, needs no element mask. Contiguous
+# runs of ids (documents packed one after the other) make these ranges tight;
+# any other layout stays correct (the element mask decides) but skips less.
+
+
+def _tile_id_bounds(ids, block: int):
+  """Per-tile (min, max) of int32 ids [B, L], tiles of `block` positions:
+  two int32 [B, cdiv(L, block)]. The last tile's padding counts for nothing."""
+  batch, length = ids.shape
+  num_tiles = cdiv(length, block)
+  pad = [(0, 0), (0, num_tiles * block - length)]
+  info = jnp.iinfo(jnp.int32)
+  tiles = lambda fill: jnp.pad(ids, pad, constant_values=fill).reshape(batch, num_tiles, block)
+  return tiles(info.max).min(axis=2), tiles(info.min).max(axis=2)
+
+
+def _first_true(x, default):
+  """Index of the first True along the last axis, `default` where none is."""
+  return jnp.where(x.any(axis=-1), jnp.argmax(x, axis=-1), default).astype(jnp.int32)
+
+
+def segment_tile_ranges(row_ids, col_ids, block_rows: int, block_cols: int) -> TileRanges:
+  """For every tile of `block_rows` rows, the column blocks of `block_cols`
+  its segment ids may meet: a `TileRanges` of int32 [B, num_row_tiles].
+
+  Rows are queries and columns keys for the forward and dQ kernels
+  (`segment_tile_ranges(q_ids, kv_ids, block_q, block_kv)`); the dK/dV
+  kernels pass them the other way round. Blocks outside [lo, hi) meet no
+  row's segment; blocks in [full_lo, full_hi) hold only the one id every row
+  of the tile holds. Runs in XLA before a kernel (O(B x tiles x blocks)).
+  """
+  row_min, row_max = _tile_id_bounds(row_ids.astype(jnp.int32), block_rows)
+  col_min, col_max = _tile_id_bounds(col_ids.astype(jnp.int32), block_cols)
+  row_min, row_max = row_min[:, :, None], row_max[:, :, None]
+  col_min, col_max = col_min[:, None, :], col_max[:, None, :]
+  num_cols = col_min.shape[2]
+  meets = (col_max >= row_min) & (col_min <= row_max)  # [B, rows, cols]
+  lo = _first_true(meets, 0)
+  hi = jnp.where(meets.any(axis=-1), num_cols - _first_true(meets[..., ::-1], num_cols), 0)
+  one_id = (row_min == row_max) & (col_min == col_max) & (col_min == row_min)
+  full_lo = _first_true(one_id, 0)
+  col = jnp.arange(num_cols)
+  # The first run of one-id blocks: it ends at the first block after full_lo
+  # that is not one.
+  breaks = (col >= full_lo[..., None]) & ~one_id
+  full_hi = jnp.where(one_id.any(axis=-1), _first_true(breaks, num_cols), full_lo)
+  return TileRanges(lo, hi.astype(jnp.int32), full_lo, full_hi.astype(jnp.int32))
+
+
+def stack_tile_ranges(ranges: TileRanges):
+  """One int32 [B, tiles, 4] operand for a kernel (lo, hi, full_lo, full_hi)."""
+  return jnp.stack([ranges.lo, ranges.hi, ranges.full_lo, ranges.full_hi], axis=-1)
+
+
+def read_tile_ranges(ref, batch_idx, tile) -> TileRanges:
+  """The ranges of one tile from a `stack_tile_ranges` operand in a kernel."""
+  return TileRanges(*(ref[batch_idx, tile, i] for i in range(4)))
+
+
 # --- The element mask ----------------------------------------------------------
 
 
-def visible(mask: MaskSpec, q_idx, k_idx, kv_len):
+def visible(mask: MaskSpec, q_idx, k_idx, kv_len, q_segment=None, kv_segment=None):
   """May query row `q_idx` see key `k_idx` (elementwise, broadcasting)?
 
-  The mask and the key length; rows past the query length are the caller's
+  The mask, the key length and, when given, the segment ids of the row and
+  the key (equal ids only); rows past the query length are the caller's
   business (the forward zeroes their output, the backward their P through
   the lse). Every backend's element mask is this one test.
   """
-  return mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+  ok = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+  if q_segment is not None:
+    ok = ok & (q_segment == kv_segment)
+  return ok
 
 
 # --- The online softmax ---------------------------------------------------------

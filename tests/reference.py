@@ -10,11 +10,13 @@ from fa4_jax.scores import MaskSpec
 
 
 def visible_mask(t, s, *, is_causal=False, window=None, q_lengths=None,
-                 kv_lengths=None, batch=1, q_offset=0):
+                 kv_lengths=None, batch=1, q_offset=0, q_segment_ids=None,
+                 kv_segment_ids=None):
   """[B, 1, T, S] bool: which key each query row may see, built the naive way.
 
   `q_offset`: absolute position of query row 0 (causal and window bands move
-  with it; lengths count rows as they are)."""
+  with it; lengths count rows as they are). Segment ids ([B, T] and [B, S]):
+  a row sees only keys with its own id."""
   i = np.arange(t)[:, None] + q_offset
   j = np.arange(s)[None, :]
   ok = np.ones((t, s), bool)
@@ -28,7 +30,32 @@ def visible_mask(t, s, *, is_causal=False, window=None, q_lengths=None,
     ok &= (np.arange(t)[None, None, :, None] < np.asarray(q_lengths)[:, None, None, None])
   if kv_lengths is not None:
     ok &= (np.arange(s)[None, None, None, :] < np.asarray(kv_lengths)[:, None, None, None])
+  if q_segment_ids is not None:
+    q_ids, kv_ids = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
+    ok &= q_ids[:, None, :, None] == kv_ids[:, None, None, :]
   return ok
+
+
+def packed_segment_ids(document_lengths, total: int, first_id: int = 0) -> np.ndarray:
+  """int32 [total]: documents of the given lengths one after the other
+  (ids first_id, first_id + 1, ...); positions past them get the last id + 1
+  (padding, as a packing pipeline would mark it)."""
+  ids = np.full((total,), first_id + len(document_lengths), np.int32)
+  start = 0
+  for i, n in enumerate(document_lengths):
+    ids[start:start + n] = first_id + i
+    start += n
+  assert start <= total, (document_lengths, total)
+  return ids
+
+
+def random_packing(rng: np.random.Generator, total: int, max_documents: int) -> np.ndarray:
+  """int32 [total]: 1 .. max_documents documents of random lengths filling
+  `total` positions, as a packed pretraining row."""
+  count = int(rng.integers(1, max_documents + 1))
+  cuts = np.sort(rng.choice(np.arange(1, total), size=min(count - 1, total - 1), replace=False))
+  lengths = np.diff(np.concatenate([[0], cuts, [total]]))
+  return packed_segment_ids(list(lengths), total)
 
 
 def einsum_attention(q, k, v, visible, bias=None, scale=None):
@@ -75,6 +102,9 @@ class KernelCase:
   q_offset: int = 0  # not expressible in jax.nn: references get a bool mask
   q_lengths: tuple[int, ...] | None = None
   kv_lengths: tuple[int, ...] | None = None
+  # Per batch row, a tuple of ids (see `packed_segment_ids`); both or neither.
+  q_segment_ids: tuple[tuple[int, ...], ...] | None = None
+  kv_segment_ids: tuple[tuple[int, ...], ...] | None = None
 
   @property
   def mask(self) -> MaskSpec:
@@ -85,9 +115,17 @@ class KernelCase:
     as_array = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
     return as_array(self.q_lengths), as_array(self.kv_lengths)
 
+  def segment_ids(self):
+    """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]), or None."""
+    if self.q_segment_ids is None:
+      return None
+    return (jnp.asarray(self.q_segment_ids, jnp.int32),
+            jnp.asarray(self.kv_segment_ids, jnp.int32))
+
   def visible(self) -> np.ndarray:
     """[B, 1, Tq, Tk]: which key each row sees, from the definitions."""
     return visible_mask(self.q_seq, self.kv_seq, is_causal=self.is_causal,
                         window=self.window, q_lengths=self.q_lengths,
                         kv_lengths=self.kv_lengths, batch=self.batch,
-                        q_offset=self.q_offset)
+                        q_offset=self.q_offset, q_segment_ids=self.q_segment_ids,
+                        kv_segment_ids=self.kv_segment_ids)
