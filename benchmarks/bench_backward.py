@@ -180,7 +180,8 @@ class CaseSetup:
       out32, lse32 = self.xla_fwd(*f32[:3])
       mask, scale = self.mask, self.scale
       ref = jax.jit(lambda q, k, v, o, l, do: xla_attention.backward(
-          q, k, v, None, None, None, None, o, l, do, scale=scale, spec=mask)[:3])(
+          q, k, v, None, None, None, None, None, None, o, l, do, scale=scale,
+          spec=mask)[:3])(
               *f32[:3], out32, lse32, f32[3])
       return jax.block_until_ready(ref)
 

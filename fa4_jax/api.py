@@ -28,6 +28,8 @@ def attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation = None,
     return_residual: bool = False,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
 ):
   """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
 
@@ -54,6 +56,13 @@ def attention(
       arguments or the device raises a `ValueError` that says why.
     return_residual: also return the log-sum-exp of the logits, shape
       `[B, T, N]` (`[T, N]` for rank-3 inputs), under `stop_gradient`.
+    query_segment_ids, key_value_segment_ids: integer `[B, T]` and `[B, S]`
+      (`[T]` and `[S]` for rank-3 inputs), both or neither: packed sequences.
+      A query sees a key only when their ids are equal, on top of every
+      other mask. Any integer values; ids need not be sorted, but documents
+      packed as contiguous runs are the fast case: the kernels skip the key
+      tiles a query tile's ids cannot meet, and only tiles on a document
+      boundary pay for the element mask. Not part of `jax.nn`'s signature.
 
   Returns:
     The attention output, shaped like `query` (and the residual, if asked).
@@ -62,11 +71,16 @@ def attention(
   all (for example `key_value_seq_lengths == 0`) gets zeros and a residual of
   `-inf`, where `jax.nn`'s XLA path returns the mean of all values.
 
-  New keyword-only arguments (soft-capping, segment ids, attention sinks,
-  bottom-right causal alignment) will be added after these, so positional
-  and keyword callers keep working.
+  New keyword-only arguments (soft-capping, attention sinks, bottom-right
+  causal alignment) will be added after these, so positional and keyword
+  callers keep working.
   """
   if implementation == "cudnn":
+    if query_segment_ids is not None or key_value_segment_ids is not None:
+      raise ValueError(
+          "implementation='cudnn' forwards to jax.nn.dot_product_attention, which has no "
+          "segment ids (`query_segment_ids`, `key_value_segment_ids`); use "
+          "implementation=None")
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths,
@@ -76,10 +90,12 @@ def attention(
 
   args, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
                            query_seq_lengths, key_value_seq_lengths,
-                           local_window_size, implementation)
+                           local_window_size, implementation,
+                           query_segment_ids, key_value_segment_ids)
   config = CoreConfig(backend=backend, scale=args.scale, spec=args.spec)
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
-                            args.query_seq_lengths, args.key_value_seq_lengths, config)
+                            args.query_seq_lengths, args.key_value_seq_lengths,
+                            args.query_segment_ids, args.key_value_segment_ids, config)
   out = out.reshape(args.output_shape)
   if not return_residual:
     return out
@@ -91,7 +107,8 @@ def attention(
 def which_implementation(
     query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-    implementation: Implementation = None,
+    implementation: Implementation = None, query_segment_ids=None,
+    key_value_segment_ids=None,
 ) -> str:
   """The implementation `attention` would use for these arguments here:
   `"xla"`, `"sm90"`, `"sm100"` or `"cudnn"`. Raises as `attention` would."""
@@ -99,17 +116,20 @@ def which_implementation(
     return "cudnn"
   _, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
                         query_seq_lengths, key_value_seq_lengths,
-                        local_window_size, implementation)
+                        local_window_size, implementation, query_segment_ids,
+                        key_value_segment_ids)
   return backend.name
 
 
 def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-             key_value_seq_lengths, local_window_size, implementation):
+             key_value_seq_lengths, local_window_size, implementation,
+             query_segment_ids=None, key_value_segment_ids=None):
   args: Arguments = validate(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, implementation=implementation)
+      local_window_size=local_window_size, implementation=implementation,
+      query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids)
   call = backends.CallInfo(
       q_shape=args.query.shape, k_shape=args.key.shape, dtype=args.query.dtype,
       spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None)

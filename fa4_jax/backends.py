@@ -54,17 +54,19 @@ def _kernel_backend(name: str) -> Backend:
   """Backend of one kernel family: its forward, its backward if it has one."""
   fwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
 
-  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, *, scale, spec):
+  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, *,
+              scale, spec):
     del bias, mask  # never selected with them (see _kernel_problem)
-    return fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec)
+    return fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec,
+                              segment_ids=_segment_pair(q_segment_ids, kv_segment_ids))
 
   try:
     bwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
   except ModuleNotFoundError:
     bwd_module = None
 
-  def backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout, *,
-               scale, spec):
+  def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+               out, lse, dout, *, scale, spec):
     # The fused backward where it supports the call, else the XLA backward
     # (which takes the kernel's lse): decided here, at trace time.
     if bwd_module is not None:
@@ -73,13 +75,19 @@ def _kernel_backend(name: str) -> Backend:
       except KernelUnsupported:
         pass
       else:
-        dq, dk, dv = bwd_module.backward(q, k, v, out, lse, dout, q_lengths,
-                                         kv_lengths, scale=scale, mask=spec)
+        dq, dk, dv = bwd_module.backward(
+            q, k, v, out, lse, dout, q_lengths, kv_lengths, scale=scale, mask=spec,
+            segment_ids=_segment_pair(q_segment_ids, kv_segment_ids))
         return dq, dk, dv, None
-    return xla_attention.backward(q, k, v, bias, mask, q_lengths, kv_lengths,
-                                  out, lse, dout, scale=scale, spec=spec)
+    return xla_attention.backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                                  kv_segment_ids, out, lse, dout, scale=scale, spec=spec)
 
   return Backend(name, forward, backward)
+
+
+def _segment_pair(q_segment_ids, kv_segment_ids):
+  """The kernels' `segment_ids` argument: both arrays or None."""
+  return None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
 
 
 def device_arch_major() -> int | None:

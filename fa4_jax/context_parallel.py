@@ -149,6 +149,8 @@ def context_parallel_attention(
     batch_axis: str | tuple[str, ...] | None = None,
     head_axis: str | tuple[str, ...] | None = None,
     implementation: str | None = None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
 ):
   """Attention with the sequence sharded over mesh axis `axis_name` (ring).
 
@@ -169,6 +171,9 @@ def context_parallel_attention(
       must hold whole GQA groups.
     implementation: the per-block backend: None (best for the device), "xla",
       "sm90" or "sm100", as in `fa4_jax.attention`.
+    query_segment_ids, key_value_segment_ids: int `[B, T]` each, both or
+      neither, laid out and sharded like the sequence (packed documents, as in
+      `fa4_jax.attention`): the key/value ids travel the ring with their block.
     bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size:
       not supported yet; passing one raises a `ValueError`.
 
@@ -189,7 +194,9 @@ def context_parallel_attention(
   _check_mesh(mesh, axis_name, batch_axis, head_axis)
   args = validate(query, key, value, None, None, scale=scale, is_causal=is_causal,
                   query_seq_lengths=None, key_value_seq_lengths=None,
-                  local_window_size=None, implementation=implementation)
+                  local_window_size=None, implementation=implementation,
+                  query_segment_ids=query_segment_ids,
+                  key_value_segment_ids=key_value_segment_ids)
   q, k, v = args.query, args.key, args.value
   if q.ndim != 4 or len(args.output_shape) != 4:
     raise ValueError("context_parallel_attention needs rank-4 [B, T, N, H] inputs; "
@@ -226,10 +233,13 @@ def context_parallel_attention(
                load_balanced=load_balanced, scale=args.scale,
                backend=backends.select(implementation, block_call))
   pspec = PartitionSpec(batch_axis, axis_name, head_axis, None)
+  operands, in_specs = [q, k, v], [pspec, pspec, pspec]
+  if args.query_segment_ids is not None:
+    operands += [args.query_segment_ids, args.key_value_segment_ids]
+    in_specs += [PartitionSpec(batch_axis, axis_name)] * 2
   run = jax.shard_map(functools.partial(_ring_attention, ring), mesh=mesh,
-                      in_specs=(pspec, pspec, pspec), out_specs=pspec,
-                      check_vma=False)
-  return run(q, k, v)
+                      in_specs=tuple(in_specs), out_specs=pspec, check_vma=False)
+  return run(*operands)
 
 
 def _check_positive_int(x, name):
@@ -415,24 +425,38 @@ def _ring_steps(ring: _Ring, kv, state, work, after_work=lambda state: state):
   return state
 
 
-def _forward(ring: _Ring, q, k, v):
+def _segment_parts(q_ids, block, call: _Call):
+  """(query ids, key ids) of one call: the rows' ids and those of the held
+  block's columns (they travel with it), or (None, None)."""
+  if q_ids is None:
+    return None, None
+  return _part(q_ids, call.rows), _part(block[2], call.cols)
+
+
+def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
   """Ring forward on one device: (out [B,2c,N,H], lse f32 [B,N,2c])."""
   b, t, n, h = q.shape
 
-  def attend(kv):
+  def attend(block):
     def fn(call, acc):
       out, lse = ring.backend.forward(
-          _part(q, call.rows), _part(kv[0], call.cols), _part(kv[1], call.cols),
-          None, None, None, None, scale=ring.scale, spec=call.spec)
+          _part(q, call.rows), _part(block[0], call.cols), _part(block[1], call.cols),
+          None, None, None, None, *_segment_parts(q_ids, block, call),
+          scale=ring.scale, spec=call.spec)
       return _merge(acc, (out, lse), call.rows)
     return fn
 
   empty = (jnp.zeros((b, t, n, h), jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32))
-  out, lse = _ring_steps(ring, (k, v), empty, attend)
+  out, lse = _ring_steps(ring, _block(k, v, kv_ids), empty, attend)
   return out.astype(q.dtype), lse
 
 
-def _backward(ring: _Ring, q, k, v, out, lse, dout):
+def _block(k, v, kv_ids):
+  """What travels the ring: K, V and, with segment ids, the keys' ids."""
+  return (k, v) if kv_ids is None else (k, v, kv_ids)
+
+
+def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, dout):
   """Ring backward on one device: (dq, dk, dv) of its own shards.
 
   The state is (dq of the local queries, dk and dv of the held block): the
@@ -441,12 +465,13 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout):
   """
   f32_zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
 
-  def grads(kv):
+  def grads(block):
     def fn(call, state):
       dq, dk, dv = state
       rows, cols = call.rows, call.cols
       dq_c, dk_c, dv_c, _ = ring.backend.backward(
-          _part(q, rows), _part(kv[0], cols), _part(kv[1], cols), None, None, None, None,
+          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None, None,
+          None, *_segment_parts(q_ids, block, call),
           _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows),
           scale=ring.scale, spec=call.spec)
       f32 = lambda x: x.astype(jnp.float32)
@@ -458,23 +483,25 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout):
     dq, dk, dv = state
     return (dq, *ring.shift((dk, dv)))
 
-  dq, dk, dv = _ring_steps(ring, (k, v), (f32_zeros(q), f32_zeros(k), f32_zeros(v)),
-                           grads, send_block_grads)
+  dq, dk, dv = _ring_steps(ring, _block(k, v, kv_ids),
+                           (f32_zeros(q), f32_zeros(k), f32_zeros(v)), grads, send_block_grads)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring: _Ring, q, k, v):
-  return _forward(ring, q, k, v)[0]
+def _ring_attention(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
+  return _forward(ring, q, k, v, q_ids, kv_ids)[0]
 
 
-def _ring_attention_fwd(ring, q, k, v):
-  out, lse = _forward(ring, q, k, v)
-  return out, (q, k, v, out, lse)
+def _ring_attention_fwd(ring, q, k, v, q_ids=None, kv_ids=None):
+  out, lse = _forward(ring, q, k, v, q_ids, kv_ids)
+  return out, (q, k, v, q_ids, kv_ids, out, lse)
 
 
 def _ring_attention_bwd(ring, residuals, dout):
-  return _backward(ring, *residuals, dout)
+  grads = _backward(ring, *residuals, dout)
+  with_ids = residuals[3] is not None
+  return grads + ((None, None) if with_ids else ())  # ids are not differentiable
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

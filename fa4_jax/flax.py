@@ -39,6 +39,18 @@ How each Flax argument is handled:
 * `qk_attn_weights_einsum`, `attn_weights_value_einsum`, `einsum_dot_general`
   (custom/quantized einsums): a `ValueError` unless None.
 * Leading batch dimensions: none, one or several (they are flattened).
+* Segment ids (packed sequences): Flax's modules pass no such argument to
+  their `attention_fn`, so there are two routes. Code that calls
+  `attention_fn` itself passes `query_segment_ids=` and
+  `key_value_segment_ids=` (`[batch..., q_length]`, `[batch..., kv_length]`).
+  Around a stock Flax module, `with fa4_jax.flax.segment_ids(q_ids, kv_ids):`
+  applies them to every `attention_fn` call traced inside the block; enter it
+  inside the function you `jax.jit`, with the ids as its arguments:
+
+      @jax.jit
+      def forward(model, x, ids):
+        with fa4_jax.flax.segment_ids(ids, ids):
+          return model(x, is_causal=True)
 
 One difference from Flax's default: a query row whose every key is masked
 gets zeros (Flax and `jax.nn` return the mean of all values).
@@ -46,7 +58,9 @@ gets zeros (Flax and `jax.nn` return the mean of all values).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +68,23 @@ import jax.numpy as jnp
 from fa4_jax import api
 
 _PREFIX = "fa4_jax.flax.attention_fn"
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def segment_ids(query_segment_ids, key_value_segment_ids):
+  """Packed sequences for the Flax modules called inside the block: every
+  `fa4_jax.flax` `attention_fn` traced there gets these segment ids
+  (`[batch..., q_length]` and `[batch..., kv_length]`, as the module's
+  inputs), unless the call passes its own. Enter it inside the jitted
+  function, with the ids as arguments: ids fixed outside a trace would be
+  baked into it (that raises)."""
+  previous = getattr(_context, "segment_ids", None)
+  _context.segment_ids = (query_segment_ids, key_value_segment_ids)
+  try:
+    yield
+  finally:
+    _context.segment_ids = previous
 
 
 def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
@@ -85,7 +116,8 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                    deterministic=False, dtype=None, precision=None, module=None,
                    force_fp32_for_softmax=False, einsum_dot_general=None,
                    qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
-                   promote_dtype=None, is_causal=False, **unsupported):
+                   promote_dtype=None, is_causal=False, query_segment_ids=None,
+                   key_value_segment_ids=None, **unsupported):
     """Flax `attention_fn` computed by `fa4_jax.attention`.
 
     Takes Flax's `dot_product_attention` arguments (see `fa4_jax.flax`).
@@ -98,6 +130,7 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
         qk_attn_weights_einsum=qk_attn_weights_einsum,
         attn_weights_value_einsum=attn_weights_value_einsum,
         promote_dtype=promote_dtype, is_causal=is_causal,
+        segment_ids=_segment_ids_of_call(query, query_segment_ids, key_value_segment_ids),
         unsupported=unsupported, **options)
     out = api.attention(*call.arrays, **call.kwargs)
     return out.reshape(call.batch_shape + out.shape[-3:])
@@ -112,12 +145,34 @@ attention_fn.__doc__ = """Flax `attention_fn` computed by `fa4_jax.attention`
 
 
 def which_implementation(query, key, value, bias=None, mask=None, *,
-                         attention_fn=attention_fn, dtype=None, is_causal=False):
+                         attention_fn=attention_fn, dtype=None, is_causal=False,
+                         query_segment_ids=None, key_value_segment_ids=None):
   """The implementation (`"xla"`, `"sm90"`, ...) `attention_fn` would use for
   these Flax arguments (query/key/value as Flax passes them to it)."""
   call = _translate(query, key, value, bias, mask, dtype=dtype,
-                    is_causal=is_causal, **attention_fn.options)
+                    is_causal=is_causal,
+                    segment_ids=_segment_ids_of_call(query, query_segment_ids,
+                                                     key_value_segment_ids),
+                    **attention_fn.options)
   return api.which_implementation(*call.arrays, **call.kwargs)
+
+
+def _segment_ids_of_call(query, query_segment_ids, key_value_segment_ids):
+  """The call's own segment ids, else those of an enclosing `segment_ids`
+  block, else None."""
+  if query_segment_ids is not None or key_value_segment_ids is not None:
+    return query_segment_ids, key_value_segment_ids
+  ids = getattr(_context, "segment_ids", None)
+  if ids is None:
+    return None, None
+  if isinstance(query, jax.core.Tracer) and not any(
+      isinstance(x, jax.core.Tracer) for x in ids):
+    raise ValueError(
+        "fa4_jax.flax.segment_ids: the ids are fixed arrays but the model is being "
+        "traced (jax.jit): they would be baked into the compiled function and "
+        "reused for other ids. Enter the block inside the jitted function, "
+        "with the ids as its arguments")
+  return ids
 
 
 class _Call:
@@ -133,7 +188,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                deterministic=True, dtype=None, precision=None, module=None,
                einsum_dot_general=None, qk_attn_weights_einsum=None,
                attn_weights_value_einsum=None, promote_dtype=None,
-               is_causal=False, unsupported=None, always_causal=False,
+               is_causal=False, segment_ids=(None, None), unsupported=None,
+               always_causal=False,
                local_window_size=None,
                implementation=None, ignore_precision=False) -> _Call:
   """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
@@ -160,6 +216,9 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
     raise ValueError(
         f"{_PREFIX}: query, key and value must have the same batch dims; got "
         f"shapes {query.shape}, {key.shape} and {value.shape}")
+  q_ids, kv_ids = (_ids_array(x, name, batch_shape, length) for x, name, length in
+                   zip(segment_ids, ("query_segment_ids", "key_value_segment_ids"),
+                       (query.shape[-3], key.shape[-3])))
   if len(batch_shape) > 1:
     query, key, value = (x.reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
   bias = _pair_array(bias, "bias", batch_shape)
@@ -177,8 +236,22 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
   return _Call((query, key, value, bias, mask),
                dict(is_causal=bool(is_causal) or always_causal,
                     local_window_size=local_window_size,
-                    implementation=implementation),
+                    implementation=implementation,
+                    query_segment_ids=q_ids, key_value_segment_ids=kv_ids),
                batch_shape)
+
+
+def _ids_array(x, name, batch_shape, length):
+  """Segment ids [batch..., length] -> fa4_jax's [batch, length] ([length]
+  without batch dims)."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.shape != batch_shape + (length,):
+    raise ValueError(
+        f"{_PREFIX}: `{name}` shape must be the inputs' [batch..., length] = "
+        f"{batch_shape + (length,)}; got {x.shape}")
+  return x.reshape((-1, length)) if len(batch_shape) > 1 else x
 
 
 def _pair_array(x, name, batch_shape):

@@ -14,14 +14,16 @@ by `_sharding_rule`; the older GSPMD partitioner calls
 for every operand and result, and a function that runs the backend on one
 device's shard. For each axis of `query` ([B, T, N, H]):
 
-* batch (B): stays sharded. `key`, `value`, the `*_seq_lengths` arrays and
-  the batch dimension of `bias`/`mask` follow it. No communication.
+* batch (B): stays sharded. `key`, `value`, the `*_seq_lengths` and
+  `*_segment_ids` arrays and the batch dimension of `bias`/`mask` follow it.
+  No communication.
 * heads (N): stays sharded, and `key`/`value` heads follow, so a device holds
   whole GQA groups (query heads `g*G .. g*G+G-1` with KV head `g`). That needs
   the number of head shards to divide the number of KV heads; otherwise
   `_partition` raises a `ValueError` that says so (XLA reports it wrapped in
   a `JaxRuntimeError` from `.compile()`, the message intact).
-* sequence (T of `query`, S of `key`/`value`) and head_dim (H): every device
+* sequence (T of `query` and its segment ids, S of `key`/`value` and theirs)
+  and head_dim (H): every device
   needs whole sequences, so these are **all-gathered** before the call (the
   result is correct, but memory and traffic grow with the sequence). For
   sequences too long for one device use `fa4_jax.context_parallel_attention`,
@@ -51,11 +53,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 #   h head dim. `bias`/`mask` dims of size 1 are broadcast (see `_labels`).
 _LAYOUTS = {
     "q": "btnh", "k": "bskh", "v": "bskh", "bias": "bnts", "mask": "bnts",
-    "q_lengths": "b", "kv_lengths": "b",
+    "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt", "kv_segment_ids": "bs",
     "out": "btnh", "lse": "bnt", "dout": "btnh",
     "dq": "btnh", "dk": "bskh", "dv": "bskh", "dbias": "bnts",
 }
-_FORWARD_OPERANDS = ("q", "k", "v", "bias", "mask", "q_lengths", "kv_lengths")
+_FORWARD_OPERANDS = ("q", "k", "v", "bias", "mask", "q_lengths", "kv_lengths",
+                     "q_segment_ids", "kv_segment_ids")
 _BACKWARD_OPERANDS = _FORWARD_OPERANDS + ("out", "lse", "dout")
 # Dimensions every device needs whole (gathered when they arrive sharded).
 _REPLICATED_DIMS = "tsh"
@@ -78,19 +81,23 @@ class _Call:
 # Entry points used by vjp.py.
 
 
-def forward(config, q, k, v, bias, mask, q_lengths, kv_lengths):
+def forward(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+            kv_segment_ids):
   """(out, lse) of the backend in `config`, partitioned across devices."""
   given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
-               kv_lengths=kv_lengths)
+               kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
+               kv_segment_ids=kv_segment_ids)
   names = tuple(n for n in _FORWARD_OPERANDS if given[n] is not None)
   call = _Call(config, names, ("out", "lse"))
   return _run(call, [given[n] for n in names])
 
 
-def backward(config, q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout):
+def backward(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+             kv_segment_ids, out, lse, dout):
   """(dq, dk, dv, dbias or None) of the backend, partitioned across devices."""
   given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
-               kv_lengths=kv_lengths, out=out, lse=lse, dout=dout)
+               kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
+               kv_segment_ids=kv_segment_ids, out=out, lse=lse, dout=dout)
   names = tuple(n for n in _BACKWARD_OPERANDS if given[n] is not None)
   results = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ())
   grads = _run(_Call(config, names, results), [given[n] for n in names])
@@ -105,8 +112,7 @@ def _call_backend(call: _Call, *arrays):
   """Runs the backend on `arrays` (named by `call.operands`); a flat tuple."""
   a = dict(zip(call.operands, arrays))
   cfg = call.config
-  common = (a["q"], a["k"], a["v"], a.get("bias"), a.get("mask"),
-            a.get("q_lengths"), a.get("kv_lengths"))
+  common = tuple(a.get(n) for n in _FORWARD_OPERANDS)
   if call.results == ("out", "lse"):
     return tuple(cfg.backend.forward(*common, scale=cfg.scale, spec=cfg.spec))
   dq, dk, dv, dbias = cfg.backend.backward(

@@ -31,6 +31,8 @@ class Arguments:
   mask: jax.Array | None  # same, bool
   query_seq_lengths: jax.Array | None  # int32 [B]
   key_value_seq_lengths: jax.Array | None  # int32 [B]
+  query_segment_ids: jax.Array | None  # int32 [B, T]
+  key_value_segment_ids: jax.Array | None  # int32 [B, S]
   scale: float
   spec: MaskSpec
   output_shape: tuple[int, ...]  # the query's own shape (3D or 4D)
@@ -127,6 +129,34 @@ def _check_lengths(x, name: str, batch: int, limit: int, limit_name: str):
   return x.astype(jnp.int32)
 
 
+def _check_segment_ids(query_ids, key_value_ids, shape_q, shape_k, rank: int):
+  """Both or neither; integer [B, T] and [B, S] ([T] and [S] for rank-3
+  inputs, like the query); returned as int32 with a batch axis."""
+  if (query_ids is None) != (key_value_ids is None):
+    given, missing = (("query_segment_ids", "key_value_segment_ids") if key_value_ids is None
+                      else ("key_value_segment_ids", "query_segment_ids"))
+    raise ValueError(
+        f"`{given}` was given without `{missing}`: pass both (a query sees a key "
+        "only when their ids are equal) or neither")
+  if query_ids is None:
+    return None, None
+  checked = []
+  for name, ids, (b, length), axis in (("query_segment_ids", query_ids, shape_q, "query"),
+                                       ("key_value_segment_ids", key_value_ids, shape_k,
+                                        "key/value")):
+    ids = _as_array(ids, name)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"`{name}` must be an integer array (int32); got {_dtype_name(ids.dtype)}")
+    want = (length,) if rank == 3 else (b, length)
+    if ids.shape != want:
+      described = "(seq,)" if rank == 3 else "(batch, seq)"
+      raise ValueError(
+          f"`{name}` shape must be {described} = {want}, the {axis} batch and "
+          f"sequence length; got {ids.shape}")
+    checked.append(ids.astype(jnp.int32).reshape(b, length))
+  return tuple(checked)
+
+
 def _check_window(local_window_size):
   if local_window_size is None:
     return None
@@ -163,7 +193,8 @@ def _check_scale(scale, head_dim: int) -> float:
 
 def validate(query, key, value, bias, mask, *, scale, is_causal,
              query_seq_lengths, key_value_seq_lengths, local_window_size,
-             implementation) -> Arguments:
+             implementation, query_segment_ids=None,
+             key_value_segment_ids=None) -> Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
@@ -173,11 +204,14 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
                        ((query, "query"), (key, "key"), (value, "value")))
   _check_qkv(query, key, value)
   output_shape = query.shape
+  rank = query.ndim
   if query.ndim == 3:
     query, key, value = query[None], key[None], value[None]
   b, t, n, h = query.shape
   s = key.shape[1]
   window = _check_window(local_window_size)
+  q_ids, kv_ids = _check_segment_ids(query_segment_ids, key_value_segment_ids,
+                                     (b, t), (b, s), rank)
   return Arguments(
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),
@@ -187,6 +221,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
       key_value_seq_lengths=_check_lengths(key_value_seq_lengths,
                                            "key_value_seq_lengths", b, s,
                                            "the key/value length"),
+      query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
       scale=_check_scale(scale, h),
       spec=MaskSpec.from_arguments(bool(is_causal), window),
       output_shape=output_shape)

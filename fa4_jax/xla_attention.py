@@ -4,7 +4,7 @@ This is the fallback on CPU, TPU and GPUs without a kernel, and the backward
 for kernels that have no fused backward yet. It never materializes the
 T x S logits: queries are processed one block at a time (`lax.map`), and for
 each query block a loop walks only the key blocks the mask lets it see
-(causal and windowed masks skip whole blocks), keeping an online softmax
+(causal and windowed masks and segment ids skip whole blocks), keeping an online softmax
 (running max `m`, running sum `l`, unnormalized output `acc`) in float32.
 
 The backward recomputes probabilities from the saved log-sum-exp once per
@@ -75,6 +75,11 @@ class _Problem:
   mask: Optional[Array]  # same layout as bias, bool
   q_len: Array  # int32 [B]: rows at or past it output zeros
   kv_len: Array  # int32 [B]: keys at or past it are masked
+  q_segments: Optional[Array]  # int32 [B, Tp]: segment ids (padded), or None
+  kv_segments: Optional[Array]  # int32 [B, Sp]
+  # Per block, the blocks its segment ids can meet, over the whole batch.
+  q_block_segments: Optional[scores.TileRanges]  # query block -> key blocks
+  k_block_segments: Optional[scores.TileRanges]  # key block -> query blocks
   t: int  # true query length
   s: int  # true key length
   spec: MaskSpec
@@ -96,12 +101,13 @@ class _Problem:
     return kb * self.blocks.block_k + jnp.arange(self.blocks.block_k)
 
   def key_blocks_for(self, qb):
-    """Key blocks [lo, hi) the query block `qb` may see (mask and lengths)."""
+    """Key blocks [lo, hi) the query block `qb` may see (mask, lengths and
+    segment ids)."""
     bq = self.blocks.block_q
     q_hi = jnp.minimum((qb + 1) * bq, jnp.max(self.q_len))
     lo, hi = self.spec.key_block_range(qb * bq, q_hi, jnp.max(self.kv_len),
                                        self.blocks.block_k)
-    return lo, jnp.where(q_hi > qb * bq, hi, lo)
+    return _narrow(lo, jnp.where(q_hi > qb * bq, hi, lo), self.q_block_segments, qb)
 
   def query_blocks_for(self, kb):
     """Query blocks [lo, hi) that may see key block `kb`."""
@@ -109,7 +115,7 @@ class _Problem:
     k_hi = jnp.minimum((kb + 1) * bk, jnp.max(self.kv_len))
     lo, hi = self.spec.query_block_range(kb * bk, k_hi, jnp.max(self.q_len),
                                          self.blocks.block_q)
-    return lo, jnp.where(k_hi > kb * bk, hi, lo)
+    return _narrow(lo, jnp.where(k_hi > kb * bk, hi, lo), self.k_block_segments, kb)
 
   def _slice_pair(self, x, qb, kb):
     """The [.., Tb, Sb] block of a broadcastable bias or mask array."""
@@ -128,8 +134,12 @@ class _Problem:
     if self.bias is not None:
       s = s + self._slice_pair(self.bias, qb, kb).astype(jnp.float32)
     rows, cols = self.q_rows(qb), self.k_cols(kb)
+    q_seg = kv_seg = None
+    if self.q_segments is not None:
+      q_seg = self.q_block(self.q_segments, qb)[:, :, None]
+      kv_seg = self.k_block(self.kv_segments, kb)[:, None, :]
     visible = scores.visible(self.spec, rows[None, :, None], cols[None, None, :],
-                             self.kv_len[:, None, None])  # [B, bq, bk]
+                             self.kv_len[:, None, None], q_seg, kv_seg)  # [B, bq, bk]
     visible = visible[:, None, None]  # [B, 1, 1, bq, bk]
     if self.mask is not None:
       visible = visible & self._slice_pair(self.mask, qb, kb)
@@ -140,6 +150,24 @@ class _Problem:
 
   def k_block(self, x, kb):
     return lax.dynamic_slice_in_dim(x, kb * self.blocks.block_k, self.blocks.block_k, 1)
+
+
+def _narrow(lo, hi, segments: Optional[scores.TileRanges], block):
+  """[lo, hi) narrowed to the blocks that block `block`'s segment ids can
+  meet in some batch row (the XLA path computes the whole batch per step)."""
+  if segments is None:
+    return lo, hi
+  return jnp.maximum(lo, segments.lo[block]), jnp.maximum(lo, jnp.minimum(hi, segments.hi[block]))
+
+
+def _batch_union(ranges: scores.TileRanges) -> scores.TileRanges:
+  """[B, tiles] ranges -> [tiles]: the smallest range holding every batch
+  row's (rows with an empty range add nothing)."""
+  empty = ranges.hi <= ranges.lo
+  lo = jnp.where(empty, jnp.iinfo(jnp.int32).max, ranges.lo).min(axis=0)
+  hi = ranges.hi.max(axis=0)
+  lo = jnp.minimum(lo, hi)  # all rows empty: an empty range
+  return scores.TileRanges(lo, hi, lo, lo)  # the XLA path masks every element
 
 
 def _group(x: Array, num_kv_heads: int) -> Array:
@@ -177,7 +205,8 @@ def _pad_pair_array(x, tp, sp, value):
   return x
 
 
-def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, scale, spec, blocks):
+def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+             scale, spec, blocks):
   b, t, n, d = q.shape
   s, num_kv_heads = k.shape[1], k.shape[2]
   blocks = (blocks or Blocks.default(b * n)).fit(t, s)
@@ -186,13 +215,25 @@ def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, scale, spec, blocks):
   full = lambda n_: jnp.full((b,), n_, jnp.int32)
   q_len = full(t) if q_lengths is None else jnp.minimum(q_lengths.astype(jnp.int32), t)
   kv_len = full(s) if kv_lengths is None else jnp.minimum(kv_lengths.astype(jnp.int32), s)
+  q_seg = kv_seg = q_block_segments = k_block_segments = None
+  if q_segment_ids is not None:
+    bq, bk = blocks.block_q, blocks.block_k
+    q_block_segments = _batch_union(
+        scores.segment_tile_ranges(q_segment_ids, kv_segment_ids, bq, bk))
+    k_block_segments = _batch_union(
+        scores.segment_tile_ranges(kv_segment_ids, q_segment_ids, bk, bq))
+    # Padded rows are sliced off and padded keys lie past kv_len: any id does.
+    q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, tp)
+    kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, sp)
   return _Problem(
       q=_pad_axis(_group(q, num_kv_heads), 1, tp),
       k=_pad_axis(k, 1, sp),
       v=_pad_axis(v, 1, sp),
       bias=_pad_pair_array(_group_pair_array(bias, num_kv_heads), tp, sp, 0),
       mask=_pad_pair_array(_group_pair_array(mask, num_kv_heads), tp, sp, False),
-      q_len=q_len, kv_len=kv_len, t=t, s=s, spec=spec, scale=scale, blocks=blocks)
+      q_len=q_len, kv_len=kv_len, q_segments=q_seg, kv_segments=kv_seg,
+      q_block_segments=q_block_segments, k_block_segments=k_block_segments,
+      t=t, s=s, spec=spec, scale=scale, blocks=blocks)
 
 
 def _row_valid(p: _Problem, qb):
@@ -200,10 +241,12 @@ def _row_valid(p: _Problem, qb):
   return (p.q_rows(qb)[None, :] < p.q_len[:, None])[:, None, None, :]
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, *, scale: float,
-            spec: MaskSpec, blocks: Blocks | None = None):
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
+            kv_segment_ids=None, *, scale: float, spec: MaskSpec,
+            blocks: Blocks | None = None):
   """Attention forward. Returns (out [B,T,N,D] in q.dtype, lse f32 [B,N,T])."""
-  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, scale, spec, blocks)
+  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+               scale, spec, blocks)
   bsz, _, kh, g, d = p.q.shape
   bq = p.blocks.block_q
 
@@ -241,15 +284,16 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, *, scale: float,
   return out, lse
 
 
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse, dout, *,
-             scale: float, spec: MaskSpec, blocks: Blocks | None = None):
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+             out, lse, dout, *, scale: float, spec: MaskSpec, blocks: Blocks | None = None):
   """Gradients (dq, dk, dv, dbias) of `forward`'s output, given its lse.
 
   `lse` may come from any backend that follows the contract in
   `fa4_jax/kernels/__init__.py`. `dbias` is None when `bias` is None, else it
   has the bias' own (broadcast) shape.
   """
-  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, scale, spec, blocks)
+  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+               scale, spec, blocks)
   bsz, tp, kh, g, d = p.q.shape
   nh = kh * g
   # Rows past the query length had their output forced to zero: no gradient.

@@ -95,7 +95,7 @@ def _check_case(case: Case, run_interpreted, config=None):
     assert g.shape == x.shape and g.dtype == x.dtype
 
   q_len, kv_len = case.lengths()
-  xla = xla_attention.backward(q, k, v, None, None, q_len, kv_len, out, lse, dout,
+  xla = xla_attention.backward(q, k, v, None, None, q_len, kv_len, None, None, out, lse, dout,
                                scale=scale, spec=case.mask)[:3]
   exact = _jax_nn_grads(case, q, k, v, dout, scale)
   for name, got, same_formula, reference in zip(("dq", "dk", "dv"), grads, xla, exact):

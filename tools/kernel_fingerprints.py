@@ -80,7 +80,7 @@ def _xla(mask, seq, lengths, backward):
   def bwd(q, k, v, ql, kl):
     out, lse = fwd(q, k, v, ql, kl)
     return xla_attention.backward(q, k, v, None, None, ql if lengths else None,
-                                  kl if lengths else None, out, lse, out, scale=0.125,
+                                  kl if lengths else None, None, None, out, lse, out, scale=0.125,
                                   spec=mask)
   return (bwd if backward else fwd), (q, kv, kv, ln, ln)
 
