@@ -2,8 +2,8 @@
 
 A kernel can be right and still compiled badly: ptxas decides, for the whole
 kernel, whether its wgmmas may overlap. This file is kept apart from
-`test_on_gpu.py` so that each runs within one ten-minute device command
-(this one takes about two minutes on an H100).
+`test_on_gpu.py` so that each runs within one ten-minute device command.
+Every configuration is compiled with and without segment ids.
 """
 
 import os
@@ -34,19 +34,25 @@ from fa4_jax.kernels import sm90_backward, sm90_forward
 from fa4_jax.scores import MaskSpec
 
 # Each item builds its inputs when it runs: a child runs a quarter of them.
-def forward(d, mask, config):
+# `segments`: with segment ids (packed sequences), whose element mask adds
+# registers to the consumers' masked steps.
+def ids(segments):
+  return (jnp.zeros((1, 1024), jnp.int32),) * 2 if segments else None
+
+def forward(d, mask, config, segments=False):
   def call():
     q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
-    return sm90_forward.forward(q, q, q, None, None, scale=0.1, mask=mask, config=config)[0]
+    return sm90_forward.forward(q, q, q, None, None, scale=0.1, mask=mask, config=config,
+                                segment_ids=ids(segments))[0]
   return call
 
-def backward(d, mask, group, config):
+def backward(d, mask, group, config, segments=False):
   def call():
     q = jnp.ones((1, 1024, 2 * group, d), jnp.bfloat16)
     kv = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
     lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
     return sm90_backward.backward(q, kv, kv, q, lse, q, None, None, scale=0.1, mask=mask,
-                                  config=config)
+                                  config=config, segment_ids=ids(segments))
   return call
 
 causal = MaskSpec(right=0)
@@ -59,10 +65,14 @@ for d in (64, 128, 192, 256):
     for seq in (1024, 8192):
       config = sm90_forward.choose_config(d, mask, seq)
       items.setdefault(f"forward d={d} {mask} {config}", forward(d, mask, config))
+      items.setdefault(f"forward d={d} {mask} {config} segment ids",
+                       forward(d, mask, config, segments=True))
     for group in (1, 4):
       config = sm90_backward.choose_config(d, mask, group)
       items.setdefault(f"backward d={d} {mask} group={group > 1} {config}",
                        backward(d, mask, group, config))
+      items.setdefault(f"backward d={d} {mask} group={group > 1} {config} segment ids",
+                       backward(d, mask, group, config, segments=True))
 
 dump = os.environ["MOSAIC_GPU_DUMP_TO"]
 first, step = int(sys.argv[1]), int(sys.argv[2])
