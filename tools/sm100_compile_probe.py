@@ -89,17 +89,23 @@ def _compile_in_this_process(dump_dir: str) -> None:
 
   print("device:", jax.devices()[0], "compute_capability:",
         getattr(jax.devices()[0], "compute_capability", None), flush=True)
-  for head_dim, causal in ((64, False), (128, True), (256, False)):
+  # Each kernel also with segment ids (packed sequences): their element mask
+  # holds a block's key ids in registers.
+  for head_dim, causal, segments in ((64, False, False), (128, True, False),
+                                     (256, False, False), (128, True, True),
+                                     (256, False, True)):
     shape = (1, 512, 2, head_dim)
     q = jnp.zeros(shape, jnp.bfloat16)
     lengths = jnp.full((1,), 512, jnp.int32)
-    fn = jax.jit(lambda q, k, v, a, b, causal=causal: sm100_forward.forward(
-        q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None)))
+    ids = (jnp.zeros((1, 512), jnp.int32),) * 2 if segments else None
+    fn = jax.jit(lambda q, k, v, a, b, causal=causal, ids=ids: sm100_forward.forward(
+        q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None), segment_ids=ids))
+    name = f"head_dim={head_dim} causal={causal} segment_ids={segments}"
     try:
       jax.block_until_ready(fn(q, q, q, lengths, lengths))
-      print(f"head_dim={head_dim}: ran (unexpected on a non-Blackwell GPU)", flush=True)
+      print(f"{name}: ran (unexpected on a non-Blackwell GPU)", flush=True)
     except Exception as e:  # the sm_100a cubin cannot load on this GPU
-      print(f"head_dim={head_dim}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
   print("dumped:", sorted(os.listdir(dump_dir)), flush=True)
 
 
