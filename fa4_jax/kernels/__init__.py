@@ -7,16 +7,21 @@ plugs into the shared `jax.custom_vjp` (see `fa4_jax/vjp.py`):
         Raises `KernelUnsupported` (a ValueError) with a message naming the
         argument and what the kernel expects when it cannot serve the call.
 
-    forward(q, k, v, q_lengths, kv_lengths, *, scale, mask) -> (out, lse)
+    forward(q, k, v, q_lengths, kv_lengths, *, scale, mask, segment_ids=None)
+            -> (out, lse)
         q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; Nq % Nkv == 0.
         q_lengths, kv_lengths: int32[B] or None.
+        segment_ids: None or (q_ids int32 [B, Tq], kv_ids int32 [B, Tk]): a
+             row sees a key only when their ids are equal; key tiles whose
+             ids cannot meet a tile's are skipped (`scores.segment_tile_ranges`).
         out: [B, Tq, Nq, D] in q.dtype; rows at or past q_lengths are zeros,
              and so are rows that see no key.
         lse: float32 [B, Nq, Tq], natural-log log-sum-exp of the scaled,
              masked logits; -inf where a row sees no key.
 
 A backward module offers `backward(q, k, v, out, lse, dout, q_lengths,
-kv_lengths, *, scale, mask) -> (dq, dk, dv)` with the same conventions.
+kv_lengths, *, scale, mask, segment_ids=None) -> (dq, dk, dv)` with the same
+conventions.
 """
 
 
