@@ -6,6 +6,9 @@
   least one key are compared; the others must be zeros with lse = -inf.
 * Hardware fit: every configuration the heuristic can pick is cross-lowered
   for sm_90 and must fit the shared memory and use wgmma and TMA.
+* Segment ids (packed sequences): the same interpreter runs against the
+  explicit boolean mask, and the key blocks each tile walks (skipped,
+  masked, full) are checked against a brute-force count.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward
 from fa4_jax.scores import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
-from reference import KernelCase
+from reference import KernelCase, packed_segment_ids, visible_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +50,7 @@ def _reference(case: Case, q, k, v, scale):
   """(out [B,Tq,N,D], lse [B,N,Tq]) in f32: jax.nn for out, logsumexp for lse."""
   qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
   visible = case.visible()
-  if case.q_offset:
+  if case.q_offset or case.q_segment_ids is not None:  # beyond jax.nn's arguments
     out = jax.nn.dot_product_attention(
         qf, kf, vf, mask=jnp.asarray(visible), scale=scale, implementation="xla")
   else:
@@ -70,7 +73,7 @@ def _run_and_compare(case: Case, run_interpreted, scale=None, config=None):
 
   def fn(q, k, v):
     return sm90_forward.forward(q, k, v, q_len, kv_len, scale=scale, mask=case.mask,
-                                config=config)
+                                config=config, segment_ids=case.segment_ids())
 
   out, lse = run_interpreted(fn, q, k, v)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -265,6 +268,118 @@ def test_registers_beyond_the_sm_are_refused():
                                pingpong=False, producer_registers=40, consumer_registers=160)
 
 
+# --- segment ids (packed sequences) --------------------------------------------
+
+
+def _ids(*rows):
+  """Segment ids per batch row as the tuples `KernelCase` holds."""
+  return tuple(tuple(int(x) for x in row) for row in rows)
+
+
+def _packed(document_lengths, total):
+  return _ids(packed_segment_ids(document_lengths, total))
+
+
+SEGMENT_CASES = {
+    # 100 + 1 + 90 tokens, then padding (its own id) to 256.
+    "packed_causal_with_a_one_token_document": Case(
+        is_causal=True, q_segment_ids=_packed([100, 1, 90], 256),
+        kv_segment_ids=_packed([100, 1, 90], 256)),
+    "packing_differs_per_row_with_lengths_and_grouped_heads": Case(
+        batch=2, q_heads=4, kv_heads=2, head_dim=128, is_causal=True,
+        q_lengths=(256, 150), kv_lengths=(256, 200),
+        q_segment_ids=_ids(packed_segment_ids([64, 128, 64], 256),
+                           packed_segment_ids([30, 170, 56], 256)),
+        kv_segment_ids=_ids(packed_segment_ids([64, 128, 64], 256),
+                            packed_segment_ids([30, 170, 56], 256))),
+    "window_fp16_queries_and_keys_packed_differently": Case(
+        dtype="float16", head_dim=128, window=(40, 20), q_seq=256, kv_seq=384,
+        q_segment_ids=_packed([120, 136], 256), kv_segment_ids=_packed([120, 200, 64], 384)),
+    # Query ids 0, 1, 2, 0, ... against key ids 0, 1, 0, ...: id 2 meets no
+    # key, so every third row sees nothing (zeros, lse -inf).
+    "interleaved_ids_leave_rows_without_keys": Case(
+        q_seq=130, kv_seq=300, q_segment_ids=_ids(np.arange(130) % 3),
+        kv_segment_ids=_ids(np.arange(300) % 2)),
+    "cross_attention_head_dim_256": Case(
+        head_dim=256, q_seq=96, kv_seq=264, q_segment_ids=_packed([40, 56], 96),
+        kv_segment_ids=_packed([100, 164], 264)),
+}
+
+
+@pytest.mark.parametrize("name", list(SEGMENT_CASES))
+def test_segment_ids_match_the_explicit_mask_without_races(name, run_interpreted):
+  _run_and_compare(SEGMENT_CASES[name], run_interpreted)
+
+
+def test_segment_ids_in_a_persistent_causal_grid_with_an_empty_tile(run_interpreted):
+  """Two CTAs walk 3 causal tiles per head and the empty fourth one the
+  pairing adds: its segment ranges and ids are read in bounds, and the ring
+  phases carry across items whose ranges the segments narrowed."""
+  ids = _packed([150, 100, 50], 300)
+  case = Case(q_heads=2, kv_heads=1, head_dim=128, is_causal=True, q_seq=300, kv_seq=300,
+              q_segment_ids=ids, kv_segment_ids=ids)
+  config = dataclasses.replace(sm90_forward.choose_config(128, case.mask), persistent=True,
+                               num_sms=2, q_buffers=2)
+  assert sm90_forward.PersistentWork(1, 2, 3, 2, True).tile_slots == 4
+  _run_and_compare(case, run_interpreted, config=config)
+
+
+def test_segment_ids_in_one_cta_per_tile_grid(run_interpreted):
+  case = SEGMENT_CASES["packed_causal_with_a_one_token_document"]
+  config = dataclasses.replace(
+      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False)
+  _run_and_compare(case, run_interpreted, config=config)
+
+
+def _walked_blocks(mask, config, q_ids, kv_ids):
+  """Per consumer tile, (own lo, hi, full lo, full hi), and per CTA tile the
+  producer's (lo, hi): what the kernel computes, from the kernel's helpers."""
+  q_seq, kv_seq = len(q_ids), len(kv_ids)
+  _, _, ranges = sm90_forward.segment_operands(
+      (jnp.asarray([q_ids]), jnp.asarray([kv_ids])), config, mask, q_seq, kv_seq)
+  own = []
+  for t in range(q_seq // config.block_q):
+    segments = scores.TileRanges(*(ranges[0, t, i] for i in range(4)))
+    r = sm90_forward.consumer_kv_blocks(mask, config, t * config.block_q, q_seq, kv_seq, segments)
+    own.append(r)
+  n = config.num_consumers
+  cta = [tuple(int(x) for x in sm90_forward.cta_kv_blocks(own[c:c + n]))
+         for c in range(0, len(own), n)]
+  own = [tuple(int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi)) for r in own]
+  return own, cta
+
+
+@pytest.mark.parametrize("mask", [MaskSpec(), MaskSpec(right=0)])
+def test_tiles_walk_only_the_key_blocks_their_documents_meet(mask):
+  """Documents of 200, 300 and 524 tokens packed into 1024 (64-row tiles,
+  128-key blocks): each tile walks exactly the blocks holding a key one of
+  its rows sees, and runs without the element mask exactly the blocks whose
+  every pair is visible; the producer loads the span of its consumers'."""
+  config = dataclasses.replace(sm90_forward.choose_config(128, mask, 8192), persistent=False)
+  assert (config.block_q, config.block_kv, config.num_consumers) == (64, 128, 2)
+  ids = packed_segment_ids([200, 300, 524], 1024)
+  own, cta = _walked_blocks(mask, config, ids, ids)
+  seen = visible_mask(1024, 1024, is_causal=mask.right == 0, q_segment_ids=[ids],
+                      kv_segment_ids=[ids])[0, 0]
+  for t, (lo, hi, full_lo, full_hi) in enumerate(own):
+    tile = seen[t * 64:(t + 1) * 64].reshape(64, 8, 128).transpose(1, 0, 2)  # [block, rows, keys]
+    some = [j for j in range(8) if tile[j].any()]
+    every = [j for j in range(8) if tile[j].all()]
+    assert (lo, hi) == (some[0], some[-1] + 1), t
+    assert list(range(full_lo, full_hi)) == every, t
+  for c, (lo, hi) in enumerate(cta):
+    assert (lo, hi) == (min(own[2 * c][0], own[2 * c + 1][0]), max(own[2 * c][1], own[2 * c + 1][1]))
+  walked = sum(hi - lo for lo, hi, _, _ in own)
+  masked = walked - sum(hi - lo for _, _, lo, hi in own)
+  if mask.is_dense:
+    # Without segment ids: 16 tiles x 8 blocks, none masked. Packed: tiles
+    # inside a document walk its 2, 3 or 5 blocks (1 or 2 masked at its
+    # edges), the 2 tiles across a boundary 4 and 7 (all masked).
+    assert (walked, masked) == (3 * 2 + 4 + 3 * 3 + 7 + 8 * 5, 3 + 4 + 3 * 2 + 7 + 8)
+  else:
+    assert walked < sum(t // 2 + 1 for t in range(16))  # causal without segment ids: 72
+
+
 # --- tile ranges -------------------------------------------------------------
 
 
@@ -302,12 +417,18 @@ def test_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the_mask(
 # --- configurations on hardware (cross-lowered) ------------------------------
 
 
-def _lower(head_dim, mask, config=None, *, lengths=False, dtype=jnp.bfloat16):
+def _lower(head_dim, mask, config=None, *, lengths=False, dtype=jnp.bfloat16,
+           segment_ids=False):
   from fa4_jax.testing import cross_lower
 
   q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), dtype)
   lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if segment_ids:
+    ids = (jax.ShapeDtypeStruct((2, 1000), jnp.int32), jax.ShapeDtypeStruct((2, 1100), jnp.int32))
+    fn = lambda q, k, v, ql, kl, q_ids, kv_ids: sm90_forward.forward(
+        q, k, v, ql, kl, scale=0.125, mask=mask, config=config, segment_ids=(q_ids, kv_ids))
+    return cross_lower(fn, q, kv, kv, lens, lens, *ids, arch="sm_90")
   if lengths:
     fn = lambda q, k, v, ql, kl: sm90_forward.forward(
         q, k, v, ql, kl, scale=0.125, mask=mask, config=config)
@@ -336,6 +457,24 @@ def test_every_heuristic_config_fits_shared_memory_and_uses_wgmma_and_tma(head_d
         _assert_fits_and_uses_hopper_instructions(lowered)
         # The heuristic sizes SMEM by the estimate plus a reserve for the
         # barriers and alignment: the reserve must cover what lowering adds.
+        estimate = config.smem_bytes(head_dim, 2)
+        assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
+        break
+
+
+@pytest.mark.parametrize("head_dim,config", sm90_forward.all_configs(),
+                         ids=lambda x: str(x) if isinstance(x, int) else
+                         f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}"
+                         f"{'-persistent' if x.persistent else ''}")
+def test_every_heuristic_config_with_segment_ids_lowers_for_hopper_without_more_smem(
+    head_dim, config):
+  """Segment ids (with lengths) add GMEM operands and element-mask terms,
+  not shared memory: the same SMEM budget holds."""
+  for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
+    for kv_seq in (1024, 8192):
+      if sm90_forward.choose_config(head_dim, mask, kv_seq) == config:
+        lowered = _lower(head_dim, mask, config, lengths=True, segment_ids=True)
+        _assert_fits_and_uses_hopper_instructions(lowered)
         estimate = config.smem_bytes(head_dim, 2)
         assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
         break
@@ -379,6 +518,14 @@ def test_unsupported_arguments_raise_kernel_unsupported_naming_the_argument(
     q_shape, k_shape, dtype, argument):
   with pytest.raises(KernelUnsupported, match=argument):
     sm90_forward.check_supported(q_shape, k_shape, dtype, MaskSpec())
+
+
+def test_segment_ids_of_another_length_than_the_sequences_are_refused():
+  q = jnp.zeros((2, 128, 1, 64), jnp.bfloat16)
+  ids = jnp.zeros((2, 120), jnp.int32)
+  with pytest.raises(KernelUnsupported, match="segment_ids"):
+    sm90_forward.forward(q, q, q, None, None, scale=0.125, mask=MaskSpec(),
+                         segment_ids=(ids, ids))
 
 
 @pytest.mark.parametrize("is_causal,seq", [(True, 1000), (False, 1000), (True, 8192)])

@@ -43,6 +43,16 @@ own range (but inside the CTA's, which the producer loads) only keep the
 barrier protocol going. Causal-like masks schedule the heaviest query tiles
 first.
 
+Segment ids (packed sequences, `forward(..., segment_ids=...)`): before the
+kernel, XLA computes per consumer tile the key blocks its ids can meet and
+the ones of its single id (`segment_operands`, `scores.segment_tile_ranges`).
+In the kernel they narrow each consumer's range (`consumer_kv_blocks`), and
+the producer loads the span of its consumers' ranges (`cta_kv_blocks`), so
+blocks of other documents are neither loaded nor computed. Only boundary
+blocks compare ids: the rows' ids are loaded once per tile, a block's key ids
+from GMEM before its Q K^T, whose latency hides the load. The causal pairing
+of the persistent grid balances the band's work, not the documents'.
+
 Grid (`fa4_jax.kernels.schedule`): one CTA per (q head, q tile, batch); or,
 with `ForwardConfig.persistent` (chosen when a tile walks few KV blocks: short
 sequences, local windows), one CTA per SM walks a share of those work items
@@ -84,7 +94,8 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
 from fa4_jax.scores import (LOG2_E, MaskSpec, TileRanges, cdiv, initial_row_stats,
-                            kv_tile_ranges, normalize, online_softmax, visible, walk_blocks)
+                            kv_tile_ranges, normalize, online_softmax, read_tile_ranges,
+                            segment_tile_ranges, stack_tile_ranges, visible, walk_blocks)
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -325,6 +336,8 @@ class ForwardBarriers:
 
 # Per-row values (m, l, lse) in the wgmma accumulator's row layout.
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+# Per-key values (the keys' segment ids) in its column layout.
+_COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +360,7 @@ class _Call:
   interpreting: bool
   has_q_lengths: bool
   has_kv_lengths: bool
+  has_segment_ids: bool = False
 
   @property
   def masked_logit(self) -> float:
@@ -363,6 +377,9 @@ class _Refs:
   v: Any
   q_len: Any  # None without query lengths
   kv_len: Any  # None without key lengths
+  q_ids: Any  # segment ids [B, rows of every tile slot]; None without segment ids
+  kv_ids: Any  # segment ids [B, keys of every key block]
+  segment_ranges: Any  # [B, consumer tiles, 4]: `stack_tile_ranges` of the ids
   out: Any
   lse: Any
   q_smem: Any  # Q tiles (and O, without a persistent grid)
@@ -380,12 +397,16 @@ class _Refs:
     del refs[:3]
     q_len = refs.pop(0) if call.has_q_lengths else None
     kv_len = refs.pop(0) if call.has_kv_lengths else None
+    q_ids = kv_ids = segment_ranges = None
+    if call.has_segment_ids:
+      q_ids, kv_ids, segment_ranges = refs[:3]
+      del refs[:3]
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.config.persistent else None
     p_smem = optional_smem.pop(0) if call.interpreting else None
-    return cls(q, k, v, q_len, kv_len, out, lse, q_smem, k_smem, v_smem, lse_smem, o_smem,
-               p_smem), barrier_refs
+    return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, out, lse, q_smem, k_smem,
+               v_smem, lse_smem, o_smem, p_smem), barrier_refs
 
 
 def _scratch_smem(call: _Call) -> list:
@@ -417,6 +438,7 @@ class _WorkItem:
   cta_q_lo: Any  # first query row of the CTA tile
   lo: Any  # the producer loads KV blocks [lo, hi) for the whole CTA tile
   hi: Any
+  tile: Any  # the CTA tile's index; consumer c's rows are tile `tile * num_consumers + c`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,14 +476,62 @@ class _Context:
     q_len, kv_len = sequence_lengths(self.refs.q_len, self.refs.kv_len, batch_idx, call.q_seq,
                                      call.kv_valid)
     cta_q_lo = tile * cfg.block_q_cta
-    blocks = kv_tile_ranges(call.mask, cta_q_lo, cta_q_lo + cfg.block_q_cta, q_len, kv_len,
-                            cfg.block_kv)
-    return _WorkItem(batch_idx, head, q_len, kv_len, cta_q_lo, blocks.lo, blocks.hi)
+    if call.has_segment_ids:
+      # The blocks some consumer computes: its segments can meet the CTA
+      # tile's in a narrower span than the band allows.
+      lo, hi = cta_kv_blocks([
+          self.consumer_blocks(batch_idx, tile, c, cta_q_lo + c * cfg.block_q, q_len, kv_len)
+          for c in range(cfg.num_consumers)])
+    else:
+      blocks = kv_tile_ranges(call.mask, cta_q_lo, cta_q_lo + cfg.block_q_cta, q_len, kv_len,
+                              cfg.block_kv)
+      lo, hi = blocks.lo, blocks.hi
+    return _WorkItem(batch_idx, head, q_len, kv_len, cta_q_lo, lo, hi, tile)
+
+  def consumer_blocks(self, batch_idx, tile, c, q_lo, q_len, kv_len) -> TileRanges:
+    """The key blocks consumer c's rows (from `q_lo`) of CTA tile `tile` see:
+    the band and lengths, and the blocks their segment ids can meet (producer
+    and consumers both derive the CTA's range from these)."""
+    cfg, segments = self.call.config, None
+    if self.refs.segment_ranges is not None:
+      segments = read_tile_ranges(self.refs.segment_ranges, batch_idx,
+                                  tile * cfg.num_consumers + c)
+    return consumer_kv_blocks(self.call.mask, cfg, q_lo, q_len, kv_len, segments)
 
   def item_loop(self, body, init):
     """Runs body(i, carry) over this CTA's work items (a loop even for one
     item, so the ring position is a run-time value wgmma closures accept)."""
     return lax.fori_loop(0, self.num_items, body, init)
+
+
+def consumer_kv_blocks(mask: MaskSpec, cfg: ForwardConfig, q_lo, q_len, kv_len,
+                       segments: TileRanges | None = None) -> TileRanges:
+  """The key blocks a consumer's `block_q` rows from `q_lo` compute (and
+  the full ones among them): the band and the lengths, intersected with the
+  blocks their segment ids meet (`segments`, a row of `segment_operands`'
+  ranges) when there are segment ids."""
+  blocks = kv_tile_ranges(mask, q_lo, q_lo + cfg.block_q, q_len, kv_len, cfg.block_kv)
+  return blocks if segments is None else blocks.intersect(segments)
+
+
+def cta_kv_blocks(ranges: list[TileRanges]):
+  """(lo, hi): the key blocks the producer loads for a CTA tile with segment
+  ids, the smallest range holding every consumer's non-empty one (empty when
+  all are). Without segment ids the CTA's band range is used directly."""
+  nonempty = [r.hi > r.lo for r in ranges]
+  lo, hi = ranges[0].lo, ranges[0].hi
+  any_blocks = nonempty[0]
+  for r, has in zip(ranges[1:], nonempty[1:]):
+    lo = jnp.where(any_blocks, jnp.where(has, jnp.minimum(lo, r.lo), lo), r.lo)
+    hi = jnp.where(any_blocks, jnp.where(has, jnp.maximum(hi, r.hi), hi), r.hi)
+    any_blocks = any_blocks | has
+  return lo, jnp.where(any_blocks, hi, lo)
+
+
+def _load_ids(ids_gmem, layout):
+  """A vector of segment ids straight from GMEM into registers in `layout`
+  (the bank-conflict-free "optimized" transfer exists only for SMEM)."""
+  return plgpu.load(ids_gmem, layout=layout, optimized=False)
 
 
 def _producer(ctx: _Context) -> None:
@@ -530,6 +600,7 @@ class _ConsumerTile:
   o_tile: Any
   q_lo: Any  # first query row of this consumer's tile
   own: TileRanges  # the blocks its rows see, inside [item.lo, item.hi)
+  q_segment: Any  # the rows' segment ids (`_ROW_LAYOUT`); None without segment ids
 
   @classmethod
   def create(cls, ctx: _Context, i, step0) -> "_ConsumerTile":
@@ -538,9 +609,14 @@ class _ConsumerTile:
     q_tile = ctx.refs.q_smem.at[ctx.bars.q.buffer(i, wg)]
     o_tile = ctx.refs.o_smem.at[wg] if cfg.persistent else q_tile
     q_lo = item.cta_q_lo + wg * cfg.block_q
-    own = kv_tile_ranges(ctx.call.mask, q_lo, q_lo + cfg.block_q, item.q_len, item.kv_len,
-                         cfg.block_kv).within(item.lo, item.hi)
-    return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own)
+    own = ctx.consumer_blocks(item.batch_idx, item.tile, wg, q_lo, item.q_len,
+                              item.kv_len).within(item.lo, item.hi)
+    q_segment = None
+    if ctx.call.has_segment_ids:
+      # The rows' ids, for the element mask of boundary blocks.
+      q_segment = _load_ids(ctx.refs.q_ids.at[item.batch_idx, pl.ds(q_lo, cfg.block_q)],
+                            _ROW_LAYOUT)
+    return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment)
 
   def walk_kv_blocks(self):
     """(O, m, l) of the tile, unnormalised. Every consumer steps through all
@@ -571,10 +647,13 @@ class _ConsumerTile:
     cfg, bars = self.ctx.call.config, self.ctx.bars
     acc, m, l = carry
     step = self.ring_step(j)
+    # Issued before Q K^T so that the load's latency hides behind it.
+    kv_segment = self.key_segments(j) if masked else None
     s = pl.run_scoped(functools.partial(self.qk, k_tile=self.ctx.refs.k_smem.at[bars.k.slot(step)]),
                       plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
     bars.k.consumer_release(step)
-    p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked)
+    p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked,
+                                                   kv_segment=kv_segment)
     acc = self.p_times_v(acc, p16, self.ctx.refs.v_smem.at[bars.v.slot(step)],
                          lambda: self.wait_next_k(j))
     bars.v.consumer_release(step)
@@ -598,21 +677,34 @@ class _ConsumerTile:
     self.ctx.bars.pingpong.sync()  # the other consumer's softmax ends here
     return s_ref[...]
 
-  def block_softmax(self, s, m, j, *, masked: bool):
+  def key_segments(self, j):
+    """The segment ids of KV block j's keys (`_COL_LAYOUT`), or None."""
+    if not self.ctx.call.has_segment_ids:
+      return None
+    bk = self.ctx.call.config.block_kv
+    return _load_ids(self.ctx.refs.kv_ids.at[self.item.batch_idx, pl.ds(j * bk, bk)],
+                     _COL_LAYOUT)
+
+  def block_softmax(self, s, m, j, *, masked: bool, kv_segment=None):
     """(P, new running max, alpha) for the logits of KV block j."""
     call = self.ctx.call
     if masked:
       q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
       k_idx = j * call.config.block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
                                                                 layout=plgpu.Layout.WGMMA)
-      s = jnp.where(visible(call.mask, q_idx, k_idx, self.item.kv_len), s, call.masked_logit)
+      segments = {}
+      if kv_segment is not None:
+        segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, s.shape, [0]),
+                        kv_segment=lax.broadcast_in_dim(kv_segment, s.shape, [1]))
+      s = jnp.where(visible(call.mask, q_idx, k_idx, self.item.kv_len, **segments), s,
+                    call.masked_logit)
     return online_softmax(s, m, call.c)
 
-  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool):
+  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, kv_segment=None):
     """Softmax of block j, O rescaled, the hand-off of the tensor core, and
     the row sums before or after it (`sum_before_handoff`)."""
     cfg = self.ctx.call.config
-    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked)
+    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, kv_segment=kv_segment)
     acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     p16 = p.astype(self.ctx.call.dtype)
     if cfg.sum_before_handoff:
@@ -702,17 +794,17 @@ def _build_kernel(
     config: ForwardConfig,
     has_q_lengths: bool,
     has_kv_lengths: bool,
+    has_segment_ids: bool = False,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
   heavy_first = pairs_causal_tiles(mask)
-  work = (PersistentWork(batch, num_q_heads, num_q_tiles, cfg.num_sms, heavy_first)
-          if cfg.persistent else None)
+  work = _persistent_work(cfg, mask, batch, num_q_heads, q_seq)
   call = _Call(config=cfg, mask=mask, q_seq=q_seq, kv_valid=kv_valid, head_dim=head_dim,
                dtype=dtype, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles,
                c=scale * LOG2_E, heavy_first=heavy_first, work=work,
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
-               has_kv_lengths=has_kv_lengths)
+               has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -721,7 +813,7 @@ def _build_kernel(
   # contiguous axis. On an H100 a box that ran past the end of that axis left
   # wrong values (seen at q_seq = 56, block_q = 64; the interpreter clips it
   # correctly), so the LSE output covers whole tiles and `forward` slices it.
-  lse_seq = (work.tile_slots if work else num_q_tiles) * cfg.block_q_cta
+  lse_seq = _tile_slots(cfg, mask, q_seq) * cfg.block_q_cta
   out_type = (
       jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
@@ -742,6 +834,42 @@ def _build_kernel(
   )
 
 
+def _persistent_work(cfg: ForwardConfig, mask: MaskSpec, batch: int, num_q_heads: int,
+                     q_seq: int) -> PersistentWork | None:
+  """The persistent grid's work items; None for one CTA per tile."""
+  if not cfg.persistent:
+    return None
+  return PersistentWork(batch, num_q_heads, cdiv(q_seq, cfg.block_q_cta), cfg.num_sms,
+                        pairs_causal_tiles(mask))
+
+
+def _tile_slots(cfg: ForwardConfig, mask: MaskSpec, q_seq: int) -> int:
+  """CTA tiles the grid can name: the query tiles and, in a persistent
+  causal grid with an odd count, one empty tile past the end."""
+  work = _persistent_work(cfg, mask, 1, 1, q_seq)
+  return work.tile_slots if work else cdiv(q_seq, cfg.block_q_cta)
+
+
+def segment_operands(segment_ids, cfg: ForwardConfig, mask: MaskSpec, q_seq: int,
+                      kv_seq: int):
+  """(q ids, kv ids, tile ranges): the kernel's segment-id operands.
+
+  The ids are padded (repeating the last id, which keeps every tile's id
+  range as it is) to cover every row of every CTA tile the grid can name and
+  every key of every key block, so that no tile and no block reads past the
+  end; padded keys are masked by the key length and padded rows are sliced
+  off or lie past the query length. The ranges (`segment_tile_ranges`) have
+  one row per consumer tile of `block_q` rows.
+  """
+  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+  rows = _tile_slots(cfg, mask, q_seq) * cfg.block_q_cta
+  keys = cdiv(kv_seq, cfg.block_kv) * cfg.block_kv
+  q_ids = jnp.pad(q_ids, [(0, 0), (0, rows - q_ids.shape[1])], mode="edge")
+  kv_ids = jnp.pad(kv_ids, [(0, 0), (0, keys - kv_ids.shape[1])], mode="edge")
+  ranges = segment_tile_ranges(q_ids, kv_ids, cfg.block_q, cfg.block_kv)
+  return q_ids, kv_ids, stack_tile_ranges(ranges)
+
+
 def _sm_count(default: int) -> int:
   """SMs of the default device (a persistent grid launches one CTA per SM:
   more would queue a second wave); `default` without a GPU."""
@@ -755,11 +883,12 @@ def _sm_count(default: int) -> int:
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            config: ForwardConfig | None = None):
+            config: ForwardConfig | None = None, segment_ids=None):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
-  q.dtype, lse float32 [B, Nq, Tq]).
+  q.dtype, lse float32 [B, Nq, Tq]). `segment_ids`: None or (q ids int32
+  [B, Tq], kv ids int32 [B, Tk]); a query sees only keys of its own id.
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
   if v.shape != k.shape:
@@ -768,6 +897,11 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
   batch, q_seq, num_q_heads, head_dim = q.shape
   _, kv_seq, num_kv_heads, _ = k.shape
+  if segment_ids is not None:
+    shapes = tuple(jnp.shape(x) for x in segment_ids)
+    if shapes != ((batch, q_seq), (batch, kv_seq)):
+      raise KernelUnsupported(f"segment_ids must be [B, Tq] and [B, Tk]: {(batch, q_seq)} and "
+                              f"{(batch, kv_seq)}; got {shapes[0]} and {shapes[1]}")
   # The TMA descriptors tile (sequence, head_dim) by (8, 64): sequence lengths
   # must be multiples of 8 and head dims multiples of 64. Other sizes are
   # zero-padded here (a copy; aligned shapes take no detour). Padded keys are
@@ -788,12 +922,15 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
       dtype=q.dtype, scale=float(scale), mask=mask, config=config,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
+      has_segment_ids=segment_ids is not None,
   )
   args = [q, k, v]
   if q_lengths is not None:
     args.append(jnp.asarray(q_lengths, jnp.int32))
   if kv_lengths is not None:
     args.append(jnp.asarray(kv_lengths, jnp.int32))
+  if segment_ids is not None:
+    args.extend(segment_operands(segment_ids, config, mask, q_pad, kv_pad))
   out, lse = call(*args)
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
