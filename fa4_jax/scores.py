@@ -349,9 +349,38 @@ def stack_tile_ranges(ranges: TileRanges):
   return jnp.stack([ranges.lo, ranges.hi, ranges.full_lo, ranges.full_hi], axis=-1)
 
 
+def tile_ranges_operand(row_ids, col_ids, block_rows: int, block_cols: int, num_tiles: int):
+  """`stack_tile_ranges(segment_tile_ranges(...))` for a kernel whose grid
+  names `num_tiles` row tiles: tiles past the ids (an empty slot of a
+  persistent grid, a CTA's last consumer) get empty ranges."""
+  ranges = stack_tile_ranges(segment_tile_ranges(row_ids, col_ids, block_rows, block_cols))
+  return jnp.pad(ranges, [(0, 0), (0, num_tiles - ranges.shape[1]), (0, 0)])
+
+
+def pad_ids(ids, length: int):
+  """int32 ids [B, L] padded to `length` positions (whole tiles, so a kernel
+  never reads past the end) by repeating the last id: the padding widens no
+  tile's id range, and the rows and keys it stands for are masked by the
+  lengths anyway."""
+  ids = jnp.asarray(ids, jnp.int32)
+  return jnp.pad(ids, [(0, 0), (0, length - ids.shape[1])], mode="edge")
+
+
 def read_tile_ranges(ref, batch_idx, tile) -> TileRanges:
   """The ranges of one tile from a `stack_tile_ranges` operand in a kernel."""
   return TileRanges(*(ref[batch_idx, tile, i] for i in range(4)))
+
+
+def hull(ranges) -> TileRanges:
+  """The smallest block range holding every non-empty one of `ranges` (empty
+  when all are); no block of it is claimed full. A CTA whose tiles walk
+  different ranges loads their hull."""
+  nonempty = [r.hi > r.lo for r in ranges]
+  lo = functools.reduce(jnp.minimum, [jnp.where(ok, r.lo, jnp.iinfo(jnp.int32).max)
+                                      for ok, r in zip(nonempty, ranges)])
+  hi = functools.reduce(jnp.maximum, [jnp.where(ok, r.hi, 0) for ok, r in zip(nonempty, ranges)])
+  lo = jnp.minimum(lo, hi)  # all empty: [0, 0)
+  return TileRanges(lo, hi, lo, lo)
 
 
 # --- The element mask ----------------------------------------------------------

@@ -161,13 +161,11 @@ def _narrow(lo, hi, segments: Optional[scores.TileRanges], block):
 
 
 def _batch_union(ranges: scores.TileRanges) -> scores.TileRanges:
-  """[B, tiles] ranges -> [tiles]: the smallest range holding every batch
-  row's (rows with an empty range add nothing)."""
-  empty = ranges.hi <= ranges.lo
-  lo = jnp.where(empty, jnp.iinfo(jnp.int32).max, ranges.lo).min(axis=0)
-  hi = ranges.hi.max(axis=0)
-  lo = jnp.minimum(lo, hi)  # all rows empty: an empty range
-  return scores.TileRanges(lo, hi, lo, lo)  # the XLA path masks every element
+  """[B, tiles] ranges -> [tiles]: the hull of every batch row's (the XLA
+  path computes the whole batch per step and masks every element)."""
+  return scores.hull([scores.TileRanges(*(x[b] for x in (ranges.lo, ranges.hi, ranges.full_lo,
+                                                         ranges.full_hi)))
+                      for b in range(ranges.lo.shape[0])])
 
 
 def _group(x: Array, num_kv_heads: int) -> Array:

@@ -343,8 +343,8 @@ def _walked_blocks(mask, config, q_ids, kv_ids):
     r = sm90_forward.consumer_kv_blocks(mask, config, t * config.block_q, q_seq, kv_seq, segments)
     own.append(r)
   n = config.num_consumers
-  cta = [tuple(int(x) for x in sm90_forward.cta_kv_blocks(own[c:c + n]))
-         for c in range(0, len(own), n)]
+  cta = [(int(h.lo), int(h.hi)) for h in (scores.hull(own[c:c + n])
+                                           for c in range(0, len(own), n))]
   own = [tuple(int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi)) for r in own]
   return own, cta
 

@@ -509,22 +509,11 @@ def cta_key_blocks(mask: MaskSpec, cfg: TileConfig, row0, q_len, kv_len, seg_til
   blk_lo, blk_hi = mask.key_block_range(row0, cta_rows_hi, kv_len, cfg.block_kv)
   if seg_tiles is not None:
     band = scores.TileRanges(blk_lo, blk_hi, blk_lo, blk_hi)
-    walked = band.intersect(_hull(seg_tiles))
+    walked = band.intersect(scores.hull(seg_tiles))
     blk_lo, blk_hi = walked.lo, walked.hi
   blk_lo = jnp.asarray(blk_lo, jnp.int32)
   num_steps = jnp.where(cta_rows_hi > row0, jnp.maximum(blk_hi - blk_lo, 0), 0)
   return blk_lo, num_steps.astype(jnp.int32)
-
-
-def _hull(tiles) -> scores.TileRanges:
-  """The smallest block range holding every nonempty range of `tiles`
-  (empty when all are); no block of it is claimed full."""
-  nonempty = [t.hi > t.lo for t in tiles]
-  lo = functools.reduce(jnp.minimum, [jnp.where(ok, t.lo, jnp.iinfo(jnp.int32).max)
-                                      for ok, t in zip(nonempty, tiles)])
-  hi = functools.reduce(jnp.maximum, [jnp.where(ok, t.hi, 0) for ok, t in zip(nonempty, tiles)])
-  lo = jnp.minimum(lo, hi)  # all empty: [0, 0)
-  return scores.TileRanges(lo, hi, lo, lo)
 
 
 # ----------------------------- load warp -------------------------------------
@@ -969,12 +958,9 @@ def segment_operands(cfg: TileConfig, segment_ids, b, tq, tk, tq_pad):
         f"sm100 forward: segment ids must be int32 [B, Tq] = {(b, tq)} and [B, Tk] ="
         f" {(b, tk)}; got {q_ids.shape} and {kv_ids.shape}")
   num_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta) * cfg.num_q_tiles
-  ranges = scores.stack_tile_ranges(
-      scores.segment_tile_ranges(q_ids, kv_ids, BLOCK_Q, cfg.block_kv))
-  ranges = jnp.pad(ranges, ((0, 0), (0, num_tiles - ranges.shape[1]), (0, 0)))
-  q_ids = jnp.pad(q_ids, ((0, 0), (0, num_tiles * BLOCK_Q - tq)))
-  kv_ids = jnp.pad(kv_ids, ((0, 0), (0, _round_up(tk, cfg.block_kv) - tk)))
-  return q_ids, kv_ids, ranges
+  ranges = scores.tile_ranges_operand(q_ids, kv_ids, BLOCK_Q, cfg.block_kv, num_tiles)
+  return (scores.pad_ids(q_ids, num_tiles * BLOCK_Q),
+          scores.pad_ids(kv_ids, _round_up(tk, cfg.block_kv)), ranges)
 
 
 _ROW_ALIGN = 8

@@ -89,7 +89,7 @@ from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
 from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
-from fa4_jax.scores import LOG2_E, MaskSpec, cdiv, segment_tile_ranges, stack_tile_ranges
+from fa4_jax.scores import LOG2_E, MaskSpec, cdiv, pad_ids, tile_ranges_operand
 
 # dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
 # above this head dim they do not fit beside S and dP, so dK and dV are
@@ -345,20 +345,6 @@ def _preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = Tru
   return lse2, jnp.pad(jnp.where(live, delta, 0.0), pad)
 
 
-def _pad_ids(ids, length: int):
-  """Ids padded to `length` (their tiles' extent) with the last id: padding
-  widens no tile's id range; the keys and rows it stands for are masked by
-  the key length and by lse2 = +inf."""
-  return jnp.pad(ids, [(0, 0), (0, length - ids.shape[1])], mode="edge")
-
-
-def _ranges_operand(row_ids, col_ids, block_rows: int, block_cols: int, num_tiles: int):
-  """`stack_tile_ranges` of `num_tiles` row tiles; tiles past the ids (an
-  empty CTA slot, or consumer) get empty ranges."""
-  r = stack_tile_ranges(segment_tile_ranges(row_ids, col_ids, block_rows, block_cols))
-  return jnp.pad(r, [(0, 0), (0, num_tiles - r.shape[1]), (0, 0)])
-
-
 def segment_operands(q_ids, kv_ids, *, keys_are_rows: bool, block_rows: int, consumers: int,
                      num_ctas: int, block_cols: int):
   """The `sm90_backward_common.SegmentRefs` inputs of one kernel: its CTAs
@@ -367,11 +353,11 @@ def segment_operands(q_ids, kv_ids, *, keys_are_rows: bool, block_rows: int, con
 
   Returns [q ids, kv ids, CTA ranges (, consumer ranges when consumers > 1)]."""
   rows, cols = (kv_ids, q_ids) if keys_are_rows else (q_ids, kv_ids)
-  ranges = [_ranges_operand(rows, cols, consumers * block_rows, block_cols, num_ctas)]
+  ranges = [tile_ranges_operand(rows, cols, consumers * block_rows, block_cols, num_ctas)]
   if consumers > 1:
-    ranges.append(_ranges_operand(rows, cols, block_rows, block_cols, num_ctas * consumers))
-  rows = _pad_ids(rows, num_ctas * consumers * block_rows)
-  cols = _pad_ids(cols, cdiv(cols.shape[1], block_cols) * block_cols)
+    ranges.append(tile_ranges_operand(rows, cols, block_rows, block_cols, num_ctas * consumers))
+  rows = pad_ids(rows, num_ctas * consumers * block_rows)
+  cols = pad_ids(cols, cdiv(cols.shape[1], block_cols) * block_cols)
   return [*((cols, rows) if keys_are_rows else (rows, cols)), *ranges]
 
 

@@ -47,7 +47,7 @@ Segment ids (packed sequences, `forward(..., segment_ids=...)`): before the
 kernel, XLA computes per consumer tile the key blocks its ids can meet and
 the ones of its single id (`segment_operands`, `scores.segment_tile_ranges`).
 In the kernel they narrow each consumer's range (`consumer_kv_blocks`), and
-the producer loads the span of its consumers' ranges (`cta_kv_blocks`), so
+the producer loads the hull of its consumers' ranges (`scores.hull`), so
 blocks of other documents are neither loaded nor computed. Only boundary
 blocks compare ids: the rows' ids are loaded once per tile, a block's key ids
 from GMEM before its Q K^T, whose latency hides the load. The causal pairing
@@ -95,7 +95,7 @@ from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_cau
 from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
 from fa4_jax.scores import (LOG2_E, MaskSpec, TileRanges, cdiv, initial_row_stats,
                             kv_tile_ranges, normalize, online_softmax, read_tile_ranges,
-                            segment_tile_ranges, stack_tile_ranges, visible, walk_blocks)
+                            hull, pad_ids, tile_ranges_operand, visible, walk_blocks)
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -479,9 +479,10 @@ class _Context:
     if call.has_segment_ids:
       # The blocks some consumer computes: its segments can meet the CTA
       # tile's in a narrower span than the band allows.
-      lo, hi = cta_kv_blocks([
+      walked = hull([
           self.consumer_blocks(batch_idx, tile, c, cta_q_lo + c * cfg.block_q, q_len, kv_len)
           for c in range(cfg.num_consumers)])
+      lo, hi = walked.lo, walked.hi
     else:
       blocks = kv_tile_ranges(call.mask, cta_q_lo, cta_q_lo + cfg.block_q_cta, q_len, kv_len,
                               cfg.block_kv)
@@ -512,20 +513,6 @@ def consumer_kv_blocks(mask: MaskSpec, cfg: ForwardConfig, q_lo, q_len, kv_len,
   ranges) when there are segment ids."""
   blocks = kv_tile_ranges(mask, q_lo, q_lo + cfg.block_q, q_len, kv_len, cfg.block_kv)
   return blocks if segments is None else blocks.intersect(segments)
-
-
-def cta_kv_blocks(ranges: list[TileRanges]):
-  """(lo, hi): the key blocks the producer loads for a CTA tile with segment
-  ids, the smallest range holding every consumer's non-empty one (empty when
-  all are). Without segment ids the CTA's band range is used directly."""
-  nonempty = [r.hi > r.lo for r in ranges]
-  lo, hi = ranges[0].lo, ranges[0].hi
-  any_blocks = nonempty[0]
-  for r, has in zip(ranges[1:], nonempty[1:]):
-    lo = jnp.where(any_blocks, jnp.where(has, jnp.minimum(lo, r.lo), lo), r.lo)
-    hi = jnp.where(any_blocks, jnp.where(has, jnp.maximum(hi, r.hi), hi), r.hi)
-    any_blocks = any_blocks | has
-  return lo, jnp.where(any_blocks, hi, lo)
 
 
 def _load_ids(ids_gmem, layout):
@@ -861,13 +848,11 @@ def segment_operands(segment_ids, cfg: ForwardConfig, mask: MaskSpec, q_seq: int
   off or lie past the query length. The ranges (`segment_tile_ranges`) have
   one row per consumer tile of `block_q` rows.
   """
-  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
-  rows = _tile_slots(cfg, mask, q_seq) * cfg.block_q_cta
-  keys = cdiv(kv_seq, cfg.block_kv) * cfg.block_kv
-  q_ids = jnp.pad(q_ids, [(0, 0), (0, rows - q_ids.shape[1])], mode="edge")
-  kv_ids = jnp.pad(kv_ids, [(0, 0), (0, keys - kv_ids.shape[1])], mode="edge")
-  ranges = segment_tile_ranges(q_ids, kv_ids, cfg.block_q, cfg.block_kv)
-  return q_ids, kv_ids, stack_tile_ranges(ranges)
+  q_ids, kv_ids = segment_ids
+  num_tiles = _tile_slots(cfg, mask, q_seq) * cfg.num_consumers
+  ranges = tile_ranges_operand(q_ids, kv_ids, cfg.block_q, cfg.block_kv, num_tiles)
+  return (pad_ids(q_ids, num_tiles * cfg.block_q),
+          pad_ids(kv_ids, cdiv(kv_seq, cfg.block_kv) * cfg.block_kv), ranges)
 
 
 def _sm_count(default: int) -> int:
