@@ -24,7 +24,7 @@ Backward: the span of the VJP's kernels in a profiler trace
 S^2 / 2 pairs per row, the convention of the other tables.
 
 Usage (GPU machine, repository root):
-    python3 benchmarks/bench_packed.py [--only SUBSTRING] [--tag NAME]
+    python3 benchmarks/bench_packed.py [--only SUBSTRING] [--tag NAME] [--rounds N]
 Writes benchmarks/results/packed[-NAME]-<device>-<date>.json (or $OUT/) and
 prints a Markdown table.
 """
@@ -129,17 +129,17 @@ def implementations(ids, starts):
   return impls
 
 
-def measure(fwd, q, k, v, do):
+def prepare(fwd, q, k, v, do):
+  """(timed forward, timed backward): compiled and run once."""
   fwd = jax.jit(fwd)
-  out = jax.block_until_ready(fwd(q, k, v))
-  fwd_ms = kernel_sum_ms(fwd, q, k, v)
+  jax.block_until_ready(fwd(q, k, v))
   _, vjp = jax.vjp(fwd, q, k, v)
   bwd = jax.jit(lambda vjp, do: vjp(do))
   jax.block_until_ready(bwd(vjp, do))
-  return out, fwd_ms, span_ms(bwd, vjp, do)
+  return (lambda: kernel_sum_ms(fwd, q, k, v)), (lambda: span_ms(bwd, vjp, do))
 
 
-def run_shape(name, B, Hq, Hkv, D):
+def run_shape(name, B, Hq, Hkv, D, rounds):
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (B, ROW, Hq, D), jnp.bfloat16)
   k = jax.random.normal(keys[1], (B, ROW, Hkv, D), jnp.bfloat16)
@@ -153,19 +153,28 @@ def run_shape(name, B, Hq, Hkv, D):
     row = dict(case=f"{name} mean doc {mean}", B=B, S=ROW, Hq=Hq, Hkv=Hkv, D=D,
                mean_document=mean, documents=int(sum(len(np.unique(r)) for r in ids)),
                visible_pairs=pairs)
+    timers, times = {}, {}
     for impl, (fwd, packed) in implementations(ids, document_starts(ids)).items():
       if not packed and impl in dense_done:
         row[impl] = dense_done[impl]
         continue
       try:
-        out, fwd_ms, bwd_ms = measure(fwd, q, k, v, do)
-        del out
-        flop_pairs = pairs if packed else dense_pairs
-        flops = 4 * Hq * D * flop_pairs
-        row[impl] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9,
-                         bwd_tflops=BACKWARD_FACTOR * flops / bwd_ms / 1e9)
+        timers[impl] = (prepare(fwd, q, k, v, do), packed)
       except Exception as e:  # one failure should not hide the rest
         row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
+    # Rounds interleave the columns (A B C A B C ...): the card's clock drifts
+    # under its power cap, so each column's median round is compared.
+    for _ in range(rounds):
+      for impl, ((time_fwd, time_bwd), _) in timers.items():
+        times.setdefault(impl, []).append((time_fwd(), time_bwd()))
+    for impl, ((_, _), packed) in timers.items():
+      fwd_ms = statistics.median(f for f, _ in times[impl])
+      bwd_ms = statistics.median(b for _, b in times[impl])
+      flops = 4 * Hq * D * (pairs if packed else dense_pairs)
+      row[impl] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9,
+                       bwd_tflops=BACKWARD_FACTOR * flops / bwd_ms / 1e9,
+                       fwd_ms_rounds=[f for f, _ in times[impl]],
+                       bwd_ms_rounds=[b for _, b in times[impl]])
       if not packed:
         dense_done[impl] = row[impl]
     print(json.dumps(row), flush=True)
@@ -199,18 +208,21 @@ def markdown(rows):
 def main():
   ap = argparse.ArgumentParser()
   bench_common.add_case_options(ap)
+  ap.add_argument("--rounds", type=int, default=1,
+                  help="measure every column this many times, interleaved; report medians")
   args = ap.parse_args()
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   rows = []
   for shape in bench_common.selected(SHAPES, args.only):
-    rows += run_shape(*shape)
+    rows += run_shape(*shape, args.rounds)
   path = bench_common.result_path("packed", device.device_kind, args.tag)
   meta = dict(device=device.device_kind, jax=jax.__version__,
               date=datetime.date.today().isoformat(),
               method=(f"forward: sum of kernel durations in a profiler trace, median of "
                       f"{ITERATIONS}; "
                       f"backward: kernel span in a profiler trace, median of {ITERATIONS}; "
+                      f"median of {args.rounds} interleaved rounds; "
                       "useful FLOPs: visible pairs only (dense: S^2/2 per row), "
                       f"backward {BACKWARD_FACTOR}x forward"),
               rows=rows)
