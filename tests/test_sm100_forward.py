@@ -11,6 +11,7 @@
   the barrier it arrives on or waits on, and every barrier has both sides.
 """
 
+import dataclasses
 import pathlib
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ import pytest
 import reference
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_forward
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, TileRanges
 
 BF16_ATOL = 2e-2
 LSE_ATOL = 1e-3
@@ -110,6 +111,150 @@ def test_growing_logits_take_the_rescale_path(run_interpreted):
       lambda q, k, v: sm100_forward.forward(q, k, v, None, None, scale=scale, mask=MaskSpec()), q, k, v)
   _check_against_xla(q, k, v, out, lse, causal=False, window=None,
                      q_lengths=None, kv_lengths=None, scale=scale)
+
+
+# --- Segment ids (packed sequences) ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentCase(reference.KernelCase):
+  head_dim: int = 64
+
+
+def _ids(*rows):
+  return tuple(tuple(int(x) for x in r) for r in rows)
+
+
+_DOCS = reference.packed_segment_ids
+SEGMENT_CASES = {
+    # Documents packed one after the other: CTA 0 (rows 0-255) is one
+    # document (block 0 of its tile 1 needs no mask at all); CTA 1 walks
+    # only block 2 (causality alone would walk 0-2), across a boundary.
+    "packed_causal": SegmentCase(
+        q_seq=384, kv_seq=384, is_causal=True,
+        q_segment_ids=_ids(_DOCS([256, 100, 28], 384)),
+        kv_segment_ids=_ids(_DOCS([256, 100, 28], 384))),
+    # A window, lengths that cut documents, GQA, a packing per batch row;
+    # in row 0 only tile 1's ids meet key block 2 (the CTA walks the hull).
+    "window_lengths_gqa": SegmentCase(
+        batch=2, q_seq=256, kv_seq=384, q_heads=4, kv_heads=2, window=(96, 16),
+        q_lengths=(256, 200), kv_lengths=(384, 150),
+        q_segment_ids=_ids(_DOCS([60, 140, 56], 256), _DOCS([256], 256)),
+        kv_segment_ids=_ids(_DOCS([60, 140, 184], 384), _DOCS([100, 284], 384))),
+    # Non-contiguous ids: every block needs the element mask.
+    "interleaved_ids": SegmentCase(
+        q_seq=256, kv_seq=256,
+        q_segment_ids=_ids(np.arange(256) % 3), kv_segment_ids=_ids(np.arange(256) // 2 % 3)),
+    # T != S with other layouts: a one-token document, an id the keys lack
+    # (rows that see no key: zeros, lse -inf), odd extents.
+    "one_token_and_absent_id": SegmentCase(
+        q_seq=200, kv_seq=301,
+        q_segment_ids=_ids(np.r_[np.zeros(50), [1], np.full(100, 2), np.full(49, 7)]),
+        kv_segment_ids=_ids(np.r_[np.zeros(120), [1], np.full(180, 2)])),
+    # head_dim 256: one Q tile per CTA and 64-key blocks; the last CTA's
+    # ids meet no key at all (it walks nothing); float16.
+    "head_dim_256_float16": SegmentCase(
+        q_seq=384, kv_seq=256, head_dim=256, dtype="float16", is_causal=True,
+        q_segment_ids=_ids(np.r_[_DOCS([70, 100, 86], 256), np.full(128, 9)]),
+        kv_segment_ids=_ids(_DOCS([70, 100, 86], 256))),
+}
+
+
+def _run_segment_case(case: SegmentCase, run_interpreted):
+  dtype = jnp.dtype(case.dtype)
+  q, k, v = _inputs(case.batch, case.q_seq, case.kv_seq, case.q_heads, case.kv_heads,
+                    case.head_dim, dtype, seed=7)
+  scale = 1.0 / np.sqrt(case.head_dim)
+  ql, kl = case.lengths()
+  out, lse = run_interpreted(
+      lambda q, k, v, ids: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=case.mask,
+                                                 segment_ids=ids),
+      q, k, v, case.segment_ids())
+  return (q, k, v), out, lse, scale
+
+
+@pytest.mark.parametrize("name", sorted(SEGMENT_CASES))
+def test_interpreted_kernel_with_segment_ids_matches_the_explicit_mask(name, run_interpreted):
+  case = SEGMENT_CASES[name]
+  (q, k, v), out, lse, scale = _run_segment_case(case, run_interpreted)
+  visible = case.visible()
+  expected, expected_lse = reference.einsum_attention(q, k, v, visible, scale=scale)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected),
+                             atol=BF16_ATOL, rtol=BF16_ATOL)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(expected_lse))
+  finite = np.isfinite(expected_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite],
+                             atol=LSE_ATOL, rtol=LSE_ATOL)
+
+
+def _walked_blocks(case: SegmentCase, segments: bool):
+  """[B, CTAs] key blocks each CTA walks, from the kernel's own helpers."""
+  cfg = sm100_forward.tile_config(case.head_dim, jnp.dtype(case.dtype))
+  b, tq, tk = case.batch, case.q_seq, case.kv_seq
+  num_ctas = -(-tq // cfg.rows_per_cta)
+  row0 = jnp.arange(num_ctas)[None, :] * cfg.rows_per_cta
+  q_len = jnp.full((b, 1), tq, jnp.int32)
+  kv_len = jnp.full((b, 1), tk, jnp.int32)
+  seg_tiles = None
+  if segments:
+    _, _, ranges = sm100_forward.segment_operands(cfg, case.segment_ids(), b, tq, tk, tq)
+    ranges = ranges.reshape(b, num_ctas, cfg.num_q_tiles, 4)
+    seg_tiles = [TileRanges(*(ranges[:, :, i, j] for j in range(4)))
+                 for i in range(cfg.num_q_tiles)]
+  _, steps = sm100_forward.cta_key_blocks(case.mask, cfg, row0, q_len, kv_len, seg_tiles)
+  return np.asarray(steps), seg_tiles
+
+
+def test_segment_ids_skip_key_blocks_no_tile_of_the_cta_meets():
+  """Four documents of 256 tokens, causal, head_dim 64 (CTAs of 256 rows,
+  128-key blocks): each CTA walks only its own document's two blocks, not
+  every block up to the diagonal, and every block of a one-document tile is
+  walked without the element mask (its [full_lo, full_hi) is all of it)."""
+  ids = _ids(np.repeat(np.arange(4), 256))
+  case = SegmentCase(q_seq=1024, kv_seq=1024, is_causal=True,
+                     q_segment_ids=ids, kv_segment_ids=ids)
+  without, _ = _walked_blocks(case, segments=False)
+  with_ids, seg_tiles = _walked_blocks(case, segments=True)
+  np.testing.assert_array_equal(without, [[2, 4, 6, 8]])
+  np.testing.assert_array_equal(with_ids, [[2, 2, 2, 2]])
+  for tile in seg_tiles:
+    np.testing.assert_array_equal(tile.full_hi - tile.full_lo, 2)
+    np.testing.assert_array_equal(tile.lo, tile.full_lo)
+
+
+def test_a_cta_whose_ids_meet_no_key_walks_nothing():
+  case = SEGMENT_CASES["head_dim_256_float16"]
+  steps, _ = _walked_blocks(case, segments=True)
+  assert steps[0, -1] == 0 and (steps[0, :-1] > 0).all()
+
+
+def test_segment_ids_of_the_wrong_shape_are_rejected():
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  ids = jnp.zeros((1, 100), jnp.int32)
+  with pytest.raises(KernelUnsupported, match="segment ids"):
+    sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(), segment_ids=(ids, ids))
+
+
+@pytest.mark.parametrize("head_dim, causal, window", [
+    (64, False, None), (128, True, None), (256, True, (200, 0)),
+])
+def test_cross_lowers_for_sm100_with_segment_ids(head_dim, causal, window, cross_lower):
+  """Every tiling (one per head dim) with segment ids: the id loads in the
+  TMEM row layouts lower, and the kernel stays within SMEM."""
+  q_spec = jax.ShapeDtypeStruct((2, 300, 4, head_dim), jnp.bfloat16)
+  kv_spec = jax.ShapeDtypeStruct((2, 1030, 2, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  q_ids = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+  kv_ids = jax.ShapeDtypeStruct((2, 1030), jnp.int32)
+  mask = MaskSpec.from_arguments(causal, window)
+  lowered = cross_lower(
+      lambda q, k, v, a, b, x, y: sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask,
+                                                        segment_ids=(x, y)),
+      q_spec, kv_spec, kv_spec, lengths, lengths, q_ids, kv_ids, arch="sm_100")
+  assert len(lowered.modules) == 1
+  for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st"):
+    assert lowered.has(instruction), instruction
+  assert 0 < lowered.max_smem_bytes <= sm100_forward.SMEM_BYTES
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -6,6 +6,10 @@
     lse: same formula, so only bf16/fp16 rounding apart;
   - jax.grad of jax.nn.dot_product_attention(implementation="xla") in f32 on
     the upcast inputs: an independent definition of the gradient.
+* Segment ids (packed sequences): the same kernels, against the gradient of
+  an f32 einsum attention under the explicit boolean mask (jax.nn has no
+  segment ids), and the tile ranges the kernels walk, from the helper they
+  use.
 * Determinism: two runs give bit-identical gradients.
 * Hardware fit: every configuration the heuristic can pick is cross-lowered
   for sm_90 and must fit the shared memory and use wgmma and TMA.
@@ -28,7 +32,7 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_backward
 from fa4_jax.scores import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
-from reference import KernelCase
+from reference import KernelCase, einsum_attention, packed_segment_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +60,12 @@ def _forward(case: Case, q, k, v, scale):
 
 def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale, config=None):
   q_len, kv_len = case.lengths()
+  segment_ids = case.segment_ids()
 
   def fn(q, k, v, out, lse, dout):
     return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
-                                  scale=scale, mask=case.mask, config=config)
+                                  scale=scale, mask=case.mask, config=config,
+                                  segment_ids=segment_ids)
 
   return run_interpreted(fn, q, k, v, out, lse, dout)
 
@@ -256,6 +262,148 @@ def test_three_warpgroups_share_the_registers_they_launch_with():
   sm90_backward.BackwardConfig(producer_registers=56, consumer_registers=224)
 
 
+# --- segment ids (packed sequences) ------------------------------------------
+
+
+def _ids(*runs):
+  """One batch row of ids from (id, count) runs, as a KernelCase tuple."""
+  return tuple(int(i) for i, n in runs for _ in range(n))
+
+
+def _interleaved(length: int, period: int, ids: int):
+  """Non-contiguous ids: runs of `period` positions cycling over `ids` ids."""
+  return tuple(int(x) for x in (np.arange(length) // period) % ids)
+
+
+def _packed(document_lengths, total):
+  return tuple(int(x) for x in packed_segment_ids(document_lengths, total))
+
+
+_PACKED_256 = _packed([150, 20, 1, 85], 256)
+SEGMENT_CASES = {
+    # Documents of 150, 20, 1 and 85 tokens: blocks inside the first one run
+    # without the element mask, blocks of different documents are skipped.
+    "packed_documents_causal_with_a_one_token_document": Case(
+        is_causal=True, q_seq=256, kv_seq=256, q_segment_ids=(_PACKED_256,),
+        kv_segment_ids=(_PACKED_256,)),
+    "interleaved_ids_window_and_lengths_two_rows": Case(
+        batch=2, window=(40, 20), q_seq=136, kv_seq=136, q_lengths=(136, 100),
+        kv_lengths=(120, 136),
+        q_segment_ids=(_packed([70, 66], 136), _interleaved(136, 5, 3)),
+        kv_segment_ids=(_packed([70, 66], 136), _interleaved(136, 5, 3))),
+    # Queries at positions 128..199 of 200 keys; id 7 has no key and ids 2
+    # and 3 start at different places: rows that see no key have lse -inf.
+    "gqa_fp16_head_dim_128_causal_offset_queries_other_layout_rows_without_keys": Case(
+        q_heads=4, kv_heads=2, head_dim=128, dtype="float16", is_causal=True, q_offset=128,
+        q_seq=72, kv_seq=200, q_segment_ids=(_ids((2, 30), (7, 12), (3, 30)),),
+        kv_segment_ids=(_ids((0, 40), (1, 60), (2, 70), (3, 30)),)),
+    "head_dim_256_dense_gqa_packed_consumers_split_the_head_dim": Case(
+        q_heads=2, kv_heads=1, head_dim=256, q_seq=136, kv_seq=136,
+        q_segment_ids=(_packed([64, 40, 32], 136),),
+        kv_segment_ids=(_packed([64, 40, 32], 136),)),
+    "head_dim_192_fp16_causal_interleaved_in_two_dk_dv_passes": Case(
+        head_dim=192, dtype="float16", is_causal=True, q_seq=96, kv_seq=160,
+        q_segment_ids=(_interleaved(96, 24, 2),), kv_segment_ids=(_interleaved(160, 40, 2),)),
+}
+
+
+def _einsum_grads(case: Case, q, k, v, dout, scale):
+  """(out, lse) and the f32 gradient of attention under `case.visible()`;
+  rows that see no key output zeros and get no gradient."""
+  visible = jnp.asarray(case.visible())
+  f32 = lambda x: x.astype(jnp.float32)
+  attention = lambda q, k, v: einsum_attention(q, k, v, visible, scale=scale)[0]
+  (out, lse), = [einsum_attention(f32(q), f32(k), f32(v), visible, scale=scale)]
+  _, vjp = jax.vjp(attention, f32(q), f32(k), f32(v))
+  return out.astype(q.dtype), lse, vjp(f32(dout))
+
+
+def _check_segment_case(case: Case, run_interpreted, config=None):
+  q, k, v, dout = _inputs(case)
+  scale = 1.0 / math.sqrt(case.head_dim)
+  out, lse, exact = _einsum_grads(case, q, k, v, dout, scale)
+  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, config)
+  sees_no_key = ~case.visible().any(-1)[:, 0]  # [B, Tq]
+  for name, got, reference in zip(("dq", "dk", "dv"), grads, exact):
+    got, reference = np.asarray(got, np.float32), np.asarray(reference)
+    assert np.isfinite(got).all(), name
+    np.testing.assert_allclose(got, reference, atol=6e-2, rtol=5e-2, err_msg=name)
+    rel = np.linalg.norm(got - reference) / max(np.linalg.norm(reference), 1e-6)
+    assert rel < (2e-2 if case.dtype == "bfloat16" else 5e-3), (name, rel)
+  assert not np.asarray(grads[0], np.float32)[sees_no_key].any()  # exactly zero
+  return grads
+
+
+@pytest.mark.parametrize("name", list(SEGMENT_CASES))
+def test_segment_ids_gradients_match_the_explicit_mask_without_races(name, run_interpreted):
+  _check_segment_case(SEGMENT_CASES[name], run_interpreted)
+
+
+def test_segment_ids_with_xla_delta_and_loads_after_the_wait(run_interpreted):
+  """The causal case again with the other choices of the heuristic: delta
+  from XLA instead of the dQ kernel, lse and delta loaded after the wgmmas;
+  and the dQ kernel with two consumers (another CTA tile)."""
+  case = SEGMENT_CASES["packed_documents_causal_with_a_one_token_document"]
+  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
+                               delta_in_dq=False, stats_first=False, dq_num_consumers=2,
+                               dq_producer_registers=40, dq_consumer_registers=232)
+  _check_segment_case(case, run_interpreted, config=config)
+
+
+def test_segment_ids_gradients_are_bit_identical_across_runs(run_interpreted):
+  ids = (_interleaved(128, 24, 3),)
+  case = Case(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+  q, k, v, dout = _inputs(case)
+  scale = 1.0 / math.sqrt(case.head_dim)
+  out, lse, _ = _einsum_grads(case, q, k, v, dout, scale)
+  first = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
+  second = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _walked(operands, band, cta: int, consumer: int | None = None, consumers: int = 1):
+  """(lo, hi, full_lo, full_hi): the blocks a CTA (or one of its consumers)
+  of a kernel walks: its band ranges intersected with its segment ranges
+  from `segment_operands`, as the kernel does (`SegmentRefs`)."""
+  if consumer is None:
+    segment = np.asarray(operands[2])[0, cta]
+  else:
+    segment = np.asarray(operands[3])[0, cta * consumers + consumer]
+  r = band.intersect(scores.TileRanges(*(jnp.int32(x) for x in segment)))
+  return tuple(int(x) for x in (r.lo, r.hi, r.full_lo, r.full_hi))
+
+
+def test_segment_ids_skip_the_blocks_of_other_documents():
+  """Three documents of 192 tokens, no other mask: every dQ CTA (3 x 64 rows)
+  walks the three key blocks of its document only (of 9), all without the
+  element mask; a dK/dV CTA (2 x 64 keys) walks the query blocks of the
+  documents its keys belong to, and each consumer only its own document's,
+  unmasked."""
+  total, mask = 576, MaskSpec()
+  ids = jnp.asarray(packed_segment_ids([192, 192, 192], total))[None]
+  config = sm90_backward.choose_config(64, mask)
+  assert (config.dq_num_consumers, config.dq_block_q, config.dq_block_kv) == (3, 64, 64)
+  assert (config.num_consumers, config.block_kv, config.block_q) == (2, 64, 64)
+  dkv, dq = sm90_backward._kernel_segments((ids, ids), config, total, total)
+  for cta in range(3):
+    band = scores.kv_tile_ranges(mask, cta * 192, (cta + 1) * 192, total, total, 64)
+    assert _walked(dq, band, cta) == (3 * cta, 3 * cta + 3) * 2
+  # keys [0, 128) doc 0; [128, 256) docs 0 and 1; [256, 384) doc 1; then doc 2
+  for cta, blocks in enumerate([(0, 3), (0, 6), (3, 6), (6, 9), (6, 9)]):
+    band = scores.q_tile_ranges(mask, cta * 128, (cta + 1) * 128, total, total, 64)
+    assert _walked(dkv, band, cta)[:2] == blocks, cta
+    for i in range(2):
+      k_lo = cta * 128 + i * 64
+      own = scores.q_tile_ranges(mask, k_lo, k_lo + 64, total, total, 64)
+      got = _walked(dkv, own, cta, i, consumers=2)
+      if k_lo >= total:  # the last CTA's second consumer has no keys
+        assert got[0] == got[1], got
+      else:
+        doc = k_lo // 192
+        assert got == (3 * doc, 3 * doc + 3) * 2, (cta, i, got)
+
+
 # --- tile ranges -------------------------------------------------------------
 
 
@@ -332,6 +480,30 @@ def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, 
 
   lowered = cross_lower(fn, q, kv, kv, q, lse, q, lengths, lengths)
   # dK/dV (one kernel, or a dK pass and a dV pass) and dQ
+  assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("wgmma.mma_async")
+  assert lowered.has("cp.async.bulk.tensor")
+  _check_launch_chain(lowered.modules, config.overlap_kernels)
+
+
+@pytest.mark.parametrize("head_dim,config", sm90_backward.all_configs(),
+                         ids=lambda x: str(x) if isinstance(x, int) else "")
+def test_every_config_with_segment_ids_fits_smem_and_uses_wgmma_and_tma(
+    head_dim, config, cross_lower):
+  b, t, s, nq, nkv = 2, 509, 389, 4, 2  # ragged lengths, T != S
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+  q = spec((b, t, nq, head_dim))
+  kv = spec((b, s, nkv, head_dim))
+
+  def fn(q, k, v, out, lse, dout, q_len, kv_len, q_ids, kv_ids):
+    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len, scale=0.125,
+                                  mask=MaskSpec(right=0), config=config,
+                                  segment_ids=(q_ids, kv_ids))
+
+  lowered = cross_lower(fn, q, kv, kv, q, spec((b, nq, t), jnp.float32), q,
+                        spec((b,), jnp.int32), spec((b,), jnp.int32),
+                        spec((b, t), jnp.int32), spec((b, s), jnp.int32))
   assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")

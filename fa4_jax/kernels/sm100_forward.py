@@ -35,6 +35,15 @@ configuration, refs, barriers, this CTA's tile geometry): `load_warp`,
 `mma_warp`, `softmax_wg`, `correction_wg` and its `epilogue`. The kernel body
 builds the context and `dispatch_roles` hands each warpgroup (and each warp
 of the last one) its role.
+
+Segment ids (packed sequences, `forward(..., segment_ids=(q_ids, kv_ids))`):
+`scores.segment_tile_ranges` gives, per Q tile, the key blocks its ids may
+meet and the ones that hold only its single id. The CTA walks the hull of
+its Q tiles' blocks intersected with the band (`cta_key_blocks`, computed
+once in `ForwardContext.create`, so the load warp, the MMA warp, the softmax
+and the correction walk the same blocks); a softmax warpgroup applies the
+id comparison only in blocks outside its tile's one-id run. Without segment
+ids the kernel is the one it was (no extra operand, no extra instruction).
 """
 
 from __future__ import annotations
@@ -70,6 +79,9 @@ _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # reductions need no shuffles.
 _ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
 _ROW_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)
+# A block's key segment ids, broadcast along the rows: every thread holds the
+# whole vector (loaded only for blocks that need the element mask).
+_COL_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(0)
 # The epilogue reads O in the 16x256b shape instead: Mosaic GPU can store
 # that layout into swizzled SMEM for the TMA (it cannot store the 32x32b one).
 _EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
@@ -388,6 +400,7 @@ class KernelStatics:
   tk: int
   group: int  # query heads per key/value head
   scale_log2: float  # softmax scale * log2(e), folded into the exp2
+  segments: bool = False  # segment ids given (three more operands)
 
   # Warpgroups (the "wg" threads of plgpu.kernel), as in the module docstring.
   @property
@@ -423,6 +436,11 @@ class ForwardRefs:
   lse_smem: Any
   sp_tmem: Any  # S_i / P_i (RefUnion: P_i over S_i's columns)
   o_tmem: Any
+  # With segment ids only: ids padded to whole tiles / blocks, and the
+  # `scores.stack_tile_ranges` of every Q tile of the grid.
+  q_seg_ref: Any = None
+  kv_seg_ref: Any = None
+  seg_ranges_ref: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,27 +459,29 @@ class ForwardContext:
   kv_len: Any
   blk_lo: Any  # the CTA walks key blocks [blk_lo, blk_lo + num_steps)
   num_steps: Any
+  # With segment ids: per Q tile, the key blocks its ids meet (TileRanges).
+  seg_tiles: tuple[scores.TileRanges, ...] | None = None
 
   @classmethod
   def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers):
-    cfg, mask = statics.cfg, statics.mask
+    cfg = statics.cfg
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     kv_h = lax.div(h, jnp.asarray(statics.group, h.dtype))
-    row0 = lax.axis_index("q_chunk") * cfg.rows_per_cta
+    q_chunk = lax.axis_index("q_chunk")
+    row0 = q_chunk * cfg.rows_per_cta
 
     # Run-time lengths, clamped to the array extents.
     q_len = jnp.minimum(refs.q_len_ref[b], statics.tq)
     kv_len = jnp.minimum(refs.kv_len_ref[b], statics.tk)
-
-    # Key blocks any row of this CTA may see: [blk_lo, blk_lo + num_steps).
-    cta_rows_hi = jnp.minimum(row0 + cfg.rows_per_cta, q_len)
-    blk_lo, blk_hi = mask.key_block_range(row0, cta_rows_hi, kv_len, cfg.block_kv)
-    blk_lo = jnp.asarray(blk_lo, jnp.int32)
-    num_steps = jnp.where(cta_rows_hi > row0, jnp.maximum(blk_hi - blk_lo, 0), 0)
-    num_steps = num_steps.astype(jnp.int32)
+    seg_tiles = None
+    if statics.segments:
+      seg_tiles = tuple(
+          scores.read_tile_ranges(refs.seg_ranges_ref, b, q_chunk * cfg.num_q_tiles + i)
+          for i in range(cfg.num_q_tiles))
+    blk_lo, num_steps = cta_key_blocks(statics.mask, cfg, row0, q_len, kv_len, seg_tiles)
     return cls(statics, refs, bars, b=b, h=h, kv_h=kv_h, row0=row0, q_len=q_len,
-               kv_len=kv_len, blk_lo=blk_lo, num_steps=num_steps)
+               kv_len=kv_len, blk_lo=blk_lo, num_steps=num_steps, seg_tiles=seg_tiles)
 
   @property
   def cfg(self) -> TileConfig:
@@ -476,6 +496,35 @@ class ForwardContext:
 
   def p_tmem(self, i):
     return self.refs.sp_tmem[i][1]
+
+
+def cta_key_blocks(mask: MaskSpec, cfg: TileConfig, row0, q_len, kv_len, seg_tiles=None):
+  """(blk_lo, num_steps): the key blocks [blk_lo, blk_lo + num_steps) that
+  the CTA of query rows [row0, row0 + rows_per_cta) walks, the same for all
+  its roles. The band and the lengths bound them; with segment ids
+  (`seg_tiles`: each Q tile's `segment_tile_ranges`) so does the hull of the
+  blocks its tiles' ids meet. Traced scalars in the kernel; arrays (one
+  entry per CTA) in the tests."""
+  cta_rows_hi = jnp.minimum(row0 + cfg.rows_per_cta, q_len)
+  blk_lo, blk_hi = mask.key_block_range(row0, cta_rows_hi, kv_len, cfg.block_kv)
+  if seg_tiles is not None:
+    band = scores.TileRanges(blk_lo, blk_hi, blk_lo, blk_hi)
+    walked = band.intersect(_hull(seg_tiles))
+    blk_lo, blk_hi = walked.lo, walked.hi
+  blk_lo = jnp.asarray(blk_lo, jnp.int32)
+  num_steps = jnp.where(cta_rows_hi > row0, jnp.maximum(blk_hi - blk_lo, 0), 0)
+  return blk_lo, num_steps.astype(jnp.int32)
+
+
+def _hull(tiles) -> scores.TileRanges:
+  """The smallest block range holding every nonempty range of `tiles`
+  (empty when all are); no block of it is claimed full."""
+  nonempty = [t.hi > t.lo for t in tiles]
+  lo = functools.reduce(jnp.minimum, [jnp.where(ok, t.lo, jnp.iinfo(jnp.int32).max)
+                                      for ok, t in zip(nonempty, tiles)])
+  hi = functools.reduce(jnp.maximum, [jnp.where(ok, t.hi, 0) for ok, t in zip(nonempty, tiles)])
+  lo = jnp.minimum(lo, hi)  # all empty: [0, 0)
+  return scores.TileRanges(lo, hi, lo, lo)
 
 
 # ----------------------------- load warp -------------------------------------
@@ -578,28 +627,44 @@ def mma_warp(ctx: ForwardContext) -> None:
 # ----------------------------- softmax warpgroups ----------------------------
 
 
-def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo):
+def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo, row_ids):
   rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + r_lo
   cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + k_lo
-  ok = scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len) & (rows < ctx.q_len)
+  q_seg = kv_seg = None
+  if row_ids is not None:
+    # Straight from GMEM (cached, one 4-byte id per key and thread): only
+    # blocks that need the element mask pay. Mosaic GPU lowers GMEM loads
+    # into these layouts only unoptimized (per-thread loads, no SMEM plan).
+    col_ids = plgpu.load(ctx.refs.kv_seg_ref.at[ctx.b, pl.ds(k_lo, ctx.cfg.block_kv)],
+                         layout=_COL_VECTOR_LAYOUT, optimized=False)
+    q_seg = lax.broadcast_in_dim(row_ids, s.shape, [0])
+    kv_seg = lax.broadcast_in_dim(col_ids, s.shape, [1])
+  ok = (scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len, q_seg, kv_seg)
+        & (rows < ctx.q_len))
   return jnp.where(ok, s, -jnp.inf)
 
 
-def _softmax_step(ctx: ForwardContext, i, r_lo, n, carry):
-  """Key block n of Q tile i (first row r_lo): S_i -> P_i, the running
-  statistics, and the rescale factors for the correction warpgroup."""
+def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
+  """Key block n of Q tile i (first row r_lo; its segment ids `row_ids`, or
+  None): S_i -> P_i, the running statistics, and the rescale factors for the
+  correction warpgroup."""
   bars, bn = ctx.bars, ctx.cfg.block_kv
   m_run, l_run = carry  # log2-scaled running max, running sum
   k_lo = (ctx.blk_lo + n) * bn
   bars.consumer_s(i).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=_ROW_LAYOUT)
-  # Element masks only where the block straddles a mask/length edge.
+  # Element masks only where the block straddles a mask/length edge (or,
+  # with segment ids, lies outside the tile's run of its one id).
   needs_no_mask = (
       ctx.statics.mask.tile_is_full(r_lo, r_lo + BLOCK_Q, k_lo, k_lo + bn)
       & (k_lo + bn <= ctx.kv_len)
       & (r_lo + BLOCK_Q <= ctx.q_len)
   )
-  s = lax.cond(needs_no_mask, lambda s: s, lambda s: _masked_scores(ctx, s, r_lo, k_lo), s)
+  if ctx.seg_tiles is not None:
+    seg, blk = ctx.seg_tiles[i], ctx.blk_lo + n
+    needs_no_mask = needs_no_mask & (seg.full_lo <= blk) & (blk < seg.full_hi)
+  s = lax.cond(needs_no_mask, lambda s: s,
+               lambda s: _masked_scores(ctx, s, r_lo, k_lo, row_ids), s)
   # The shared step: the max moves only past the threshold; alpha is exact.
   p, m_run, alpha = scores.online_softmax(s, m_run, ctx.statics.scale_log2)
   l_run = l_run * alpha + p.sum(axis=1)
@@ -627,7 +692,11 @@ def softmax_wg(ctx: ForwardContext, i) -> None:
   def _():
     init = scores.initial_row_stats(
         BLOCK_Q, place=lambda x: plgpu.layout_cast(x, _ROW_VECTOR_LAYOUT))
-    step = functools.partial(_softmax_step, ctx, i, r_lo)
+    row_ids = None  # the tile's segment ids, one per thread, for masked blocks
+    if ctx.statics.segments:
+      row_ids = plgpu.load(refs.q_seg_ref.at[ctx.b, pl.ds(r_lo, BLOCK_Q)],
+                           layout=_ROW_VECTOR_LAYOUT, optimized=False)
+    step = functools.partial(_softmax_step, ctx, i, r_lo, row_ids)
     m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
     # Final statistics for the epilogue, through the same hand-off.
     bars.producer_c_acquire(i)
@@ -791,20 +860,23 @@ def _scratch_types(cfg: TileConfig) -> dict:
 
 
 def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
-                  num_kv_heads, scale: float, mask: MaskSpec):
+                  num_kv_heads, scale: float, mask: MaskSpec, segments: bool = False):
   """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
-  whose true extents are tq, tk (rows/keys past them are padding)."""
+  whose true extents are tq, tk (rows/keys past them are padding). With
+  `segments`, three more operands follow the lengths (`segment_operands`)."""
   statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
-                          scale_log2=scale * scores.LOG2_E)
+                          scale_log2=scale * scores.LOG2_E, segments=segments)
 
-  def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
+  def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *segment_and_out_refs,
              q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
              sp_tmem, o_tmem, barrier_refs):
+    *segment_refs, out_ref, lse_ref = segment_and_out_refs
     refs = ForwardRefs(
         q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
         out_ref=out_ref, lse_ref=lse_ref, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
         alpha_smem=alpha_smem, m_smem=m_smem, l_smem=l_smem, lse_smem=lse_smem,
-        sp_tmem=sp_tmem, o_tmem=o_tmem)
+        sp_tmem=sp_tmem, o_tmem=o_tmem,
+        **dict(zip(("q_seg_ref", "kv_seg_ref", "seg_ranges_ref"), segment_refs)))
     bars = ForwardBarriers(cfg, barrier_refs)
     wg = lax.axis_index("wg")
     dispatch_roles(ForwardContext.create(statics, refs, bars), wg)
@@ -846,7 +918,10 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   tile_config(d, dtype)
 
 
-def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec):
+def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
+            segment_ids=None):
+  """See fa4_jax/kernels/__init__.py; `segment_ids`: None or (q_ids int32
+  [B, Tq], kv_ids int32 [B, Tk]): a query sees only keys of its own id."""
   check_supported(q.shape, k.shape, q.dtype, mask)
   if k.dtype != q.dtype or v.dtype != q.dtype or v.shape != k.shape:
     raise KernelUnsupported(
@@ -871,11 +946,35 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec):
   if tk_pad != tk:
     k = jnp.pad(k, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
+  segments = ()
+  if segment_ids is not None:
+    segments = segment_operands(cfg, segment_ids, b, tq, tk, tq_pad)
   call = _build_kernel(
       cfg, batch=b, tq=tq, tk=tk, tq_pad=tq_pad, tk_pad=tk_pad, num_q_heads=nq,
-      num_kv_heads=nkv, scale=float(scale), mask=mask)
-  out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32))
+      num_kv_heads=nkv, scale=float(scale), mask=mask, segments=bool(segments))
+  out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32),
+                  *segments)
   return out[:, :tq], lse[:, :, :tq]
+
+
+def segment_operands(cfg: TileConfig, segment_ids, b, tq, tk, tq_pad):
+  """(q_ids, kv_ids, ranges): the ids padded so that every row of the grid
+  and every key of a walked block has one (padding is masked by the
+  lengths), and each Q tile's `segment_tile_ranges` as one int32
+  [B, tiles, 4] operand, with empty ranges for the tiles past tq that the
+  last CTA may own."""
+  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+  if q_ids.shape != (b, tq) or kv_ids.shape != (b, tk):
+    raise KernelUnsupported(
+        f"sm100 forward: segment ids must be int32 [B, Tq] = {(b, tq)} and [B, Tk] ="
+        f" {(b, tk)}; got {q_ids.shape} and {kv_ids.shape}")
+  num_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta) * cfg.num_q_tiles
+  ranges = scores.stack_tile_ranges(
+      scores.segment_tile_ranges(q_ids, kv_ids, BLOCK_Q, cfg.block_kv))
+  ranges = jnp.pad(ranges, ((0, 0), (0, num_tiles - ranges.shape[1]), (0, 0)))
+  q_ids = jnp.pad(q_ids, ((0, 0), (0, num_tiles * BLOCK_Q - tq)))
+  kv_ids = jnp.pad(kv_ids, ((0, 0), (0, _round_up(tk, cfg.block_kv) - tk)))
+  return q_ids, kv_ids, ranges
 
 
 _ROW_ALIGN = 8

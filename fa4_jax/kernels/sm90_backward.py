@@ -66,6 +66,16 @@ Masks: a consumer walks only the blocks its own rows/keys can touch
 `TileRanges.within` the CTA's), applies the element mask (`scores.visible`)
 only on boundary tiles, and only keeps the barrier protocol going for blocks
 of the CTA's range outside its own.
+
+Segment ids (packed sequences): `segment_operands` computes, in XLA before
+each kernel, the blocks every CTA's tile and every consumer's tile may meet
+(`scores.segment_tile_ranges` at that kernel's tiles: keys as rows in dK/dV,
+queries in dQ); the kernels intersect them with the ranges above, where the
+CTA's range is computed for its producer and consumers alike and where each
+consumer's own is. Blocks outside are neither loaded nor computed; blocks of
+one shared id need no element mask; masked blocks load the ids of their rows
+and columns for `scores.visible`. Rows that see no key have lse -inf, so
+lse2 = +inf, P = 0 and delta = 0: their gradients are zeros.
 """
 
 from __future__ import annotations
@@ -79,7 +89,7 @@ from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
 from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
-from fa4_jax.scores import LOG2_E, MaskSpec, cdiv
+from fa4_jax.scores import LOG2_E, MaskSpec, cdiv, segment_tile_ranges, stack_tile_ranges
 
 # dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
 # above this head dim they do not fit beside S and dP, so dK and dV are
@@ -335,12 +345,61 @@ def _preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = Tru
   return lse2, jnp.pad(jnp.where(live, delta, 0.0), pad)
 
 
+def _pad_ids(ids, length: int):
+  """Ids padded to `length` (their tiles' extent) with the last id: padding
+  widens no tile's id range; the keys and rows it stands for are masked by
+  the key length and by lse2 = +inf."""
+  return jnp.pad(ids, [(0, 0), (0, length - ids.shape[1])], mode="edge")
+
+
+def _ranges_operand(row_ids, col_ids, block_rows: int, block_cols: int, num_tiles: int):
+  """`stack_tile_ranges` of `num_tiles` row tiles; tiles past the ids (an
+  empty CTA slot, or consumer) get empty ranges."""
+  r = stack_tile_ranges(segment_tile_ranges(row_ids, col_ids, block_rows, block_cols))
+  return jnp.pad(r, [(0, 0), (0, num_tiles - r.shape[1]), (0, 0)])
+
+
+def segment_operands(q_ids, kv_ids, *, keys_are_rows: bool, block_rows: int, consumers: int,
+                     num_ctas: int, block_cols: int):
+  """The `sm90_backward_common.SegmentRefs` inputs of one kernel: its CTAs
+  own `consumers` tiles of `block_rows` rows (keys when `keys_are_rows`, as
+  in dK/dV; queries in dQ) and walk blocks of `block_cols` columns.
+
+  Returns [q ids, kv ids, CTA ranges (, consumer ranges when consumers > 1)]."""
+  rows, cols = (kv_ids, q_ids) if keys_are_rows else (q_ids, kv_ids)
+  ranges = [_ranges_operand(rows, cols, consumers * block_rows, block_cols, num_ctas)]
+  if consumers > 1:
+    ranges.append(_ranges_operand(rows, cols, block_rows, block_cols, num_ctas * consumers))
+  rows = _pad_ids(rows, num_ctas * consumers * block_rows)
+  cols = _pad_ids(cols, cdiv(cols.shape[1], block_cols) * block_cols)
+  return [*((cols, rows) if keys_are_rows else (rows, cols)), *ranges]
+
+
+def _kernel_segments(segment_ids, config: BackwardConfig, q_pad: int, kv_pad: int):
+  """(dK/dV kernel's, dQ kernel's) `segment_operands`; empty lists without
+  segment ids."""
+  if segment_ids is None:
+    return [], []
+  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+  nc = 1 if config.dk_dv == "head_dim_split" else config.num_consumers
+  dkv = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=config.block_kv,
+                         consumers=nc, num_ctas=cdiv(kv_pad, nc * config.block_kv),
+                         block_cols=config.block_q)
+  dq_nc = config.dq_num_consumers
+  dq = segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=config.dq_block_q,
+                        consumers=dq_nc, num_ctas=cdiv(q_pad, dq_nc * config.dq_block_q),
+                        block_cols=config.dq_block_kv)
+  return dkv, dq
+
+
 def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
-             mask: MaskSpec, config: BackwardConfig | None = None):
+             mask: MaskSpec, config: BackwardConfig | None = None, segment_ids=None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
   q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
   dk and dv are summed over the query heads of each GQA group.
+  segment_ids: None, or (q ids int32 [B, Tq], kv ids int32 [B, Tk]): a query
+  sees only keys of its own id.
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
   if v.shape != k.shape:
@@ -370,6 +429,9 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
       dtype=dtype, scale=float(scale), mask=mask, config=config,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
+  if segment_ids is not None:
+    common["has_segments"] = True
+  dkv_segments, dq_segments = _kernel_segments(segment_ids, config, q_pad, kv_pad)
   lengths = []
   if q_lengths is not None:
     lengths.append(jnp.asarray(q_lengths, jnp.int32))
@@ -377,7 +439,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     lengths.append(jnp.asarray(kv_lengths, jnp.int32))
   if config.delta_in_dq:  # the dQ kernel first: it computes delta for both
     o = pad(out.astype(dtype), q_pad)
-    dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths)
+    dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths, *dq_segments)
   args = [q, k, v, dout, lse2, delta, *lengths]
   # With `overlap_kernels` (the dQ kernel last) each
   # kernel below launches while the one before it finishes: the dK/dV
@@ -387,15 +449,16 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   first_dkv = LaunchChain(releases_next=overlap)
   second_dkv = LaunchChain(releases_next=overlap, follows_previous=overlap)
   last_dq = LaunchChain(follows_previous=overlap)
+  dkv_args = [*args, *dkv_segments]
   if config.dk_dv == "fused":
-    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"), chain=first_dkv)(*args)
+    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"), chain=first_dkv)(*dkv_args)
   elif config.dk_dv == "head_dim_split":
-    dk, dv = _build_dkv_head_split_kernel(**common, chain=first_dkv)(*args)
+    dk, dv = _build_dkv_head_split_kernel(**common, chain=first_dkv)(*dkv_args)
   else:
-    (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=first_dkv)(*args)
-    (dv,) = _build_dkv_kernel(**common, outputs=("dv",), chain=second_dkv)(*args)
+    (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=first_dkv)(*dkv_args)
+    (dv,) = _build_dkv_kernel(**common, outputs=("dv",), chain=second_dkv)(*dkv_args)
   if not config.delta_in_dq:
-    dq = _build_dq_kernel(**common, chain=last_dq)(*args)
+    dq = _build_dq_kernel(**common, chain=last_dq)(*args, *dq_segments)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
   if d != head_dim or kv_pad != kv_seq:

@@ -104,16 +104,67 @@ class KernelRefs:
   delta: Any  # or O
   q_len: Any  # None without query lengths
   kv_len: Any  # None without key lengths
+  segments: "SegmentRefs | None" = None  # None without segment ids
 
   @classmethod
-  def split(cls, refs, has_q_lengths: bool, has_kv_lengths: bool):
-    """(the inputs, the rest: outputs, SMEM scratch, barriers)."""
+  def split(cls, refs, has_q_lengths: bool, has_kv_lengths: bool,
+            segment_consumers: int | None = None):
+    """(the inputs, the rest: outputs, SMEM scratch, barriers).
+
+    `segment_consumers`: with segment ids, the kernel's consumer tiles per
+    CTA (`SegmentRefs`); None without them."""
     refs = list(refs)
     inputs = refs[:6]
     del refs[:6]
     q_len = refs.pop(0) if has_q_lengths else None
     kv_len = refs.pop(0) if has_kv_lengths else None
-    return cls(*inputs, q_len, kv_len), refs
+    segments = None
+    if segment_consumers is not None:
+      segments, refs = SegmentRefs.split(refs, segment_consumers)
+    return cls(*inputs, q_len, kv_len, segments), refs
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRefs:
+  """The segment-id inputs of a kernel, after the sequence lengths: the ids
+  of the queries and of the keys (int32 [B, L], padded to whole tiles), the
+  segment ranges (`scores.stack_tile_ranges`) of each CTA's tile and, with
+  several consumer tiles per CTA, of each consumer's (CTA t, consumer i: row
+  t * consumers + i). Built by `sm90_backward.segment_operands`."""
+
+  q_ids: Any
+  kv_ids: Any
+  cta_ranges: Any
+  consumer_ranges: Any  # cta_ranges when a CTA has one consumer tile
+  consumers: int
+
+  @classmethod
+  def split(cls, refs, consumers: int):
+    q_ids, kv_ids, cta_ranges = refs[:3]
+    consumer_ranges = refs[3] if consumers > 1 else cta_ranges
+    rest = refs[4:] if consumers > 1 else refs[3:]
+    return cls(q_ids, kv_ids, cta_ranges, consumer_ranges, consumers), rest
+
+  def of_cta(self, batch_idx, tile) -> TileRanges:
+    return scores.read_tile_ranges(self.cta_ranges, batch_idx, tile)
+
+  def of_consumer(self, batch_idx, tile, consumer) -> TileRanges:
+    return scores.read_tile_ranges(self.consumer_ranges, batch_idx,
+                                   tile * self.consumers + consumer)
+
+
+def load_ids(ids_ref, batch_idx, start, n: int, *, along_rows: bool):
+  """Segment ids [start, start + n) of one batch row as a vector along a
+  wgmma tile's rows or columns. Element loads from GMEM (no optimized GMEM
+  path exists for these layouts): only masked blocks need them."""
+  layout = plgpu.Layout.WGMMA.reduce(1 if along_rows else 0)
+  return plgpu.load(ids_ref.at[batch_idx, pl.ds(start, n)], layout=layout, optimized=False)
+
+
+def narrow(ranges: TileRanges, segments: "SegmentRefs | None", read) -> TileRanges:
+  """`ranges` intersected with the segment ranges `read(segments)` gives,
+  unchanged without segment ids."""
+  return ranges if segments is None else ranges.intersect(read(segments))
 
 
 def launch(kernel, *, out_type, smem, barriers, grid: dict, num_threads: int):
@@ -151,15 +202,15 @@ class KeyTileWork:
   group: int
 
   @classmethod
-  def of_this_cta(cls, *, num_keys, block_q, mask, q_len_ref, kv_len_ref, q_seq,
-                  kv_valid, group):
+  def of_this_cta(cls, *, num_keys, block_q, mask, gmem: KernelRefs, q_seq, kv_valid, group):
     """The CTA at grid position (heads, kv_tiles, batch)."""
     kv_head = lax.axis_index("heads")
     batch_idx = lax.axis_index("batch")
     kv_tile = lax.axis_index("kv_tiles")
     k_lo = kv_tile * num_keys
-    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
+    q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, batch_idx, q_seq, kv_valid)
     ranges = scores.q_tile_ranges(mask, k_lo, k_lo + num_keys, q_len, kv_len, block_q)
+    ranges = narrow(ranges, gmem.segments, lambda seg: seg.of_cta(batch_idx, kv_tile))
     return cls(kv_head, batch_idx, kv_tile, k_lo, q_len, kv_len, ranges, group)
 
   @property
@@ -189,11 +240,13 @@ class KeyTileWork:
 
 
 def probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: MaskSpec,
-                   c: float, masked: bool):
+                   c: float, masked: bool, segments=None):
   """P = exp2(c * S - lse2) of one tile (S^T when `keys_along_rows`, as in the
-  kernels that own keys; S in the dQ kernel), 0 where the mask or the key
-  length hides an element; `masked=False` for tiles known to be fully visible.
-  `lse2=None`: s already holds S - lse2 / c."""
+  kernels that own keys; S in the dQ kernel), 0 where the mask, the key
+  length or the segment ids hide an element; `masked=False` for tiles known
+  to be fully visible. `segments`: None, or the segment ids of the tile's
+  (rows, columns) as `load_ids` vectors. `lse2=None`: s already holds
+  S - lse2 / c."""
   if lse2 is None:  # already in s (`fold_stats`)
     logits2 = s * c
   else:
@@ -203,7 +256,13 @@ def probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: M
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
     rows, cols = row_lo + iota(0), col_lo + iota(1)
     k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
-    logits2 = jnp.where(scores.visible(mask, q_idx, k_idx, kv_len), logits2, -jnp.inf)
+    q_seg = kv_seg = None
+    if segments is not None:
+      row_seg = lax.broadcast_in_dim(segments[0], s.shape, [0])
+      col_seg = lax.broadcast_in_dim(segments[1], s.shape, [1])
+      kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
+    visible = scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg)
+    logits2 = jnp.where(visible, logits2, -jnp.inf)
   return jnp.exp2(logits2)
 
 

@@ -30,8 +30,9 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
                                      SlotRing)
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  KeyTileWork, launch, load_operand, mma_accumulate,
-                                                  mma_accumulate_pair, probabilities,
+                                                  KeyTileWork, SegmentRefs, launch, load_ids,
+                                                  load_operand, mma_accumulate,
+                                                  mma_accumulate_pair, narrow, probabilities,
                                                   scores_grad, stats_of_slot,
                                                   transposed_scores, zeros)
 from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
@@ -147,8 +148,19 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
   bars.stream.producer_drain(num_steps)
 
 
+def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, bq: int):
+  """`block_segments(qb)`: the segment ids (keys along rows, queries of
+  block qb along columns) that a masked step of the key tile [k_lo, k_lo +
+  bk) passes to `probabilities`; None without segment ids. The keys' ids are
+  loaded once, here."""
+  if segments is None:
+    return lambda qb: None
+  kv_seg = load_ids(segments.kv_ids, batch_idx, k_lo, bk, along_rows=True)
+  return lambda qb: (kv_seg, load_ids(segments.q_ids, batch_idx, qb * bq, bq, along_rows=False))
+
+
 def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
-                  work: KeyTileWork, blocks_per_head):
+                  work: KeyTileWork, blocks_per_head, segments: SegmentRefs | None):
   """Consumer `wg`: the dK and/or dV of its `block_kv` keys over every step
   of the CTA (steps its keys cannot see only keep the ring going).
   Returns (accumulators by name, its first key)."""
@@ -156,7 +168,10 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
   lo, hi = work.lo, work.hi
   plgpu.set_max_registers(cfg.consumer_registers, action="increase")
   k_lo = work.k_lo + wg * bk
-  own = scores.q_tile_ranges(mask, k_lo, k_lo + bk, work.q_len, work.kv_len, bq).within(lo, hi)
+  own = scores.q_tile_ranges(mask, k_lo, k_lo + bk, work.q_len, work.kv_len, bq)
+  own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.kv_tile, wg))
+  own = own.within(lo, hi)
+  block_segments = _key_tile_segments(segments, work.batch_idx, k_lo, bk, bq)
   k_tile = smem.k.at[wg]
   v_tile = smem.v.at[wg] if kp.with_dk else None
   stage = smem.staging[0].at[wg] if kp.interpreting else None
@@ -171,6 +186,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
     step = head_step0 + (qb - lo)
     slot = bars.stream.slot(step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
+    seg = block_segments(qb) if masked else None  # loads overlap the wait
     bars.stream.consumer_wait(step)
 
     s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
@@ -178,7 +194,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first)
     p = probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
-                      kv_len=work.kv_len, mask=mask, c=c, masked=masked)
+                      kv_len=work.kv_len, mask=mask, c=c, masked=masked, segments=seg)
     if kp.with_dk and kp.with_dv:
       acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
                                            q_tile, do_tile, stage)
@@ -225,10 +241,13 @@ def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, grad_refs,
 
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                       head_dim, dtype, scale, mask, config, has_q_lengths,
-                      has_kv_lengths, outputs=("dk", "dv"), chain=NO_CHAIN):
+                      has_kv_lengths, has_segments=False, outputs=("dk", "dv"),
+                      chain=NO_CHAIN):
   """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
 
   A pass without dK needs neither V (for dP) nor delta: they are not loaded.
+  With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
+  per consumer).
   """
   cfg = config
   nc = cfg.num_consumers
@@ -238,13 +257,13 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
   def kernel(*refs):
     chain.at_start()
-    gmem, (*grad_refs, smem, barrier_refs) = KernelRefs.split(refs, has_q_lengths,
-                                                              has_kv_lengths)
+    gmem, (*grad_refs, smem, barrier_refs) = KernelRefs.split(
+        refs, has_q_lengths, has_kv_lengths, nc if has_segments else None)
     smem = _DkvSmem.unpack(smem, kp.with_dk)
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed)
     work = KeyTileWork.of_this_cta(
-        num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, q_len_ref=gmem.q_len,
-        kv_len_ref=gmem.kv_len, q_seq=q_seq, kv_valid=kv_valid, group=kp.group)
+        num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, gmem=gmem,
+        q_seq=q_seq, kv_valid=kv_valid, group=kp.group)
     # Once per CTA, outside the roles (as the roles' loops use them).
     blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
     wg = lax.axis_index("wg")
@@ -253,7 +272,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
     @pl.when(wg < nc)
     def _consumers():
-      acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, blocks_per_head)
+      acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, blocks_per_head, gmem.segments)
       _dkv_epilogue(kp, wg, acc, k_lo, smem, grad_refs, work)
 
     chain.at_exit(grid)
@@ -359,7 +378,8 @@ def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
 
 
 def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _HeadSplitBarriers,
-                         work: KeyTileWork, blocks_per_head, num_steps):
+                         work: KeyTileWork, blocks_per_head, num_steps,
+                         segments: SegmentRefs | None):
   """Consumer `h`: columns [h * d/2, (h + 1) * d/2) of dK and dV of the CTA's
   keys. Warpgroup 0 computes P^T and dS^T of each step and hands them to
   warpgroup 1 through the pds ring. Returns (dK half, dV half)."""
@@ -368,19 +388,23 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
   cols = pl.ds(h * half, half)
   lo, hi = work.lo, work.hi
   stream, pds = bars.stream, bars.pds
+  # Only warpgroup 0 computes P^T and needs the ids.
+  block_segments = _key_tile_segments(segments if h == 0 else None, work.batch_idx, work.k_lo,
+                                      bk, bq)
 
   def step_fn(qb, acc, *, masked, head_step0):
     step = head_step0 + (qb - lo)
     slot = stream.slot(step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
     p_tile, ds_tile = smem.p.at[pds.slot(step)], smem.ds.at[pds.slot(step)]
+    seg = block_segments(qb) if masked else None
     stream.consumer_wait(step)
     if h == 0:
       s, dp, lse2, delta = transposed_scores(
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=False, stats_first=False)
       p = probabilities(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
-                        kv_len=work.kv_len, mask=kp.mask, c=c, masked=masked)
+                        kv_len=work.kv_len, mask=kp.mask, c=c, masked=masked, segments=seg)
       ds = scores_grad(p, dp, delta)
       pds.producer_acquire(step)
       p_tile[...] = p.astype(kp.dtype)
@@ -428,7 +452,8 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
 
 def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                                  num_kv_heads, head_dim, dtype, scale, mask, config,
-                                 has_q_lengths, has_kv_lengths, chain=NO_CHAIN):
+                                 has_q_lengths, has_kv_lengths, has_segments=False,
+                                 chain=NO_CHAIN):
   """dK and dV where they do not fit one warpgroup's registers (head dim 256).
 
   A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
@@ -444,7 +469,9 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   Four tile GEMMs per query block (S^T, dP^T, dV, dK) as in the "fused"
   scheme, where two passes of `_build_dkv_kernel` run five. Warpgroup 1's
   GEMMs of step n run on the tensor core while warpgroup 0 computes the
-  softmax of step n + 1. Barriers: `_HeadSplitBarriers`.
+  softmax of step n + 1. Barriers: `_HeadSplitBarriers`. With
+  `has_segments` the inputs end with `SegmentRefs` of one consumer tile (the
+  CTA's) per CTA.
   """
   cfg = config
   kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads,
@@ -454,13 +481,13 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
 
   def kernel(*refs):
     chain.at_start()
-    gmem, (dk_ref, dv_ref, smem, barrier_refs) = KernelRefs.split(refs, has_q_lengths,
-                                                                  has_kv_lengths)
+    gmem, (dk_ref, dv_ref, smem, barrier_refs) = KernelRefs.split(
+        refs, has_q_lengths, has_kv_lengths, 1 if has_segments else None)
     smem = _HeadSplitSmem(*smem)
     bars = _HeadSplitBarriers.from_refs(barrier_refs, cfg.num_stages)
     work = KeyTileWork.of_this_cta(
-        num_keys=bk, block_q=cfg.block_q, mask=mask, q_len_ref=gmem.q_len,
-        kv_len_ref=gmem.kv_len, q_seq=q_seq, kv_valid=kv_valid, group=kp.group)
+        num_keys=bk, block_q=cfg.block_q, mask=mask, gmem=gmem, q_seq=q_seq,
+        kv_valid=kv_valid, group=kp.group)
     # Once per CTA, outside the roles (as the roles' loops use them).
     blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
     keys = (work.batch_idx, pl.ds(work.k_lo, bk), work.kv_head)
@@ -470,7 +497,8 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
         lambda: _head_split_producer(cfg, gmem, smem, bars, work, keys, num_steps))
 
     def consumer(h: int):
-      dk, dv = _head_split_consumer(h, kp, smem, bars, work, blocks_per_head, num_steps)
+      dk, dv = _head_split_consumer(h, kp, smem, bars, work, blocks_per_head, num_steps,
+                                    gmem.segments)
       _head_split_epilogue(h, kp, dk, dv, smem, bars, dk_ref, dv_ref, keys)
 
     pl.when(wg == 0)(lambda: consumer(0))

@@ -26,9 +26,9 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  launch,
+                                                  launch, load_ids,
                                                   load_operand, mma_accumulate, mma_pair,
-                                                  probabilities, scores_grad, zeros)
+                                                  narrow, probabilities, scores_grad, zeros)
 from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
@@ -98,13 +98,14 @@ class _QueryTileWork:
   head: Any
   kv_head: Any
   batch_idx: Any
+  q_tile: Any  # the CTA's position along the query axis
   q_lo: Any
   q_len: Any
   kv_len: Any
   ranges: TileRanges
 
   @classmethod
-  def of_this_cta(cls, kd: _DqKernel, *, q_len_ref, kv_len_ref, q_seq, kv_valid):
+  def of_this_cta(cls, kd: _DqKernel, *, gmem: KernelRefs, q_seq, kv_valid):
     """The CTA at grid position (heads, q_tiles, batch)."""
     nc, bq = kd.cfg.dq_num_consumers, kd.cfg.dq_block_q
     head = lax.axis_index("heads")
@@ -114,11 +115,12 @@ class _QueryTileWork:
     if kd.mask.right is not None and kd.mask.left is None:
       tile = kd.num_q_tiles - 1 - tile
     kv_head = lax.div(head, jnp.int32(kd.group))
-    q_len, kv_len = sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq, kv_valid)
+    q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, batch_idx, q_seq, kv_valid)
     q_lo = tile * (nc * bq)
     ranges = scores.kv_tile_ranges(kd.mask, q_lo, q_lo + nc * bq, q_len, kv_len,
                                    kd.cfg.dq_block_kv)
-    return cls(head, kv_head, batch_idx, q_lo, q_len, kv_len, ranges)
+    ranges = narrow(ranges, gmem.segments, lambda seg: seg.of_cta(batch_idx, tile))
+    return cls(head, kv_head, batch_idx, tile, q_lo, q_len, kv_len, ranges)
 
 
 def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardBarriers,
@@ -149,7 +151,7 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
 
 
 def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
-                 work: _QueryTileWork, delta_out):
+                 work: _QueryTileWork, delta_out, segments):
   """Consumer `wg`: dQ of its `dq_block_q` rows over the CTA's key blocks
   (blocks its rows cannot see only keep the ring going). Returns (dQ, its
   first row)."""
@@ -157,7 +159,15 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
   lo, hi = work.ranges.lo, work.ranges.hi
   plgpu.set_max_registers(cfg.dq_consumer_registers, action="increase")
   q_lo = work.q_lo + wg * bq
-  own = scores.kv_tile_ranges(mask, q_lo, q_lo + bq, work.q_len, work.kv_len, bk).within(lo, hi)
+  own = scores.kv_tile_ranges(mask, q_lo, q_lo + bq, work.q_len, work.kv_len, bk)
+  own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.q_tile, wg))
+  own = own.within(lo, hi)
+  if segments is not None:  # the rows' ids once; the keys' in each masked block
+    q_seg = load_ids(segments.q_ids, work.batch_idx, q_lo, bq, along_rows=True)
+    block_segments = lambda j: (q_seg, load_ids(segments.kv_ids, work.batch_idx, j * bk, bk,
+                                                along_rows=False))
+  else:
+    block_segments = lambda j: None
   q_tile, do_tile = smem.q.at[wg], smem.do.at[wg]
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along S's rows
   stage = smem.staging[0].at[wg] if kd.interpreting else None
@@ -182,11 +192,12 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     step = j - lo
     slot = bars.stream.slot(step)
     k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
+    seg = block_segments(j) if masked else None  # loads overlap the wait
     bars.stream.consumer_wait(step)
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
     p = probabilities(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
-                      kv_len=work.kv_len, mask=mask, c=c, masked=masked)
+                      kv_len=work.kv_len, mask=mask, c=c, masked=masked, segments=seg)
     ds = scores_grad(p, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
     bars.stream.consumer_release(step)
@@ -212,8 +223,10 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
 
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                      head_dim, dtype, scale, mask, config, has_q_lengths,
-                     has_kv_lengths, chain=NO_CHAIN):
-  """The dQ kernel: dq, and with `delta_in_dq` also delta [B, Nq, rows]."""
+                     has_kv_lengths, has_segments=False, chain=NO_CHAIN):
+  """The dQ kernel: dq, and with `delta_in_dq` also delta [B, Nq, rows].
+  With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
+  per consumer)."""
   cfg = config
   nc, bq = cfg.dq_num_consumers, cfg.dq_block_q
   num_q_tiles = cdiv(q_seq, nc * bq)
@@ -223,19 +236,18 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
 
   def kernel(*refs):
     chain.at_start()
-    gmem, (dq_ref, *delta_out, smem, barrier_refs) = KernelRefs.split(refs, has_q_lengths,
-                                                                      has_kv_lengths)
+    gmem, (dq_ref, *delta_out, smem, barrier_refs) = KernelRefs.split(
+        refs, has_q_lengths, has_kv_lengths, nc if has_segments else None)
     smem = _DqSmem.unpack(smem, kd.with_delta)
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, 2)
-    work = _QueryTileWork.of_this_cta(kd, q_len_ref=gmem.q_len, kv_len_ref=gmem.kv_len,
-                                      q_seq=q_seq, kv_valid=kv_valid)
+    work = _QueryTileWork.of_this_cta(kd, gmem=gmem, q_seq=q_seq, kv_valid=kv_valid)
     wg = lax.axis_index("wg")
 
     pl.when(wg == nc)(lambda: _dq_producer(kd, gmem, smem, bars, work))
 
     @pl.when(wg < nc)
     def _consumers():
-      dq, q_lo = _dq_consumer(kd, wg, smem, bars, work, delta_out)
+      dq, q_lo = _dq_consumer(kd, wg, smem, bars, work, delta_out, gmem.segments)
       _dq_epilogue(kd, wg, dq, q_lo, smem, dq_ref, work)
 
     chain.at_exit(grid)
