@@ -30,6 +30,8 @@ def attention(
     return_residual: bool = False,
     query_segment_ids=None,
     key_value_segment_ids=None,
+    sinks=None,
+    logits_soft_cap: float | None = None,
 ):
   """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
 
@@ -63,6 +65,16 @@ def attention(
       packed as contiguous runs are the fast case: the kernels skip the key
       tiles a query tile's ids cannot meet, and only tiles on a document
       boundary pay for the element mask. Not part of `jax.nn`'s signature.
+    sinks: optional float `[N]`, one logit per query head (under GQA too):
+      attention sinks (gpt-oss, StreamingLLM). Each row's softmax gains a
+      virtual key with logit `sinks[n]` (in the units of the scaled logits)
+      and a zero value: `out = sum_j exp(s_j) v_j / (exp(sink) + sum_j
+      exp(s_j))`. Differentiable. The residual (`return_residual=True`)
+      includes the sink; a row that sees no key gets zeros and a residual of
+      `sink`. Not part of `jax.nn`.
+    logits_soft_cap: optional positive Python number `cap`: the scaled (and
+      biased) logits become `cap * tanh(logits / cap)` before masking and
+      the softmax (Gemma 2). Not part of `jax.nn`.
 
   Returns:
     The attention output, shaped like `query` (and the residual, if asked).
@@ -71,16 +83,18 @@ def attention(
   all (for example `key_value_seq_lengths == 0`) gets zeros and a residual of
   `-inf`, where `jax.nn`'s XLA path returns the mean of all values.
 
-  New keyword-only arguments (soft-capping, attention sinks, bottom-right
-  causal alignment) will be added after these, so positional and keyword
-  callers keep working.
+  New keyword-only arguments (bottom-right causal alignment) will be added
+  after these, so positional and keyword callers keep working.
   """
   if implementation == "cudnn":
-    if query_segment_ids is not None or key_value_segment_ids is not None:
+    extras = dict(query_segment_ids=query_segment_ids,
+                  key_value_segment_ids=key_value_segment_ids, sinks=sinks,
+                  logits_soft_cap=logits_soft_cap)
+    given = [name for name, x in extras.items() if x is not None]
+    if given:
       raise ValueError(
           "implementation='cudnn' forwards to jax.nn.dot_product_attention, which has no "
-          "segment ids (`query_segment_ids`, `key_value_segment_ids`); use "
-          "implementation=None")
+          f"{', '.join(f'`{n}`' for n in given)}; use implementation=None")
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths,
@@ -91,11 +105,14 @@ def attention(
   args, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
                            query_seq_lengths, key_value_seq_lengths,
                            local_window_size, implementation,
-                           query_segment_ids, key_value_segment_ids)
-  config = CoreConfig(backend=backend, scale=args.scale, spec=args.spec)
+                           query_segment_ids, key_value_segment_ids, sinks,
+                           logits_soft_cap)
+  config = CoreConfig(backend=backend, scale=args.scale, spec=args.spec,
+                      soft_cap=args.logits_soft_cap)
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
                             args.query_seq_lengths, args.key_value_seq_lengths,
-                            args.query_segment_ids, args.key_value_segment_ids, config)
+                            args.query_segment_ids, args.key_value_segment_ids, args.sinks,
+                            config)
   out = out.reshape(args.output_shape)
   if not return_residual:
     return out
@@ -108,7 +125,7 @@ def which_implementation(
     query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
     implementation: Implementation = None, query_segment_ids=None,
-    key_value_segment_ids=None,
+    key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
 ) -> str:
   """The implementation `attention` would use for these arguments here:
   `"xla"`, `"sm90"`, `"sm100"` or `"cudnn"`. Raises as `attention` would."""
@@ -117,20 +134,23 @@ def which_implementation(
   _, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
                         query_seq_lengths, key_value_seq_lengths,
                         local_window_size, implementation, query_segment_ids,
-                        key_value_segment_ids)
+                        key_value_segment_ids, sinks, logits_soft_cap)
   return backend.name
 
 
 def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, implementation,
-             query_segment_ids=None, key_value_segment_ids=None):
+             query_segment_ids=None, key_value_segment_ids=None, sinks=None,
+             logits_soft_cap=None):
   args: Arguments = validate(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, implementation=implementation,
-      query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids)
+      query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
+      sinks=sinks, logits_soft_cap=logits_soft_cap)
   call = backends.CallInfo(
       q_shape=args.query.shape, k_shape=args.key.shape, dtype=args.query.dtype,
-      spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None)
+      spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None,
+      soft_cap=args.logits_soft_cap)
   return args, backends.select(implementation, call)

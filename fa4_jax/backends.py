@@ -44,6 +44,7 @@ class CallInfo:
   spec: MaskSpec
   has_bias: bool
   has_mask: bool
+  soft_cap: float | None = None
 
 
 XLA = Backend("xla", xla_attention.forward, xla_attention.backward)
@@ -55,8 +56,8 @@ def _kernel_backend(name: str) -> Backend:
   fwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
 
   def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, *,
-              scale, spec):
-    del bias, mask  # never selected with them (see _kernel_problem)
+              scale, spec, soft_cap):
+    del bias, mask, soft_cap  # never selected with them (see _kernel_problem)
     return fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec,
                               segment_ids=_segment_pair(q_segment_ids, kv_segment_ids))
 
@@ -66,7 +67,7 @@ def _kernel_backend(name: str) -> Backend:
     bwd_module = None
 
   def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-               out, lse, dout, *, scale, spec):
+               out, lse, dout, *, scale, spec, soft_cap):
     # The fused backward where it supports the call, else the XLA backward
     # (which takes the kernel's lse): decided here, at trace time.
     if bwd_module is not None:
@@ -80,7 +81,8 @@ def _kernel_backend(name: str) -> Backend:
             segment_ids=_segment_pair(q_segment_ids, kv_segment_ids))
         return dq, dk, dv, None
     return xla_attention.backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                                  kv_segment_ids, out, lse, dout, scale=scale, spec=spec)
+                                  kv_segment_ids, out, lse, dout, scale=scale, spec=spec,
+                                  soft_cap=soft_cap)
 
   return Backend(name, forward, backward)
 
@@ -113,6 +115,9 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
               "this device supports, or run inside fa4_jax.interpret_mode()")
   if call.has_bias:
     return f"implementation={name!r} does not support `bias`; use implementation='xla'"
+  if call.soft_cap is not None:
+    return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
+            "implementation=None (which falls back to the XLA path) or 'xla'")
   if call.has_mask:
     return (f"implementation={name!r} does not support a boolean `mask` array; "
             "use is_causal, local_window_size or the *_seq_lengths arguments, "

@@ -442,7 +442,7 @@ def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
       out, lse = ring.backend.forward(
           _part(q, call.rows), _part(block[0], call.cols), _part(block[1], call.cols),
           None, None, None, None, *_segment_parts(q_ids, block, call),
-          scale=ring.scale, spec=call.spec)
+          scale=ring.scale, spec=call.spec, soft_cap=None)
       return _merge(acc, (out, lse), call.rows)
     return fn
 
@@ -473,7 +473,7 @@ def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, dout):
           _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None, None,
           None, *_segment_parts(q_ids, block, call),
           _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows),
-          scale=ring.scale, spec=call.spec)
+          scale=ring.scale, spec=call.spec, soft_cap=None)
       f32 = lambda x: x.astype(jnp.float32)
       return (_add_rows(dq, rows, f32(dq_c)), _add_rows(dk, cols, f32(dk_c)),
               _add_rows(dv, cols, f32(dv_c)))

@@ -11,6 +11,7 @@ added here once:
 | whether a tile needs the element mask | `TileRanges.full_lo` / `full_hi`, `MaskSpec.tile_is_full` | a tile is full only if the new test holds for all its pairs |
 | the element mask | `visible` (band, key length, segment ids) | one more `&` term |
 | the softmax statistics | `initial_row_stats`, `online_softmax`, `normalize` / `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
+| score modifications | `soft_cap` / `soft_cap_grad`; sinks: `add_sinks` (today applied to any backend's (out, lse)), `sink_grad` (the sinks' gradient, an XLA reduction) | here, with its derivative |
 
 The kernels keep the statistics in their accumulator's row layout and call
 these functions on whole tiles, so the same code runs on wgmma register
@@ -469,3 +470,56 @@ def normalize(acc, m, l):
   seen_any, inv_l = _inverse_sum(l)
   out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
   return out, _log_sum_exp(m, l, seen_any)
+
+
+# --- Score modifications ----------------------------------------------------------
+# Logit soft-capping (Gemma 2): logits -> cap * tanh(logits / cap), applied to
+# the scaled (and biased) logits before masking and the softmax.
+
+
+def soft_cap(s, cap: float | None):
+  """`cap * tanh(s / cap)`, or `s` when `cap` is None."""
+  if cap is None:
+    return s
+  return jnp.float32(cap) * jnp.tanh(s * jnp.float32(1.0 / cap))
+
+
+def soft_cap_grad(capped, cap: float | None):
+  """d capped / d logits = 1 - tanh^2, from the capped logits; 0 where they
+  are masked (-inf), so that 0 * it stays 0."""
+  if cap is None:
+    return 1.0
+  t = capped * jnp.float32(1.0 / cap)
+  return jnp.where(jnp.isfinite(capped), 1.0 - t * t, 0.0)
+
+
+# Attention sinks (gpt-oss, StreamingLLM): per query head a logit `sink` of a
+# virtual key whose value is zero. It adds exp(sink) to every row's softmax
+# denominator and nothing to the output. With the sink in the log-sum-exp,
+# the backward's P = exp(s - lse) needs no change; the sink's own gradient is
+# that of a key with logit `sink` and value 0: dS = P_sink * (dP - delta) with
+# dP = 0, summed over the rows of its head.
+
+
+def add_sinks(out, lse, sinks, rows_valid):
+  """(out, lse) of attention without sinks -> with them.
+
+  out [B, T, N, D]; lse f32 [B, N, T] (natural log; -inf for rows that saw
+  no key); sinks [N]; rows_valid bool [B, T] (rows past the query length keep
+  zeros and -inf). A row that saw no key keeps zeros and gets lse = sink.
+  """
+  sink = sinks.astype(jnp.float32)[None, :, None]
+  total = jnp.where(rows_valid[:, None, :], jnp.logaddexp(lse, sink), lse)
+  keep = jnp.where(jnp.isfinite(total), jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)),
+                   0.0)  # [B, N, T]: the share of the keys in the new denominator
+  out = (out.astype(jnp.float32) * keep.transpose(0, 2, 1)[..., None]).astype(out.dtype)
+  return out, total
+
+
+def sink_grad(sinks, lse, delta):
+  """d loss / d sinks [N], from the lse with sinks [B, N, T] and delta =
+  rowsum(dout * out) [B, N, T]: -sum over rows of exp(sink - lse) * delta."""
+  sink = sinks.astype(jnp.float32)[None, :, None]
+  p_sink = jnp.where(jnp.isfinite(lse), jnp.exp(sink - jnp.where(jnp.isfinite(lse), lse, 0.0)),
+                     0.0)
+  return -(p_sink * delta).sum(axis=(0, 2)).astype(sinks.dtype)

@@ -114,9 +114,11 @@ def _call_backend(call: _Call, *arrays):
   cfg = call.config
   common = tuple(a.get(n) for n in _FORWARD_OPERANDS)
   if call.results == ("out", "lse"):
-    return tuple(cfg.backend.forward(*common, scale=cfg.scale, spec=cfg.spec))
+    return tuple(cfg.backend.forward(*common, scale=cfg.scale, spec=cfg.spec,
+                                     soft_cap=cfg.soft_cap))
   dq, dk, dv, dbias = cfg.backend.backward(
-      *common, a["out"], a["lse"], a["dout"], scale=cfg.scale, spec=cfg.spec)
+      *common, a["out"], a["lse"], a["dout"], scale=cfg.scale, spec=cfg.spec,
+      soft_cap=cfg.soft_cap)
   return (dq, dk, dv) + ((dbias,) if "dbias" in call.results else ())
 
 

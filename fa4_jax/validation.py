@@ -33,6 +33,8 @@ class Arguments:
   key_value_seq_lengths: jax.Array | None  # int32 [B]
   query_segment_ids: jax.Array | None  # int32 [B, T]
   key_value_segment_ids: jax.Array | None  # int32 [B, S]
+  sinks: jax.Array | None  # float [N]
+  logits_soft_cap: float | None
   scale: float
   spec: MaskSpec
   output_shape: tuple[int, ...]  # the query's own shape (3D or 4D)
@@ -157,6 +159,33 @@ def _check_segment_ids(query_ids, key_value_ids, shape_q, shape_k, rank: int):
   return tuple(checked)
 
 
+def _check_sinks(sinks, num_heads: int):
+  if sinks is None:
+    return None
+  sinks = _as_array(sinks, "sinks")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"`sinks` must be a floating-point array (one logit per query head); "
+                     f"got {_dtype_name(sinks.dtype)}")
+  if sinks.shape != (num_heads,):
+    raise ValueError(f"`sinks` shape must be (query heads,) = ({num_heads},), one logit per "
+                     f"query head (also under GQA); got {sinks.shape}")
+  return sinks
+
+
+def _check_soft_cap(cap):
+  if cap is None:
+    return None
+  if isinstance(cap, jax.core.Tracer):
+    raise ValueError("`logits_soft_cap` must be a Python number, not a traced value: it is "
+                     "a compile-time constant of the kernels")
+  if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)):
+    raise ValueError(f"`logits_soft_cap` must be a positive number; got {cap!r}")
+  value = float(cap)
+  if not (value > 0 and math.isfinite(value)):
+    raise ValueError(f"`logits_soft_cap` must be positive and finite; got {value}")
+  return value
+
+
 def _check_window(local_window_size):
   if local_window_size is None:
     return None
@@ -194,7 +223,7 @@ def _check_scale(scale, head_dim: int) -> float:
 def validate(query, key, value, bias, mask, *, scale, is_causal,
              query_seq_lengths, key_value_seq_lengths, local_window_size,
              implementation, query_segment_ids=None,
-             key_value_segment_ids=None) -> Arguments:
+             key_value_segment_ids=None, sinks=None, logits_soft_cap=None) -> Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
@@ -222,6 +251,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
                                            "key_value_seq_lengths", b, s,
                                            "the key/value length"),
       query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
+      sinks=_check_sinks(sinks, n), logits_soft_cap=_check_soft_cap(logits_soft_cap),
       scale=_check_scale(scale, h),
       spec=MaskSpec.from_arguments(bool(is_causal), window),
       output_shape=output_shape)

@@ -3,12 +3,18 @@
 A backend is a pair of functions:
 
     forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-            kv_segment_ids, *, scale, spec) -> (out [B,T,N,D], lse f32 [B,N,T])
+            kv_segment_ids, *, scale, spec, soft_cap)
+        -> (out [B,T,N,D], lse f32 [B,N,T])
     backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-             kv_segment_ids, out, lse, dout, *, scale, spec)
+             kv_segment_ids, out, lse, dout, *, scale, spec, soft_cap)
         -> (dq, dk, dv, dbias or None)
 
 Lengths are int32 [B], segment ids int32 [B, T] and [B, S]; each may be None.
+`soft_cap` is None or the logit soft-cap. Attention sinks are no backend's
+business: they are added to the backend's (out, lse) here
+(`scores.add_sinks`), the backward gets the lse that includes them (its
+P = exp(s - lse) is then right), and their gradient is a reduction here
+(`scores.sink_grad`).
 The forward saves its operands and (out, lse); the backward
 recomputes probabilities from the log-sum-exp. A backend may pair a kernel
 forward with the XLA backward: any forward that honours the lse contract of
@@ -22,8 +28,9 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
-from fa4_jax import sharding
+from fa4_jax import scores, sharding
 from fa4_jax.scores import MaskSpec
 
 
@@ -41,29 +48,44 @@ class CoreConfig:
   backend: Backend
   scale: float
   spec: MaskSpec
+  soft_cap: float | None = None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
 def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                   kv_segment_ids, config: CoreConfig):
+                   kv_segment_ids, sinks, config: CoreConfig):
   """(out, lse) of attention with the backend named in `config`."""
-  return sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths,
-                          q_segment_ids, kv_segment_ids)
+  out, lse = sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths,
+                              q_segment_ids, kv_segment_ids)
+  if sinks is not None:
+    out, lse = scores.add_sinks(out, lse, sinks, _rows_valid(q, q_lengths))
+  return out, lse
+
+
+def _rows_valid(q, q_lengths):
+  """bool [B, T]: rows before the query length."""
+  rows = jnp.arange(q.shape[1])[None, :]
+  return jnp.broadcast_to(rows < (q.shape[1] if q_lengths is None else q_lengths[:, None]),
+                          q.shape[:2])
 
 
 def _core_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-              kv_segment_ids, config):
+              kv_segment_ids, sinks, config):
   operands = (q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
-  out, lse = attention_core(*operands, config)
-  return (out, lse), (operands, out, lse)
+  out, lse = attention_core(*operands, sinks, config)
+  return (out, lse), (operands, sinks, out, lse)
 
 
 def _core_bwd(config, residuals, cotangents):
-  operands, out, lse = residuals
+  operands, sinks, out, lse = residuals
   dout, _ = cotangents  # the lse is returned under stop_gradient
   dq, dk, dv, dbias = sharding.backward(config, *operands, out, lse, dout)
+  dsinks = None
+  if sinks is not None:
+    delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    dsinks = scores.sink_grad(sinks, lse, delta)
   # mask, lengths and segment ids are not differentiable: None is a zero cotangent.
-  return dq, dk, dv, dbias, None, None, None, None, None
+  return dq, dk, dv, dbias, None, None, None, None, None, dsinks
 
 
 attention_core.defvjp(_core_fwd, _core_bwd)

@@ -85,6 +85,7 @@ class _Problem:
   spec: MaskSpec
   scale: float
   blocks: Blocks
+  soft_cap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
 
   @property
   def num_q_blocks(self) -> int:
@@ -127,12 +128,14 @@ class _Problem:
     return x
 
   def logits(self, q_blk, k_blk, qb, kb):
-    """Scaled, biased, masked logits [B, K, G, bq, bk] in float32 (-inf = masked)."""
+    """Scaled, biased, soft-capped, masked logits [B, K, G, bq, bk] in float32
+    (-inf = masked)."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk,
                    preferred_element_type=jnp.float32)
     s = s * jnp.float32(self.scale)
     if self.bias is not None:
       s = s + self._slice_pair(self.bias, qb, kb).astype(jnp.float32)
+    s = scores.soft_cap(s, self.soft_cap)
     rows, cols = self.q_rows(qb), self.k_cols(kb)
     q_seg = kv_seg = None
     if self.q_segments is not None:
@@ -204,7 +207,7 @@ def _pad_pair_array(x, tp, sp, value):
 
 
 def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-             scale, spec, blocks):
+             scale, spec, blocks, soft_cap=None):
   b, t, n, d = q.shape
   s, num_kv_heads = k.shape[1], k.shape[2]
   blocks = (blocks or Blocks.default(b * n)).fit(t, s)
@@ -231,7 +234,7 @@ def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
       mask=_pad_pair_array(_group_pair_array(mask, num_kv_heads), tp, sp, False),
       q_len=q_len, kv_len=kv_len, q_segments=q_seg, kv_segments=kv_seg,
       q_block_segments=q_block_segments, k_block_segments=k_block_segments,
-      t=t, s=s, spec=spec, scale=scale, blocks=blocks)
+      t=t, s=s, spec=spec, scale=scale, blocks=blocks, soft_cap=soft_cap)
 
 
 def _row_valid(p: _Problem, qb):
@@ -241,10 +244,10 @@ def _row_valid(p: _Problem, qb):
 
 def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
             kv_segment_ids=None, *, scale: float, spec: MaskSpec,
-            blocks: Blocks | None = None):
+            soft_cap: float | None = None, blocks: Blocks | None = None):
   """Attention forward. Returns (out [B,T,N,D] in q.dtype, lse f32 [B,N,T])."""
   p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-               scale, spec, blocks)
+               scale, spec, blocks, soft_cap)
   bsz, _, kh, g, d = p.q.shape
   bq = p.blocks.block_q
 
@@ -283,7 +286,8 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
 
 
 def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-             out, lse, dout, *, scale: float, spec: MaskSpec, blocks: Blocks | None = None):
+             out, lse, dout, *, scale: float, spec: MaskSpec, soft_cap: float | None = None,
+             blocks: Blocks | None = None):
   """Gradients (dq, dk, dv, dbias) of `forward`'s output, given its lse.
 
   `lse` may come from any backend that follows the contract in
@@ -291,7 +295,7 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
   has the bias' own (broadcast) shape.
   """
   p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-               scale, spec, blocks)
+               scale, spec, blocks, soft_cap)
   bsz, tp, kh, g, d = p.q.shape
   nh = kh * g
   # Rows past the query length had their output forced to zero: no gradient.
@@ -314,7 +318,10 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
     s = p.logits(q_blk, k_blk, qb, kb)
     probs = jnp.exp(s - stats(lse_safe, qb))  # masked: exp(-inf) = 0
     dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-    return probs, probs * (dp - stats(delta, qb))
+    ds = probs * (dp - stats(delta, qb))
+    if p.soft_cap is not None:
+      ds = ds * scores.soft_cap_grad(s, p.soft_cap)  # through cap * tanh(. / cap)
+    return probs, ds
 
   # One pass over key blocks; for each, the query blocks that see it. dK and
   # dV of the block are summed in the loop (GQA groups included); dQ and the
