@@ -39,6 +39,9 @@ How each Flax argument is handled:
 * `qk_attn_weights_einsum`, `attn_weights_value_einsum`, `einsum_dot_general`
   (custom/quantized einsums): a `ValueError` unless None.
 * Leading batch dimensions: none, one or several (they are flattened).
+* `sinks` ([heads], a parameter the model holds itself) is an argument of
+  `attention_fn`; `make_attention_fn(logits_soft_cap=cap)` soft-caps every
+  call.
 * Segment ids (packed sequences): Flax's modules pass no such argument to
   their `attention_fn`, so there are two routes. Code that calls
   `attention_fn` itself passes `query_segment_ids=` and
@@ -89,7 +92,7 @@ def segment_ids(query_segment_ids, key_value_segment_ids):
 
 def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                       implementation: api.Implementation = None,
-                      ignore_precision: bool = False):
+                      ignore_precision: bool = False, logits_soft_cap: float | None = None):
   """An `attention_fn` for Flax's attention modules with fixed fa4_jax options.
 
   Args:
@@ -102,12 +105,15 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
     implementation: passed to `fa4_jax.attention` (`None` picks the best).
     ignore_precision: accept any Flax `precision` (it then only affects
       Flax's projections, not the attention).
+    logits_soft_cap: passed to `fa4_jax.attention` on every call (Gemma 2's
+      `cap * tanh(logits / cap)`).
 
   Returns:
     A function with Flax's `attention_fn` signature.
   """
   options = dict(always_causal=is_causal, local_window_size=local_window_size,
-                 implementation=implementation, ignore_precision=ignore_precision)
+                 implementation=implementation, ignore_precision=ignore_precision,
+                 logits_soft_cap=logits_soft_cap)
 
   # Every argument is named, not swallowed by **kwargs: linen passes only the
   # keyword arguments that appear in the function's signature.
@@ -117,7 +123,7 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                    force_fp32_for_softmax=False, einsum_dot_general=None,
                    qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                    promote_dtype=None, is_causal=False, query_segment_ids=None,
-                   key_value_segment_ids=None, **unsupported):
+                   key_value_segment_ids=None, sinks=None, **unsupported):
     """Flax `attention_fn` computed by `fa4_jax.attention`.
 
     Takes Flax's `dot_product_attention` arguments (see `fa4_jax.flax`).
@@ -131,7 +137,7 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
         attn_weights_value_einsum=attn_weights_value_einsum,
         promote_dtype=promote_dtype, is_causal=is_causal,
         segment_ids=_segment_ids_of_call(query, query_segment_ids, key_value_segment_ids),
-        unsupported=unsupported, **options)
+        sinks=sinks, unsupported=unsupported, **options)
     out = api.attention(*call.arrays, **call.kwargs)
     return out.reshape(call.batch_shape + out.shape[-3:])
 
@@ -188,8 +194,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                deterministic=True, dtype=None, precision=None, module=None,
                einsum_dot_general=None, qk_attn_weights_einsum=None,
                attn_weights_value_einsum=None, promote_dtype=None,
-               is_causal=False, segment_ids=(None, None), unsupported=None,
-               always_causal=False,
+               is_causal=False, segment_ids=(None, None), sinks=None, unsupported=None,
+               always_causal=False, logits_soft_cap=None,
                local_window_size=None,
                implementation=None, ignore_precision=False) -> _Call:
   """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
@@ -237,7 +243,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                dict(is_causal=bool(is_causal) or always_causal,
                     local_window_size=local_window_size,
                     implementation=implementation,
-                    query_segment_ids=q_ids, key_value_segment_ids=kv_ids),
+                    query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
+                    sinks=sinks, logits_soft_cap=logits_soft_cap),
                batch_shape)
 
 

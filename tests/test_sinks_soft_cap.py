@@ -221,3 +221,39 @@ def test_a_traced_soft_cap_is_refused():
   q = jnp.ones((1, 8, 2, 8))
   with pytest.raises(ValueError, match="not a traced value"):
     jax.jit(lambda cap: fa4_jax.attention(q, q, q, logits_soft_cap=cap))(2.0)
+
+
+def test_flax_attention_fn_passes_sinks_and_soft_cap_through():
+  import fa4_jax.flax
+
+  q, k, v, _ = _inputs(22, 2, 16, 16, 2, 2, 8, "float32")
+  sinks = jnp.asarray([0.5, -1.0], jnp.float32)
+  capped = fa4_jax.flax.make_attention_fn(is_causal=True, logits_soft_cap=4.0)
+  got = capped(q, k, v, sinks=sinks)
+  want = fa4_jax.attention(q, k, v, is_causal=True, sinks=sinks, logits_soft_cap=4.0)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_batch_and_head_sharded_jit_with_sinks_gathers_no_inputs(host_devices):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((2, 2), ("data", "model"))
+  q, k, v, dout = _inputs(23, 4, 16, 16, 4, 2, 8, "float32")
+  sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+  attend = lambda q, k, v, s: fa4_jax.attention(q, k, v, is_causal=True, sinks=s,
+                                                logits_soft_cap=3.0)
+
+  def fn(q, k, v, s, dout):
+    out, vjp = jax.vjp(attend, q, k, v, s)
+    return out, vjp(dout)
+
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))
+  args = [put(q), put(k), put(v), jax.device_put(sinks, NamedSharding(mesh, P("model"))),
+          put(dout)]
+  compiled = jax.jit(fn).lower(*args).compile()
+  out, grads = compiled(*args)
+  want_out, want_vjp = jax.vjp(attend, q, k, v, sinks)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-5)
+  for g, w in zip(grads, want_vjp(dout)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+  assert "all-gather" not in compiled.as_text()
