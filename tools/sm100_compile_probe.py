@@ -83,6 +83,7 @@ def _compile_in_this_process(dump_dir: str) -> None:
   """Runs in the child (shim preloaded): trace, lower, compile the kernel."""
   import jax
   import jax.numpy as jnp
+  import numpy as np
 
   from fa4_jax.kernels import sm100_forward
   from fa4_jax.scores import MaskSpec
@@ -97,7 +98,9 @@ def _compile_in_this_process(dump_dir: str) -> None:
     shape = (1, 512, 2, head_dim)
     q = jnp.zeros(shape, jnp.bfloat16)
     lengths = jnp.full((1,), 512, jnp.int32)
-    ids = (jnp.zeros((1, 512), jnp.int32),) * 2 if segments else None
+    # numpy, not jnp: an eager jnp op would itself be compiled for sm_100a
+    # and fail to load before the kernel is built.
+    ids = (np.zeros((1, 512), np.int32),) * 2 if segments else None
     fn = jax.jit(lambda q, k, v, a, b, causal=causal, ids=ids: sm100_forward.forward(
         q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None), segment_ids=ids))
     name = f"head_dim={head_dim} causal={causal} segment_ids={segments}"
