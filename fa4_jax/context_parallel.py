@@ -499,9 +499,9 @@ def _ring_attention_fwd(ring, q, k, v, q_ids=None, kv_ids=None):
 
 
 def _ring_attention_bwd(ring, residuals, dout):
-  grads = _backward(ring, *residuals, dout)
-  with_ids = residuals[3] is not None
-  return grads + ((None, None) if with_ids else ())  # ids are not differentiable
+  # The ids (None when not given: custom_vjp counts the defaults too) are
+  # not differentiable.
+  return _backward(ring, *residuals, dout) + (None, None)
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

@@ -334,6 +334,6 @@ def test_bad_segment_ids_raise_a_value_error_naming_the_argument(q_ids, kv_ids, 
 def test_cudnn_has_no_segment_ids_and_says_so():
   q = jnp.ones((1, 8, 1, 8))
   ids = jnp.zeros((1, 8), jnp.int32)
-  with pytest.raises(ValueError, match="no segment ids"):
+  with pytest.raises(ValueError, match="has no `query_segment_ids`, `key_value_segment_ids`"):
     fa4_jax.attention(q, q, q, query_segment_ids=ids, key_value_segment_ids=ids,
                       implementation="cudnn")
