@@ -541,7 +541,7 @@ def test_kernels_lower_inside_the_sharding_wrapper_forward_and_backward(is_causa
   config = vjp.CoreConfig(backends._kernel_backend("sm90"), 0.125, mask)
 
   def loss(q, k, v):
-    out, _ = vjp.attention_core(q, k, v, None, None, None, None, None, None, config)
+    out, _ = vjp.attention_core(q, k, v, None, None, None, None, None, None, None, config)
     return jnp.sum(out.astype(jnp.float32))
 
   spec = jax.ShapeDtypeStruct((1, seq, 2, 128), jnp.bfloat16)
