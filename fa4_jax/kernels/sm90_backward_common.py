@@ -153,14 +153,6 @@ class SegmentRefs:
                                    tile * self.consumers + consumer)
 
 
-def load_ids(ids_ref, batch_idx, start, n: int, *, along_rows: bool):
-  """Segment ids [start, start + n) of one batch row as a vector along a
-  wgmma tile's rows or columns. Element loads from GMEM (no optimized GMEM
-  path exists for these layouts): only masked blocks need them."""
-  layout = plgpu.Layout.WGMMA.reduce(1 if along_rows else 0)
-  return plgpu.load(ids_ref.at[batch_idx, pl.ds(start, n)], layout=layout, optimized=False)
-
-
 def narrow(ranges: TileRanges, segments: "SegmentRefs | None", read) -> TileRanges:
   """`ranges` intersected with the segment ranges `read(segments)` gives,
   unchanged without segment ids."""

@@ -30,12 +30,12 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
                                      SlotRing)
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  KeyTileWork, SegmentRefs, launch, load_ids,
+                                                  KeyTileWork, SegmentRefs, launch,
                                                   load_operand, mma_accumulate,
                                                   mma_accumulate_pair, narrow, probabilities,
                                                   scores_grad, stats_of_slot,
                                                   transposed_scores, zeros)
-from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import cdiv, walk_blocks
 
 

@@ -26,10 +26,10 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  launch, load_ids,
+                                                  launch,
                                                   load_operand, mma_accumulate, mma_pair,
                                                   narrow, probabilities, scores_grad, zeros)
-from fa4_jax.kernels.sm90_tiles import smem_tile, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
 

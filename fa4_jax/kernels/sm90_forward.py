@@ -92,7 +92,7 @@ from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
-from fa4_jax.kernels.sm90_tiles import padded_head_dim, smem_tile
+from fa4_jax.kernels.sm90_tiles import load_ids, padded_head_dim, smem_tile
 from fa4_jax.scores import (LOG2_E, MaskSpec, TileRanges, cdiv, initial_row_stats,
                             kv_tile_ranges, normalize, online_softmax, read_tile_ranges,
                             hull, pad_ids, tile_ranges_operand, visible, walk_blocks)
@@ -336,8 +336,6 @@ class ForwardBarriers:
 
 # Per-row values (m, l, lse) in the wgmma accumulator's row layout.
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
-# Per-key values (the keys' segment ids) in its column layout.
-_COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,12 +513,6 @@ def consumer_kv_blocks(mask: MaskSpec, cfg: ForwardConfig, q_lo, q_len, kv_len,
   return blocks if segments is None else blocks.intersect(segments)
 
 
-def _load_ids(ids_gmem, layout):
-  """A vector of segment ids straight from GMEM into registers in `layout`
-  (the bank-conflict-free "optimized" transfer exists only for SMEM)."""
-  return plgpu.load(ids_gmem, layout=layout, optimized=False)
-
-
 def _producer(ctx: _Context) -> None:
   """Warpgroup `num_consumers`: per work item, TMA loads of the consumers' Q
   tiles, then of the K and V blocks [lo, hi) into the rings."""
@@ -601,8 +593,7 @@ class _ConsumerTile:
     q_segment = None
     if ctx.call.has_segment_ids:
       # The rows' ids, for the element mask of boundary blocks.
-      q_segment = _load_ids(ctx.refs.q_ids.at[item.batch_idx, pl.ds(q_lo, cfg.block_q)],
-                            _ROW_LAYOUT)
+      q_segment = load_ids(ctx.refs.q_ids, item.batch_idx, q_lo, cfg.block_q, along_rows=True)
     return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment)
 
   def walk_kv_blocks(self):
@@ -665,12 +656,11 @@ class _ConsumerTile:
     return s_ref[...]
 
   def key_segments(self, j):
-    """The segment ids of KV block j's keys (`_COL_LAYOUT`), or None."""
+    """The segment ids of KV block j's keys (along the tile's columns), or None."""
     if not self.ctx.call.has_segment_ids:
       return None
     bk = self.ctx.call.config.block_kv
-    return _load_ids(self.ctx.refs.kv_ids.at[self.item.batch_idx, pl.ds(j * bk, bk)],
-                     _COL_LAYOUT)
+    return load_ids(self.ctx.refs.kv_ids, self.item.batch_idx, j * bk, bk, along_rows=False)
 
   def block_softmax(self, s, m, j, *, masked: bool, kv_segment=None):
     """(P, new running max, alpha) for the logits of KV block j."""

@@ -4,6 +4,7 @@ SMEM layout that both TMA and `wgmma` read."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.kernels import KernelUnsupported, check_common
@@ -47,3 +48,11 @@ def smem_tile(shape, dtype, swizzle: int = 128):
       shape, dtype,
       transforms=(plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swizzle)),
   )
+
+
+def load_ids(ids_ref, batch_idx, start, n: int, *, along_rows: bool):
+  """Segment ids [start, start + n) of one batch row as a vector along a
+  wgmma tile's rows or columns. Element loads from GMEM (no optimized GMEM
+  path exists for these layouts): only masked blocks need them."""
+  layout = plgpu.Layout.WGMMA.reduce(1 if along_rows else 0)
+  return plgpu.load(ids_ref.at[batch_idx, pl.ds(start, n)], layout=layout, optimized=False)
