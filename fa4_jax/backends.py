@@ -11,7 +11,10 @@ the device onto a `Backend`:
   `fa4_jax.interpret_mode()`.
 
 Kernels without a fused backward of their own use the XLA backward, which
-consumes the kernel's log-sum-exp.
+consumes the kernel's log-sum-exp. A kernel module lists the optional
+arguments it takes in `FEATURES` ("sinks", "soft_cap"): without "sinks" the
+sinks are added after its forward (`scores.add_sinks`); without "soft_cap" the
+forward cannot serve a soft-capped call and the backward leaves it to XLA.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import dataclasses
 import functools
 import importlib
 
-from fa4_jax import interpret, xla_attention
+from fa4_jax import interpret, scores, xla_attention
 from fa4_jax.kernels import KernelUnsupported, default_device
 from fa4_jax.scores import MaskSpec
 from fa4_jax.vjp import Backend
@@ -55,11 +58,19 @@ def _kernel_backend(name: str) -> Backend:
   """Backend of one kernel family: its forward, its backward if it has one."""
   fwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
 
-  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, *,
-              scale, spec, soft_cap):
-    del bias, mask, soft_cap  # never selected with them (see _kernel_problem)
-    return fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec,
-                              segment_ids=_segment_pair(q_segment_ids, kv_segment_ids))
+  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
+              *, scale, spec, soft_cap):
+    del bias, mask  # never selected with them (see _kernel_problem)
+    options = _options(fwd_module, soft_cap=soft_cap)
+    in_kernel = "sinks" in _features(fwd_module)
+    if in_kernel:
+      options["sinks"] = sinks
+    out, lse = fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec,
+                                  segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
+                                  **options)
+    if sinks is not None and not in_kernel:
+      out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
+    return out, lse
 
   try:
     bwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
@@ -70,7 +81,7 @@ def _kernel_backend(name: str) -> Backend:
                out, lse, dout, *, scale, spec, soft_cap):
     # The fused backward where it supports the call, else the XLA backward
     # (which takes the kernel's lse): decided here, at trace time.
-    if bwd_module is not None:
+    if bwd_module is not None and (soft_cap is None or "soft_cap" in _features(bwd_module)):
       try:
         bwd_module.check_supported(q.shape, k.shape, q.dtype, spec)
       except KernelUnsupported:
@@ -78,13 +89,24 @@ def _kernel_backend(name: str) -> Backend:
       else:
         dq, dk, dv = bwd_module.backward(
             q, k, v, out, lse, dout, q_lengths, kv_lengths, scale=scale, mask=spec,
-            segment_ids=_segment_pair(q_segment_ids, kv_segment_ids))
+            segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
+            **_options(bwd_module, soft_cap=soft_cap))
         return dq, dk, dv, None
     return xla_attention.backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                                   kv_segment_ids, out, lse, dout, scale=scale, spec=spec,
                                   soft_cap=soft_cap)
 
   return Backend(name, forward, backward)
+
+
+def _features(module) -> frozenset[str]:
+  return getattr(module, "FEATURES", frozenset())
+
+
+def _options(module, **options):
+  """The optional keyword arguments a kernel module takes, those that are set
+  (so that a module without a feature is called as before)."""
+  return {k: v for k, v in options.items() if v is not None and k in _features(module)}
 
 
 def _segment_pair(q_segment_ids, kv_segment_ids):
@@ -115,9 +137,6 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
               "this device supports, or run inside fa4_jax.interpret_mode()")
   if call.has_bias:
     return f"implementation={name!r} does not support `bias`; use implementation='xla'"
-  if call.soft_cap is not None:
-    return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
-            "implementation=None (which falls back to the XLA path) or 'xla'")
   if call.has_mask:
     return (f"implementation={name!r} does not support a boolean `mask` array; "
             "use is_causal, local_window_size or the *_seq_lengths arguments, "
@@ -126,6 +145,9 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
     module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
   except ModuleNotFoundError:
     return f"implementation={name!r}: this build of fa4_jax has no {name} kernel"
+  if call.soft_cap is not None and "soft_cap" not in _features(module):
+    return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
+            "implementation=None (which falls back to the XLA path) or 'xla'")
   try:
     module.check_supported(call.q_shape, call.k_shape, call.dtype, call.spec)
   except KernelUnsupported as e:

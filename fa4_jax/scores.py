@@ -11,7 +11,7 @@ added here once:
 | whether a tile needs the element mask | `TileRanges.full_lo` / `full_hi`, `MaskSpec.tile_is_full` | a tile is full only if the new test holds for all its pairs |
 | the element mask | `visible` (band, key length, segment ids) | one more `&` term |
 | the softmax statistics | `initial_row_stats`, `online_softmax`, `normalize` / `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
-| score modifications | `soft_cap` / `soft_cap_grad`; sinks: `add_sinks` (today applied to any backend's (out, lse)), `sink_grad` (the sinks' gradient, an XLA reduction) | here, with its derivative |
+| score modifications | `soft_cap` / `soft_cap_grad`; sinks: `initial_row_stats(sink=)` in the kernels that take them, else the post-pass `add_sinks` on the backend's (out, lse); `sink_grad` (the sinks' gradient, an XLA reduction) | here, with its derivative |
 
 The kernels keep the statistics in their accumulator's row layout and call
 these functions on whole tiles, so the same code runs on wgmma register
@@ -416,12 +416,22 @@ RESCALE_THRESHOLD = 8.0
 M_INIT = -1e30
 
 
-def initial_row_stats(num_rows: int, place=lambda x: x):
+def initial_row_stats(num_rows: int, place=lambda x: x, sink=None):
   """(running max, running sum) of `num_rows` rows before their first key:
-  `M_INIT` and 0. `place` puts each vector into the kernel's row layout."""
-  m = place(jnp.full((num_rows,), M_INIT, jnp.float32))
-  l = place(jnp.full((num_rows,), 0.0, jnp.float32))
-  return m, l
+  `M_INIT` and 0. `place` puts each vector into the kernel's row layout.
+
+  With `sink` (this head's sink logit, natural log, an f32 scalar) the rows
+  start as if they had seen the sink's virtual key: max = sink in log2 units,
+  sum = exp2(0) = 1, and O = 0 since its value is zero. No extra pass: a row
+  that then sees no key ends with O = 0 and lse = sink.
+  """
+  if sink is None:
+    m = jnp.full((num_rows,), M_INIT, jnp.float32)
+    l = jnp.full((num_rows,), 0.0, jnp.float32)
+  else:
+    m = jnp.full((num_rows,), 0.0, jnp.float32) + sink.astype(jnp.float32) * LOG2_E
+    l = jnp.full((num_rows,), 1.0, jnp.float32)
+  return place(m), place(l)
 
 
 def exact_alpha(m_old, m_new):
@@ -475,6 +485,32 @@ def normalize(acc, m, l):
 # --- Score modifications ----------------------------------------------------------
 # Logit soft-capping (Gemma 2): logits -> cap * tanh(logits / cap), applied to
 # the scaled (and biased) logits before masking and the softmax.
+#
+# The kernels fold it into the softmax constant: with soft-cap they turn a raw
+# tile s into t = tanh(s * scale / cap) (`softmax_logits`) and use
+# c = cap * log2(e) (`softmax_scale`) where they used scale * log2(e), so
+# P = exp2(c t - m) costs one multiply and one tanh more per element
+# (tanh.approx.f32 under Mosaic GPU's approx_math). Masking comes after the
+# tanh (tanh(-inf) = -1 is no mask). The backward multiplies dS by the slope
+# 1 - t^2 (`soft_cap_slope`); the chain rule's `scale` stays where it was.
+
+
+def softmax_scale(scale: float, cap: float | None) -> float:
+  """The constant c with P = exp2(c * softmax_logits(s) - m)."""
+  return float(scale if cap is None else cap) * LOG2_E
+
+
+def softmax_logits(s, scale: float, cap: float | None):
+  """A tile of raw logits q.k in the units of `softmax_scale`: `s` itself,
+  or tanh(s * scale / cap) with soft-cap."""
+  if cap is None:
+    return s
+  return jnp.tanh(s * jnp.float32(scale / cap))
+
+
+def soft_cap_slope(t):
+  """d(cap * tanh(x / cap)) / dx = 1 - t^2, from t = `softmax_logits`."""
+  return 1.0 - t * t
 
 
 def soft_cap(s, cap: float | None):
@@ -501,13 +537,17 @@ def soft_cap_grad(capped, cap: float | None):
 # dP = 0, summed over the rows of its head.
 
 
-def add_sinks(out, lse, sinks, rows_valid):
-  """(out, lse) of attention without sinks -> with them.
+def add_sinks(out, lse, sinks, q_lengths=None):
+  """(out, lse) of attention without sinks -> with them: the post-pass of a
+  backend that does not start its softmax from the sink.
 
   out [B, T, N, D]; lse f32 [B, N, T] (natural log; -inf for rows that saw
-  no key); sinks [N]; rows_valid bool [B, T] (rows past the query length keep
+  no key); sinks [N]; q_lengths int32 [B] or None (rows at or past it keep
   zeros and -inf). A row that saw no key keeps zeros and gets lse = sink.
   """
+  rows = jnp.arange(out.shape[1])[None, :]
+  rows_valid = jnp.broadcast_to(
+      rows < (out.shape[1] if q_lengths is None else q_lengths[:, None]), out.shape[:2])
   sink = sinks.astype(jnp.float32)[None, :, None]
   total = jnp.where(rows_valid[:, None, :], jnp.logaddexp(lse, sink), lse)
   keep = jnp.where(jnp.isfinite(total), jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)),

@@ -54,7 +54,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 _LAYOUTS = {
     "q": "btnh", "k": "bskh", "v": "bskh", "bias": "bnts", "mask": "bnts",
     "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt", "kv_segment_ids": "bs",
-    "out": "btnh", "lse": "bnt", "dout": "btnh",
+    "sinks": "n", "out": "btnh", "lse": "bnt", "dout": "btnh",
     "dq": "btnh", "dk": "bskh", "dv": "bskh", "dbias": "bnts",
 }
 _FORWARD_OPERANDS = ("q", "k", "v", "bias", "mask", "q_lengths", "kv_lengths",
@@ -82,12 +82,12 @@ class _Call:
 
 
 def forward(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-            kv_segment_ids):
+            kv_segment_ids, sinks):
   """(out, lse) of the backend in `config`, partitioned across devices."""
   given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
                kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
-               kv_segment_ids=kv_segment_ids)
-  names = tuple(n for n in _FORWARD_OPERANDS if given[n] is not None)
+               kv_segment_ids=kv_segment_ids, sinks=sinks)
+  names = tuple(n for n in _FORWARD_OPERANDS + ("sinks",) if given[n] is not None)
   call = _Call(config, names, ("out", "lse"))
   return _run(call, [given[n] for n in names])
 
@@ -114,7 +114,7 @@ def _call_backend(call: _Call, *arrays):
   cfg = call.config
   common = tuple(a.get(n) for n in _FORWARD_OPERANDS)
   if call.results == ("out", "lse"):
-    return tuple(cfg.backend.forward(*common, scale=cfg.scale, spec=cfg.spec,
+    return tuple(cfg.backend.forward(*common, a.get("sinks"), scale=cfg.scale, spec=cfg.spec,
                                      soft_cap=cfg.soft_cap))
   dq, dk, dv, dbias = cfg.backend.backward(
       *common, a["out"], a["lse"], a["dout"], scale=cfg.scale, spec=cfg.spec,

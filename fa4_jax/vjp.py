@@ -3,18 +3,17 @@
 A backend is a pair of functions:
 
     forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-            kv_segment_ids, *, scale, spec, soft_cap)
+            kv_segment_ids, sinks, *, scale, spec, soft_cap)
         -> (out [B,T,N,D], lse f32 [B,N,T])
     backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
              kv_segment_ids, out, lse, dout, *, scale, spec, soft_cap)
         -> (dq, dk, dv, dbias or None)
 
-Lengths are int32 [B], segment ids int32 [B, T] and [B, S]; each may be None.
-`soft_cap` is None or the logit soft-cap. Attention sinks are no backend's
-business: they are added to the backend's (out, lse) here
-(`scores.add_sinks`), the backward gets the lse that includes them (its
-P = exp(s - lse) is then right), and their gradient is a reduction here
-(`scores.sink_grad`).
+Lengths are int32 [B], segment ids int32 [B, T] and [B, S], sinks [N]; each
+may be None. `soft_cap` is None or the logit soft-cap. The forward's lse
+includes the sinks (a kernel starts its softmax from them, the XLA path adds
+them after), so the backward's P = exp(s - lse) needs no change and takes no
+sinks; their gradient is a reduction here (`scores.sink_grad`).
 The forward saves its operands and (out, lse); the backward
 recomputes probabilities from the log-sum-exp. A backend may pair a kernel
 forward with the XLA backward: any forward that honours the lse contract of
@@ -55,18 +54,8 @@ class CoreConfig:
 def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                    kv_segment_ids, sinks, config: CoreConfig):
   """(out, lse) of attention with the backend named in `config`."""
-  out, lse = sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths,
-                              q_segment_ids, kv_segment_ids)
-  if sinks is not None:
-    out, lse = scores.add_sinks(out, lse, sinks, _rows_valid(q, q_lengths))
-  return out, lse
-
-
-def _rows_valid(q, q_lengths):
-  """bool [B, T]: rows before the query length."""
-  rows = jnp.arange(q.shape[1])[None, :]
-  return jnp.broadcast_to(rows < (q.shape[1] if q_lengths is None else q_lengths[:, None]),
-                          q.shape[:2])
+  return sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths,
+                          q_segment_ids, kv_segment_ids, sinks)
 
 
 def _core_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,

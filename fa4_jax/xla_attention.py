@@ -243,9 +243,12 @@ def _row_valid(p: _Problem, qb):
 
 
 def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
-            kv_segment_ids=None, *, scale: float, spec: MaskSpec,
+            kv_segment_ids=None, sinks=None, *, scale: float, spec: MaskSpec,
             soft_cap: float | None = None, blocks: Blocks | None = None):
-  """Attention forward. Returns (out [B,T,N,D] in q.dtype, lse f32 [B,N,T])."""
+  """Attention forward. Returns (out [B,T,N,D] in q.dtype, lse f32 [B,N,T]).
+
+  `sinks` [N] (or None) are added after the blocks (`scores.add_sinks`): the
+  lse includes them."""
   p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                scale, spec, blocks, soft_cap)
   bsz, _, kh, g, d = p.q.shape
@@ -282,6 +285,8 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
   nq = p.num_q_blocks
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, d)[:, :p.t]
   lse = lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
+  if sinks is not None:
+    out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
   return out, lse
 
 

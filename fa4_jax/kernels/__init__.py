@@ -22,6 +22,17 @@ plugs into the shared `jax.custom_vjp` (see `fa4_jax/vjp.py`):
 A backward module offers `backward(q, k, v, out, lse, dout, q_lengths,
 kv_lengths, *, scale, mask, segment_ids=None) -> (dq, dk, dv)` with the same
 conventions.
+
+Optional arguments, taken by a module that names them in its `FEATURES`
+(a frozenset of strings; `fa4_jax.backends` passes them only when set):
+
+    "sinks" (forward): sinks=float32 [Nq], this head's sink logit (natural
+        log). The softmax starts from it (`scores.initial_row_stats(sink=)`):
+        the lse includes it; a row that sees no key gets zeros and lse = sink;
+        rows at or past q_lengths keep zeros and -inf.
+    "soft_cap" (forward, backward): soft_cap=float > 0, logits ->
+        cap * tanh(logits / cap) before masking (`scores.softmax_logits`,
+        `softmax_scale`; the backward's dS times `scores.soft_cap_slope`).
 """
 
 
