@@ -58,8 +58,14 @@ def random_packing(rng: np.random.Generator, total: int, max_documents: int) -> 
   return packed_segment_ids(list(lengths), total)
 
 
-def einsum_attention(q, k, v, visible, bias=None, scale=None):
-  """f32 attention by einsum; rows that see nothing give 0 (our convention)."""
+def einsum_attention(q, k, v, visible, bias=None, scale=None, *, sinks=None, soft_cap=None):
+  """f32 attention by einsum; rows that see nothing give 0 (our convention).
+
+  `soft_cap`: logits -> cap * tanh(logits / cap) after scale and bias, before
+  the mask. `sinks` [N]: one more column per row with the head's sink as its
+  (uncapped) logit and a zero value; the lse includes it, so a row that sees
+  no key gets lse = sink.
+  """
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   n, kh = q.shape[2], k.shape[2]
   k = jnp.repeat(k, n // kh, axis=2)
@@ -68,11 +74,21 @@ def einsum_attention(q, k, v, visible, bias=None, scale=None):
   logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") * scale
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  visible = jnp.broadcast_to(jnp.asarray(visible), logits.shape)
+  if sinks is not None:
+    column = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None, None],
+                              logits.shape[:3] + (1,))
+    logits = jnp.concatenate([logits, column], axis=-1)
+    visible = jnp.concatenate([visible, jnp.ones(column.shape, bool)], axis=-1)
   logits = jnp.where(visible, logits, -jnp.inf)
   sees_any = visible.any(-1, keepdims=True)
   probs = jax.nn.softmax(jnp.where(sees_any, logits, 0.0), axis=-1)
   probs = jnp.where(visible, probs, 0.0)
   lse = jnp.where(sees_any[..., 0], jax.nn.logsumexp(jnp.where(sees_any, logits, 0.0), -1), -jnp.inf)
+  if sinks is not None:
+    probs = probs[..., :-1]
   out = jnp.einsum("bnts,bsnh->btnh", probs, v, precision="highest")
   return out, lse  # lse: [B, N, T]
 
