@@ -82,6 +82,32 @@ def trace_spans(f, args, iterations: int):
   return out
 
 
+def span_ms(f, *args) -> float:
+  """Median kernel span of `f(*args)` over ITERATIONS calls (`trace_spans`)."""
+  return statistics.median(span for span, _ in trace_spans(f, args, ITERATIONS))
+
+
+def kernel_sum_ms(f, *args) -> float:
+  """Sum of the kernel durations of a call in a profiler trace (CUPTI
+  underneath), median over ITERATIONS calls: `kernel_ms` without
+  `profiler.measure`, which drops activity records on some calls (the
+  packed forward, whose small XLA kernels come with it)."""
+  calls = trace_spans(f, args, ITERATIONS)
+  return statistics.median(sum(d for _, _, d in kernels) for _, kernels in calls)
+
+
+def prepare_traced(fwd, q, k, v, do):
+  """(time the forward, time the backward) of `fwd(q, k, v)`, compiled and
+  run once: the forward's kernel-duration sum and the VJP's kernel span in
+  profiler traces, in milliseconds."""
+  fwd = jax.jit(fwd)
+  jax.block_until_ready(fwd(q, k, v))
+  _, vjp = jax.vjp(fwd, q, k, v)
+  bwd = jax.jit(lambda vjp, do: vjp(do))
+  jax.block_until_ready(bwd(vjp, do))
+  return (lambda: kernel_sum_ms(fwd, q, k, v)), (lambda: span_ms(bwd, vjp, do))
+
+
 def result_path(prefix: str, device_kind: str, tag: str = "") -> str:
   """`<dir>/<prefix>[-<tag>]-<device>-<date>.json`, the folder created if
   needed: $OUT when set (the GPU machine's folder that comes back), else

@@ -58,7 +58,7 @@ SHAPES = [
     ("B8 H32/8 D128", 8, 32, 8, 128),
 ]
 BACKWARD_FACTOR = bench_common.BACKWARD_FLOPS_FACTOR
-ITERATIONS = 10
+ITERATIONS = bench_common.ITERATIONS
 
 
 def packed_rows(batch: int, mean: int, seed: int = 0) -> np.ndarray:
@@ -94,19 +94,6 @@ def visible_pairs(ids: np.ndarray) -> int:
   return total
 
 
-def span_ms(f, *args) -> float:
-  return statistics.median(span for span, _ in bench_common.trace_spans(f, args, ITERATIONS))
-
-
-def kernel_sum_ms(f, *args) -> float:
-  """Sum of the kernel durations of a call in a profiler trace (CUPTI
-  underneath), median over ITERATIONS calls. `profiler.measure` dropped
-  activity records on the packed forward (the small XLA kernels that
-  summarise the ids come with it), so the trace is used for every column."""
-  calls = bench_common.trace_spans(f, args, ITERATIONS)
-  return statistics.median(sum(d for _, _, d in kernels) for _, kernels in calls)
-
-
 def implementations(ids, starts):
   """name -> (forward(q, k, v), whether it is packed)."""
   q_ids = jnp.asarray(ids)
@@ -129,16 +116,6 @@ def implementations(ids, starts):
   return impls
 
 
-def prepare(fwd, q, k, v, do):
-  """(timed forward, timed backward): compiled and run once."""
-  fwd = jax.jit(fwd)
-  jax.block_until_ready(fwd(q, k, v))
-  _, vjp = jax.vjp(fwd, q, k, v)
-  bwd = jax.jit(lambda vjp, do: vjp(do))
-  jax.block_until_ready(bwd(vjp, do))
-  return (lambda: kernel_sum_ms(fwd, q, k, v)), (lambda: span_ms(bwd, vjp, do))
-
-
 def run_shape(name, B, Hq, Hkv, D, rounds):
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (B, ROW, Hq, D), jnp.bfloat16)
@@ -159,7 +136,7 @@ def run_shape(name, B, Hq, Hkv, D, rounds):
         row[impl] = dense_done[impl]
         continue
       try:
-        timers[impl] = (prepare(fwd, q, k, v, do), packed)
+        timers[impl] = (bench_common.prepare_traced(fwd, q, k, v, do), packed)
       except Exception as e:  # one failure should not hide the rest
         row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
     # Rounds interleave the columns (A B C A B C ...): the card's clock drifts
