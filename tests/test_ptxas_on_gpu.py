@@ -3,7 +3,9 @@
 A kernel can be right and still compiled badly: ptxas decides, for the whole
 kernel, whether its wgmmas may overlap. This file is kept apart from
 `test_on_gpu.py` so that each runs within one ten-minute device command.
-Every configuration is compiled with and without segment ids.
+Every configuration is compiled plain, with segment ids, and with sinks and
+soft-cap (whose tanh and slope add registers to the softmax and to dS); a
+variant may not spill more than the plain kernel.
 """
 
 import os
@@ -36,23 +38,26 @@ from fa4_jax.scores import MaskSpec
 # Each item builds its inputs when it runs: a child runs a quarter of them.
 # `segments`: with segment ids (packed sequences), whose element mask adds
 # registers to the consumers' masked steps.
+# `capped`: with soft-cap (and sinks in the forward).
 def ids(segments):
   return (jnp.zeros((1, 1024), jnp.int32),) * 2 if segments else None
 
-def forward(d, mask, config, segments=False):
+def forward(d, mask, config, segments=False, capped=False):
   def call():
     q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
+    options = dict(sinks=jnp.zeros((2,), jnp.float32), soft_cap=30.0) if capped else {}
     return sm90_forward.forward(q, q, q, None, None, scale=0.1, mask=mask, config=config,
-                                segment_ids=ids(segments))[0]
+                                segment_ids=ids(segments), **options)[0]
   return call
 
-def backward(d, mask, group, config, segments=False):
+def backward(d, mask, group, config, segments=False, capped=False):
   def call():
     q = jnp.ones((1, 1024, 2 * group, d), jnp.bfloat16)
     kv = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
     lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
+    options = dict(soft_cap=30.0) if capped else {}
     return sm90_backward.backward(q, kv, kv, q, lse, q, None, None, scale=0.1, mask=mask,
-                                  config=config, segment_ids=ids(segments))
+                                  config=config, segment_ids=ids(segments), **options)
   return call
 
 causal = MaskSpec(right=0)
@@ -67,12 +72,16 @@ for d in (64, 128, 192, 256):
       items.setdefault(f"forward d={d} {mask} {config}", forward(d, mask, config))
       items.setdefault(f"forward d={d} {mask} {config} segment ids",
                        forward(d, mask, config, segments=True))
+      items.setdefault(f"forward d={d} {mask} {config} soft-cap",
+                       forward(d, mask, config, capped=True))
     for group in (1, 4):
       config = sm90_backward.choose_config(d, mask, group)
       items.setdefault(f"backward d={d} {mask} group={group > 1} {config}",
                        backward(d, mask, group, config))
       items.setdefault(f"backward d={d} {mask} group={group > 1} {config} segment ids",
                        backward(d, mask, group, config, segments=True))
+      items.setdefault(f"backward d={d} {mask} group={group > 1} {config} soft-cap",
+                       backward(d, mask, group, config, capped=True))
 
 dump = os.environ["MOSAIC_GPU_DUMP_TO"]
 first, step = int(sys.argv[1]), int(sys.argv[2])
@@ -98,7 +107,7 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   configuration the heuristics pick may be compiled that way; the control,
   which is, must be caught."""
   repo = pathlib.Path(__file__).resolve().parents[1]
-  children = 4  # ptxas dominates: compile on several cores at once
+  children = 8  # ptxas dominates: compile on several cores at once
   dump_dirs = [tmp_path / f"child{i}" for i in range(children)]
   procs = []
   for i, dump_dir in enumerate(dump_dirs):
@@ -129,3 +138,15 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   assert found.pop("control: dK/dV consumers on 208 registers"), "the control's serialization went unseen"
   bad = [f"{name}: {message}" for name, messages in found.items() for message in messages]
   assert not bad, "\n".join(bad)
+  spills = {name: _spill_bytes(dumps) for name, dumps in calls}
+  more = [f"{name}: {spills[name]} spill bytes, plain {spills[name[:-len(suffix)]]}"
+          for name in spills for suffix in (" segment ids", " soft-cap")
+          if name.endswith(suffix) and spills[name] > spills[name[:-len(suffix)]]]
+  assert not more, "\n".join(more)
+
+
+def _spill_bytes(dumps) -> int:
+  """Spill stores plus loads over every function of a call's ptxas reports."""
+  return sum(int(a) + int(b) for dump in dumps
+             for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                                    dump.read_text()))
