@@ -128,7 +128,9 @@ def which_implementation(
     key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
 ) -> str:
   """The implementation `attention` would use for these arguments here:
-  `"xla"`, `"sm90"`, `"sm100"` or `"cudnn"`. Raises as `attention` would."""
+  `"xla"`, `"sm90"`, `"sm90_decode"` (the sm90 kernels in their decode
+  arrangement: short queries without a band mask, see `fa4_jax.decode`),
+  `"sm100"` or `"cudnn"`. Raises as `attention` would."""
   if implementation == "cudnn":
     return "cudnn"
   _, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
@@ -152,5 +154,5 @@ def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
   call = backends.CallInfo(
       q_shape=args.query.shape, k_shape=args.key.shape, dtype=args.query.dtype,
       spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None,
-      soft_cap=args.logits_soft_cap)
+      soft_cap=args.logits_soft_cap, has_segment_ids=args.query_segment_ids is not None)
   return args, backends.select(implementation, call)

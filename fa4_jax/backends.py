@@ -10,6 +10,12 @@ the device onto a `Backend`:
   serve the call. On a machine without that GPU it runs only inside
   `fa4_jax.interpret_mode()`.
 
+Where the sm90 kernels serve a short query without a band mask (decode
+against a KV cache), they run in the decode arrangement of `fa4_jax.decode`
+(query heads packed as rows, the cache split into chunks): the backend is
+then named "sm90_decode" (what `which_implementation` reports); its backward
+is the sm90 backward.
+
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional
 arguments it takes in `FEATURES` ("sinks", "soft_cap"): without "sinks" the
@@ -48,6 +54,7 @@ class CallInfo:
   has_bias: bool
   has_mask: bool
   soft_cap: float | None = None
+  has_segment_ids: bool = False
 
 
 XLA = Backend("xla", xla_attention.forward, xla_attention.backward)
@@ -97,6 +104,27 @@ def _kernel_backend(name: str) -> Backend:
                                   soft_cap=soft_cap)
 
   return Backend(name, forward, backward)
+
+
+@functools.cache
+def _decode_backend() -> Backend:
+  """The sm90 forward kernel in the decode arrangement, the sm90 backward."""
+  from fa4_jax import decode
+  from fa4_jax.kernels import sm90_forward
+
+  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
+              *, scale, spec, soft_cap):
+    del bias, mask  # never selected with them (see _kernel_problem)
+    plan = decode.plan(q.shape, k.shape, spec, has_segment_ids=q_segment_ids is not None)
+    if plan is None:  # other shapes per device (e.g. a sharded call): the usual kernel
+      return _kernel_backend("sm90").forward(
+          q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
+          scale=scale, spec=spec, soft_cap=soft_cap)
+    options = _options(sm90_forward, soft_cap=soft_cap)
+    return decode.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec, plan=plan,
+                          sinks=sinks, **options)
+
+  return Backend("sm90_decode", forward, _kernel_backend("sm90").backward)
 
 
 def _features(module) -> frozenset[str]:
@@ -162,10 +190,21 @@ def select(implementation: str | None, call: CallInfo) -> Backend:
     problem = _kernel_problem(implementation, call)
     if problem is not None:
       raise ValueError(problem)
-    return _kernel_backend(implementation)
+    return _arrangement(implementation, call)
   assert implementation is None, implementation
   major = device_arch_major()
   for name in KERNEL_IMPLEMENTATIONS:
     if major == _KERNEL_ARCH_MAJOR[name] and _kernel_problem(name, call) is None:
-      return _kernel_backend(name)
+      return _arrangement(name, call)
   return XLA
+
+
+def _arrangement(name: str, call: CallInfo) -> Backend:
+  """Kernel family `name`'s backend for this call: the sm90 decode
+  arrangement for short band-free queries, else the kernels as they are."""
+  if name == "sm90":
+    from fa4_jax import decode
+    if decode.plan(call.q_shape, call.k_shape, call.spec,
+                   has_segment_ids=call.has_segment_ids) is not None:
+      return _decode_backend()
+  return _kernel_backend(name)

@@ -845,7 +845,7 @@ def segment_operands(segment_ids, cfg: ForwardConfig, mask: MaskSpec, q_seq: int
           pad_ids(kv_ids, cdiv(kv_seq, cfg.block_kv) * cfg.block_kv), ranges)
 
 
-def _sm_count(default: int) -> int:
+def sm_count(default: int = H100_SMS) -> int:
   """SMs of the default device (a persistent grid launches one CTA per SM:
   more would queue a second wave); `default` without a GPU."""
   try:
@@ -891,7 +891,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if config is None:
     config = choose_config(d, mask, kv_seq, q_seq)
   if config.persistent and not config.num_sms:
-    config = dataclasses.replace(config, num_sms=_sm_count(H100_SMS))
+    config = dataclasses.replace(config, num_sms=sm_count(H100_SMS))
   call = _build_kernel(
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,

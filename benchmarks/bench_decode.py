@@ -1,0 +1,147 @@
+"""Decode: a few query tokens against a long KV cache, on one GPU.
+
+Memory-bound: the figure of merit is the K/V bytes read once divided by the
+kernel time (TB/s; the H100 SXM's HBM3 peaks near 3.35). Rows are issue #27's
+(bf16, D128, GQA 32/8, a full cache, no mask). Columns, in one process:
+
+* `default`: `fa4_jax.attention` as it picks today;
+* `decode pN`: `fa4_jax.decode` (query heads packed as rows, N chunks of the
+  cache, combined in XLA) with the forward kernel's own config;
+* `decode pN 1c sK`: the same with one consumer warpgroup and K ring stages;
+* `cudnn`, `xla`: `jax.nn.dot_product_attention`;
+* `tokamax`: tokamax 0.0.17's Mosaic GPU attention, where installed.
+
+Time: the sum of a call's kernel durations in a profiler trace (CUPTI
+underneath; the decode columns include their combine), median of
+`bench_common.ITERATIONS` calls, then median of the rounds (interleaved).
+
+Usage (GPU machine, repository root):
+    python3 benchmarks/bench_decode.py [--only SUBSTRING] [--tag NAME] [--rounds N] [--splits 1,4,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fa4_jax  # noqa: E402
+from fa4_jax import decode  # noqa: E402
+from fa4_jax.kernels import sm90_forward  # noqa: E402
+from fa4_jax.scores import MaskSpec  # noqa: E402
+
+import bench_common  # noqa: E402
+
+# (name, B, T, S, Hq, Hkv, D)
+CASES = [
+    ("B8 T1 S32768", 8, 1, 32768, 32, 8, 128),
+    ("B64 T1 S4096", 64, 1, 4096, 32, 8, 128),
+    ("B1 T1 S131072", 1, 1, 131072, 32, 8, 128),
+    ("B8 T16 S32768", 8, 16, 32768, 32, 8, 128),
+]
+
+
+def one_consumer(stages: int) -> sm90_forward.ForwardConfig:
+  return sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=stages,
+                                    num_consumers=1, pingpong=False, conditional_rescale=True)
+
+
+def implementations(splits, scale):
+  impls = {
+      "default": lambda q, k, v: fa4_jax.attention(q, k, v),
+      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"),
+      "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+  }
+  for p in splits:
+    for label, config in [("", None), (" 1c s2", one_consumer(2)), (" 1c s3", one_consumer(3))]:
+      plan = decode.DecodePlan(p, config)
+      impls[f"decode p{p}{label}"] = (
+          lambda q, k, v, plan=plan: decode.forward(q, k, v, None, None, scale=scale,
+                                                    mask=MaskSpec(), plan=plan)[0])
+  try:
+    from tokamax._src.ops.attention import pallas_mosaic_gpu as tokamax_gpu
+  except ImportError as e:
+    print("no tokamax:", repr(e)[:200], flush=True)
+  else:
+    op = tokamax_gpu.PallasMosaicGpuFlashAttention()
+    impls["tokamax"] = lambda q, k, v: op(q, k, v)
+  return impls
+
+
+def run_case(name, B, T, S, Hq, Hkv, D, splits, rounds):
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (B, T, Hq, D), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
+  kv_bytes = 2 * B * S * Hkv * D * 2
+  row = dict(case=name, B=B, T=T, S=S, Hq=Hq, Hkv=Hkv, D=D, kv_bytes=kv_bytes)
+  fns, times = {}, {}
+  reference = None
+  for column, f in implementations([p for p in splits if S % p == 0], D ** -0.5).items():
+    try:
+      f = jax.jit(f)
+      out = jax.block_until_ready(f(q, k, v))
+      if reference is None and column == "xla":
+        reference = out
+      fns[column] = (f, out)
+    except Exception as e:  # one failure should not hide the rest
+      row[column] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+  for _ in range(rounds):
+    for column, (f, _) in fns.items():
+      times.setdefault(column, []).append(bench_common.kernel_sum_ms(f, q, k, v))
+  for column, (_, out) in fns.items():
+    ms = statistics.median(times[column])
+    err = None
+    if reference is not None:
+      err = float(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32)).max())
+    row[column] = dict(ms=ms, tb_per_s=kv_bytes / ms / 1e9, max_abs_diff_vs_xla=err,
+                       ms_rounds=times[column])
+  print(json.dumps(row), flush=True)
+  return row
+
+
+def markdown(rows):
+  columns = sorted({c for r in rows for c in r if isinstance(r[c], dict)})
+  lines = ["| case | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
+  for r in rows:
+    cells = []
+    for c in columns:
+      x = r.get(c)
+      cells.append("-" if x is None else "error" if "error" in x else f"{x['tb_per_s']:.2f}")
+    lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  bench_common.add_case_options(ap)
+  ap.add_argument("--rounds", type=int, default=1)
+  ap.add_argument("--splits", default="1,2,4,8,16,32")
+  args = ap.parse_args()
+  device = jax.devices()[0]
+  print(device.device_kind, jax.__version__, flush=True)
+  splits = [int(x) for x in args.splits.split(",")]
+  rows = [run_case(*case, splits, args.rounds)
+          for case in bench_common.selected(CASES, args.only)]
+  path = bench_common.result_path("decode", device.device_kind, args.tag)
+  with open(path, "w") as fh:
+    json.dump(dict(device=device.device_kind, jax=jax.__version__,
+                   date=datetime.date.today().isoformat(),
+                   method=("sum of kernel durations in a profiler trace, median of "
+                           f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
+                           "TB/s = K and V bytes read once / time; bf16"),
+                   rows=rows), fh, indent=1)
+  print(markdown(rows))
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,155 @@
+"""Attention of a few query tokens against a long KV cache (decode).
+
+One new token per sequence reads the whole cache: the work is bound by the
+bytes of K and V, not by FLOPs, and a forward kernel that gives every query
+head its own CTA reads each K/V byte once per query head of a group and
+leaves most SMs idle when B x heads is small. This path reuses the sm90
+forward kernel on a re-shaped problem:
+
+* **GQA packing**: the G query heads of one KV head become G rows of one
+  query tile (row r = t * G + g for token t, group member g), so one CTA
+  reads each K/V byte once per KV head.
+* **Split-K**: the cache is cut into `splits` equal chunks along the
+  sequence (a reshape, no copy: [B, S] -> [B * splits, S / splits]), each
+  chunk a batch row of its own with its own key length, so B x Hkv x splits
+  CTAs fill the GPU.
+* **Combine**: the chunks' outputs are merged with their log-sum-exps in
+  XLA (a pass over B x T x Hq x D per chunk, small at decode sizes).
+
+Masks: the packed rows of one token share its position, which no `MaskSpec`
+band can express for several tokens, so this path serves masks without a
+band (no `is_causal`, no window) with any key lengths, which is how a cache
+of valid length L is read. Sinks are added after the combine
+(`scores.add_sinks`: the packed rows mix heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from fa4_jax import scores
+from fa4_jax.kernels import sm90_forward
+from fa4_jax.scores import MaskSpec
+
+
+# Packed rows (T x G) up to which the decode path serves a call: one CTA's
+# query tile (two consumers of 64 rows), where the forward kernel would read
+# each K/V byte once per query head. Measured on an H200 (bf16, D128, GQA
+# 32/8; benchmarks/results/decode-*.json).
+MAX_PACKED_ROWS = 128
+# A chunk keeps at least this many keys: shorter ones spend more time in the
+# pipeline's fill and drain and in the combine than they save.
+MIN_CHUNK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+  """How one call is cut: the cache in `splits` equal chunks, rows packed;
+  `config` None takes the forward kernel's heuristic."""
+
+  splits: int
+  config: sm90_forward.ForwardConfig | None = None
+
+
+def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
+         num_sms: int | None = None) -> DecodePlan | None:
+  """The decode plan for a call, or None when the forward kernel serves it.
+
+  Splits: the largest power of two that keeps B x Hkv x splits CTAs within
+  one wave of the GPU's SMs, divides the key length and leaves chunks of at
+  least MIN_CHUNK keys. H200 (B*Hkv*splits CTAs on 132 SMs): B8 S32k best at
+  2 (128 CTAs: 4.38 TB/s; 4: 4.26, 1: 3.44), B64 S4k at 1 (512: 4.22), B1
+  S131k at 16 (128: 4.17; 32: 3.98, 8: 3.27).
+  """
+  b, t, n, _ = q_shape
+  s, kv_heads = k_shape[1], k_shape[2]
+  rows = t * (n // kv_heads)
+  if has_segment_ids or not mask.is_dense or rows > MAX_PACKED_ROWS:
+    return None
+  if num_sms is None:
+    num_sms = sm90_forward.sm_count()
+  splits = 1
+  while (b * kv_heads * splits * 2 <= num_sms and s % (splits * 2) == 0
+         and s // (splits * 2) >= MIN_CHUNK):
+    splits *= 2
+  return DecodePlan(splits)
+
+
+def pack_rows(q, kv_heads: int):
+  """[B, T, Hkv * G, D] -> [B, T * G, Hkv, D]: a KV head's query heads as rows."""
+  b, t, n, d = q.shape
+  g = n // kv_heads
+  return q.reshape(b, t, kv_heads, g, d).transpose(0, 1, 3, 2, 4).reshape(b, t * g, kv_heads, d)
+
+
+def unpack_rows(out, lse, t: int):
+  """Inverse of `pack_rows` for out [B, T * G, Hkv, D] and lse [B, Hkv, T * G]."""
+  b, rows, kv_heads, d = out.shape
+  g = rows // t
+  out = out.reshape(b, t, g, kv_heads, d).transpose(0, 1, 3, 2, 4).reshape(b, t, kv_heads * g, d)
+  lse = lse.reshape(b, kv_heads, t, g).transpose(0, 1, 3, 2).reshape(b, kv_heads * g, t)
+  return out, lse
+
+
+def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
+  """int32 [B * splits]: the valid keys of each chunk (0 past the length)."""
+  chunk = kv_seq // splits
+  total = (jnp.full((batch,), kv_seq, jnp.int32) if kv_lengths is None
+           else jnp.asarray(kv_lengths, jnp.int32))
+  starts = jnp.arange(splits, dtype=jnp.int32) * chunk
+  return jnp.clip(total[:, None] - starts[None, :], 0, chunk).reshape(batch * splits)
+
+
+def combine(out, lse, splits: int):
+  """Merge chunk results: out [B * P, R, H, D], lse [B * P, H, R] ->
+  (f32 [B, R, H, D], [B, H, R]); rows no chunk saw stay 0 / -inf."""
+  bp, rows, heads, d = out.shape
+  b = bp // splits
+  out = out.reshape(b, splits, rows, heads, d).astype(jnp.float32)
+  lse = lse.reshape(b, splits, heads, rows)
+  top = lse.max(axis=1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weight = jnp.exp(lse - top)  # 0 for chunks that saw no key
+  total = weight.sum(axis=1)
+  seen = total > 0.0
+  merged_lse = jnp.where(seen, top[:, 0] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  share = weight / jnp.where(seen, total, 1.0)[:, None]  # [B, P, H, R]
+  merged = jnp.einsum("bphr,bprhd->brhd", share, out)
+  return merged, merged_lse
+
+
+def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
+            plan: DecodePlan, sinks=None, soft_cap: float | None = None):
+  """(out [B, T, Hq, D], lse [B, Hq, T]) of a band-free mask, by packing and
+  splitting (see the module docstring). The lse is the whole row's, so any
+  backward that takes (out, lse) works with it."""
+  if not mask.is_dense:
+    raise ValueError("the decode path serves masks without a band (no is_causal, no window)")
+  b, t, n, d = q.shape
+  _, s, kv_heads, _ = k.shape
+  g = n // kv_heads
+  p = plan.splits
+  if s % p:
+    raise ValueError(f"splits={p} must divide the key length {s}")
+  packed = pack_rows(q, kv_heads)
+  if p > 1:
+    packed = jnp.repeat(packed, p, axis=0)
+    k = k.reshape(b * p, s // p, kv_heads, d)
+    v = v.reshape(b * p, s // p, kv_heads, d)
+  rows_len = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32) * g
+  if rows_len is not None and p > 1:
+    rows_len = jnp.repeat(rows_len, p)
+  chunk_len = kv_lengths if p == 1 else (
+      None if kv_lengths is None else split_lengths(kv_lengths, b, s, p))
+  options = {} if soft_cap is None else dict(soft_cap=soft_cap)
+  out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, scale=scale, mask=mask,
+                                  config=plan.config, **options)
+  if p > 1:
+    merged, lse = combine(out, lse, p)
+    out = merged.astype(q.dtype)
+  out, lse = unpack_rows(out, lse, t)
+  if sinks is not None:
+    out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
+  return out, lse

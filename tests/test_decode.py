@@ -1,0 +1,141 @@
+"""The decode arrangement of the sm90 kernels (`fa4_jax.decode`).
+
+Specification:
+* A short query (T x G packed rows <= 128) without a band mask is served by
+  the sm90 forward kernel with the query heads of a KV head packed as rows
+  and the cache split into chunks; `which_implementation` says
+  "sm90_decode". Causal masks, windows, segment ids and long queries keep
+  the usual kernel.
+* Splits: the largest power of two that keeps B x Hkv x splits CTAs within
+  one wave of SMs, divides S and leaves chunks of >= 512 keys (the measured
+  best choices on an H200 for issue #27's rows).
+* Numerics (interpreter with race detection): out and lse equal an f32
+  einsum with per-row key lengths (a row with length 0 gets zeros and
+  -inf), query lengths, GQA and MQA, sinks, over several chunks; the
+  gradients (the sm90 backward, from the combined lse) too.
+* The combine of chunks is the softmax of the whole row: checked on its own.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from fa4_jax import decode
+from fa4_jax.scores import MaskSpec
+from reference import einsum_attention
+
+
+def _inputs(seed, b, t, s, n, kv_heads, d, dtype=jnp.bfloat16):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(keys[0], (b, t, n, d), dtype),
+          jax.random.normal(keys[1], (b, s, kv_heads, d), dtype),
+          jax.random.normal(keys[2], (b, s, kv_heads, d), dtype) + 1.0,
+          jax.random.normal(keys[3], (b, t, n, d), dtype))
+
+
+@pytest.mark.parametrize("shape, splits", [
+    ((8, 1, 32768, 32, 8), 2),
+    ((64, 1, 4096, 32, 8), 1),
+    ((1, 1, 131072, 32, 8), 16),
+    ((8, 16, 32768, 32, 8), 2),
+    ((1, 1, 1000, 8, 1), 1),  # 1000 = 2 * 500: a chunk of 500 keys is too short
+    ((1, 1, 3072, 8, 1), 4),  # splits divide S: 8 would give chunks of 384
+])
+def test_splits_fill_one_wave_of_sms_with_chunks_of_at_least_512_keys(shape, splits):
+  b, t, s, n, kv_heads = shape
+  plan = decode.plan((b, t, n, 128), (b, s, kv_heads, 128), MaskSpec(), num_sms=132)
+  assert plan is not None and plan.splits == splits
+
+
+@pytest.mark.parametrize("name, t, n, kv_heads, options", [
+    ("causal", 1, 8, 2, dict(is_causal=True)),
+    ("window", 1, 8, 2, dict(local_window_size=(100, 0))),
+    ("long query", 64, 8, 2, dict()),  # 64 tokens x 4 heads = 256 rows
+])
+def test_band_masks_and_long_queries_keep_the_usual_kernel(name, t, n, kv_heads, options):
+  q, k, v, _ = _inputs(0, 1, t, 1024, n, kv_heads, 64)
+  with fa4_jax.interpret_mode():
+    assert fa4_jax.which_implementation(q, k, v, implementation="sm90", **options) == "sm90"
+    ids = jnp.zeros((1, t), jnp.int32), jnp.zeros((1, 1024), jnp.int32)
+    assert fa4_jax.which_implementation(q, k, v, query_segment_ids=ids[0],
+                                        key_value_segment_ids=ids[1],
+                                        implementation="sm90", **options) == "sm90"
+
+
+def test_combining_chunks_is_the_softmax_of_the_whole_row():
+  rng = np.random.default_rng(0)
+  b, p, rows, heads, d, chunk = 2, 4, 3, 2, 5, 7
+  logits = rng.normal(size=(b, heads, rows, p * chunk)) * 3
+  logits[0, :, :, chunk:3 * chunk] = -np.inf  # chunks that see no key
+  logits[1, 0, 0, :] = -np.inf  # a row that sees nothing at all
+  values = rng.normal(size=(b, p * chunk, heads, d))
+  outs, lses = [], []
+  for c in range(p):
+    part = logits[..., c * chunk:(c + 1) * chunk]
+    lse = np.logaddexp.reduce(part, axis=-1)
+    probs = np.where(np.isfinite(lse)[..., None], np.exp(part - np.where(
+        np.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    outs.append(np.einsum("bhrs,bshd->brhd", probs, values[:, c * chunk:(c + 1) * chunk]))
+    lses.append(lse)
+  out = np.stack(outs, 1).reshape(b * p, rows, heads, d)
+  lse = np.stack(lses, 1).reshape(b * p, heads, rows)
+  merged, merged_lse = decode.combine(jnp.asarray(out, jnp.float32),
+                                      jnp.asarray(lse, jnp.float32), p)
+  whole_lse = np.logaddexp.reduce(logits, axis=-1)
+  probs = np.where(np.isfinite(whole_lse)[..., None],
+                   np.exp(logits - np.where(np.isfinite(whole_lse), whole_lse, 0.0)[..., None]),
+                   0.0)
+  np.testing.assert_allclose(np.asarray(merged), np.einsum("bhrs,bshd->brhd", probs, values),
+                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(merged_lse), whole_lse, rtol=1e-5)
+  assert np.all(np.asarray(merged)[1, 0, 0] == 0)
+
+
+@pytest.mark.parametrize("name, t, n, kv_heads, s, options", [
+    ("gqa, key lengths incl. an empty row, 2 chunks", 1, 8, 2, 1024,
+     dict(key_value_seq_lengths=(700, 0, 513))),
+    ("mqa, 3 tokens, query lengths, sinks", 3, 4, 1, 512,
+     dict(query_seq_lengths=(2, 3, 0), key_value_seq_lengths=(200, 512, 9), sinks=True)),
+])
+def test_decode_matches_an_f32_einsum_without_races(name, t, n, kv_heads, s, options,
+                                                    run_interpreted):
+  b, d = 3, 64
+  q, k, v, _ = _inputs(1, b, t, s, n, kv_heads, d)
+  options = dict(options)
+  sinks = (jnp.linspace(-2.0, 2.0, n, dtype=jnp.float32) if options.pop("sinks", False)
+           else None)
+  lengths = {key: jnp.asarray(x, jnp.int32) for key, x in options.items()}
+  q_len = options.get("query_seq_lengths", (t,) * b)
+  kv_len = options["key_value_seq_lengths"]
+  visible = ((np.arange(t)[None, :, None] < np.asarray(q_len)[:, None, None])
+             & (np.arange(s)[None, None, :] < np.asarray(kv_len)[:, None, None]))[:, None]
+  with fa4_jax.interpret_mode():
+    assert fa4_jax.which_implementation(q, k, v, sinks=sinks, implementation="sm90",
+                                        **lengths) == "sm90_decode"
+  out, lse = run_interpreted(lambda q, k, v: fa4_jax.attention(
+      q, k, v, sinks=sinks, return_residual=True, implementation="sm90", **lengths), q, k, v)
+  want, want_lse = einsum_attention(q, k, v, visible, sinks=sinks)
+  rows_valid = np.arange(t)[None, :] < np.asarray(q_len)[:, None]  # [B, T]
+  want_lse = np.where(rows_valid[:, None, :], np.asarray(want_lse), -np.inf)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(lse, np.float32).transpose(0, 2, 1), want_lse,
+                             atol=2e-2, rtol=1e-2)
+
+
+def test_gradients_through_the_decode_arrangement_match_an_f32_einsum(run_interpreted):
+  b, t, s, n, kv_heads, d = 1, 1, 1024, 4, 1, 64
+  q, k, v, dout = _inputs(2, b, t, s, n, kv_heads, d)
+  kv_len = jnp.asarray([900], jnp.int32)
+  visible = np.arange(s)[None, None, None, :] < 900
+  loss = lambda attend: (lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)
+                                                 * dout.astype(jnp.float32)))
+  ours = lambda q, k, v: fa4_jax.attention(q, k, v, key_value_seq_lengths=kv_len,
+                                           implementation="sm90")
+  got = run_interpreted(jax.grad(loss(ours), argnums=(0, 1, 2)), q, k, v)
+  want = jax.grad(loss(lambda q, k, v: einsum_attention(q, k, v, visible)[0]),
+                  argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w),
+                               atol=2e-2 * max(1.0, float(jnp.abs(w).max())), rtol=2e-2)
