@@ -13,6 +13,7 @@ Specification:
 * The kernels: sinks work with every backend (they are added to the
   backend's output and lse); soft-cap is served by the XLA path for now, so
   `implementation=None` falls back to it and `"sm90"` says why it cannot.
+  The sm100 forward takes both in the kernel (`implementation="sm100"`).
 * Bad input: a ValueError naming the argument.
 """
 
@@ -198,6 +199,19 @@ def test_kernels_take_sinks_and_leave_soft_cap_to_the_xla_path(run_interpreted):
     got = run_interpreted(lambda q, k, v, s: fa4_jax.attention(
         q, k, v, is_causal=True, sinks=s, implementation="sm90"), q, k, v, sinks)
   want = fa4_jax.attention(q, k, v, is_causal=True, sinks=sinks, implementation="xla")
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2, rtol=2e-2)
+
+
+def test_the_sm100_forward_takes_sinks_and_soft_cap_in_the_kernel(run_interpreted):
+  q, k, v, _ = _inputs(24, 1, 64, 64, 2, 2, 64, "bfloat16", logit_scale=3.0)
+  sinks = jnp.asarray([0.5, 3.0], jnp.float32)
+  options = dict(is_causal=True, sinks=sinks, logits_soft_cap=2.0)
+  with fa4_jax.interpret_mode():
+    assert fa4_jax.which_implementation(q, k, v, **options, implementation="sm100") == "sm100"
+  got = run_interpreted(lambda q, k, v, s: fa4_jax.attention(
+      q, k, v, **dict(options, sinks=s), implementation="sm100"), q, k, v, sinks)
+  want = fa4_jax.attention(q, k, v, **options, implementation="xla")
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              atol=2e-2, rtol=2e-2)
 

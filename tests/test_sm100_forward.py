@@ -3,7 +3,9 @@
 * Interpretation: the kernel runs in Pallas' GPU interpreter with the race
   detector on (TMEM, SMEM, barriers, tcgen05 MMAs simulated) and must match
   `jax.nn.dot_product_attention(implementation="xla")` in f32 on the upcast
-  inputs, within bf16 tolerance, with no data race.
+  inputs, within bf16 tolerance, with no data race; with sinks and soft-cap
+  it must match `reference.einsum_attention` (rows past q_lengths: zeros and
+  lse -inf; rows that see no key: zeros and lse = sink).
 * Cross-lowering: the kernel is lowered for sm_100 on the CPU; the module must
   use tcgen05 MMAs (P read from TMEM), TMEM loads/stores/allocation, and fit
   the shared-memory and tensor-memory budgets.
@@ -257,6 +259,124 @@ def test_cross_lowers_for_sm100_with_segment_ids(head_dim, causal, window, cross
   assert 0 < lowered.max_smem_bytes <= sm100_forward.SMEM_BYTES
 
 
+# --- Attention sinks and logit soft-capping ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionCase(reference.KernelCase):
+  """A call with `sinks` (one per query head) and / or `soft_cap`."""
+
+  q_seq: int = 256
+  kv_seq: int = 256
+  sinks: tuple[float, ...] | None = None
+  soft_cap: float | None = None
+  logit_scale: float = 1.0  # multiplies q: large logits
+  key_growth: float = 0.0  # see _inputs: forces the rescale path
+
+
+OPTION_CASES = {
+    # Logits up to ~+-20 that the cap squeezes into +-5; two query heads per
+    # key/value head; the causal diagonal blocks need the element mask after
+    # the tanh.
+    "soft_cap_causal_gqa": OptionCase(
+        q_heads=2, kv_heads=1, is_causal=True, soft_cap=5.0, logit_scale=3.0),
+    # Row 0: rows 0-63 see no key (the window ends 64 keys before the row)
+    # inside a CTA that walks blocks, rows from 200 on are past q_len. Row 1:
+    # no key at all (kv_len 0: no CTA walks a block), rows from 100 on past
+    # q_len. Seen-nothing rows: zeros, lse = sink; past q_len: zeros, -inf.
+    "sinks_lengths_and_rows_without_keys": OptionCase(
+        batch=2, q_heads=2, window=(256, -64), q_lengths=(200, 100), kv_lengths=(256, 0),
+        sinks=(0.5, -2.0)),
+    "sinks_and_soft_cap_head_dim_128": OptionCase(
+        q_heads=2, kv_heads=1, head_dim=128, is_causal=True, q_lengths=(230,),
+        sinks=(1.0, -1.5), soft_cap=8.0, logit_scale=2.0),
+    # Sinks of +-30 with large logits: the +30 sink holds the running max
+    # through the first key block (43 in log2 units against ~27), then the
+    # keys' max overtakes it by ~2**20 (O is rescaled); -30 weighs nothing.
+    "large_sinks_and_logits": OptionCase(
+        q_heads=2, kv_seq=384, sinks=(30.0, -30.0), logit_scale=4.0, key_growth=4.0),
+    # head_dim 256 (one Q tile, 64-key blocks) in float16, both options.
+    "head_dim_256_float16": OptionCase(
+        q_seq=130, kv_seq=200, q_heads=2, head_dim=256, dtype="float16", is_causal=True,
+        sinks=(2.0, -0.5), soft_cap=4.0, logit_scale=2.0),
+}
+
+
+def _expected_with_options(case: OptionCase, q, k, v, scale):
+  """The f32 reference; rows at or past q_lengths keep zeros and lse -inf
+  (the reference's sink column would give them lse = sink)."""
+  sinks = None if case.sinks is None else jnp.asarray(case.sinks, jnp.float32)
+  out, lse = reference.einsum_attention(q, k, v, case.visible(), scale=scale, sinks=sinks,
+                                        soft_cap=case.soft_cap)
+  q_len = case.q_seq if case.q_lengths is None else np.asarray(case.q_lengths)[:, None, None]
+  return out, jnp.where(np.arange(case.q_seq)[None, None, :] < q_len, lse, -jnp.inf)
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_CASES))
+def test_interpreted_kernel_with_sinks_and_soft_cap_matches_the_reference(name, run_interpreted):
+  case = OPTION_CASES[name]
+  q, k, v = _inputs(case.batch, case.q_seq, case.kv_seq, case.q_heads, case.kv_heads,
+                    case.head_dim, jnp.float32, seed=11, key_growth=case.key_growth)
+  q, k, v = (x.astype(case.dtype) for x in (q * case.logit_scale, k, v))
+  scale = 1.0 / np.sqrt(case.head_dim)
+  ql, kl = case.lengths()
+  options = dict(soft_cap=case.soft_cap)
+  if case.sinks is not None:
+    options["sinks"] = jnp.asarray(case.sinks, jnp.float32)
+  out, lse = run_interpreted(
+      lambda q, k, v, opts: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=case.mask,
+                                                  **opts),
+      q, k, v, options)
+  expected, expected_lse = _expected_with_options(case, q, k, v, scale)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected),
+                             atol=BF16_ATOL, rtol=BF16_ATOL)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(expected_lse))
+  finite = np.isfinite(expected_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite],
+                             atol=LSE_ATOL, rtol=LSE_ATOL)
+  if case.sinks is not None:
+    # Rows that see no key: zeros and exactly their head's sink (up to the
+    # log2 units the kernel keeps).
+    sees = np.asarray(case.visible()).any(-1)[:, 0]  # [B, T]
+    rows = np.broadcast_to(np.isfinite(expected_lse) & ~sees[:, None, :], lse.shape)
+    sink_rows = np.broadcast_to(np.asarray(case.sinks)[None, :, None], lse.shape)
+    np.testing.assert_allclose(np.asarray(lse)[rows], sink_rows[rows], rtol=1e-6)
+    assert np.all(np.asarray(out, np.float32).transpose(0, 2, 1, 3)[rows] == 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cross_lowers_for_sm100_with_sinks_and_soft_cap(head_dim, cross_lower):
+  """Every tiling with both options: the sink operand, the row iota of the
+  epilogue and the tanh lower, and the soft-cap costs one tanh.approx.f32 per
+  score element (block_kv of them per softmax thread and Q tile)."""
+  q_spec = jax.ShapeDtypeStruct((2, 300, 4, head_dim), jnp.bfloat16)
+  kv_spec = jax.ShapeDtypeStruct((2, 1030, 2, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+  mask = MaskSpec.from_arguments(True, None)
+  lowered = cross_lower(
+      lambda q, k, v, a, b, s: sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask,
+                                                     sinks=s, soft_cap=30.0),
+      q_spec, kv_spec, kv_spec, lengths, lengths, sinks, arch="sm_100")
+  assert len(lowered.modules) == 1
+  for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st"):
+    assert lowered.has(instruction), instruction
+  cfg = sm100_forward.tile_config(head_dim, jnp.bfloat16)
+  assert lowered.modules[0].count("tanh.approx.f32") == cfg.num_q_tiles * cfg.block_kv
+  assert 0 < lowered.max_smem_bytes <= sm100_forward.SMEM_BYTES
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(sinks=jnp.zeros((3,), jnp.float32)), r"sinks must be \[query heads\] = \(2,\)"),
+    (dict(soft_cap=0.0), "soft_cap must be a float > 0"),
+    (dict(soft_cap=-1.0), "soft_cap must be a float > 0"),
+])
+def test_bad_sinks_and_soft_caps_are_rejected(options, match):
+  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(KernelUnsupported, match=match):
+    sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(), **options)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_tmem_plan_fits_512_columns(head_dim):
   cfg = sm100_forward.tile_config(head_dim, jnp.bfloat16)
@@ -366,7 +486,7 @@ def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
   assert sm100_compile_probe.main(str(tmp_path)) == 0
   dump = tmp_path / "mosaic_dump"
   ptx_files = sorted(dump.glob("*.ptx"))
-  assert len(ptx_files) == 3  # head_dim 64, 128, 256
+  assert len(ptx_files) == len(sm100_compile_probe.VARIANTS)
   for ptx in ptx_files:
     assert ".target sm_100a" in ptx.read_text()
     cubin = tmp_path / (ptx.stem + ".cubin")

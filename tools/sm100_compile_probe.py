@@ -79,6 +79,15 @@ def build_shim(out_dir: pathlib.Path) -> pathlib.Path:
   return lib
 
 
+# (head_dim, causal, option): each kernel once, and with each option that
+# changes its registers: segment ids (a block's key ids held in registers for
+# the element mask), soft-cap (a tanh per score element in the softmax) and
+# sinks (the sink in the initial row statistics, a row iota in the epilogue).
+VARIANTS = ((64, False, None), (128, True, None), (256, False, None),
+            (128, True, "segment_ids"), (256, False, "segment_ids"),
+            (128, True, "soft_cap"), (128, True, "sinks"))
+
+
 def _compile_in_this_process(dump_dir: str) -> None:
   """Runs in the child (shim preloaded): trace, lower, compile the kernel."""
   import jax
@@ -90,20 +99,21 @@ def _compile_in_this_process(dump_dir: str) -> None:
 
   print("device:", jax.devices()[0], "compute_capability:",
         getattr(jax.devices()[0], "compute_capability", None), flush=True)
-  # Each kernel also with segment ids (packed sequences): their element mask
-  # holds a block's key ids in registers.
-  for head_dim, causal, segments in ((64, False, False), (128, True, False),
-                                     (256, False, False), (128, True, True),
-                                     (256, False, True)):
+  for head_dim, causal, option in VARIANTS:
     shape = (1, 512, 2, head_dim)
     q = jnp.zeros(shape, jnp.bfloat16)
     lengths = jnp.full((1,), 512, jnp.int32)
     # numpy, not jnp: an eager jnp op would itself be compiled for sm_100a
     # and fail to load before the kernel is built.
-    ids = (np.zeros((1, 512), np.int32),) * 2 if segments else None
-    fn = jax.jit(lambda q, k, v, a, b, causal=causal, ids=ids: sm100_forward.forward(
-        q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None), segment_ids=ids))
-    name = f"head_dim={head_dim} causal={causal} segment_ids={segments}"
+    options = {
+        None: {},
+        "segment_ids": dict(segment_ids=(np.zeros((1, 512), np.int32),) * 2),
+        "soft_cap": dict(soft_cap=30.0),
+        "sinks": dict(sinks=np.zeros((2,), np.float32)),
+    }[option]
+    fn = jax.jit(lambda q, k, v, a, b, causal=causal, options=options: sm100_forward.forward(
+        q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None), **options))
+    name = f"head_dim={head_dim} causal={causal} option={option}"
     try:
       jax.block_until_ready(fn(q, q, q, lengths, lengths))
       print(f"{name}: ran (unexpected on a non-Blackwell GPU)", flush=True)

@@ -44,12 +44,24 @@ once in `ForwardContext.create`, so the load warp, the MMA warp, the softmax
 and the correction walk the same blocks); a softmax warpgroup applies the
 id comparison only in blocks outside its tile's one-id run. Without segment
 ids the kernel is the one it was (no extra operand, no extra instruction).
+
+Attention sinks (`forward(..., sinks=f32 [Nq])`, one more operand): each
+softmax warpgroup starts its rows' running max and sum from its head's sink
+(`scores.initial_row_stats(sink=)`), so the correction and the epilogue see
+the sink in m and l like any key; the epilogue gives rows at or past
+q_lengths lse -inf (they start from the sink too) and a CTA that walks no
+key block lse = sink for its valid rows. Logit soft-capping
+(`forward(..., soft_cap=cap)`, static): the softmax turns each S tile into
+`scores.softmax_logits` (one multiply and a tanh.approx per element) before
+the element mask and folds cap into the exp2 constant
+(`scores.softmax_scale`). Without them the kernel is unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any
 
 import jax
@@ -62,6 +74,9 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.scores import MaskSpec
+
+# Optional arguments of `forward` (see fa4_jax/kernels/__init__.py).
+FEATURES = frozenset({"sinks", "soft_cap"})
 
 # Hardware limits of one sm_100 SM.
 TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
@@ -399,8 +414,16 @@ class KernelStatics:
   tq: int  # true extents; the arrays may be padded past them
   tk: int
   group: int  # query heads per key/value head
-  scale_log2: float  # softmax scale * log2(e), folded into the exp2
+  scale: float  # the softmax scale
   segments: bool = False  # segment ids given (three more operands)
+  soft_cap: float | None = None  # logit soft-cap (static)
+  sinks: bool = False  # one sink logit per query head given (one more operand)
+
+  @property
+  def exp2_scale(self) -> float:
+    """c in P = exp2(c t - m): scale * log2(e), or cap * log2(e) with
+    soft-cap (`scores.softmax_scale`)."""
+    return scores.softmax_scale(self.scale, self.soft_cap)
 
   # Warpgroups (the "wg" threads of plgpu.kernel), as in the module docstring.
   @property
@@ -441,6 +464,8 @@ class ForwardRefs:
   q_seg_ref: Any = None
   kv_seg_ref: Any = None
   seg_ranges_ref: Any = None
+  # With sinks only: f32 [Nq], each query head's sink logit.
+  sinks_ref: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,6 +667,9 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   k_lo = (ctx.blk_lo + n) * bn
   bars.consumer_s(i).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=_ROW_LAYOUT)
+  # Soft-cap: t = tanh(s * scale / cap), in place (no second tile alive),
+  # before the mask: tanh(-inf) = -1 would unmask a key.
+  s = scores.softmax_logits(s, ctx.statics.scale, ctx.statics.soft_cap)
   # Element masks only where the block straddles a mask/length edge (or,
   # with segment ids, lies outside the tile's run of its one id).
   needs_no_mask = (
@@ -655,7 +683,7 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   s = lax.cond(needs_no_mask, lambda s: s,
                lambda s: _masked_scores(ctx, s, r_lo, k_lo, row_ids), s)
   # The shared step: the max moves only past the threshold; alpha is exact.
-  p, m_run, alpha = scores.online_softmax(s, m_run, ctx.statics.scale_log2)
+  p, m_run, alpha = scores.online_softmax(s, m_run, ctx.statics.exp2_scale)
   l_run = l_run * alpha + p.sum(axis=1)
   plgpu.wait_load_tmem()  # S_i fully read before P_i overwrites it
   plgpu.async_store_tmem(ctx.p_tmem(i), p.astype(ctx.cfg.dtype))
@@ -679,8 +707,11 @@ def softmax_wg(ctx: ForwardContext, i) -> None:
 
   @pl.when(ctx.num_steps > 0)
   def _():
+    # With sinks every row starts as if it had seen its head's sink (m =
+    # sink, l = 1); the correction and the epilogue read these m and l.
+    sink = refs.sinks_ref[ctx.h] if ctx.statics.sinks else None
     init = scores.initial_row_stats(
-        BLOCK_Q, place=lambda x: plgpu.layout_cast(x, _ROW_VECTOR_LAYOUT))
+        BLOCK_Q, place=lambda x: plgpu.layout_cast(x, _ROW_VECTOR_LAYOUT), sink=sink)
     row_ids = None  # the tile's segment ids, one per thread, for masked blocks
     if ctx.statics.segments:
       row_ids = plgpu.load(refs.q_seg_ref.at[ctx.b, pl.ds(r_lo, BLOCK_Q)],
@@ -767,6 +798,7 @@ def epilogue(ctx: ForwardContext) -> None:
     bars.consumer_c_release(i)
     bars.consumer_o(i).wait()  # the last P_i V MMA
     inv_l, lse = scores.finish_rows(m, l)
+    lse = _rows_past_q_len_to_minus_inf(ctx, i, lse)
 
     def normalized(c, i=i, inv_l=inv_l):
       o = plgpu.async_load_tmem(
@@ -777,12 +809,27 @@ def epilogue(ctx: ForwardContext) -> None:
   plgpu.wait_smem_to_gmem(0)
 
 
+def _rows_past_q_len_to_minus_inf(ctx: ForwardContext, i, lse):
+  """Rows of Q tile i at or past q_len end with lse -inf. Without sinks they
+  already do (l = 0); with sinks they started from the sink (l = 1) like
+  every row, and their O is zero either way (every key masked)."""
+  if not ctx.statics.sinks:
+    return lse
+  rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0, layout=_EPILOGUE_VECTOR_LAYOUT)
+  return jnp.where(rows + ctx.tile_rows(i) < ctx.q_len, lse, -jnp.inf)
+
+
 def epilogue_no_keys(ctx: ForwardContext) -> None:
-  """No row of this CTA sees a key: zeros and lse = -inf."""
+  """No row of this CTA sees a key: zeros and lse = -inf, or with sinks
+  lse = sink for the rows before q_len."""
   for i in range(ctx.cfg.num_q_tiles):
     zeros = lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.cfg.dtype)
-    minus_inf = jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32)
-    _store_tile(ctx, i, zeros, minus_inf)
+    if ctx.statics.sinks:
+      sink = jnp.full((BLOCK_Q,), ctx.refs.sinks_ref[ctx.h], jnp.float32)
+      lse = _rows_past_q_len_to_minus_inf(ctx, i, sink)
+    else:
+      lse = jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32)
+    _store_tile(ctx, i, zeros, lse)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -849,22 +896,26 @@ def _scratch_types(cfg: TileConfig) -> dict:
 
 
 def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
-                  num_kv_heads, scale: float, mask: MaskSpec, segments: bool = False):
+                  num_kv_heads, scale: float, mask: MaskSpec, segments: bool = False,
+                  soft_cap: float | None = None, sinks: bool = False):
   """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
   whose true extents are tq, tk (rows/keys past them are padding). With
-  `segments`, three more operands follow the lengths (`segment_operands`)."""
+  `segments`, three more operands follow the lengths (`segment_operands`);
+  with `sinks`, then the f32 [num_q_heads] sinks."""
   statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
-                          scale_log2=scale * scores.LOG2_E, segments=segments)
+                          scale=scale, segments=segments, soft_cap=soft_cap, sinks=sinks)
 
-  def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *segment_and_out_refs,
+  def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *optional_and_out_refs,
              q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
              sp_tmem, o_tmem, barrier_refs):
-    *segment_refs, out_ref, lse_ref = segment_and_out_refs
+    *optional_refs, out_ref, lse_ref = optional_and_out_refs
+    segment_refs = optional_refs[:3] if segments else ()
+    sinks_ref = optional_refs[-1] if sinks else None
     refs = ForwardRefs(
         q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
         out_ref=out_ref, lse_ref=lse_ref, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
         alpha_smem=alpha_smem, m_smem=m_smem, l_smem=l_smem, lse_smem=lse_smem,
-        sp_tmem=sp_tmem, o_tmem=o_tmem,
+        sp_tmem=sp_tmem, o_tmem=o_tmem, sinks_ref=sinks_ref,
         **dict(zip(("q_seg_ref", "kv_seg_ref", "seg_ranges_ref"), segment_refs)))
     bars = ForwardBarriers(cfg, barrier_refs)
     wg = lax.axis_index("wg")
@@ -908,9 +959,10 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            segment_ids=None):
+            segment_ids=None, sinks=None, soft_cap: float | None = None):
   """See fa4_jax/kernels/__init__.py; `segment_ids`: None or (q_ids int32
-  [B, Tq], kv_ids int32 [B, Tk]): a query sees only keys of its own id."""
+  [B, Tq], kv_ids int32 [B, Tk]): a query sees only keys of its own id;
+  `sinks`: None or f32 [Nq]; `soft_cap`: None or a float > 0."""
   check_supported(q.shape, k.shape, q.dtype, mask)
   if k.dtype != q.dtype or v.dtype != q.dtype or v.shape != k.shape:
     raise KernelUnsupported(
@@ -918,6 +970,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
         f" {q.dtype}{q.shape}, {k.dtype}{k.shape}, {v.dtype}{v.shape}")
   if not scale > 0:
     raise KernelUnsupported(f"sm100 forward: scale must be positive, got {scale}")
+  if soft_cap is not None and not (isinstance(soft_cap, numbers.Real) and soft_cap > 0):
+    raise KernelUnsupported(f"sm100 forward: soft_cap must be a float > 0, got {soft_cap!r}")
   b, tq, nq, d = q.shape
   _, tk, nkv, _ = k.shape
   if q_lengths is None:
@@ -938,11 +992,18 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   segments = ()
   if segment_ids is not None:
     segments = segment_operands(cfg, segment_ids, b, tq, tk, tq_pad)
+  sink_operand = ()
+  if sinks is not None:
+    if jnp.shape(sinks) != (nq,):
+      raise KernelUnsupported(
+          f"sm100 forward: sinks must be [query heads] = ({nq},); got {jnp.shape(sinks)}")
+    sink_operand = (jnp.asarray(sinks, jnp.float32),)
   call = _build_kernel(
       cfg, batch=b, tq=tq, tk=tk, tq_pad=tq_pad, tk_pad=tk_pad, num_q_heads=nq,
-      num_kv_heads=nkv, scale=float(scale), mask=mask, segments=bool(segments))
+      num_kv_heads=nkv, scale=float(scale), mask=mask, segments=bool(segments),
+      soft_cap=None if soft_cap is None else float(soft_cap), sinks=bool(sink_operand))
   out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32),
-                  *segments)
+                  *segments, *sink_operand)
   return out[:, :tq], lse[:, :, :tq]
 
 
