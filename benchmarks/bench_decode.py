@@ -4,10 +4,13 @@ Memory-bound: the figure of merit is the K/V bytes read once divided by the
 kernel time (TB/s; the H100 SXM's HBM3 peaks near 3.35). Rows are issue #27's
 (bf16, D128, GQA 32/8, a full cache, no mask). Columns, in one process:
 
-* `default`: `fa4_jax.attention` as it picks today;
-* `decode pN`: `fa4_jax.decode` (query heads packed as rows, N chunks of the
-  cache, combined in XLA) with the forward kernel's own config;
-* `decode pN 1c sK`: the same with one consumer warpgroup and K ring stages;
+* `default`: `fa4_jax.attention` as it picks (`which_implementation` in
+  the row's `chosen`);
+* `kernel`: the sm90 forward kernel in its usual arrangement (one CTA per
+  query head and tile);
+* `decode`: `fa4_jax.decode` (query heads packed as rows, the cache in
+  `decode.choose_splits` chunks, combined in XLA), also above its row limit;
+* `decode pN`: the same with N chunks (`--splits`);
 * `cudnn`, `xla`: `jax.nn.dot_product_attention`;
 * `tokamax`: tokamax 0.0.17's Mosaic GPU attention, where installed.
 
@@ -22,12 +25,13 @@ Usage (GPU machine, repository root):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
 import statistics
 import sys
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -40,52 +44,69 @@ from fa4_jax.scores import MaskSpec  # noqa: E402
 
 import bench_common  # noqa: E402
 
-# (name, B, T, S, Hq, Hkv, D)
+# (name, B, T, S, Hq, Hkv, D, ragged): `ragged` draws each row's cache
+# length uniformly from [S/16, S] (fixed seed), passed as key_value_seq_lengths.
 CASES = [
-    ("B8 T1 S32768", 8, 1, 32768, 32, 8, 128),
-    ("B64 T1 S4096", 64, 1, 4096, 32, 8, 128),
-    ("B1 T1 S131072", 1, 1, 131072, 32, 8, 128),
-    ("B8 T16 S32768", 8, 16, 32768, 32, 8, 128),
+    ("B8 T1 S32768", 8, 1, 32768, 32, 8, 128, False),
+    ("B64 T1 S4096", 64, 1, 4096, 32, 8, 128, False),
+    ("B1 T1 S131072", 1, 1, 131072, 32, 8, 128, False),
+    ("B8 T16 S32768", 8, 16, 32768, 32, 8, 128, False),
+    ("B8 T32 S32768", 8, 32, 32768, 32, 8, 128, False),
+    ("B8 T64 S32768", 8, 64, 32768, 32, 8, 128, False),
+    ("B8 T128 S8192", 8, 128, 8192, 32, 8, 128, False),
+    ("B32 T1 S16384 ragged", 32, 1, 16384, 32, 8, 128, True),
+    ("B8 T1 S32768 H8/1 D64", 8, 1, 32768, 8, 1, 64, False),
 ]
 
 
-def one_consumer(stages: int) -> sm90_forward.ForwardConfig:
-  return sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=stages,
-                                    num_consumers=1, pingpong=False, conditional_rescale=True)
-
-
-def implementations(splits, scale):
+def implementations(splits, scale, kv_lengths):
+  lengths = {} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths)
   impls = {
-      "default": lambda q, k, v: fa4_jax.attention(q, k, v),
-      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"),
-      "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+      "default": lambda q, k, v: fa4_jax.attention(q, k, v, **lengths),
+      "kernel": lambda q, k, v: sm90_forward.forward(q, k, v, None, kv_lengths, scale=scale,
+                                                     mask=MaskSpec())[0],
+      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn",
+                                                            **lengths),
+      "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                                          **lengths),
   }
-  for p in splits:
-    for label, config in [("", None), (" 1c s2", one_consumer(2)), (" 1c s3", one_consumer(3))]:
-      plan = decode.DecodePlan(p, config)
-      impls[f"decode p{p}{label}"] = (
-          lambda q, k, v, plan=plan: decode.forward(q, k, v, None, None, scale=scale,
-                                                    mask=MaskSpec(), plan=plan)[0])
+  plans = {"decode": None} | {f"decode p{p}": p for p in splits}
+  for label, p in plans.items():
+    def run(q, k, v, p=p):
+      chosen = decode.choose_splits(q.shape[0], k.shape[2], k.shape[1]) if p is None else p
+      return decode.forward(q, k, v, None, kv_lengths, scale=scale, mask=MaskSpec(),
+                            plan=decode.DecodePlan(chosen))[0]
+    impls[label] = run
   try:
     from tokamax._src.ops.attention import pallas_mosaic_gpu as tokamax_gpu
   except ImportError as e:
     print("no tokamax:", repr(e)[:200], flush=True)
   else:
     op = tokamax_gpu.PallasMosaicGpuFlashAttention()
-    impls["tokamax"] = lambda q, k, v: op(q, k, v)
+    if kv_lengths is None:
+      impls["tokamax"] = lambda q, k, v: op(q, k, v)
   return impls
 
 
-def run_case(name, B, T, S, Hq, Hkv, D, splits, rounds):
+def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (B, T, Hq, D), jnp.bfloat16)
   k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
   v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
-  kv_bytes = 2 * B * S * Hkv * D * 2
-  row = dict(case=name, B=B, T=T, S=S, Hq=Hq, Hkv=Hkv, D=D, kv_bytes=kv_bytes)
+  kv_lengths = None
+  valid_keys = B * S
+  if ragged:
+    kv_lengths = jnp.asarray(np.random.default_rng(0).integers(S // 16, S + 1, size=B), jnp.int32)
+    valid_keys = int(kv_lengths.sum())
+  kv_bytes = 2 * valid_keys * Hkv * D * 2  # the keys a call must read
+  row = dict(case=name, B=B, T=T, S=S, Hq=Hq, Hkv=Hkv, D=D, kv_bytes=kv_bytes,
+             chosen=fa4_jax.which_implementation(
+                 q, k, v, **({} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths))),
+             splits=decode.choose_splits(B, Hkv, S))
   fns, times = {}, {}
   reference = None
-  for column, f in implementations([p for p in splits if S % p == 0], D ** -0.5).items():
+  columns = implementations([p for p in splits if S % p == 0], D ** -0.5, kv_lengths)
+  for column, f in columns.items():
     try:
       f = jax.jit(f)
       out = jax.block_until_ready(f(q, k, v))
@@ -124,7 +145,7 @@ def main():
   ap = argparse.ArgumentParser()
   bench_common.add_case_options(ap)
   ap.add_argument("--rounds", type=int, default=1)
-  ap.add_argument("--splits", default="1,2,4,8,16,32")
+  ap.add_argument("--splits", default="1,2,4,8,16")
   args = ap.parse_args()
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)

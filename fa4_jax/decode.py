@@ -68,13 +68,18 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   rows = t * (n // kv_heads)
   if has_segment_ids or not mask.is_dense or rows > MAX_PACKED_ROWS:
     return None
+  return DecodePlan(choose_splits(b, kv_heads, s, num_sms))
+
+
+def choose_splits(batch: int, kv_heads: int, kv_seq: int, num_sms: int | None = None) -> int:
+  """Chunks of the cache: see `plan`."""
   if num_sms is None:
     num_sms = sm90_forward.sm_count()
   splits = 1
-  while (b * kv_heads * splits * 2 <= num_sms and s % (splits * 2) == 0
-         and s // (splits * 2) >= MIN_CHUNK):
+  while (batch * kv_heads * splits * 2 <= num_sms and kv_seq % (splits * 2) == 0
+         and kv_seq // (splits * 2) >= MIN_CHUNK):
     splits *= 2
-  return DecodePlan(splits)
+  return splits
 
 
 def pack_rows(q, kv_heads: int):
