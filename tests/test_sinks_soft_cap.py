@@ -10,10 +10,11 @@ Specification:
   give no inf or nan.
 * `logits_soft_cap`: the output and gradients equal an f32 einsum reference
   of `cap * tanh(logits / cap)` (logits scaled and biased) with the mask.
-* The kernels: sinks work with every backend (they are added to the
-  backend's output and lse); soft-cap is served by the XLA path for now, so
-  `implementation=None` falls back to it and `"sm90"` says why it cannot.
-  The sm100 forward takes both in the kernel (`implementation="sm100"`).
+* The kernels: the sm90 and sm100 forwards start their softmax from the
+  sinks and soft-cap in the kernel; a backend without them gets the sinks
+  added to its output and lse, and a kernel without soft-cap leaves such
+  calls to the XLA path under `implementation=None` and says why it cannot
+  when asked for by name.
 * Bad input: a ValueError naming the argument.
 """
 
@@ -187,20 +188,44 @@ def test_sinks_and_soft_cap_combine():
   _check(ours, theirs, q, k, v, sinks, dout, 3e-5)
 
 
-def test_kernels_take_sinks_and_leave_soft_cap_to_the_xla_path(run_interpreted):
-  q, k, v, dout = _inputs(21, 1, 64, 64, 2, 2, 64, "bfloat16")
+def test_the_sm90_forward_takes_sinks_and_soft_cap_in_the_kernel(run_interpreted):
+  """The kernel starts its softmax from the sinks and soft-caps the logits;
+  its lse (with the sink) feeds the XLA backward, which soft-cap still
+  needs: output, lse and gradients equal the XLA path's."""
+  q, k, v, dout = _inputs(21, 1, 64, 64, 2, 2, 64, "bfloat16", logit_scale=3.0)
   sinks = jnp.asarray([0.5, 3.0], jnp.float32)
+  options = dict(is_causal=True, logits_soft_cap=2.0)
+
+  def attend_and_grad(implementation):
+    def attend(q, k, v, s):
+      return fa4_jax.attention(q, k, v, sinks=s, return_residual=True,
+                               implementation=implementation, **options)
+
+    (out, lse), vjp = jax.vjp(attend, q, k, v, sinks)
+    return out, lse, vjp((dout, jnp.zeros_like(lse)))
+
   with fa4_jax.interpret_mode():
-    assert fa4_jax.which_implementation(q, k, v, is_causal=True, sinks=sinks,
-                                        implementation="sm90") == "sm90"
+    assert fa4_jax.which_implementation(q, k, v, sinks=sinks, implementation="sm90",
+                                        **options) == "sm90"
+  got = run_interpreted(attend_and_grad, "sm90")
+  want = attend_and_grad("xla")
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    bound = max(1.0, float(np.abs(w).max()))
+    np.testing.assert_allclose(g, w, atol=2e-2 * bound, rtol=2e-2)
+
+
+def test_a_kernel_without_soft_cap_leaves_it_to_the_xla_path(monkeypatch):
+  """A kernel module that does not list "soft_cap" in its FEATURES is not
+  picked for a soft-capped call, and asking for it by name says why."""
+  from fa4_jax.kernels import sm90_forward
+
+  monkeypatch.setattr(sm90_forward, "FEATURES", frozenset({"sinks"}))
+  q, k, v, _ = _inputs(21, 1, 64, 64, 2, 2, 64, "bfloat16")
+  with fa4_jax.interpret_mode():
     assert fa4_jax.which_implementation(q, k, v, logits_soft_cap=2.0) == "xla"
     with pytest.raises(ValueError, match="does not support `logits_soft_cap` yet"):
       fa4_jax.which_implementation(q, k, v, logits_soft_cap=2.0, implementation="sm90")
-    got = run_interpreted(lambda q, k, v, s: fa4_jax.attention(
-        q, k, v, is_causal=True, sinks=s, implementation="sm90"), q, k, v, sinks)
-  want = fa4_jax.attention(q, k, v, is_causal=True, sinks=sinks, implementation="xla")
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             atol=2e-2, rtol=2e-2)
 
 
 def test_the_sm100_forward_takes_sinks_and_soft_cap_in_the_kernel(run_interpreted):

@@ -9,6 +9,11 @@
 * Segment ids (packed sequences): the same interpreter runs against the
   explicit boolean mask, and the key blocks each tile walks (skipped,
   masked, full) are checked against a brute-force count.
+* Sinks and soft-cap (`forward(..., sinks=, soft_cap=)`): the interpreter
+  runs against the f32 einsum reference (`reference.einsum_attention`);
+  rows that see no key give zeros and lse = sink, rows past q_lengths zeros
+  and lse = -inf. Every heuristic configuration lowers with them in the
+  same shared memory, and soft-cap's tanh is the device's tanh.approx.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ import pytest
 
 from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
-from fa4_jax.kernels import sm90_forward
+from fa4_jax.kernels import sm90_forward, sm90_tiles
 from fa4_jax.scores import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
-from reference import KernelCase, packed_segment_ids, visible_mask
+from reference import KernelCase, einsum_attention, packed_segment_ids, visible_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,20 +71,36 @@ def _reference(case: Case, q, k, v, scale):
   return out, lse, visible.any(-1)  # sees_key: [B, 1, Tq]
 
 
-def _run_and_compare(case: Case, run_interpreted, scale=None, config=None):
+def _reference_with_options(case: Case, q, k, v, scale, sinks, soft_cap):
+  """`_reference` with sinks and soft-cap, from the f32 einsum reference: a
+  row that sees no key has lse = sink, one past q_lengths lse = -inf."""
+  visible = case.visible()
+  out, lse = einsum_attention(q, k, v, visible, scale=scale, sinks=sinks, soft_cap=soft_cap)
+  q_len = case.q_seq if case.q_lengths is None else np.asarray(case.q_lengths)[:, None, None]
+  lse = jnp.where(np.arange(case.q_seq) < q_len, lse, -jnp.inf)
+  return out, lse, visible.any(-1)
+
+
+def _run_and_compare(case: Case, run_interpreted, scale=None, config=None, *, sinks=None,
+                     soft_cap=None):
   q, k, v = _inputs(case)
   scale = 1.0 / math.sqrt(case.head_dim) if scale is None else scale
   q_len, kv_len = case.lengths()
+  sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
 
   def fn(q, k, v):
     return sm90_forward.forward(q, k, v, q_len, kv_len, scale=scale, mask=case.mask,
-                                config=config, segment_ids=case.segment_ids())
+                                config=config, segment_ids=case.segment_ids(), sinks=sinks,
+                                soft_cap=soft_cap)
 
   out, lse = run_interpreted(fn, q, k, v)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert lse.shape == (case.batch, case.q_heads, case.q_seq) and lse.dtype == jnp.float32
 
-  ref_out, ref_lse, sees_key = _reference(case, q, k, v, scale)
+  if sinks is None and soft_cap is None:
+    ref_out, ref_lse, sees_key = _reference(case, q, k, v, scale)
+  else:
+    ref_out, ref_lse, sees_key = _reference_with_options(case, q, k, v, scale, sinks, soft_cap)
   rows = np.broadcast_to(sees_key, (case.batch, case.q_heads, case.q_seq))  # [B, N, Tq]
   out = np.asarray(out, np.float32)
   rows_btn = rows.transpose(0, 2, 1)  # [B, Tq, N]
@@ -88,7 +109,10 @@ def _run_and_compare(case: Case, run_interpreted, scale=None, config=None):
   np.testing.assert_array_equal(out[~rows_btn], 0.0)
   lse = np.asarray(lse)
   np.testing.assert_allclose(lse[rows], np.asarray(ref_lse)[rows], atol=1e-3, rtol=1e-4)
-  assert np.all(lse[~rows] == -np.inf)
+  if sinks is None:
+    assert np.all(lse[~rows] == -np.inf)
+  else:  # the sink, or -inf past q_lengths (the reference says which)
+    np.testing.assert_allclose(lse[~rows], np.asarray(ref_lse)[~rows], rtol=1e-6)
 
 
 # Each case is small: the interpreter takes seconds per call.
@@ -380,6 +404,45 @@ def test_tiles_walk_only_the_key_blocks_their_documents_meet(mask):
     assert walked < sum(t // 2 + 1 for t in range(16))  # causal without segment ids: 72
 
 
+# --- sinks and soft-cap -------------------------------------------------------
+
+# (case, options, config changes). The heuristic's choices cover both kinds of
+# consumers here: D = 128 and short causal D = 64 take turns on the tensor
+# core (ping-pong), dense D = 64 runs three consumers without turns.
+OPTION_CASES = {
+    "soft_cap_causal_gqa_taking_turns": (
+        Case(q_heads=4, kv_heads=2, head_dim=128, is_causal=True, q_seq=128, kv_seq=192),
+        dict(scale=0.5, soft_cap=3.0), {}),
+    # Rows 0-2 see no key beside rows that do (the window ends 3 keys before
+    # the diagonal), batch 1 sees no key at all and its rows from 100 on lie
+    # past the query length. Two CTAs walk every item, so a CTA changes
+    # heads between items and reads each one's sink.
+    "sinks_with_lengths_and_rows_that_see_no_key": (
+        Case(batch=2, q_heads=2, window=(20, -3), q_lengths=(256, 100), kv_lengths=(256, 0)),
+        dict(sinks=(0.5, -2.0)), dict(persistent=True, num_sms=2)),
+    "sinks_and_soft_cap_fp16_one_cta_per_tile": (
+        Case(dtype="float16", q_heads=2, is_causal=True, q_seq=128, kv_seq=200),
+        dict(scale=0.5, soft_cap=2.0, sinks=(1.0, -1.5)), dict(persistent=False)),
+    # Sink +30 holds the running max above most logits, -30 lets them move
+    # it; logits of scale 1.5 grow across the blocks (the stale-max path).
+    "large_sinks_and_large_logits": (
+        Case(q_heads=2, q_seq=128, kv_seq=384), dict(scale=1.5, sinks=(30.0, -30.0)), {}),
+    "soft_cap_with_a_negative_scale": (
+        Case(q_seq=128, kv_seq=128, is_causal=True), dict(scale=-0.4, soft_cap=2.0), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTION_CASES))
+def test_sinks_and_soft_cap_match_the_einsum_reference_without_races(name, run_interpreted):
+  case, options, changes = OPTION_CASES[name]
+  config = None
+  if changes:
+    mask, d = case.mask, sm90_forward.padded_head_dim(case.head_dim)
+    config = dataclasses.replace(sm90_forward.choose_config(d, mask, case.kv_seq, case.q_seq),
+                                 **changes)
+  _run_and_compare(case, run_interpreted, config=config, **options)
+
+
 # --- tile ranges -------------------------------------------------------------
 
 
@@ -418,12 +481,18 @@ def test_tile_ranges_cover_every_visible_block_and_only_full_ones_skip_the_mask(
 
 
 def _lower(head_dim, mask, config=None, *, lengths=False, dtype=jnp.bfloat16,
-           segment_ids=False):
+           segment_ids=False, sinks=False, soft_cap=None):
   from fa4_jax.testing import cross_lower
 
   q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), dtype)
   lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if sinks or soft_cap is not None:
+    sink_spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    fn = lambda q, k, v, ql, kl, s: sm90_forward.forward(
+        q, k, v, ql, kl, scale=0.125, mask=mask, config=config, sinks=s if sinks else None,
+        soft_cap=soft_cap)
+    return cross_lower(fn, q, kv, kv, lens, lens, sink_spec, arch="sm_90")
   if segment_ids:
     ids = (jax.ShapeDtypeStruct((2, 1000), jnp.int32), jax.ShapeDtypeStruct((2, 1100), jnp.int32))
     fn = lambda q, k, v, ql, kl, q_ids, kv_ids: sm90_forward.forward(
@@ -478,6 +547,31 @@ def test_every_heuristic_config_with_segment_ids_lowers_for_hopper_without_more_
         estimate = config.smem_bytes(head_dim, 2)
         assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
         break
+
+
+@pytest.mark.parametrize("head_dim,config", sm90_forward.all_configs(),
+                         ids=lambda x: str(x) if isinstance(x, int) else
+                         f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}"
+                         f"{'-persistent' if x.persistent else ''}")
+def test_every_heuristic_config_with_sinks_and_soft_cap_lowers_for_hopper_without_more_smem(
+    head_dim, config):
+  """Sinks (with lengths) add one GMEM operand, soft-cap a multiply and the
+  device's fast tanh per element: no shared memory."""
+  for mask in sm90_tiles.HEURISTIC_MASKS:
+    for kv_seq in (1024, 8192):
+      if sm90_forward.choose_config(head_dim, mask, kv_seq) == config:
+        lowered = _lower(head_dim, mask, config, sinks=True, soft_cap=30.0)
+        _assert_fits_and_uses_hopper_instructions(lowered)
+        assert lowered.has("tanh.approx.f32")
+        estimate = config.smem_bytes(head_dim, 2)
+        assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
+        return
+
+
+def test_sinks_alone_add_no_tanh_and_the_plain_kernel_has_none():
+  mask = MaskSpec(right=0)
+  assert not _lower(128, mask, sinks=True).has("tanh")
+  assert not _lower(128, mask).has("tanh")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -64,6 +64,16 @@ neighbouring items' work. With two Q tiles per consumer
 runs, instead of after its last Q K^T with the next K/V loads queued behind
 it.
 
+Sinks and soft-cap (`forward(..., sinks=, soft_cap=)`, `FEATURES`): a
+head's sink logit is read from a small GMEM operand [Nq] once per tile and
+starts the rows' running max and sum (`scores.initial_row_stats(sink=)`),
+so a row that sees no key ends with zeros and lse = sink, and rows past
+q_lengths are still zeroed with lse -inf in `_epilogue`. Soft-cap turns the
+Q K^T tile into t = tanh(s * scale / cap) before the element mask and folds
+c = cap * log2(e) into the exp2 (`scores.softmax_logits`, `softmax_scale`):
+one multiply and one tanh.approx per element, in the softmax turn of the
+ping-pong. Without them the kernel is unchanged.
+
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
 (`_ConsumerTile.p_times_v`, `SlotRing.producer_drain` /
@@ -93,9 +103,14 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 from fa4_jax.kernels.sm90_tiles import load_ids, padded_head_dim, smem_tile
-from fa4_jax.scores import (LOG2_E, MaskSpec, TileRanges, cdiv, initial_row_stats,
-                            kv_tile_ranges, normalize, online_softmax, read_tile_ranges,
-                            hull, pad_ids, tile_ranges_operand, visible, walk_blocks)
+from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, initial_row_stats, kv_tile_ranges,
+                            normalize, online_softmax, read_tile_ranges, hull, pad_ids,
+                            softmax_logits, softmax_scale, tile_ranges_operand, visible,
+                            walk_blocks)
+
+# The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
+# them only when set.
+FEATURES = frozenset({"sinks", "soft_cap"})
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -350,7 +365,7 @@ class _Call:
   dtype: Any
   group: int  # q heads per kv head
   num_q_tiles: int  # CTA tiles of `config.block_q_cta` rows
-  c: float  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2)
+  c: float  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2) (`scores.softmax_scale`)
   # Causal-like masks: later query tiles see more keys; they run first
   # (`schedule.heavy_first_tile`) and a persistent grid pairs them.
   heavy_first: bool
@@ -359,10 +374,15 @@ class _Call:
   has_q_lengths: bool
   has_kv_lengths: bool
   has_segment_ids: bool = False
+  has_sinks: bool = False  # a sinks operand [Nq]: the rows' softmax starts from it
+  scale: float = 1.0  # the logits' scale (soft-cap divides it by the cap)
+  soft_cap: float | None = None  # logits -> cap * tanh(logits / cap); c is then cap * log2(e)
 
   @property
   def masked_logit(self) -> float:
-    """The logit of a masked key: it loses every max (min when c < 0)."""
+    """The logit of a masked key: it loses every max (min when c < 0). With
+    soft-cap c = cap * log2(e) > 0 whatever the scale's sign (the sign is
+    inside the tanh), so -inf."""
     return -jnp.inf if self.c >= 0 else jnp.inf
 
 
@@ -378,6 +398,7 @@ class _Refs:
   q_ids: Any  # segment ids [B, rows of every tile slot]; None without segment ids
   kv_ids: Any  # segment ids [B, keys of every key block]
   segment_ranges: Any  # [B, consumer tiles, 4]: `stack_tile_ranges` of the ids
+  sinks: Any  # f32 [Nq] in GMEM; None without sinks
   out: Any
   lse: Any
   q_smem: Any  # Q tiles (and O, without a persistent grid)
@@ -399,12 +420,13 @@ class _Refs:
     if call.has_segment_ids:
       q_ids, kv_ids, segment_ranges = refs[:3]
       del refs[:3]
+    sinks = refs.pop(0) if call.has_sinks else None
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.config.persistent else None
     p_smem = optional_smem.pop(0) if call.interpreting else None
-    return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, out, lse, q_smem, k_smem,
-               v_smem, lse_smem, o_smem, p_smem), barrier_refs
+    return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, out, lse, q_smem,
+               k_smem, v_smem, lse_smem, o_smem, p_smem), barrier_refs
 
 
 def _scratch_smem(call: _Call) -> list:
@@ -580,6 +602,7 @@ class _ConsumerTile:
   q_lo: Any  # first query row of this consumer's tile
   own: TileRanges  # the blocks its rows see, inside [item.lo, item.hi)
   q_segment: Any  # the rows' segment ids (`_ROW_LAYOUT`); None without segment ids
+  sink: Any  # the head's sink logit (f32 scalar); None without sinks
 
   @classmethod
   def create(cls, ctx: _Context, i, step0) -> "_ConsumerTile":
@@ -594,7 +617,9 @@ class _ConsumerTile:
     if ctx.call.has_segment_ids:
       # The rows' ids, for the element mask of boundary blocks.
       q_segment = load_ids(ctx.refs.q_ids, item.batch_idx, q_lo, cfg.block_q, along_rows=True)
-    return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment)
+    # One scalar per tile from GMEM, loaded before the wait for Q hides its latency.
+    sink = ctx.refs.sinks[item.head] if ctx.call.has_sinks else None
+    return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink)
 
   def walk_kv_blocks(self):
     """(O, m, l) of the tile, unnormalised. Every consumer steps through all
@@ -603,7 +628,11 @@ class _ConsumerTile:
     cfg, bars, wg = self.ctx.call.config, self.ctx.bars, self.ctx.wg
     bq, lo, hi, own = cfg.block_q, self.item.lo, self.item.hi, self.own
     bars.q.consumer_wait(self.index, wg)
-    m, l = initial_row_stats(bq, place=lambda x: plgpu.layout_cast(x, _ROW_LAYOUT))
+    # With a sink the rows start from its virtual key (m = sink, l = 1):
+    # rows that then see no key end with zeros and lse = sink. Registers:
+    # only m and l start from a run-time scalar; nothing more lives in the loop.
+    m, l = initial_row_stats(bq, place=lambda x: plgpu.layout_cast(x, _ROW_LAYOUT),
+                             sink=self.sink)
     acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.head_dim), 0.0, jnp.float32),
                             plgpu.Layout.WGMMA)
 
@@ -663,8 +692,16 @@ class _ConsumerTile:
     return load_ids(self.ctx.refs.kv_ids, self.item.batch_idx, j * bk, bk, along_rows=False)
 
   def block_softmax(self, s, m, j, *, masked: bool, kv_segment=None):
-    """(P, new running max, alpha) for the logits of KV block j."""
+    """(P, new running max, alpha) for the logits of KV block j.
+
+    Soft-cap's tanh runs here, after `qk`'s rendezvous and before
+    `hand_off`: inside this consumer's softmax turn, whose MUFU work (tanh,
+    exp2) overlaps the other consumer's GEMMs. t = tanh(s * scale / cap)
+    replaces s in place (no second tile-sized array lives across it), and
+    the mask comes after it (tanh(-inf) = -1 would be no mask).
+    """
     call = self.ctx.call
+    s = softmax_logits(s, call.scale, call.soft_cap)
     if masked:
       q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
       k_idx = j * call.config.block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
@@ -736,7 +773,8 @@ def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
   bq = call.config.block_q
   if call.has_q_lengths:
     rows = tile.q_lo + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW_LAYOUT)
-    l = jnp.where(rows < tile.item.q_len, l, 0.0)  # rows past the length: zeros, lse -inf
+    # Rows past the length: zeros and lse -inf, also when a sink started their sum at 1.
+    l = jnp.where(rows < tile.item.q_len, l, 0.0)
   out, lse = normalize(acc, m, l)
   if call.config.persistent:
     # The previous tile's stores must have read o_tile and the LSE row.
@@ -772,6 +810,8 @@ def _build_kernel(
     has_q_lengths: bool,
     has_kv_lengths: bool,
     has_segment_ids: bool = False,
+    has_sinks: bool = False,
+    soft_cap: float | None = None,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -779,9 +819,10 @@ def _build_kernel(
   work = _persistent_work(cfg, mask, batch, num_q_heads, q_seq)
   call = _Call(config=cfg, mask=mask, q_seq=q_seq, kv_valid=kv_valid, head_dim=head_dim,
                dtype=dtype, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles,
-               c=scale * LOG2_E, heavy_first=heavy_first, work=work,
+               c=softmax_scale(scale, soft_cap), heavy_first=heavy_first, work=work,
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
-               has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids)
+               has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
+               has_sinks=has_sinks, scale=scale, soft_cap=soft_cap)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -858,12 +899,17 @@ def sm_count(default: int = H100_SMS) -> int:
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            config: ForwardConfig | None = None, segment_ids=None):
+            config: ForwardConfig | None = None, segment_ids=None, sinks=None,
+            soft_cap: float | None = None):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
   q.dtype, lse float32 [B, Nq, Tq]). `segment_ids`: None or (q ids int32
   [B, Tq], kv ids int32 [B, Tk]); a query sees only keys of its own id.
+  `sinks`: None or [Nq], each head's sink logit (natural log; in the lse,
+  not in the output). `soft_cap`: None or a float > 0, logits ->
+  cap * tanh(logits / cap) before the mask. Without them the kernel is
+  the one built before they existed.
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
   if v.shape != k.shape:
@@ -877,6 +923,10 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     if shapes != ((batch, q_seq), (batch, kv_seq)):
       raise KernelUnsupported(f"segment_ids must be [B, Tq] and [B, Tk]: {(batch, q_seq)} and "
                               f"{(batch, kv_seq)}; got {shapes[0]} and {shapes[1]}")
+  if sinks is not None and jnp.shape(sinks) != (num_q_heads,):
+    raise KernelUnsupported(f"sinks must be [Nq] = ({num_q_heads},); got {jnp.shape(sinks)}")
+  if soft_cap is not None and not float(soft_cap) > 0:
+    raise KernelUnsupported(f"soft_cap must be a float > 0; got {soft_cap!r}")
   # The TMA descriptors tile (sequence, head_dim) by (8, 64): sequence lengths
   # must be multiples of 8 and head dims multiples of 64. Other sizes are
   # zero-padded here (a copy; aligned shapes take no detour). Padded keys are
@@ -897,7 +947,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
       dtype=q.dtype, scale=float(scale), mask=mask, config=config,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
-      has_segment_ids=segment_ids is not None,
+      has_segment_ids=segment_ids is not None, has_sinks=sinks is not None,
+      soft_cap=None if soft_cap is None else float(soft_cap),
   )
   args = [q, k, v]
   if q_lengths is not None:
@@ -906,6 +957,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     args.append(jnp.asarray(kv_lengths, jnp.int32))
   if segment_ids is not None:
     args.extend(segment_operands(segment_ids, config, mask, q_pad, kv_pad))
+  if sinks is not None:
+    args.append(jnp.asarray(sinks, jnp.float32))
   out, lse = call(*args)
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
