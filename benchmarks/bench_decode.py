@@ -73,7 +73,8 @@ def implementations(splits, scale, kv_lengths):
   plans = {"decode": None} | {f"decode p{p}": p for p in splits}
   for label, p in plans.items():
     def run(q, k, v, p=p):
-      chosen = decode.choose_splits(q.shape[0], k.shape[2], k.shape[1]) if p is None else p
+      chosen = p if p is not None else decode.choose_splits(
+          q.shape[0], k.shape[2], k.shape[1], ragged=kv_lengths is not None)
       return decode.forward(q, k, v, None, kv_lengths, scale=scale, mask=MaskSpec(),
                             plan=decode.DecodePlan(chosen))[0]
     impls[label] = run
@@ -102,7 +103,7 @@ def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
   row = dict(case=name, B=B, T=T, S=S, Hq=Hq, Hkv=Hkv, D=D, kv_bytes=kv_bytes,
              chosen=fa4_jax.which_implementation(
                  q, k, v, **({} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths))),
-             splits=decode.choose_splits(B, Hkv, S))
+             splits=decode.choose_splits(B, Hkv, S, ragged=ragged))
   fns, times = {}, {}
   reference = None
   columns = implementations([p for p in splits if S % p == 0], D ** -0.5, kv_lengths)

@@ -115,7 +115,8 @@ def _decode_backend() -> Backend:
   def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
               *, scale, spec, soft_cap):
     del bias, mask  # never selected with them (see _kernel_problem)
-    plan = decode.plan(q.shape, k.shape, spec, has_segment_ids=q_segment_ids is not None)
+    plan = decode.plan(q.shape, k.shape, spec, has_segment_ids=q_segment_ids is not None,
+                       ragged=kv_lengths is not None)
     if plan is None:  # other shapes per device (e.g. a sharded call): the usual kernel
       return _kernel_backend("sm90").forward(
           q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,

@@ -34,11 +34,12 @@ from fa4_jax.kernels import sm90_forward
 from fa4_jax.scores import MaskSpec
 
 
-# Packed rows (T x G) up to which the decode path serves a call: one CTA's
-# query tile (two consumers of 64 rows), where the forward kernel would read
-# each K/V byte once per query head. Measured on an H200 (bf16, D128, GQA
-# 32/8; benchmarks/results/decode-*.json).
-MAX_PACKED_ROWS = 128
+# Packed rows (T x G) up to which the decode path serves a call. H200, bf16,
+# D128, GQA 32/8, B8 S32k (benchmarks/results/decode-NVIDIA_H200-*.json, TB/s
+# of K/V read): T16 (64 rows) 4.42 vs 1.72 for the usual kernel, T32 (128)
+# 4.35 vs 1.72, T64 (256) 2.56 vs 1.71; at T128 (512 rows, B8 S8k) the usual
+# kernel wins, 1.33 vs 1.24.
+MAX_PACKED_ROWS = 256
 # A chunk keeps at least this many keys: shorter ones spend more time in the
 # pipeline's fill and drain and in the combine than they save.
 MIN_CHUNK = 512
@@ -54,29 +55,37 @@ class DecodePlan:
 
 
 def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
-         num_sms: int | None = None) -> DecodePlan | None:
+         ragged: bool = False, num_sms: int | None = None) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
   Splits: the largest power of two that keeps B x Hkv x splits CTAs within
   one wave of the GPU's SMs, divides the key length and leaves chunks of at
   least MIN_CHUNK keys. H200 (B*Hkv*splits CTAs on 132 SMs): B8 S32k best at
-  2 (128 CTAs: 4.38 TB/s; 4: 4.26, 1: 3.44), B64 S4k at 1 (512: 4.22), B1
-  S131k at 16 (128: 4.17; 32: 3.98, 8: 3.27).
+  2 (128 CTAs: 4.48 TB/s; 4: 4.39, 1: 3.41), B64 S4k at 1 (512: 4.34; 2:
+  4.28), B1 S131k at 16 (128: 4.25; 8: 3.29). With `ragged` key lengths
+  (each row its own) chunks past a row's length end at once, and more of
+  them balance the rows: up to 8 waves (B32 S16k, lengths S/16..S: 4 chunks
+  4.04, 2: 3.86, 1: 3.53, 8: 3.85).
   """
   b, t, n, _ = q_shape
   s, kv_heads = k_shape[1], k_shape[2]
   rows = t * (n // kv_heads)
   if has_segment_ids or not mask.is_dense or rows > MAX_PACKED_ROWS:
     return None
-  return DecodePlan(choose_splits(b, kv_heads, s, num_sms))
+  return DecodePlan(choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms))
 
 
-def choose_splits(batch: int, kv_heads: int, kv_seq: int, num_sms: int | None = None) -> int:
+RAGGED_WAVES = 8
+
+
+def choose_splits(batch: int, kv_heads: int, kv_seq: int, *, ragged: bool = False,
+                  num_sms: int | None = None) -> int:
   """Chunks of the cache: see `plan`."""
   if num_sms is None:
     num_sms = sm90_forward.sm_count()
+  slots = num_sms * (RAGGED_WAVES if ragged else 1)
   splits = 1
-  while (batch * kv_heads * splits * 2 <= num_sms and kv_seq % (splits * 2) == 0
+  while (batch * kv_heads * splits * 2 <= slots and kv_seq % (splits * 2) == 0
          and kv_seq // (splits * 2) >= MIN_CHUNK):
     splits *= 2
   return splits

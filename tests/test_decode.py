@@ -1,14 +1,14 @@
 """The decode arrangement of the sm90 kernels (`fa4_jax.decode`).
 
 Specification:
-* A short query (T x G packed rows <= 128) without a band mask is served by
+* A short query (T x G packed rows <= 256) without a band mask is served by
   the sm90 forward kernel with the query heads of a KV head packed as rows
   and the cache split into chunks; `which_implementation` says
   "sm90_decode". Causal masks, windows, segment ids and long queries keep
   the usual kernel.
 * Splits: the largest power of two that keeps B x Hkv x splits CTAs within
-  one wave of SMs, divides S and leaves chunks of >= 512 keys (the measured
-  best choices on an H200 for issue #27's rows).
+  one wave of SMs (8 with per-row key lengths), divides S and leaves chunks
+  of >= 512 keys (the measured best choices on an H200 for issue #27's rows).
 * Numerics (interpreter with race detection): out and lse equal an f32
   einsum with per-row key lengths (a row with length 0 gets zeros and
   -inf), query lengths, GQA and MQA, sinks, over several chunks; the
@@ -35,24 +35,26 @@ def _inputs(seed, b, t, s, n, kv_heads, d, dtype=jnp.bfloat16):
           jax.random.normal(keys[3], (b, t, n, d), dtype))
 
 
-@pytest.mark.parametrize("shape, splits", [
-    ((8, 1, 32768, 32, 8), 2),
-    ((64, 1, 4096, 32, 8), 1),
-    ((1, 1, 131072, 32, 8), 16),
-    ((8, 16, 32768, 32, 8), 2),
-    ((1, 1, 1000, 8, 1), 1),  # 1000 = 2 * 500: a chunk of 500 keys is too short
-    ((1, 1, 3072, 8, 1), 4),  # splits divide S: 8 would give chunks of 384
+@pytest.mark.parametrize("shape, splits, ragged", [
+    ((8, 1, 32768, 32, 8), 2, False),
+    ((64, 1, 4096, 32, 8), 1, False),
+    ((1, 1, 131072, 32, 8), 16, False),
+    ((8, 16, 32768, 32, 8), 2, False),
+    ((32, 1, 16384, 32, 8), 4, True),
+    ((1, 1, 1000, 8, 1), 1, False),  # 1000 = 2 * 500: a chunk of 500 keys is too short
+    ((1, 1, 3072, 8, 1), 4, False),  # splits divide S: 8 would give chunks of 384
 ])
-def test_splits_fill_one_wave_of_sms_with_chunks_of_at_least_512_keys(shape, splits):
+def test_splits_fill_one_wave_of_sms_with_chunks_of_at_least_512_keys(shape, splits, ragged):
   b, t, s, n, kv_heads = shape
-  plan = decode.plan((b, t, n, 128), (b, s, kv_heads, 128), MaskSpec(), num_sms=132)
+  plan = decode.plan((b, t, n, 128), (b, s, kv_heads, 128), MaskSpec(), ragged=ragged,
+                     num_sms=132)
   assert plan is not None and plan.splits == splits
 
 
 @pytest.mark.parametrize("name, t, n, kv_heads, options", [
     ("causal", 1, 8, 2, dict(is_causal=True)),
     ("window", 1, 8, 2, dict(local_window_size=(100, 0))),
-    ("long query", 64, 8, 2, dict()),  # 64 tokens x 4 heads = 256 rows
+    ("long query", 65, 8, 2, dict()),  # 65 tokens x 4 heads = 260 rows
 ])
 def test_band_masks_and_long_queries_keep_the_usual_kernel(name, t, n, kv_heads, options):
   q, k, v, _ = _inputs(0, 1, t, 1024, n, kv_heads, 64)
