@@ -32,6 +32,7 @@ def attention(
     key_value_segment_ids=None,
     sinks=None,
     logits_soft_cap: float | None = None,
+    causal_alignment: str = "top_left",
 ):
   """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
 
@@ -75,6 +76,17 @@ def attention(
     logits_soft_cap: optional positive Python number `cap`: the scaled (and
       biased) logits become `cap * tanh(logits / cap)` before masking and
       the softmax (Gemma 2). Not part of `jax.nn`.
+    causal_alignment: where `is_causal` and `local_window_size` put the
+      diagonal. `"top_left"` (default, `jax.nn`'s): query `i` sits at
+      position `i`. `"bottom_right"`: the queries are the last tokens of
+      each row's context, so each batch row's last valid query (by
+      `query_seq_lengths`, else `T`) is aligned with its last valid key (by
+      `key_value_seq_lengths`, else `S`): query `i` sits at position
+      `i + kv_len - q_len`. This is the mask of decoding and of chunked
+      prefill against a KV cache. Without lengths it is a fixed shift the
+      kernels take; a one-token causal query with lengths sees every valid
+      key (the decode kernels); other per-row shifts become an explicit
+      mask (the XLA path). Not part of `jax.nn`.
 
   Returns:
     The attention output, shaped like `query` (and the residual, if asked).
@@ -83,13 +95,14 @@ def attention(
   all (for example `key_value_seq_lengths == 0`) gets zeros and a residual of
   `-inf`, where `jax.nn`'s XLA path returns the mean of all values.
 
-  New keyword-only arguments (bottom-right causal alignment) will be added
-  after these, so positional and keyword callers keep working.
+  New keyword-only arguments will be added after these, so positional and
+  keyword callers keep working.
   """
   if implementation == "cudnn":
     extras = dict(query_segment_ids=query_segment_ids,
                   key_value_segment_ids=key_value_segment_ids, sinks=sinks,
-                  logits_soft_cap=logits_soft_cap)
+                  logits_soft_cap=logits_soft_cap,
+                  causal_alignment=None if causal_alignment == "top_left" else causal_alignment)
     given = [name for name, x in extras.items() if x is not None]
     if given:
       raise ValueError(
@@ -106,7 +119,7 @@ def attention(
                            query_seq_lengths, key_value_seq_lengths,
                            local_window_size, implementation,
                            query_segment_ids, key_value_segment_ids, sinks,
-                           logits_soft_cap)
+                           logits_soft_cap, causal_alignment)
   config = CoreConfig(backend=backend, scale=args.scale, spec=args.spec,
                       soft_cap=args.logits_soft_cap)
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
@@ -126,6 +139,7 @@ def which_implementation(
     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
     implementation: Implementation = None, query_segment_ids=None,
     key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
+    causal_alignment="top_left",
 ) -> str:
   """The implementation `attention` would use for these arguments here:
   `"xla"`, `"sm90"`, `"sm90_decode"` (the sm90 kernels in their decode
@@ -136,21 +150,21 @@ def which_implementation(
   _, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
                         query_seq_lengths, key_value_seq_lengths,
                         local_window_size, implementation, query_segment_ids,
-                        key_value_segment_ids, sinks, logits_soft_cap)
+                        key_value_segment_ids, sinks, logits_soft_cap, causal_alignment)
   return backend.name
 
 
 def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, implementation,
              query_segment_ids=None, key_value_segment_ids=None, sinks=None,
-             logits_soft_cap=None):
+             logits_soft_cap=None, causal_alignment="top_left"):
   args: Arguments = validate(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, implementation=implementation,
       query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
-      sinks=sinks, logits_soft_cap=logits_soft_cap)
+      sinks=sinks, logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment)
   call = backends.CallInfo(
       q_shape=args.query.shape, k_shape=args.key.shape, dtype=args.query.dtype,
       spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None,

@@ -92,28 +92,32 @@ def segment_ids(query_segment_ids, key_value_segment_ids):
 
 def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                       implementation: api.Implementation = None,
-                      ignore_precision: bool = False, logits_soft_cap: float | None = None):
+                      ignore_precision: bool = False, logits_soft_cap: float | None = None,
+                      causal_alignment: str = "top_left"):
   """An `attention_fn` for Flax's attention modules with fixed fa4_jax options.
 
   Args:
     is_causal: apply a causal mask on every call (in addition to the call's own
-      `is_causal`). The query and key lengths must then be equal: during
-      Flax's cached decoding (`decode=True`, one query against the whole
-      cache) a causal mask aligned top-left would hide every key but the
-      first, so that raises; Flax's decode mask already does the job there.
+      `is_causal`). Aligned top-left, the query and key lengths must be
+      equal: during Flax's cached decoding (`decode=True`, one query against
+      the whole cache) a causal mask aligned top-left would hide every key
+      but the first, so that raises; Flax's decode mask already does the job
+      there, or use `causal_alignment="bottom_right"`.
     local_window_size: passed to `fa4_jax.attention` (sliding window).
     implementation: passed to `fa4_jax.attention` (`None` picks the best).
     ignore_precision: accept any Flax `precision` (it then only affects
       Flax's projections, not the attention).
     logits_soft_cap: passed to `fa4_jax.attention` on every call (Gemma 2's
       `cap * tanh(logits / cap)`).
+    causal_alignment: passed to `fa4_jax.attention` on every call
+      (`"bottom_right"`: the queries are the last tokens of the context).
 
   Returns:
     A function with Flax's `attention_fn` signature.
   """
   options = dict(always_causal=is_causal, local_window_size=local_window_size,
                  implementation=implementation, ignore_precision=ignore_precision,
-                 logits_soft_cap=logits_soft_cap)
+                 logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment)
 
   # Every argument is named, not swallowed by **kwargs: linen passes only the
   # keyword arguments that appear in the function's signature.
@@ -196,7 +200,7 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                attn_weights_value_einsum=None, promote_dtype=None,
                is_causal=False, segment_ids=(None, None), sinks=None, unsupported=None,
                always_causal=False, logits_soft_cap=None,
-               local_window_size=None,
+               local_window_size=None, causal_alignment="top_left",
                implementation=None, ignore_precision=False) -> _Call:
   """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
   _check_supported(dropout_rate, deterministic, precision, module,
@@ -232,19 +236,21 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
   if mask is not None and mask.dtype != jnp.bool_:
     mask = mask.astype(jnp.bool_)  # Flax's masks may be float 0/1
 
-  if always_causal and query.shape[-3] != key.shape[-3]:
+  if always_causal and query.shape[-3] != key.shape[-3] and causal_alignment == "top_left":
     raise ValueError(
         f"{_PREFIX}: make_attention_fn(is_causal=True) needs equal query and key "
         f"lengths, got {query.shape[-3]} and {key.shape[-3]}. With Flax's cached "
         "decoding (decode=True) the causal mask would hide all but the first "
         "cached key; there, leave is_causal to the module (NNX: "
-        "layer(x, is_causal=True)) or pass a mask")
+        "layer(x, is_causal=True)), pass a mask, or use "
+        "make_attention_fn(causal_alignment='bottom_right')")
   return _Call((query, key, value, bias, mask),
                dict(is_causal=bool(is_causal) or always_causal,
                     local_window_size=local_window_size,
                     implementation=implementation,
                     query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
-                    sinks=sinks, logits_soft_cap=logits_soft_cap),
+                    sinks=sinks, logits_soft_cap=logits_soft_cap,
+                    causal_alignment=causal_alignment),
                batch_shape)
 
 

@@ -18,6 +18,7 @@ from fa4_jax.scores import MaskSpec
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90", "sm100", "cudnn")
+ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclasses.dataclass
@@ -220,10 +221,40 @@ def _check_scale(scale, head_dim: int) -> float:
   return value
 
 
+def _bottom_right_mask(spec: MaskSpec, mask, q_lengths, kv_lengths, b: int, t: int, s: int):
+  """The band of `spec` with each batch row's last valid query aligned with
+  its last valid key, as a boolean [B, 1, T, S] array ANDed into `mask`:
+  per-row offsets (kv_len - q_len) are run-time values no static band can
+  hold. Rows past the query length are masked by the lengths as usual."""
+  q_len = jnp.full((b,), t, jnp.int32) if q_lengths is None else q_lengths
+  kv_len = jnp.full((b,), s, jnp.int32) if kv_lengths is None else kv_lengths
+  offset = (kv_len - q_len)[:, None, None]
+  rows = jnp.arange(t, dtype=jnp.int32)[None, :, None] + offset
+  band = spec.visible(rows, jnp.arange(s, dtype=jnp.int32)[None, None, :])[:, None]
+  return band if mask is None else mask & band
+
+
+def _align(spec: MaskSpec, alignment, mask, q_lengths, kv_lengths, b: int, t: int, s: int):
+  """(spec, mask) for `causal_alignment`: bottom-right shifts the band by
+  S - T when every row is whole; with lengths, a one-token causal query
+  sees every valid key (no band at all), other cases carry the band in
+  `mask` (`_bottom_right_mask`)."""
+  if alignment not in ALIGNMENTS:
+    raise ValueError(f"`causal_alignment` must be one of {ALIGNMENTS}; got {alignment!r}")
+  if alignment == "top_left" or spec.is_dense:
+    return spec, mask
+  if q_lengths is None and kv_lengths is None:
+    return dataclasses.replace(spec, q_offset=s - t), mask
+  if t == 1 and spec.left is None and spec.right is not None and spec.right >= 0:
+    return MaskSpec(), mask  # the one query is the row's last: every valid key
+  return MaskSpec(), _bottom_right_mask(spec, mask, q_lengths, kv_lengths, b, t, s)
+
+
 def validate(query, key, value, bias, mask, *, scale, is_causal,
              query_seq_lengths, key_value_seq_lengths, local_window_size,
              implementation, query_segment_ids=None,
-             key_value_segment_ids=None, sinks=None, logits_soft_cap=None) -> Arguments:
+             key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
+             causal_alignment="top_left") -> Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
@@ -241,17 +272,16 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
   window = _check_window(local_window_size)
   q_ids, kv_ids = _check_segment_ids(query_segment_ids, key_value_segment_ids,
                                      (b, t), (b, s), rank)
+  q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b, t, "the query length")
+  kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s,
+                              "the key/value length")
+  spec, mask = _align(MaskSpec.from_arguments(bool(is_causal), window), causal_alignment,
+                      _check_pair_array(mask, "mask", (b, n, t, s), want_bool=True),
+                      q_lengths, kv_lengths, b, t, s)
   return Arguments(
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),
-      mask=_check_pair_array(mask, "mask", (b, n, t, s), want_bool=True),
-      query_seq_lengths=_check_lengths(query_seq_lengths, "query_seq_lengths",
-                                       b, t, "the query length"),
-      key_value_seq_lengths=_check_lengths(key_value_seq_lengths,
-                                           "key_value_seq_lengths", b, s,
-                                           "the key/value length"),
+      mask=mask, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
       query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
       sinks=_check_sinks(sinks, n), logits_soft_cap=_check_soft_cap(logits_soft_cap),
-      scale=_check_scale(scale, h),
-      spec=MaskSpec.from_arguments(bool(is_causal), window),
-      output_shape=output_shape)
+      scale=_check_scale(scale, h), spec=spec, output_shape=output_shape)
