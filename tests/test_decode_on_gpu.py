@@ -1,0 +1,71 @@
+"""Decoding on a Hopper GPU, at serving sizes (skipped without one).
+
+* One new token per row against a 32k-slot cache with per-row lengths (one
+  of them 0), bottom-right causal, GQA 32/8, D128, bf16: served by the decode
+  arrangement ("sm90_decode"), equal to an f32 einsum; the row without keys
+  gives zeros.
+* 16 speculative tokens with per-row query lengths, no mask; and a 131k-token
+  cache of one row (16 chunks), with sinks and soft-cap.
+
+bf16 tolerances: one bf16 rounding of P and of each chunk's output, then the
+merge in f32; the reference sees the same bf16 inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from reference import einsum_attention
+
+ON_HOPPER = (jax.devices()[0].platform == "gpu"
+             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
+pytestmark = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+
+
+def _inputs(seed, b, t, s, n, kv_heads, d):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  draw = lambda key, shape, shift=0.0: (shift + jax.random.normal(key, shape)).astype(jnp.bfloat16)
+  return (draw(keys[0], (b, t, n, d)), draw(keys[1], (b, s, kv_heads, d)),
+          draw(keys[2], (b, s, kv_heads, d), 1.0))
+
+
+def _check(out, want):
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+def test_one_token_against_a_32k_cache_with_per_row_lengths():
+  b, s, n, kv_heads, d = 4, 32768, 32, 8, 128
+  q, k, v = _inputs(0, b, 1, s, n, kv_heads, d)
+  lengths = jnp.asarray([32768, 17000, 0, 513], jnp.int32)
+  options = dict(is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=lengths)
+  assert fa4_jax.which_implementation(q, k, v, **options) == "sm90_decode"
+  out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **options))(q, k, v)
+  visible = np.arange(s)[None, None, None, :] < np.asarray(lengths)[:, None, None, None]
+  _check(out, einsum_attention(q, k, v, visible)[0])
+  assert np.all(np.asarray(out[2], np.float32) == 0)
+
+
+def test_sixteen_speculative_tokens_with_query_lengths():
+  b, t, s, n, kv_heads, d = 4, 16, 8192, 32, 8, 128
+  q, k, v = _inputs(1, b, t, s, n, kv_heads, d)
+  q_len, kv_len = jnp.asarray([16, 3, 16, 1], jnp.int32), jnp.asarray([8192, 4000, 16, 100],
+                                                                        jnp.int32)
+  options = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+  assert fa4_jax.which_implementation(q, k, v, **options) == "sm90_decode"
+  out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **options))(q, k, v)
+  visible = ((np.arange(t)[None, :, None] < np.asarray(q_len)[:, None, None])
+             & (np.arange(s)[None, None, :] < np.asarray(kv_len)[:, None, None]))[:, None]
+  _check(out, einsum_attention(q, k, v, visible)[0])
+
+
+def test_a_131k_cache_in_sixteen_chunks_with_sinks_and_soft_cap():
+  b, s, n, kv_heads, d = 1, 131072, 32, 8, 128
+  q, k, v = _inputs(2, b, 1, s, n, kv_heads, d)
+  sinks = jnp.linspace(-3.0, 3.0, n, dtype=jnp.float32)
+  options = dict(sinks=sinks, logits_soft_cap=20.0)
+  assert fa4_jax.which_implementation(q, k, v, **options) == "sm90_decode"
+  out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **options))(q, k, v)
+  want, _ = einsum_attention(q, k, v, np.ones((1, 1, 1, s), bool), sinks=sinks, soft_cap=20.0)
+  _check(out, want)
