@@ -10,6 +10,8 @@
   an f32 einsum attention under the explicit boolean mask (jax.nn has no
   segment ids), and the tile ranges the kernels walk, from the helper they
   use.
+* Logit soft-capping (`soft_cap=`) and sinks (in the lse): the kernels
+  given the f32 reference's out and lse, against its gradients.
 * Determinism: two runs give bit-identical gradients.
 * Hardware fit: every configuration the heuristic can pick is cross-lowered
   for sm_90 and must fit the shared memory and use wgmma and TMA.

@@ -71,8 +71,14 @@ Logit soft-capping (`soft_cap=`): both kernels recompute P from t =
 tanh(scale * s / cap) with c = cap * log2(e) and multiply dS by the slope
 1 - t^2; `sm90_backward_common.tile_softmax` makes that choice for all of
 them (what it costs: there). With `fold_stats` only delta is folded (the
-tanh needs the raw S^T). Sinks need nothing: the lse includes them, and
-their gradient is an XLA reduction (`scores.sink_grad`).
+tanh needs the raw S^T). Measured (H200, B2 S8192, soft-cap against plain,
+same process, CUPTI): D128 4.88 -> 5.70 ms dense, 2.51 -> 2.94 causal;
+GQA 32/8 10.0 -> 12.5 dense, 4.98 -> 5.72 causal; D64 H32 5.78 -> 8.18
+dense, 3.00 -> 4.31 causal (two MUFU ops per element instead of one: at
+D64 the MUFU work of a 64 x 64 tile approaches its tensor work); D192
+8.96 -> 10.3 / 4.57 -> 4.98; D256 6.04 -> 6.49 / 2.98 -> 3.21. Sinks need
+nothing: the lse includes them, and their gradient is an XLA reduction
+(`scores.sink_grad`).
 
 Segment ids (packed sequences): `segment_operands` computes, in XLA before
 each kernel, the blocks every CTA's tile and every consumer's tile may meet

@@ -264,15 +264,18 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: Ma
   (`fold_stats`, not with soft-cap).
 
   Soft-cap's slope 1 - t^2 enters dS through `TileSoftmax.w` = P * slope,
-  formed here while t is alive (t becomes P in place): neither t nor S
-  stays alive until dS, and no log2(P) recovers t. Per element that costs
-  one FMUL and one MUFU (tanh.approx) for t, one FFMA (1 - t^2) and one
-  FMUL (P * slope): 2 MUFU ops instead of 1. Registers: where P is used
-  only for dS (dQ, the dK pass) w replaces it; where both are used (fused
-  dK/dV, head-dim split) the f32 P only feeds its 16-bit copy for the dV
-  wgmma, which the baseline also keeps beside the f32 P until dS: one
-  f32 tile (w) stands where the f32 P stood. Masked elements have P = 0
-  and a finite slope, so w = 0 there.
+  formed here while t is alive: neither t nor S stays alive until dS.
+  Per element that costs one FMUL and one MUFU (tanh.approx) for t, one
+  FFMA (1 - t^2) and one FMUL (P * slope): 2 MUFU ops instead of 1.
+  Registers: one more f32 tile (32 per thread at 64 x 64) from the tanh
+  until w (t, or the slope, beside the logits through the mask and exp2);
+  after it w stands where P stood (dQ, dK pass) or beside P until P's
+  16-bit copy for the dV wgmma is made (fused dK/dV, head-dim split).
+  Recovering t from P instead (t = (log2 P + lse2) / c, at dS) costs a
+  lg2 per element and keeps lse2 alive, and spilled more (ptxas, H200:
+  e.g. D128 causal dK/dV 308 bytes against 240 here and 176 without
+  soft-cap; D192 window 224 against 4). Masked elements have P = 0 and a
+  finite slope, so w = 0 there.
   """
   t = scores.softmax_logits(s, scale, cap)
   if lse2 is None:  # already in s (`fold_stats`)
@@ -371,13 +374,14 @@ def mma_accumulate_pair(acc0, a0, b0, acc1, a1, b1):
 
 
 def stats_of_slot(lse_ring, delta_ring, slot):
-  """`load_stats` for `transposed_scores`: (lse2, delta) of a ring slot as
-  vectors along S^T's columns; delta None without a delta ring (dV pass)."""
+  """`load_stats(lse=True, delta=True)` for `transposed_scores`: (lse2,
+  delta) of a ring slot as vectors along S^T's columns; None for those not
+  asked for, and delta None without a delta ring (dV pass)."""
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-  def load_stats():
-    lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-    return lse2, (None if delta_ring is None else
+  def load_stats(lse: bool = True, delta: bool = True):
+    lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout) if lse else None
+    return lse2, (None if delta_ring is None or not delta else
                   plgpu.load(delta_ring.at[slot], layout=col_layout))
 
   return load_stats
@@ -394,16 +398,18 @@ def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: f
   a dP^T and c != 0, so -lse2 / c exists) the wgmmas start from -lse2 / c
   and -delta, so s holds S^T - lse2 / c and dp holds dP^T - delta, and
   lse2 = delta = None. With `soft_cap` the tanh needs the raw S^T: only
-  delta is folded, and lse2 (16 registers per thread at block_q 64, half
-  of what `stats_first` holds) is returned, alive across the wait.
+  delta is folded, and lse2 is loaded after the wait (ptxas, D128 causal
+  GQA: 92 spill bytes as without soft-cap; 180 when lse2 was loaded before
+  the wait and held across it).
   """
   bk, bq = k_operand.shape[0], q_tile.shape[0]
   along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
   q_t, do_t = q_tile.transpose((1, 0)), do_tile.transpose((1, 0))
   if fold_stats and v_operand is not None and soft_cap:
-    lse2, delta = load_stats()
+    _, delta = load_stats(lse=False)
     s, dp = mma_accumulate_pair(zeros((bk, bq)), k_operand, q_t,
                                  along_keys(-delta), v_operand, do_t)
+    lse2, _ = load_stats(delta=False)
     return s, dp, lse2, None
   if fold_stats and v_operand is not None and c != 0:
     lse2, delta = load_stats()
