@@ -10,6 +10,8 @@
   an f32 einsum attention under the explicit boolean mask (jax.nn has no
   segment ids), and the tile ranges the kernels walk, from the helper they
   use.
+* Logit soft-capping (`soft_cap=`) and sinks (in the lse): the kernels
+  given the f32 reference's out and lse, against its gradients.
 * Determinism: two runs give bit-identical gradients.
 * Hardware fit: every configuration the heuristic can pick is cross-lowered
   for sm_90 and must fit the shared memory and use wgmma and TMA.
@@ -58,14 +60,16 @@ def _forward(case: Case, q, k, v, scale):
   return xla_attention.forward(q, k, v, None, None, q_len, kv_len, scale=scale, spec=case.mask)
 
 
-def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale, config=None):
+def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale, config=None,
+                  **options):
+  """The kernels' (dq, dk, dv); `options`: the optional arguments (soft_cap)."""
   q_len, kv_len = case.lengths()
   segment_ids = case.segment_ids()
 
   def fn(q, k, v, out, lse, dout):
     return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
                                   scale=scale, mask=case.mask, config=config,
-                                  segment_ids=segment_ids)
+                                  segment_ids=segment_ids, **options)
 
   return run_interpreted(fn, q, k, v, out, lse, dout)
 
@@ -241,13 +245,14 @@ def test_three_dk_dv_consumers_match_xla_backward_without_races(name, run_interp
   _check_case(case, run_interpreted, config=config)
 
 
-def test_gradients_are_bit_identical_across_runs(run_interpreted):
+@pytest.mark.parametrize("options", [{}, dict(soft_cap=2.0)], ids=["plain", "soft_cap"])
+def test_gradients_are_bit_identical_across_runs(options, run_interpreted):
   case = Case(q_heads=2, kv_heads=1, is_causal=True)
   q, k, v, dout = _inputs(case)
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse = _forward(case, q, k, v, scale)
-  first = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
-  second = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale)
+  first = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, **options)
+  second = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, **options)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -307,22 +312,29 @@ SEGMENT_CASES = {
 }
 
 
-def _einsum_grads(case: Case, q, k, v, dout, scale):
-  """(out, lse) and the f32 gradient of attention under `case.visible()`;
-  rows that see no key output zeros and get no gradient."""
+def _einsum_grads(case: Case, q, k, v, dout, scale, *, sinks=None, soft_cap=None):
+  """(out, lse) and the f32 gradient (of q, k, v) of attention under
+  `case.visible()`, with `sinks` and `soft_cap` when given; rows that see no
+  key output zeros and get no gradient."""
   visible = jnp.asarray(case.visible())
   f32 = lambda x: x.astype(jnp.float32)
-  attention = lambda q, k, v: einsum_attention(q, k, v, visible, scale=scale)[0]
-  (out, lse), = [einsum_attention(f32(q), f32(k), f32(v), visible, scale=scale)]
+  options = dict(scale=scale, sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+                 soft_cap=soft_cap)
+  attention = lambda q, k, v: einsum_attention(q, k, v, visible, **options)[0]
+  (out, lse), = [einsum_attention(f32(q), f32(k), f32(v), visible, **options)]
   _, vjp = jax.vjp(attention, f32(q), f32(k), f32(v))
   return out.astype(q.dtype), lse, vjp(f32(dout))
 
 
-def _check_segment_case(case: Case, run_interpreted, config=None):
+def _check_einsum_case(case: Case, run_interpreted, config=None, *, scale=None, sinks=None,
+                       soft_cap=None):
+  """The kernels' gradients, given the f32 reference's out and lse (with
+  `sinks`: the lse includes them), against that reference's gradients."""
   q, k, v, dout = _inputs(case)
-  scale = 1.0 / math.sqrt(case.head_dim)
-  out, lse, exact = _einsum_grads(case, q, k, v, dout, scale)
-  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, config)
+  scale = 1.0 / math.sqrt(case.head_dim) if scale is None else scale
+  out, lse, exact = _einsum_grads(case, q, k, v, dout, scale, sinks=sinks, soft_cap=soft_cap)
+  options = {} if soft_cap is None else dict(soft_cap=soft_cap)
+  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, config, **options)
   sees_no_key = ~case.visible().any(-1)[:, 0]  # [B, Tq]
   for name, got, reference in zip(("dq", "dk", "dv"), grads, exact):
     got, reference = np.asarray(got, np.float32), np.asarray(reference)
@@ -336,7 +348,7 @@ def _check_segment_case(case: Case, run_interpreted, config=None):
 
 @pytest.mark.parametrize("name", list(SEGMENT_CASES))
 def test_segment_ids_gradients_match_the_explicit_mask_without_races(name, run_interpreted):
-  _check_segment_case(SEGMENT_CASES[name], run_interpreted)
+  _check_einsum_case(SEGMENT_CASES[name], run_interpreted)
 
 
 def test_segment_ids_with_xla_delta_and_loads_after_the_wait(run_interpreted):
@@ -347,7 +359,7 @@ def test_segment_ids_with_xla_delta_and_loads_after_the_wait(run_interpreted):
   config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
                                delta_in_dq=False, stats_first=False, dq_num_consumers=2,
                                dq_producer_registers=40, dq_consumer_registers=232)
-  _check_segment_case(case, run_interpreted, config=config)
+  _check_einsum_case(case, run_interpreted, config=config)
 
 
 def test_segment_ids_gradients_are_bit_identical_across_runs(run_interpreted):
@@ -402,6 +414,68 @@ def test_segment_ids_skip_the_blocks_of_other_documents():
       else:
         doc = k_lo // 192
         assert got == (3 * doc, 3 * doc + 3) * 2, (cta, i, got)
+
+
+# --- logit soft-capping and sinks --------------------------------------------
+# `soft_cap=`: the kernels recompute P from t = tanh(scale * s / cap) and
+# multiply dS by the slope 1 - t^2. Sinks take no kernel argument: the lse
+# the backward receives includes them. Both against the f32 einsum reference.
+
+
+SOFT_CAP_AND_SINK_CASES = {
+    "soft_cap_causal_gqa": (
+        Case(q_heads=4, kv_heads=2, is_causal=True, q_seq=136, kv_seq=136),
+        dict(soft_cap=2.0)),
+    # The heuristic folds lse and delta into the accumulators here (causal,
+    # GQA, head dim 128); under soft-cap only delta folds.
+    "soft_cap_causal_gqa_head_dim_128_folds_only_delta": (
+        Case(q_heads=4, kv_heads=2, head_dim=128, is_causal=True, q_seq=136, kv_seq=136),
+        dict(soft_cap=2.0)),
+    # Keys [0, 30) of batch 0: its rows from 70 on see none (lse = sink);
+    # batch 1's rows from 61 on are past the query length (lse = -inf).
+    "sinks_and_soft_cap_fp16_head_dim_128_window_lengths_rows_without_keys": (
+        Case(batch=2, dtype="float16", head_dim=128, q_heads=2, kv_heads=1, window=(40, 20),
+             q_seq=104, kv_seq=136, q_lengths=(104, 61), kv_lengths=(30, 136)),
+        dict(sinks=(1.0, -1.5), soft_cap=3.0)),
+    "sinks_window_lengths_rows_without_keys": (
+        Case(batch=2, q_heads=2, kv_heads=1, window=(40, 20), q_seq=104, kv_seq=136,
+             q_lengths=(104, 61), kv_lengths=(30, 136)),
+        dict(sinks=(0.5, -2.0))),
+    # Logits of std 8 against a cap of 20 (slopes near 0), one sink far above
+    # them (P of every key <= e^-10) and one far below.
+    "large_sinks_and_logits_at_the_cap": (
+        Case(q_heads=2, kv_heads=1, is_causal=True, q_seq=72, kv_seq=136),
+        dict(sinks=(30.0, -30.0), soft_cap=20.0, scale=1.0)),
+    "head_dim_256_soft_cap_sinks_gqa_consumers_split_the_head_dim": (
+        Case(q_heads=2, kv_heads=1, head_dim=256, is_causal=True, q_seq=100, kv_seq=164),
+        dict(sinks=(0.0, 2.0), soft_cap=2.0)),
+    "head_dim_192_soft_cap_window_key_lengths_in_two_dk_dv_passes": (
+        Case(batch=2, head_dim=192, window=(50, 10), q_seq=96, kv_seq=160,
+             kv_lengths=(160, 90)),
+        dict(soft_cap=2.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(SOFT_CAP_AND_SINK_CASES))
+def test_soft_cap_and_sinks_gradients_match_the_f32_reference_without_races(
+    name, run_interpreted):
+  case, options = SOFT_CAP_AND_SINK_CASES[name]
+  _check_einsum_case(case, run_interpreted, **options)
+
+
+def test_the_backward_kernels_take_soft_cap():
+  """`fa4_jax.backends` passes `soft_cap=` to a backward module that lists
+  it; the sm90 forward's support is its own."""
+  from fa4_jax import backends
+
+  assert "soft_cap" in sm90_backward.FEATURES
+  assert backends._options(sm90_backward, soft_cap=2.0, sinks=None) == dict(soft_cap=2.0)
+  q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  lse = jnp.zeros((1, 1, 64), jnp.float32)
+  for bad in (0.0, -1.0, True, jnp.float32(2.0)):
+    with pytest.raises(ValueError, match="soft_cap must be a positive Python float"):
+      sm90_backward.backward(q, q, q, q, lse, q, None, None, scale=0.125, mask=MaskSpec(),
+                             soft_cap=bad)
 
 
 # --- tile ranges -------------------------------------------------------------
@@ -508,6 +582,29 @@ def test_every_config_with_segment_ids_fits_smem_and_uses_wgmma_and_tma(
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")
+  _check_launch_chain(lowered.modules, config.overlap_kernels)
+
+
+@pytest.mark.parametrize("head_dim,config", sm90_backward.all_configs(),
+                         ids=lambda x: str(x) if isinstance(x, int) else "")
+def test_every_config_with_soft_cap_fits_smem_and_uses_the_fast_tanh(
+    head_dim, config, cross_lower):
+  """Every kernel of the backward (dK/dV, or its two passes, and dQ)
+  recomputes t with tanh.approx.f32 (`approx_math`)."""
+  b, t, nq, nkv = 1, 509, 4, 2
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+  q, kv = spec((b, t, nq, head_dim)), spec((b, t, nkv, head_dim))
+
+  def fn(q, k, v, out, lse, dout, q_len, kv_len):
+    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len, scale=0.125,
+                                  mask=MaskSpec(right=0), config=config, soft_cap=30.0)
+
+  lowered = cross_lower(fn, q, kv, kv, q, spec((b, nq, t), jnp.float32), q,
+                        spec((b,), jnp.int32), spec((b,), jnp.int32))
+  assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("wgmma.mma_async")
+  assert all("tanh.approx.f32" in module for module in lowered.modules)
   _check_launch_chain(lowered.modules, config.overlap_kernels)
 
 

@@ -67,6 +67,19 @@ Masks: a consumer walks only the blocks its own rows/keys can touch
 only on boundary tiles, and only keeps the barrier protocol going for blocks
 of the CTA's range outside its own.
 
+Logit soft-capping (`soft_cap=`): both kernels recompute P from t =
+tanh(scale * s / cap) with c = cap * log2(e) and multiply dS by the slope
+1 - t^2; `sm90_backward_common.tile_softmax` makes that choice for all of
+them (what it costs: there). With `fold_stats` only delta is folded (the
+tanh needs the raw S^T). Measured (H200, B2 S8192, soft-cap against plain,
+same process, CUPTI): D128 4.88 -> 5.70 ms dense, 2.51 -> 2.94 causal;
+GQA 32/8 10.0 -> 12.5 dense, 4.98 -> 5.72 causal; D64 H32 5.78 -> 8.18
+dense, 3.00 -> 4.31 causal (two MUFU ops per element instead of one: at
+D64 the MUFU work of a 64 x 64 tile approaches its tensor work); D192
+8.96 -> 10.3 / 4.57 -> 4.98; D256 6.04 -> 6.49 / 2.98 -> 3.21. Sinks need
+nothing: the lse includes them, and their gradient is an XLA reduction
+(`scores.sink_grad`).
+
 Segment ids (packed sequences): `segment_operands` computes, in XLA before
 each kernel, the blocks every CTA's tile and every consumer's tile may meet
 (`scores.segment_tile_ranges` at that kernel's tiles: keys as rows in dK/dV,
@@ -90,6 +103,9 @@ from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _bu
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
 from fa4_jax.scores import LOG2_E, MaskSpec, cdiv, pad_ids, tile_ranges_operand
+
+# The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
+FEATURES = frozenset({"soft_cap"})
 
 # dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
 # above this head dim they do not fit beside S and dP, so dK and dV are
@@ -379,15 +395,23 @@ def _kernel_segments(segment_ids, config: BackwardConfig, q_pad: int, kv_pad: in
 
 
 def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
-             mask: MaskSpec, config: BackwardConfig | None = None, segment_ids=None):
+             mask: MaskSpec, config: BackwardConfig | None = None, segment_ids=None,
+             soft_cap: float | None = None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
   q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
   dk and dv are summed over the query heads of each GQA group.
   segment_ids: None, or (q ids int32 [B, Tq], kv ids int32 [B, Tk]): a query
   sees only keys of its own id.
+  soft_cap: None, or a Python float > 0: the forward's logits were
+  cap * tanh(scale * q.k / cap) (`sm90_backward_common.tile_softmax`).
+  Sinks need nothing here: the lse includes them.
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
+  if soft_cap is not None:
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0:
+      raise ValueError(f"soft_cap must be a positive Python float; got {soft_cap!r}")
+    soft_cap = float(soft_cap)
   if v.shape != k.shape:
     raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
   if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -417,6 +441,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
   if segment_ids is not None:
     common["has_segments"] = True
+  if soft_cap is not None:
+    common["soft_cap"] = soft_cap
   dkv_segments, dq_segments = _kernel_segments(segment_ids, config, q_pad, kv_pad)
   lengths = []
   if q_lengths is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -83,11 +83,20 @@ class KernelStatics:
   head_dim: int
   scale: float
   group: int  # query heads per KV head
+  soft_cap: float | None  # None: no logit soft-capping
 
   @property
   def c(self) -> float:
-    """The folded softmax scale: exp(scale * s) = exp2(c * s)."""
-    return self.scale * scores.LOG2_E
+    """The folded softmax scale: exp(scale * s) = exp2(c * s), or with
+    soft-cap exp(cap * tanh(scale * s / cap)) = exp2(c * t)
+    (`scores.softmax_scale`)."""
+    return scores.softmax_scale(self.scale, self.soft_cap)
+
+  def softmax(self, s, lse2, **kwargs) -> "TileSoftmax":
+    """`tile_softmax` of a raw S (or S^T) tile with this kernel's scale and
+    soft-cap."""
+    return tile_softmax(s, lse2, c=self.c, scale=self.scale, cap=self.soft_cap, mask=self.mask,
+                        **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,18 +240,49 @@ class KeyTileWork:
 # --- one tile's softmax and gradient, and the wgmmas ---------------------------
 
 
-def probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: MaskSpec,
-                   c: float, masked: bool, segments=None):
-  """P = exp2(c * S - lse2) of one tile (S^T when `keys_along_rows`, as in the
-  kernels that own keys; S in the dQ kernel), 0 where the mask, the key
-  length or the segment ids hide an element; `masked=False` for tiles known
-  to be fully visible. `segments`: None, or the segment ids of the tile's
-  (rows, columns) as `load_ids` vectors. `lse2=None`: s already holds
-  S - lse2 / c."""
+class TileSoftmax(NamedTuple):
+  """One tile's recomputed softmax: `p` = P (for dV = P^T dO) and `w`, the
+  factor of dS = w * (dP - delta) (`scores_grad`): P itself, or with
+  soft-cap P * (1 - t^2), where 1 - t^2 is the slope of cap * tanh(x / cap),
+  so that dS is the gradient w.r.t. x = scale * s as without soft-cap (the
+  kernels' factor `scale` in dQ and dK stays)."""
+
+  p: Any
+  w: Any
+
+
+def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: MaskSpec,
+                 c: float, masked: bool, segments=None, scale: float = 1.0,
+                 cap: float | None = None) -> TileSoftmax:
+  """P = exp2(c * t - lse2) of one tile (S^T when `keys_along_rows`, as in
+  the kernels that own keys; S in the dQ kernel) with t = s, or t =
+  tanh(s * scale / cap) with soft-cap `cap` (`scores.softmax_logits`;
+  c = `scores.softmax_scale`), 0 where the mask, the key length or the
+  segment ids hide an element; `masked=False` for tiles known to be fully
+  visible. `segments`: None, or the segment ids of the tile's (rows,
+  columns) as `load_ids` vectors. `lse2=None`: s already holds S - lse2 / c
+  (`fold_stats`, not with soft-cap).
+
+  Soft-cap's slope 1 - t^2 enters dS through `TileSoftmax.w` = P * slope,
+  formed here while t is alive: neither t nor S stays alive until dS.
+  Per element that costs one FMUL and one MUFU (tanh.approx) for t, one
+  FFMA (1 - t^2) and one FMUL (P * slope): 2 MUFU ops instead of 1.
+  Registers: one more f32 tile (32 per thread at 64 x 64) from the tanh
+  until w (t, or the slope, beside the logits through the mask and exp2);
+  after it w stands where P stood (dQ, dK pass) or beside P until P's
+  16-bit copy for the dV wgmma is made (fused dK/dV, head-dim split).
+  Recovering t from P instead (t = (log2 P + lse2) / c, at dS) costs a
+  lg2 per element and keeps lse2 alive, and spilled more (ptxas, H200:
+  e.g. D128 causal dK/dV 308 bytes against 240 here and 176 without
+  soft-cap; D192 window 224 against 4). Masked elements have P = 0 and a
+  finite slope, so w = 0 there.
+  """
+  t = scores.softmax_logits(s, scale, cap)
   if lse2 is None:  # already in s (`fold_stats`)
-    logits2 = s * c
+    assert cap is None, "soft-cap needs the raw S: lse2 cannot be folded into it"
+    logits2 = t * c
   else:
-    logits2 = s * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
+    logits2 = t * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
   if masked:
     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape, layout=plgpu.Layout.WGMMA)
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
@@ -255,7 +295,8 @@ def probabilities(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: M
       kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
     visible = scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg)
     logits2 = jnp.where(visible, logits2, -jnp.inf)
-  return jnp.exp2(logits2)
+  p = jnp.exp2(logits2)
+  return TileSoftmax(p, p if cap is None else p * scores.soft_cap_slope(t))
 
 
 def mma(a, b, shape):
@@ -333,20 +374,21 @@ def mma_accumulate_pair(acc0, a0, b0, acc1, a1, b1):
 
 
 def stats_of_slot(lse_ring, delta_ring, slot):
-  """`load_stats` for `transposed_scores`: (lse2, delta) of a ring slot as
-  vectors along S^T's columns; delta None without a delta ring (dV pass)."""
+  """`load_stats(lse=True, delta=True)` for `transposed_scores`: (lse2,
+  delta) of a ring slot as vectors along S^T's columns; None for those not
+  asked for, and delta None without a delta ring (dV pass)."""
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-  def load_stats():
-    lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout)
-    return lse2, (None if delta_ring is None else
+  def load_stats(lse: bool = True, delta: bool = True):
+    lse2 = plgpu.load(lse_ring.at[slot], layout=col_layout) if lse else None
+    return lse2, (None if delta_ring is None or not delta else
                   plgpu.load(delta_ring.at[slot], layout=col_layout))
 
   return load_stats
 
 
 def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: float,
-                       fold_stats: bool, stats_first: bool):
+                       fold_stats: bool, stats_first: bool, soft_cap: bool = False):
   """S^T = K Q^T and, given `v_operand`, dP^T = V dO^T of one step of a
   kernel that owns keys ([keys, queries] tiles), with the statistics the
   softmax needs: (s, dp, lse2, delta), delta broadcast along the keys.
@@ -355,11 +397,20 @@ def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: f
   calls it before waiting for the wgmmas. With `fold_stats` (where there is
   a dP^T and c != 0, so -lse2 / c exists) the wgmmas start from -lse2 / c
   and -delta, so s holds S^T - lse2 / c and dp holds dP^T - delta, and
-  lse2 = delta = None.
+  lse2 = delta = None. With `soft_cap` the tanh needs the raw S^T: only
+  delta is folded, and lse2 is loaded after the wait (ptxas, D128 causal
+  GQA: 92 spill bytes as without soft-cap; 180 when lse2 was loaded before
+  the wait and held across it).
   """
   bk, bq = k_operand.shape[0], q_tile.shape[0]
   along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
   q_t, do_t = q_tile.transpose((1, 0)), do_tile.transpose((1, 0))
+  if fold_stats and v_operand is not None and soft_cap:
+    _, delta = load_stats(lse=False)
+    s, dp = mma_accumulate_pair(zeros((bk, bq)), k_operand, q_t,
+                                 along_keys(-delta), v_operand, do_t)
+    lse2, _ = load_stats(delta=False)
+    return s, dp, lse2, None
   if fold_stats and v_operand is not None and c != 0:
     lse2, delta = load_stats()
     s, dp = mma_accumulate_pair(along_keys(lse2 * (-1.0 / c)), k_operand, q_t,

@@ -32,16 +32,17 @@ from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rende
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
                                                   KeyTileWork, SegmentRefs, launch,
                                                   load_operand, mma_accumulate,
-                                                  mma_accumulate_pair, narrow, probabilities,
-                                                  scores_grad, stats_of_slot,
+                                                  mma_accumulate_pair, narrow, scores_grad,
+                                                  stats_of_slot,
                                                   transposed_scores, zeros)
 from fa4_jax.kernels.sm90_tiles import load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import cdiv, walk_blocks
 
 
-def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
-  """dV += P^T dO and dK += dS^T Q with dS^T = P^T * (dP^T - delta)
-  (`delta=None`: dp already holds dP^T - delta).
+def _dk_dv_update(dk, dv, p, w, dp, delta, q_tile, do_tile, staging):
+  """dV += P^T dO and dK += dS^T Q with dS^T = w * (dP^T - delta), w = P^T
+  or its soft-capped weight (`TileSoftmax`; `delta=None`: dp already holds
+  dP^T - delta).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
   one wait covers both. (Here `p` is P^T: keys along rows.)
@@ -49,13 +50,13 @@ def _dk_dv_update(dk, dv, p, dp, delta, q_tile, do_tile, staging):
   dtype = q_tile.dtype
   if is_interpreting():
     dv = mma_accumulate(dv, p.astype(dtype), do_tile, staging)
-    ds = scores_grad(p, dp, delta).astype(dtype)
+    ds = scores_grad(w, dp, delta).astype(dtype)
     return mma_accumulate(dk, ds, q_tile, staging), dv
 
   def body(refs):
     dk_ref, dv_ref = refs
     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-    ds = scores_grad(p, dp, delta).astype(dtype)
+    ds = scores_grad(w, dp, delta).astype(dtype)
     plgpu.wgmma(dk_ref, ds, q_tile)
 
   return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
@@ -192,14 +193,15 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
     s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
         k_operand, v_operand, q_tile, do_tile,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
-        c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first)
-    p = probabilities(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
-                      kv_len=work.kv_len, mask=mask, c=c, masked=masked, segments=seg)
+        c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
+        soft_cap=kp.soft_cap is not None)
+    p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
+                      kv_len=work.kv_len, masked=masked, segments=seg)
     if kp.with_dk and kp.with_dv:
-      acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, dp, delta,
+      acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, w, dp, delta,
                                            q_tile, do_tile, stage)
-    elif kp.with_dk:
-      acc["dk"] = mma_accumulate(acc["dk"], scores_grad(p, dp, delta).astype(kp.dtype),
+    elif kp.with_dk:  # (p is w without soft-cap, unused with it)
+      acc["dk"] = mma_accumulate(acc["dk"], scores_grad(w, dp, delta).astype(kp.dtype),
                                  q_tile, stage)
     else:
       acc["dv"] = mma_accumulate(acc["dv"], p.astype(kp.dtype), do_tile, stage)
@@ -242,7 +244,7 @@ def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, grad_refs,
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                       head_dim, dtype, scale, mask, config, has_q_lengths,
                       has_kv_lengths, has_segments=False, outputs=("dk", "dv"),
-                      chain=NO_CHAIN):
+                      chain=NO_CHAIN, soft_cap=None):
   """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
 
   A pass without dK needs neither V (for dP) nor delta: they are not loaded.
@@ -251,7 +253,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   """
   cfg = config
   nc = cfg.num_consumers
-  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads,
+  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
                 tuple(outputs), is_interpreting())
   grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, nc * cfg.block_kv), batch=batch)
 
@@ -403,9 +405,9 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
       s, dp, lse2, delta = transposed_scores(
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=False, stats_first=False)
-      p = probabilities(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
-                        kv_len=work.kv_len, mask=kp.mask, c=c, masked=masked, segments=seg)
-      ds = scores_grad(p, dp, delta)
+      p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
+                        kv_len=work.kv_len, masked=masked, segments=seg)
+      ds = scores_grad(w, dp, delta)
       pds.producer_acquire(step)
       p_tile[...] = p.astype(kp.dtype)
       ds_tile[...] = ds.astype(kp.dtype)
@@ -453,7 +455,7 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
 def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                                  num_kv_heads, head_dim, dtype, scale, mask, config,
                                  has_q_lengths, has_kv_lengths, has_segments=False,
-                                 chain=NO_CHAIN):
+                                 chain=NO_CHAIN, soft_cap=None):
   """dK and dV where they do not fit one warpgroup's registers (head dim 256).
 
   A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
@@ -474,7 +476,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   CTA's) per CTA.
   """
   cfg = config
-  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads,
+  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
                 ("dk", "dv"), is_interpreting())
   bk = cfg.block_kv
   grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, bk), batch=batch)

@@ -28,7 +28,7 @@ from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
                                                   launch,
                                                   load_operand, mma_accumulate, mma_pair,
-                                                  narrow, probabilities, scores_grad, zeros)
+                                                  narrow, scores_grad, zeros)
 from fa4_jax.kernels.sm90_tiles import load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
@@ -155,7 +155,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
   """Consumer `wg`: dQ of its `dq_block_q` rows over the CTA's key blocks
   (blocks its rows cannot see only keep the ring going). Returns (dQ, its
   first row)."""
-  cfg, bq, bk, c, mask = kd.cfg, kd.cfg.dq_block_q, kd.cfg.dq_block_kv, kd.c, kd.mask
+  cfg, bq, bk, mask = kd.cfg, kd.cfg.dq_block_q, kd.cfg.dq_block_kv, kd.mask
   lo, hi = work.ranges.lo, work.ranges.hi
   plgpu.set_max_registers(cfg.dq_consumer_registers, action="increase")
   q_lo = work.q_lo + wg * bq
@@ -196,9 +196,9 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     bars.stream.consumer_wait(step)
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
-    p = probabilities(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
-                      kv_len=work.kv_len, mask=mask, c=c, masked=masked, segments=seg)
-    ds = scores_grad(p, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
+    _, w = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+                      kv_len=work.kv_len, masked=masked, segments=seg)
+    ds = scores_grad(w, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
     bars.stream.consumer_release(step)
     return dq
@@ -223,14 +223,14 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
 
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                      head_dim, dtype, scale, mask, config, has_q_lengths,
-                     has_kv_lengths, has_segments=False, chain=NO_CHAIN):
+                     has_kv_lengths, has_segments=False, chain=NO_CHAIN, soft_cap=None):
   """The dQ kernel: dq, and with `delta_in_dq` also delta [B, Nq, rows].
   With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
   per consumer)."""
   cfg = config
   nc, bq = cfg.dq_num_consumers, cfg.dq_block_q
   num_q_tiles = cdiv(q_seq, nc * bq)
-  kd = _DqKernel(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads,
+  kd = _DqKernel(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
                  num_q_tiles, is_interpreting())
   grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
 
