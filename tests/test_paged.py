@@ -121,10 +121,11 @@ def test_queries_at_negative_positions_and_empty_rows_get_zeros():
 # --- the sm90 kernel under the interpreter -------------------------------------
 
 KERNEL_CASES = {
-    # D64 reads 128-key blocks: 8 pages of 16 per block; 1024 keys make 2
-    # chunks of 512; the row of 700 keys ends inside a page of its second chunk.
+    # D64 reads 128-key blocks: 8 pages of 16 per block; 68 pages make 2
+    # chunks of 34 (the last block of a chunk reads 6 padded table entries);
+    # the row of 700 keys ends inside a page of its second chunk.
     "page 16 < block 128, 2 chunks, GQA 8/2, T1": (
-        dict(batch=1, t=1, q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_pages=64,
+        dict(batch=1, t=1, q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_pages=68,
              lengths=(700,)), dict(), 2),
     # 128-key blocks inside 256-key pages: a block starts mid-page.
     "page 256 > block 128, 2 chunks, T3 not causal, sinks, soft-cap": (
