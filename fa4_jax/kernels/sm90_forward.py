@@ -1005,6 +1005,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             for x in (k, v))
   if config is None:
     config = choose_config(d, mask, kv_seq, q_seq)
+  if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
+    raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
+                            f"{k.shape[1]} must divide one another")
   if config.persistent and not config.num_sms:
     config = dataclasses.replace(config, num_sms=sm_count(H100_SMS))
   call = _build_kernel(
