@@ -179,9 +179,9 @@ def _small(**overrides):
 
 @pytest.mark.parametrize("name, overrides, options, reason", [
     ("T3 causal", dict(t=3), dict(), "bottom-right causal band"),
-    ("page 24", dict(page_size=24), dict(), "power of two"),
-    ("page 4", dict(page_size=4, lengths=(13,)), dict(), "power of two"),
-    ("head_dim 80", dict(head_dim=80), dict(), "multiple of 64"),
+    ("page 24", dict(page_size=24), dict(), r"page size \(key_pages.shape\[1\]\) must be a power"),
+    ("page 4", dict(page_size=4, lengths=(13,)), dict(), r"key_pages.shape\[1\]\) must be a power"),
+    ("head_dim 80", dict(head_dim=80), dict(), "head_dim must be a multiple of 64"),
     ("float32", dict(dtype=jnp.float32), dict(), "dtype"),
     ("T129 x 2 heads per KV head", dict(t=129), dict(is_causal=False), "256"),
 ])

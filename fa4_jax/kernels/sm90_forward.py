@@ -312,9 +312,9 @@ class ForwardBarriers:
   |----------------------|----------------------------------|-----------------------------|
   | q.full[b]            | producer TMA of Q_i (1)          | consumer i, once per tile   |
   | q.consumed[b]        | consumer i after its last QK (1) | producer before reloading copy b (persistent only) |
-  | k.full[slot]         | producer TMA of K_n (1; paged: one per page copy) | both consumers, every step |
+  | k.full[slot]         | producer TMA of K_n (1; paged: 1 per page) | both consumers, every step |
   | k.consumed[slot]     | each consumer once S=QK^T is done (2) | producer before refilling |
-  | v.full[slot]         | producer TMA of V_n (1; paged: likewise) | both consumers, every step |
+  | v.full[slot]         | producer TMA of V_n (likewise)   | both consumers, every step  |
   | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
   | pingpong             | both consumers (2)               | both consumers (only with `config.pingpong`) |
 
