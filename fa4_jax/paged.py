@@ -68,7 +68,8 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
       `cap * tanh(logits / cap)` (as in `fa4_jax.attention`).
     implementation: None (the sm90 kernel on a Hopper GPU when it can serve
       the call, else the XLA path), "xla", or "sm90" (a ValueError saying
-      why when it cannot).
+      why when it cannot; without a Hopper GPU it runs only inside
+      `fa4_jax.interpret_mode()`).
 
   Returns:
     `[B, T, Hq, D]` in the query's dtype; a query that sees no key gets zeros.
@@ -203,13 +204,17 @@ def _check_integer(x, name: str, rank: int, layout: str) -> jax.Array:
 
 
 def _select(implementation, args: _Arguments) -> str:
-  """"xla" or "sm90"; raises ValueError when "sm90" was asked for and cannot serve."""
+  """"xla" or "sm90"; raises ValueError when "sm90" was asked for and cannot
+  serve. None takes the kernel only on a Hopper GPU (as `fa4_jax.attention`
+  does: inside `interpret_mode()` the kernel runs when asked for by name)."""
   if implementation == "xla":
     return "xla"
   problem = _kernel_problem(args)
-  if implementation == "sm90" and problem is not None:
-    raise ValueError(f"implementation='sm90': {problem}")
-  return "xla" if problem is not None else "sm90"
+  if implementation == "sm90":
+    if problem is not None:
+      raise ValueError(f"implementation='sm90': {problem}")
+    return "sm90"
+  return "sm90" if problem is None and backends.device_arch_major() == 9 else "xla"
 
 
 def _kernel_problem(args: _Arguments) -> str | None:

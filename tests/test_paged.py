@@ -17,9 +17,11 @@ Specification:
   holding several blocks, several chunks of the decode arrangement.
 * The paged kernel lowers for Hopper at D64 and D128 with page sizes 16 and
   64 in the SMEM of the unpaged kernel, one TMA per page of a block.
-* Selection: Hopper or the interpreter runs "sm90" when it can serve;
-  T > 1 with is_causal, other page sizes or head dims run on XLA, and
-  implementation="sm90" then raises saying why. Gradients are the XLA path's.
+* Selection: on a Hopper GPU None runs "sm90" when it can serve; T > 1
+  with is_causal, other page sizes or head dims run on XLA, and
+  implementation="sm90" then raises saying why. Without a Hopper GPU None
+  runs XLA, and "sm90" runs only inside `interpret_mode()`. Gradients are
+  the XLA path's.
 * Bad input: a ValueError naming the argument.
 """
 
@@ -148,8 +150,6 @@ def test_kernel_reads_the_pages_through_the_table_without_races(name, run_interp
   plan = decode.plan(q.shape, (b, s, shape["kv_heads"], 64), fa4_jax.MaskSpec(), ragged=True,
                      granule=shape["page_size"])
   assert plan.splits == chunks
-  with fa4_jax.interpret_mode():
-    assert fa4_jax.which_paged_implementation(q, kp, vp, table, lengths, **options) == "sm90"
   out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90", **options),
                         q, kp, vp, table, lengths)
   reference_options = {{"logits_soft_cap": "soft_cap"}.get(k, k): v for k, v in options.items()}
@@ -177,6 +177,13 @@ def _small(**overrides):
   return _paged_cache(4, **shape)
 
 
+@pytest.fixture
+def hopper(monkeypatch):
+  """Selection sees a Hopper GPU as the default device."""
+  from fa4_jax import backends
+  monkeypatch.setattr(backends, "device_arch_major", lambda: 9)
+
+
 @pytest.mark.parametrize("name, overrides, options, reason", [
     ("T3 causal", dict(t=3), dict(), "bottom-right causal band"),
     ("page 24", dict(page_size=24), dict(), r"page size \(key_pages.shape\[1\]\) must be a power"),
@@ -185,30 +192,31 @@ def _small(**overrides):
     ("float32", dict(dtype=jnp.float32), dict(), "dtype"),
     ("T129 x 2 heads per KV head", dict(t=129), dict(is_causal=False), "256"),
 ])
-def test_what_the_kernel_cannot_serve_runs_on_xla_and_sm90_says_why(name, overrides, options,
-                                                                    reason):
+def test_on_hopper_what_the_kernel_cannot_serve_runs_on_xla_and_sm90_says_why(
+    name, overrides, options, reason, hopper):
   args = _small(**overrides)
-  with fa4_jax.interpret_mode():
-    assert fa4_jax.which_paged_implementation(*args, **options) == "xla"
-    with pytest.raises(ValueError, match=reason):
-      fa4_jax.which_paged_implementation(*args, implementation="sm90", **options)
+  assert fa4_jax.which_paged_implementation(*args, **options) == "xla"
+  with pytest.raises(ValueError, match=reason):
+    fa4_jax.which_paged_implementation(*args, implementation="sm90", **options)
 
 
-def test_the_kernel_serves_t1_and_non_causal_queries_in_the_interpreter():
-  with fa4_jax.interpret_mode():
-    for page_size in (16, 32, 64, 128):
-      args = _small(page_size=page_size)
-      assert fa4_jax.which_paged_implementation(*args) == "sm90"
-      assert fa4_jax.which_paged_implementation(*args, implementation="xla") == "xla"
-    assert fa4_jax.which_paged_implementation(*_small(t=3), is_causal=False) == "sm90"
+def test_on_hopper_the_kernel_serves_t1_and_non_causal_queries_with_pages_of_16_to_128(hopper):
+  for page_size in (16, 32, 64, 128):
+    args = _small(page_size=page_size)
+    assert fa4_jax.which_paged_implementation(*args) == "sm90"
+    assert fa4_jax.which_paged_implementation(*args, implementation="xla") == "xla"
+  assert fa4_jax.which_paged_implementation(*_small(t=3), is_causal=False) == "sm90"
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="describes a machine without a GPU")
-def test_without_a_hopper_gpu_none_picks_xla_and_sm90_raises():
+def test_without_a_hopper_gpu_none_picks_xla_and_sm90_runs_only_in_the_interpreter():
   args = _small()
   assert fa4_jax.which_paged_implementation(*args) == "xla"
   with pytest.raises(ValueError, match="Hopper"):
     fa4_jax.paged_attention(*args, implementation="sm90")
+  with fa4_jax.interpret_mode():
+    assert fa4_jax.which_paged_implementation(*args) == "xla"
+    assert fa4_jax.which_paged_implementation(*args, implementation="sm90") == "sm90"
 
 
 # --- cross-lowering for Hopper ---------------------------------------------------
