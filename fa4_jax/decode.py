@@ -21,6 +21,11 @@ band can express for several tokens, so this path serves masks without a
 band (no `is_causal`, no window) with any key lengths, which is how a cache
 of valid length L is read. Sinks are added after the combine
 (`scores.add_sinks`: the packed rows mix heads).
+
+Paged caches (`fa4_jax.paged`): the split of a cache is then a reshape of
+its page table ([B, P] -> [B * splits, P / splits], chunks of whole pages),
+and the kernel reads each chunk's pages through its row of the table
+(`forward(..., page_table=)`).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ class DecodePlan:
 
 
 def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
-         ragged: bool = False, num_sms: int | None = None) -> DecodePlan | None:
+         ragged: bool = False, num_sms: int | None = None,
+         granule: int = 1) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
   Splits: the largest power of two that keeps B x Hkv x splits CTAs within
@@ -65,27 +71,30 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   4.28), B1 S131k at 16 (128: 4.25; 8: 3.29). With `ragged` key lengths
   (each row its own) chunks past a row's length end at once, and more of
   them balance the rows: up to 8 waves (B32 S16k, lengths S/16..S: 4 chunks
-  4.04, 2: 3.86, 1: 3.53, 8: 3.85).
+  4.04, 2: 3.86, 1: 3.53, 8: 3.85). `granule`: chunks hold whole
+  granules of keys (a paged cache's pages; `k_shape` is then the logical
+  [B, pages * page_size, Hkv, D]).
   """
   b, t, n, _ = q_shape
   s, kv_heads = k_shape[1], k_shape[2]
   rows = t * (n // kv_heads)
   if has_segment_ids or not mask.is_dense or rows > MAX_PACKED_ROWS:
     return None
-  return DecodePlan(choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms))
+  return DecodePlan(choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms,
+                                  granule=granule))
 
 
 RAGGED_WAVES = 8
 
 
 def choose_splits(batch: int, kv_heads: int, kv_seq: int, *, ragged: bool = False,
-                  num_sms: int | None = None) -> int:
+                  num_sms: int | None = None, granule: int = 1) -> int:
   """Chunks of the cache: see `plan`."""
   if num_sms is None:
     num_sms = sm90_forward.sm_count()
   slots = num_sms * (RAGGED_WAVES if ragged else 1)
   splits = 1
-  while (batch * kv_heads * splits * 2 <= slots and kv_seq % (splits * 2) == 0
+  while (batch * kv_heads * splits * 2 <= slots and kv_seq % (splits * 2 * granule) == 0
          and kv_seq // (splits * 2) >= MIN_CHUNK):
     splits *= 2
   return splits
@@ -135,29 +144,39 @@ def combine(out, lse, splits: int):
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            plan: DecodePlan, sinks=None, soft_cap: float | None = None):
+            plan: DecodePlan, sinks=None, soft_cap: float | None = None, page_table=None):
   """(out [B, T, Hq, D], lse [B, Hq, T]) of a band-free mask, by packing and
   splitting (see the module docstring). The lse is the whole row's, so any
-  backward that takes (out, lse) works with it."""
+  backward that takes (out, lse) works with it. `page_table`: None, or int32
+  [B, P] with k, v pages [num_pages, page_size, Hkv, D] (`sm90_forward.forward`)."""
   if not mask.is_dense:
     raise ValueError("the decode path serves masks without a band (no is_causal, no window)")
   b, t, n, d = q.shape
-  _, s, kv_heads, _ = k.shape
+  kv_heads = k.shape[2]
   g = n // kv_heads
   p = plan.splits
-  if s % p:
-    raise ValueError(f"splits={p} must divide the key length {s}")
+  # Keys per row, and per granule the splits keep whole (pages of a paged cache).
+  s, granule = (k.shape[1], 1) if page_table is None else (
+      page_table.shape[1] * k.shape[1], k.shape[1])
+  if s % (p * granule):
+    raise ValueError(f"splits={p} must divide the key length {s} into chunks of whole "
+                     f"granules of {granule}")
   packed = pack_rows(q, kv_heads)
+  options = {} if page_table is None else dict(page_table=page_table)
   if p > 1:
     packed = jnp.repeat(packed, p, axis=0)
-    k = k.reshape(b * p, s // p, kv_heads, d)
-    v = v.reshape(b * p, s // p, kv_heads, d)
+    if page_table is None:
+      k = k.reshape(b * p, s // p, kv_heads, d)
+      v = v.reshape(b * p, s // p, kv_heads, d)
+    else:
+      options["page_table"] = jnp.reshape(page_table, (b * p, page_table.shape[1] // p))
   rows_len = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32) * g
   if rows_len is not None and p > 1:
     rows_len = jnp.repeat(rows_len, p)
   chunk_len = kv_lengths if p == 1 else (
       None if kv_lengths is None else split_lengths(kv_lengths, b, s, p))
-  options = {} if soft_cap is None else dict(soft_cap=soft_cap)
+  if soft_cap is not None:
+    options["soft_cap"] = soft_cap
   out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, scale=scale, mask=mask,
                                   config=plan.config, **options)
   if p > 1:

@@ -58,10 +58,13 @@ class SlotRing:
   Step `n` (0, 1, 2, ... in the order the producer fills them) lives in slot
   `n % num_slots`. Barriers:
 
-    full[slot]      arrivals: 1 (the producer's TMA, with its bytes), or
-                    one per producer warpgroup when several fill parts of a
-                    slot from registers (`barrier_types(..., producers=n)`,
-                    each calling `producer_publish`).
+    full[slot]      arrivals: 1 (the producer's TMA, with its bytes); or
+                    one per TMA copy when several copies fill the rows of a
+                    slot (`producer_fill_rows`, e.g. one per page of a paged
+                    KV cache); or one per producer warpgroup when several
+                    fill parts of a slot from registers (each calling
+                    `producer_publish`). Either way `barrier_types(...,
+                    full_arrivals=n)`, as `BundleRing` does per operand.
                     Waited by every consumer at every step.
     consumed[slot]  arrivals: `num_consumers` (one `barrier_arrive` per
                     consumer warpgroup). Waited by the producer before it
@@ -79,10 +82,10 @@ class SlotRing:
   FULL_ARRIVALS = 1
 
   @staticmethod
-  def barrier_types(num_slots: int, num_consumers: int, producers: int = FULL_ARRIVALS):
+  def barrier_types(num_slots: int, num_consumers: int, full_arrivals: int = FULL_ARRIVALS):
     """(full, consumed) barrier scratch types for a ring."""
     return (
-        plgpu.Barrier(num_arrivals=producers, num_barriers=num_slots),
+        plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=num_slots),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
     )
 
@@ -107,6 +110,16 @@ class SlotRing:
     """TMA `src_gmem` into the slot of `step`; the copy arrives on full[slot]."""
     slot = self.slot(step)
     plgpu.copy_gmem_to_smem(src_gmem, ring_smem.at[slot], self.full.at[slot])
+
+  def producer_fill_rows(self, copies, ring_smem: Ref, step) -> None:
+    """Several TMA copies into the slot of `step`: copies = [(gmem source,
+    rows)], `rows` a static `pl.ds` of the slot's leading axis (whole SMEM
+    tiles: multiples of 8 rows). Each copy arrives on full[slot], so the
+    ring must be built with `full_arrivals=len(copies)`; every step makes
+    the same number of copies."""
+    slot = self.slot(step)
+    for src_gmem, rows in copies:
+      plgpu.copy_gmem_to_smem(src_gmem, ring_smem.at[slot, rows], self.full.at[slot])
 
   def producer_publish(self, step) -> None:
     """For a warpgroup that filled the slot of `step` from registers instead

@@ -74,6 +74,19 @@ c = cap * log2(e) into the exp2 (`scores.softmax_logits`, `softmax_scale`):
 one multiply and one tanh.approx per element, in the softmax turn of the
 ping-pong. Without them the kernel is unchanged.
 
+Paged KV cache (`forward(..., page_table=)`, for `fa4_jax.paged`): K and V
+are pages [num_pages, page_size, Nkv, D] and row b's keys are the pages
+page_table[b, 0], page_table[b, 1], ... one after the other. Only the
+producer changes (`_paged_block_fill`): block j of `block_kv` keys arrives
+by one TMA per page inside it (page_size < block_kv, each into its rows of
+the ring slot) or by one TMA from inside its page (page_size >= block_kv),
+the page numbers read from the table in GMEM before the producer waits for
+the slot. The K and V rings' full barriers expect that many copies a step
+(`kv_copies_per_block`). Page sizes: powers of two >= 8 (they divide
+block_kv or block_kv divides them) and head dims multiples of 64 (the cache
+is read in place, never padded): `check_paged`. Without a page table the
+kernel is unchanged.
+
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
 (`_ConsumerTile.p_times_v`, `SlotRing.producer_drain` /
@@ -299,9 +312,9 @@ class ForwardBarriers:
   |----------------------|----------------------------------|-----------------------------|
   | q.full[b]            | producer TMA of Q_i (1)          | consumer i, once per tile   |
   | q.consumed[b]        | consumer i after its last QK (1) | producer before reloading copy b (persistent only) |
-  | k.full[slot]         | producer TMA of K_n (1)          | both consumers, every step  |
+  | k.full[slot]         | producer TMA of K_n (1; paged: 1 per page) | both consumers, every step |
   | k.consumed[slot]     | each consumer once S=QK^T is done (2) | producer before refilling |
-  | v.full[slot]         | producer TMA of V_n (1)          | both consumers, every step  |
+  | v.full[slot]         | producer TMA of V_n (likewise)   | both consumers, every step  |
   | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
   | pingpong             | both consumers (2)               | both consumers (only with `config.pingpong`) |
 
@@ -320,12 +333,13 @@ class ForwardBarriers:
   pingpong: Rendezvous
 
   @staticmethod
-  def scratch_types(config: ForwardConfig):
+  def scratch_types(config: ForwardConfig, kv_copies: int = 1):
+    """`kv_copies`: TMA copies that fill one K (or V) slot (`kv_copies_per_block`)."""
     n, c = config.num_kv_stages, config.num_consumers
     return (
         *OneShotBuffer.barrier_types(c, config.q_depth),
-        *SlotRing.barrier_types(n, c),
-        *SlotRing.barrier_types(n, c),
+        *SlotRing.barrier_types(n, c, kv_copies),
+        *SlotRing.barrier_types(n, c, kv_copies),
         Rendezvous.barrier_type(c),
     )
 
@@ -377,6 +391,7 @@ class _Call:
   has_sinks: bool = False  # a sinks operand [Nq]: the rows' softmax starts from it
   scale: float = 1.0  # the logits' scale (soft-cap divides it by the cap)
   soft_cap: float | None = None  # logits -> cap * tanh(logits / cap); c is then cap * log2(e)
+  page_size: int | None = None  # keys per page of a paged K/V; None: K/V are [B, S, Nkv, D]
 
   @property
   def masked_logit(self) -> float:
@@ -399,6 +414,7 @@ class _Refs:
   kv_ids: Any  # segment ids [B, keys of every key block]
   segment_ranges: Any  # [B, consumer tiles, 4]: `stack_tile_ranges` of the ids
   sinks: Any  # f32 [Nq] in GMEM; None without sinks
+  page_table: Any  # int32 [B, pages] in GMEM; None without a paged K/V
   out: Any
   lse: Any
   q_smem: Any  # Q tiles (and O, without a persistent grid)
@@ -421,12 +437,13 @@ class _Refs:
       q_ids, kv_ids, segment_ranges = refs[:3]
       del refs[:3]
     sinks = refs.pop(0) if call.has_sinks else None
+    page_table = refs.pop(0) if call.page_size is not None else None
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.config.persistent else None
     p_smem = optional_smem.pop(0) if call.interpreting else None
-    return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, out, lse, q_smem,
-               k_smem, v_smem, lse_smem, o_smem, p_smem), barrier_refs
+    return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table, out,
+               lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem), barrier_refs
 
 
 def _scratch_smem(call: _Call) -> list:
@@ -539,7 +556,7 @@ def _producer(ctx: _Context) -> None:
   """Warpgroup `num_consumers`: per work item, TMA loads of the consumers' Q
   tiles, then of the K and V blocks [lo, hi) into the rings."""
   cfg, refs, bars = ctx.call.config, ctx.refs, ctx.bars
-  bq, bk = cfg.block_q, cfg.block_kv
+  bq = cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
   def produce_item(i, step0):
@@ -554,11 +571,11 @@ def _producer(ctx: _Context) -> None:
     @pl.loop(item.lo, item.hi)
     def _(j):
       step = step0 + j - item.lo
-      keys = (item.batch_idx, pl.ds(j * bk, bk), kv_head)
+      fill = _kv_block_fill(ctx, item, j, kv_head)
       bars.k.producer_acquire(step)
-      bars.k.producer_fill(refs.k.at[keys], refs.k_smem, step)
+      fill(bars.k, refs.k, refs.k_smem, step)
       bars.v.producer_acquire(step)
-      bars.v.producer_fill(refs.v.at[keys], refs.v_smem, step)
+      fill(bars.v, refs.v, refs.v_smem, step)
 
     return step0 + (item.hi - item.lo)
 
@@ -567,6 +584,45 @@ def _producer(ctx: _Context) -> None:
   bars.v.producer_drain(total_steps)
   if cfg.persistent:
     bars.q.producer_drain(ctx.num_items)
+
+
+def _kv_block_fill(ctx: _Context, item: _WorkItem, j, kv_head) -> Callable:
+  """fill(ring, src, smem, step): the TMA load(s) of KV block j of `item`
+  from K or V (`src`) into the ring slot of `step`, for the producer."""
+  bk = ctx.call.config.block_kv
+  if ctx.call.page_size is not None:
+    return _paged_block_fill(ctx, item, j, kv_head)
+  keys = (item.batch_idx, pl.ds(j * bk, bk), kv_head)
+  return lambda ring, src, smem, step: ring.producer_fill(src.at[keys], smem, step)
+
+
+def _paged_block_fill(ctx: _Context, item: _WorkItem, j, kv_head) -> Callable:
+  """`_kv_block_fill` through the page table: one TMA per page of block j
+  (pages shorter than a block, each into its rows of the slot) or one from
+  inside the block's page. The page numbers are read here, before the
+  producer waits for the slot, so their GMEM latency hides behind the wait;
+  K and V share them."""
+  bk, page_size = ctx.call.config.block_kv, ctx.call.page_size
+  table, row = ctx.refs.page_table, item.batch_idx
+  if page_size < bk:
+    per_block = bk // page_size
+    pages = [table[row, j * per_block + c] for c in range(per_block)]
+
+    def fill_pages(ring, src, smem, step):
+      ring.producer_fill_rows(
+          [(src.at[page, pl.ds(0, page_size), kv_head], pl.ds(c * page_size, page_size))
+           for c, page in enumerate(pages)], smem, step)
+    return fill_pages
+  per_page = jnp.int32(page_size // bk)
+  page = table[row, lax.div(j, per_page)]
+  keys = (page, pl.ds(lax.rem(j, per_page) * bk, bk), kv_head)
+  return lambda ring, src, smem, step: ring.producer_fill(src.at[keys], smem, step)
+
+
+def kv_copies_per_block(block_kv: int, page_size: int | None) -> int:
+  """TMA copies that fill one K (or V) ring slot: one per page inside a
+  block of a paged K/V, else one."""
+  return 1 if page_size is None else max(block_kv // page_size, 1)
 
 
 def _consumer(ctx: _Context) -> None:
@@ -812,6 +868,7 @@ def _build_kernel(
     has_segment_ids: bool = False,
     has_sinks: bool = False,
     soft_cap: float | None = None,
+    page_size: int | None = None,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -822,7 +879,7 @@ def _build_kernel(
                c=softmax_scale(scale, soft_cap), heavy_first=heavy_first, work=work,
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
-               has_sinks=has_sinks, scale=scale, soft_cap=soft_cap)
+               has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -839,7 +896,9 @@ def _build_kernel(
   return plgpu.kernel(
       kernel,
       out_type=out_type,
-      scratch_types=(tuple(_scratch_smem(call)), ForwardBarriers.scratch_types(cfg)),
+      scratch_types=(tuple(_scratch_smem(call)),
+                     ForwardBarriers.scratch_types(cfg, kv_copies_per_block(cfg.block_kv,
+                                                                            page_size))),
       grid=(work.num_ctas,) if cfg.persistent else (num_q_heads, num_q_tiles, batch),
       grid_names=("ctas",) if cfg.persistent else ("heads", "q_tiles", "batch"),
       num_threads=cfg.num_consumers + 1,
@@ -900,7 +959,7 @@ def sm_count(default: int = H100_SMS) -> int:
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             config: ForwardConfig | None = None, segment_ids=None, sinks=None,
-            soft_cap: float | None = None):
+            soft_cap: float | None = None, page_table=None):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
@@ -908,16 +967,22 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   [B, Tq], kv ids int32 [B, Tk]); a query sees only keys of its own id.
   `sinks`: None or [Nq], each head's sink logit (natural log; in the lse,
   not in the output). `soft_cap`: None or a float > 0, logits ->
-  cap * tanh(logits / cap) before the mask. Without them the kernel is
-  the one built before they existed.
+  cap * tanh(logits / cap) before the mask. `page_table`: None, or int32
+  [B, P] with k, v a paged cache [num_pages, page_size, Nkv, D]: row b's
+  keys are pages page_table[b, 0 .. P-1] one after the other (Tk = P *
+  page_size; `check_paged`); entries are clipped into [0, num_pages).
+  Without them the kernel is the one built before they existed.
   """
-  check_supported(q.shape, k.shape, q.dtype, mask)
+  logical_k_shape = k.shape
+  if page_table is not None:
+    logical_k_shape = check_paged(q.shape, k.shape, jnp.shape(page_table), segment_ids)
+  check_supported(q.shape, logical_k_shape, q.dtype, mask)
   if v.shape != k.shape:
     raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
   batch, q_seq, num_q_heads, head_dim = q.shape
-  _, kv_seq, num_kv_heads, _ = k.shape
+  _, kv_seq, num_kv_heads, _ = logical_k_shape
   if segment_ids is not None:
     shapes = tuple(jnp.shape(x) for x in segment_ids)
     if shapes != ((batch, q_seq), (batch, kv_seq)):
@@ -935,11 +1000,14 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
   if d != head_dim or q_pad != q_seq:
     q = jnp.pad(q, [(0, 0), (0, q_pad - q_seq), (0, 0), (0, d - head_dim)])
-  if d != head_dim or kv_pad != kv_seq:
+  if d != head_dim or kv_pad != kv_seq:  # never for a paged K/V (`check_paged`)
     k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
             for x in (k, v))
   if config is None:
     config = choose_config(d, mask, kv_seq, q_seq)
+  if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
+    raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
+                            f"{k.shape[1]} must divide one another")
   if config.persistent and not config.num_sms:
     config = dataclasses.replace(config, num_sms=sm_count(H100_SMS))
   call = _build_kernel(
@@ -949,6 +1017,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
       has_segment_ids=segment_ids is not None, has_sinks=sinks is not None,
       soft_cap=None if soft_cap is None else float(soft_cap),
+      page_size=None if page_table is None else k.shape[1],
   )
   args = [q, k, v]
   if q_lengths is not None:
@@ -959,7 +1028,52 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     args.extend(segment_operands(segment_ids, config, mask, q_pad, kv_pad))
   if sinks is not None:
     args.append(jnp.asarray(sinks, jnp.float32))
+  if page_table is not None:
+    args.append(page_table_operand(page_table, config.block_kv, k.shape[1], k.shape[0]))
   out, lse = call(*args)
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
   return out, lse[..., :q_seq]
+
+
+def check_paged(q_shape, pages_shape, table_shape, segment_ids=None) -> tuple[int, ...]:
+  """Raises KernelUnsupported unless the kernel can read K/V pages of
+  `pages_shape` [num_pages, page_size, Nkv, D] through a page table of
+  `table_shape` [B, P]; returns the logical K shape [B, P * page_size, Nkv, D].
+
+  Page sizes are powers of two >= 8: a page holds whole 8-row SMEM tiles,
+  and a page size and `block_kv` (64 or 128) divide one another, so a block
+  is whole pages or lies inside one. Head dims are multiples of 64: the cache
+  is read in place, and padding it would copy it.
+  """
+  if len(pages_shape) != 4 or len(table_shape) != 2:
+    raise KernelUnsupported(
+        f"sm90 forward: pages must be [num_pages, page_size, heads, head_dim] and the page "
+        f"table [batch, pages]; got {pages_shape} and {table_shape}")
+  page_size, head_dim = pages_shape[1], pages_shape[3]
+  if page_size < 8 or page_size & (page_size - 1):
+    raise KernelUnsupported(
+        f"sm90 forward: the page size (key_pages.shape[1]) must be a power of two >= 8; "
+        f"got {page_size}")
+  if head_dim % 64:
+    raise KernelUnsupported(
+        f"sm90 forward: a paged cache's head_dim must be a multiple of 64 (64, 128, 192, "
+        f"256; the cache is not padded); got {head_dim}")
+  if segment_ids is not None:
+    raise KernelUnsupported("sm90 forward: segment_ids are not supported with a page table")
+  if table_shape[0] != q_shape[0] or table_shape[1] == 0:
+    raise KernelUnsupported(
+        f"sm90 forward: the page table must be [batch, pages >= 1] with batch {q_shape[0]}; "
+        f"got {table_shape}")
+  return (table_shape[0], table_shape[1] * page_size, pages_shape[2], head_dim)
+
+
+def page_table_operand(page_table, block_kv: int, page_size: int, num_pages: int):
+  """The kernel's page table: int32, entries clipped into [0, num_pages)
+  (entries past a row's length may hold anything, and the producer loads
+  every page of a block it walks), columns padded with page 0 to whole key
+  blocks (a block of small pages reads one entry per page)."""
+  table = jnp.clip(jnp.asarray(page_table, jnp.int32), 0, num_pages - 1)
+  per_block = kv_copies_per_block(block_kv, page_size)
+  pad = -table.shape[1] % per_block
+  return jnp.pad(table, [(0, 0), (0, pad)]) if pad else table

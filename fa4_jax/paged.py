@@ -1,0 +1,311 @@
+"""Attention against a paged KV cache, for serving: `paged_attention`.
+
+The cache is a pool of fixed-size pages shared by every sequence, in the
+layout vLLM and FlashInfer use: `key_pages`, `value_pages`
+[num_pages, page_size, kv_heads, head_dim]. A page table [B, max_pages]
+lists each row's pages in order; row b's keys are the first
+`key_value_seq_lengths[b]` of the concatenation of its pages.
+
+What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
+
+* Hopper GPU: the sm90 forward kernel in the decode arrangement of
+  `fa4_jax.decode` (a KV head's query heads packed as the rows of one tile,
+  the cache split into chunks of whole pages, each chunk a batch row with its
+  own row of the page table and its own length), reading K and V through the
+  page table: one TMA copy per page, no gather of the cache.
+* Everywhere else, and for what the kernel cannot serve: the XLA path, which
+  gathers each row's pages into a contiguous cache and calls the XLA
+  attention with an explicit mask. It is also the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fa4_jax import backends, interpret
+from fa4_jax.validation import (SUPPORTED_DTYPES, _as_array, _check_scale, _check_sinks,
+                                _check_soft_cap, _dtype_name, _is_concrete)
+
+PagedImplementation = Literal["xla", "sm90"] | None
+IMPLEMENTATION_CHOICES = (None, "xla", "sm90")
+
+
+def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_lengths, *,
+                    scale: float | None = None, is_causal: bool = True, sinks=None,
+                    logits_soft_cap: float | None = None,
+                    implementation: PagedImplementation = None):
+  """Attention of the newest tokens of each row against its paged KV cache.
+
+  Args:
+    query: `[B, T, Hq, D]`, the LAST `T` tokens of each row's context
+      (whose keys and values are already in the cache): query `t` of row `b`
+      sits at position `key_value_seq_lengths[b] - T + t` (bottom-right
+      alignment). bfloat16, float16, float32 or float64.
+    key_pages, value_pages: `[num_pages, page_size, Hkv, D]`, the page pool
+      (vLLM / FlashInfer layout: page, token in page, head, head_dim), the
+      query's dtype; `Hq % Hkv == 0` (GQA; 1 is MQA).
+    page_table: integer `[B, max_pages]`: logical page `p` of row `b` (keys
+      `p * page_size .. (p + 1) * page_size - 1`) is physical page
+      `page_table[b, p]`. Entries past `ceil(length / page_size)` are
+      ignored and may hold anything (the kernel clips them into range and
+      loads them; keys past the length get zero weight).
+    key_value_seq_lengths: integer `[B]`, in `[0, max_pages * page_size]`:
+      row `b`'s cache holds keys `0 .. length - 1`.
+    scale: logit scale; default `1 / sqrt(D)`.
+    is_causal: True (default): query `t` sees keys `j <= length - T + t`,
+      causal among the new tokens; for `T = 1` that is every valid key. A
+      query whose position is negative (`length < T`) sees nothing and gets
+      zeros. False: every query sees all `length` keys.
+    sinks: optional float `[Hq]`, one logit per query head (as in
+      `fa4_jax.attention`).
+    logits_soft_cap: optional positive number `cap`: logits ->
+      `cap * tanh(logits / cap)` (as in `fa4_jax.attention`).
+    implementation: None (the sm90 kernel on a Hopper GPU when it can serve
+      the call, else the XLA path), "xla", or "sm90" (a ValueError saying
+      why when it cannot; without a Hopper GPU it runs only inside
+      `fa4_jax.interpret_mode()`).
+
+  Returns:
+    `[B, T, Hq, D]` in the query's dtype; a query that sees no key gets zeros.
+
+  The sm90 kernel serves: bfloat16 / float16, head_dim 64, 128, 192 or 256,
+  page sizes that are powers of two >= 8 (16, 32, 64, 128, ...), at most 256
+  query rows per KV head (`T * Hq / Hkv`), and masks that give every query
+  of a row the same keys: `T = 1`, or `is_causal=False`. For `T > 1` with
+  `is_causal=True` the bottom-right causal band differs per row, which the
+  kernel's static masks cannot express: those calls run on the XLA path
+  (`which_paged_implementation` reports "xla"; "sm90" raises). Cache
+  entries past a row's length (and in the pages it loads for the last
+  block) must be finite: they are multiplied by zero weights.
+
+  Gradients: this is a serving op. Where asked for, they are the XLA path's
+  (it gathers the pages), also when the forward ran the kernel.
+  """
+  args = _validate(query, key_pages, value_pages, page_table, key_value_seq_lengths,
+                   scale=scale, is_causal=is_causal, sinks=sinks,
+                   logits_soft_cap=logits_soft_cap, implementation=implementation)
+  arrays = (args.query, args.key_pages, args.value_pages, args.page_table, args.lengths,
+            args.sinks)
+  if _select(implementation, args) == "xla":
+    return _xla_forward(*arrays, args.static)
+  return _kernel_forward(*arrays, args.static)
+
+
+def which_paged_implementation(query, key_pages, value_pages, page_table,
+                               key_value_seq_lengths, *, scale=None, is_causal=True, sinks=None,
+                               logits_soft_cap=None,
+                               implementation: PagedImplementation = None) -> str:
+  """What `paged_attention` runs for these arguments here: "sm90" (the
+  Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
+  would."""
+  args = _validate(query, key_pages, value_pages, page_table, key_value_seq_lengths,
+                   scale=scale, is_causal=is_causal, sinks=sinks,
+                   logits_soft_cap=logits_soft_cap, implementation=implementation)
+  return _select(implementation, args)
+
+
+# --- arguments ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The call's compile-time constants."""
+
+  scale: float
+  is_causal: bool
+  soft_cap: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arguments:
+  query: jax.Array
+  key_pages: jax.Array
+  value_pages: jax.Array
+  page_table: jax.Array  # int32
+  lengths: jax.Array  # int32
+  sinks: jax.Array | None
+  static: _Static
+
+
+def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_causal, sinks,
+              logits_soft_cap, implementation) -> _Arguments:
+  if implementation not in IMPLEMENTATION_CHOICES:
+    raise ValueError(
+        f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise ValueError(f"`is_causal` must be a bool; got {is_causal!r}")
+  query, key_pages, value_pages = (_as_array(x, n) for x, n in (
+      (query, "query"), (key_pages, "key_pages"), (value_pages, "value_pages")))
+  _check_cache(query, key_pages, value_pages)
+  b = query.shape[0]
+  page_table = _check_integer(page_table, "page_table", 2, "[batch, max_pages]")
+  if page_table.shape[0] != b or page_table.shape[1] == 0:
+    raise ValueError(f"`page_table` shape must be (batch, max_pages >= 1) with batch {b}; "
+                     f"got {page_table.shape}")
+  lengths = _check_integer(lengths, "key_value_seq_lengths", 1, "[batch]")
+  if lengths.shape != (b,):
+    raise ValueError(f"`key_value_seq_lengths` shape must be (batch,) = ({b},); "
+                     f"got {lengths.shape}")
+  capacity = page_table.shape[1] * key_pages.shape[1]
+  if _is_concrete(lengths):
+    values = np.asarray(lengths)
+    if values.min() < 0 or values.max() > capacity:
+      raise ValueError(
+          f"`key_value_seq_lengths` values must lie in [0, {capacity}] (max_pages * "
+          f"page_size); got min {values.min()}, max {values.max()}")
+  static = _Static(scale=_check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
+                   soft_cap=_check_soft_cap(logits_soft_cap))
+  return _Arguments(query, key_pages, value_pages, page_table, lengths,
+                    _check_sinks(sinks, query.shape[2]), static)
+
+
+def _check_cache(query, key_pages, value_pages) -> None:
+  for name, x, layout in (("query", query, "[batch, tokens, heads, head_dim]"),
+                          ("key_pages", key_pages, "[num_pages, page_size, heads, head_dim]"),
+                          ("value_pages", value_pages, "[num_pages, page_size, heads, head_dim]")):
+    if x.ndim != 4:
+      raise ValueError(f"`{name}` must be rank 4, {layout}; got shape {x.shape}")
+    if x.dtype not in SUPPORTED_DTYPES:
+      raise ValueError(f"`{name}` dtype must be one of bfloat16, float16, float32, float64; "
+                       f"got {_dtype_name(x.dtype)}")
+    if 0 in x.shape:
+      raise ValueError(f"`{name}` must not be empty; got shape {x.shape}")
+  if not query.dtype == key_pages.dtype == value_pages.dtype:
+    raise ValueError(f"`query`, `key_pages` and `value_pages` must have the same dtype; got "
+                     f"{_dtype_name(query.dtype)}, {_dtype_name(key_pages.dtype)} and "
+                     f"{_dtype_name(value_pages.dtype)}")
+  if value_pages.shape != key_pages.shape:
+    raise ValueError(f"`value_pages` shape must equal `key_pages` shape {key_pages.shape}; "
+                     f"got {value_pages.shape}")
+  if query.shape[3] != key_pages.shape[3]:
+    raise ValueError(f"`query` head_dim ({query.shape[3]}) must equal `key_pages` head_dim "
+                     f"({key_pages.shape[3]})")
+  if query.shape[2] % key_pages.shape[2]:
+    raise ValueError(f"`query` heads ({query.shape[2]}) must be a multiple of `key_pages` "
+                     f"heads ({key_pages.shape[2]})")
+
+
+def _check_integer(x, name: str, rank: int, layout: str) -> jax.Array:
+  x = _as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array (int32); got {_dtype_name(x.dtype)}")
+  if x.ndim != rank:
+    raise ValueError(f"`{name}` must be rank {rank}, {layout}; got shape {x.shape}")
+  return x.astype(jnp.int32)
+
+
+# --- selection ---------------------------------------------------------------
+
+
+def _select(implementation, args: _Arguments) -> str:
+  """"xla" or "sm90"; raises ValueError when "sm90" was asked for and cannot
+  serve. None takes the kernel only on a Hopper GPU (as `fa4_jax.attention`
+  does: inside `interpret_mode()` the kernel runs when asked for by name)."""
+  if implementation == "xla":
+    return "xla"
+  problem = _kernel_problem(args)
+  if implementation == "sm90":
+    if problem is not None:
+      raise ValueError(f"implementation='sm90': {problem}")
+    return "sm90"
+  return "sm90" if problem is None and backends.device_arch_major() == 9 else "xla"
+
+
+def _kernel_problem(args: _Arguments) -> str | None:
+  """Why the sm90 kernel cannot serve the call here, or None if it can."""
+  from fa4_jax import decode
+  from fa4_jax.kernels import KernelUnsupported, sm90_forward
+  from fa4_jax.scores import MaskSpec
+
+  if not interpret.is_interpreting() and backends.device_arch_major() != 9:
+    return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
+            "fa4_jax.interpret_mode()")
+  q_shape = args.query.shape
+  if args.static.is_causal and q_shape[1] > 1:
+    return ("is_causal=True with T > 1 query tokens: the bottom-right causal band gives each "
+            "query its own key count, which the kernel's masks cannot express; the XLA path "
+            "serves it")
+  try:
+    k_shape = sm90_forward.check_paged(q_shape, args.key_pages.shape, args.page_table.shape)
+    sm90_forward.check_supported(q_shape, k_shape, args.query.dtype, MaskSpec())
+  except KernelUnsupported as e:
+    return str(e)
+  if _plan(args) is None:
+    return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
+            f"the decode arrangement packs at most {decode.MAX_PACKED_ROWS}")
+  return None
+
+
+def _plan(args: _Arguments):
+  """The decode plan: chunks of whole pages, balanced for ragged lengths."""
+  from fa4_jax import decode
+  from fa4_jax.scores import MaskSpec
+
+  b, _, _, d = args.query.shape
+  page_size, kv_heads = args.key_pages.shape[1], args.key_pages.shape[2]
+  k_shape = (b, args.page_table.shape[1] * page_size, kv_heads, d)
+  return decode.plan(args.query.shape, k_shape, MaskSpec(), ragged=True, granule=page_size)
+
+
+# --- the two paths -----------------------------------------------------------
+
+
+def gather_pages(pages, page_table):
+  """[num_pages, page_size, H, D] and [B, P] -> [B, P * page_size, H, D]:
+  each row's pages in order (entries clipped into range, as the kernel does)."""
+  rows = jnp.take(pages, page_table, axis=0, mode="clip")  # [B, P, page_size, H, D]
+  b, p, page_size, h, d = rows.shape
+  return rows.reshape(b, p * page_size, h, d)
+
+
+def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static):
+  """The pages gathered into contiguous rows, then the XLA attention with
+  the bottom-right mask: exact, differentiable, and the reference."""
+  from fa4_jax.api import attention
+
+  k, v = gather_pages(key_pages, page_table), gather_pages(value_pages, page_table)
+  t, s = q.shape[1], k.shape[1]
+  mask = None
+  if static.is_causal and t > 1:
+    # Query t sits at position length - T + t and sees keys up to it.
+    position = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
+    mask = jnp.arange(s)[None, None, :] <= position[:, :, None]  # [B, T, S]
+    mask = mask[:, None]
+  return attention(q, k, v, mask=mask, scale=static.scale, key_value_seq_lengths=lengths,
+                   sinks=sinks, logits_soft_cap=static.soft_cap, implementation="xla")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static):
+  """The sm90 kernel in the decode arrangement, reading through the table."""
+  from fa4_jax import decode
+  from fa4_jax.scores import MaskSpec
+
+  args = _Arguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
+  out, _ = decode.forward(q, key_pages, value_pages, None, lengths, scale=static.scale,
+                          mask=MaskSpec(), plan=_plan(args), sinks=sinks,
+                          soft_cap=static.soft_cap, page_table=page_table)
+  return out
+
+
+def _kernel_forward_fwd(q, key_pages, value_pages, page_table, lengths, sinks, static):
+  out = _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, static)
+  return out, (q, key_pages, value_pages, page_table, lengths, sinks)
+
+
+def _kernel_forward_bwd(static, residuals, dout):
+  """The XLA path's gradient (a serving op: no kernel backward)."""
+  q, key_pages, value_pages, page_table, lengths, sinks = residuals
+  _, vjp = jax.vjp(lambda q, kp, vp, s: _xla_forward(q, kp, vp, page_table, lengths, s, static),
+                   q, key_pages, value_pages, sinks)
+  dq, dk, dv, dsinks = vjp(dout)
+  return dq, dk, dv, None, None, dsinks
+
+
+_kernel_forward.defvjp(_kernel_forward_fwd, _kernel_forward_bwd)
