@@ -6,6 +6,9 @@
   gives zeros.
 * 16 speculative tokens with per-row query lengths, no mask; and a 131k-token
   cache of one row (16 chunks), with sinks and soft-cap.
+* A paged cache (pages of 16 and 64 tokens at shuffled physical positions)
+  read through the page table by the kernel ("sm90"), equal to the einsum on
+  the same cache laid out contiguously.
 
 bf16 tolerances: one bf16 rounding of P and of each chunk's output, then the
 merge in f32; the reference sees the same bf16 inputs.
@@ -69,3 +72,23 @@ def test_a_131k_cache_in_sixteen_chunks_with_sinks_and_soft_cap():
   out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **options))(q, k, v)
   want, _ = einsum_attention(q, k, v, np.ones((1, 1, 1, s), bool), sinks=sinks, soft_cap=20.0)
   _check(out, want)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_cache_through_the_page_table_matches_an_f32_einsum(page_size):
+  b, s, n, kv_heads, d = 4, 32768, 32, 8, 128
+  q, k, v = _inputs(3, b, 1, s, n, kv_heads, d)
+  lengths = np.asarray([32768, 20001, 0, 700])
+  pages_per_row = s // page_size
+  # Each row's pages at shuffled physical positions of one pool.
+  order = np.random.default_rng(4).permutation(b * pages_per_row)
+  table = order.reshape(b, pages_per_row).astype(np.int32)
+  pool = lambda x: jnp.zeros((b * pages_per_row, page_size, kv_heads, d), x.dtype).at[
+      table.reshape(-1)].set(x.reshape(b * pages_per_row, page_size, kv_heads, d))
+  key_pages, value_pages = pool(k), pool(v)
+  args = (q, key_pages, value_pages, jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+  assert fa4_jax.which_paged_implementation(*args) == "sm90"
+  out = jax.jit(fa4_jax.paged_attention)(*args)
+  visible = np.arange(s)[None, None, None, :] < lengths[:, None, None, None]
+  _check(out, einsum_attention(q, k, v, visible)[0])
+  assert np.all(np.asarray(out[2], np.float32) == 0)
