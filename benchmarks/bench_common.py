@@ -108,6 +108,38 @@ def prepare_traced(fwd, q, k, v, do):
   return (lambda: kernel_sum_ms(fwd, q, k, v)), (lambda: span_ms(bwd, vjp, do))
 
 
+def bandwidth_columns(calls, rounds: int, nbytes: int, reference: str):
+  """Memory-bound columns side by side: `calls` maps a column to (f, args).
+
+  Each is jitted and run once (a failure is recorded, not raised), then
+  timed in `rounds` interleaved rounds (`kernel_sum_ms`). Returns column ->
+  dict(ms, tb_per_s = nbytes / time, max_abs_diff from the `reference`
+  column's output, ms_rounds) or dict(error=...)."""
+  import jax.numpy as jnp
+
+  compiled, outs, results = {}, {}, {}
+  for column, (f, args) in calls.items():
+    try:
+      f = jax.jit(f)
+      outs[column] = jax.block_until_ready(f(*args))
+      compiled[column] = (f, args)
+    except Exception as e:  # one failure should not hide the rest
+      results[column] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+  times = {column: [] for column in compiled}
+  for _ in range(rounds):
+    for column, (f, args) in compiled.items():
+      times[column].append(kernel_sum_ms(f, *args))
+  want = outs.get(reference)
+  for column, out in outs.items():
+    ms = statistics.median(times[column])
+    diff = None if want is None else float(
+        jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32)).max())
+    results[column] = dict(ms=ms, tb_per_s=nbytes / ms / 1e9,
+                           **{f"max_abs_diff_vs_{reference.replace(' ', '_')}": diff},
+                           ms_rounds=times[column])
+  return results
+
+
 def result_path(prefix: str, device_kind: str, tag: str = "") -> str:
   """`<dir>/<prefix>[-<tag>]-<device>-<date>.json`, the folder created if
   needed: $OUT when set (the GPU machine's folder that comes back), else

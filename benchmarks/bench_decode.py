@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -104,28 +103,9 @@ def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
              chosen=fa4_jax.which_implementation(
                  q, k, v, **({} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths))),
              splits=decode.choose_splits(B, Hkv, S, ragged=ragged))
-  fns, times = {}, {}
-  reference = None
   columns = implementations([p for p in splits if S % p == 0], D ** -0.5, kv_lengths)
-  for column, f in columns.items():
-    try:
-      f = jax.jit(f)
-      out = jax.block_until_ready(f(q, k, v))
-      if reference is None and column == "xla":
-        reference = out
-      fns[column] = (f, out)
-    except Exception as e:  # one failure should not hide the rest
-      row[column] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-  for _ in range(rounds):
-    for column, (f, _) in fns.items():
-      times.setdefault(column, []).append(bench_common.kernel_sum_ms(f, q, k, v))
-  for column, (_, out) in fns.items():
-    ms = statistics.median(times[column])
-    err = None
-    if reference is not None:
-      err = float(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32)).max())
-    row[column] = dict(ms=ms, tb_per_s=kv_bytes / ms / 1e9, max_abs_diff_vs_xla=err,
-                       ms_rounds=times[column])
+  row.update(bench_common.bandwidth_columns(
+      {column: (f, (q, k, v)) for column, f in columns.items()}, rounds, kv_bytes, "xla"))
   print(json.dumps(row), flush=True)
   return row
 

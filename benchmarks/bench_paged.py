@@ -33,7 +33,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -123,26 +122,9 @@ def run_case(name, B, S, page_size, ragged, rounds):
              contiguous_chosen=fa4_jax.which_implementation(q, k, v,
                                                             key_value_seq_lengths=lengths),
              splits=decode.choose_splits(B, HKV, S, ragged=True, granule=page_size))
-  fns, times, reference = {}, {}, None
-  for column, (f, layout) in impls.items():
-    try:
-      f = jax.jit(f)
-      out = jax.block_until_ready(f(*inputs[layout]))
-      if column == "paged xla":
-        reference = out
-      fns[column] = (f, inputs[layout], out)
-    except Exception as e:  # one failure should not hide the rest
-      row[column] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-  for _ in range(rounds):
-    for column, (f, args, _) in fns.items():
-      times.setdefault(column, []).append(bench_common.kernel_sum_ms(f, *args))
-  for column, (_, _, out) in fns.items():
-    ms = statistics.median(times[column])
-    err = None
-    if reference is not None:
-      err = float(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32)).max())
-    row[column] = dict(ms=ms, tb_per_s=kv_bytes / ms / 1e9, max_abs_diff_vs_paged_xla=err,
-                       ms_rounds=times[column])
+  row.update(bench_common.bandwidth_columns(
+      {column: (f, inputs[layout]) for column, (f, layout) in impls.items()}, rounds, kv_bytes,
+      "paged xla"))
   print(json.dumps(row), flush=True)
   return row
 
