@@ -43,7 +43,7 @@ from fa4_jax.scores import MaskSpec
 # D128, GQA 32/8, B8 S32k (benchmarks/results/decode-NVIDIA_H200-*.json, TB/s
 # of K/V read): T16 (64 rows) 4.42 vs 1.72 for the usual kernel, T32 (128)
 # 4.35 vs 1.72, T64 (256) 2.56 vs 1.71; at T128 (512 rows, B8 S8k) the usual
-# kernel wins, 1.33 vs 1.24.
+# kernel wins, 1.35 vs 1.16 (2026-11-26; 1.33 vs 1.24 the day before).
 MAX_PACKED_ROWS = 256
 # A chunk keeps at least this many keys: shorter ones spend more time in the
 # pipeline's fill and drain and in the combine than they save.
