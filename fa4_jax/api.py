@@ -9,7 +9,7 @@ from jax import lax
 
 from fa4_jax import backends
 from fa4_jax.validation import Arguments, validate
-from fa4_jax.vjp import CoreConfig, attention_core
+from fa4_jax.vjp import CoreConfig, attention_core, current_matmul_precision
 
 Implementation = Literal["xla", "sm90", "sm100", "cudnn"] | None
 
@@ -121,7 +121,8 @@ def attention(
                            query_segment_ids, key_value_segment_ids, sinks,
                            logits_soft_cap, causal_alignment)
   config = CoreConfig(backend=backend, scale=args.scale, spec=args.spec,
-                      soft_cap=args.logits_soft_cap)
+                      soft_cap=args.logits_soft_cap,
+                      matmul_precision=current_matmul_precision())
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
                             args.query_seq_lengths, args.key_value_seq_lengths,
                             args.query_segment_ids, args.key_value_segment_ids, args.sinks,

@@ -71,7 +71,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from fa4_jax import backends
+from fa4_jax import backends, vjp
 from fa4_jax.scores import MaskSpec
 from fa4_jax.validation import validate
 
@@ -230,6 +230,7 @@ def context_parallel_attention(
       k_shape=(b // batch_shards, local, kh // head_shards, h),
       dtype=q.dtype, spec=spec, has_bias=False, has_mask=False)
   ring = _Ring(axis_name=axis_name, size=p, causal=is_causal,
+               matmul_precision=vjp.current_matmul_precision(),
                load_balanced=load_balanced, scale=args.scale,
                backend=backends.select(implementation, block_call))
   pspec = PartitionSpec(batch_axis, axis_name, head_axis, None)
@@ -295,6 +296,9 @@ class _Ring:
   load_balanced: bool
   scale: float
   backend: object  # vjp.Backend
+  # The matmul precision scope of the call, re-entered by the backward
+  # (`vjp.CoreConfig.matmul_precision`).
+  matmul_precision: str | None = None
 
   def chunks(self, device):
     """Global chunk indices (of 2P) of the two halves device `device` holds."""
@@ -501,7 +505,8 @@ def _ring_attention_fwd(ring, q, k, v, q_ids=None, kv_ids=None):
 def _ring_attention_bwd(ring, residuals, dout):
   # The ids (None when not given: custom_vjp counts the defaults too) are
   # not differentiable.
-  return _backward(ring, *residuals, dout) + (None, None)
+  with vjp.precision_scope(ring.matmul_precision):
+    return _backward(ring, *residuals, dout) + (None, None)
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

@@ -22,6 +22,7 @@ forward with the XLA backward: any forward that honours the lse contract of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -48,6 +49,10 @@ class CoreConfig:
   scale: float
   spec: MaskSpec
   soft_cap: float | None = None
+  # `jax.default_matmul_precision` in force where the call was traced (None:
+  # none set): the backward is traced later, often outside that scope, and
+  # re-enters it so that its matmuls match the forward's (`_core_bwd`).
+  matmul_precision: str | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
@@ -68,13 +73,28 @@ def _core_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
 def _core_bwd(config, residuals, cotangents):
   operands, sinks, out, lse = residuals
   dout, _ = cotangents  # the lse is returned under stop_gradient
-  dq, dk, dv, dbias = sharding.backward(config, *operands, out, lse, dout)
+  with precision_scope(config.matmul_precision):
+    dq, dk, dv, dbias = sharding.backward(config, *operands, out, lse, dout)
   dsinks = None
   if sinks is not None:
     delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
     dsinks = scores.sink_grad(sinks, lse, delta)
   # mask, lengths and segment ids are not differentiable: None is a zero cotangent.
   return dq, dk, dv, dbias, None, None, None, None, None, dsinks
+
+
+def precision_scope(matmul_precision: str | None):
+  """A forward's matmul precision scope (`current_matmul_precision`), for a
+  backward to re-enter; no scope for None."""
+  if matmul_precision is None:
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision(matmul_precision)
+
+
+def current_matmul_precision() -> str | None:
+  """The `jax.default_matmul_precision` in force now, as a hashable value."""
+  value = jax.config.jax_default_matmul_precision
+  return None if value is None else str(value)
 
 
 attention_core.defvjp(_core_fwd, _core_bwd)
