@@ -80,8 +80,14 @@ def _check_against_xla(q, k, v, out, lse, *, causal, window, q_lengths, kv_lengt
   sees = reference.rows_seeing_keys(visible, n)  # [B, T, N, 1]
   # Rows that see no key: jax.nn's value there is arbitrary, ours is zero.
   expected = jnp.where(sees > 0, expected, 0.0)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=BF16_ATOL, rtol=BF16_ATOL)
   _, expected_lse = reference.einsum_attention(q, k, v, visible, scale=scale)
+  _assert_out_and_lse(out, lse, expected, expected_lse)
+
+
+def _assert_out_and_lse(out, lse, expected, expected_lse):
+  """bf16 outputs against the reference; lse -inf exactly where the
+  reference's is, close elsewhere."""
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=BF16_ATOL, rtol=BF16_ATOL)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(expected_lse))
   finite = np.isfinite(expected_lse)
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite], atol=LSE_ATOL, rtol=LSE_ATOL)
@@ -181,12 +187,7 @@ def test_interpreted_kernel_with_segment_ids_matches_the_explicit_mask(name, run
   (q, k, v), out, lse, scale = _run_segment_case(case, run_interpreted)
   visible = case.visible()
   expected, expected_lse = reference.einsum_attention(q, k, v, visible, scale=scale)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected),
-                             atol=BF16_ATOL, rtol=BF16_ATOL)
-  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(expected_lse))
-  finite = np.isfinite(expected_lse)
-  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite],
-                             atol=LSE_ATOL, rtol=LSE_ATOL)
+  _assert_out_and_lse(out, lse, expected, expected_lse)
 
 
 def _walked_blocks(case: SegmentCase, segments: bool):
@@ -328,12 +329,7 @@ def test_interpreted_kernel_with_sinks_and_soft_cap_matches_the_reference(name, 
                                                   **opts),
       q, k, v, options)
   expected, expected_lse = _expected_with_options(case, q, k, v, scale)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected),
-                             atol=BF16_ATOL, rtol=BF16_ATOL)
-  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(expected_lse))
-  finite = np.isfinite(expected_lse)
-  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite],
-                             atol=LSE_ATOL, rtol=LSE_ATOL)
+  _assert_out_and_lse(out, lse, expected, expected_lse)
   if case.sinks is not None:
     # Rows that see no key: zeros and exactly their head's sink (up to the
     # log2 units the kernel keeps).

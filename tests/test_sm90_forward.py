@@ -514,27 +514,32 @@ def _assert_fits_and_uses_hopper_instructions(lowered):
   assert lowered.has("mbarrier.try_wait.parity")
 
 
-@pytest.mark.parametrize("head_dim,config", sm90_forward.all_configs(),
-                         ids=lambda x: str(x) if isinstance(x, int) else
-                         f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}"
-                         f"{'-persistent' if x.persistent else ''}")
+# Every (head dim, config) the heuristic picks, named by its tiling.
+EVERY_HEURISTIC_CONFIG = pytest.mark.parametrize(
+    "head_dim,config", sm90_forward.all_configs(),
+    ids=lambda x: str(x) if isinstance(x, int) else
+    f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}{'-persistent' if x.persistent else ''}")
+
+
+def _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config):
+  """The heuristic sizes SMEM by the estimate plus a reserve for the
+  barriers and alignment: the reserve must cover what lowering adds."""
+  estimate = config.smem_bytes(head_dim, 2)
+  assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
+
+
+@EVERY_HEURISTIC_CONFIG
 def test_every_heuristic_config_fits_shared_memory_and_uses_wgmma_and_tma(head_dim, config):
   for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
     for kv_seq in (1024, 8192):
       if sm90_forward.choose_config(head_dim, mask, kv_seq) == config:
         lowered = _lower(head_dim, mask, config)
         _assert_fits_and_uses_hopper_instructions(lowered)
-        # The heuristic sizes SMEM by the estimate plus a reserve for the
-        # barriers and alignment: the reserve must cover what lowering adds.
-        estimate = config.smem_bytes(head_dim, 2)
-        assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
+        _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config)
         break
 
 
-@pytest.mark.parametrize("head_dim,config", sm90_forward.all_configs(),
-                         ids=lambda x: str(x) if isinstance(x, int) else
-                         f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}"
-                         f"{'-persistent' if x.persistent else ''}")
+@EVERY_HEURISTIC_CONFIG
 def test_every_heuristic_config_with_segment_ids_lowers_for_hopper_without_more_smem(
     head_dim, config):
   """Segment ids (with lengths) add GMEM operands and element-mask terms,
@@ -544,15 +549,11 @@ def test_every_heuristic_config_with_segment_ids_lowers_for_hopper_without_more_
       if sm90_forward.choose_config(head_dim, mask, kv_seq) == config:
         lowered = _lower(head_dim, mask, config, lengths=True, segment_ids=True)
         _assert_fits_and_uses_hopper_instructions(lowered)
-        estimate = config.smem_bytes(head_dim, 2)
-        assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
+        _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config)
         break
 
 
-@pytest.mark.parametrize("head_dim,config", sm90_forward.all_configs(),
-                         ids=lambda x: str(x) if isinstance(x, int) else
-                         f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}"
-                         f"{'-persistent' if x.persistent else ''}")
+@EVERY_HEURISTIC_CONFIG
 def test_every_heuristic_config_with_sinks_and_soft_cap_lowers_for_hopper_without_more_smem(
     head_dim, config):
   """Sinks (with lengths) add one GMEM operand, soft-cap a multiply and the
@@ -563,8 +564,7 @@ def test_every_heuristic_config_with_sinks_and_soft_cap_lowers_for_hopper_withou
         lowered = _lower(head_dim, mask, config, sinks=True, soft_cap=30.0)
         _assert_fits_and_uses_hopper_instructions(lowered)
         assert lowered.has("tanh.approx.f32")
-        estimate = config.smem_bytes(head_dim, 2)
-        assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
+        _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config)
         return
 
 
