@@ -108,6 +108,36 @@ def prepare_traced(fwd, q, k, v, do):
   return (lambda: kernel_sum_ms(fwd, q, k, v)), (lambda: span_ms(bwd, vjp, do))
 
 
+def forward_backward_columns(impls, q, k, v, do, rounds: int, flops):
+  """Training columns side by side: `impls` maps a column to forward(q, k,
+  v); `flops(column)` is its forward's FLOP count.
+
+  Each is compiled with its VJP (`prepare_traced`; a failure is recorded,
+  not raised), then timed in `rounds` interleaved rounds (A B C A B C ...:
+  the card's clock drifts under its power cap, so each column's median
+  round is compared). Returns column -> dict(fwd_ms, bwd_ms, fwd_tflops,
+  bwd_tflops, fwd_ms_rounds, bwd_ms_rounds) or dict(error=...)."""
+  timers, results = {}, {}
+  for column, fwd in impls.items():
+    try:
+      timers[column] = prepare_traced(fwd, q, k, v, do)
+    except Exception as e:  # one failure should not hide the rest
+      results[column] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
+  times = {column: [] for column in timers}
+  for _ in range(rounds):
+    for column, (time_fwd, time_bwd) in timers.items():
+      times[column].append((time_fwd(), time_bwd()))
+  for column in timers:
+    fwd_ms = statistics.median(f for f, _ in times[column])
+    bwd_ms = statistics.median(b for _, b in times[column])
+    results[column] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+                           fwd_tflops=flops(column) / fwd_ms / 1e9,
+                           bwd_tflops=BACKWARD_FLOPS_FACTOR * flops(column) / bwd_ms / 1e9,
+                           fwd_ms_rounds=[f for f, _ in times[column]],
+                           bwd_ms_rounds=[b for _, b in times[column]])
+  return results
+
+
 def bandwidth_columns(calls, rounds: int, nbytes: int, reference: str):
   """Memory-bound columns side by side: `calls` maps a column to (f, args).
 

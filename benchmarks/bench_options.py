@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import jax
@@ -95,22 +94,7 @@ def run_case(name, B, Hq, Hkv, D, causal, rounds):
                                       **({"logits_soft_cap": SOFT_CAP}
                                          if c in ("soft_cap", "both") else {}))
       for c in ("plain", "sinks", "soft_cap", "both")}
-  timers, times = {}, {}
-  for column, fwd in impls.items():
-    try:
-      timers[column] = bench_common.prepare_traced(fwd, q, k, v, do)
-    except Exception as e:  # one failure should not hide the rest
-      row[column] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
-  for _ in range(rounds):
-    for column, (time_fwd, time_bwd) in timers.items():
-      times.setdefault(column, []).append((time_fwd(), time_bwd()))
-  for column in timers:
-    fwd_ms = statistics.median(f for f, _ in times[column])
-    bwd_ms = statistics.median(b for _, b in times[column])
-    row[column] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9,
-                       bwd_tflops=bench_common.BACKWARD_FLOPS_FACTOR * flops / bwd_ms / 1e9,
-                       fwd_ms_rounds=[f for f, _ in times[column]],
-                       bwd_ms_rounds=[b for _, b in times[column]])
+  row.update(bench_common.forward_backward_columns(impls, q, k, v, do, rounds, lambda _: flops))
   print(json.dumps(row), flush=True)
   return row
 

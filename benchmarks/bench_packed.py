@@ -35,7 +35,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -130,30 +129,20 @@ def run_shape(name, B, Hq, Hkv, D, rounds):
     row = dict(case=f"{name} mean doc {mean}", B=B, S=ROW, Hq=Hq, Hkv=Hkv, D=D,
                mean_document=mean, documents=int(sum(len(np.unique(r)) for r in ids)),
                visible_pairs=pairs)
-    timers, times = {}, {}
+    impls, packed_impls = {}, set()
     for impl, (fwd, packed) in implementations(ids, document_starts(ids)).items():
-      if not packed and impl in dense_done:
+      if packed:
+        packed_impls.add(impl)
+      if not packed and impl in dense_done:  # the dense rows do not depend on the packing
         row[impl] = dense_done[impl]
-        continue
-      try:
-        timers[impl] = (bench_common.prepare_traced(fwd, q, k, v, do), packed)
-      except Exception as e:  # one failure should not hide the rest
-        row[impl] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
-    # Rounds interleave the columns (A B C A B C ...): the card's clock drifts
-    # under its power cap, so each column's median round is compared.
-    for _ in range(rounds):
-      for impl, ((time_fwd, time_bwd), _) in timers.items():
-        times.setdefault(impl, []).append((time_fwd(), time_bwd()))
-    for impl, ((_, _), packed) in timers.items():
-      fwd_ms = statistics.median(f for f, _ in times[impl])
-      bwd_ms = statistics.median(b for _, b in times[impl])
-      flops = 4 * Hq * D * (pairs if packed else dense_pairs)
-      row[impl] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9,
-                       bwd_tflops=BACKWARD_FACTOR * flops / bwd_ms / 1e9,
-                       fwd_ms_rounds=[f for f, _ in times[impl]],
-                       bwd_ms_rounds=[b for _, b in times[impl]])
-      if not packed:
-        dense_done[impl] = row[impl]
+      else:
+        impls[impl] = fwd
+    flops = lambda impl: 4 * Hq * D * (pairs if impl in packed_impls else dense_pairs)
+    for impl, result in bench_common.forward_backward_columns(impls, q, k, v, do, rounds,
+                                                              flops).items():
+      row[impl] = result
+      if impl not in packed_impls and "error" not in result:
+        dense_done[impl] = result
     print(json.dumps(row), flush=True)
     rows.append(row)
   return rows
