@@ -83,10 +83,11 @@ def attention(
       `query_seq_lengths`, else `T`) is aligned with its last valid key (by
       `key_value_seq_lengths`, else `S`): query `i` sits at position
       `i + kv_len - q_len`. This is the mask of decoding and of chunked
-      prefill against a KV cache. Without lengths it is a fixed shift the
-      kernels take; a one-token causal query with lengths sees every valid
-      key (the decode kernels); other per-row shifts become an explicit
-      mask (the XLA path). Not part of `jax.nn`.
+      prefill against a KV cache. Every backend takes it, forward and
+      backward: without lengths it is a fixed shift; with lengths each row
+      has its own (`kv_len - q_len`), which the kernels read per row; a
+      one-token causal query with lengths sees every valid key (the decode
+      arrangement). Not part of `jax.nn`.
 
   Returns:
     The attention output, shaped like `query` (and the residual, if asked).

@@ -76,13 +76,14 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
 
   The sm90 kernel serves: bfloat16 / float16, head_dim 64, 128, 192 or 256,
   page sizes that are powers of two >= 8 (16, 32, 64, 128, ...), at most 256
-  query rows per KV head (`T * Hq / Hkv`), and masks that give every query
-  of a row the same keys: `T = 1`, or `is_causal=False`. For `T > 1` with
-  `is_causal=True` the bottom-right causal band differs per row, which the
-  kernel's static masks cannot express: those calls run on the XLA path
-  (`which_paged_implementation` reports "xla"; "sm90" raises). Cache
-  entries past a row's length (and in the pages it loads for the last
-  block) must be finite: they are multiplied by zero weights.
+  query rows per KV head (`T * Hq / Hkv`) when every query of a row sees
+  the same keys (`T = 1`, or `is_causal=False`: the decode arrangement,
+  which packs the query heads of a KV head as rows and splits the cache).
+  Chunked prefill (`T > 1`, `is_causal=True`: each row's queries are the
+  last `T` tokens of its context, a band aligned per row by its length)
+  runs the sm90 forward kernel itself, any `T`, reading the pages as well.
+  Cache entries past a row's length (and in the pages it loads for the
+  last block) must be finite: they are multiplied by zero weights.
 
   Gradients: this is a serving op. Where asked for, they are the XLA path's
   (it gathers the pages), also when the forward ran the kernel.
@@ -221,25 +222,36 @@ def _kernel_problem(args: _Arguments) -> str | None:
   """Why the sm90 kernel cannot serve the call here, or None if it can."""
   from fa4_jax import decode
   from fa4_jax.kernels import KernelUnsupported, sm90_forward
-  from fa4_jax.scores import MaskSpec
 
   if not interpret.is_interpreting() and backends.device_arch_major() != 9:
     return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
             "fa4_jax.interpret_mode()")
   q_shape = args.query.shape
-  if args.static.is_causal and q_shape[1] > 1:
-    return ("is_causal=True with T > 1 query tokens: the bottom-right causal band gives each "
-            "query its own key count, which the kernel's masks cannot express; the XLA path "
-            "serves it")
   try:
     k_shape = sm90_forward.check_paged(q_shape, args.key_pages.shape, args.page_table.shape)
-    sm90_forward.check_supported(q_shape, k_shape, args.query.dtype, MaskSpec())
+    sm90_forward.check_supported(q_shape, k_shape, args.query.dtype, _mask(args.static, q_shape))
   except KernelUnsupported as e:
     return str(e)
+  if _is_prefill(args.static, q_shape):
+    return None  # the forward kernel as it is: any number of query rows
   if _plan(args) is None:
     return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
             f"the decode arrangement packs at most {decode.MAX_PACKED_ROWS}")
   return None
+
+
+def _is_prefill(static: _Static, q_shape) -> bool:
+  """Causal with several query tokens: each row's band sits at its length."""
+  return static.is_causal and q_shape[1] > 1
+
+
+def _mask(static: _Static, q_shape):
+  """The kernels' mask: bottom-right causal aligned per row by the lengths
+  (the queries' lengths are T) for chunked prefill, else no band."""
+  from fa4_jax.scores import MaskSpec
+
+  return (MaskSpec(right=0, offset_from_lengths=True) if _is_prefill(static, q_shape)
+          else MaskSpec())
 
 
 def _plan(args: _Arguments):
@@ -270,23 +282,29 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
   from fa4_jax.api import attention
 
   k, v = gather_pages(key_pages, page_table), gather_pages(value_pages, page_table)
-  t, s = q.shape[1], k.shape[1]
-  mask = None
-  if static.is_causal and t > 1:
-    # Query t sits at position length - T + t and sees keys up to it.
-    position = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
-    mask = jnp.arange(s)[None, None, :] <= position[:, :, None]  # [B, T, S]
-    mask = mask[:, None]
-  return attention(q, k, v, mask=mask, scale=static.scale, key_value_seq_lengths=lengths,
+  # Causal: query t sits at position length - T + t and sees keys up to it.
+  return attention(q, k, v, scale=static.scale, is_causal=static.is_causal,
+                   causal_alignment="bottom_right", key_value_seq_lengths=lengths,
                    sinks=sinks, logits_soft_cap=static.soft_cap, implementation="xla")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static):
-  """The sm90 kernel in the decode arrangement, reading through the table."""
+  """The sm90 kernel reading through the table: the forward kernel itself
+  for chunked prefill, else in the decode arrangement."""
   from fa4_jax import decode
+  from fa4_jax.kernels import sm90_forward
   from fa4_jax.scores import MaskSpec
 
+  if _is_prefill(static, q.shape):
+    options = {} if static.soft_cap is None else dict(soft_cap=static.soft_cap)
+    if sinks is not None:
+      options["sinks"] = sinks
+    q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+    out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
+                                  scale=static.scale, mask=_mask(static, q.shape),
+                                  page_table=page_table, **options)
+    return out
   args = _Arguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
   out, _ = decode.forward(q, key_pages, value_pages, None, lengths, scale=static.scale,
                           mask=MaskSpec(), plan=_plan(args), sinks=sinks,

@@ -29,6 +29,12 @@ at position `j`. Query `i` may see key `j` when
 row 0 sees key 0), also when the query and key lengths differ; that is what
 `fa4_jax.attention` does by default. A causal mask is `right = 0`; a causal
 mask with `local_window_size=(l, r)` is `left = l, right = min(r, 0)`.
+Bottom-right alignment (decoding, chunked prefill) puts each batch row's last
+valid query on its last valid key: a fixed `q_offset = S - T` without
+lengths; with lengths, `offset_from_lengths` makes the offset each row's
+`kv_len - q_len`, a run-time value that `MaskSpec.at_lengths` resolves where
+a backend knows the row (every tile helper below that takes the lengths, and
+`visible`).
 
 Sequence lengths (`query_seq_lengths`, `key_value_seq_lengths`) are run-time
 arrays, not part of the spec: keys at or past the length are masked and query
@@ -74,12 +80,15 @@ class MaskSpec:
 
   `left` / `right`: how many positions before / after its own a query may
   see; `None` means unbounded on that side. `q_offset`: absolute position of
-  query row 0 (0 aligns top-left, as `jax.nn` does).
+  query row 0 (0 aligns top-left, as `jax.nn` does). `offset_from_lengths`:
+  each batch row adds its own `kv_len - q_len` to `q_offset` (bottom-right
+  alignment with sequence lengths; `at_lengths`).
   """
 
   left: int | None = None
   right: int | None = None
   q_offset: int = 0
+  offset_from_lengths: bool = False
 
   @classmethod
   def from_arguments(
@@ -94,6 +103,24 @@ class MaskSpec:
     if is_causal:
       right = 0 if right is None else min(right, 0)
     return cls(left=left, right=right, q_offset=q_offset)
+
+  def at_lengths(self, q_len: Int, kv_len: Int) -> "MaskSpec":
+    """This mask for a batch row of lengths `q_len`, `kv_len` (ints, traced
+    scalars, or arrays that broadcast against the positions): with
+    `offset_from_lengths` the row's offset becomes part of `q_offset`, so
+    every method below sees one fixed band. The result may hold a traced
+    offset: use it inside the trace, never as a static argument."""
+    if not self.offset_from_lengths:
+      return self
+    return dataclasses.replace(self, q_offset=self.q_offset + kv_len - q_len,
+                               offset_from_lengths=False)
+
+  def _check_resolved(self):
+    # A band whose offset depends on the row cannot answer for a position:
+    # a caller that forgot `at_lengths` fails while tracing, not silently.
+    if self.offset_from_lengths:
+      raise ValueError("this MaskSpec is aligned by the lengths: call at_lengths(q_len, "
+                       "kv_len) for the batch row first")
 
   @property
   def is_dense(self) -> bool:
@@ -110,6 +137,7 @@ class MaskSpec:
     Broadcasts like `q_idx[:, None]` against `k_idx[None, :]` would; works on
     jnp arrays inside and outside kernels.
     """
+    self._check_resolved()
     ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(k_idx)), bool)
     pos = q_idx + self.q_offset
     if self.left is not None:
@@ -126,6 +154,7 @@ class MaskSpec:
     `num_keys` caps the range (pass the key/value length there). The range is
     empty (k_lo >= k_hi) when the rows see nothing.
     """
+    self._check_resolved()
     k_lo, k_hi = 0, num_keys
     if self.left is not None:
       k_lo = _max(k_lo, q_lo + self.q_offset - self.left)
@@ -135,6 +164,7 @@ class MaskSpec:
 
   def query_range(self, k_lo: Int, k_hi: Int, num_queries: Int) -> tuple[Int, Int]:
     """Query rows [q_lo, q_hi) that may see some key in [k_lo, k_hi)."""
+    self._check_resolved()
     q_lo, q_hi = 0, num_queries
     if self.right is not None:
       # j <= i + off + right  <=>  i >= j - off - right
@@ -147,6 +177,7 @@ class MaskSpec:
   def tile_is_full(self, q_lo: Int, q_hi: Int, k_lo: Int, k_hi: Int):
     """True when every (query, key) pair of the tile is visible, so the tile
     needs no element mask (lengths aside)."""
+    self._check_resolved()
     full = True
     if self.left is not None:
       # the last query row must still see the first key
@@ -249,6 +280,7 @@ def kv_tile_ranges(mask: MaskSpec, q_lo, q_hi, q_len, kv_len, block_kv: int) -> 
   `full` blocks are those for which `mask.tile_is_full` holds and all keys
   are below `kv_len`.
   """
+  mask = mask.at_lengths(q_len, kv_len)
   q_hi = jnp.minimum(q_hi, q_len)
   lo, hi = mask.key_block_range(q_lo, q_hi, kv_len, block_kv)
   hi = jnp.where(q_lo < q_hi, hi, lo)  # no valid rows: nothing to see
@@ -275,6 +307,7 @@ def q_tile_ranges(mask: MaskSpec, k_lo, k_hi, q_len, kv_len, block_q: int) -> Ti
   gives them an lse of +inf, so P = 0 there).
   """
   k_lo, k_hi, q_len, kv_len = (jnp.asarray(x, jnp.int32) for x in (k_lo, k_hi, q_len, kv_len))
+  mask = mask.at_lengths(q_len, kv_len)
   k_valid_hi = jnp.minimum(k_hi, kv_len)
   lo, hi = mask.query_block_range(k_lo, k_valid_hi, q_len, block_q)
   hi = jnp.where(k_lo < k_valid_hi, hi, lo)  # no valid key: nothing to do
@@ -387,14 +420,20 @@ def hull(ranges) -> TileRanges:
 # --- The element mask ----------------------------------------------------------
 
 
-def visible(mask: MaskSpec, q_idx, k_idx, kv_len, q_segment=None, kv_segment=None):
+def visible(mask: MaskSpec, q_idx, k_idx, kv_len, q_segment=None, kv_segment=None, *,
+            q_len=None):
   """May query row `q_idx` see key `k_idx` (elementwise, broadcasting)?
 
   The mask, the key length and, when given, the segment ids of the row and
   the key (equal ids only); rows past the query length are the caller's
   business (the forward zeroes their output, the backward their P through
-  the lse). Every backend's element mask is this one test.
+  the lse). Every backend's element mask is this one test. `q_len` (the
+  row's query length) is needed only by a mask with `offset_from_lengths`.
   """
+  if mask.offset_from_lengths:
+    if q_len is None:
+      raise ValueError("a mask aligned by the lengths needs the row's q_len")
+    mask = mask.at_lengths(q_len, kv_len)
   ok = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
   if q_segment is not None:
     ok = ok & (q_segment == kv_segment)

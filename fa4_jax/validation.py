@@ -221,33 +221,28 @@ def _check_scale(scale, head_dim: int) -> float:
   return value
 
 
-def _bottom_right_mask(spec: MaskSpec, mask, q_lengths, kv_lengths, b: int, t: int, s: int):
-  """The band of `spec` with each batch row's last valid query aligned with
-  its last valid key, as a boolean [B, 1, T, S] array ANDed into `mask`:
-  per-row offsets (kv_len - q_len) are run-time values no static band can
-  hold. Rows past the query length are masked by the lengths as usual."""
-  q_len = jnp.full((b,), t, jnp.int32) if q_lengths is None else q_lengths
-  kv_len = jnp.full((b,), s, jnp.int32) if kv_lengths is None else kv_lengths
-  offset = (kv_len - q_len)[:, None, None]
-  rows = jnp.arange(t, dtype=jnp.int32)[None, :, None] + offset
-  band = spec.visible(rows, jnp.arange(s, dtype=jnp.int32)[None, None, :])[:, None]
-  return band if mask is None else mask & band
-
-
-def _align(spec: MaskSpec, alignment, mask, q_lengths, kv_lengths, b: int, t: int, s: int):
-  """(spec, mask) for `causal_alignment`: bottom-right shifts the band by
-  S - T when every row is whole; with lengths, a one-token causal query
-  sees every valid key (no band at all), other cases carry the band in
-  `mask` (`_bottom_right_mask`)."""
+def _align(spec: MaskSpec, alignment, q_lengths, kv_lengths, b: int, t: int, s: int):
+  """(spec, q_lengths, kv_lengths) for `causal_alignment`. Bottom-right
+  shifts the band by S - T when every row is whole; with lengths, a
+  one-token causal query sees every valid key (no band at all), and other
+  bands are aligned per row (`MaskSpec.offset_from_lengths`: row b's offset
+  is kv_len[b] - q_len[b], resolved in every backend by `at_lengths`). The
+  offset needs each row's true query length, so missing query lengths
+  become T, and given ones are clipped into [0, T] (and key lengths into
+  [0, S]) as every backend clips them when it masks."""
   if alignment not in ALIGNMENTS:
     raise ValueError(f"`causal_alignment` must be one of {ALIGNMENTS}; got {alignment!r}")
   if alignment == "top_left" or spec.is_dense:
-    return spec, mask
+    return spec, q_lengths, kv_lengths
   if q_lengths is None and kv_lengths is None:
-    return dataclasses.replace(spec, q_offset=s - t), mask
+    return dataclasses.replace(spec, q_offset=s - t), q_lengths, kv_lengths
   if t == 1 and spec.left is None and spec.right is not None and spec.right >= 0:
-    return MaskSpec(), mask  # the one query is the row's last: every valid key
-  return MaskSpec(), _bottom_right_mask(spec, mask, q_lengths, kv_lengths, b, t, s)
+    return MaskSpec(), q_lengths, kv_lengths  # the one query is the row's last: every valid key
+  q_lengths = (jnp.full((b,), t, jnp.int32) if q_lengths is None
+               else jnp.clip(q_lengths, 0, t).astype(jnp.int32))
+  if kv_lengths is not None:
+    kv_lengths = jnp.clip(kv_lengths, 0, s).astype(jnp.int32)
+  return dataclasses.replace(spec, offset_from_lengths=True), q_lengths, kv_lengths
 
 
 def validate(query, key, value, bias, mask, *, scale, is_causal,
@@ -275,9 +270,9 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
   q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b, t, "the query length")
   kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s,
                               "the key/value length")
-  spec, mask = _align(MaskSpec.from_arguments(bool(is_causal), window), causal_alignment,
-                      _check_pair_array(mask, "mask", (b, n, t, s), want_bool=True),
-                      q_lengths, kv_lengths, b, t, s)
+  spec, q_lengths, kv_lengths = _align(MaskSpec.from_arguments(bool(is_causal), window),
+                                       causal_alignment, q_lengths, kv_lengths, b, t, s)
+  mask = _check_pair_array(mask, "mask", (b, n, t, s), want_bool=True)
   return Arguments(
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),

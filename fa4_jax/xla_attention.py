@@ -105,6 +105,12 @@ class _Problem:
     """Key blocks [lo, hi) the query block `qb` may see (mask, lengths and
     segment ids)."""
     bq = self.blocks.block_q
+    if self.spec.offset_from_lengths:  # each row its own band: their union
+      q_hi = jnp.minimum((qb + 1) * bq, self.q_len)
+      lo, hi = self.spec.at_lengths(self.q_len, self.kv_len).key_block_range(
+          qb * bq, q_hi, self.kv_len, self.blocks.block_k)
+      lo, hi = _union_over_rows(lo, jnp.where(q_hi > qb * bq, hi, lo))
+      return _narrow(lo, hi, self.q_block_segments, qb)
     q_hi = jnp.minimum((qb + 1) * bq, jnp.max(self.q_len))
     lo, hi = self.spec.key_block_range(qb * bq, q_hi, jnp.max(self.kv_len),
                                        self.blocks.block_k)
@@ -113,6 +119,12 @@ class _Problem:
   def query_blocks_for(self, kb):
     """Query blocks [lo, hi) that may see key block `kb`."""
     bk = self.blocks.block_k
+    if self.spec.offset_from_lengths:  # each row its own band: their union
+      k_hi = jnp.minimum((kb + 1) * bk, self.kv_len)
+      lo, hi = self.spec.at_lengths(self.q_len, self.kv_len).query_block_range(
+          kb * bk, k_hi, self.q_len, self.blocks.block_q)
+      lo, hi = _union_over_rows(lo, jnp.where(k_hi > kb * bk, hi, lo))
+      return _narrow(lo, hi, self.k_block_segments, kb)
     k_hi = jnp.minimum((kb + 1) * bk, jnp.max(self.kv_len))
     lo, hi = self.spec.query_block_range(kb * bk, k_hi, jnp.max(self.q_len),
                                          self.blocks.block_q)
@@ -142,7 +154,8 @@ class _Problem:
       q_seg = self.q_block(self.q_segments, qb)[:, :, None]
       kv_seg = self.k_block(self.kv_segments, kb)[:, None, :]
     visible = scores.visible(self.spec, rows[None, :, None], cols[None, None, :],
-                             self.kv_len[:, None, None], q_seg, kv_seg)  # [B, bq, bk]
+                             self.kv_len[:, None, None], q_seg, kv_seg,
+                             q_len=self.q_len[:, None, None])  # [B, bq, bk]
     visible = visible[:, None, None]  # [B, 1, 1, bq, bk]
     if self.mask is not None:
       visible = visible & self._slice_pair(self.mask, qb, kb)
@@ -153,6 +166,15 @@ class _Problem:
 
   def k_block(self, x, kb):
     return lax.dynamic_slice_in_dim(x, kb * self.blocks.block_k, self.blocks.block_k, 1)
+
+
+def _union_over_rows(lo, hi):
+  """Per-row block ranges [lo, hi) ([B] each) -> the smallest range that
+  holds every non-empty one (empty if all are)."""
+  seen = hi > lo
+  union_lo = jnp.min(jnp.where(seen, lo, jnp.iinfo(jnp.int32).max))
+  union_hi = jnp.max(jnp.where(seen, hi, 0))
+  return jnp.minimum(union_lo, union_hi), union_hi
 
 
 def _narrow(lo, hi, segments: Optional[scores.TileRanges], block):

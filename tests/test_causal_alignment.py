@@ -7,9 +7,11 @@ Specification:
   query i sits at position i + kv_len - q_len. Forward and gradients equal
   an f32 einsum with that mask built naively, for causal masks and windows,
   with and without lengths, T < S and T > S, GQA, bf16.
-* Without lengths the shift is static and the kernels serve it; a one-token
-  causal query with lengths sees every valid key (the decode arrangement
-  serves it); other per-row shifts go to the XLA path.
+* Without lengths the shift is static; with lengths each row has its own
+  (chunked prefill against a cache of per-row lengths). The kernels serve
+  both: the sm90 forward and backward and the sm100 forward, interpreted
+  with race detection, equal the naive mask. A one-token causal query with
+  lengths sees every valid key (the decode arrangement serves it).
 * Flax: make_attention_fn(is_causal=True, causal_alignment="bottom_right")
   serves a query shorter than the keys (cached decoding).
 * A bad value is a ValueError naming the argument; cuDNN (jax.nn) has no
@@ -98,9 +100,57 @@ def test_kernels_serve_static_shifts_and_one_token_decoding():
     assert fa4_jax.which_implementation(one, k, v, is_causal=True, key_value_seq_lengths=lengths,
                                         causal_alignment="bottom_right",
                                         implementation="sm90") == "sm90_decode"
-    with pytest.raises(ValueError, match="boolean `mask`"):  # per-row shifts: an explicit mask
-      fa4_jax.which_implementation(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
-                                   causal_alignment="bottom_right", implementation="sm90")
+    assert fa4_jax.which_implementation(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                        causal_alignment="bottom_right",
+                                        implementation="sm90") == "sm90"
+
+
+# Per-row shifts in the kernels: chunked prefill (each row's chunk of
+# queries after its own cached prefix) and a sliding window over a ragged
+# cache. Row 1's offsets differ from row 0's, and its chunk is shorter.
+KERNEL_CASES = {
+    "chunked_prefill_causal_gqa": (48, 200, dict(is_causal=True, query_seq_lengths=(48, 23),
+                                                 key_value_seq_lengths=(200, 77)), dict()),
+    "sliding_window_ragged_cache": (24, 136, dict(is_causal=True, local_window_size=(40, 0),
+                                                  key_value_seq_lengths=(136, 50)),
+                                    dict(left=40, right=0)),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_sm90_kernels_align_each_row_by_its_lengths(name, run_interpreted):
+  t, s, options, band = KERNEL_CASES[name]
+  _check_kernel(name, t, s, options, band, "sm90", run_interpreted, with_grads=True)
+
+
+def test_sm100_forward_aligns_each_row_by_its_lengths(run_interpreted):
+  t, s, options, band = KERNEL_CASES["chunked_prefill_causal_gqa"]
+  _check_kernel("sm100", t, s, options, band, "sm100", run_interpreted, with_grads=False)
+
+
+def _check_kernel(name, t, s, options, band, implementation, run_interpreted, with_grads):
+  b, n, kv_heads, d = 2, 4, 2, 64
+  q, k, v, dout = _inputs(len(name), b, t, s, n, kv_heads, d, jnp.bfloat16)
+  visible = _bottom_right(b, t, s, options.get("query_seq_lengths"),
+                          options.get("key_value_seq_lengths"), **band)
+  lengths = {key: jnp.asarray(x, jnp.int32) for key, x in options.items()
+             if key.endswith("lengths")}
+  flags = {key: x for key, x in options.items() if not key.endswith("lengths")}
+  ours = lambda q, k, v: fa4_jax.attention(q, k, v, causal_alignment="bottom_right",
+                                           implementation=implementation, **flags, **lengths)
+  theirs = lambda q, k, v: einsum_attention(q, k, v, visible)[0]
+  loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)
+                                            * dout.astype(jnp.float32)))
+  both = lambda f: (f(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v) if with_grads
+                    else ())
+  got_out, got_grads = run_interpreted(lambda: both(ours))
+  want_out, want_grads = both(theirs)
+  # bf16 inputs and P: errors of a few bf16 ulps of the largest values.
+  np.testing.assert_allclose(np.asarray(got_out, np.float32), np.asarray(want_out),
+                             atol=2e-2, rtol=2e-2)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w),
+                               atol=2e-2 * max(1.0, float(jnp.abs(w).max())), rtol=2e-2)
 
 
 def test_one_token_bottom_right_causal_sees_every_valid_key():

@@ -14,11 +14,13 @@ Specification:
   size, an empty row, T = 1 and T = 3, GQA, sinks and soft-cap.
 * The sm90 kernel (interpreter, race detection) reads the pages through the
   table and equals the same reference: pages smaller than a key block, pages
-  holding several blocks, several chunks of the decode arrangement.
+  holding several blocks, several chunks of the decode arrangement, and
+  chunked prefill (T > 1, causal: the forward kernel with each row's band
+  aligned by its length).
 * The paged kernel lowers for Hopper at D64 and D128 with page sizes 16 and
   64 in the SMEM of the unpaged kernel, one TMA per page of a block.
-* Selection: on a Hopper GPU None runs "sm90" when it can serve; T > 1
-  with is_causal, other page sizes or head dims run on XLA, and
+* Selection: on a Hopper GPU None runs "sm90" when it can serve (T = 1,
+  not causal, and chunked prefill); other page sizes or head dims run on XLA, and
   implementation="sm90" then raises saying why. Without a Hopper GPU None
   runs XLA, and "sm90" runs only inside `interpret_mode()`. Gradients are
   the XLA path's.
@@ -156,6 +158,18 @@ def test_kernel_reads_the_pages_through_the_table_without_races(name, run_interp
   _assert_close(out, _reference(q, kp, vp, table, lengths, **reference_options), 2e-2)
 
 
+def test_kernel_serves_chunked_prefill_aligned_by_each_rows_length(run_interpreted):
+  # 40 new tokens per row after 260 and after 5 cached ones (row 1's first
+  # 35 queries sit at negative positions: they see nothing and get zeros);
+  # pages of 16 shuffled, GQA 4/2.
+  q, kp, vp, table, lengths = _paged_cache(5, batch=2, t=40, q_heads=4, kv_heads=2, head_dim=64,
+                                           page_size=16, max_pages=20, lengths=(300, 45),
+                                           dtype=jnp.bfloat16)
+  out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90"),
+                        q, kp, vp, table, lengths)
+  _assert_close(out, _reference(q, kp, vp, table, lengths), 2e-2)
+
+
 def test_gradients_are_the_xla_paths_also_when_the_kernel_ran_the_forward(run_interpreted):
   q, kp, vp, table, lengths = _paged_cache(3, batch=1, t=1, q_heads=2, kv_heads=1, head_dim=64,
                                            page_size=64, max_pages=2, lengths=(100,),
@@ -185,7 +199,6 @@ def hopper(monkeypatch):
 
 
 @pytest.mark.parametrize("name, overrides, options, reason", [
-    ("T3 causal", dict(t=3), dict(), "bottom-right causal band"),
     ("page 24", dict(page_size=24), dict(), r"page size \(key_pages.shape\[1\]\) must be a power"),
     ("page 4", dict(page_size=4, lengths=(13,)), dict(), r"key_pages.shape\[1\]\) must be a power"),
     ("head_dim 80", dict(head_dim=80), dict(), "head_dim must be a multiple of 64"),
@@ -206,6 +219,7 @@ def test_on_hopper_the_kernel_serves_t1_and_non_causal_queries_with_pages_of_16_
     assert fa4_jax.which_paged_implementation(*args) == "sm90"
     assert fa4_jax.which_paged_implementation(*args, implementation="xla") == "xla"
   assert fa4_jax.which_paged_implementation(*_small(t=3), is_causal=False) == "sm90"
+  assert fa4_jax.which_paged_implementation(*_small(t=300)) == "sm90"  # chunked prefill
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="describes a machine without a GPU")

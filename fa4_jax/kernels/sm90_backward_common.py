@@ -251,7 +251,7 @@ class TileSoftmax(NamedTuple):
   w: Any
 
 
-def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: MaskSpec,
+def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, mask: MaskSpec,
                  c: float, masked: bool, segments=None, scale: float = 1.0,
                  cap: float | None = None) -> TileSoftmax:
   """P = exp2(c * t - lse2) of one tile (S^T when `keys_along_rows`, as in
@@ -293,7 +293,7 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: Ma
       row_seg = lax.broadcast_in_dim(segments[0], s.shape, [0])
       col_seg = lax.broadcast_in_dim(segments[1], s.shape, [1])
       kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
-    visible = scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg)
+    visible = scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
     logits2 = jnp.where(visible, logits2, -jnp.inf)
   p = jnp.exp2(logits2)
   return TileSoftmax(p, p if cap is None else p * scores.soft_cap_slope(t))

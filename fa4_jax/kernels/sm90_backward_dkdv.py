@@ -196,7 +196,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
         soft_cap=kp.soft_cap is not None)
     p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
-                      kv_len=work.kv_len, masked=masked, segments=seg)
+                      kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
     if kp.with_dk and kp.with_dv:
       acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, w, dp, delta,
                                            q_tile, do_tile, stage)
@@ -406,7 +406,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=False, stats_first=False)
       p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
-                        kv_len=work.kv_len, masked=masked, segments=seg)
+                        kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
       ds = scores_grad(w, dp, delta)
       pds.producer_acquire(step)
       p_tile[...] = p.astype(kp.dtype)

@@ -197,7 +197,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
     _, w = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
-                      kv_len=work.kv_len, masked=masked, segments=seg)
+                      kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
     ds = scores_grad(w, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
     bars.stream.consumer_release(step)

@@ -281,6 +281,7 @@ def mean_kv_blocks_per_tile(config: ForwardConfig, mask: MaskSpec, kv_seq: int,
                             q_seq: int | None = None) -> float:
   """KV blocks a CTA's query tile walks, averaged over the tiles (full lengths)."""
   q_seq = kv_seq if q_seq is None else q_seq
+  mask = mask.at_lengths(q_seq, kv_seq)
   rows = config.block_q_cta
   blocks = []
   for q_lo in range(0, q_seq, rows):
@@ -766,7 +767,8 @@ class _ConsumerTile:
       if kv_segment is not None:
         segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, s.shape, [0]),
                         kv_segment=lax.broadcast_in_dim(kv_segment, s.shape, [1]))
-      s = jnp.where(visible(call.mask, q_idx, k_idx, self.item.kv_len, **segments), s,
+      s = jnp.where(visible(call.mask, q_idx, k_idx, self.item.kv_len, **segments,
+                            q_len=self.item.q_len), s,
                     call.masked_logit)
     return online_softmax(s, m, call.c)
 
