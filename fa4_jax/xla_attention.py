@@ -153,9 +153,9 @@ class _Problem:
     if self.q_segments is not None:
       q_seg = self.q_block(self.q_segments, qb)[:, :, None]
       kv_seg = self.k_block(self.kv_segments, kb)[:, None, :]
+    q_len = self.q_len[:, None, None] if self.spec.offset_from_lengths else None
     visible = scores.visible(self.spec, rows[None, :, None], cols[None, None, :],
-                             self.kv_len[:, None, None], q_seg, kv_seg,
-                             q_len=self.q_len[:, None, None])  # [B, bq, bk]
+                             self.kv_len[:, None, None], q_seg, kv_seg, q_len=q_len)  # [B, bq, bk]
     visible = visible[:, None, None]  # [B, 1, 1, bq, bk]
     if self.mask is not None:
       visible = visible & self._slice_pair(self.mask, qb, kb)
