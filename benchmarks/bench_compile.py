@@ -33,7 +33,7 @@ for profiling the Python side.
 
 Usage (GPU machine, repository root; about 6 minutes on an H100, --quick 2):
     python3 benchmarks/bench_compile.py [--quick] [--only SUBSTRING] [--tag NAME]
-        [--out PATH] [--budget-s 450] [--cpu]
+        [--out PATH] [--budget-s 420] [--cpu]
 Writes benchmarks/results/compile[-NAME]-<device>-<date>.json (or $OUT/, or
 --out) and prints a Markdown table for BENCHMARKS.md.
 """
@@ -370,7 +370,7 @@ def main():
   ap.add_argument("--cpu", action="store_true",
                   help="cross-lower on the CPU (trace and lower only, fa4_jax only)")
   ap.add_argument("--out", default=None, help="the JSON file to write")
-  ap.add_argument("--budget-s", type=float, default=450.0,
+  ap.add_argument("--budget-s", type=float, default=420.0,
                   help="start no measurement after this many seconds (the rest are skipped)")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
