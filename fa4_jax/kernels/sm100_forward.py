@@ -73,6 +73,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.scores import MaskSpec
 
 # Optional arguments of `forward` (see fa4_jax/kernels/__init__.py).
@@ -895,6 +896,7 @@ def _scratch_types(cfg: TileConfig) -> dict:
   )
 
 
+@cached_build
 def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
                   num_kv_heads, scale: float, mask: MaskSpec, segments: bool = False,
                   soft_cap: float | None = None, sinks: bool = False):

@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
                                      SlotRing)
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
@@ -241,6 +242,7 @@ def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, grad_refs,
   plgpu.wait_smem_to_gmem(0)
 
 
+@cached_build
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                       head_dim, dtype, scale, mask, config, has_q_lengths,
                       has_kv_lengths, has_segments=False, outputs=("dk", "dv"),
@@ -452,6 +454,7 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
   plgpu.wait_smem_to_gmem(0)
 
 
+@cached_build
 def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                                  num_kv_heads, head_dim, dtype, scale, mask, config,
                                  has_q_lengths, has_kv_lengths, has_segments=False,

@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
                                                   launch,
@@ -221,6 +222,7 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
   plgpu.wait_smem_to_gmem(0)
 
 
+@cached_build
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                      head_dim, dtype, scale, mask, config, has_q_lengths,
                      has_kv_lengths, has_segments=False, chain=NO_CHAIN, soft_cap=None):

@@ -111,6 +111,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, default_device, sm90_tiles
+from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
@@ -852,6 +853,7 @@ def _kernel(call: _Call, *refs) -> None:
   pl.when(ctx.wg < call.config.num_consumers)(functools.partial(_consumer, ctx))
 
 
+@cached_build
 def _build_kernel(
     *,
     batch: int,
