@@ -22,8 +22,6 @@ from conftest import cpu_only
 from fa4_jax import backends
 from fa4_jax.kernels import sm90_forward
 
-pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
-
 SHAPE = (1, 256, 2, 64)  # [B, T, N, H]: one small causal problem every kernel serves
 SPEC = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16)
 # bf16 outputs of magnitude < 4 are rounded to 2^-7 at most; gradients summed
@@ -58,6 +56,13 @@ def exported(fn, platforms, arch="sm90", **specs):
 
 def kernel_calls(exp) -> int:
   return len(re.findall(r"custom_call @mosaic_gpu_v2\(", exp.mlir_module()))
+
+
+def round_trip(exp):
+  """`exp` serialized and loaded back, as a server would."""
+  pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers "
+                      "(pip install -e '.[test]')")
+  return export.deserialize(exp.serialize())
 
 
 def inputs():
@@ -96,10 +101,10 @@ def test_a_multi_platform_export_carries_the_kernels_and_the_xla_path(multi_plat
 
 def test_a_multi_platform_export_runs_the_xla_path_on_the_cpu(multi_platform):
   q, k, v = inputs()
-  out = export.deserialize(multi_platform["forward"].serialize()).call(q, k, v)
+  out = round_trip(multi_platform["forward"]).call(q, k, v)
   np.testing.assert_allclose(np.asarray(out, np.float32),
                              np.asarray(reference(q, k, v), np.float32), atol=ATOL)
-  grads = export.deserialize(multi_platform["grads"].serialize()).call(q, k, v)
+  grads = round_trip(multi_platform["grads"]).call(q, k, v)
   for got, want in zip(grads, reference_grads(q, k, v)):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                atol=ATOL)
@@ -112,7 +117,7 @@ def test_a_multi_platform_export_under_vmap_runs_on_the_cpu():
         batched, batched, batched)
   assert kernel_calls(exp) == 1
   q, k, v = (jnp.stack([x, x[:, ::-1]]) for x in inputs())
-  out = export.deserialize(exp.serialize()).call(q, k, v)
+  out = round_trip(exp).call(q, k, v)
   np.testing.assert_allclose(np.asarray(out, np.float32),
                              np.asarray(jax.vmap(reference)(q, k, v), np.float32), atol=ATOL)
 
@@ -128,7 +133,7 @@ def test_a_multi_platform_export_with_explicit_sharding_runs_on_the_cpu(host_dev
   assert kernel_calls(exp) == 1
   q, k, v = (jax.device_put(jnp.concatenate([x, x[:, ::-1]]), sharding) for x in inputs())
   with jax.set_mesh(mesh):
-    out = export.deserialize(exp.serialize()).call(q, k, v)
+    out = round_trip(exp).call(q, k, v)
   np.testing.assert_allclose(np.asarray(out, np.float32),
                              np.asarray(reference(q, k, v), np.float32), atol=ATOL)
 

@@ -21,6 +21,8 @@ from jax import export
 from fa4_jax import backends
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9, reason="needs a Hopper GPU")
+pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers "
+                    "(pip install -e '.[test]')")
 
 SHAPE = (2, 1000, 8, 128)  # [B, T, N, H]; T not a multiple of any block
 
