@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+
 import jax
 
 # SMs of the GPU each kernel family was built for: H100 SXM and H200 have
