@@ -56,7 +56,10 @@ def attention(
       lack of a kernel), `"xla"` (any device), `"sm90"` (Hopper kernel),
       `"sm100"` (Blackwell kernel), or `"cudnn"` (forwarded to
       `jax.nn.dot_product_attention`). A kernel that cannot serve the
-      arguments or the device raises a `ValueError` that says why.
+      arguments or the device raises a `ValueError` that says why. The
+      choice is made when the call is traced, for the default device, or
+      for the GPU named by `fa4_jax.gpu_target` (export and AOT lowering
+      from a host without that GPU).
     return_residual: also return the log-sum-exp of the logits, shape
       `[B, T, N]` (`[T, N]` for rank-3 inputs), under `stop_gradient`.
     query_segment_ids, key_value_segment_ids: integer `[B, T]` and `[B, S]`
@@ -143,7 +146,8 @@ def which_implementation(
     key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
     causal_alignment="top_left",
 ) -> str:
-  """The implementation `attention` would use for these arguments here:
+  """The implementation `attention` would use for these arguments here (on
+  the default device, or for the active `fa4_jax.gpu_target`):
   `"xla"`, `"sm90"`, `"sm90_decode"` (the sm90 kernels in their decode
   arrangement: short queries without a band mask, see `fa4_jax.decode`),
   `"sm100"` or `"cudnn"`. Raises as `attention` would."""

@@ -8,7 +8,14 @@ the device onto a `Backend`:
 * `"xla"`: the XLA path, on any device.
 * `"sm90"` / `"sm100"`: that kernel, or a `ValueError` saying why it cannot
   serve the call. On a machine without that GPU it runs only inside
-  `fa4_jax.interpret_mode()`.
+  `fa4_jax.interpret_mode()`, and lowers (for export) inside
+  `fa4_jax.gpu_target(...)`.
+
+"The device" is the target of `fa4_jax.gpu_target` while one is active, else
+the default device (`fa4_jax.kernels.default_device`). Under a target, a
+kernel backend stages out its kernel for CUDA and the XLA path for every
+other platform (`_portable`), so one function exported for `("cuda", "cpu")`
+carries both; without one, the kernel alone (`_cuda_only`).
 
 Where the sm90 kernels serve a short query without a band mask (decode
 against a KV cache), they run in the decode arrangement of `fa4_jax.decode`
@@ -29,7 +36,7 @@ import dataclasses
 import functools
 import importlib
 
-from fa4_jax import interpret, scores, xla_attention
+from fa4_jax import interpret, per_platform, scores, target, xla_attention
 from fa4_jax.kernels import KernelUnsupported, default_device
 from fa4_jax.scores import MaskSpec
 from fa4_jax.vjp import Backend
@@ -58,6 +65,16 @@ class CallInfo:
 
 
 XLA = Backend("xla", xla_attention.forward, xla_attention.backward)
+
+
+def _forward_warning_on_cuda(q, *operands, **static):
+  q = per_platform.check_lowering(q, cuda_warning=target.UNTARGETED_WARNING)
+  return xla_attention.forward(q, *operands, **static)
+
+
+# The XLA path where a host without a GPU chose it for lack of one: lowering
+# it for CUDA warns that the kernels need `fa4_jax.gpu_target`.
+XLA_UNTARGETED = Backend("xla", _forward_warning_on_cuda, xla_attention.backward)
 
 
 @functools.cache
@@ -144,7 +161,12 @@ def _segment_pair(q_segment_ids, kv_segment_ids):
 
 
 def device_arch_major() -> int | None:
-  """Compute capability major of the default device, None if it is no CUDA GPU."""
+  """Compute capability major of the device calls are built for: the
+  `gpu_target` if one is active, else the default device; None if it is no
+  CUDA GPU."""
+  chosen = target.current_target()
+  if chosen is not None:
+    return chosen.compute_capability[0]
   device = default_device()
   capability = getattr(device, "compute_capability", None)
   if device.platform != "gpu" or not capability:
@@ -160,10 +182,10 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
   if not interpret.is_interpreting():
     major = device_arch_major()
     if major != _KERNEL_ARCH_MAJOR[name]:
-      found = default_device().device_kind
-      return (f"implementation={name!r} needs a {_ARCH_NAMES[name]} GPU, but the "
-              f"default device is {found!r}; use implementation=None to pick what "
-              "this device supports, or run inside fa4_jax.interpret_mode()")
+      return (f"implementation={name!r} needs a {_ARCH_NAMES[name]} GPU, but "
+              f"{_device_description()}; use implementation=None to pick what "
+              "this device supports, run inside fa4_jax.interpret_mode(), or, to "
+              f"lower or export for that GPU from here, inside fa4_jax.gpu_target({name!r})")
   if call.has_bias:
     return f"implementation={name!r} does not support `bias`; use implementation='xla'"
   if call.has_mask:
@@ -184,6 +206,13 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
   return None
 
 
+def _device_description() -> str:
+  chosen = target.current_target()
+  if chosen is not None:
+    return f"the gpu_target is {chosen.arch!r}"
+  return f"the default device is {default_device().device_kind!r}"
+
+
 def select(implementation: str | None, call: CallInfo) -> Backend:
   if implementation == "xla":
     return XLA
@@ -191,13 +220,71 @@ def select(implementation: str | None, call: CallInfo) -> Backend:
     problem = _kernel_problem(implementation, call)
     if problem is not None:
       raise ValueError(problem)
-    return _arrangement(implementation, call)
+    return _staged(implementation, _arrangement(implementation, call))
   assert implementation is None, implementation
   major = device_arch_major()
   for name in KERNEL_IMPLEMENTATIONS:
     if major == _KERNEL_ARCH_MAJOR[name] and _kernel_problem(name, call) is None:
-      return _arrangement(name, call)
-  return XLA
+      return _staged(name, _arrangement(name, call))
+  return XLA_UNTARGETED if _untargeted_host() else XLA
+
+
+def _staged(arch: str, kernel: Backend) -> Backend:
+  """Kernel family `arch`'s backend as it is staged out: as it is in
+  interpret mode (the interpreter runs on any platform); for CUDA, with the
+  XLA path for other platforms, under a `gpu_target`; else for CUDA alone."""
+  if interpret.is_interpreting():
+    return kernel
+  if target.current_target() is not None:
+    return _portable(kernel)
+  return _cuda_only(arch, kernel)
+
+
+@functools.cache
+def _cuda_only(arch: str, kernel: Backend) -> Backend:
+  """`kernel`, whose lowering for a platform other than CUDA raises an error
+  that names `gpu_target` (instead of Pallas' own, which does not)."""
+  error = target.multi_platform_error(arch)
+
+  def forward(q, *operands, **static):
+    return kernel.forward(per_platform.check_lowering(q, elsewhere_error=error), *operands,
+                          **static)
+
+  def backward(q, *operands, **static):
+    return kernel.backward(per_platform.check_lowering(q, elsewhere_error=error), *operands,
+                           **static)
+
+  return Backend(kernel.name, forward, backward)
+
+
+@functools.cache
+def _portable(kernel: Backend) -> Backend:
+  """`kernel` where the function is lowered for CUDA, the XLA path on every
+  other platform (`fa4_jax.per_platform.cuda_else`).
+
+  Both are traced, but lowering keeps only what the platforms lowered for
+  need: a function jitted on a GPU compiles the kernel alone; one exported
+  for ("cuda", "cpu") carries both, and the platform it is loaded on picks
+  one. They return the same types (the backend contract of `fa4_jax.vjp`).
+  """
+
+  def forward(*operands, **static):
+    return per_platform.cuda_else(functools.partial(kernel.forward, **static),
+                                  functools.partial(XLA.forward, **static), *operands)
+
+  def backward(*operands, **static):
+    return per_platform.cuda_else(functools.partial(kernel.backward, **static),
+                                  functools.partial(XLA.backward, **static), *operands)
+
+  return Backend(kernel.name, forward, backward)
+
+
+def _untargeted_host() -> bool:
+  """Whether the XLA path was chosen only because this host has no GPU and
+  names no `gpu_target` (then lowering it for CUDA warns)."""
+  if target.current_target() is not None or interpret.is_interpreting():
+    return False
+  return default_device().platform != "gpu"
 
 
 def _arrangement(name: str, call: CallInfo) -> Backend:

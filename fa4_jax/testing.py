@@ -24,13 +24,14 @@ from unittest import mock
 import jax
 
 from fa4_jax import interpret
+from fa4_jax.target import gpu_target
 
 # Dynamic shared memory a thread block may use on sm_90 and sm_100 (227 KiB).
 SMEM_LIMIT_BYTES = 232448
 # Tensor memory columns per SM on sm_100.
 TMEM_COLUMNS = 512
 
-_ARCHES = {"sm_90": (9, 0), "sm_100": (10, 0)}
+_ARCHES = {"sm_90": "sm90", "sm_100": "sm100"}  # -> fa4_jax.gpu_target names
 _SMEM_SIZE = re.compile(r"dynamic_shared_memory_size %c(\d+)_i32")
 
 
@@ -55,15 +56,11 @@ class LoweredKernels:
     return max(self.smem_bytes, default=0)
 
 
-@contextlib.contextmanager
 def _target_arch(arch: str):
   """Makes Mosaic GPU lower for `arch` although no GPU is present."""
   if arch not in _ARCHES:
     raise ValueError(f"arch must be one of {sorted(_ARCHES)}, got {arch!r}")
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-  with mock.patch.object(mgpu_utils, "_infer_arch", lambda: _ARCHES[arch]):
-    yield
+  return gpu_target(_ARCHES[arch])
 
 
 @contextlib.contextmanager

@@ -121,6 +121,7 @@ from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, initial_row_stats, kv_ti
                             normalize, online_softmax, read_tile_ranges, hull, pad_ids,
                             softmax_logits, softmax_scale, tile_ranges_operand, visible,
                             walk_blocks)
+from fa4_jax.target import current_target
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
@@ -950,8 +951,11 @@ def segment_operands(segment_ids, cfg: ForwardConfig, mask: MaskSpec, q_seq: int
 
 
 def sm_count(default: int = H100_SMS) -> int:
-  """SMs of the default device (a persistent grid launches one CTA per SM:
-  more would queue a second wave); `default` without a GPU."""
+  """SMs of the `fa4_jax.gpu_target` if one is active, else of the default
+  device (a persistent grid launches one CTA per SM: more would queue a
+  second wave); `default` without a GPU."""
+  if (chosen := current_target()) is not None:
+    return chosen.num_sms
   try:
     device = default_device()
   except RuntimeError:
