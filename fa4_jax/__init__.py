@@ -2,7 +2,7 @@
 
 `fa4_jax.attention` is a drop-in for `jax.nn.dot_product_attention`: Pallas
 Mosaic GPU kernels on Hopper and Blackwell GPUs, an exact memory-linear XLA
-implementation everywhere else, one `jax.custom_vjp` for gradients.
+implementation everywhere else, one `jax.custom_jvp` for gradients.
 """
 
 from fa4_jax.api import attention, which_implementation

@@ -23,7 +23,10 @@ again, each device adds its contribution to the key/value gradients of the
 block it holds, and those gradients travel with the block, arriving back at
 the block's owner after the last step. Per block, the backend's backward
 recomputes probabilities from the final (merged) log-sum-exp and output, which
-makes each block's gradient exact.
+makes each block's gradient exact. Reverse mode only: forward-mode and
+second-order AD (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) are not supported
+here (JAX fails inside the ring); for those, use `fa4_jax.attention` under
+sharded `jit`, which gathers the sequence.
 
 Layout and causal load balancing
 --------------------------------

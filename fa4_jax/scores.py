@@ -595,10 +595,15 @@ def add_sinks(out, lse, sinks, q_lengths=None):
   return out, total
 
 
+def sink_probability(sinks, lse):
+  """The sink's softmax share exp(sink - lse) [B, N, T], from the lse with
+  sinks [B, N, T]; 0 in rows past the query length (lse = -inf)."""
+  sink = sinks.astype(jnp.float32)[None, :, None]
+  return jnp.where(jnp.isfinite(lse), jnp.exp(sink - jnp.where(jnp.isfinite(lse), lse, 0.0)),
+                   0.0)
+
+
 def sink_grad(sinks, lse, delta):
   """d loss / d sinks [N], from the lse with sinks [B, N, T] and delta =
   rowsum(dout * out) [B, N, T]: -sum over rows of exp(sink - lse) * delta."""
-  sink = sinks.astype(jnp.float32)[None, :, None]
-  p_sink = jnp.where(jnp.isfinite(lse), jnp.exp(sink - jnp.where(jnp.isfinite(lse), lse, 0.0)),
-                     0.0)
-  return -(p_sink * delta).sum(axis=(0, 2)).astype(sinks.dtype)
+  return -(sink_probability(sinks, lse) * delta).sum(axis=(0, 2)).astype(sinks.dtype)

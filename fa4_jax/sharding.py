@@ -45,8 +45,11 @@ import math
 import re
 
 import jax
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from fa4_jax import xla_attention
 
 # One letter per dimension of every array the backends see:
 #   b batch, t query position, s key position, n query head, k KV head,
@@ -60,6 +63,16 @@ _LAYOUTS = {
 _FORWARD_OPERANDS = ("q", "k", "v", "bias", "mask", "q_lengths", "kv_lengths",
                      "q_segment_ids", "kv_segment_ids")
 _BACKWARD_OPERANDS = _FORWARD_OPERANDS + ("out", "lse", "dout")
+# Forward-mode derivatives: "x_t" is the tangent of "x" (laid out like it).
+_TANGENT_OPERANDS = _FORWARD_OPERANDS + ("sinks", "out", "lse", "q_t", "k_t", "v_t", "bias_t",
+                                         "sinks_t")
+_BACKWARD_TANGENT_OPERANDS = _BACKWARD_OPERANDS + ("q_t", "k_t", "v_t", "bias_t", "out_t",
+                                                   "lse_t", "dout_t")
+
+
+def _base(name: str) -> str:
+  """The array whose layout `name` has: itself, or what it is the tangent of."""
+  return name.removesuffix("_t")
 # Dimensions every device needs whole (gathered when they arrive sharded).
 _REPLICATED_DIMS = "tsh"
 
@@ -104,6 +117,32 @@ def backward(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
   return tuple(grads) + ((None,) if bias is None else ())
 
 
+def tangent(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+            sinks, out, lse, q_t, k_t, v_t, bias_t, sinks_t):
+  """Tangents (of out, of lse) of the forward (`xla_attention.tangent`),
+  partitioned like it."""
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
+               out=out, lse=lse, q_t=q_t, k_t=k_t, v_t=v_t, bias_t=bias_t, sinks_t=sinks_t)
+  names = tuple(n for n in _TANGENT_OPERANDS if given[n] is not None)
+  return _run(_Call(config, names, ("out_t", "lse_t")), [given[n] for n in names])
+
+
+def backward_tangent(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                     kv_segment_ids, out, lse, dout, q_t, k_t, v_t, bias_t, out_t, lse_t,
+                     dout_t):
+  """Tangents (of dq, dk, dv, dbias or None) of the XLA backward, partitioned
+  like the backward."""
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, out=out, lse=lse,
+               dout=dout, q_t=q_t, k_t=k_t, v_t=v_t, bias_t=bias_t, out_t=out_t, lse_t=lse_t,
+               dout_t=dout_t)
+  names = tuple(n for n in _BACKWARD_TANGENT_OPERANDS if given[n] is not None)
+  results = ("dq_t", "dk_t", "dv_t") + (("dbias_t",) if bias is not None else ())
+  grads = _run(_Call(config, names, results), [given[n] for n in names])
+  return tuple(grads) + ((None,) if bias is None else ())
+
+
 # ---------------------------------------------------------------------------
 # The per-device computation: the backend on whatever shapes it is given.
 
@@ -113,9 +152,22 @@ def _call_backend(call: _Call, *arrays):
   a = dict(zip(call.operands, arrays))
   cfg = call.config
   common = tuple(a.get(n) for n in _FORWARD_OPERANDS)
+  options = dict(scale=cfg.scale, spec=cfg.spec, soft_cap=cfg.soft_cap)
   if call.results == ("out", "lse"):
-    return tuple(cfg.backend.forward(*common, a.get("sinks"), scale=cfg.scale, spec=cfg.spec,
-                                     soft_cap=cfg.soft_cap))
+    return tuple(cfg.backend.forward(*common, a.get("sinks"), **options))
+  if call.results == ("out_t", "lse_t"):
+    tangents = (a.get(n) for n in ("q_t", "k_t", "v_t", "bias_t", "sinks_t"))
+    return xla_attention.tangent(*common, a.get("sinks"), a["out"], a["lse"], *tangents,
+                                 **options)
+  if call.results[0] == "dq_t":
+    primals = common + (a["out"], a["lse"], a["dout"])
+    tangents = tuple(a.get(n + "_t") for n in _BACKWARD_OPERANDS)
+    # Integer operands (and absent ones) have no tangent: float0 zeros.
+    tangents = tuple(np.zeros(x.shape, jax.dtypes.float0) if x is not None and t is None else t
+                     for x, t in zip(primals, tangents))
+    dq, dk, dv, dbias = jax.jvp(
+        lambda *p: xla_attention.backward(*p, **options), primals, tangents)[1]
+    return (dq, dk, dv) + ((dbias,) if "dbias_t" in call.results else ())
   dq, dk, dv, dbias = cfg.backend.backward(
       *common, a["out"], a["lse"], a["dout"], scale=cfg.scale, spec=cfg.spec,
       soft_cap=cfg.soft_cap)
@@ -160,7 +212,7 @@ def _explicit_mesh(arrays):
 def _result_shape(name: str, shapes: dict) -> tuple[int, ...]:
   q, k = shapes["q"], shapes["k"]
   return {"out": q, "dq": q, "lse": (q[0], q[2], q[1]), "dk": k, "dv": k,
-          "dbias": shapes.get("bias")}[name]
+          "dbias": shapes.get("bias")}[_base(name)]
 
 
 def _full_spec(spec, ndim: int) -> tuple:
@@ -173,7 +225,7 @@ def _result_specs(call: _Call, given_specs: dict) -> list[PartitionSpec]:
   like = {"out": q, "dq": q, "lse": (q[0], q[2], q[1]),
           "dk": given_specs["k"], "dv": given_specs["v"],
           "dbias": given_specs.get("bias")}
-  return [PartitionSpec(*like[n]) for n in call.results]
+  return [PartitionSpec(*like[_base(n)]) for n in call.results]
 
 
 def _shard_mapped(call: _Call, mesh, arrays):
@@ -208,8 +260,8 @@ def _shard_mapped(call: _Call, mesh, arrays):
 def _labels(call: _Call, name: str, shape) -> str:
   """Dimension letters of array `name`; "1" marks a broadcast (size-1) dim of
   `bias`/`mask`/`dbias` whose full size is larger."""
-  layout = _LAYOUTS[name]
-  if name not in ("bias", "mask", "dbias"):
+  layout = _LAYOUTS[_base(name)]
+  if _base(name) not in ("bias", "mask", "dbias"):
     return layout
   return "".join("1" if size == 1 else letter for letter, size in zip(layout, shape))
 
@@ -308,7 +360,7 @@ def _plan_from_shapes(mesh, arg_shapes) -> _Plan:
 def _dbias_reduce_axes(call: _Call, plan: _Plan, dbias_shape) -> tuple[str, ...]:
   """Mesh axes to sum the bias gradient over: a bias broadcast over a sharded
   batch or head axis gets a partial gradient on each device."""
-  if "dbias" not in call.results:
+  if _base(call.results[-1]) != "dbias":
     return ()
   labels = _labels(call, "dbias", dbias_shape)
   return (plan.batch if labels[0] == "1" else ()) + (plan.heads if labels[1] == "1" else ())

@@ -1,4 +1,4 @@
-"""The `jax.custom_vjp` shared by every backend.
+"""The differentiation rule shared by every backend.
 
 A backend is a pair of functions:
 
@@ -14,10 +14,26 @@ may be None. `soft_cap` is None or the logit soft-cap. The forward's lse
 includes the sinks (a kernel starts its softmax from them, the XLA path adds
 them after), so the backward's P = exp(s - lse) needs no change and takes no
 sinks; their gradient is a reduction here (`scores.sink_grad`).
-The forward saves its operands and (out, lse); the backward
-recomputes probabilities from the log-sum-exp. A backend may pair a kernel
-forward with the XLA backward: any forward that honours the lse contract of
-`fa4_jax/kernels/__init__.py` works with any backward.
+A backend may pair a kernel forward with the XLA backward: any forward that
+honours the lse contract of `fa4_jax/kernels/__init__.py` works with any
+backward.
+
+`attention_core` is a `jax.custom_jvp`. Its rule runs the backend's forward
+and returns the tangent of (out, lse) as one linear primitive (`_LinearMap`):
+* evaluated (`jax.jvp`, `jax.jacfwd`) it is the XLA path's exact tangent
+  from the saved out and lse (`xla_attention.tangent`, blockwise: memory
+  linear in sequence length): kernels are bypassed for the tangent only;
+* transposed (`jax.grad`, also under `jax.checkpoint` and `vmap`) it is the
+  backend's fused backward, alone, as with a `custom_vjp`: the forward runs
+  once and its (out, lse) are the residuals;
+* differentiated again (`jax.hessian`, `jax.jvp(jax.grad(f))`) the backward's
+  tangent is that of the XLA backward (`_fused_backward` is a custom_jvp;
+  kernels have no derivative). The tangent of the lse is exact, since the
+  backward's derivative reads it.
+Reverse mode over these derivatives (`grad` of `grad`, `jacrev` of `jacfwd`)
+is refused with a ValueError that names forward-over-reverse: the XLA path
+loops over visible blocks with `fori_loop`s of dynamic bounds, which JAX
+cannot transpose.
 """
 
 from __future__ import annotations
@@ -29,8 +45,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import hijax
 
-from fa4_jax import scores, sharding
+from fa4_jax import scores, sharding, xla_attention
 from fa4_jax.scores import MaskSpec
 
 
@@ -51,11 +69,11 @@ class CoreConfig:
   soft_cap: float | None = None
   # `jax.default_matmul_precision` in force where the call was traced (None:
   # none set): the backward is traced later, often outside that scope, and
-  # re-enters it so that its matmuls match the forward's (`_core_bwd`).
+  # re-enters it so that its matmuls match the forward's (`precision_scope`).
   matmul_precision: str | None = None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
 def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                    kv_segment_ids, sinks, config: CoreConfig):
   """(out, lse) of attention with the backend named in `config`."""
@@ -63,24 +81,200 @@ def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                           q_segment_ids, kv_segment_ids, sinks)
 
 
-def _core_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-              kv_segment_ids, sinks, config):
-  operands = (q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
-  out, lse = attention_core(*operands, sinks, config)
-  return (out, lse), (operands, sinks, out, lse)
+@attention_core.defjvp
+def _core_jvp(config, primals, tangents):
+  """(out, lse) from the backend's forward; their tangent from a linear map
+  that evaluates with the XLA path and transposes to the fused backward."""
+  out, lse = attention_core(*primals, config)
+  operands, sinks = primals[:9], primals[9]
+  dq, dk, dv, dbias = tangents[:4]
+  dsinks = tangents[9] if sinks is not None else None
+  # mask, lengths and segment ids are not differentiable.
+  tangent = _LinearMap.of("attention", config, (operands, sinks, out, lse),
+                          (dq, dk, dv, dbias, dsinks))
+  return (out, lse), tangent
 
 
-def _core_bwd(config, residuals, cotangents):
+def _attention_tangent(config, residuals, linear, partitioned=True):
+  """(dout, dlse) along the tangents (dq, dk, dv, dbias, dsinks): the XLA
+  path's `tangent`, partitioned across devices unless it is to be
+  differentiated (custom partitioning cannot be)."""
   operands, sinks, out, lse = residuals
-  dout, _ = cotangents  # the lse is returned under stop_gradient
   with precision_scope(config.matmul_precision):
-    dq, dk, dv, dbias = sharding.backward(config, *operands, out, lse, dout)
+    if partitioned:
+      return sharding.tangent(config, *operands, sinks, out, lse, *linear)
+    return xla_attention.tangent(*operands, sinks, out, lse, *linear, scale=config.scale,
+                                 spec=config.spec, soft_cap=config.soft_cap)
+
+
+def _attention_transpose(config, residuals, cotangents):
+  """Cotangents (dq, dk, dv, dbias, dsinks) from those of (out, lse): the
+  backend's fused backward. `dlse` is None (zero) unless the lse itself is
+  differentiated (`fa4_jax.attention` returns it under stop_gradient); then
+  the XLA backward serves (the kernels take no lse cotangent)."""
+  operands, sinks, out, lse = residuals
+  dout, dlse = cotangents  # None: zero
+  if dout is None:
+    dout = jnp.zeros_like(out)
+  with precision_scope(config.matmul_precision):
+    if dlse is None:
+      dq, dk, dv, dbias = _fused_backward(config, operands, out, lse, dout)
+    else:
+      dq, dk, dv, dbias = _xla_backward(config, operands, out, lse, dout, dlse)
   dsinks = None
   if sinks is not None:
     delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    if dlse is not None:
+      delta = delta - dlse.astype(jnp.float32)
     dsinks = scores.sink_grad(sinks, lse, delta)
-  # mask, lengths and segment ids are not differentiable: None is a zero cotangent.
-  return dq, dk, dv, dbias, None, None, None, None, None, dsinks
+  return dq, dk, dv, dbias, dsinks
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _fused_backward(config, operands, out, lse, dout):
+  """The backend's backward, partitioned across devices (`sharding.backward`).
+  A kernel cannot be differentiated: the derivative of the backward (for
+  jax.hessian or a Hessian-vector product) is that of the XLA backward."""
+  return sharding.backward(config, *operands, out, lse, dout)
+
+
+@_fused_backward.defjvp
+def _fused_backward_jvp(config, primals, tangents):
+  # The integer and boolean operands' (float0) tangents are left out.
+  tangents = jax.tree.map(lambda x, t: t if jnp.issubdtype(x.dtype, jnp.inexact) else None,
+                          primals, tangents)
+  tangent = _LinearMap.of("backward", config, primals, tangents)
+  return _fused_backward(config, *primals), tangent
+
+
+def _backward_tangent(config, residuals, linear, partitioned=True):
+  """Tangent of the XLA backward's (dq, dk, dv, dbias) at `residuals`."""
+  operands, out, lse, dout = residuals
+  with precision_scope(config.matmul_precision):
+    if partitioned:
+      return sharding.backward_tangent(config, *operands, out, lse, dout, *linear[0][:4],
+                                       *linear[1:])
+    linear = jax.tree.map(
+        lambda x, t: np.zeros(x.shape, jax.dtypes.float0) if t is None else t, residuals, linear)
+    return jax.jvp(lambda *a: _xla_backward(config, *a), residuals, linear)[1]
+
+
+def _backward_transpose(config, residuals, cotangents):
+  del config, residuals, cotangents
+  raise ValueError(
+      "fa4_jax.attention: reverse-over-reverse differentiation (jax.grad of a "
+      "function that takes jax.grad through attention) is not supported: the "
+      "backward is differentiated in forward mode. Use forward-over-reverse: "
+      "jax.hessian(f), jax.jacfwd(jax.grad(f)), or jax.jvp(jax.grad(f), "
+      "primals, tangents) for Hessian-vector products.")
+
+
+def _xla_backward(config, operands, out, lse, dout, dlse=None):
+  """The XLA path's backward (plain jnp: differentiable in forward mode)."""
+  return xla_attention.backward(*operands, out, lse, dout, scale=config.scale,
+                                spec=config.spec, soft_cap=config.soft_cap, dlse=dlse)
+
+
+# kind -> (evaluate(config, residuals, linear), transpose(config, residuals, cts))
+_LINEAR_MAPS = {
+    "attention": (_attention_tangent, _attention_transpose),
+    "backward": (_backward_tangent, _backward_transpose),
+}
+
+
+class _LinearMap(hijax.HiPrim):
+  """A map linear in its second input at fixed residuals, as one primitive
+  (`jax.custom_derivatives.linear_call` has no batching rule and cannot be
+  differentiated in its residuals): evaluated (forward mode) and
+  transposed (reverse mode) by the pair `_LINEAR_MAPS[kind]`; differentiated
+  in the residuals (higher orders) through the evaluation, which is plain
+  jnp. Under `vmap` it stays one primitive, batched by `levels`: per vmap
+  level (outermost first) which residual leaves carry that level's axis in
+  front; the linear inputs always do."""
+
+  skip_linearization_on_zero_tangents = True
+
+  def __init__(self, kind, config, in_avals, out_aval, levels=()):
+    self.in_avals = in_avals
+    self.out_aval = out_aval
+    self.params = dict(kind=kind, config=config, levels=levels)
+    super().__init__()
+
+  @classmethod
+  def of(cls, kind, config, residuals, linear):
+    """The map applied to `linear` (zero tangents as arrays)."""
+    linear = jax.tree.map(_instantiate, linear, is_leaf=_is_zero)
+    evaluate = _LINEAR_MAPS[kind][0]
+    out_aval = jax.tree.map(jax.typeof, jax.eval_shape(
+        functools.partial(evaluate, config), residuals, linear))
+    in_avals = jax.tree.map(jax.typeof, (residuals, linear))
+    return cls(kind, config, in_avals, out_aval)(residuals, linear)
+
+  def _batched(self, fn):
+    """`fn(config, residuals, x)` vmapped over every level, x batched in front."""
+    fn = functools.partial(fn, self.config)
+    residual_tree = jax.tree.structure(self.in_avals[0])
+    for batched in reversed(self.levels):  # innermost level first
+      res_axes = jax.tree.unflatten(residual_tree, [0 if b else None for b in batched])
+      fn = jax.vmap(fn, in_axes=(res_axes, 0))
+    return fn
+
+  def expand(self, residuals, linear):
+    return self._batched(_LINEAR_MAPS[self.kind][0])(residuals, linear)
+
+  def transpose(self, out_ct, residuals, linear_accums):
+    cts = jax.tree.map(lambda ct: None if _is_zero(ct) else ct, out_ct, is_leaf=_is_zero)
+    grads = self._batched(_LINEAR_MAPS[self.kind][1])(residuals, cts)
+    for accum, grad in zip(jax.tree.leaves(linear_accums, is_leaf=_is_accum),
+                           jax.tree.leaves(grads)):
+      if _is_accum(accum):  # else a known input (e.g. an instantiated zero)
+        accum.accum(grad)
+
+  def jvp(self, primals, tangents):
+    tangents = jax.tree.map(_instantiate, tangents, is_leaf=_is_zero)
+    evaluate = functools.partial(_LINEAR_MAPS[self.kind][0], partitioned=False)
+    return jax.jvp(self._batched(evaluate), primals, tangents)
+
+  lin, linearized = hijax.linearize_from_jvp
+
+  def vjp_fwd(self, nzs_in, *args):
+    del nzs_in, args
+    raise ValueError(
+        "fa4_jax.attention: reverse-mode differentiation of a forward-mode "
+        "derivative (e.g. jax.jacrev(jax.jacfwd(f)) or jax.grad of a jax.jvp) is "
+        "not supported. Use forward-over-reverse instead: jax.hessian(f), "
+        "jax.jacfwd(jax.jacrev(f)), or jax.jvp(jax.grad(f), primals, tangents).")
+
+  def batch(self, axis_data, args, dims):
+    residuals, linear = args
+    res_dims, lin_dims = dims
+    front = lambda x, d: x if d is None else jnp.moveaxis(x, d, 0)
+    residuals = jax.tree.map(front, residuals, res_dims)
+    # The linear inputs all get the axis (their cotangents come back batched).
+    size = axis_data.size
+    linear = jax.tree.map(
+        lambda x, d: jnp.broadcast_to(x, (size,) + x.shape) if d is None else front(x, d),
+        linear, lin_dims)
+    res_dims = jax.tree.structure(residuals).flatten_up_to(res_dims)
+    levels = (tuple(d is not None for d in res_dims),) + self.levels
+    in_avals = jax.tree.map(jax.typeof, (residuals, linear))
+    out_aval = jax.tree.map(lambda a: hijax.ShapedArray((size,) + a.shape, a.dtype),
+                            self.out_aval)
+    out = _LinearMap(self.kind, self.config, in_avals, out_aval, levels)(residuals, linear)
+    return out, jax.tree.map(lambda _: 0, out)
+
+
+def _is_accum(x):
+  return isinstance(x, hijax.GradAccum)
+
+
+def _is_zero(x):
+  return isinstance(x, hijax.Zero)
+
+
+def _instantiate(t):
+  """A symbolic zero as an array (float0 for integer primals)."""
+  return np.zeros(t.aval.shape, t.aval.dtype) if _is_zero(t) else t
 
 
 def precision_scope(matmul_precision: str | None):
@@ -97,4 +291,3 @@ def current_matmul_precision() -> str | None:
   return None if value is None else str(value)
 
 
-attention_core.defvjp(_core_fwd, _core_bwd)

@@ -312,14 +312,75 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
   return out, lse
 
 
+def tangent(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+            sinks, out, lse, dq, dk, dv, dbias, dsinks, *, scale: float, spec: MaskSpec,
+            soft_cap: float | None = None, blocks: Blocks | None = None):
+  """Forward-mode derivative (dout, dlse) of `forward`'s (out, lse) along the
+  tangents (dq, dk, dv, dbias or None, dsinks or None), from its out and lse.
+
+  With P = exp(s - lse) and dS the logits' tangent (the scaled dq K^T +
+  Q dk^T plus dbias, times the soft-cap slope): dlse = rowsum(P * dS) (+ the
+  sink's share times dsinks) and dout = P dV + (P * dS) V - dlse * out. One
+  pass over the visible blocks, as in `forward`: memory linear in sequence
+  length.
+  """
+  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+               scale, spec, blocks, soft_cap)
+  bsz, tp, kh, g, d = p.q.shape
+  sp = p.k.shape[1]
+  bq = p.blocks.block_q
+  dq = _pad_axis(_group(dq, kh), 1, tp)
+  dk, dv = _pad_axis(dk, 1, sp), _pad_axis(dv, 1, sp)
+  dbias = _pad_pair_array(_group_pair_array(dbias, kh), tp, sp, 0)
+  lse_safe = _pad_axis(jnp.where(lse == -jnp.inf, 0.0, lse).reshape(bsz, kh, g, p.t), 3, tp)
+
+  def one_query_block(qb):
+    q_blk, dq_blk = p.q_block(p.q, qb), p.q_block(dq, qb)
+    row_lse = lax.dynamic_slice_in_dim(lse_safe, qb * bq, bq, axis=3)[..., None]
+
+    def step(kb, carry):
+      d_out, d_lse = carry
+      k_blk, v_blk = p.k_block(p.k, kb), p.k_block(p.v, kb)
+      s = p.logits(q_blk, k_blk, qb, kb)
+      probs = jnp.exp(s - row_lse)  # masked: exp(-inf) = 0
+      ds = (jnp.einsum("bqkgd,bskd->bkgqs", dq_blk, k_blk, preferred_element_type=jnp.float32)
+            + jnp.einsum("bqkgd,bskd->bkgqs", q_blk, p.k_block(dk, kb),
+                         preferred_element_type=jnp.float32)) * jnp.float32(scale)
+      if dbias is not None:
+        ds = ds + p._slice_pair(dbias, qb, kb).astype(jnp.float32)
+      pds = probs * (ds * scores.soft_cap_grad(s, p.soft_cap))
+      d_out = d_out + jnp.einsum("bkgqs,bskd->bkgqd", pds.astype(p.v.dtype), v_blk,
+                                 preferred_element_type=jnp.float32)
+      d_out = d_out + jnp.einsum("bkgqs,bskd->bkgqd", probs.astype(p.v.dtype),
+                                 p.k_block(dv, kb), preferred_element_type=jnp.float32)
+      return d_out, d_lse + pds.sum(axis=-1)
+
+    stats_shape = (bsz, kh, g, bq)
+    init = (jnp.zeros(stats_shape + (d,), jnp.float32), jnp.zeros(stats_shape, jnp.float32))
+    lo, hi = p.key_blocks_for(qb)
+    d_out, d_lse = lax.fori_loop(lo, hi, step, init)
+    valid = _row_valid(p, qb)  # rows past the query length are zeros in `forward`
+    return jnp.where(valid[..., None], d_out, 0.0), jnp.where(valid, d_lse, 0.0)
+
+  d_out, d_lse = lax.map(one_query_block, jnp.arange(p.num_q_blocks))
+  nq = p.num_q_blocks
+  d_out = d_out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, d)[:, :p.t]
+  d_lse = d_lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
+  if sinks is not None:
+    d_lse = d_lse + scores.sink_probability(sinks, lse) * dsinks.astype(jnp.float32)[:, None]
+  d_out = d_out - d_lse.transpose(0, 2, 1)[..., None] * out.astype(jnp.float32)
+  return d_out.astype(out.dtype), d_lse
+
+
 def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
              out, lse, dout, *, scale: float, spec: MaskSpec, soft_cap: float | None = None,
-             blocks: Blocks | None = None):
+             blocks: Blocks | None = None, dlse=None):
   """Gradients (dq, dk, dv, dbias) of `forward`'s output, given its lse.
 
   `lse` may come from any backend that follows the contract in
   `fa4_jax/kernels/__init__.py`. `dbias` is None when `bias` is None, else it
-  has the bias' own (broadcast) shape.
+  has the bias' own (broadcast) shape. `dlse` [B, N, T] (or None) is a
+  cotangent of the lse as well (only second-order reverse mode has one).
   """
   p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                scale, spec, blocks, soft_cap)
@@ -329,6 +390,8 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
   row_ok = jnp.arange(p.t)[None, :] < p.q_len[:, None]  # [B, T]
   dout = jnp.where(row_ok[:, :, None, None], dout, 0).astype(dout.dtype)
   delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  if dlse is not None:  # d lse / d s = P: it enters dS = P * (dP - delta) as -dlse
+    delta = delta - dlse.astype(jnp.float32)
   do = _pad_axis(_group(dout, kh), 1, tp)
 
   def to_blocks(x):  # [B, N, T] -> [B, K, G, Tp] padded, for per-block slicing

@@ -145,3 +145,18 @@ class KernelCase:
                         kv_lengths=self.kv_lengths, batch=self.batch,
                         q_offset=self.q_offset, q_segment_ids=self.q_segment_ids,
                         kv_segment_ids=self.kv_segment_ids)
+
+
+def jax_nn_with_sinks(q, k, v, sinks, visible, scale):
+  """jax.nn on k, v extended by a zero key whose logit is pinned to the sink."""
+  f32 = lambda x: x.astype(jnp.float32)
+  b, t, n, _ = q.shape
+  zero = jnp.zeros(k.shape[:1] + (1,) + k.shape[2:], jnp.float32)
+  k_ext = jnp.concatenate([f32(k), zero], axis=1)
+  v_ext = jnp.concatenate([f32(v), zero], axis=1)
+  s = k.shape[1]
+  bias = jnp.zeros((1, n, t, s + 1), jnp.float32).at[..., s].set(f32(sinks)[:, None])
+  mask = np.concatenate([np.broadcast_to(visible, (b, 1, t, s)), np.ones((b, 1, t, 1), bool)],
+                        axis=-1)
+  return jax.nn.dot_product_attention(f32(q), k_ext, v_ext, bias=bias, mask=jnp.asarray(mask),
+                                      scale=scale, implementation="xla")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from reference import packed_segment_ids, visible_mask
+from reference import jax_nn_with_sinks, packed_segment_ids, visible_mask
 
 TOLERANCE = {"float32": 3e-5, "bfloat16": 2e-2}
 
@@ -35,21 +35,6 @@ def _inputs(seed, b, t, s, n, kv_heads, h, dtype, logit_scale=1.0):
                                                          dtype)
   return (draw((b, t, n, h), scale=logit_scale), draw((b, s, kv_heads, h)),
           draw((b, s, kv_heads, h), 1.0), draw((b, t, n, h)))
-
-
-def _sink_reference(q, k, v, sinks, visible, scale):
-  """jax.nn on k, v extended by a zero key whose logit is pinned to the sink."""
-  f32 = lambda x: x.astype(jnp.float32)
-  b, t, n, _ = q.shape
-  zero = jnp.zeros(k.shape[:1] + (1,) + k.shape[2:], jnp.float32)
-  k_ext = jnp.concatenate([f32(k), zero], axis=1)
-  v_ext = jnp.concatenate([f32(v), zero], axis=1)
-  s = k.shape[1]
-  bias = jnp.zeros((1, n, t, s + 1), jnp.float32).at[..., s].set(f32(sinks)[:, None])
-  mask = np.concatenate([np.broadcast_to(visible, (b, 1, t, s)), np.ones((b, 1, t, 1), bool)],
-                        axis=-1)
-  return jax.nn.dot_product_attention(f32(q), k_ext, v_ext, bias=bias, mask=jnp.asarray(mask),
-                                      scale=scale, implementation="xla")
 
 
 def _check(ours, theirs, q, k, v, sinks, dout, tol):
@@ -99,7 +84,7 @@ def test_sinks_equal_an_extra_zero_valued_key_with_the_sink_as_its_logit(small_x
                              sinks=sinks, implementation="xla")
 
   def theirs(q, k, v, sinks):
-    out = _sink_reference(q, k, v, sinks, visible, 1 / np.sqrt(h))
+    out = jax_nn_with_sinks(q, k, v, sinks, visible, 1 / np.sqrt(h))
     return out * jnp.asarray(rows)[:, :, None, None]  # rows past the length: zeros
 
   _check(ours, theirs, q, k, v, sinks, dout, TOLERANCE[dtype])

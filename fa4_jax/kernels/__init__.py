@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU kernels.
 
 Every kernel module offers the same two functions, which `fa4_jax.backends`
-plugs into the shared `jax.custom_vjp` (see `fa4_jax/vjp.py`):
+plugs into the shared `jax.custom_jvp` (see `fa4_jax/vjp.py`):
 
     check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None
         Raises `KernelUnsupported` (a ValueError) with a message naming the
