@@ -42,6 +42,8 @@ class BackwardBarriers:
   dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
   dQ kernel:    resident = (Q, dO, lse, delta), or (Q, dO, lse, O) with
                 `delta_in_dq`; stream = (K, V).
+  With segment ids the stream also carries the column ids of each step's
+  tile (the queries' in dK/dV, the keys' in dQ: `sm90_tiles.id_ring`).
   The epilogue of consumer i writes its result into its own resident buffer
   (only consumer i reads it, and all its wgmmas have completed), then TMA-
   stores it and waits for the store before the CTA exits.
@@ -260,8 +262,9 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, mask: Ma
   c = `scores.softmax_scale`), 0 where the mask, the key length or the
   segment ids hide an element; `masked=False` for tiles known to be fully
   visible. `segments`: None, or the segment ids of the tile's (rows,
-  columns) as `load_ids` vectors. `lse2=None`: s already holds S - lse2 / c
-  (`fold_stats`, not with soft-cap).
+  columns) as vectors along them (`sm90_tiles.load_ids` / `read_ids`).
+  `lse2=None`: s already holds S - lse2 / c (`fold_stats`, not with
+  soft-cap).
 
   Soft-cap's slope 1 - t^2 enters dS through `TileSoftmax.w` = P * slope,
   formed here while t is alive: neither t nor S stays alive until dS.
