@@ -35,7 +35,7 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, 
                                                   mma_accumulate_pair, narrow, scores_grad,
                                                   stats_of_slot,
                                                   transposed_scores, zeros)
-from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, read_ids, smem_tile, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import cdiv, walk_blocks
 
 
@@ -165,14 +165,14 @@ def _query_ids(gmem: KernelRefs, batch_idx, qb, bq: int, q_ids_ring):
 
 
 def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, q_ids_ring):
-  """`block_segments(slot)`: the segment ids (keys along rows, the queries
-  of the step in ring slot `slot` along columns) that a masked step of the
-  key tile [k_lo, k_lo + bk) passes to `softmax`, read after the step's
-  wgmma wait; None without segment ids. The keys' ids are loaded once, here."""
+  """`block_segments(slot)`: the segment ids that a masked step of the key
+  tile [k_lo, k_lo + bk) passes to `softmax`: the keys' (along rows, loaded
+  once, here) and the ring slot of the step's queries' (along columns, read
+  after the step's wgmma wait); None without segment ids."""
   if segments is None:
     return lambda slot: None
   kv_seg = load_ids(segments.kv_ids, batch_idx, k_lo, bk, along_rows=True)
-  return lambda slot: (kv_seg, read_ids(q_ids_ring.at[slot]))
+  return lambda slot: (kv_seg, q_ids_ring.at[slot])
 
 
 def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
@@ -209,7 +209,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
         soft_cap=kp.soft_cap is not None)
-    seg = block_segments(slot) if masked else None  # after the wait: not live across it
+    seg = block_segments(slot) if masked else None
     p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                       kv_len=work.kv_len, masked=masked, segments=seg)
     if kp.with_dk and kp.with_dv:
@@ -439,7 +439,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
       s, dp, lse2, delta = transposed_scores(
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=False, stats_first=False)
-      seg = block_segments(slot) if masked else None  # after the wait
+      seg = block_segments(slot) if masked else None
       p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
                         kv_len=work.kv_len, masked=masked, segments=seg)
       ds = scores_grad(w, dp, delta)

@@ -29,7 +29,7 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, 
                                                   launch,
                                                   load_operand, mma_accumulate, mma_pair,
                                                   narrow, scores_grad, zeros)
-from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, read_ids, smem_tile, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
 
@@ -186,7 +186,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
   own = own.within(lo, hi)
   if segments is not None:  # the rows' ids once; the keys' from the ring's slot
     q_seg = load_ids(segments.q_ids, work.batch_idx, q_lo, bq, along_rows=True)
-    block_segments = lambda slot: (q_seg, read_ids(smem.kv_ids.at[slot]))
+    block_segments = lambda slot: (q_seg, smem.kv_ids.at[slot])  # read after the wait
   else:
     block_segments = lambda slot: None
   q_tile, do_tile = smem.q.at[wg], smem.do.at[wg]
@@ -216,7 +216,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     bars.stream.consumer_wait(step)
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
-    seg = block_segments(slot) if masked else None  # after the wait: not live across it
+    seg = block_segments(slot) if masked else None
     _, w = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
                       kv_len=work.kv_len, masked=masked, segments=seg)
     ds = scores_grad(w, dp, lax.broadcast_in_dim(delta, s.shape, [0]))

@@ -51,8 +51,9 @@ the producer loads the hull of its consumers' ranges (`scores.hull`), so
 blocks of other documents are neither loaded nor computed. Only boundary
 blocks compare ids: the rows' ids are loaded once per tile; a block's key ids
 arrive by TMA with its K tile (`sm90_tiles.id_ring`) and are read from SMEM
-after its Q K^T, before the K slot is released. The causal pairing of the
-persistent grid balances the band's work, not the documents'.
+after its Q K^T, a chunk of columns at a time, before the K slot is
+released. The causal pairing of the persistent grid balances the band's
+work, not the documents'.
 
 Grid (`fa4_jax.kernels.schedule`): one CTA per (q head, q tile, batch); or,
 with `ForwardConfig.persistent` (chosen when a tile walks few KV blocks: short
@@ -116,7 +117,8 @@ from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
-from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, padded_head_dim, read_ids, smem_tile
+from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
+                                       where_visible_by_column_chunks)
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, initial_row_stats, kv_tile_ranges,
                             normalize, online_softmax, read_tile_ranges, hull, pad_ids,
                             softmax_logits, softmax_scale, tile_ranges_operand, visible,
@@ -729,10 +731,12 @@ class _ConsumerTile:
     step = self.ring_step(j)
     s = pl.run_scoped(functools.partial(self.qk, k_tile=self.ctx.refs.k_smem.at[bars.k.slot(step)]),
                       plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
-    kv_segment = self.key_segments(step) if masked else None  # before the slot's release
-    bars.k.consumer_release(step)
+    key_ids = self.key_ids(step) if masked else None
+    if key_ids is None:
+      bars.k.consumer_release(step)
+    # else: released once the mask has read the keys' ids (`block_softmax`)
     p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked,
-                                                   kv_segment=kv_segment)
+                                                   key_ids=key_ids)
     acc = self.p_times_v(acc, p16, self.ctx.refs.v_smem.at[bars.v.slot(step)],
                          lambda: self.wait_next_k(j))
     bars.v.consumer_release(step)
@@ -756,22 +760,14 @@ class _ConsumerTile:
     self.ctx.bars.pingpong.sync()  # the other consumer's softmax ends here
     return s_ref[...]
 
-  def key_segments(self, step):
-    """The segment ids of the keys in the K slot of `step` (along the tile's
-    columns), or None. Read after Q K^T's wait, so that they are not live
-    across it beside S and O (`sm90_tiles.id_ring`)."""
+  def key_ids(self, step):
+    """The slot holding the segment ids of the keys of `step` (beside its K
+    slot, `sm90_tiles.id_ring`), or None without segment ids."""
     if not self.ctx.call.has_segment_ids:
       return None
-    ids = read_ids(self.ctx.refs.kv_ids_smem.at[self.ctx.bars.k.slot(step)])
-    if self.ctx.call.interpreting:
-      # The interpreter orders these generic-proxy reads before the TMA that
-      # refills the slot only through a proxy fence; on hardware the slot's
-      # release (an mbarrier arrive) orders them, as for the backward's
-      # lse2 and delta rings.
-      plgpu.commit_smem()
-    return ids
+    return self.ctx.refs.kv_ids_smem.at[self.ctx.bars.k.slot(step)]
 
-  def block_softmax(self, s, m, j, *, masked: bool, kv_segment=None):
+  def block_softmax(self, s, m, j, *, masked: bool, key_ids=None):
     """(P, new running max, alpha) for the logits of KV block j.
 
     Soft-cap's tanh runs here, after `qk`'s rendezvous and before
@@ -779,26 +775,47 @@ class _ConsumerTile:
     exp2) overlaps the other consumer's GEMMs. t = tanh(s * scale / cap)
     replaces s in place (no second tile-sized array lives across it), and
     the mask comes after it (tanh(-inf) = -1 would be no mask).
+
+    `key_ids`: the SMEM slot of the block's key segment ids; the mask reads
+    them a chunk of columns at a time (`where_visible_by_column_chunks`),
+    then the block's K slot (which they ride with) is released.
     """
     call = self.ctx.call
     s = softmax_logits(s, call.scale, call.soft_cap)
     if masked:
-      q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-      k_idx = j * call.config.block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
-                                                                layout=plgpu.Layout.WGMMA)
-      segments = {}
-      if kv_segment is not None:
-        segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, s.shape, [0]),
-                        kv_segment=lax.broadcast_in_dim(kv_segment, s.shape, [1]))
-      s = jnp.where(visible(call.mask, q_idx, k_idx, self.item.kv_len, **segments), s,
-                    call.masked_logit)
+      def visible_of(first_col, shape, kv_segment=None):
+        """The element mask of columns [first_col, first_col + shape[1])."""
+        q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        k_lo = j * call.config.block_kv
+        k_idx = (k_lo + first_col if first_col else k_lo) + plgpu.broadcasted_iota(
+            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        segments = {}
+        if kv_segment is not None:
+          segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, shape, [0]),
+                          kv_segment=lax.broadcast_in_dim(kv_segment, shape, [1]))
+        return visible(call.mask, q_idx, k_idx, self.item.kv_len, **segments)
+
+      if key_ids is None:
+        s = jnp.where(visible_of(0, s.shape), s, call.masked_logit)
+      else:
+        s = where_visible_by_column_chunks(s, key_ids, visible_of, call.masked_logit)
+        self.release_k_after_reading_ids(j)
     return online_softmax(s, m, call.c)
 
-  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, kv_segment=None):
+  def release_k_after_reading_ids(self, j):
+    """Releases the K slot of block j once its key ids have been read."""
+    if self.ctx.call.interpreting:
+      # The interpreter orders these generic-proxy reads before the TMA that
+      # refills the slot only through a proxy fence; on hardware the release
+      # (an mbarrier arrive) orders them, as for the backward's lse2 rings.
+      plgpu.commit_smem()
+    self.ctx.bars.k.consumer_release(self.ring_step(j))
+
+  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, key_ids=None):
     """Softmax of block j, O rescaled, the hand-off of the tensor core, and
     the row sums before or after it (`sum_before_handoff`)."""
     cfg = self.ctx.call.config
-    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, kv_segment=kv_segment)
+    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids)
     acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     p16 = p.astype(self.ctx.call.dtype)
     if cfg.sum_before_handoff:

@@ -73,7 +73,8 @@ def id_ring(num_slots: int, n: int):
   latency, they stayed live across it beside S and O and spilled (ptxas,
   H200: D64 window forward 640 bytes, D128 dense dK/dV 1336, against 0 and
   48 without segment ids). From SMEM they are read after the wgmma wait,
-  right where the element mask uses them (`read_ids`)."""
+  a chunk of columns at a time where the element mask uses them
+  (`where_visible_by_column_chunks`)."""
   return plgpu.SMEM((num_slots, n), jnp.int32)
 
 
@@ -81,3 +82,24 @@ def read_ids(slot_ref, *, along_rows: bool = False):
   """The ids of one `id_ring` slot as a vector along a wgmma tile's rows or
   columns (vectorized SMEM loads)."""
   return plgpu.load(slot_ref, layout=_ids_layout(along_rows))
+
+
+# Columns whose segment ids `where_visible_by_column_chunks` reads at once.
+ID_CHUNK = 32
+
+
+def where_visible_by_column_chunks(x, column_ids, visible_of, fill):
+  """`jnp.where(visible, x, fill)` of a wgmma tile whose element mask needs
+  its columns' segment ids, held by `column_ids` (an `id_ring` slot): one
+  chunk of `ID_CHUNK` columns after another, each chunk's ids read from SMEM
+  right before its selects, so that a thread holds 8 ids at a time where
+  all of a 128-column tile's took 32 registers. `visible_of(first_column,
+  shape, ids)`: the element mask of the chunk."""
+  n = x.shape[1]
+  parts = []
+  for first in range(0, n, ID_CHUNK):
+    width = min(ID_CHUNK, n - first)
+    part = x[:, first:first + width]
+    ids = read_ids(column_ids.at[pl.ds(first, width)])
+    parts.append(jnp.where(visible_of(first, part.shape, ids), part, fill))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
