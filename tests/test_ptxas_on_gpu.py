@@ -7,9 +7,9 @@ Every configuration is compiled plain, with segment ids, and with sinks and
 soft-cap (whose tanh and slope add registers to the softmax and to dS). No
 variant may be serialized, and the soft-capped forward may not spill more
 than the plain kernel. Every call's spill bytes are printed (`pytest -s`):
-the segment-id variants and the soft-capped backward spill more than the
-plain kernels in several configurations (H200, 2026-11-25; the table is in
-docs/performance-notes.md), which issues #25 and #26 keep open.
+the segment-id backward and the soft-capped backward spill more than the
+plain kernels in several configurations (H200, 2026-11-26; the tables are
+in docs/performance-notes.md), which issues #25 and #26 keep open.
 """
 
 import os
