@@ -73,7 +73,7 @@ def id_ring(num_slots: int, n: int):
   latency, they stayed live across it beside S and O and spilled (ptxas,
   H200: D64 window forward 640 bytes, D128 dense dK/dV 1336, against 0 and
   48 without segment ids). From SMEM they are read after the wgmma wait,
-  a chunk of columns at a time where the element mask uses them
+  a few columns at a time where the element mask uses them
   (`where_visible_by_column_chunks`)."""
   return plgpu.SMEM((num_slots, n), jnp.int32)
 
@@ -84,15 +84,18 @@ def read_ids(slot_ref, *, along_rows: bool = False):
   return plgpu.load(slot_ref, layout=_ids_layout(along_rows))
 
 
-# Columns whose segment ids `where_visible_by_column_chunks` reads at once.
-ID_CHUNK = 32
+# Columns whose segment ids `where_visible_by_column_chunks` reads at once:
+# 8 (2 ids per thread, one 8-byte SMEM load) spilled least (ptxas, H200,
+# every segment-id kernel the heuristics pick: 13512 bytes in all, 15824
+# with 16 columns, 21496 with 32; the forward spills nothing with 8 or 16).
+ID_CHUNK = 8
 
 
 def where_visible_by_column_chunks(x, column_ids, visible_of, fill):
   """`jnp.where(visible, x, fill)` of a wgmma tile whose element mask needs
   its columns' segment ids, held by `column_ids` (an `id_ring` slot): one
   chunk of `ID_CHUNK` columns after another, each chunk's ids read from SMEM
-  right before its selects, so that a thread holds 8 ids at a time where
+  right before its selects, so that a thread holds 2 ids at a time where
   all of a 128-column tile's took 32 registers. `visible_of(first_column,
   shape, ids)`: the element mask of the chunk."""
   n = x.shape[1]
