@@ -521,10 +521,10 @@ EVERY_HEURISTIC_CONFIG = pytest.mark.parametrize(
     f"bq{x.block_q}-bkv{x.block_kv}-st{x.num_kv_stages}{'-persistent' if x.persistent else ''}")
 
 
-def _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config):
+def _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config, segment_ids=False):
   """The heuristic sizes SMEM by the estimate plus a reserve for the
   barriers and alignment: the reserve must cover what lowering adds."""
-  estimate = config.smem_bytes(head_dim, 2)
+  estimate = config.smem_bytes(head_dim, 2, segment_ids=segment_ids)
   assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
 
 
@@ -540,16 +540,17 @@ def test_every_heuristic_config_fits_shared_memory_and_uses_wgmma_and_tma(head_d
 
 
 @EVERY_HEURISTIC_CONFIG
-def test_every_heuristic_config_with_segment_ids_lowers_for_hopper_without_more_smem(
+def test_every_heuristic_config_with_segment_ids_lowers_for_hopper_within_the_smem_estimate(
     head_dim, config):
-  """Segment ids (with lengths) add GMEM operands and element-mask terms,
-  not shared memory: the same SMEM budget holds."""
+  """Segment ids (with lengths) add GMEM operands, element-mask terms and
+  a ring of the keys' ids beside K's (4 bytes a key and slot), which the
+  estimate counts; the config the heuristic picked without them still fits."""
   for mask in (MaskSpec(), MaskSpec(right=0), MaskSpec(left=256, right=0)):
     for kv_seq in (1024, 8192):
       if sm90_forward.choose_config(head_dim, mask, kv_seq) == config:
         lowered = _lower(head_dim, mask, config, lengths=True, segment_ids=True)
         _assert_fits_and_uses_hopper_instructions(lowered)
-        _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config)
+        _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config, segment_ids=True)
         break
 
 
@@ -594,8 +595,11 @@ def test_masked_length_and_window_variant_lowers_for_hopper():
 
 
 def test_shared_memory_estimate_is_within_the_budget_for_every_config():
+  """Also with segment ids, which the heuristic does not see."""
   for head_dim, config in sm90_forward.all_configs():
-    assert config.smem_bytes(head_dim, 2) <= SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES
+    for segment_ids in (False, True):
+      assert (config.smem_bytes(head_dim, 2, segment_ids=segment_ids)
+              <= SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES)
 
 
 # --- what the kernel refuses ---------------------------------------------------

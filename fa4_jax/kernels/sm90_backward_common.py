@@ -21,6 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
+from fa4_jax.kernels.sm90_tiles import where_visible_by_column_chunks
 from fa4_jax.scores import MaskSpec, TileRanges
 
 
@@ -42,6 +43,8 @@ class BackwardBarriers:
   dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
   dQ kernel:    resident = (Q, dO, lse, delta), or (Q, dO, lse, O) with
                 `delta_in_dq`; stream = (K, V).
+  With segment ids the stream also carries the column ids of each step's
+  tile (the queries' in dK/dV, the keys' in dQ: `sm90_tiles.id_ring`).
   The epilogue of consumer i writes its result into its own resident buffer
   (only consumer i reads it, and all its wgmmas have completed), then TMA-
   stores it and waits for the store before the CTA exits.
@@ -259,9 +262,11 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   tanh(s * scale / cap) with soft-cap `cap` (`scores.softmax_logits`;
   c = `scores.softmax_scale`), 0 where the mask, the key length or the
   segment ids hide an element; `masked=False` for tiles known to be fully
-  visible. `segments`: None, or the segment ids of the tile's (rows,
-  columns) as `load_ids` vectors. `lse2=None`: s already holds S - lse2 / c
-  (`fold_stats`, not with soft-cap).
+  visible. `segments`: None, or the segment ids of the tile's rows (a
+  vector along them, `sm90_tiles.load_ids`) and columns (the `id_ring` slot
+  that holds them, read chunk by chunk: `where_visible_by_column_chunks`).
+  `lse2=None`: s already holds S - lse2 / c (`fold_stats`, not with
+  soft-cap).
 
   Soft-cap's slope 1 - t^2 enters dS through `TileSoftmax.w` = P * slope,
   formed here while t is alive: neither t nor S stays alive until dS.
@@ -284,17 +289,25 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   else:
     logits2 = t * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
   if masked:
-    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape, layout=plgpu.Layout.WGMMA)
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
-    rows, cols = row_lo + iota(0), col_lo + iota(1)
-    k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
-    q_seg = kv_seg = None
-    if segments is not None:
-      row_seg = lax.broadcast_in_dim(segments[0], s.shape, [0])
-      col_seg = lax.broadcast_in_dim(segments[1], s.shape, [1])
-      kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
-    visible = scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
-    logits2 = jnp.where(visible, logits2, -jnp.inf)
+
+    def visible_of(first_col, shape, col_ids=None):
+      """The element mask of columns [first_col, first_col + shape[1])."""
+      iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
+                               layout=plgpu.Layout.WGMMA)
+      rows, cols = row_lo + iota(0), (col_lo + first_col if first_col else col_lo) + iota(1)
+      k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
+      q_seg = kv_seg = None
+      if col_ids is not None:
+        row_seg = lax.broadcast_in_dim(segments[0], shape, [0])
+        col_seg = lax.broadcast_in_dim(col_ids, shape, [1])
+        kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
+      return scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
+
+    if segments is None:
+      logits2 = jnp.where(visible_of(0, s.shape), logits2, -jnp.inf)
+    else:
+      logits2 = where_visible_by_column_chunks(logits2, segments[1], visible_of, -jnp.inf)
   p = jnp.exp2(logits2)
   return TileSoftmax(p, p if cap is None else p * scores.soft_cap_slope(t))
 

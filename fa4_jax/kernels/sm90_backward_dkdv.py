@@ -36,7 +36,7 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, 
                                                   mma_accumulate_pair, narrow, scores_grad,
                                                   stats_of_slot,
                                                   transposed_scores, zeros)
-from fa4_jax.kernels.sm90_tiles import load_ids, smem_tile, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import cdiv, walk_blocks
 
 
@@ -72,6 +72,7 @@ class _DkvPass(KernelStatics):
 
   outputs: tuple[str, ...]
   interpreting: bool
+  has_segments: bool = False
 
   @property
   def with_dk(self) -> bool:
@@ -83,7 +84,8 @@ class _DkvPass(KernelStatics):
 
   @property
   def num_streamed(self) -> int:
-    return 4 if self.with_dk else 3  # Q, dO, lse (and delta)
+    # Q, dO, lse (and delta), (and the queries' segment ids)
+    return (4 if self.with_dk else 3) + self.has_segments
 
   def smem(self):
     """Scratch SMEM, in the order `_DkvSmem` unpacks it."""
@@ -100,6 +102,8 @@ class _DkvPass(KernelStatics):
       smem.append(ring_stats)  # delta ring
     if self.interpreting:
       smem.append(smem_tile((nc, bk, bq), self.dtype, swizzle))  # P^T / dS^T staging
+    if self.has_segments:
+      smem.append(id_ring(cfg.num_stages, bq))  # the queries' segment ids
     return tuple(smem)
 
 
@@ -111,21 +115,24 @@ class _DkvSmem(NamedTuple):
   lse_ring: Any
   delta_ring: Any  # None in a pass without dK
   staging: list
+  q_ids: Any  # ring of the queries' segment ids; None without segment ids
 
   @classmethod
-  def unpack(cls, smem, with_dk: bool) -> "_DkvSmem":
+  def unpack(cls, smem, with_dk: bool, has_segments: bool) -> "_DkvSmem":
     smem = iter(smem)
     k = next(smem)
     v = next(smem) if with_dk else None
     q_ring, do_ring, lse_ring = next(smem), next(smem), next(smem)
     delta_ring = next(smem) if with_dk else None
-    return cls(k, v, q_ring, do_ring, lse_ring, delta_ring, list(smem))
+    rest = list(smem)
+    q_ids = rest.pop() if has_segments else None
+    return cls(k, v, q_ring, do_ring, lse_ring, delta_ring, rest, q_ids)
 
 
 def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: BackwardBarriers,
                   work: KeyTileWork, num_steps):
-  """Each consumer's K (and V) tile once, then (Q, dO, lse2, delta) of every
-  step through the ring."""
+  """Each consumer's K (and V) tile once, then (Q, dO, lse2, delta, and the
+  queries' segment ids) of every step through the ring."""
   cfg, bk, bq = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
   for i in range(cfg.num_consumers):
@@ -144,21 +151,29 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
                 (gmem.lse.at[stats], smem.lse_ring)]
     if kp.with_dk:
       streamed.append((gmem.delta.at[stats], smem.delta_ring))
+    if kp.has_segments:
+      streamed.append(_query_ids(gmem, work.batch_idx, qb, bq, smem.q_ids))
     bars.stream.producer_acquire(step)
     bars.stream.producer_fill(streamed, step)
 
   bars.stream.producer_drain(num_steps)
 
 
-def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, bq: int):
-  """`block_segments(qb)`: the segment ids (keys along rows, queries of
-  block qb along columns) that a masked step of the key tile [k_lo, k_lo +
-  bk) passes to `probabilities`; None without segment ids. The keys' ids are
-  loaded once, here."""
+def _query_ids(gmem: KernelRefs, batch_idx, qb, bq: int, q_ids_ring):
+  """(GMEM source, SMEM ring) of the segment ids of query block qb, which
+  the producer streams with the block's Q and dO."""
+  return gmem.segments.q_ids.at[batch_idx, pl.ds(qb * bq, bq)], q_ids_ring
+
+
+def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, q_ids_ring):
+  """`block_segments(slot)`: the segment ids that a masked step of the key
+  tile [k_lo, k_lo + bk) passes to `softmax`: the keys' (along rows, loaded
+  once, here) and the ring slot of the step's queries' (along columns, read
+  after the step's wgmma wait); None without segment ids."""
   if segments is None:
-    return lambda qb: None
+    return lambda slot: None
   kv_seg = load_ids(segments.kv_ids, batch_idx, k_lo, bk, along_rows=True)
-  return lambda qb: (kv_seg, load_ids(segments.q_ids, batch_idx, qb * bq, bq, along_rows=False))
+  return lambda slot: (kv_seg, q_ids_ring.at[slot])
 
 
 def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
@@ -173,7 +188,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
   own = scores.q_tile_ranges(mask, k_lo, k_lo + bk, work.q_len, work.kv_len, bq)
   own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.kv_tile, wg))
   own = own.within(lo, hi)
-  block_segments = _key_tile_segments(segments, work.batch_idx, k_lo, bk, bq)
+  block_segments = _key_tile_segments(segments, work.batch_idx, k_lo, bk, smem.q_ids)
   k_tile = smem.k.at[wg]
   v_tile = smem.v.at[wg] if kp.with_dk else None
   stage = smem.staging[0].at[wg] if kp.interpreting else None
@@ -188,7 +203,6 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
     step = head_step0 + (qb - lo)
     slot = bars.stream.slot(step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
-    seg = block_segments(qb) if masked else None  # loads overlap the wait
     bars.stream.consumer_wait(step)
 
     s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
@@ -196,6 +210,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
         soft_cap=kp.soft_cap is not None)
+    seg = block_segments(slot) if masked else None
     p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                       kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
     if kp.with_dk and kp.with_dv:
@@ -251,19 +266,19 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
   A pass without dK needs neither V (for dP) nor delta: they are not loaded.
   With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
-  per consumer).
+  per consumer), and the ring streams each query block's ids with it.
   """
   cfg = config
   nc = cfg.num_consumers
   kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                tuple(outputs), is_interpreting())
+                tuple(outputs), is_interpreting(), has_segments)
   grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, nc * cfg.block_kv), batch=batch)
 
   def kernel(*refs):
     chain.at_start()
     gmem, (*grad_refs, smem, barrier_refs) = KernelRefs.split(
         refs, has_q_lengths, has_kv_lengths, nc if has_segments else None)
-    smem = _DkvSmem.unpack(smem, kp.with_dk)
+    smem = _DkvSmem.unpack(smem, kp.with_dk, has_segments)
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed)
     work = KeyTileWork.of_this_cta(
         num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, gmem=gmem,
@@ -301,7 +316,8 @@ class _HeadSplitBarriers:
   | barrier              | arrives (count)                          | waits                     |
   |----------------------|------------------------------------------|---------------------------|
   | resident.full[0]     | producer TMAs of K and V (2)             | both consumers, once      |
-  | stream.full[slot]    | producer TMAs of Q, dO, lse2, delta (4)  | both consumers, each step |
+  | stream.full[slot]    | producer TMAs of Q, dO, lse2, delta (4;  | both consumers, each step |
+  |                      | 5 with the queries' segment ids)         |                           |
   | stream.consumed[slot]| each consumer after its dK/dV GEMMs (2)  | producer, before refill   |
   | pds.full[slot]       | warpgroup 0 after storing P^T, dS^T (1)  | warpgroup 1               |
   | pds.consumed[slot]   | each consumer after its dK/dV GEMMs (2)  | warpgroup 0, before it    |
@@ -316,20 +332,21 @@ class _HeadSplitBarriers:
   epilogue: Rendezvous
 
   @staticmethod
-  def scratch_types(num_stages: int):
+  def scratch_types(num_stages: int, num_streamed: int):
     return (
         plgpu.Barrier(num_arrivals=2, num_barriers=1),  # resident: K and V
-        *BundleRing.barrier_types(num_stages, 2, 4),
+        *BundleRing.barrier_types(num_stages, 2, num_streamed),
         *SlotRing.barrier_types(2, 2),  # pds
         Rendezvous.barrier_type(2),  # epilogue
     )
 
   @classmethod
-  def from_refs(cls, refs, num_stages: int) -> "_HeadSplitBarriers":
+  def from_refs(cls, refs, num_stages: int, num_streamed: int) -> "_HeadSplitBarriers":
     (resident_full, stream_full, stream_consumed,
      pds_full, pds_consumed, epilogue_barrier) = refs
     return cls(resident=OneShotBuffer(resident_full),
-               stream=BundleRing(SlotRing(stream_full, stream_consumed, num_stages, 2), 4),
+               stream=BundleRing(SlotRing(stream_full, stream_consumed, num_stages, 2),
+                                 num_streamed),
                pds=SlotRing(pds_full, pds_consumed, 2, 2),
                epilogue=Rendezvous(epilogue_barrier, 2))
 
@@ -343,26 +360,42 @@ class _HeadSplitSmem(NamedTuple):
   delta_ring: Any
   p: Any  # pds ring: P^T
   ds: Any  # pds ring: dS^T
+  q_ids: Any = None  # ring of the queries' segment ids; None without segment ids
 
   @staticmethod
-  def types(cfg, head_dim: int, dtype):
+  def types(cfg, head_dim: int, dtype, has_segments: bool):
     bk, bq = cfg.block_kv, cfg.block_q
     swizzle = swizzle_bytes(dtype, bk, bq)
-    ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
+    if has_segments:
+      # lse2 and delta rings in one buffer: Mosaic GPU starts every buffer at
+      # a multiple of 1 KiB, and the ids' ring fits only in the KiB this saves.
+      stats = (plgpu.SMEM((2, cfg.num_stages, bq), jnp.float32),)
+    else:
+      stats = (plgpu.SMEM((cfg.num_stages, bq), jnp.float32),) * 2  # lse2, delta rings
+    ids = (id_ring(cfg.num_stages, bq),) if has_segments else ()
     return (
         smem_tile((bk, head_dim), dtype, swizzle),  # K tile, then dK
         smem_tile((bk, head_dim), dtype, swizzle),  # V tile, then dV
         smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # Q ring
         smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # dO ring
-        ring_stats, ring_stats,  # lse2 and delta rings
+        *stats,
         smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: P^T
         smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: dS^T
+        *ids,  # the queries' segment ids
     )
+
+  @classmethod
+  def unpack(cls, smem, has_segments: bool) -> "_HeadSplitSmem":
+    if not has_segments:
+      return cls(*smem)
+    k, v, q_ring, do_ring, stats, p, ds, q_ids = smem
+    return cls(k, v, q_ring, do_ring, stats.at[0], stats.at[1], p, ds, q_ids)
 
 
 def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
                          bars: _HeadSplitBarriers, work: KeyTileWork, keys, num_steps):
-  """K and V once, then (Q, dO, lse2, delta) of every step through the ring."""
+  """K and V once, then (Q, dO, lse2, delta, and the queries' segment ids)
+  of every step through the ring."""
   bq = cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
   plgpu.copy_gmem_to_smem(gmem.k.at[keys], smem.k, bars.resident.full.at[0])
@@ -373,10 +406,12 @@ def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
     head, qb = work.rows_of(step)
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
     stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
+    streamed = [(gmem.q.at[rows], smem.q_ring), (gmem.do.at[rows], smem.do_ring),
+                (gmem.lse.at[stats], smem.lse_ring), (gmem.delta.at[stats], smem.delta_ring)]
+    if smem.q_ids is not None:
+      streamed.append(_query_ids(gmem, work.batch_idx, qb, bq, smem.q_ids))
     bars.stream.producer_acquire(step)
-    bars.stream.producer_fill(
-        [(gmem.q.at[rows], smem.q_ring), (gmem.do.at[rows], smem.do_ring),
-         (gmem.lse.at[stats], smem.lse_ring), (gmem.delta.at[stats], smem.delta_ring)], step)
+    bars.stream.producer_fill(streamed, step)
 
   bars.stream.producer_drain(num_steps)
 
@@ -394,19 +429,19 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
   stream, pds = bars.stream, bars.pds
   # Only warpgroup 0 computes P^T and needs the ids.
   block_segments = _key_tile_segments(segments if h == 0 else None, work.batch_idx, work.k_lo,
-                                      bk, bq)
+                                      bk, smem.q_ids)
 
   def step_fn(qb, acc, *, masked, head_step0):
     step = head_step0 + (qb - lo)
     slot = stream.slot(step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
     p_tile, ds_tile = smem.p.at[pds.slot(step)], smem.ds.at[pds.slot(step)]
-    seg = block_segments(qb) if masked else None
     stream.consumer_wait(step)
     if h == 0:
       s, dp, lse2, delta = transposed_scores(
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=False, stats_first=False)
+      seg = block_segments(slot) if masked else None
       p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
                         kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
       ds = scores_grad(w, dp, delta)
@@ -476,11 +511,11 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   GEMMs of step n run on the tensor core while warpgroup 0 computes the
   softmax of step n + 1. Barriers: `_HeadSplitBarriers`. With
   `has_segments` the inputs end with `SegmentRefs` of one consumer tile (the
-  CTA's) per CTA.
+  CTA's) per CTA, and the ring streams each query block's ids with it.
   """
   cfg = config
   kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                ("dk", "dv"), is_interpreting())
+                ("dk", "dv"), is_interpreting(), has_segments)
   bk = cfg.block_kv
   grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, bk), batch=batch)
 
@@ -488,8 +523,8 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
     chain.at_start()
     gmem, (dk_ref, dv_ref, smem, barrier_refs) = KernelRefs.split(
         refs, has_q_lengths, has_kv_lengths, 1 if has_segments else None)
-    smem = _HeadSplitSmem(*smem)
-    bars = _HeadSplitBarriers.from_refs(barrier_refs, cfg.num_stages)
+    smem = _HeadSplitSmem.unpack(smem, has_segments)
+    bars = _HeadSplitBarriers.from_refs(barrier_refs, cfg.num_stages, kp.num_streamed)
     work = KeyTileWork.of_this_cta(
         num_keys=bk, block_q=cfg.block_q, mask=mask, gmem=gmem, q_seq=q_seq,
         kv_valid=kv_valid, group=kp.group)
@@ -511,6 +546,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
     chain.at_exit(grid)
 
   out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype),) * 2
-  return launch(kernel, out_type=out_type, smem=_HeadSplitSmem.types(cfg, head_dim, dtype),
-                barriers=_HeadSplitBarriers.scratch_types(cfg.num_stages),
+  return launch(kernel, out_type=out_type,
+                smem=_HeadSplitSmem.types(cfg, head_dim, dtype, has_segments),
+                barriers=_HeadSplitBarriers.scratch_types(cfg.num_stages, kp.num_streamed),
                 grid=grid, num_threads=3)

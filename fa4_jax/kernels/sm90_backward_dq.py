@@ -30,7 +30,7 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, 
                                                   launch,
                                                   load_operand, mma_accumulate, mma_pair,
                                                   narrow, scores_grad, zeros)
-from fa4_jax.kernels.sm90_tiles import load_ids, smem_tile, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
 
@@ -49,21 +49,32 @@ class _DqKernel(KernelStatics):
 
   num_q_tiles: int
   interpreting: bool
+  has_segments: bool = False
 
   @property
   def with_delta(self) -> bool:
     """The sixth input is O (not delta) and delta an output."""
     return self.cfg.delta_in_dq
 
+  @property
+  def num_streamed(self) -> int:
+    return 3 if self.has_segments else 2  # K, V (and the keys' segment ids)
+
   def smem(self):
     """Scratch SMEM, in the order `_DqSmem` unpacks it."""
     cfg, nc, bq, bk = self.cfg, self.cfg.dq_num_consumers, self.cfg.dq_block_q, self.cfg.dq_block_kv
     swizzle = swizzle_bytes(self.dtype, bq, bk)
+    if self.has_segments:
+      # lse2 and delta in one buffer: Mosaic GPU starts every buffer at a
+      # multiple of 1 KiB, and at head dim 256 the ids' ring fits only in
+      # the KiB this saves.
+      stats = [plgpu.SMEM((2, nc, bq), jnp.float32)]
+    else:
+      stats = [plgpu.SMEM((nc, bq), jnp.float32)] * 2  # lse2, delta
     smem = [
         smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # Q tiles, then dQ
         smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # dO tiles
-        plgpu.SMEM((nc, bq), jnp.float32),  # lse2
-        plgpu.SMEM((nc, bq), jnp.float32),  # delta
+        *stats,
         smem_tile((cfg.dq_num_stages, bk, self.head_dim), self.dtype, swizzle),  # K ring
         smem_tile((cfg.dq_num_stages, bk, self.head_dim), self.dtype, swizzle),  # V ring
     ]
@@ -71,6 +82,8 @@ class _DqKernel(KernelStatics):
       smem.append(smem_tile((nc, bq, self.head_dim), self.dtype, swizzle))  # O tiles
     if self.interpreting:
       smem.append(smem_tile((nc, bq, bk), self.dtype, swizzle))  # dS staging
+    if self.has_segments:
+      smem.append(id_ring(cfg.dq_num_stages, bk))  # the keys' segment ids
     return tuple(smem)
 
 
@@ -83,12 +96,18 @@ class _DqSmem(NamedTuple):
   v_ring: Any
   o: Any  # None without `delta_in_dq`
   staging: list
+  kv_ids: Any  # ring of the keys' segment ids; None without segment ids
 
   @classmethod
-  def unpack(cls, smem, with_delta: bool) -> "_DqSmem":
-    q, do, lse, delta, k_ring, v_ring, *staging = smem
+  def unpack(cls, smem, with_delta: bool, has_segments: bool) -> "_DqSmem":
+    if has_segments:
+      q, do, stats, k_ring, v_ring, *staging = smem
+      lse, delta = stats.at[0], stats.at[1]
+    else:
+      q, do, lse, delta, k_ring, v_ring, *staging = smem
     o = staging.pop(0) if with_delta else None
-    return cls(q, do, lse, delta, k_ring, v_ring, o, staging)
+    kv_ids = staging.pop() if has_segments else None
+    return cls(q, do, lse, delta, k_ring, v_ring, o, staging, kv_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +146,8 @@ class _QueryTileWork:
 def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardBarriers,
                  work: _QueryTileWork):
   """Each consumer's Q, dO, lse2 and delta (or O) once, then the (K, V)
-  tiles of the CTA's key blocks through the ring."""
+  tiles of the CTA's key blocks (and their keys' segment ids) through the
+  ring."""
   cfg, nc, bq, bk = kd.cfg, kd.cfg.dq_num_consumers, kd.cfg.dq_block_q, kd.cfg.dq_block_kv
   lo, hi = work.ranges.lo, work.ranges.hi
   plgpu.set_max_registers(cfg.dq_producer_registers, action="decrease")
@@ -144,9 +164,11 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
   def _(j):
     step = j - lo
     keys = (work.batch_idx, pl.ds(j * bk, bk), work.kv_head)
+    streamed = [(gmem.k.at[keys], smem.k_ring), (gmem.v.at[keys], smem.v_ring)]
+    if kd.has_segments:
+      streamed.append((gmem.segments.kv_ids.at[work.batch_idx, pl.ds(j * bk, bk)], smem.kv_ids))
     bars.stream.producer_acquire(step)
-    bars.stream.producer_fill([(gmem.k.at[keys], smem.k_ring), (gmem.v.at[keys], smem.v_ring)],
-                              step)
+    bars.stream.producer_fill(streamed, step)
 
   bars.stream.producer_drain(hi - lo)
 
@@ -163,12 +185,11 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
   own = scores.kv_tile_ranges(mask, q_lo, q_lo + bq, work.q_len, work.kv_len, bk)
   own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.q_tile, wg))
   own = own.within(lo, hi)
-  if segments is not None:  # the rows' ids once; the keys' in each masked block
+  if segments is not None:  # the rows' ids once; the keys' from the ring's slot
     q_seg = load_ids(segments.q_ids, work.batch_idx, q_lo, bq, along_rows=True)
-    block_segments = lambda j: (q_seg, load_ids(segments.kv_ids, work.batch_idx, j * bk, bk,
-                                                along_rows=False))
+    block_segments = lambda slot: (q_seg, smem.kv_ids.at[slot])  # read after the wait
   else:
-    block_segments = lambda j: None
+    block_segments = lambda slot: None
   q_tile, do_tile = smem.q.at[wg], smem.do.at[wg]
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along S's rows
   stage = smem.staging[0].at[wg] if kd.interpreting else None
@@ -193,10 +214,10 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     step = j - lo
     slot = bars.stream.slot(step)
     k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
-    seg = block_segments(j) if masked else None  # loads overlap the wait
     bars.stream.consumer_wait(step)
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
+    seg = block_segments(slot) if masked else None
     _, w = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
                       kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
     ds = scores_grad(w, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
@@ -228,20 +249,20 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
                      has_kv_lengths, has_segments=False, chain=NO_CHAIN, soft_cap=None):
   """The dQ kernel: dq, and with `delta_in_dq` also delta [B, Nq, rows].
   With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
-  per consumer)."""
+  per consumer), and the ring streams each block's key ids with K and V."""
   cfg = config
   nc, bq = cfg.dq_num_consumers, cfg.dq_block_q
   num_q_tiles = cdiv(q_seq, nc * bq)
   kd = _DqKernel(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                 num_q_tiles, is_interpreting())
+                 num_q_tiles, is_interpreting(), has_segments)
   grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
 
   def kernel(*refs):
     chain.at_start()
     gmem, (dq_ref, *delta_out, smem, barrier_refs) = KernelRefs.split(
         refs, has_q_lengths, has_kv_lengths, nc if has_segments else None)
-    smem = _DqSmem.unpack(smem, kd.with_delta)
-    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, 2)
+    smem = _DqSmem.unpack(smem, kd.with_delta, has_segments)
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, kd.num_streamed)
     work = _QueryTileWork.of_this_cta(kd, gmem=gmem, q_seq=q_seq, kv_valid=kv_valid)
     wg = lax.axis_index("wg")
 
@@ -261,5 +282,6 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
     delta_type = jax.ShapeDtypeStruct((batch, num_q_heads, num_q_tiles * nc * bq), jnp.float32)
     out_type = (out_type, delta_type)
   return launch(kernel, out_type=out_type, smem=kd.smem(),
-                barriers=BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4, 2),
+                barriers=BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4,
+                                                        kd.num_streamed),
                 grid=grid, num_threads=nc + 1)

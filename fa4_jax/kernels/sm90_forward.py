@@ -49,9 +49,11 @@ the ones of its single id (`segment_operands`, `scores.segment_tile_ranges`).
 In the kernel they narrow each consumer's range (`consumer_kv_blocks`), and
 the producer loads the hull of its consumers' ranges (`scores.hull`), so
 blocks of other documents are neither loaded nor computed. Only boundary
-blocks compare ids: the rows' ids are loaded once per tile, a block's key ids
-from GMEM before its Q K^T, whose latency hides the load. The causal pairing
-of the persistent grid balances the band's work, not the documents'.
+blocks compare ids: the rows' ids are loaded once per tile; a block's key ids
+arrive by TMA with its K tile (`sm90_tiles.id_ring`) and are read from SMEM
+after its Q K^T, a chunk of columns at a time, before the K slot is
+released. The causal pairing of the persistent grid balances the band's
+work, not the documents'.
 
 Grid (`fa4_jax.kernels.schedule`): one CTA per (q head, q tile, batch); or,
 with `ForwardConfig.persistent` (chosen when a tile walks few KV blocks: short
@@ -116,7 +118,8 @@ from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
-from fa4_jax.kernels.sm90_tiles import load_ids, padded_head_dim, smem_tile
+from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
+                                       where_visible_by_column_chunks)
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, initial_row_stats, kv_tile_ranges,
                             normalize, online_softmax, read_tile_ranges, hull, pad_ids,
                             softmax_logits, softmax_scale, tile_ranges_operand, visible,
@@ -200,14 +203,20 @@ class ForwardConfig:
   def block_q_cta(self) -> int:
     return self.num_consumers * self.block_q
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """SMEM the kernel allocates (without barriers and alignment padding)."""
+  def smem_bytes(self, head_dim: int, itemsize: int, segment_ids: bool = False) -> int:
+    """SMEM the kernel allocates (without barriers and alignment padding);
+    `segment_ids` adds the ring of the keys' ids (4 bytes a key and slot,
+    `sm90_tiles.id_ring`)."""
     tile = self.num_consumers * self.block_q * head_dim * itemsize
     q_tiles = self.q_depth * tile
     kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
     lse = self.num_consumers * self.block_q * 4
     o_tiles = tile if self.persistent else 0
-    return q_tiles + kv_ring + lse + o_tiles
+    # Mosaic GPU starts every scratch buffer at a multiple of 1 KiB: the
+    # small ring takes a whole one at block_kv 64 (the LSE rows' padding is
+    # in SMEM_RESERVE_BYTES).
+    key_ids = cdiv(self.num_kv_stages * self.block_kv * 4, 1024) * 1024 if segment_ids else 0
+    return q_tiles + kv_ring + lse + o_tiles + key_ids
 
 
 def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
@@ -315,7 +324,8 @@ class ForwardBarriers:
   |----------------------|----------------------------------|-----------------------------|
   | q.full[b]            | producer TMA of Q_i (1)          | consumer i, once per tile   |
   | q.consumed[b]        | consumer i after its last QK (1) | producer before reloading copy b (persistent only) |
-  | k.full[slot]         | producer TMA of K_n (1; paged: 1 per page) | both consumers, every step |
+  | k.full[slot]         | producer TMA of K_n (1; paged: 1 per page; | both consumers, every step |
+  |                      | +1: the keys' segment ids, if any) |                             |
   | k.consumed[slot]     | each consumer once S=QK^T is done (2) | producer before refilling |
   | v.full[slot]         | producer TMA of V_n (likewise)   | both consumers, every step  |
   | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
@@ -336,12 +346,13 @@ class ForwardBarriers:
   pingpong: Rendezvous
 
   @staticmethod
-  def scratch_types(config: ForwardConfig, kv_copies: int = 1):
-    """`kv_copies`: TMA copies that fill one K (or V) slot (`kv_copies_per_block`)."""
+  def scratch_types(config: ForwardConfig, kv_copies: int = 1, key_ids: bool = False):
+    """`kv_copies`: TMA copies that fill one K (or V) slot (`kv_copies_per_block`);
+    `key_ids`: one more into each K slot's full barrier, the block's segment ids."""
     n, c = config.num_kv_stages, config.num_consumers
     return (
         *OneShotBuffer.barrier_types(c, config.q_depth),
-        *SlotRing.barrier_types(n, c, kv_copies),
+        *SlotRing.barrier_types(n, c, kv_copies + key_ids),
         *SlotRing.barrier_types(n, c, kv_copies),
         Rendezvous.barrier_type(c),
     )
@@ -426,6 +437,7 @@ class _Refs:
   lse_smem: Any  # LSE rows
   o_smem: Any  # O tiles (persistent grid only)
   p_smem: Any  # P staging (interpreter only)
+  kv_ids_smem: Any  # the keys' segment ids, a ring beside K's; None without segment ids
 
   @classmethod
   def unpack(cls, call: _Call, refs) -> tuple["_Refs", Any]:
@@ -445,8 +457,10 @@ class _Refs:
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.config.persistent else None
     p_smem = optional_smem.pop(0) if call.interpreting else None
+    kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
     return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table, out,
-               lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem), barrier_refs
+               lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem,
+               kv_ids_smem), barrier_refs
 
 
 def _scratch_smem(call: _Call) -> list:
@@ -464,6 +478,8 @@ def _scratch_smem(call: _Call) -> list:
     smem.append(smem_tile((cfg.num_consumers, bq, d), dtype))
   if call.interpreting:
     smem.append(smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
+  if call.has_segment_ids:
+    smem.append(id_ring(cfg.num_kv_stages, bk))  # the keys' segment ids
   return smem
 
 
@@ -577,6 +593,9 @@ def _producer(ctx: _Context) -> None:
       fill = _kv_block_fill(ctx, item, j, kv_head)
       bars.k.producer_acquire(step)
       fill(bars.k, refs.k, refs.k_smem, step)
+      if ctx.call.has_segment_ids:  # the keys' ids ride on the K slot's barrier
+        bars.k.producer_fill(refs.kv_ids.at[item.batch_idx, pl.ds(j * cfg.block_kv, cfg.block_kv)],
+                             refs.kv_ids_smem, step)
       bars.v.producer_acquire(step)
       fill(bars.v, refs.v, refs.v_smem, step)
 
@@ -713,13 +732,14 @@ class _ConsumerTile:
     cfg, bars = self.ctx.call.config, self.ctx.bars
     acc, m, l = carry
     step = self.ring_step(j)
-    # Issued before Q K^T so that the load's latency hides behind it.
-    kv_segment = self.key_segments(j) if masked else None
     s = pl.run_scoped(functools.partial(self.qk, k_tile=self.ctx.refs.k_smem.at[bars.k.slot(step)]),
                       plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
-    bars.k.consumer_release(step)
+    key_ids = self.key_ids(step) if masked else None
+    if key_ids is None:
+      bars.k.consumer_release(step)
+    # else: released once the mask has read the keys' ids (`block_softmax`)
     p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked,
-                                                   kv_segment=kv_segment)
+                                                   key_ids=key_ids)
     acc = self.p_times_v(acc, p16, self.ctx.refs.v_smem.at[bars.v.slot(step)],
                          lambda: self.wait_next_k(j))
     bars.v.consumer_release(step)
@@ -743,14 +763,14 @@ class _ConsumerTile:
     self.ctx.bars.pingpong.sync()  # the other consumer's softmax ends here
     return s_ref[...]
 
-  def key_segments(self, j):
-    """The segment ids of KV block j's keys (along the tile's columns), or None."""
+  def key_ids(self, step):
+    """The slot holding the segment ids of the keys of `step` (beside its K
+    slot, `sm90_tiles.id_ring`), or None without segment ids."""
     if not self.ctx.call.has_segment_ids:
       return None
-    bk = self.ctx.call.config.block_kv
-    return load_ids(self.ctx.refs.kv_ids, self.item.batch_idx, j * bk, bk, along_rows=False)
+    return self.ctx.refs.kv_ids_smem.at[self.ctx.bars.k.slot(step)]
 
-  def block_softmax(self, s, m, j, *, masked: bool, kv_segment=None):
+  def block_softmax(self, s, m, j, *, masked: bool, key_ids=None):
     """(P, new running max, alpha) for the logits of KV block j.
 
     Soft-cap's tanh runs here, after `qk`'s rendezvous and before
@@ -758,27 +778,48 @@ class _ConsumerTile:
     exp2) overlaps the other consumer's GEMMs. t = tanh(s * scale / cap)
     replaces s in place (no second tile-sized array lives across it), and
     the mask comes after it (tanh(-inf) = -1 would be no mask).
+
+    `key_ids`: the SMEM slot of the block's key segment ids; the mask reads
+    them a chunk of columns at a time (`where_visible_by_column_chunks`),
+    then the block's K slot (which they ride with) is released.
     """
     call = self.ctx.call
     s = softmax_logits(s, call.scale, call.soft_cap)
     if masked:
-      q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-      k_idx = j * call.config.block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
-                                                                layout=plgpu.Layout.WGMMA)
-      segments = {}
-      if kv_segment is not None:
-        segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, s.shape, [0]),
-                        kv_segment=lax.broadcast_in_dim(kv_segment, s.shape, [1]))
-      s = jnp.where(visible(call.mask, q_idx, k_idx, self.item.kv_len, **segments,
-                            q_len=self.item.q_len), s,
-                    call.masked_logit)
+      def visible_of(first_col, shape, kv_segment=None):
+        """The element mask of columns [first_col, first_col + shape[1])."""
+        q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        k_lo = j * call.config.block_kv
+        k_idx = (k_lo + first_col if first_col else k_lo) + plgpu.broadcasted_iota(
+            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        segments = {}
+        if kv_segment is not None:
+          segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, shape, [0]),
+                          kv_segment=lax.broadcast_in_dim(kv_segment, shape, [1]))
+        return visible(call.mask, q_idx, k_idx, self.item.kv_len, **segments,
+                       q_len=self.item.q_len)
+
+      if key_ids is None:
+        s = jnp.where(visible_of(0, s.shape), s, call.masked_logit)
+      else:
+        s = where_visible_by_column_chunks(s, key_ids, visible_of, call.masked_logit)
+        self.release_k_after_reading_ids(j)
     return online_softmax(s, m, call.c)
 
-  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, kv_segment=None):
+  def release_k_after_reading_ids(self, j):
+    """Releases the K slot of block j once its key ids have been read."""
+    if self.ctx.call.interpreting:
+      # The interpreter orders these generic-proxy reads before the TMA that
+      # refills the slot only through a proxy fence; on hardware the release
+      # (an mbarrier arrive) orders them, as for the backward's lse2 rings.
+      plgpu.commit_smem()
+    self.ctx.bars.k.consumer_release(self.ring_step(j))
+
+  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, key_ids=None):
     """Softmax of block j, O rescaled, the hand-off of the tensor core, and
     the row sums before or after it (`sum_before_handoff`)."""
     cfg = self.ctx.call.config
-    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, kv_segment=kv_segment)
+    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids)
     acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     p16 = p.astype(self.ctx.call.dtype)
     if cfg.sum_before_handoff:
@@ -903,7 +944,8 @@ def _build_kernel(
       out_type=out_type,
       scratch_types=(tuple(_scratch_smem(call)),
                      ForwardBarriers.scratch_types(cfg, kv_copies_per_block(cfg.block_kv,
-                                                                            page_size))),
+                                                                            page_size),
+                                                   key_ids=has_segment_ids)),
       grid=(work.num_ctas,) if cfg.persistent else (num_q_heads, num_q_tiles, batch),
       grid_names=("ctas",) if cfg.persistent else ("heads", "q_tiles", "batch"),
       num_threads=cfg.num_consumers + 1,

@@ -50,9 +50,59 @@ def smem_tile(shape, dtype, swizzle: int = 128):
   )
 
 
+def _ids_layout(along_rows: bool):
+  return plgpu.Layout.WGMMA.reduce(1 if along_rows else 0)
+
+
 def load_ids(ids_ref, batch_idx, start, n: int, *, along_rows: bool):
   """Segment ids [start, start + n) of one batch row as a vector along a
   wgmma tile's rows or columns. Element loads from GMEM (no optimized GMEM
-  path exists for these layouts): only masked blocks need them."""
-  layout = plgpu.Layout.WGMMA.reduce(1 if along_rows else 0)
-  return plgpu.load(ids_ref.at[batch_idx, pl.ds(start, n)], layout=layout, optimized=False)
+  path exists for these layouts): for the few ids a tile keeps (its rows'
+  2 per thread); a block's ids along the columns come through an `id_ring`."""
+  return plgpu.load(ids_ref.at[batch_idx, pl.ds(start, n)], layout=_ids_layout(along_rows),
+                    optimized=False)
+
+
+def id_ring(num_slots: int, n: int):
+  """SMEM for the segment ids of the blocks a ring streams: `n` int32 ids
+  per slot, TMA-loaded by the producer with the block's tiles (its slot's
+  full barrier expects one more copy).
+
+  Along a wgmma tile's columns a thread holds n / 4 ids (32 registers at
+  128 keys); loaded from GMEM before a block's first wgmma, to hide the
+  latency, they stayed live across it beside S and O and spilled (ptxas,
+  H200: D64 window forward 640 bytes, D128 dense dK/dV 1336, against 0 and
+  48 without segment ids). From SMEM they are read after the wgmma wait,
+  a few columns at a time where the element mask uses them
+  (`where_visible_by_column_chunks`)."""
+  return plgpu.SMEM((num_slots, n), jnp.int32)
+
+
+def read_ids(slot_ref, *, along_rows: bool = False):
+  """The ids of one `id_ring` slot as a vector along a wgmma tile's rows or
+  columns (vectorized SMEM loads)."""
+  return plgpu.load(slot_ref, layout=_ids_layout(along_rows))
+
+
+# Columns whose segment ids `where_visible_by_column_chunks` reads at once:
+# 8 (2 ids per thread, one 8-byte SMEM load) spilled least (ptxas, H200,
+# every segment-id kernel the heuristics pick: 13512 bytes in all, 15824
+# with 16 columns, 21496 with 32; the forward spills nothing with 8 or 16).
+ID_CHUNK = 8
+
+
+def where_visible_by_column_chunks(x, column_ids, visible_of, fill):
+  """`jnp.where(visible, x, fill)` of a wgmma tile whose element mask needs
+  its columns' segment ids, held by `column_ids` (an `id_ring` slot): one
+  chunk of `ID_CHUNK` columns after another, each chunk's ids read from SMEM
+  right before its selects, so that a thread holds 2 ids at a time where
+  all of a 128-column tile's took 32 registers. `visible_of(first_column,
+  shape, ids)`: the element mask of the chunk."""
+  n = x.shape[1]
+  parts = []
+  for first in range(0, n, ID_CHUNK):
+    width = min(ID_CHUNK, n - first)
+    part = x[:, first:first + width]
+    ids = read_ids(column_ids.at[pl.ds(first, width)])
+    parts.append(jnp.where(visible_of(first, part.shape, ids), part, fill))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
