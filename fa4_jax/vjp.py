@@ -30,6 +30,11 @@ and returns the tangent of (out, lse) as one linear primitive (`_LinearMap`):
   tangent is that of the XLA backward (`_fused_backward` is a custom_jvp;
   kernels have no derivative). The tangent of the lse is exact, since the
   backward's derivative reads it.
+The rule is held twice, outside and inside a `custom_vmap` call
+(`_keeping_rule`): partial evaluation (a `lax.scan` linearized for
+`jax.grad`) inlines a custom_jvp and drops its rule, but stages the
+custom_vmap call whole, so a Hessian-vector product through a scan still
+finds the rule.
 Reverse mode over these derivatives (`grad` of `grad`, `jacrev` of `jacfwd`)
 is refused with a ValueError that names forward-over-reverse: the XLA path
 loops over visible blocks with `fori_loop`s of dynamic bounds, which JAX
@@ -77,11 +82,56 @@ class CoreConfig:
 def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                    kv_segment_ids, sinks, config: CoreConfig):
   """(out, lse) of attention with the backend named in `config`."""
+  return _keeping_rule(functools.partial(_partitioned_forward, config=config))(
+      q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
+def _partitioned_forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                         kv_segment_ids, sinks, config: CoreConfig):
+  """`attention_core` again, with the same rule: what `_keeping_rule` shields."""
   return sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths,
                           q_segment_ids, kv_segment_ids, sinks)
 
 
+def _keeping_rule(rule_fn):
+  """`rule_fn` (a custom_jvp) as one `custom_vmap` primitive, so that its
+  differentiation rule survives JAX's partial evaluation.
+
+  Partial evaluation inlines a custom_jvp whose inputs are partly unknown,
+  dropping its rule (it assumes it builds a linear function): a `lax.scan`
+  linearized for `jax.grad` does this to its primal body while it hoists the
+  loop-invariant work out, and a `jax.jvp` of that gradient (a Hessian-vector
+  product) then differentiated the kernel's `custom_partitioning` call. A
+  `custom_vmap` call is staged whole, and its derivative is that of the
+  function inside, so the rule inside is honoured."""
+
+  def shielded(*args):
+    # Only arrays pass through (custom_vmap's jvp fails on None leaves).
+    leaves, tree = jax.tree.flatten(args)
+    on_leaves = lambda *leaves: rule_fn(*jax.tree.unflatten(tree, leaves))
+
+    @jax.custom_batching.custom_vmap
+    def call(*leaves):
+      return on_leaves(*leaves)
+
+    @call.def_vmap
+    def _vmap_rule(axis_size, in_batched, *leaves):
+      del axis_size
+      if not any(in_batched):  # so called by custom_vmap's own jvp
+        out = on_leaves(*leaves)
+        return out, jax.tree.map(lambda _: False, out)
+      in_axes = tuple(0 if batched else None for batched in in_batched)
+      out = jax.vmap(on_leaves, in_axes=in_axes)(*leaves)
+      return out, jax.tree.map(lambda _: True, out)
+
+    return call(*leaves)
+
+  return shielded
+
+
 @attention_core.defjvp
+@_partitioned_forward.defjvp
 def _core_jvp(config, primals, tangents):
   """(out, lse) from the backend's forward; their tangent from a linear map
   that evaluates with the XLA path and transposes to the fused backward."""

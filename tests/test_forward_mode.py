@@ -145,6 +145,22 @@ def test_jvp_under_vmap_and_checkpoint():
   assert_close(jvp(ours), jvp(theirs))
 
 
+def test_hessian_vector_product_through_a_scan_of_checkpointed_layers_equals_jax_nn():
+  """Flax's nn.scan: the scan's linearization inlines the attention's
+  custom_jvp in its primal body (loop-invariant hoisting); the rule must
+  still hold when the gradient is differentiated again."""
+  rng = np.random.default_rng(7)
+  x, weights = normal(rng, (B, T, N, H)), normal(rng, (2, H, H)) * 0.3
+  directions = normal(rng, x.shape), normal(rng, weights.shape)
+
+  def loss(attend):
+    layer = jax.checkpoint(lambda x, w: x + jnp.tanh(attend(x @ w, x, x, is_causal=True)))
+    return lambda x, ws: jnp.sum(jnp.sin(jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0]))
+
+  hvp = lambda attend: jax.jvp(jax.grad(loss(attend), (0, 1)), (x, weights), directions)
+  assert_close(jax.jit(lambda: hvp(fa4_jax.attention))(), hvp(jax_nn))
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
 def test_derivatives_under_sharded_jit_equal_the_unsharded_ones(host_devices, axis_type):
   """Batch and heads sharded; the bias is broadcast over the batch, so its
