@@ -181,6 +181,23 @@ def result_path(prefix: str, device_kind: str, tag: str = "") -> str:
   return os.path.join(out_dir, f"{name}.json")
 
 
+def write_results(prefix: str, device_kind: str, tag: str, method: str, rows,
+                  path: str | None = None, **extra) -> str:
+  """Writes a benchmark's rows with what they were measured on and how
+  (device, jax version, date, `method`, any `extra` fields) to `path`, by
+  default `result_path(prefix, device_kind, tag)`; prints where."""
+  import json
+
+  path = path or result_path(prefix, device_kind, tag)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  meta = dict(device=device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+              method=method, **extra, rows=rows)
+  with open(path, "w") as fh:
+    json.dump(meta, fh, indent=1)
+  print("wrote", path)
+  return path
+
+
 def add_case_options(parser) -> None:
   """--only SUBSTRING (repeatable) and --tag NAME (added to the results file name)."""
   parser.add_argument("--only", action="append", default=None,

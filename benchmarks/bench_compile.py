@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
 import subprocess
@@ -401,18 +400,14 @@ def main():
                **result)
     rows.append(row)
     print(json.dumps(row), flush=True)
-  path = args.out or bench_common.result_path("compile", device, args.tag)
-  meta = dict(device=device, jax=jax.__version__, date=datetime.date.today().isoformat(),
-              method=("one fresh process per measurement; trace/lower/compile via "
-                      "jax.jit(f).trace(...).lower().compile(), run = first call of the "
-                      "compiled function to its result; `fa4_jax cached`: the second of two "
-                      "processes sharing a persistent compilation cache"),
-              wall_s=time.perf_counter() - started, rows=rows)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as fh:
-    json.dump(meta, fh, indent=1)
   print(markdown(rows))
-  print("wrote", path)
+  bench_common.write_results(
+      "compile", device, args.tag,
+      ("one fresh process per measurement; trace/lower/compile via "
+       "jax.jit(f).trace(...).lower().compile(), run = first call of the "
+       "compiled function to its result; `fa4_jax cached`: the second of two "
+       "processes sharing a persistent compilation cache"),
+      rows, path=args.out, wall_s=time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Usage (GPU machine, repository root):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -137,16 +136,13 @@ def main():
   splits = [int(x) for x in args.splits.split(",")]
   rows = [run_case(*case, splits, args.rounds)
           for case in bench_common.selected(CASES, args.only)]
-  path = bench_common.result_path("decode", device.device_kind, args.tag)
-  with open(path, "w") as fh:
-    json.dump(dict(device=device.device_kind, jax=jax.__version__,
-                   date=datetime.date.today().isoformat(),
-                   method=("sum of kernel durations in a profiler trace, median of "
-                           f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
-                           "TB/s = K and V bytes read once / time; bf16"),
-                   rows=rows), fh, indent=1)
   print(markdown(rows))
-  print("wrote", path)
+  bench_common.write_results(
+      "decode", device.device_kind, args.tag,
+      ("sum of kernel durations in a profiler trace, median of "
+       f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
+       "TB/s = K and V bytes read once / time; bf16"),
+      rows)
 
 
 if __name__ == "__main__":

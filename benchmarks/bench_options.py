@@ -31,7 +31,6 @@ prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -129,18 +128,14 @@ def main():
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   rows = [run_case(*case, args.rounds) for case in bench_common.selected(CASES, args.only)]
-  path = bench_common.result_path("options", device.device_kind, args.tag)
-  meta = dict(device=device.device_kind, jax=jax.__version__,
-              date=datetime.date.today().isoformat(),
-              method=(f"forward: sum of kernel durations in a profiler trace, median of "
-                      f"{bench_common.ITERATIONS}; backward: kernel span of the VJP in a profiler "
-                      f"trace, median of {bench_common.ITERATIONS}; median of {args.rounds} "
-                      "interleaved rounds; bf16; percentages against the plain column"),
-              rows=rows)
-  with open(path, "w") as fh:
-    json.dump(meta, fh, indent=1)
   print(markdown(rows))
-  print("wrote", path)
+  bench_common.write_results(
+      "options", device.device_kind, args.tag,
+      (f"forward: sum of kernel durations in a profiler trace, median of "
+       f"{bench_common.ITERATIONS}; backward: kernel span of the VJP in a profiler "
+       f"trace, median of {bench_common.ITERATIONS}; median of {args.rounds} "
+       "interleaved rounds; bf16; percentages against the plain column"),
+      rows)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -182,20 +181,16 @@ def main():
   rows = []
   for shape in bench_common.selected(SHAPES, args.only):
     rows += run_shape(*shape, args.rounds)
-  path = bench_common.result_path("packed", device.device_kind, args.tag)
-  meta = dict(device=device.device_kind, jax=jax.__version__,
-              date=datetime.date.today().isoformat(),
-              method=(f"forward: sum of kernel durations in a profiler trace, median of "
-                      f"{ITERATIONS}; "
-                      f"backward: kernel span in a profiler trace, median of {ITERATIONS}; "
-                      f"median of {args.rounds} interleaved rounds; "
-                      "useful FLOPs: visible pairs only (dense: S^2/2 per row), "
-                      f"backward {BACKWARD_FACTOR}x forward"),
-              rows=rows)
-  with open(path, "w") as fh:
-    json.dump(meta, fh, indent=1)
   print(markdown(rows))
-  print("wrote", path)
+  bench_common.write_results(
+      "packed", device.device_kind, args.tag,
+      (f"forward: sum of kernel durations in a profiler trace, median of "
+       f"{ITERATIONS}; "
+       f"backward: kernel span in a profiler trace, median of {ITERATIONS}; "
+       f"median of {args.rounds} interleaved rounds; "
+       "useful FLOPs: visible pairs only (dense: S^2/2 per row), "
+       f"backward {BACKWARD_FACTOR}x forward"),
+      rows)
 
 
 if __name__ == "__main__":

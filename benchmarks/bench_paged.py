@@ -30,7 +30,6 @@ Usage (GPU machine, repository root):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -137,17 +136,14 @@ def main():
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   rows = [run_case(*case, args.rounds) for case in bench_common.selected(CASES, args.only)]
-  path = bench_common.result_path("paged", device.device_kind, args.tag)
-  with open(path, "w") as fh:
-    json.dump(dict(device=device.device_kind, jax=jax.__version__,
-                   date=datetime.date.today().isoformat(),
-                   method=("sum of kernel durations in a profiler trace, median of "
-                           f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
-                           "TB/s = K and V bytes of the valid keys read once / time; bf16; "
-                           "pages shuffled in the pool"),
-                   rows=rows), fh, indent=1)
   print(markdown(rows))
-  print("wrote", path)
+  bench_common.write_results(
+      "paged", device.device_kind, args.tag,
+      ("sum of kernel durations in a profiler trace, median of "
+       f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
+       "TB/s = K and V bytes of the valid keys read once / time; bf16; "
+       "pages shuffled in the pool"),
+      rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Usage (GPU machine, repository root):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -155,17 +154,14 @@ def main():
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   rows = [run_case(*case, args.rounds) for case in bench_common.selected(CASES, args.only)]
-  path = bench_common.result_path("prefill", device.device_kind, args.tag)
-  with open(path, "w") as fh:
-    json.dump(dict(device=device.device_kind, jax=jax.__version__,
-                   date=datetime.date.today().isoformat(),
-                   method=("sum of kernel durations in a profiler trace (backward: the VJP's "
-                           f"kernel span), median of {bench_common.ITERATIONS}, median of "
-                           f"{args.rounds} interleaved rounds; bf16; TFLOP/s over visible "
-                           "pairs"),
-                   rows=rows), fh, indent=1)
   print(markdown(rows))
-  print("wrote", path)
+  bench_common.write_results(
+      "prefill", device.device_kind, args.tag,
+      ("sum of kernel durations in a profiler trace (backward: the VJP's "
+       f"kernel span), median of {bench_common.ITERATIONS}, median of "
+       f"{args.rounds} interleaved rounds; bf16; TFLOP/s over visible "
+       "pairs"),
+      rows)
 
 
 if __name__ == "__main__":
