@@ -198,6 +198,14 @@ def write_results(prefix: str, device_kind: str, tag: str, method: str, rows,
   return path
 
 
+def table_cell(column, fmt) -> str:
+  """A Markdown cell of one result column: "-" where the column is absent,
+  "error" where it failed, else `fmt(column)`."""
+  if column is None:
+    return "-"
+  return "error" if "error" in column else fmt(column)
+
+
 def add_case_options(parser) -> None:
   """--only SUBSTRING (repeatable) and --tag NAME (added to the results file name)."""
   parser.add_argument("--only", action="append", default=None,

@@ -117,10 +117,8 @@ def markdown(rows):
   columns = sorted({c for r in rows for c in r if isinstance(r[c], dict)})
   lines = ["| case | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
   for r in rows:
-    cells = []
-    for c in columns:
-      x = r.get(c)
-      cells.append("-" if x is None else "error" if "error" in x else f"{x['tb_per_s']:.2f}")
+    cells = [bench_common.table_cell(r.get(c), lambda x: f"{x['tb_per_s']:.2f}")
+             for c in columns]
     lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

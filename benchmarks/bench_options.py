@@ -104,17 +104,14 @@ def markdown(rows):
   for r in rows:
     for p in ("fwd", "bwd"):
       plain = r.get("plain", {}).get(f"{p}_ms")
-      cells = []
-      for c in COLUMNS:
-        x = r.get(c)
-        if x is None:
-          cells.append("-")
-        elif "error" in x:
-          cells.append("error")
-        else:
-          ms = x[f"{p}_ms"]
-          vs = f" ({100 * (ms / plain - 1):+.1f} %)" if plain and c != "plain" else ""
-          cells.append(f"{ms:.3f}{vs}")
+
+      def against_plain(x, c):
+        ms = x[f"{p}_ms"]
+        vs = f" ({100 * (ms / plain - 1):+.1f} %)" if plain and c != "plain" else ""
+        return f"{ms:.3f}{vs}"
+
+      cells = [bench_common.table_cell(r.get(c), lambda x, c=c: against_plain(x, c))
+               for c in COLUMNS]
       lines.append(f"| {r['case']} | {p} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

@@ -132,16 +132,8 @@ def markdown(rows):
   lines = ["| case | chosen | " + " | ".join(f"{c} fwd / bwd ms" for c in columns) + " |",
            "|" + "---|" * (len(columns) + 2)]
   for r in rows:
-    cells = []
-    for c in columns:
-      x = r.get(c)
-      if x is None:
-        cells.append("-")
-      elif "error" in x:
-        cells.append("error")
-      else:
-        bwd = f" / {x['bwd_ms']:.3f}" if "bwd_ms" in x else ""
-        cells.append(f"{x['fwd_ms']:.3f}{bwd}")
+    fwd_bwd = lambda x: f"{x['fwd_ms']:.3f}" + (f" / {x['bwd_ms']:.3f}" if "bwd_ms" in x else "")
+    cells = [bench_common.table_cell(r.get(c), fwd_bwd) for c in columns]
     lines.append(f"| {r['case']} | {r['chosen']} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
