@@ -9,7 +9,7 @@ and dQ; `ncu_profile.sh` does this):
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \\
         --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
         --set full -o report python3 tools/profile_kernel.py forward \\
-        --case "B2 S8192 H32 D64 causal" [--config key=value,...]
+        --case "B2 S8192 H32 D64 causal" [--config key=value,...] [--soft-cap 50]
 
 (Preallocation off: ncu saves and restores the memory a replayed kernel can
 reach, and XLA's default pool would make that most of the GPU.)
@@ -35,17 +35,18 @@ from fa4_jax.kernels import sm90_backward, sm90_forward  # noqa: E402
 import bench_common  # noqa: E402
 
 
-def forward_call(case, config_text):
+def forward_call(case, config_text, soft_cap=None):
   _, B, S, Hq, Hkv, D, causal, window_left = case
   q, k, v, _ = _inputs(B, S, Hq, Hkv, D)
   mask, _ = bench_common.case_mask(causal, window_left)
   config = bench_forward.config_for(config_text, D, mask, S)
   fn = jax.jit(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=1 / math.sqrt(D), mask=mask, config=config)[0])
+      q, k, v, None, None, scale=1 / math.sqrt(D), mask=mask, config=config,
+      soft_cap=soft_cap)[0])
   return config, lambda: fn(q, k, v)
 
 
-def backward_call(case, config_text):
+def backward_call(case, config_text, soft_cap=None):
   _, B, S, Hq, Hkv, D, causal, window_left, _ = case
   q, k, v, do = _inputs(B, S, Hq, Hkv, D)
   mask, _ = bench_common.case_mask(causal, window_left)
@@ -59,7 +60,7 @@ def backward_call(case, config_text):
   lse = jnp.full((B, Hq, S), math.log(S) + 0.5, jnp.float32)
   config = bench_backward.config_for(config_text, D, mask, Hq // Hkv)
   fn = jax.jit(lambda *args: sm90_backward.backward(
-      *args, None, None, scale=scale, mask=mask, config=config))
+      *args, None, None, scale=scale, mask=mask, config=config, soft_cap=soft_cap))
   return config, lambda: fn(q, k, v, out, lse, do)
 
 
@@ -81,12 +82,13 @@ def main() -> int:
   ap.add_argument("pass_", metavar="pass", choices=sorted(PASSES))
   ap.add_argument("--case", required=True, help="a case name of the pass's benchmark")
   ap.add_argument("--config", default="", help="config overrides key=value,...")
+  ap.add_argument("--soft-cap", type=float, default=None, help="logit soft-cap (default: none)")
   args = ap.parse_args()
   case_list, make_call = PASSES[args.pass_]
   cases = {c[0]: c for c in case_list}
   if args.case not in cases:
     ap.error(f"--case must be one of {sorted(cases)}")
-  config, call = make_call(cases[args.case], args.config)
+  config, call = make_call(cases[args.case], args.config, args.soft_cap)
   print(args.pass_, args.case, config, flush=True)
   for _ in range(2):
     jax.block_until_ready(call())
