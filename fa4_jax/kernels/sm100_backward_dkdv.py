@@ -138,7 +138,8 @@ class DkvTiles:
     resident = 2 * self.block_kv * self.head_dim * item  # K, V (then dK, dV)
     ring = self.num_stages * (2 * self.block_q * self.head_dim * item  # Q, dO
                               + 2 * self.block_q * 4)  # lse2, delta
-    barriers = 1024  # generous: < 20 mbarriers of 8 bytes, plus alignment
+    # mbarriers, the TMEM address and alignment: 1188 bytes lowered at D64.
+    barriers = 2048
     return resident + ring + barriers
 
   def mma_issues_per_block(self) -> int:
@@ -245,9 +246,11 @@ class DkvBarriers:
     self.tiles = tiles
     self._refs = refs
     # Pallas' GPU interpreter wants every waiter to observe every phase of a
-    # barrier before the kernel ends; hardware does not. The drain_* methods
-    # wait out those last phases only when interpreting.
-    self._drain = is_interpreting()
+    # barrier before the kernel ends, and a proxy fence between the compute
+    # warpgroup's SMEM reads and the TMA that rewrites the slot; hardware
+    # needs neither (a TMA ring's consumer releases its slot with a plain
+    # arrive). The drain_* methods and that fence run only when interpreting.
+    self._interpreting = is_interpreting()
 
   @staticmethod
   def scratch_types(tiles: DkvTiles) -> dict:
@@ -297,6 +300,8 @@ class DkvBarriers:
     return _Waiter(self._at("stats_full", slot))
 
   def consumer_stats_release(self, slot) -> None:
+    if self._interpreting:
+      plgpu.commit_smem()  # see __init__
     plgpu.barrier_arrive(self._at("stats_free", slot))
 
   # S^T / P^T (MMA warp <-> compute warpgroup).
@@ -354,7 +359,7 @@ class DkvBarriers:
   # Interpreter-only drains of the last phases (see __init__).
   def drain_ring(self, num_steps) -> None:
     """Load warp: observe the qdo_free / stats_free phases of the last lap."""
-    if not self._drain:
+    if not self._interpreting:
       return
     stages = self.tiles.num_stages
 
@@ -366,7 +371,7 @@ class DkvBarriers:
 
   def drain_tmem(self) -> None:
     """MMA warp: observe the p_free / ds_free phases of the last step."""
-    if self._drain:
+    if self._interpreting:
       self.producer_s_acquire()
       self.producer_dp_acquire()
 
