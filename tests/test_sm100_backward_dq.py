@@ -36,6 +36,26 @@ from reference import KernelCase, einsum_attention, packed_segment_ids
 @dataclasses.dataclass(frozen=True)
 class Case(KernelCase):
   soft_cap: float | None = None
+  # Bottom-right alignment by the lengths (`MaskSpec.offset_from_lengths`):
+  # each batch row's last valid query sits on its last valid key.
+  aligned_by_lengths: bool = False
+
+  @property
+  def mask(self) -> MaskSpec:
+    return dataclasses.replace(super().mask, offset_from_lengths=self.aligned_by_lengths)
+
+  def visible(self) -> np.ndarray:
+    if not self.aligned_by_lengths:
+      return super().visible()
+    rows = []
+    for i in range(self.batch):  # one offset per batch row: kv_len - q_len
+      q_len = self.q_seq if self.q_lengths is None else self.q_lengths[i]
+      kv_len = self.kv_seq if self.kv_lengths is None else self.kv_lengths[i]
+      row = dataclasses.replace(self, batch=1, aligned_by_lengths=False,
+                                q_offset=self.q_offset + kv_len - q_len,
+                                q_lengths=(q_len,), kv_lengths=(kv_len,))
+      rows.append(row.visible())
+    return np.concatenate(rows)
 
 
 def _inputs(case: Case, seed: int = 0):
@@ -128,6 +148,26 @@ CASES = {
     # Bottom-right alignment by a fixed offset: rows before the first key
     # see nothing.
     "causal_bottom_right_offset": Case(is_causal=True, q_seq=192, kv_seq=128, q_offset=-64),
+    # Bottom-right alignment by each row's lengths (chunked prefill), with a window.
+    "window_aligned_by_lengths": Case(
+        batch=2, is_causal=True, window=(48, 0), q_seq=136, kv_seq=264, q_lengths=(136, 40),
+        kv_lengths=(264, 200), aligned_by_lengths=True),
+    # Step 3: a two-sided window skips far key blocks on both sides; fp16.
+    "float16_two_sided_window": Case(dtype="float16", window=(40, 20), q_seq=200, kv_seq=330),
+    "head_dim_128_causal_window_soft_cap": Case(
+        head_dim=128, is_causal=True, window=(100, 0), q_seq=256, kv_seq=256, soft_cap=2.0),
+    # Segment ids: documents packed one after the other (tiles skipped, one-id
+    # blocks unmasked), GQA; an id the keys lack (rows that see no key).
+    "segments_packed_causal_gqa": Case(
+        is_causal=True, q_seq=256, kv_seq=256, q_heads=2, kv_heads=1,
+        q_segment_ids=_ids(_DOCS([100, 60, 96], 256)),
+        kv_segment_ids=_ids(_DOCS([100, 60, 96], 256))),
+    "segments_interleaved_and_absent_ids_lengths": Case(
+        batch=2, q_seq=136, kv_seq=200, q_lengths=(136, 100), kv_lengths=(150, 200),
+        q_segment_ids=_ids(np.arange(136) % 3, np.r_[np.zeros(70), np.full(66, 5)]),
+        kv_segment_ids=_ids(np.arange(200) // 2 % 3, np.zeros(200))),
+    # head_dim 256: dQ takes half the TMEM; 32-key blocks.
+    "head_dim_256_causal_ragged": Case(head_dim=256, is_causal=True, q_seq=136, kv_seq=100),
 }
 
 
