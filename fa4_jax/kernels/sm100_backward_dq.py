@@ -31,10 +31,10 @@ warpgroup turns block n into dS_n:
 Static cost model (per CTA and key block; bf16/fp16 MMAs are issued in
 K-steps of 16, M = 128, N <= 256 per instruction):
 
-    head dim  block_kv  stages  buffers  tcgen05.mma per block          TMEM cols  SMEM (KiB)
-    64        64        3       2        S 4 + dP 4 + dQ 4 = 12         64+4*64=320   2*16 + 3*16 + 1 = 81
-    128       64        3       2        S 8 + dP 8 + dQ 4 = 20         128+4*64=384  2*32 + 3*32 + 1 = 161
-    256       32        2       2        S 16 + dP 16 + dQ 2 = 34       256+4*32=384  2*64 + 2*32 + 1 = 193
+    head dim  block_kv  stages  buffers  tcgen05.mma per block     TMEM cols      SMEM (KiB)
+    64        64        3       2        S 4 + dP 4 + dQ 4 = 12    64+4*64=320    2*16 + 3*16 + 3 = 83
+    128       64        3       2        S 8 + dP 8 + dQ 4 = 20    128+4*64=384   2*32 + 3*32 + 3 = 163
+    256       64        1       1        S 16 + dP 16 + dQ 4 = 36  256+2*64=384   2*64 + 1*64 + 3 = 195
 
 MMA work per block: 3 * 128 * block_kv * head_dim MACs (S, dP, dQ); the
 compute warpgroup's per block: 128 * block_kv exp2 (two MUFU ops per element
@@ -46,10 +46,18 @@ Why these tiles. TMEM (512 columns): dQ takes head_dim columns for the whole
 walk, each score buffer S (block_kv, dS packed over it) + dP (block_kv).
 block_kv 64 keeps S and dP of a block in the compute warpgroup's registers
 (128 of them per thread; 128 keys would need 256, i.e. chunked loads) and
-lets two score buffers fit at every head dim. At 256 the dQ accumulator
-alone takes half the TMEM, and 64-key blocks would fit TMEM (256 + 4 * 64 =
-512) but not SMEM (Q and dO 128 KiB, two stages of K and V 128 KiB): 32-key
-blocks, two stages. SMEM: Q and dO tiles resident (Q later holds dQ on its
+lets two score buffers fit at head dims 64 and 128. The dQ MMA's K is
+block_kv, and Mosaic GPU issues it in groups of 64 under K's 128-byte
+swizzle (`tcgen05.mma` lowering: "K must be a multiple of 64"; the
+interpreter does not check it), so blocks have at least 64 keys. At 256 the
+dQ accumulator takes half the TMEM and 64-key blocks fit TMEM even with two
+score buffers (512), but not SMEM beyond one K/V stage (Q and dO 128 KiB,
+each stage of K and V 64 KiB); with one stage the MMA warp cannot run a
+block ahead (S_(n+1) needs K_(n+1) in the slot that dQ += dS_n K_n still
+reads: `check_budgets` refuses num_stages < score_buffers), so head dim 256
+runs serially: one stage, one score buffer. It is correct (tested) but
+expected slow; the dK/dV kernel does not support 256 at all, so the
+backward falls back to XLA there anyway. SMEM: Q and dO tiles resident (Q later holds dQ on its
 way out), K and V rings, lse2 and delta rows, barriers.
 
 Segment ids: the CTA walks the blocks its tile's ids may meet
@@ -85,6 +93,9 @@ from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
 BLOCK_Q = 128  # rows of the Q tile = TMEM lanes = threads of the compute warpgroup
+# tcgen05 MMAs are issued in K groups of 128 bytes of the swizzled operands:
+# 64 16-bit elements (dQ += dS K has K = block_kv).
+MMA_K_GROUP = 64
 EPILOGUE_CHUNK = 64  # dQ columns read from TMEM at once in the epilogue
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -135,7 +146,9 @@ class DqTiles:
         "K ring": self.num_stages * block,
         "V ring": self.num_stages * block,
         "lse2, delta": 2 * self.block_q * 4,
-        "barriers": 1024,  # generous: < 30 mbarriers of 8 bytes, plus alignment
+        # < 30 mbarriers of 8 bytes, the TMEM address, alignment (cross-lowered:
+        # the allocation stays within this plan, tests/test_sm100_backward_dq.py)
+        "barriers and alignment": 2048,
     }
 
   def smem_bytes(self) -> int:
@@ -148,6 +161,14 @@ class DqTiles:
   def check_budgets(self) -> None:
     if self.block_q != BLOCK_Q:
       raise KernelUnsupported(f"sm100 dQ: block_q must be {BLOCK_Q} (TMEM lanes); got {self.block_q}")
+    if self.block_kv % MMA_K_GROUP:
+      raise KernelUnsupported(
+          f"sm100 dQ: block_kv must be a multiple of {MMA_K_GROUP} (the K of dQ += dS K under"
+          f" K's 128-byte swizzle); got {self.block_kv}")
+    if self.num_stages < self.score_buffers:
+      raise KernelUnsupported(
+          f"sm100 dQ: {self.score_buffers} score buffers need as many K/V stages (the MMA warp"
+          f" runs {self.score_buffers - 1} block(s) ahead); got num_stages={self.num_stages}")
     cols = self.tmem_columns()
     if cols > TMEM_COLUMNS:
       raise KernelUnsupported(
@@ -169,7 +190,7 @@ def dq_tiles(head_dim: int, dtype) -> DqTiles:
   elif head_dim == 128:
     tiles = DqTiles(head_dim, jnp.dtype(dtype), block_kv=64, num_stages=3)
   elif head_dim == 256:
-    tiles = DqTiles(head_dim, jnp.dtype(dtype), block_kv=32, num_stages=2)
+    tiles = DqTiles(head_dim, jnp.dtype(dtype), block_kv=64, num_stages=1, score_buffers=1)
   else:
     raise KernelUnsupported(
         f"sm100 dQ: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {head_dim}")
