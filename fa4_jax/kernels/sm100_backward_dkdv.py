@@ -1,0 +1,779 @@
+"""The dK/dV kernel of the Blackwell (sm_100) backward: CTAs that own key tiles.
+
+One CTA per (kv head, tile of `BLOCK_KV` = 128 keys, batch) walks every
+query block of every query head of the GQA group that the mask lets its keys
+be seen by (`sm90_backward_common.KeyTileWork`, the walk of the sm90 dK/dV
+kernel), and accumulates dK and dV of its keys in tensor memory (TMEM): the
+group sum happens in the accumulators. Scores are computed transposed, keys
+along the TMEM lanes (one key per thread of the compute warpgroup):
+
+    S^T  = K Q^T        (TMEM, f32)   P^T  = exp2(c S^T - lse2)  (TMEM, over S^T)
+    dP^T = V dO^T       (TMEM, f32)   dS^T = P^T (dP^T - delta)  (TMEM, over dP^T)
+    dV  += P^T dO       (TMEM)        dK  += dS^T Q              (TMEM; x scale at the end)
+
+P^T and dS^T are the A operands of the dV and dK MMAs straight from TMEM (16
+bits, two per column, over the columns of S^T and dP^T, as the forward's P
+over S); the B operands (dO, Q) are SMEM tiles. No gradient is written by
+two CTAs (deterministic, no atomics).
+
+Warpgroups:
+
+    wg 0   compute: P^T from S^T (element mask only on boundary blocks, as
+           the sm90 kernel: `scores.q_tile_ranges`, `walk_blocks`), then
+           dS^T from dP^T, column chunk by chunk; then the epilogue (dK *
+           scale and dV from TMEM through the K and V SMEM tiles to GMEM).
+    wg 1   warp 0: TMA loads (K, V once; Q, dO and lse2, delta of every step
+           into a ring of `num_stages` slots); warp 1: one thread issues
+           every tcgen05 MMA.
+
+MMA order of step n (one query block of one head), single S^T and dP^T
+buffers:
+
+    dV += P_n^T dO_n,  S_(n+1) = K Q_(n+1)^T,  dK += dS_n^T Q_n,  dP_(n+1) = V dO_(n+1)^T
+
+so the dV MMA runs while the compute warpgroup turns dP_n^T into dS_n^T, and
+S_(n+1) (issued once dV_n has read P_n^T) runs beside the dK MMA and the
+rest of dS_n^T: the softmax of step n+1 can start while dK_n runs.
+
+Static cost model (per CTA and query block; M = BLOCK_KV = 128 keys,
+N = block_q, D = head dim; one tcgen05 MMA instruction is issued per
+product, each M x N x K with K the contraction):
+
+    MMA issues per query block: 4  (S^T: 128 x bq x D, dP^T: 128 x bq x D,
+                                    dV: 128 x D x bq, dK: 128 x D x bq)
+    tensor FLOP per query block: 4 * 2 * 128 * bq * D
+        D = 128, bq = 128: 16.8 MFLOP (about 2048 clocks at 8192 dense
+        bf16 FLOP per clock and SM); D = 64: 8.4 MFLOP.
+    exp2 per query block: 128 * bq = 16384 (one per thread and column);
+        with soft-cap one tanh more per element.
+
+    TMEM (columns of 32 bits, all 128 lanes; `DkvTiles.tmem_plan`):
+        dK: D, dV: D, S^T/P^T: bq, dP^T/dS^T: bq
+        D = 128, bq = 128: 512 of 512;  D = 64, bq = 128: 384.
+        D = 256 does not fit: dK and dV alone take all 512 columns
+        (`dkv_tiles` raises KernelUnsupported; the caller falls back).
+    SMEM (bytes, 16-bit inputs; `DkvTiles.smem_bytes`):
+        K, V: 2 * 128 * D * 2   (then dK, dV on their way out)
+        ring: num_stages * (2 * bq * D * 2 + 2 * bq * 4)   (Q, dO, lse2, delta)
+        D = 128, bq = 128, 2 stages: 64 KiB + 130 KiB = 194 KiB of 227;
+        D = 64, bq = 128, 3 stages: 32 KiB + 99 KiB = 131 KiB.
+
+Every barrier is declared once in `DkvBarriers` (name, count, who arrives,
+who waits); the roles use its accessors only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax import scores
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
+from fa4_jax.kernels.sm90_tiles import smem_tile
+from fa4_jax.scores import MaskSpec, cdiv, walk_blocks
+
+# Hardware limits of one sm_100 SM (as in sm100_forward).
+TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
+SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
+
+BLOCK_KV = 128  # keys per CTA = TMEM lanes = threads of the compute warpgroup
+# Columns of S^T / dP^T the compute warpgroup handles at once: a thread holds
+# CHUNK scores, CHUNK statistics and the block's f32 P^T weights (block_q).
+CHUNK = 32
+EPILOGUE_CHUNK = 64
+
+_SUPPORTED_HEAD_DIMS = (64, 128)
+
+# TMEM loads in the 32x32b shape: thread t owns key t (a row of S^T).
+_ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
+_ROW_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)  # one value per key
+_COL_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(0)  # per query, in every thread
+# The epilogue reads dK / dV in the 16x256b shape, which Mosaic GPU can store
+# into swizzled SMEM for the TMA (as the forward's epilogue does).
+_EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
+
+# Warpgroups and the warps of the last one.
+COMPUTE_WG, LOAD_MMA_WG = 0, 1
+LOAD_WARP, MMA_WARP = 0, 1
+
+
+# ---------------------------------------------------------------------------
+# Static configuration: tile sizes, TMEM and SMEM budgets.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DkvTiles:
+  head_dim: int
+  dtype: jnp.dtype
+  block_q: int  # query rows per step (the N of S^T, the K of dV and dK)
+  num_stages: int  # slots of the Q / dO / lse2 / delta ring
+  block_kv: int = BLOCK_KV
+
+  # --- TMEM plan (columns of 32 bits, all 128 lanes) ---
+  #   dK, dV       : head_dim columns each (f32 accumulators)
+  #   S^T / P^T    : block_q columns (f32 scores; P^T in 16 bits, packed two
+  #                  per column, over their first block_q / 2)
+  #   dP^T / dS^T  : block_q columns, the same way
+  def tmem_plan(self) -> dict[str, int]:
+    return {"dK": self.head_dim, "dV": self.head_dim,
+            "S^T/P^T": self.block_q, "dP^T/dS^T": self.block_q}
+
+  def tmem_columns(self) -> int:
+    return sum(self.tmem_plan().values())
+
+  # --- SMEM plan (bytes) ---
+  def smem_bytes(self) -> int:
+    item = jnp.dtype(self.dtype).itemsize
+    resident = 2 * self.block_kv * self.head_dim * item  # K, V (then dK, dV)
+    ring = self.num_stages * (2 * self.block_q * self.head_dim * item  # Q, dO
+                              + 2 * self.block_q * 4)  # lse2, delta
+    # mbarriers, the TMEM address and alignment: 1188 bytes lowered at D64.
+    barriers = 2048
+    return resident + ring + barriers
+
+  def mma_issues_per_block(self) -> int:
+    """tcgen05 MMA instructions per query block: S^T, dP^T, dV, dK."""
+    return 4
+
+  def check_budgets(self) -> None:
+    assert self.block_kv == BLOCK_KV, f"block_kv must be {BLOCK_KV} (TMEM lanes); got {self.block_kv}"
+    assert self.block_q % CHUNK == 0, f"block_q must be a multiple of {CHUNK}; got {self.block_q}"
+    cols = self.tmem_columns()
+    assert cols <= TMEM_COLUMNS, (
+        f"TMEM plan {self.tmem_plan()} needs {cols} columns, more than the"
+        f" {TMEM_COLUMNS} of an sm_100 SM (head_dim={self.head_dim}, block_q={self.block_q})")
+    smem = self.smem_bytes()
+    assert smem <= SMEM_BYTES, (
+        f"SMEM plan needs about {smem} bytes, more than {SMEM_BYTES}"
+        f" (head_dim={self.head_dim}, block_q={self.block_q}, num_stages={self.num_stages})")
+
+
+def dkv_tiles(head_dim: int, dtype) -> DkvTiles:
+  """The tiling for a head dimension, checked against TMEM and SMEM."""
+  if head_dim == 64:
+    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=128, num_stages=3)
+  elif head_dim == 128:
+    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=128, num_stages=2)
+  elif head_dim == 256:
+    raise KernelUnsupported(
+        "sm100 backward dK/dV: head_dim 256 does not fit TMEM: dK and dV of 128 keys take"
+        f" 2 x 256 = {TMEM_COLUMNS} columns alone, leaving none for S^T and dP^T")
+  else:
+    raise KernelUnsupported(
+        f"sm100 backward dK/dV: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  tiles.check_budgets()
+  return tiles
+
+
+# ---------------------------------------------------------------------------
+# Barriers: all of them, with their arrival counts, in one place.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Waiter:
+  """The waiting side of a barrier (one phase per call)."""
+
+  ref: object
+
+  def wait(self) -> None:
+    plgpu.barrier_wait(self.ref)
+
+
+class DkvBarriers:
+  """Every mbarrier of the dK/dV kernel (cf. the forward's `ForwardBarriers`).
+
+  name        count   arrivals     t-core  arrived on by                     waited on by
+  kv_full     1       2 (TMA)      no      load: producer_kv (K, V bytes)    MMA: consumer_kv
+  qdo_full    stages  2 (TMA)      no      load: producer_qdo (Q, dO bytes)  MMA: consumer_qdo
+  qdo_free    stages  1 (MMA)      yes     MMA: consumer_qdo_release         load: producer_qdo_acquire,
+                                             (after dK_n read Q_n)                 drain_ring*
+  stats_full  stages  2 (TMA)      no      load: producer_stats (lse2,       compute: consumer_stats
+                                             delta bytes)
+  stats_free  stages  1            no      compute: consumer_stats_release   load: producer_stats_acquire,
+                                                                                   drain_ring*
+  s_full      1       1 (MMA)      yes     MMA: producer_s (S^T = K Q^T)     compute: consumer_s
+  p_full      1       1            yes     compute: producer_p_commit        MMA: consumer_p
+                                             (P^T in TMEM)
+  p_free      1       1 (MMA)      yes     MMA: consumer_p_release           MMA: producer_s_acquire,
+                                             (dV += P^T dO completed)              drain_tmem*
+  dp_full     1       1 (MMA)      yes     MMA: producer_dp (dP^T = V dO^T)  compute: consumer_dp
+  ds_full     1       1            yes     compute: producer_ds_commit       MMA: consumer_ds
+                                             (dS^T in TMEM)
+  ds_free     1       1 (MMA)      yes     MMA: consumer_ds_release          MMA: producer_dp_acquire,
+                                             (dK += dS^T Q completed)              drain_tmem*
+  acc_full    1       1 (MMA)      yes     MMA: producer_acc (every MMA      compute (epilogue):
+                                             completed)                            consumer_acc
+
+  stages = num_stages; t-core: the barrier orders tensor-core work (tcgen05
+  commits arrive on it, or TMEM written by the compute warpgroup is read by
+  MMAs). * interpreter only.
+
+  S^T and dP^T need their "free" barriers although one thread issues every
+  MMA: tcgen05 MMAs are ordered among themselves only when they share the
+  accumulator, and S^T = K Q^T (accumulator S^T) does not share one with
+  dV += P^T dO (which reads P^T from S^T's columns).
+  """
+
+  SPECS = {
+      # name: (arrivals, orders_tensor_core, per "stage" or once)
+      "kv_full": (2, False, "once"),
+      "qdo_full": (2, False, "stage"),
+      "qdo_free": (1, True, "stage"),
+      "stats_full": (2, False, "stage"),
+      "stats_free": (1, False, "stage"),
+      "s_full": (1, True, "once"),
+      "p_full": (1, True, "once"),
+      "p_free": (1, True, "once"),
+      "dp_full": (1, True, "once"),
+      "ds_full": (1, True, "once"),
+      "ds_free": (1, True, "once"),
+      "acc_full": (1, True, "once"),
+  }
+
+  def __init__(self, tiles: DkvTiles, refs: dict):
+    self.tiles = tiles
+    self._refs = refs
+    # Pallas' GPU interpreter wants every waiter to observe every phase of a
+    # barrier before the kernel ends, and a proxy fence between the compute
+    # warpgroup's SMEM reads and the TMA that rewrites the slot; hardware
+    # needs neither (a TMA ring's consumer releases its slot with a plain
+    # arrive). The drain_* methods and that fence run only when interpreting.
+    self._interpreting = is_interpreting()
+
+  @staticmethod
+  def scratch_types(tiles: DkvTiles) -> dict:
+    types = {}
+    for name, (arrivals, orders_tc, per) in DkvBarriers.SPECS.items():
+      count = tiles.num_stages if per == "stage" else 1
+      types[name] = plgpu.Barrier(num_arrivals=arrivals, num_barriers=count,
+                                  orders_tensor_core=orders_tc)
+    return types
+
+  def _at(self, name, index=0):
+    return self._refs[name].at[index]
+
+  # K and V (load warp -> MMA warp), once per CTA.
+  def producer_kv(self):
+    """TMA barrier of the K and V tiles (pass to both copies)."""
+    return self._at("kv_full")
+
+  def consumer_kv(self) -> _Waiter:
+    return _Waiter(self._at("kv_full"))
+
+  # Q and dO ring (load warp <-> MMA warp).
+  def producer_qdo_acquire(self, slot) -> None:
+    """Load warp: wait until the MMAs that read this slot's Q and dO completed."""
+    plgpu.barrier_wait(self._at("qdo_free", slot))
+
+  def producer_qdo(self, slot):
+    """TMA barrier of a slot's Q and dO (pass to both copies)."""
+    return self._at("qdo_full", slot)
+
+  def consumer_qdo(self, slot) -> _Waiter:
+    return _Waiter(self._at("qdo_full", slot))
+
+  def consumer_qdo_release(self, slot) -> None:
+    """MMA warp: the slot is free once every MMA issued so far completed."""
+    plgpu.tcgen05_commit_arrive(self._at("qdo_free", slot))
+
+  # lse2 and delta ring (load warp <-> compute warpgroup).
+  def producer_stats_acquire(self, slot) -> None:
+    plgpu.barrier_wait(self._at("stats_free", slot))
+
+  def producer_stats(self, slot):
+    """TMA barrier of a slot's lse2 and delta (pass to both copies)."""
+    return self._at("stats_full", slot)
+
+  def consumer_stats(self, slot) -> _Waiter:
+    return _Waiter(self._at("stats_full", slot))
+
+  def consumer_stats_release(self, slot) -> None:
+    if self._interpreting:
+      plgpu.commit_smem()  # see __init__
+    plgpu.barrier_arrive(self._at("stats_free", slot))
+
+  # S^T / P^T (MMA warp <-> compute warpgroup).
+  def producer_s_acquire(self) -> None:
+    """MMA warp: the dV MMA that read P^T (over S^T's columns) completed."""
+    plgpu.barrier_wait(self._at("p_free"))
+
+  def producer_s(self):
+    """Barrier the S^T MMA arrives on when it completes."""
+    return self._at("s_full")
+
+  def consumer_s(self) -> _Waiter:
+    return _Waiter(self._at("s_full"))
+
+  def producer_p_commit(self) -> None:
+    """Compute: P^T is in TMEM (after commit_tmem)."""
+    plgpu.barrier_arrive(self._at("p_full"))
+
+  def consumer_p(self) -> _Waiter:
+    return _Waiter(self._at("p_full"))
+
+  def consumer_p_release(self):
+    """Barrier the dV MMA arrives on when it completes (P^T read)."""
+    return self._at("p_free")
+
+  # dP^T / dS^T (MMA warp <-> compute warpgroup).
+  def producer_dp_acquire(self) -> None:
+    """MMA warp: the dK MMA that read dS^T (over dP^T's columns) completed."""
+    plgpu.barrier_wait(self._at("ds_free"))
+
+  def producer_dp(self):
+    return self._at("dp_full")
+
+  def consumer_dp(self) -> _Waiter:
+    return _Waiter(self._at("dp_full"))
+
+  def producer_ds_commit(self) -> None:
+    plgpu.barrier_arrive(self._at("ds_full"))
+
+  def consumer_ds(self) -> _Waiter:
+    return _Waiter(self._at("ds_full"))
+
+  def consumer_ds_release(self):
+    """Barrier the dK MMA arrives on when it completes (dS^T read)."""
+    return self._at("ds_free")
+
+  # dK, dV (MMA warp -> epilogue).
+  def producer_acc(self) -> None:
+    """MMA warp: after the last MMA, dK and dV are final once it completes."""
+    plgpu.tcgen05_commit_arrive(self._at("acc_full"))
+
+  def consumer_acc(self) -> _Waiter:
+    return _Waiter(self._at("acc_full"))
+
+  # Interpreter-only drains of the last phases (see __init__).
+  def drain_ring(self, num_steps) -> None:
+    """Load warp: observe the qdo_free / stats_free phases of the last lap."""
+    if not self._interpreting:
+      return
+    stages = self.tiles.num_stages
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(n):
+      slot = _rem(n, stages)
+      self.producer_qdo_acquire(slot)
+      self.producer_stats_acquire(slot)
+
+  def drain_tmem(self) -> None:
+    """MMA warp: observe the p_free / ds_free phases of the last step."""
+    if self._interpreting:
+      self.producer_s_acquire()
+      self.producer_dp_acquire()
+
+
+def _rem(x, n: int):
+  if isinstance(x, int):
+    return x % n
+  return lax.rem(x, jnp.asarray(n, x.dtype))
+
+
+# ---------------------------------------------------------------------------
+# The kernel: a context that every role reads, one function per role.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatics:
+  """What `build_dkv_kernel` fixes at trace time, the same for every CTA."""
+
+  tiles: DkvTiles
+  mask: MaskSpec
+  scale: float
+  soft_cap: float | None
+
+  @property
+  def c(self) -> float:
+    """c in P = exp2(c t - lse2) (`scores.softmax_scale`)."""
+    return scores.softmax_scale(self.scale, self.soft_cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class DkvRefs:
+  """SMEM and TMEM scratch (the GMEM operands are a `KernelRefs`)."""
+
+  k_smem: Any  # K tile, then dK on its way out
+  v_smem: Any  # V tile, then dV
+  q_smem: Any  # ring of Q tiles
+  do_smem: Any  # ring of dO tiles
+  lse_smem: Any  # ring of lse2 rows
+  delta_smem: Any  # ring of delta rows
+  st_tmem: Any  # S^T / P^T (RefUnion: P^T over S^T's columns)
+  dpt_tmem: Any  # dP^T / dS^T
+  dk_tmem: Any
+  dv_tmem: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DkvContext:
+  """What every role reads: statics, refs, barriers and this CTA's walk."""
+
+  statics: KernelStatics
+  gmem: KernelRefs
+  refs: DkvRefs
+  bars: DkvBarriers
+  work: KeyTileWork
+  num_steps: Any  # group * query blocks per head (traced)
+  out: tuple  # (dk_ref, dv_ref) in GMEM
+
+  @property
+  def tiles(self) -> DkvTiles:
+    return self.statics.tiles
+
+  def slot(self, step):
+    return _rem(step, self.tiles.num_stages)
+
+  @property
+  def s_tmem(self):
+    return self.refs.st_tmem[0]
+
+  @property
+  def p_tmem(self):
+    return self.refs.st_tmem[1]
+
+  @property
+  def dp_tmem(self):
+    return self.refs.dpt_tmem[0]
+
+  @property
+  def ds_tmem(self):
+    return self.refs.dpt_tmem[1]
+
+  def keys(self):
+    """GMEM index of this CTA's key tile in K, V, dK, dV."""
+    w = self.work
+    return (w.batch_idx, pl.ds(w.k_lo, BLOCK_KV), w.kv_head)
+
+
+# ----------------------------- load warp -------------------------------------
+
+
+def load_warp(ctx: DkvContext) -> None:
+  """TMA loads: K and V once, then (Q, dO) and (lse2, delta) of every step."""
+  refs, bars, gmem, work = ctx.refs, ctx.bars, ctx.gmem, ctx.work
+  bq, stages = ctx.tiles.block_q, ctx.tiles.num_stages
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    plgpu.copy_gmem_to_smem(gmem.k.at[ctx.keys()], refs.k_smem, bars.producer_kv())
+    plgpu.copy_gmem_to_smem(gmem.v.at[ctx.keys()], refs.v_smem, bars.producer_kv())
+
+  @pl.loop(0, ctx.num_steps)
+  def _(step):
+    slot = ctx.slot(step)
+    head, qb = work.rows_of(step)
+    rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
+    stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
+
+    @pl.when(step >= stages)
+    def _():
+      bars.producer_qdo_acquire(slot)
+
+    plgpu.copy_gmem_to_smem(gmem.q.at[rows], refs.q_smem.at[slot], bars.producer_qdo(slot))
+    plgpu.copy_gmem_to_smem(gmem.do.at[rows], refs.do_smem.at[slot], bars.producer_qdo(slot))
+
+    @pl.when(step >= stages)
+    def _():
+      bars.producer_stats_acquire(slot)
+
+    plgpu.copy_gmem_to_smem(gmem.lse.at[stats], refs.lse_smem.at[slot],
+                            bars.producer_stats(slot))
+    plgpu.copy_gmem_to_smem(gmem.delta.at[stats], refs.delta_smem.at[slot],
+                            bars.producer_stats(slot))
+
+  bars.drain_ring(ctx.num_steps)
+
+
+# ----------------------------- MMA warp --------------------------------------
+
+
+def _s_mma(ctx: DkvContext, step) -> None:
+  """S^T = K Q^T (Q^T: the k-major view of the slot's Q tile)."""
+  q_t = ctx.refs.q_smem.at[ctx.slot(step)].T
+  plgpu.tcgen05_mma(ctx.s_tmem, ctx.refs.k_smem, q_t, ctx.bars.producer_s(), accumulate=False)
+
+
+def _dp_mma(ctx: DkvContext, step) -> None:
+  """dP^T = V dO^T."""
+  do_t = ctx.refs.do_smem.at[ctx.slot(step)].T
+  plgpu.tcgen05_mma(ctx.dp_tmem, ctx.refs.v_smem, do_t, ctx.bars.producer_dp(),
+                    accumulate=False)
+
+
+def mma_warp(ctx: DkvContext) -> None:
+  """One thread issues every tcgen05 MMA, in the order of the module docstring."""
+  bars, refs, n_steps = ctx.bars, ctx.refs, ctx.num_steps
+
+  @pl.when(n_steps > 0)
+  def _():
+    bars.consumer_kv().wait()
+    bars.consumer_qdo(0).wait()
+    _s_mma(ctx, 0)
+    _dp_mma(ctx, 0)
+
+    @pl.loop(0, n_steps)
+    def _(n):
+      slot = ctx.slot(n)
+      has_next = n + 1 < n_steps
+      bars.consumer_p().wait()
+      plgpu.tcgen05_mma(refs.dv_tmem, ctx.p_tmem, refs.do_smem.at[slot],
+                        bars.consumer_p_release(), accumulate=n > 0)
+
+      @pl.when(has_next)
+      def _():
+        bars.consumer_qdo(ctx.slot(n + 1)).wait()
+        bars.producer_s_acquire()
+        _s_mma(ctx, n + 1)
+
+      bars.consumer_ds().wait()
+      plgpu.tcgen05_mma(refs.dk_tmem, ctx.ds_tmem, refs.q_smem.at[slot],
+                        bars.consumer_ds_release(), accumulate=n > 0)
+      bars.consumer_qdo_release(slot)
+
+      @pl.when(has_next)
+      def _():
+        bars.producer_dp_acquire()
+        _dp_mma(ctx, n + 1)
+
+    bars.producer_acc()
+    bars.drain_tmem()
+
+
+# ----------------------------- compute warpgroup -----------------------------
+
+
+def _column_ids(ctx: DkvContext, q_lo):
+  """The segment ids of queries [q_lo, q_lo + CHUNK) along a chunk's columns
+  (from GMEM, only in blocks that need the element mask)."""
+  seg = ctx.gmem.segments
+  return plgpu.load(seg.q_ids.at[ctx.work.batch_idx, pl.ds(q_lo, CHUNK)],
+                    layout=_COL_VECTOR_LAYOUT, optimized=False)
+
+
+def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids):
+  """(P^T, w) of one chunk of S^T (keys along rows, queries [q_lo, q_lo +
+  CHUNK) along columns): P^T = exp2(c t - lse2), 0 where the element mask
+  hides a pair (`masked` blocks only); w = P^T, or P^T (1 - t^2) with
+  soft-cap, the factor of dS^T (as `sm90_backward_common.tile_softmax`)."""
+  st, work = ctx.statics, ctx.work
+  t = scores.softmax_logits(s, st.scale, st.soft_cap)
+  logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [1])
+  if masked:
+    keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + k_lo
+    queries = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + q_lo
+    q_seg = kv_seg = None
+    if key_ids is not None:
+      kv_seg = lax.broadcast_in_dim(key_ids, s.shape, [0])
+      q_seg = lax.broadcast_in_dim(_column_ids(ctx, q_lo), s.shape, [1])
+    ok = scores.visible(st.mask, queries, keys, work.kv_len, q_seg, kv_seg, q_len=work.q_len)
+    logits2 = jnp.where(ok, logits2, -jnp.inf)
+  p = jnp.exp2(logits2)
+  return p, (p if st.soft_cap is None else p * scores.soft_cap_slope(t))
+
+
+def _compute_step(ctx: DkvContext, key_ids, qb, carry, *, masked, head_step0):
+  """Query block qb of one head (step head_step0 + qb - lo): S^T -> P^T,
+  then dP^T -> dS^T, in TMEM. Scores are read column chunk by chunk; every
+  chunk of a tile is read before the first 16-bit chunk is written over the
+  tile's columns (the packed layout puts a 16-bit chunk over f32 columns of
+  other chunks, and the interpreter aliases the two views by bytes, not by
+  lane and column as the hardware does)."""
+  bars, refs, tiles = ctx.bars, ctx.refs, ctx.tiles
+  step = head_step0 + (qb - ctx.work.lo)
+  slot = ctx.slot(step)
+  q_lo, k_lo = qb * tiles.block_q, ctx.work.k_lo
+  chunks = [pl.ds(c, CHUNK) for c in range(0, tiles.block_q, CHUNK)]
+  bars.consumer_stats(slot).wait()
+  bars.consumer_s().wait()
+  probs, weights = [], []  # P^T in 16 bits, and the f32 factors of dS^T
+  for cols in chunks:
+    s = plgpu.async_load_tmem(ctx.s_tmem.at[:, cols], layout=_ROW_LAYOUT)
+    lse2 = plgpu.load(refs.lse_smem.at[slot, cols], layout=_COL_VECTOR_LAYOUT)
+    p, w = _chunk_softmax(ctx, s, lse2, k_lo=k_lo, q_lo=q_lo + cols.start, masked=masked,
+                          key_ids=key_ids)
+    probs.append(p.astype(tiles.dtype))
+    weights.append(w)
+  _store_chunks(ctx.p_tmem, chunks, probs)
+  bars.producer_p_commit()
+
+  bars.consumer_dp().wait()
+  grads = []
+  for cols, w in zip(chunks, weights):
+    dp = plgpu.async_load_tmem(ctx.dp_tmem.at[:, cols], layout=_ROW_LAYOUT)
+    delta = plgpu.load(refs.delta_smem.at[slot, cols], layout=_COL_VECTOR_LAYOUT)
+    grads.append((w * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))).astype(tiles.dtype))
+  bars.consumer_stats_release(slot)
+  _store_chunks(ctx.ds_tmem, chunks, grads)
+  bars.producer_ds_commit()
+  return carry
+
+
+def _store_chunks(tmem, chunks, values) -> None:
+  """16-bit column chunks into TMEM, once every pending TMEM load completed."""
+  plgpu.wait_load_tmem()
+  for cols, x in zip(chunks, values):
+    plgpu.async_store_tmem(tmem.at[:, cols], x)
+  plgpu.commit_tmem()
+
+
+def compute_wg(ctx: DkvContext) -> None:
+  """P^T and dS^T of every step (heads of the group one after the other,
+  each over its query blocks: masked / full / masked), then the epilogue."""
+  work = ctx.work
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    key_ids = None
+    if ctx.gmem.segments is not None:
+      key_ids = plgpu.load(ctx.gmem.segments.kv_ids.at[work.batch_idx, pl.ds(work.k_lo, BLOCK_KV)],
+                           layout=_ROW_VECTOR_LAYOUT, optimized=False)
+
+    def one_head(g, carry):
+      step = functools.partial(_compute_step, ctx, key_ids, head_step0=g * work.blocks_per_head)
+      # One consumer per CTA: its own blocks are the CTA's, nothing to skip.
+      return walk_blocks(work.lo, work.hi, work.ranges, step, lambda qb, carry: carry, carry)
+
+    lax.fori_loop(0, work.group, one_head, 0)
+    epilogue(ctx)
+
+  @pl.when(ctx.num_steps == 0)
+  def _():
+    epilogue_no_queries(ctx)
+
+
+# ----------------------------- epilogue (compute warpgroup) ------------------
+
+
+def _store_tiles(ctx: DkvContext, dk_chunk, dv_chunk, dk_ref, dv_ref) -> None:
+  """dK and dV (column chunk by chunk) to GMEM through the K and V tiles."""
+  refs = ctx.refs
+  for c in range(0, ctx.tiles.head_dim, EPILOGUE_CHUNK):
+    cols = pl.ds(c, EPILOGUE_CHUNK)
+    refs.k_smem[:, cols] = dk_chunk(cols)
+    refs.v_smem[:, cols] = dv_chunk(cols)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(refs.k_smem, dk_ref.at[ctx.keys()])
+  plgpu.copy_smem_to_gmem(refs.v_smem, dv_ref.at[ctx.keys()])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def epilogue(ctx: DkvContext) -> None:
+  """dK * scale and dV once the last MMA completed; K and V are dead (every
+  MMA reading them completed), so their tiles carry the results out."""
+  dk_ref, dv_ref = ctx.out
+  refs, dtype = ctx.refs, ctx.tiles.dtype
+  ctx.bars.consumer_acc().wait()
+
+  def dk_chunk(cols):
+    dk = plgpu.async_load_tmem(refs.dk_tmem.at[:, cols], layout=_EPILOGUE_LAYOUT)
+    return (dk * ctx.statics.scale).astype(dtype)
+
+  def dv_chunk(cols):
+    return plgpu.async_load_tmem(refs.dv_tmem.at[:, cols], layout=_EPILOGUE_LAYOUT).astype(dtype)
+
+  _store_tiles(ctx, dk_chunk, dv_chunk, dk_ref, dv_ref)
+
+
+def epilogue_no_queries(ctx: DkvContext) -> None:
+  """No query sees this CTA's keys: zeros (nothing was loaded into K, V)."""
+  dk_ref, dv_ref = ctx.out
+  zeros = lambda cols: jnp.zeros((BLOCK_KV, EPILOGUE_CHUNK), ctx.tiles.dtype)
+  _store_tiles(ctx, zeros, zeros, dk_ref, dv_ref)
+
+
+# ----------------------------- dispatch --------------------------------------
+
+
+def dispatch_roles(ctx: DkvContext, wg) -> None:
+  """Each warpgroup (and each warp of the last one) runs its role."""
+  pl.when(wg == COMPUTE_WG)(lambda: compute_wg(ctx))
+
+  @pl.when(wg == LOAD_MMA_WG)
+  def _():
+    @plgpu.warp_map
+    def _(warp):
+      pl.when(warp == LOAD_WARP)(lambda: load_warp(ctx))
+      pl.when(warp == MMA_WARP)(lambda: mma_warp(ctx))
+
+
+def _scratch_types(tiles: DkvTiles) -> dict:
+  bk, bq, d, stages, dtype = (tiles.block_kv, tiles.block_q, tiles.head_dim,
+                              tiles.num_stages, tiles.dtype)
+  return dict(
+      k_smem=smem_tile((bk, d), dtype),
+      v_smem=smem_tile((bk, d), dtype),
+      q_smem=smem_tile((stages, bq, d), dtype),
+      do_smem=smem_tile((stages, bq, d), dtype),
+      lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
+      delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
+      # f32 scores and their 16-bit successors share TMEM columns.
+      st_tmem=plgpu.RefUnion(plgpu.TMEM((bk, bq), jnp.float32),
+                             plgpu.TMEM((bk, bq), dtype, packed=True)),
+      dpt_tmem=plgpu.RefUnion(plgpu.TMEM((bk, bq), jnp.float32),
+                              plgpu.TMEM((bk, bq), dtype, packed=True)),
+      dk_tmem=plgpu.TMEM((bk, d), jnp.float32),
+      dv_tmem=plgpu.TMEM((bk, d), jnp.float32),
+      barrier_refs=DkvBarriers.scratch_types(tiles),
+  )
+
+
+@cached_build
+def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
+                     dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
+                     has_kv_lengths, has_segments=False, soft_cap=None):
+  """The dK/dV kernel: `(q, k, v, dout, lse2, delta, *lengths, *segments)
+  -> (dk, dv)`.
+
+  q, dout [B, q_seq, Nq, D]; k, v [B, kv_seq, Nkv, D] (sequences padded to
+  multiples of 8; keys at or past `kv_valid` are padding); lse2, delta f32
+  [B, Nq, >= q_seq rounded up to block_q] (`sm90_backward._preprocess`:
+  lse2 = +inf on rows that must not contribute); lengths: [q_lengths] if
+  `has_q_lengths`, then [kv_lengths] if `has_kv_lengths` (int32 [B]); with
+  `has_segments` the three operands of `sm90_backward.segment_operands(...,
+  keys_are_rows=True, block_rows=block_kv, consumers=1, block_cols=block_q)`.
+  dk, dv [B, kv_seq, Nkv, D] in `dtype`, summed over each GQA group.
+  """
+  tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=block_q, num_stages=num_stages,
+                   block_kv=block_kv)
+  tiles.check_budgets()
+  statics = KernelStatics(tiles, mask, float(scale), soft_cap)
+  group = num_q_heads // num_kv_heads
+
+  def kernel(*refs, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, st_tmem, dpt_tmem,
+             dk_tmem, dv_tmem, barrier_refs):
+    gmem, (dk_ref, dv_ref) = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
+                                               1 if has_segments else None)
+    work = KeyTileWork.of_this_cta(num_keys=BLOCK_KV, block_q=block_q, mask=mask, gmem=gmem,
+                                   q_seq=q_seq, kv_valid=kv_valid, group=group)
+    scratch = DkvRefs(k_smem=k_smem, v_smem=v_smem, q_smem=q_smem, do_smem=do_smem,
+                      lse_smem=lse_smem, delta_smem=delta_smem, st_tmem=st_tmem,
+                      dpt_tmem=dpt_tmem, dk_tmem=dk_tmem, dv_tmem=dv_tmem)
+    ctx = DkvContext(statics, gmem, scratch, DkvBarriers(tiles, barrier_refs), work,
+                     num_steps=work.num_steps, out=(dk_ref, dv_ref))
+    dispatch_roles(ctx, lax.axis_index("wg"))
+
+  out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), jnp.dtype(dtype)),) * 2
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      grid=(num_kv_heads, cdiv(kv_seq, BLOCK_KV), batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=2,
+      thread_name="wg",
+      scratch_types=_scratch_types(tiles),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )

@@ -1,0 +1,748 @@
+"""The dQ kernel of the Blackwell (sm_100) backward: TMEM accumulators, tcgen05 MMAs.
+
+One CTA per (query head, 128-row Q tile, batch) walks the key blocks its rows
+may see (`scores.kv_tile_ranges`, narrowed by the segment ids' ranges), the
+forward's walk. Per key block n (buf = n % score_buffers):
+
+    S_n  = Q K_n^T       (TMEM, f32)            MMA warp
+    dP_n = dO V_n^T      (TMEM, f32)            MMA warp
+    P    = exp2(c t - lse2), t = S or tanh(scale S / cap)
+    dS_n = P (1 - t^2 with soft-cap) (dP_n - delta)
+         -> 16-bit, over S_n's columns (TMEM)   compute warpgroup
+    dQ  += dS_n K_n      (TMEM, f32; A from TMEM, B = K from SMEM)
+
+and at the end dQ * scale goes TMEM -> registers -> SMEM (over the dead Q
+tile) -> TMA. Every dQ element is written by exactly one CTA: deterministic,
+no atomics. lse2 and delta come from `sm90_backward._preprocess` (lse2 = +inf
+on rows that must not contribute), so dead rows need no special case.
+
+Roles (two warpgroups):
+
+    wg 0   compute: dS_n from S_n and dP_n, then the epilogue.
+    wg 1   warp 0: TMA loads (Q, dO, lse2, delta once; K_n, V_n into a ring
+           of `num_stages` slots); warp 1: every tcgen05 MMA (one thread).
+
+With two score buffers the MMA warp issues S_(n+1) and dP_(n+1) before
+dQ += dS_n K_n, so the tensor core computes block n+1 while the compute
+warpgroup turns block n into dS_n:
+
+    S_0, dP_0 | S_1, dP_1, dQ += dS_0 K_0 | S_2, dP_2, dQ += dS_1 K_1 | ...
+
+Static cost model (per CTA and key block; bf16/fp16 MMAs are issued in
+K-steps of 16, M = 128, N <= 256 per instruction):
+
+    head dim  block_kv  stages  buffers  tcgen05.mma per block     TMEM cols      SMEM (KiB)
+    64        64        3       2        S 4 + dP 4 + dQ 4 = 12    64+4*64=320    2*16 + 3*16 + 3 = 83
+    128       64        3       2        S 8 + dP 8 + dQ 4 = 20    128+4*64=384   2*32 + 3*32 + 3 = 163
+    256       64        1       1        S 16 + dP 16 + dQ 4 = 36  256+2*64=384   2*64 + 1*64 + 3 = 195
+
+MMA work per block: 3 * 128 * block_kv * head_dim MACs (S, dP, dQ); the
+compute warpgroup's per block: 128 * block_kv exp2 (two MUFU ops per element
+with soft-cap) and ~6 FMA-class ops per element, with S and dP (2 * block_kv
+f32 registers per thread) in registers at once. TMEM loads per block: S and
+dP (2 * block_kv columns), one 16-bit store of block_kv / 2 columns.
+
+Why these tiles. TMEM (512 columns): dQ takes head_dim columns for the whole
+walk, each score buffer S (block_kv, dS packed over it) + dP (block_kv).
+block_kv 64 keeps S and dP of a block in the compute warpgroup's registers
+(128 of them per thread; 128 keys would need 256, i.e. chunked loads) and
+lets two score buffers fit at head dims 64 and 128. The dQ MMA's K is
+block_kv, and Mosaic GPU issues it in groups of 64 under K's 128-byte
+swizzle (`tcgen05.mma` lowering: "K must be a multiple of 64"; the
+interpreter does not check it), so blocks have at least 64 keys. At 256 the
+dQ accumulator takes half the TMEM and 64-key blocks fit TMEM even with two
+score buffers (512), but not SMEM beyond one K/V stage (Q and dO 128 KiB,
+each stage of K and V 64 KiB); with one stage the MMA warp cannot run a
+block ahead (S_(n+1) needs K_(n+1) in the slot that dQ += dS_n K_n still
+reads: `check_budgets` refuses num_stages < score_buffers), so head dim 256
+runs serially: one stage, one score buffer. It is correct (tested) but
+expected slow; the dK/dV kernel does not support 256 at all, so the
+backward falls back to XLA there anyway. SMEM: Q and dO tiles resident (Q later holds dQ on its
+way out), K and V rings, lse2 and delta rows, barriers.
+
+Segment ids: the CTA walks the blocks its tile's ids may meet
+(`sm90_backward.segment_operands(keys_are_rows=False, consumers=1)`); blocks
+of the tile's one-id run need no element mask; masked blocks load their
+keys' ids from GMEM (as the forward does). Soft-cap: the compute warpgroup
+recomputes t = tanh(scale s / cap) (`scores.softmax_logits`) and multiplies
+dS by `scores.soft_cap_slope(t)`.
+
+What is not here yet (measured nowhere: no Blackwell GPU): two compute
+warpgroups (one per score buffer), 128-key blocks with chunked TMEM loads,
+a persistent grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax import scores
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.pipeline import sequence_lengths
+from fa4_jax.kernels.sm100_forward import (SMEM_BYTES, TMEM_COLUMNS, _smem_transforms)
+from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
+from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
+
+BLOCK_Q = 128  # rows of the Q tile = TMEM lanes = threads of the compute warpgroup
+# tcgen05 MMAs are issued in K groups of 128 bytes of the swizzled operands:
+# 64 16-bit elements (dQ += dS K has K = block_kv).
+MMA_K_GROUP = 64
+EPILOGUE_CHUNK = 64  # dQ columns read from TMEM at once in the epilogue
+_SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+# As in the forward: TMEM loads in the 32x32b shape (thread t owns row t);
+# the epilogue reads dQ in the 16x256b shape, which stores into swizzled SMEM.
+_ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
+_ROW_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)
+_COL_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(0)
+_EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
+
+
+# ---------------------------------------------------------------------------
+# Static tiling: TMEM and SMEM plans.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DqTiles:
+  head_dim: int
+  dtype: Any
+  block_kv: int  # keys per K/V block
+  num_stages: int  # slots of the K ring and of the V ring
+  score_buffers: int = 2  # S/dS + dP pairs in TMEM (2: block n+1's MMAs overlap dS_n)
+  block_q: int = BLOCK_Q
+
+  # --- TMEM plan (columns of 32 bits, all 128 lanes) ---
+  #   dQ       : head_dim columns (f32 accumulator), the whole walk
+  #   S_b/dS_b : block_kv columns (f32 S; dS in 16 bits, two per column, over it)
+  #   dP_b     : block_kv columns (f32)
+  def tmem_plan(self) -> dict[str, int]:
+    plan = {"dQ": self.head_dim}
+    for b in range(self.score_buffers):
+      plan[f"S{b}/dS{b}"] = self.block_kv
+      plan[f"dP{b}"] = self.block_kv
+    return plan
+
+  def tmem_columns(self) -> int:
+    return sum(self.tmem_plan().values())
+
+  # --- SMEM plan (bytes) ---
+  def smem_plan(self) -> dict[str, int]:
+    item = jnp.dtype(self.dtype).itemsize
+    tile = self.block_q * self.head_dim * item
+    block = self.block_kv * self.head_dim * item
+    return {
+        "Q (then dQ)": tile,
+        "dO": tile,
+        "K ring": self.num_stages * block,
+        "V ring": self.num_stages * block,
+        "lse2, delta": 2 * self.block_q * 4,
+        # < 30 mbarriers of 8 bytes, the TMEM address, alignment (cross-lowered:
+        # the allocation stays within this plan, tests/test_sm100_backward_dq.py)
+        "barriers and alignment": 2048,
+    }
+
+  def smem_bytes(self) -> int:
+    return sum(self.smem_plan().values())
+
+  def mma_instructions_per_block(self) -> dict[str, int]:
+    """tcgen05.mma instructions per key block (16-bit: K-steps of 16)."""
+    return {"S": self.head_dim // 16, "dP": self.head_dim // 16, "dQ": self.block_kv // 16}
+
+  def check_budgets(self) -> None:
+    if self.block_q != BLOCK_Q:
+      raise KernelUnsupported(f"sm100 dQ: block_q must be {BLOCK_Q} (TMEM lanes); got {self.block_q}")
+    if self.block_kv % MMA_K_GROUP:
+      raise KernelUnsupported(
+          f"sm100 dQ: block_kv must be a multiple of {MMA_K_GROUP} (the K of dQ += dS K under"
+          f" K's 128-byte swizzle); got {self.block_kv}")
+    if self.num_stages < self.score_buffers:
+      raise KernelUnsupported(
+          f"sm100 dQ: {self.score_buffers} score buffers need as many K/V stages (the MMA warp"
+          f" runs {self.score_buffers - 1} block(s) ahead); got num_stages={self.num_stages}")
+    cols = self.tmem_columns()
+    if cols > TMEM_COLUMNS:
+      raise KernelUnsupported(
+          f"sm100 dQ: TMEM plan {self.tmem_plan()} needs {cols} columns, more than the"
+          f" {TMEM_COLUMNS} of an sm_100 SM (head_dim={self.head_dim}, block_kv={self.block_kv})")
+    smem = self.smem_bytes()
+    if smem > SMEM_BYTES:
+      raise KernelUnsupported(
+          f"sm100 dQ: SMEM plan {self.smem_plan()} needs about {smem} bytes, more than"
+          f" {SMEM_BYTES} (head_dim={self.head_dim}, block_kv={self.block_kv},"
+          f" num_stages={self.num_stages})")
+
+
+def dq_tiles(head_dim: int, dtype) -> DqTiles:
+  """The tiling for a head dimension, checked against TMEM and SMEM (see the
+  module docstring for why these sizes)."""
+  if head_dim == 64:
+    tiles = DqTiles(head_dim, jnp.dtype(dtype), block_kv=64, num_stages=3)
+  elif head_dim == 128:
+    tiles = DqTiles(head_dim, jnp.dtype(dtype), block_kv=64, num_stages=3)
+  elif head_dim == 256:
+    tiles = DqTiles(head_dim, jnp.dtype(dtype), block_kv=64, num_stages=1, score_buffers=1)
+  else:
+    raise KernelUnsupported(
+        f"sm100 dQ: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  tiles.check_budgets()
+  return tiles
+
+
+# ---------------------------------------------------------------------------
+# Barriers: all of them, with their arrival counts, in one place.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Waiter:
+  ref: object
+
+  def wait(self) -> None:
+    plgpu.barrier_wait(self.ref)
+
+
+def _rem(x, n: int):
+  return lax.rem(x, jnp.asarray(n, x.dtype))
+
+
+class DqBarriers:
+  """Every mbarrier of the dQ kernel (cf. `sm100_forward.ForwardBarriers`).
+
+  name        count    arrivals  t-core  arrived on by                     waited on by
+  q_full      1        2 (TMA)   no      load: producer_q (Q, dO bytes)    MMA: consumer_q
+  stats_full  1        2 (TMA)   no      load: producer_stats (lse2,       compute: consumer_stats
+                                           delta bytes)
+  k_full      stages   1 (TMA)   no      load: producer_k                  MMA: consumer_k
+  k_free      stages   1 (MMA)   yes     MMA: consumer_k_release (after    load: producer_k_acquire,
+                                           dQ += dS K)                             drain_kv_rings*
+  v_full      stages   1 (TMA)   no      load: producer_v                  MMA: consumer_v
+  v_free      stages   1 (MMA)   yes     MMA: consumer_v_release (after    load: producer_v_acquire,
+                                           dP = dO V^T)                            drain_kv_rings*
+  s_full      buffers  1 (MMA)   yes     MMA: producer_s (S_n = Q K^T)     compute: consumer_s
+  dp_full     buffers  1 (MMA)   yes     MMA: producer_dp (dP_n = dO V^T)  compute: consumer_dp
+  ds_full     buffers  1         yes     compute: producer_ds_commit       MMA: consumer_ds
+                                           (dS_n in TMEM; S_n, dP_n read)
+  dq_done     buffers  1 (MMA)   yes     MMA: producer_dq (dQ += dS_n K)   MMA: producer_s_acquire
+                                                                             (before S_(n+buffers)
+                                                                             overwrites dS_n),
+                                                                             drain_dq*
+  dq_final    1        1 (MMA)   yes     MMA: producer_dq_final (every     compute (epilogue):
+                                           MMA completed)                    consumer_dq_final
+
+  stages = num_stages, buffers = score_buffers; t-core: the barrier orders
+  tensor-core work (tcgen05 commits arrive on it, or it hands TMEM written
+  by threads to an MMA). * interpreter only.
+
+  dP_b needs no "free" barrier: the compute warpgroup has read dP_n before it
+  arrives on ds_full, and the MMA warp waits on ds_full of block n before it
+  issues dP_(n+buffers). S_b's is dq_done (dS_n lives in its columns until
+  the dQ MMA read it; tcgen05 MMAs of one thread are ordered among
+  themselves only when they share the accumulator, as in the forward).
+  """
+
+  SPECS = {
+      # name: (arrivals, orders_tensor_core, per "one" / "stage" / "buffer")
+      "q_full": (2, False, "one"),
+      "stats_full": (2, False, "one"),
+      "k_full": (1, False, "stage"),
+      "k_free": (1, True, "stage"),
+      "v_full": (1, False, "stage"),
+      "v_free": (1, True, "stage"),
+      "s_full": (1, True, "buffer"),
+      "dp_full": (1, True, "buffer"),
+      "ds_full": (1, True, "buffer"),
+      "dq_done": (1, True, "buffer"),
+      "dq_final": (1, True, "one"),
+  }
+
+  def __init__(self, tiles: DqTiles, refs: dict):
+    self.tiles = tiles
+    self._refs = refs
+    # The interpreter wants every waiter to observe every phase of a barrier
+    # before the kernel ends; hardware does not (drain_* only interpret).
+    self._drain = is_interpreting()
+
+  @staticmethod
+  def scratch_types(tiles: DqTiles) -> dict:
+    counts = {"one": 1, "stage": tiles.num_stages, "buffer": tiles.score_buffers}
+    return {
+        name: plgpu.Barrier(num_arrivals=arrivals, num_barriers=counts[per],
+                            orders_tensor_core=orders_tc)
+        for name, (arrivals, orders_tc, per) in DqBarriers.SPECS.items()
+    }
+
+  def _at(self, name, index=0):
+    return self._refs[name].at[index]
+
+  # Q and dO, lse2 and delta (load warp -> MMA warp, compute), once per CTA.
+  def producer_q(self):
+    return self._at("q_full")
+
+  def consumer_q(self) -> _Waiter:
+    return _Waiter(self._at("q_full"))
+
+  def producer_stats(self):
+    return self._at("stats_full")
+
+  def consumer_stats(self) -> _Waiter:
+    return _Waiter(self._at("stats_full"))
+
+  # K and V rings (load warp <-> MMA warp).
+  def producer_k_acquire(self, slot) -> None:
+    plgpu.barrier_wait(self._at("k_free", slot))
+
+  def producer_k(self, slot):
+    return self._at("k_full", slot)
+
+  def consumer_k(self, slot) -> _Waiter:
+    return _Waiter(self._at("k_full", slot))
+
+  def consumer_k_release(self, slot) -> None:
+    """MMA warp: the slot is free once every MMA issued so far completed."""
+    plgpu.tcgen05_commit_arrive(self._at("k_free", slot))
+
+  def producer_v_acquire(self, slot) -> None:
+    plgpu.barrier_wait(self._at("v_free", slot))
+
+  def producer_v(self, slot):
+    return self._at("v_full", slot)
+
+  def consumer_v(self, slot) -> _Waiter:
+    return _Waiter(self._at("v_full", slot))
+
+  def consumer_v_release(self, slot) -> None:
+    plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
+
+  # S_n, dP_n (MMA warp -> compute), dS_n (compute -> MMA warp).
+  def producer_s_acquire(self, buf) -> None:
+    """MMA warp: the dQ MMA that read dS of this buffer completed."""
+    plgpu.barrier_wait(self._at("dq_done", buf))
+
+  def producer_s(self, buf):
+    return self._at("s_full", buf)
+
+  def consumer_s(self, buf) -> _Waiter:
+    return _Waiter(self._at("s_full", buf))
+
+  def producer_dp(self, buf):
+    return self._at("dp_full", buf)
+
+  def consumer_dp(self, buf) -> _Waiter:
+    return _Waiter(self._at("dp_full", buf))
+
+  def producer_ds_commit(self, buf) -> None:
+    """Compute: dS_n is in TMEM (after commit_tmem); S_n and dP_n were read."""
+    plgpu.barrier_arrive(self._at("ds_full", buf))
+
+  def consumer_ds(self, buf) -> _Waiter:
+    return _Waiter(self._at("ds_full", buf))
+
+  # dQ (MMA warp -> MMA warp, epilogue).
+  def producer_dq(self, buf):
+    return self._at("dq_done", buf)
+
+  def producer_dq_final(self) -> None:
+    plgpu.tcgen05_commit_arrive(self._at("dq_final"))
+
+  def consumer_dq_final(self) -> _Waiter:
+    return _Waiter(self._at("dq_final"))
+
+  # Interpreter-only drains of the last phases (see __init__).
+  def drain_kv_rings(self, num_steps) -> None:
+    if not self._drain:
+      return
+    stages = self.tiles.num_stages
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(n):
+      slot = _rem(n, stages)
+      self.producer_k_acquire(slot)
+      self.producer_v_acquire(slot)
+
+  def drain_dq(self, num_steps) -> None:
+    """MMA warp: observe the dq_done phases no S MMA waited for."""
+    if not self._drain:
+      return
+    buffers = self.tiles.score_buffers
+
+    @pl.loop(jnp.maximum(num_steps - buffers, 0), num_steps)
+    def _(n):
+      for_each_buffer(self.tiles, _rem(n, buffers), self.producer_s_acquire)
+
+
+def for_each_buffer(tiles: DqTiles, buf, fn) -> None:
+  """fn(b) for the static score buffer b == buf (TMEM refs are picked
+  statically)."""
+  if tiles.score_buffers == 1:
+    fn(0)
+    return
+  for b in range(tiles.score_buffers):
+    pl.when(buf == b)(lambda b=b: fn(b))
+
+
+# ---------------------------------------------------------------------------
+# The kernel: a context every role reads, one function per role.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DqStatics:
+  """What `build_dq_kernel` fixes at trace time."""
+
+  tiles: DqTiles
+  mask: MaskSpec
+  scale: float
+  group: int  # query heads per key/value head
+  num_q_tiles: int
+  q_seq: int
+  kv_valid: int
+  soft_cap: float | None = None
+  has_segments: bool = False
+
+  @property
+  def c(self) -> float:
+    return scores.softmax_scale(self.scale, self.soft_cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class DqContext:
+  """Static configuration, refs, barriers and this CTA's geometry."""
+
+  statics: DqStatics
+  gmem: KernelRefs
+  dq_ref: Any
+  smem: dict
+  tmem: dict
+  bars: DqBarriers
+  b: Any
+  h: Any
+  kv_h: Any
+  q_lo: Any
+  q_len: Any
+  kv_len: Any
+  ranges: TileRanges  # the key blocks the tile walks, and the full ones
+
+  @classmethod
+  def create(cls, statics: DqStatics, gmem, dq_ref, smem, tmem, bars):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    tile = lax.axis_index("q_tiles")
+    mask = statics.mask
+    if mask.right is not None and mask.left is None:
+      tile = statics.num_q_tiles - 1 - tile  # heavy tiles first (causal)
+    kv_h = lax.div(h, jnp.int32(statics.group))
+    q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, b, statics.q_seq, statics.kv_valid)
+    q_lo = tile * BLOCK_Q
+    ranges = scores.kv_tile_ranges(mask, q_lo, q_lo + BLOCK_Q, q_len, kv_len,
+                                   statics.tiles.block_kv)
+    ranges = narrow(ranges, gmem.segments, lambda seg: seg.of_cta(b, tile))
+    return cls(statics, gmem, dq_ref, smem, tmem, bars, b=b, h=h, kv_h=kv_h, q_lo=q_lo,
+               q_len=q_len, kv_len=kv_len, ranges=ranges)
+
+  @property
+  def tiles(self) -> DqTiles:
+    return self.statics.tiles
+
+  @property
+  def num_steps(self):
+    return jnp.maximum(self.ranges.hi - self.ranges.lo, 0)
+
+  def s_tmem(self, b):
+    return self.tmem["s"][b][0]
+
+  def ds_tmem(self, b):
+    return self.tmem["s"][b][1]
+
+  def dp_tmem(self, b):
+    return self.tmem["dp"][b]
+
+
+# ----------------------------- load warp -------------------------------------
+
+
+def load_warp(ctx: DqContext) -> None:
+  """Q, dO, lse2, delta once; then K_j and V_j of every walked block."""
+  g, smem, bars = ctx.gmem, ctx.smem, ctx.bars
+  bk, stages = ctx.tiles.block_kv, ctx.tiles.num_stages
+  lo = ctx.ranges.lo
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    rows = (ctx.b, pl.ds(ctx.q_lo, BLOCK_Q), ctx.h)
+    stats = (ctx.b, ctx.h, pl.ds(ctx.q_lo, BLOCK_Q))
+    plgpu.copy_gmem_to_smem(g.q.at[rows], smem["q"], bars.producer_q())
+    plgpu.copy_gmem_to_smem(g.do.at[rows], smem["do"], bars.producer_q())
+    plgpu.copy_gmem_to_smem(g.lse.at[stats], smem["lse2"], bars.producer_stats())
+    plgpu.copy_gmem_to_smem(g.delta.at[stats], smem["delta"], bars.producer_stats())
+
+  @pl.loop(0, ctx.num_steps)
+  def _(n):
+    slot = _rem(n, stages)
+    keys = (ctx.b, pl.ds((lo + n) * bk, bk), ctx.kv_h)
+
+    @pl.when(n >= stages)
+    def _():
+      bars.producer_k_acquire(slot)
+
+    plgpu.copy_gmem_to_smem(g.k.at[keys], smem["k"].at[slot], bars.producer_k(slot))
+
+    @pl.when(n >= stages)
+    def _():
+      bars.producer_v_acquire(slot)
+
+    plgpu.copy_gmem_to_smem(g.v.at[keys], smem["v"].at[slot], bars.producer_v(slot))
+
+  bars.drain_kv_rings(ctx.num_steps)
+
+
+# ----------------------------- MMA warp --------------------------------------
+
+
+def _issue_scores(ctx: DqContext, m) -> None:
+  """S_m = Q K_m^T and dP_m = dO V_m^T into score buffer m % buffers."""
+  bars, smem = ctx.bars, ctx.smem
+  slot = _rem(m, ctx.tiles.num_stages)
+  buffers = ctx.tiles.score_buffers
+
+  def issue(b):
+    @pl.when(m >= buffers)
+    def _():
+      bars.producer_s_acquire(b)  # dS_(m - buffers) read by its dQ MMA
+
+    bars.consumer_k(slot).wait()
+    plgpu.tcgen05_mma(ctx.s_tmem(b), smem["q"], smem["k"].at[slot].T, bars.producer_s(b),
+                      accumulate=False)
+    bars.consumer_v(slot).wait()
+    plgpu.tcgen05_mma(ctx.dp_tmem(b), smem["do"], smem["v"].at[slot].T, bars.producer_dp(b),
+                      accumulate=False)
+    bars.consumer_v_release(slot)
+
+  for_each_buffer(ctx.tiles, _rem(m, buffers), issue)
+
+
+def _accumulate_dq(ctx: DqContext, n) -> None:
+  """dQ += dS_n K_n (overwrite at n == 0), once dS_n is in TMEM."""
+  bars = ctx.bars
+  slot = _rem(n, ctx.tiles.num_stages)
+
+  def issue(b):
+    bars.consumer_ds(b).wait()
+    plgpu.tcgen05_mma(ctx.tmem["dq"], ctx.ds_tmem(b), ctx.smem["k"].at[slot],
+                      bars.producer_dq(b), accumulate=n > 0)
+    bars.consumer_k_release(slot)
+
+  for_each_buffer(ctx.tiles, _rem(n, ctx.tiles.score_buffers), issue)
+
+
+def mma_warp(ctx: DqContext) -> None:
+  """One thread issues every tcgen05 MMA, `score_buffers - 1` blocks ahead
+  (module docstring)."""
+  bars, steps = ctx.bars, ctx.num_steps
+  ahead = ctx.tiles.score_buffers - 1
+
+  @pl.when(steps > 0)
+  def _():
+    bars.consumer_q().wait()
+    for m in range(ahead):
+      pl.when(m < steps)(lambda m=m: _issue_scores(ctx, jnp.int32(m)))
+
+    @pl.loop(0, steps)
+    def _(n):
+      @pl.when(n + ahead < steps)
+      def _():
+        _issue_scores(ctx, n + ahead)
+
+      _accumulate_dq(ctx, n)
+
+    bars.producer_dq_final()
+    bars.drain_dq(steps)
+
+
+# ----------------------------- compute warpgroup -----------------------------
+
+
+def _visible(ctx: DqContext, shape, k_lo, row_ids):
+  """The element mask of a block (band, key length, segment ids)."""
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_ROW_LAYOUT) + ctx.q_lo
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_ROW_LAYOUT) + k_lo
+  q_seg = kv_seg = None
+  if row_ids is not None:
+    # Straight from GMEM, only for blocks that need the element mask (as in
+    # the forward: Mosaic GPU lowers these layouts only unoptimized).
+    col_ids = plgpu.load(ctx.gmem.segments.kv_ids.at[ctx.b, pl.ds(k_lo, ctx.tiles.block_kv)],
+                         layout=_COL_VECTOR_LAYOUT, optimized=False)
+    q_seg = lax.broadcast_in_dim(row_ids, shape, [0])
+    kv_seg = lax.broadcast_in_dim(col_ids, shape, [1])
+  return scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len, q_seg, kv_seg, q_len=ctx.q_len)
+
+
+def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> None:
+  """dS of key block j (score buffer b) into TMEM over S."""
+  st, bars = ctx.statics, ctx.bars
+  bars.consumer_s(b).wait()
+  s = plgpu.async_load_tmem(ctx.s_tmem(b), layout=_ROW_LAYOUT)
+  t = scores.softmax_logits(s, st.scale, st.soft_cap)
+  logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [0])
+  if masked:
+    logits2 = jnp.where(_visible(ctx, s.shape, j * ctx.tiles.block_kv, row_ids), logits2, -jnp.inf)
+  w = jnp.exp2(logits2)  # P
+  if st.soft_cap is not None:
+    w = w * scores.soft_cap_slope(t)
+  bars.consumer_dp(b).wait()
+  dp = plgpu.async_load_tmem(ctx.dp_tmem(b), layout=_ROW_LAYOUT)
+  ds = w * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+  plgpu.wait_load_tmem()  # S fully read before dS overwrites it
+  plgpu.async_store_tmem(ctx.ds_tmem(b), ds.astype(ctx.tiles.dtype))
+  plgpu.commit_tmem()
+  bars.producer_ds_commit(b)
+
+
+def compute_wg(ctx: DqContext) -> None:
+  """dS of every walked block (element mask only on boundary blocks), then
+  the epilogue."""
+  bars, smem, ranges = ctx.bars, ctx.smem, ctx.ranges
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    bars.consumer_stats().wait()
+    lse2 = plgpu.load(smem["lse2"], layout=_ROW_VECTOR_LAYOUT)
+    delta = plgpu.load(smem["delta"], layout=_ROW_VECTOR_LAYOUT)
+    row_ids = None
+    if ctx.statics.has_segments:
+      row_ids = plgpu.load(ctx.gmem.segments.q_ids.at[ctx.b, pl.ds(ctx.q_lo, BLOCK_Q)],
+                           layout=_ROW_VECTOR_LAYOUT, optimized=False)
+
+    def step(j, carry, *, masked):
+      buf = _rem(j - ranges.lo, ctx.tiles.score_buffers)
+      for_each_buffer(ctx.tiles, buf, lambda b: _grad_block(ctx, lse2, delta, row_ids, j, b,
+                                                            masked=masked))
+      return carry
+
+    walk_blocks(ranges.lo, ranges.hi, ranges, step, lambda j, carry: carry, 0)
+    epilogue(ctx)
+
+  @pl.when(ctx.num_steps == 0)
+  def _():
+    _store_dq(ctx, lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.tiles.dtype))
+
+
+def _store_dq(ctx: DqContext, chunk) -> None:
+  """dQ (column chunk by chunk) to GMEM through the Q tile's SMEM."""
+  q_smem = ctx.smem["q"]
+  for c in range(0, ctx.tiles.head_dim, EPILOGUE_CHUNK):
+    q_smem[:, pl.ds(c, EPILOGUE_CHUNK)] = chunk(c)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_smem, ctx.dq_ref.at[ctx.b, pl.ds(ctx.q_lo, BLOCK_Q), ctx.h])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def epilogue(ctx: DqContext) -> None:
+  """dQ * scale once every MMA completed (Q is dead: its SMEM takes dQ)."""
+  ctx.bars.consumer_dq_final().wait()
+
+  def scaled(c):
+    dq = plgpu.async_load_tmem(ctx.tmem["dq"].at[:, pl.ds(c, EPILOGUE_CHUNK)],
+                               layout=_EPILOGUE_LAYOUT)
+    return (dq * ctx.statics.scale).astype(ctx.tiles.dtype)
+
+  _store_dq(ctx, scaled)
+
+
+# ----------------------------- dispatch and build ----------------------------
+
+COMPUTE_WG, LOAD_MMA_WG = 0, 1
+LOAD_WARP, MMA_WARP = 0, 1
+
+
+def dispatch_roles(ctx: DqContext, wg) -> None:
+  pl.when(wg == COMPUTE_WG)(lambda: compute_wg(ctx))
+
+  @pl.when(wg == LOAD_MMA_WG)
+  def _():
+    @plgpu.warp_map
+    def _(warp):
+      pl.when(warp == LOAD_WARP)(lambda: load_warp(ctx))
+      pl.when(warp == MMA_WARP)(lambda: mma_warp(ctx))
+
+
+def _scratch_types(tiles: DqTiles) -> dict:
+  d, bk, item = tiles.head_dim, tiles.block_kv, jnp.dtype(tiles.dtype)
+  tf = _smem_transforms(item, d)
+  smem = dict(
+      q=plgpu.SMEM((BLOCK_Q, d), item, transforms=tf),
+      do=plgpu.SMEM((BLOCK_Q, d), item, transforms=tf),
+      k=plgpu.SMEM((tiles.num_stages, bk, d), item, transforms=tf),
+      v=plgpu.SMEM((tiles.num_stages, bk, d), item, transforms=tf),
+      lse2=plgpu.SMEM((BLOCK_Q,), jnp.float32),
+      delta=plgpu.SMEM((BLOCK_Q,), jnp.float32),
+  )
+  tmem = dict(
+      dq=plgpu.TMEM((BLOCK_Q, d), jnp.float32),
+      # S_b (f32) and dS_b (16-bit, two per column) share their columns.
+      s=[plgpu.RefUnion(plgpu.TMEM((BLOCK_Q, bk), jnp.float32),
+                        plgpu.TMEM((BLOCK_Q, bk), item, packed=True))
+         for _ in range(tiles.score_buffers)],
+      dp=[plgpu.TMEM((BLOCK_Q, bk), jnp.float32) for _ in range(tiles.score_buffers)],
+  )
+  return dict(smem=smem, tmem=tmem, barrier_refs=DqBarriers.scratch_types(tiles))
+
+
+@cached_build
+def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
+                    dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
+                    has_kv_lengths, has_segments=False, soft_cap=None):
+  """(q, k, v, dout, lse2, delta, *lengths, *segment_operands) -> dq.
+
+  q, dout [B, q_seq, Nq, D]; k, v [B, kv_seq, Nkv, D] (sequences padded to
+  multiples of 8; keys past `kv_valid` are padding); lse2, delta f32
+  [B, Nq, >= q_seq rounded up to 128] (`sm90_backward._preprocess`);
+  lengths: [q_lengths] if has_q_lengths, then [kv_lengths]; segment
+  operands: `sm90_backward.segment_operands(q_ids, kv_ids,
+  keys_are_rows=False, block_rows=128, consumers=1, num_ctas=cdiv(q_seq,
+  128), block_cols=block_kv)`. Returns dq [B, q_seq, Nq, D] in dtype."""
+  tiles = dataclasses.replace(dq_tiles(head_dim, dtype), block_kv=block_kv, block_q=block_q,
+                              num_stages=num_stages)
+  tiles.check_budgets()
+  del kv_seq  # the K/V extents come with the arrays
+  num_q_tiles = cdiv(q_seq, BLOCK_Q)
+  statics = DqStatics(tiles, mask, float(scale), num_q_heads // num_kv_heads, num_q_tiles,
+                      q_seq, kv_valid, soft_cap=None if soft_cap is None else float(soft_cap),
+                      has_segments=has_segments)
+
+  def kernel(*refs, smem, tmem, barrier_refs):
+    gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
+                                  1 if has_segments else None)
+    (dq_ref,) = rest
+    bars = DqBarriers(tiles, barrier_refs)
+    ctx = DqContext.create(statics, gmem, dq_ref, smem, tmem, bars)
+    dispatch_roles(ctx, lax.axis_index("wg"))
+
+  call = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), jnp.dtype(dtype)),
+      grid=(num_q_heads, num_q_tiles, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=2,
+      thread_name="wg",
+      scratch_types=_scratch_types(tiles),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+
+  def dq_kernel(q, k, v, dout, lse2, delta, *rest):
+    rows = num_q_tiles * BLOCK_Q
+    if lse2.shape[-1] < rows or delta.shape[-1] < rows:
+      raise ValueError(f"lse2 and delta must cover {rows} rows (whole 128-row tiles); got"
+                       f" {lse2.shape} and {delta.shape}")
+    return call(q, k, v, dout, lse2, delta, *rest)
+
+  return dq_kernel

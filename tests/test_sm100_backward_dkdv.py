@@ -1,0 +1,271 @@
+"""The dK/dV kernel of the Blackwell (sm_100) backward, checked without a GPU.
+
+* Interpretation with the race detector on: dK and dV match the gradients of
+  an f32 einsum attention (`reference.einsum_attention`, differentiated by
+  jax.vjp) with the mask built the naive way, within bf16 tolerance: every
+  mask the kernel walks (causal, windows, lengths, bottom-right alignment,
+  segment ids), GQA / MQA (dK, dV summed over the group), soft-cap, fp16;
+  keys no query sees get exact zeros; two runs are bit-identical.
+* Cross-lowering for sm_100 of every tiling `dkv_tiles` picks, under each
+  kind of mask: tcgen05 MMAs and TMEM loads / stores, no wgmma, within the
+  SMEM budget; the TMEM plan is checked in code.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import sm100_backward_dkdv as dkdv
+from fa4_jax.kernels.sm90_backward import _preprocess, segment_operands
+from fa4_jax.scores import MaskSpec, cdiv
+
+# bf16 inputs; P^T and dS^T are rounded to 16 bits before their MMAs (as in
+# every FlashAttention backward): gradients of size ~1 agree to ~1e-2.
+GRAD_TOL = 2e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class DkvCase(reference.KernelCase):
+  q_seq: int = 256
+  kv_seq: int = 256
+  soft_cap: float | None = None
+  # Bottom-right alignment by the lengths (MaskSpec.offset_from_lengths).
+  bottom_right: bool = False
+
+  @property
+  def mask(self) -> MaskSpec:
+    mask = super().mask
+    return dataclasses.replace(mask, offset_from_lengths=True) if self.bottom_right else mask
+
+  def visible(self) -> np.ndarray:
+    if not self.bottom_right:
+      return super().visible()
+    # Each batch row's last valid query sits on its last valid key.
+    ql = self.q_lengths or (self.q_seq,) * self.batch
+    kl = self.kv_lengths or (self.kv_seq,) * self.batch
+    rows = [reference.visible_mask(self.q_seq, self.kv_seq, is_causal=self.is_causal,
+                                   window=self.window, q_lengths=(ql[i],), kv_lengths=(kl[i],),
+                                   q_offset=kl[i] - ql[i])
+            for i in range(self.batch)]
+    return np.concatenate(rows, axis=0)
+
+
+def _inputs(case: DkvCase, seed=0):
+  b, t, s, n, nkv, d = (case.batch, case.q_seq, case.kv_seq, case.q_heads, case.kv_heads,
+                        case.head_dim)
+  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float32)
+  k = jax.random.normal(kk, (b, s, nkv, d), jnp.float32)
+  v = jax.random.normal(kv, (b, s, nkv, d), jnp.float32)
+  do = jax.random.normal(kd, (b, t, n, d), jnp.float32)
+  return tuple(x.astype(case.dtype) for x in (q, k, v, do))
+
+
+def _reference(case: DkvCase, q, k, v, do, scale):
+  """(out, lse, dk, dv) of f32 einsum attention on the upcast inputs."""
+  def attention(q, k, v):
+    return reference.einsum_attention(q, k, v, case.visible(), scale=scale,
+                                      soft_cap=case.soft_cap)
+
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  (out, lse), vjp = jax.vjp(attention, *f32)
+  _, dk, dv = vjp((do.astype(jnp.float32), jnp.zeros_like(lse)))
+  return out, lse, dk, dv
+
+
+def _kernel_dk_dv(case: DkvCase, q, k, v, do, out, lse, scale):
+  """dK, dV from the kernel, with its operands prepared as the backward's
+  entry point prepares them (sequences padded to multiples of 8, lse2 and
+  delta from `sm90_backward._preprocess`, segment operands of this tiling)."""
+  tiles = dkdv.dkv_tiles(case.head_dim, case.dtype)
+  b, t, n, d = q.shape
+  s, nkv = k.shape[1], k.shape[2]
+  q_pad, kv_pad = cdiv(t, 8) * 8, cdiv(s, 8) * 8
+  ql, kl = case.lengths()
+  lse2, delta = _preprocess(out, lse, do, ql, q_pad)
+  pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1]), (0, 0), (0, 0)])
+  operands = [pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), pad(do, q_pad), lse2, delta]
+  operands += [x for x in (ql, kl) if x is not None]
+  if case.segment_ids() is not None:
+    operands += segment_operands(*case.segment_ids(), keys_are_rows=True,
+                                 block_rows=tiles.block_kv, consumers=1,
+                                 num_ctas=cdiv(kv_pad, tiles.block_kv),
+                                 block_cols=tiles.block_q)
+  kernel = dkdv.build_dkv_kernel(
+      batch=b, q_seq=q_pad, kv_seq=kv_pad, kv_valid=s, num_q_heads=n, num_kv_heads=nkv,
+      head_dim=d, dtype=jnp.dtype(case.dtype), scale=scale, mask=case.mask,
+      block_kv=tiles.block_kv, block_q=tiles.block_q, num_stages=tiles.num_stages,
+      has_q_lengths=ql is not None, has_kv_lengths=kl is not None,
+      has_segments=case.segment_ids() is not None, soft_cap=case.soft_cap)
+  dk, dv = kernel(*operands)
+  return dk[:, :s], dv[:, :s]
+
+
+def _run(case: DkvCase, run_interpreted, seed=0):
+  q, k, v, do = _inputs(case, seed)
+  scale = 1.0 / np.sqrt(case.head_dim)
+  out, lse, dk_ref, dv_ref = _reference(case, q, k, v, do, scale)
+  dk, dv = run_interpreted(
+      lambda *args: _kernel_dk_dv(case, *args, scale=scale), q, k, v, do, out, lse)
+  return (dk, dv), (dk_ref, dv_ref)
+
+
+def _assert_close(got, expected):
+  for name, g, e in zip(("dk", "dv"), got, expected):
+    g = np.asarray(g, np.float32)
+    assert np.isfinite(g).all(), name
+    np.testing.assert_allclose(g, np.asarray(e), atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=name)
+
+
+_DOCS = reference.packed_segment_ids
+
+
+def _ids(*rows):
+  return tuple(tuple(int(x) for x in r) for r in rows)
+
+
+CASES = {
+    # --- no mask, one query head per kv head ---
+    "dense_d64": DkvCase(),
+    "dense_d128": DkvCase(head_dim=128),
+    # --- causal, lengths, GQA, alignment ---
+    # Two key tiles: tile 0 walks both query blocks (block 0 masked), tile 1
+    # only block 1 (block 0 skipped).
+    "causal_d128": DkvCase(head_dim=128, is_causal=True),
+    # Ragged extents (padded to 8 rows; the last key tile runs past the keys).
+    "causal_ragged_tails": DkvCase(q_seq=200, kv_seq=300, is_causal=True),
+    # Row 0: queries past 100 and keys past 77 do not count; row 1: no query
+    # at all (every key's gradient is zero; its CTAs walk nothing).
+    "lengths_and_keys_nobody_sees": DkvCase(
+        batch=2, is_causal=True, q_lengths=(100, 0), kv_lengths=(77, 256)),
+    # dK, dV of each kv head summed over its two query heads.
+    "gqa_causal": DkvCase(q_seq=128, q_heads=4, kv_heads=2, is_causal=True),
+    "mqa": DkvCase(q_seq=128, kv_seq=128, q_heads=3, kv_heads=1),
+    # Fewer queries than keys, the last query on the last key per batch row.
+    "bottom_right_causal_lengths": DkvCase(
+        batch=2, q_seq=128, kv_seq=256, is_causal=True, bottom_right=True,
+        q_lengths=(100, 128), kv_lengths=(256, 150)),
+    # --- windows, segment ids, soft-cap, fp16 ---
+    "window_left_right": DkvCase(q_seq=256, kv_seq=384, window=(64, 32)),
+    "causal_sliding_window_d128": DkvCase(q_seq=384, kv_seq=384, head_dim=128, is_causal=True,
+                                          window=(100, 0)),
+    "segments_packed_causal": DkvCase(
+        q_seq=384, kv_seq=384, is_causal=True,
+        q_segment_ids=_ids(_DOCS([256, 100, 28], 384)),
+        kv_segment_ids=_ids(_DOCS([256, 100, 28], 384))),
+    "segments_interleaved_gqa_lengths": DkvCase(
+        q_seq=256, kv_seq=200, q_heads=2, kv_heads=1, kv_lengths=(180,),
+        q_segment_ids=_ids(np.arange(256) % 3), kv_segment_ids=_ids(np.arange(200) // 2 % 3)),
+    "soft_cap_causal_gqa": DkvCase(q_heads=2, kv_heads=1, is_causal=True, soft_cap=5.0),
+    "float16_d128_window": DkvCase(head_dim=128, dtype="float16", window=(100, 100)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dk_dv_match_the_f32_reference_without_races(name, run_interpreted):
+  got, expected = _run(CASES[name], run_interpreted)
+  assert got[0].dtype == jnp.dtype(CASES[name].dtype)
+  _assert_close(got, expected)
+
+
+def test_keys_that_no_query_sees_get_zero_gradients(run_interpreted):
+  """Keys past kv_lengths, and every key of a batch row without queries."""
+  case = CASES["lengths_and_keys_nobody_sees"]
+  (dk, dv), _ = _run(case, run_interpreted)
+  for g in (dk, dv):
+    g = np.asarray(g, np.float32)
+    assert (g[0, 77:] == 0).all() and (g[1] == 0).all()
+    assert (np.abs(g[0, :77]) > 0).any()
+
+
+def test_two_runs_are_bit_identical(run_interpreted):
+  case = DkvCase(q_seq=256, kv_seq=128, q_heads=2, kv_heads=1, is_causal=True)
+  first, _ = _run(case, run_interpreted)
+  second, _ = _run(case, run_interpreted)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# --- the static plan ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tmem_plan_is_dk_dv_and_two_score_tiles(head_dim):
+  tiles = dkdv.dkv_tiles(head_dim, jnp.bfloat16)
+  assert tiles.tmem_columns() == 2 * head_dim + 2 * tiles.block_q <= dkdv.TMEM_COLUMNS
+  assert tiles.smem_bytes() <= dkdv.SMEM_BYTES
+  assert tiles.mma_issues_per_block() == 4
+
+
+def test_head_dim_256_is_refused_because_dk_and_dv_fill_tmem():
+  with pytest.raises(KernelUnsupported, match="does not fit TMEM"):
+    dkdv.dkv_tiles(256, jnp.bfloat16)
+
+
+def test_budgets_are_asserted():
+  with pytest.raises(AssertionError, match="TMEM plan"):
+    dkdv.DkvTiles(192, jnp.dtype(jnp.bfloat16), block_q=128, num_stages=1).check_budgets()
+  with pytest.raises(AssertionError, match="SMEM plan"):
+    dkdv.DkvTiles(128, jnp.dtype(jnp.bfloat16), block_q=128, num_stages=3).check_budgets()
+
+
+def test_barrier_table_names_every_barrier_with_both_sides():
+  """Every barrier of `DkvBarriers.SPECS` appears in the docstring's table,
+  and every accessor is named in it."""
+  doc = dkdv.DkvBarriers.__doc__
+  for name in dkdv.DkvBarriers.SPECS:
+    assert f"\n  {name} " in doc, name
+  accessors = [a for a in vars(dkdv.DkvBarriers)
+               if a.startswith(("producer_", "consumer_", "drain_"))]
+  for accessor in accessors:
+    assert accessor in doc, accessor
+
+
+# --- cross-lowering -------------------------------------------------------------
+
+_MASKS = {
+    "dense": dict(mask=MaskSpec()),
+    "causal_lengths": dict(mask=MaskSpec(right=0), lengths=True),
+    "bottom_right_window": dict(mask=MaskSpec(left=256, right=0, offset_from_lengths=True),
+                                lengths=True),
+    "segments_soft_cap": dict(mask=MaskSpec(right=0), segments=True, soft_cap=30.0),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(_MASKS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_tiling_lowers_for_sm100_with_tcgen05_and_fits_smem(head_dim, mask_name,
+                                                                   cross_lower):
+  options = _MASKS[mask_name]
+  tiles = dkdv.dkv_tiles(head_dim, jnp.bfloat16)
+  b, t, s, n, nkv = 2, 304, 1032, 4, 2
+  kernel = dkdv.build_dkv_kernel(
+      batch=b, q_seq=t, kv_seq=s, kv_valid=1030, num_q_heads=n, num_kv_heads=nkv,
+      head_dim=head_dim, dtype=jnp.dtype(jnp.bfloat16), scale=0.1, mask=options["mask"],
+      block_kv=tiles.block_kv, block_q=tiles.block_q, num_stages=tiles.num_stages,
+      has_q_lengths=options.get("lengths", False), has_kv_lengths=options.get("lengths", False),
+      has_segments=options.get("segments", False), soft_cap=options.get("soft_cap"))
+  spec = jax.ShapeDtypeStruct
+  stats = spec((b, n, cdiv(t, 128) * 128), jnp.float32)
+  specs = [spec((b, t, n, head_dim), jnp.bfloat16), spec((b, s, nkv, head_dim), jnp.bfloat16),
+           spec((b, s, nkv, head_dim), jnp.bfloat16), spec((b, t, n, head_dim), jnp.bfloat16),
+           stats, stats]
+  if options.get("lengths"):
+    specs += [spec((b,), jnp.int32)] * 2
+  if options.get("segments"):
+    num_ctas = cdiv(s, tiles.block_kv)
+    specs += [spec((b, cdiv(t, tiles.block_q) * tiles.block_q), jnp.int32),
+              spec((b, num_ctas * tiles.block_kv), jnp.int32),
+              spec((b, num_ctas, 4), jnp.int32)]
+  lowered = cross_lower(kernel, *specs, arch="sm_100")
+  assert len(lowered.modules) == 1
+  for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st"):
+    assert lowered.has(instruction), instruction
+  assert not lowered.has("wgmma")
+  assert 0 < lowered.max_smem_bytes <= dkdv.SMEM_BYTES
+  assert lowered.max_smem_bytes <= tiles.smem_bytes()
