@@ -10,7 +10,7 @@ log-sum-exp instead of storing them:
 Three steps, every gradient written by exactly one CTA (deterministic, no
 atomics):
 
-1. `_preprocess` (plain XLA): the lse converted to log2 units with +inf for
+1. `backward_inputs.preprocess` (plain XLA): the lse converted to log2 units with +inf for
    rows that must not contribute (rows past the query length, rows that saw
    no key), so that P = exp2(c * s - lse2) is exactly 0 there, padded to
    whole blocks. delta too, by one fused reduction over dO and O, unless the
@@ -98,11 +98,12 @@ import dataclasses
 import jax.numpy as jnp
 
 from fa4_jax.kernels import KernelUnsupported, sm90_tiles
+from fa4_jax.kernels.backward_inputs import preprocess, segment_operands
 from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
 from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
-from fa4_jax.scores import LOG2_E, MaskSpec, cdiv, pad_ids, tile_ranges_operand
+from fa4_jax.scores import MaskSpec, cdiv
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
 FEATURES = frozenset({"soft_cap"})
@@ -112,8 +113,6 @@ FEATURES = frozenset({"soft_cap"})
 # computed by two passes of the dK/dV kernel, one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
-# lse and delta are padded to a multiple of this (every block size divides it).
-STATS_ALIGN = 128
 
 
 # --- configuration -------------------------------------------------------------
@@ -339,44 +338,6 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
 # --- entry point -----------------------------------------------------------------
 
 
-def _preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = True):
-  """(lse2, delta), float32 [B, N, q_pad rounded up to STATS_ALIGN].
-
-  delta = rowsum(dO * O) (None when not `with_delta`: the dQ kernel computes
-  it). lse2 = lse * log2(e), or +inf where the row must not contribute (past
-  its query length, sees no key, or padding), so that the kernels'
-  exp2(c * s - lse2) is exactly 0 there.
-  """
-  t = lse.shape[-1]  # lse: [B, N, Tq]
-  live = lse > -jnp.inf
-  if q_lengths is not None:
-    live = live & (jnp.arange(t)[None, None, :] < q_lengths.astype(jnp.int32)[:, None, None])
-  lse2 = jnp.where(live, lse * LOG2_E, jnp.inf)
-  padded = cdiv(q_pad, STATS_ALIGN) * STATS_ALIGN
-  pad = [(0, 0), (0, 0), (0, padded - t)]
-  lse2 = jnp.pad(lse2, pad, constant_values=jnp.inf)
-  if not with_delta:
-    return lse2, None
-  delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
-  return lse2, jnp.pad(jnp.where(live, delta, 0.0), pad)
-
-
-def segment_operands(q_ids, kv_ids, *, keys_are_rows: bool, block_rows: int, consumers: int,
-                     num_ctas: int, block_cols: int):
-  """The `sm90_backward_common.SegmentRefs` inputs of one kernel: its CTAs
-  own `consumers` tiles of `block_rows` rows (keys when `keys_are_rows`, as
-  in dK/dV; queries in dQ) and walk blocks of `block_cols` columns.
-
-  Returns [q ids, kv ids, CTA ranges (, consumer ranges when consumers > 1)]."""
-  rows, cols = (kv_ids, q_ids) if keys_are_rows else (q_ids, kv_ids)
-  ranges = [tile_ranges_operand(rows, cols, consumers * block_rows, block_cols, num_ctas)]
-  if consumers > 1:
-    ranges.append(tile_ranges_operand(rows, cols, block_rows, block_cols, num_ctas * consumers))
-  rows = pad_ids(rows, num_ctas * consumers * block_rows)
-  cols = pad_ids(cols, cdiv(cols.shape[1], block_cols) * block_cols)
-  return [*((cols, rows) if keys_are_rows else (rows, cols)), *ranges]
-
-
 def _kernel_segments(segment_ids, config: BackwardConfig, q_pad: int, kv_pad: int):
   """(dK/dV kernel's, dQ kernel's) `segment_operands`; empty lists without
   segment ids."""
@@ -425,7 +386,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
   config = config or choose_config(d, mask, num_q_heads // num_kv_heads)
-  lse2, delta = _preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
+  lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
 
   def pad(x, t_pad):
     if d == head_dim and t_pad == x.shape[1]:

@@ -1,0 +1,57 @@
+"""What every fused backward computes in XLA before its kernels run (the sm90
+and the sm100 backward alike): the softmax statistics in the kernels' units
+and the segment ids' per-tile ranges.
+
+`preprocess` gives lse2 = lse * log2(e), with +inf on rows that must not
+contribute, so that a kernel's exp2(c * s - lse2) is exactly 0 there and no
+kernel special-cases dead rows, and delta = rowsum(dO * O), both padded to
+whole tiles. `segment_operands` gives a kernel the ids and the block ranges
+of its own tiling (`scores.segment_tile_ranges`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fa4_jax.scores import LOG2_E, cdiv, pad_ids, tile_ranges_operand
+
+# lse2 and delta are padded to a multiple of this (every block size divides it).
+STATS_ALIGN = 128
+
+
+def preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = True):
+  """(lse2, delta), float32 [B, N, q_pad rounded up to STATS_ALIGN].
+
+  delta = rowsum(dO * O) (None when not `with_delta`: a kernel computes
+  it). lse2 = lse * log2(e), or +inf where the row must not contribute (past
+  its query length, sees no key, or padding), so that the kernels'
+  exp2(c * s - lse2) is exactly 0 there.
+  """
+  t = lse.shape[-1]  # lse: [B, N, Tq]
+  live = lse > -jnp.inf
+  if q_lengths is not None:
+    live = live & (jnp.arange(t)[None, None, :] < q_lengths.astype(jnp.int32)[:, None, None])
+  lse2 = jnp.where(live, lse * LOG2_E, jnp.inf)
+  padded = cdiv(q_pad, STATS_ALIGN) * STATS_ALIGN
+  pad = [(0, 0), (0, 0), (0, padded - t)]
+  lse2 = jnp.pad(lse2, pad, constant_values=jnp.inf)
+  if not with_delta:
+    return lse2, None
+  delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  return lse2, jnp.pad(jnp.where(live, delta, 0.0), pad)
+
+
+def segment_operands(q_ids, kv_ids, *, keys_are_rows: bool, block_rows: int, consumers: int,
+                     num_ctas: int, block_cols: int):
+  """The segment-id operands of one backward kernel whose CTAs own
+  `consumers` tiles of `block_rows` rows (keys when `keys_are_rows`, as in
+  dK/dV; queries in dQ) and walk blocks of `block_cols` columns.
+
+  Returns [q ids, kv ids, CTA ranges (, consumer ranges when consumers > 1)]."""
+  rows, cols = (kv_ids, q_ids) if keys_are_rows else (q_ids, kv_ids)
+  ranges = [tile_ranges_operand(rows, cols, consumers * block_rows, block_cols, num_ctas)]
+  if consumers > 1:
+    ranges.append(tile_ranges_operand(rows, cols, block_rows, block_cols, num_ctas * consumers))
+  rows = pad_ids(rows, num_ctas * consumers * block_rows)
+  cols = pad_ids(cols, cdiv(cols.shape[1], block_cols) * block_cols)
+  return [*((cols, rows) if keys_are_rows else (rows, cols)), *ranges]
