@@ -144,19 +144,28 @@ def which_implementation(
     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
     implementation: Implementation = None, query_segment_ids=None,
     key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
-    causal_alignment="top_left",
+    causal_alignment="top_left", part: str = "forward",
 ) -> str:
   """The implementation `attention` would use for these arguments here (on
   the default device, or for the active `fa4_jax.gpu_target`):
   `"xla"`, `"sm90"`, `"sm90_decode"` (the sm90 kernels in their decode
   arrangement: short queries without a band mask, see `fa4_jax.decode`),
-  `"sm100"` or `"cudnn"`. Raises as `attention` would."""
+  `"sm100"` or `"cudnn"`. Raises as `attention` would.
+
+  `part="backward"`: what computes the gradients instead: a kernel family's
+  fused backward (`"sm90"`, `"sm100"`), or `"xla"` where the kernel has none
+  for these arguments (then the XLA backward runs on the kernel's
+  log-sum-exp), or `"cudnn"`."""
+  if part not in ("forward", "backward"):
+    raise ValueError(f"part must be 'forward' or 'backward'; got {part!r}")
   if implementation == "cudnn":
     return "cudnn"
-  _, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
-                        query_seq_lengths, key_value_seq_lengths,
-                        local_window_size, implementation, query_segment_ids,
-                        key_value_segment_ids, sinks, logits_soft_cap, causal_alignment)
+  args, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
+                           query_seq_lengths, key_value_seq_lengths,
+                           local_window_size, implementation, query_segment_ids,
+                           key_value_segment_ids, sinks, logits_soft_cap, causal_alignment)
+  if part == "backward":
+    return backends.backward_name(backend, _call_info(args))
   return backend.name
 
 
@@ -171,8 +180,11 @@ def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
       local_window_size=local_window_size, implementation=implementation,
       query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
       sinks=sinks, logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment)
-  call = backends.CallInfo(
+  return args, backends.select(implementation, _call_info(args))
+
+
+def _call_info(args: Arguments) -> backends.CallInfo:
+  return backends.CallInfo(
       q_shape=args.query.shape, k_shape=args.key.shape, dtype=args.query.dtype,
       spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None,
       soft_cap=args.logits_soft_cap, has_segment_ids=args.query_segment_ids is not None)
-  return args, backends.select(implementation, call)

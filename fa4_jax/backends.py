@@ -96,31 +96,48 @@ def _kernel_backend(name: str) -> Backend:
       out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
     return out, lse
 
-  try:
-    bwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
-  except ModuleNotFoundError:
-    bwd_module = None
-
   def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                out, lse, dout, *, scale, spec, soft_cap):
     # The fused backward where it supports the call, else the XLA backward
     # (which takes the kernel's lse): decided here, at trace time.
-    if bwd_module is not None and (soft_cap is None or "soft_cap" in _features(bwd_module)):
-      try:
-        bwd_module.check_supported(q.shape, k.shape, q.dtype, spec)
-      except KernelUnsupported:
-        pass
-      else:
-        dq, dk, dv = bwd_module.backward(
-            q, k, v, out, lse, dout, q_lengths, kv_lengths, scale=scale, mask=spec,
-            segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
-            **_options(bwd_module, soft_cap=soft_cap))
-        return dq, dk, dv, None
+    bwd_module = fused_backward(name, q.shape, k.shape, q.dtype, spec, soft_cap)
+    if bwd_module is not None:
+      dq, dk, dv = bwd_module.backward(
+          q, k, v, out, lse, dout, q_lengths, kv_lengths, scale=scale, mask=spec,
+          segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
+          **_options(bwd_module, soft_cap=soft_cap))
+      return dq, dk, dv, None
     return xla_attention.backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                                   kv_segment_ids, out, lse, dout, scale=scale, spec=spec,
                                   soft_cap=soft_cap)
 
   return Backend(name, forward, backward)
+
+
+def fused_backward(name: str, q_shape, k_shape, dtype, spec: MaskSpec, soft_cap):
+  """Kernel family `name`'s backward module if it serves these arguments,
+  else None (the XLA backward runs, on the kernel's lse)."""
+  try:
+    module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
+  except ModuleNotFoundError:
+    return None
+  if soft_cap is not None and "soft_cap" not in _features(module):
+    return None
+  try:
+    module.check_supported(q_shape, k_shape, dtype, spec)
+  except KernelUnsupported:
+    return None
+  return module
+
+
+def backward_name(backend: Backend, call: CallInfo) -> str:
+  """What runs the backward of `backend` for `call`: its kernel family's
+  fused backward ("sm90", "sm100") or "xla"."""
+  family = {"sm90_decode": "sm90"}.get(backend.name, backend.name)
+  if family in KERNEL_IMPLEMENTATIONS and fused_backward(
+      family, call.q_shape, call.k_shape, call.dtype, call.spec, call.soft_cap) is not None:
+    return family
+  return "xla"
 
 
 @functools.cache

@@ -1,0 +1,119 @@
+"""Attention backward for Blackwell (sm_100) in Pallas Mosaic GPU.
+
+The same three steps as the Hopper backward (`sm90_backward`), with every
+accumulator in tensor memory (TMEM) instead of registers:
+
+1. `backward_inputs.preprocess` (plain XLA): lse2 (log2 units, +inf on rows
+   that must not contribute) and delta = rowsum(dO * O), padded to whole
+   128-row tiles.
+2. the dK/dV kernel (`sm100_backward_dkdv`): one CTA per (kv head, 128-key
+   tile, batch) walks the query blocks of every head of its GQA group that
+   its keys can be seen by; S^T, dP^T, dK and dV live in TMEM, P^T and dS^T
+   feed the dV and dK MMAs straight from TMEM.
+3. the dQ kernel (`sm100_backward_dq`): one CTA per (q head, 128-row Q
+   tile, batch) walks the key blocks its rows see; S, dP and dQ live in
+   TMEM, dS feeds the dQ MMA from TMEM.
+
+Every gradient element is written by exactly one CTA (deterministic, no
+atomics), as on Hopper: the dQ kernel recomputes S and dP (7 MMAs of a
+tile pair instead of 5) rather than summing partial dQ tiles in arrival
+order. Masks (causal, windows, lengths, bottom-right alignment, segment
+ids) skip whole tiles in both kernels and apply the element mask only on
+boundary tiles; soft-cap multiplies dS by `scores.soft_cap_slope`; sinks
+need nothing (the lse includes them).
+
+Head dims 64 and 128. At 256 dK and dV of a 128-key tile take all 512 TMEM
+columns, leaving none for S^T and dP^T (`sm100_backward_dkdv.dkv_tiles`),
+so `check_supported` refuses it and `fa4_jax.backends` runs the XLA
+backward there.
+
+Never run on Blackwell hardware: verified in Pallas' GPU interpreter with
+race detection against an f32 reference, and cross-lowered for sm_100 (TMEM
+and SMEM plans, tcgen05 instructions present, no wgmma). The static cost
+model of each kernel is in its module's docstring.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels.backward_inputs import preprocess, segment_operands
+from fa4_jax.kernels.sm100_backward_dkdv import BLOCK_KV, build_dkv_kernel, dkv_tiles
+from fa4_jax.kernels.sm100_backward_dq import BLOCK_Q, build_dq_kernel, dq_tiles
+from fa4_jax.scores import MaskSpec, cdiv
+
+# The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
+FEATURES = frozenset({"soft_cap"})
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
+  """Raises KernelUnsupported when the backward kernels cannot serve the call."""
+  *_, head_dim = check_common("sm100 backward", q_shape, k_shape, dtype, mask)
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise KernelUnsupported(
+        f"sm100 backward: head_dim must be one of {SUPPORTED_HEAD_DIMS}; got {head_dim} (at 256 "
+        f"dK and dV of a 128-key tile fill the 512 TMEM columns; the XLA backward runs instead)")
+
+
+def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
+             segment_ids=None, soft_cap: float | None = None):
+  """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
+
+  q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
+  dk and dv are summed over the query heads of each GQA group.
+  segment_ids: None, or (q ids int32 [B, Tq], kv ids int32 [B, Tk]).
+  soft_cap: None, or a Python float > 0: the forward's logits were
+  cap * tanh(scale * q.k / cap).
+  """
+  check_supported(q.shape, k.shape, q.dtype, mask)
+  if soft_cap is not None:
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0:
+      raise ValueError(f"soft_cap must be a positive Python float; got {soft_cap!r}")
+    soft_cap = float(soft_cap)
+  if v.shape != k.shape:
+    raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  batch, q_seq, num_q_heads, head_dim = q.shape
+  _, kv_seq, num_kv_heads, _ = k.shape
+  dtype = q.dtype
+  dkv, dq_plan = dkv_tiles(head_dim, dtype), dq_tiles(head_dim, dtype)
+  # TMA tiles (sequence, head_dim) by (8, 64): sequences padded to multiples
+  # of 8 (a copy only for unaligned lengths).
+  q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
+  lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad)
+
+  def pad(x, t_pad):
+    return x if t_pad == x.shape[1] else jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0),
+                                                      (0, 0)])
+
+  q, dout = pad(q, q_pad), pad(dout.astype(dtype), q_pad)
+  k, v = pad(k, kv_pad), pad(v, kv_pad)
+  common = dict(batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
+                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                dtype=dtype, scale=float(scale), mask=mask,
+                has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
+                has_segments=segment_ids is not None, soft_cap=soft_cap)
+  lengths = [jnp.asarray(x, jnp.int32) for x in (q_lengths, kv_lengths) if x is not None]
+  dkv_segments, dq_segments = [], []
+  if segment_ids is not None:
+    q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+    dkv_segments = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=BLOCK_KV,
+                                    consumers=1, num_ctas=cdiv(kv_pad, BLOCK_KV),
+                                    block_cols=dkv.block_q)
+    dq_segments = segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=BLOCK_Q,
+                                   consumers=1, num_ctas=cdiv(q_pad, BLOCK_Q),
+                                   block_cols=dq_plan.block_kv)
+  args = [q, k, v, dout, lse2, delta, *lengths]
+  dk, dv = build_dkv_kernel(**common, block_kv=BLOCK_KV, block_q=dkv.block_q,
+                            num_stages=dkv.num_stages)(*args, *dkv_segments)
+  dq = build_dq_kernel(**common, block_kv=dq_plan.block_kv, block_q=BLOCK_Q,
+                       num_stages=dq_plan.num_stages)(*args, *dq_segments)
+  if q_pad != q_seq:
+    dq = dq[:, :q_seq]
+  if kv_pad != kv_seq:
+    dk, dv = dk[:, :kv_seq], dv[:, :kv_seq]
+  return dq, dk, dv
