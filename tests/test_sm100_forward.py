@@ -482,7 +482,9 @@ def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
   assert sm100_compile_probe.main(str(tmp_path)) == 0
   dump = tmp_path / "mosaic_dump"
   ptx_files = sorted(dump.glob("*.ptx"))
-  assert len(ptx_files) == len(sm100_compile_probe.VARIANTS)
+  # One kernel per forward variant, two (dK/dV, dQ) per backward variant.
+  assert len(ptx_files) == (len(sm100_compile_probe.VARIANTS)
+                            + 2 * len(sm100_compile_probe.BACKWARD_VARIANTS))
   for ptx in ptx_files:
     assert ".target sm_100a" in ptx.read_text()
     cubin = tmp_path / (ptx.stem + ".cubin")

@@ -1,4 +1,4 @@
-"""Compile the sm_100 forward kernel to PTX and SASS without a Blackwell GPU.
+"""Compile the sm_100 kernels (forward, backward) to PTX and SASS without a Blackwell GPU.
 
 Mosaic GPU compiles a kernel inside the CUDA plugin, for the compute
 capability the CUDA driver reports (`cuDeviceGetAttribute`); no environment
@@ -9,6 +9,9 @@ plugin lowers and assembles the kernel for sm_100a and, with the
 in a folder. Running the cubin then fails (it is not H100 code): expected.
 
     python3 tools/sm100_compile_probe.py OUT_DIR
+
+It ends with one line per kernel: registers, stack frame and spill bytes
+from ptxas (`report`).
 
 Not used by the library; a tool for checking the Blackwell kernel where no
 Blackwell GPU is available. The dump folder's `*.ptxas` / `*.resources.txt`
@@ -88,13 +91,28 @@ VARIANTS = ((64, False, None), (128, True, None), (256, False, None),
             (128, True, "soft_cap"), (128, True, "sinks"))
 
 
+# (head_dim, causal, option) of the backward: each call compiles its dK/dV
+# and its dQ kernel.
+BACKWARD_VARIANTS = ((64, False, None), (128, True, None), (128, True, "segment_ids"),
+                     (128, True, "soft_cap"))
+
+
+def _options(option, shape, numpy):
+  return {
+      None: {},
+      "segment_ids": dict(segment_ids=(numpy.zeros(shape[:2], numpy.int32),) * 2),
+      "soft_cap": dict(soft_cap=30.0),
+      "sinks": dict(sinks=numpy.zeros((shape[2],), numpy.float32)),
+  }[option]
+
+
 def _compile_in_this_process(dump_dir: str) -> None:
   """Runs in the child (shim preloaded): trace, lower, compile the kernel."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
-  from fa4_jax.kernels import sm100_forward
+  from fa4_jax.kernels import sm100_backward, sm100_forward
   from fa4_jax.scores import MaskSpec
 
   print("device:", jax.devices()[0], "compute_capability:",
@@ -105,12 +123,7 @@ def _compile_in_this_process(dump_dir: str) -> None:
     lengths = jnp.full((1,), 512, jnp.int32)
     # numpy, not jnp: an eager jnp op would itself be compiled for sm_100a
     # and fail to load before the kernel is built.
-    options = {
-        None: {},
-        "segment_ids": dict(segment_ids=(np.zeros((1, 512), np.int32),) * 2),
-        "soft_cap": dict(soft_cap=30.0),
-        "sinks": dict(sinks=np.zeros((2,), np.float32)),
-    }[option]
+    options = _options(option, shape, np)
     fn = jax.jit(lambda q, k, v, a, b, causal=causal, options=options: sm100_forward.forward(
         q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None), **options))
     name = f"head_dim={head_dim} causal={causal} option={option}"
@@ -119,7 +132,40 @@ def _compile_in_this_process(dump_dir: str) -> None:
       print(f"{name}: ran (unexpected on a non-Blackwell GPU)", flush=True)
     except Exception as e:  # the sm_100a cubin cannot load on this GPU
       print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+  for head_dim, causal, option in BACKWARD_VARIANTS:
+    shape = (1, 512, 2, head_dim)
+    x = np.zeros(shape, np.float32).astype(jnp.bfloat16)
+    lse = np.zeros((1, 2, 512), np.float32)
+    lengths = np.full((1,), 512, np.int32)
+    options = _options(option, shape, np)
+    fn = jax.jit(lambda q, k, v, o, lse, do, a, b, causal=causal, options=options:
+                 sm100_backward.backward(q, k, v, o, lse, do, a, b, scale=0.1,
+                                         mask=MaskSpec.from_arguments(causal, None), **options))
+    name = f"backward head_dim={head_dim} causal={causal} option={option}"
+    try:
+      jax.block_until_ready(fn(x, x, x, x, lse, x, lengths, lengths))
+      print(f"{name}: ran (unexpected on a non-Blackwell GPU)", flush=True)
+    except Exception as e:
+      print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
   print("dumped:", sorted(os.listdir(dump_dir)), flush=True)
+
+
+def report(dump_dir) -> list[dict]:
+  """Registers, stack frame and spill bytes of every kernel ptxas assembled
+  in `dump_dir` (its `*.ptxas` files), in dump order (ptxas reports a
+  kernel's figures more than once in a file: the largest is kept)."""
+  import re
+
+  rows = []
+  for path in sorted(pathlib.Path(dump_dir).glob("*.ptxas"),
+                     key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]):
+    text = path.read_text()
+    numbers = lambda pattern: [int(x) for x in re.findall(pattern, text)]
+    rows.append(dict(file=path.name, registers=max(numbers(r"Used (\d+) registers"), default=0),
+                     stack=max(numbers(r"(\d+) bytes stack frame"), default=0),
+                     spill_stores=max(numbers(r"(\d+) bytes spill stores"), default=0),
+                     spill_loads=max(numbers(r"(\d+) bytes spill loads"), default=0)))
+  return rows
 
 
 def main(out: str) -> int:
@@ -137,10 +183,16 @@ def main(out: str) -> int:
       MOSAIC_GPU_DUMP_SASS="1",
       MOSAIC_GPU_DUMP_RESOURCES="1",
       MOSAIC_GPU_DUMP_TO=str(dump_dir),
+      # XLA's autotuner runs candidate fusions (the backward's delta
+      # reduction), which cannot load on the real GPU under the shim.
+      XLA_FLAGS=" ".join([env.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0"]).strip(),
   )
   code = (f"import sys; sys.path[:0] = [{HERE!r}, {REPO!r}]; import sm100_compile_probe as p; "
           f"p._compile_in_this_process({str(dump_dir)!r})")
-  return subprocess.run([sys.executable, "-c", code], env=env).returncode
+  code = subprocess.run([sys.executable, "-c", code], env=env).returncode
+  for row in report(dump_dir):
+    print(row, flush=True)
+  return code
 
 
 if __name__ == "__main__":
