@@ -83,8 +83,9 @@ def _reference(case: Case, q, k, v, dout, scale):
   return out, lse, dq
 
 
-def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run):
-  """The kernel's dQ, its inputs prepared as the sm100 backward will."""
+def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run, runs: int = 1):
+  """The kernel's dQ, its inputs prepared as the sm100 backward will (a
+  list of `runs` results when runs > 1)."""
   q_len, kv_len = case.lengths()
   b, tq, nq, d = q.shape
   tk, nkv = k.shape[1], k.shape[2]
@@ -105,9 +106,11 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run):
       has_kv_lengths=kv_len is not None, has_segments=bool(segments), soft_cap=case.soft_cap)
   args = (pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), pad(dout, q_pad), lse2, delta,
           *lengths, *segments)
-  dq = run(lambda *a: kernel()(*a), *args)
-  assert dq.shape == (b, q_pad, nq, d) and dq.dtype == q.dtype
-  return dq[:, :tq]
+  results = run(lambda *a: [kernel()(*a) for _ in range(runs)], *args)
+  for dq in results:
+    assert dq.shape == (b, q_pad, nq, d) and dq.dtype == q.dtype
+  results = [dq[:, :tq] for dq in results]
+  return results if runs > 1 else results[0]
 
 
 def _check(case: Case, run_interpreted):
@@ -139,17 +142,15 @@ CASES = {
     "dense_head_dim_128_ragged_tails": Case(head_dim=128, q_seq=200, kv_seq=136),
     # Step 2: causal (heavy tiles first, blocks above the diagonal skipped,
     # the element mask on the diagonal blocks only), GQA.
-    "causal_gqa": Case(is_causal=True, q_seq=256, kv_seq=256, q_heads=4, kv_heads=2),
-    "mqa_head_dim_128_causal_queries_shorter_than_keys": Case(
-        head_dim=128, is_causal=True, q_seq=72, kv_seq=200, q_heads=3, kv_heads=1),
+    "causal_gqa": Case(is_causal=True, q_seq=256, kv_seq=256, q_heads=2, kv_heads=1),
+    # Bottom-right alignment by a fixed offset (the last query on the last key).
+    "mqa_head_dim_128_causal_bottom_right": Case(
+        head_dim=128, is_causal=True, q_seq=72, kv_seq=200, q_heads=3, kv_heads=1, q_offset=128),
     # Lengths: rows past q_len and a batch row with no keys at all (zero,
     # finite dQ; its CTAs walk nothing and store zeros).
     "lengths_rows_that_see_no_key": Case(
-        batch=2, is_causal=True, q_seq=200, kv_seq=136, q_lengths=(150, 200),
+        batch=2, is_causal=True, q_seq=136, kv_seq=136, q_lengths=(100, 136),
         kv_lengths=(136, 0)),
-    # Bottom-right alignment by a fixed offset: rows before the first key
-    # see nothing.
-    "causal_bottom_right_offset": Case(is_causal=True, q_seq=192, kv_seq=128, q_offset=-64),
     # Bottom-right alignment by each row's lengths (chunked prefill), with a window.
     "window_aligned_by_lengths": Case(
         batch=2, is_causal=True, window=(48, 0), q_seq=136, kv_seq=264, q_lengths=(136, 40),
@@ -165,9 +166,9 @@ CASES = {
         q_segment_ids=_ids(_DOCS([100, 60, 96], 256)),
         kv_segment_ids=_ids(_DOCS([100, 60, 96], 256))),
     "segments_interleaved_and_absent_ids_lengths": Case(
-        batch=2, q_seq=136, kv_seq=200, q_lengths=(136, 100), kv_lengths=(150, 200),
-        q_segment_ids=_ids(np.arange(136) % 3, np.r_[np.zeros(70), np.full(66, 5)]),
-        kv_segment_ids=_ids(np.arange(200) // 2 % 3, np.zeros(200))),
+        batch=2, q_seq=128, kv_seq=136, q_lengths=(128, 100), kv_lengths=(100, 136),
+        q_segment_ids=_ids(np.arange(128) % 3, np.r_[np.zeros(70), np.full(58, 5)]),
+        kv_segment_ids=_ids(np.arange(136) // 2 % 3, np.zeros(136))),
     # head_dim 256: dQ takes half the TMEM; one K/V stage, one score buffer.
     "head_dim_256_causal_ragged": Case(head_dim=256, is_causal=True, q_seq=136, kv_seq=100),
 }
@@ -184,9 +185,8 @@ def test_two_runs_are_bit_identical(run_interpreted):
   q, k, v, dout = _inputs(case, seed=1)
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse, _ = _reference(case, q, k, v, dout, scale)
-  first, second = (np.asarray(_kernel_dq(case, q, k, v, dout, out, lse, scale, run_interpreted))
-                   for _ in range(2))
-  np.testing.assert_array_equal(first, second)
+  first, second = _kernel_dq(case, q, k, v, dout, out, lse, scale, run_interpreted, runs=2)
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
 
 
 # --- Tiling: TMEM and SMEM plans, cross-lowering for sm_100 -------------------
