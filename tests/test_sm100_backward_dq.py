@@ -31,6 +31,7 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dq as dq_kernel
 from fa4_jax.kernels.sm90_backward import _preprocess, segment_operands
 from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import read_tile_ranges as _read_tile_ranges
 from fa4_jax.testing import SMEM_LIMIT_BYTES, TMEM_COLUMNS
 from reference import KernelCase, einsum_attention, packed_segment_ids
 
@@ -187,6 +188,45 @@ def test_two_runs_are_bit_identical(run_interpreted):
   out, lse, _ = _reference(case, q, k, v, dout, scale)
   first, second = _kernel_dq(case, q, k, v, dout, out, lse, scale, run_interpreted, runs=2)
   np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+
+
+# --- The walk: blocks skipped, element masks only on boundary blocks -------------
+
+
+def test_a_sliding_window_walks_only_the_blocks_of_its_band():
+  """Rows [1024, 1152) under a causal 300-key window see keys [724, 1152]:
+  blocks 11-17 of 64 keys; the blocks before and after are never loaded.
+  Blocks 14 and 15 (keys 896-1023) are seen whole by every row (the last
+  row sees keys >= 851, the first keys <= 1024): no element mask there."""
+  tiles = dq_kernel.dq_tiles(128, jnp.bfloat16)
+  mask = MaskSpec(left=300, right=0)
+  r = dq_kernel.tile_key_blocks(mask, tiles, 1024, 4096, 4096)
+  assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (11, 18, 14, 16)
+  # Bottom-right by the lengths: the same rows of a 2048-query row over
+  # 3072 keys sit 1024 positions later.
+  aligned = MaskSpec(left=300, right=0, offset_from_lengths=True)
+  r = dq_kernel.tile_key_blocks(aligned, tiles, 1024, 2048, 3072)
+  assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (27, 34, 30, 32)
+
+
+def scores_read(operand, tile):
+  """One tile's segment ranges from a `tile_ranges_operand` (batch row 0)."""
+  return _read_tile_ranges(operand, 0, tile)
+
+
+def test_segment_ids_narrow_the_walk():
+  """Documents of 300 and 724 tokens, causal: the tile of rows [384, 512)
+  (second document) walks blocks 4-7 (keys 256-511: the first block holds
+  both ids) instead of 0-7. Blocks 5 on hold only its id; of them only
+  block 5 (keys 320-383) is seen whole by the tile's first row: the one
+  block without an element mask."""
+  tiles = dq_kernel.dq_tiles(64, jnp.bfloat16)
+  ids = jnp.asarray(_DOCS([300, 724], 1024))[None]
+  ops = segment_operands(ids, ids, keys_are_rows=False, block_rows=128, consumers=1,
+                         num_ctas=8, block_cols=tiles.block_kv)
+  seg = scores_read(ops[2], 3)
+  r = dq_kernel.tile_key_blocks(MaskSpec(right=0), tiles, 384, 1024, 1024, seg)
+  assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (4, 8, 5, 6)
 
 
 # --- Tiling: TMEM and SMEM plans, cross-lowering for sm_100 -------------------

@@ -443,9 +443,8 @@ class DqContext:
     kv_h = lax.div(h, jnp.int32(statics.group))
     q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, b, statics.q_seq, statics.kv_valid)
     q_lo = tile * BLOCK_Q
-    ranges = scores.kv_tile_ranges(mask, q_lo, q_lo + BLOCK_Q, q_len, kv_len,
-                                   statics.tiles.block_kv)
-    ranges = narrow(ranges, gmem.segments, lambda seg: seg.of_cta(b, tile))
+    segment_ranges = None if gmem.segments is None else gmem.segments.of_cta(b, tile)
+    ranges = tile_key_blocks(mask, statics.tiles, q_lo, q_len, kv_len, segment_ranges)
     return cls(statics, gmem, dq_ref, smem, tmem, bars, b=b, h=h, kv_h=kv_h, q_lo=q_lo,
                q_len=q_len, kv_len=kv_len, ranges=ranges)
 
@@ -465,6 +464,16 @@ class DqContext:
 
   def dp_tmem(self, b):
     return self.tmem["dp"][b]
+
+
+def tile_key_blocks(mask: MaskSpec, tiles: DqTiles, q_lo, q_len, kv_len,
+                    segment_ranges: TileRanges | None = None) -> TileRanges:
+  """The key blocks [lo, hi) the Q tile of rows [q_lo, q_lo + 128) walks
+  (every role of its CTA), and [full_lo, full_hi) of them that need no
+  element mask: the band and the lengths (`scores.kv_tile_ranges`),
+  intersected with the blocks its segment ids meet when given."""
+  ranges = scores.kv_tile_ranges(mask, q_lo, q_lo + BLOCK_Q, q_len, kv_len, tiles.block_kv)
+  return narrow(ranges, segment_ranges, lambda seg: seg)
 
 
 # ----------------------------- load warp -------------------------------------
