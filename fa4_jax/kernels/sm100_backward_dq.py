@@ -36,29 +36,33 @@ K-steps of 16, M = 128, N <= 256 per instruction):
     128       64        3       2        S 8 + dP 8 + dQ 4 = 20    128+4*64=384   2*32 + 3*32 + 3 = 163
     256       64        1       1        S 16 + dP 16 + dQ 4 = 36  256+2*64=384   2*64 + 1*64 + 3 = 195
 
-MMA work per block: 3 * 128 * block_kv * head_dim MACs (S, dP, dQ); the
-compute warpgroup's per block: 128 * block_kv exp2 (two MUFU ops per element
-with soft-cap) and ~6 FMA-class ops per element, with S and dP (2 * block_kv
-f32 registers per thread) in registers at once. TMEM loads per block: S and
-dP (2 * block_kv columns), one 16-bit store of block_kv / 2 columns.
+The instruction counts are read off the lowering in
+tests/test_sm100_backward_dq.py. MMA work per block: 3 * 128 * block_kv *
+head_dim MACs (S, dP, dQ). The compute warpgroup's per block: 128 * block_kv
+exp2 (two MUFU ops per element with soft-cap), ~6 FMA-class ops per element,
+TMEM loads of S and dP (2 * block_kv columns) and one 16-bit store of
+block_kv / 2 columns, with S and dP (2 * block_kv f32 registers per thread)
+live at once. Mosaic GPU allocates TMEM in powers of two: every plan above
+allocates all 512 columns, so one CTA per SM (SMEM allows one at head dims
+128 and 256 anyway; at 64 a plan of <= 256 columns would let two share an SM).
 
 Why these tiles. TMEM (512 columns): dQ takes head_dim columns for the whole
 walk, each score buffer S (block_kv, dS packed over it) + dP (block_kv).
-block_kv 64 keeps S and dP of a block in the compute warpgroup's registers
-(128 of them per thread; 128 keys would need 256, i.e. chunked loads) and
-lets two score buffers fit at head dims 64 and 128. The dQ MMA's K is
-block_kv, and Mosaic GPU issues it in groups of 64 under K's 128-byte
-swizzle (`tcgen05.mma` lowering: "K must be a multiple of 64"; the
-interpreter does not check it), so blocks have at least 64 keys. At 256 the
-dQ accumulator takes half the TMEM and 64-key blocks fit TMEM even with two
-score buffers (512), but not SMEM beyond one K/V stage (Q and dO 128 KiB,
-each stage of K and V 64 KiB); with one stage the MMA warp cannot run a
-block ahead (S_(n+1) needs K_(n+1) in the slot that dQ += dS_n K_n still
-reads: `check_budgets` refuses num_stages < score_buffers), so head dim 256
-runs serially: one stage, one score buffer. It is correct (tested) but
-expected slow; the dK/dV kernel does not support 256 at all, so the
-backward falls back to XLA there anyway. SMEM: Q and dO tiles resident (Q later holds dQ on its
-way out), K and V rings, lse2 and delta rows, barriers.
+64-key blocks keep S and dP of a block in the compute warpgroup's registers
+(128 per thread; 128 keys would need 256, i.e. chunked TMEM loads) and let
+two score buffers fit at head dims 64 and 128. The dQ MMA's K is block_kv,
+which Mosaic GPU issues in groups of 64 under K's 128-byte swizzle ("K must
+be a multiple of 64" when lowering; the interpreter does not check it), so
+blocks have at least 64 keys. At head dim 256 the dQ accumulator takes half
+the TMEM; two score buffers of 64 keys would fit TMEM (512 columns) but not
+SMEM beyond one K/V stage (Q and dO 128 KiB, each stage of K and V 64 KiB),
+and with one stage the MMA warp cannot run a block ahead (S_(n+1) needs
+K_(n+1) in the slot dQ += dS_n K_n still reads: `check_budgets` refuses
+num_stages < score_buffers). So head dim 256 runs serially, one stage and one
+score buffer: correct (tested) but expected slow. The shared plan has no
+dK/dV kernel at 256 (dK + dV alone fill TMEM), so the backward falls back to
+XLA there anyway. SMEM: Q and dO tiles resident (Q's later holds dQ on its
+way out), the K and V rings, lse2 and delta rows, barriers.
 
 Segment ids: the CTA walks the blocks its tile's ids may meet
 (`sm90_backward.segment_operands(keys_are_rows=False, consumers=1)`); blocks
