@@ -306,6 +306,10 @@ def test_cross_lowers_for_sm100_with_tcgen05_and_tmem(head_dim, variant, cross_l
   # The SMEM the kernel really allocates is within the plan, and the plan
   # within the SM's.
   assert 0 < lowered.max_smem_bytes <= tiles.smem_bytes() <= SMEM_LIMIT_BYTES
+  # Two compute warpgroups (one per score buffer) take the registers the
+  # load/MMA warpgroup gives up; with one, every thread may use 255.
+  assert lowered.has(f"setmaxnreg.inc.sync.aligned.u32 {dq_kernel.COMPUTE_REGISTERS}") == (
+      tiles.score_buffers == 2)
   # The TMEM ref spans exactly the planned columns.
   module = lowered.modules[0]
   assert re.findall(r"memref<128x(\d+)xi32, #mosaic_gpu.tmem", module)[0] == str(

@@ -16,15 +16,17 @@ tile) -> TMA. Every dQ element is written by exactly one CTA: deterministic,
 no atomics. lse2 and delta come from `sm90_backward._preprocess` (lse2 = +inf
 on rows that must not contribute), so dead rows need no special case.
 
-Roles (two warpgroups):
+Roles (score_buffers + 1 warpgroups):
 
-    wg 0   compute: dS_n from S_n and dP_n, then the epilogue.
-    wg 1   warp 0: TMA loads (Q, dO, lse2, delta once; K_n, V_n into a ring
+    wg b   compute, one per score buffer b: dS_n of the blocks n with
+           n % score_buffers == b; wg 0 then runs the epilogue.
+    last   warp 0: TMA loads (Q, dO, lse2, delta once; K_n, V_n into a ring
            of `num_stages` slots); warp 1: every tcgen05 MMA (one thread).
 
 With two score buffers the MMA warp issues S_(n+1) and dP_(n+1) before
-dQ += dS_n K_n, so the tensor core computes block n+1 while the compute
-warpgroup turns block n into dS_n:
+dQ += dS_n K_n, so the tensor core computes block n+1 while a compute
+warpgroup turns block n into dS_n, and the two compute warpgroups work on
+consecutive blocks at once (as the forward's two softmax warpgroups do):
 
     S_0, dP_0 | S_1, dP_1, dQ += dS_0 K_0 | S_2, dP_2, dQ += dS_1 K_1 | ...
 
@@ -71,9 +73,8 @@ keys' ids from GMEM (as the forward does). Soft-cap: the compute warpgroup
 recomputes t = tanh(scale s / cap) (`scores.softmax_logits`) and multiplies
 dS by `scores.soft_cap_slope(t)`.
 
-What is not here yet (measured nowhere: no Blackwell GPU): two compute
-warpgroups (one per score buffer), 128-key blocks with chunked TMEM loads,
-a persistent grid.
+What is not here yet (measured nowhere: no Blackwell GPU): 128-key blocks
+with chunked TMEM loads, a persistent grid, register counts from ptxas.
 """
 
 from __future__ import annotations
@@ -620,9 +621,9 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> 
   bars.producer_ds_commit(b)
 
 
-def compute_wg(ctx: DqContext) -> None:
-  """dS of every walked block (element mask only on boundary blocks), then
-  the epilogue."""
+def compute_wg(ctx: DqContext, i: int) -> None:
+  """Compute warpgroup i: dS of the walked blocks of score buffer i (element
+  mask only on boundary blocks); warpgroup 0 then runs the epilogue."""
   bars, smem, ranges = ctx.bars, ctx.smem, ctx.ranges
 
   @pl.when(ctx.num_steps > 0)
@@ -636,17 +637,18 @@ def compute_wg(ctx: DqContext) -> None:
                            layout=_ROW_VECTOR_LAYOUT, optimized=False)
 
     def step(j, carry, *, masked):
-      buf = _rem(j - ranges.lo, ctx.tiles.score_buffers)
-      for_each_buffer(ctx.tiles, buf, lambda b: _grad_block(ctx, lse2, delta, row_ids, j, b,
-                                                            masked=masked))
+      mine = _rem(j - ranges.lo, ctx.tiles.score_buffers) == i
+      pl.when(mine)(lambda: _grad_block(ctx, lse2, delta, row_ids, j, i, masked=masked))
       return carry
 
     walk_blocks(ranges.lo, ranges.hi, ranges, step, lambda j, carry: carry, 0)
-    epilogue(ctx)
+    if i == 0:
+      epilogue(ctx)
 
-  @pl.when(ctx.num_steps == 0)
-  def _():
-    _store_dq(ctx, lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.tiles.dtype))
+  if i == 0:
+    @pl.when(ctx.num_steps == 0)
+    def _():
+      _store_dq(ctx, lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.tiles.dtype))
 
 
 def _store_dq(ctx: DqContext, chunk) -> None:
@@ -673,15 +675,34 @@ def epilogue(ctx: DqContext) -> None:
 
 # ----------------------------- dispatch and build ----------------------------
 
-COMPUTE_WG, LOAD_MMA_WG = 0, 1
 LOAD_WARP, MMA_WARP = 0, 1
+
+# Registers per thread (a multiple of 8, at most 512 per lane in all) with two
+# compute warpgroups: each holds S and dP of a 64-key block (128) and its
+# temporaries; the load and MMA warps need few. With one compute warpgroup
+# (two in all) every thread may use 255 and nothing is set.
+COMPUTE_REGISTERS, LOAD_MMA_REGISTERS = 232, 40
+assert 2 * COMPUTE_REGISTERS + LOAD_MMA_REGISTERS <= 512
+
+
+def _set_registers(ctx: DqContext, count: int, action: str) -> None:
+  if ctx.tiles.score_buffers > 1 and not is_interpreting():  # no register file there
+    plgpu.set_max_registers(count, action=action)
 
 
 def dispatch_roles(ctx: DqContext, wg) -> None:
-  pl.when(wg == COMPUTE_WG)(lambda: compute_wg(ctx))
+  """Warpgroups 0 .. score_buffers - 1 compute (one per score buffer); the
+  last one's warps load and issue the MMAs."""
+  for i in range(ctx.tiles.score_buffers):
+    @pl.when(wg == i)
+    def _(i=i):
+      _set_registers(ctx, COMPUTE_REGISTERS, "increase")
+      compute_wg(ctx, i)
 
-  @pl.when(wg == LOAD_MMA_WG)
+  @pl.when(wg == ctx.tiles.score_buffers)
   def _():
+    _set_registers(ctx, LOAD_MMA_REGISTERS, "decrease")
+
     @plgpu.warp_map
     def _(warp):
       pl.when(warp == LOAD_WARP)(lambda: load_warp(ctx))
@@ -745,7 +766,7 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
       out_type=jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), jnp.dtype(dtype)),
       grid=(num_q_heads, num_q_tiles, batch),
       grid_names=("heads", "q_tiles", "batch"),
-      num_threads=2,
+      num_threads=tiles.score_buffers + 1,
       thread_name="wg",
       scratch_types=_scratch_types(tiles),
       compiler_params=plgpu.CompilerParams(approx_math=True),
