@@ -29,7 +29,7 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dq as dq_kernel
-from fa4_jax.kernels.sm90_backward import _preprocess, segment_operands
+from fa4_jax.kernels.sm90_backward import _preprocess
 from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.scores import read_tile_ranges as _read_tile_ranges
 from fa4_jax.testing import SMEM_LIMIT_BYTES, TMEM_COLUMNS
@@ -97,9 +97,7 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run, runs: int = 1):
   lengths = [x for x in (q_len, kv_len) if x is not None]
   segments = []
   if case.segment_ids() is not None:
-    segments = segment_operands(*case.segment_ids(), keys_are_rows=False,
-                                block_rows=tiles.block_q, consumers=1,
-                                num_ctas=cdiv(q_pad, tiles.block_q), block_cols=tiles.block_kv)
+    segments = dq_kernel.dq_segment_operands(*case.segment_ids(), tiles, q_pad)
   kernel = lambda: dq_kernel.build_dq_kernel(
       batch=b, q_seq=q_pad, kv_seq=kv_pad, kv_valid=tk, num_q_heads=nq, num_kv_heads=nkv,
       head_dim=d, dtype=q.dtype, scale=scale, mask=case.mask, block_kv=tiles.block_kv,
@@ -222,8 +220,7 @@ def test_segment_ids_narrow_the_walk():
   block without an element mask."""
   tiles = dq_kernel.dq_tiles(64, jnp.bfloat16)
   ids = jnp.asarray(_DOCS([300, 724], 1024))[None]
-  ops = segment_operands(ids, ids, keys_are_rows=False, block_rows=128, consumers=1,
-                         num_ctas=8, block_cols=tiles.block_kv)
+  ops = dq_kernel.dq_segment_operands(ids, ids, tiles, 1024)
   seg = scores_read(ops[2], 3)
   r = dq_kernel.tile_key_blocks(MaskSpec(right=0), tiles, 384, 1024, 1024, seg)
   assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (4, 8, 5, 6)

@@ -94,6 +94,7 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.sm100_forward import (SMEM_BYTES, TMEM_COLUMNS, _smem_transforms)
+from fa4_jax.kernels.sm90_backward import segment_operands
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
@@ -731,6 +732,15 @@ def _scratch_types(tiles: DqTiles) -> dict:
   return dict(smem=smem, tmem=tmem, barrier_refs=DqBarriers.scratch_types(tiles))
 
 
+def dq_segment_operands(q_ids, kv_ids, tiles: DqTiles, q_seq: int):
+  """The segment-id operands `build_dq_kernel(has_segments=True)` takes for
+  q_seq (padded) query rows: `sm90_backward.segment_operands` at this
+  kernel's tiling (queries are the rows, one 128-row tile per CTA)."""
+  return segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=tiles.block_q,
+                          consumers=1, num_ctas=cdiv(q_seq, tiles.block_q),
+                          block_cols=tiles.block_kv)
+
+
 @cached_build
 def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
                     dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
@@ -741,9 +751,10 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
   multiples of 8; keys past `kv_valid` are padding); lse2, delta f32
   [B, Nq, >= q_seq rounded up to 128] (`sm90_backward._preprocess`);
   lengths: [q_lengths] if has_q_lengths, then [kv_lengths]; segment
-  operands: `sm90_backward.segment_operands(q_ids, kv_ids,
-  keys_are_rows=False, block_rows=128, consumers=1, num_ctas=cdiv(q_seq,
-  128), block_cols=block_kv)`. Returns dq [B, q_seq, Nq, D] in dtype."""
+  operands: `dq_segment_operands(q_ids, kv_ids, tiles, q_seq)`, i.e.
+  `sm90_backward.segment_operands(q_ids, kv_ids, keys_are_rows=False,
+  block_rows=128, consumers=1, num_ctas=cdiv(q_seq, 128),
+  block_cols=block_kv)`. Returns dq [B, q_seq, Nq, D] in dtype."""
   tiles = dataclasses.replace(dq_tiles(head_dim, dtype), block_kv=block_kv, block_q=block_q,
                               num_stages=num_stages)
   tiles.check_budgets()
