@@ -29,8 +29,9 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dq as dq_kernel
-from fa4_jax.kernels.sm90_backward import _preprocess, segment_operands
+from fa4_jax.kernels.sm90_backward import _preprocess
 from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import read_tile_ranges as _read_tile_ranges
 from fa4_jax.testing import SMEM_LIMIT_BYTES, TMEM_COLUMNS
 from reference import KernelCase, einsum_attention, packed_segment_ids
 
@@ -83,8 +84,9 @@ def _reference(case: Case, q, k, v, dout, scale):
   return out, lse, dq
 
 
-def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run):
-  """The kernel's dQ, its inputs prepared as the sm100 backward will."""
+def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run, runs: int = 1):
+  """The kernel's dQ, its inputs prepared as the sm100 backward will (a
+  list of `runs` results when runs > 1)."""
   q_len, kv_len = case.lengths()
   b, tq, nq, d = q.shape
   tk, nkv = k.shape[1], k.shape[2]
@@ -95,9 +97,7 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run):
   lengths = [x for x in (q_len, kv_len) if x is not None]
   segments = []
   if case.segment_ids() is not None:
-    segments = segment_operands(*case.segment_ids(), keys_are_rows=False,
-                                block_rows=tiles.block_q, consumers=1,
-                                num_ctas=cdiv(q_pad, tiles.block_q), block_cols=tiles.block_kv)
+    segments = dq_kernel.dq_segment_operands(*case.segment_ids(), tiles, q_pad)
   kernel = lambda: dq_kernel.build_dq_kernel(
       batch=b, q_seq=q_pad, kv_seq=kv_pad, kv_valid=tk, num_q_heads=nq, num_kv_heads=nkv,
       head_dim=d, dtype=q.dtype, scale=scale, mask=case.mask, block_kv=tiles.block_kv,
@@ -105,9 +105,11 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run):
       has_kv_lengths=kv_len is not None, has_segments=bool(segments), soft_cap=case.soft_cap)
   args = (pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), pad(dout, q_pad), lse2, delta,
           *lengths, *segments)
-  dq = run(lambda *a: kernel()(*a), *args)
-  assert dq.shape == (b, q_pad, nq, d) and dq.dtype == q.dtype
-  return dq[:, :tq]
+  results = run(lambda *a: [kernel()(*a) for _ in range(runs)], *args)
+  for dq in results:
+    assert dq.shape == (b, q_pad, nq, d) and dq.dtype == q.dtype
+  results = [dq[:, :tq] for dq in results]
+  return results if runs > 1 else results[0]
 
 
 def _check(case: Case, run_interpreted):
@@ -139,17 +141,15 @@ CASES = {
     "dense_head_dim_128_ragged_tails": Case(head_dim=128, q_seq=200, kv_seq=136),
     # Step 2: causal (heavy tiles first, blocks above the diagonal skipped,
     # the element mask on the diagonal blocks only), GQA.
-    "causal_gqa": Case(is_causal=True, q_seq=256, kv_seq=256, q_heads=4, kv_heads=2),
-    "mqa_head_dim_128_causal_queries_shorter_than_keys": Case(
-        head_dim=128, is_causal=True, q_seq=72, kv_seq=200, q_heads=3, kv_heads=1),
+    "causal_gqa": Case(is_causal=True, q_seq=256, kv_seq=256, q_heads=2, kv_heads=1),
+    # Bottom-right alignment by a fixed offset (the last query on the last key).
+    "mqa_head_dim_128_causal_bottom_right": Case(
+        head_dim=128, is_causal=True, q_seq=72, kv_seq=200, q_heads=3, kv_heads=1, q_offset=128),
     # Lengths: rows past q_len and a batch row with no keys at all (zero,
     # finite dQ; its CTAs walk nothing and store zeros).
     "lengths_rows_that_see_no_key": Case(
-        batch=2, is_causal=True, q_seq=200, kv_seq=136, q_lengths=(150, 200),
+        batch=2, is_causal=True, q_seq=136, kv_seq=136, q_lengths=(100, 136),
         kv_lengths=(136, 0)),
-    # Bottom-right alignment by a fixed offset: rows before the first key
-    # see nothing.
-    "causal_bottom_right_offset": Case(is_causal=True, q_seq=192, kv_seq=128, q_offset=-64),
     # Bottom-right alignment by each row's lengths (chunked prefill), with a window.
     "window_aligned_by_lengths": Case(
         batch=2, is_causal=True, window=(48, 0), q_seq=136, kv_seq=264, q_lengths=(136, 40),
@@ -165,9 +165,9 @@ CASES = {
         q_segment_ids=_ids(_DOCS([100, 60, 96], 256)),
         kv_segment_ids=_ids(_DOCS([100, 60, 96], 256))),
     "segments_interleaved_and_absent_ids_lengths": Case(
-        batch=2, q_seq=136, kv_seq=200, q_lengths=(136, 100), kv_lengths=(150, 200),
-        q_segment_ids=_ids(np.arange(136) % 3, np.r_[np.zeros(70), np.full(66, 5)]),
-        kv_segment_ids=_ids(np.arange(200) // 2 % 3, np.zeros(200))),
+        batch=2, q_seq=128, kv_seq=136, q_lengths=(128, 100), kv_lengths=(100, 136),
+        q_segment_ids=_ids(np.arange(128) % 3, np.r_[np.zeros(70), np.full(58, 5)]),
+        kv_segment_ids=_ids(np.arange(136) // 2 % 3, np.zeros(136))),
     # head_dim 256: dQ takes half the TMEM; one K/V stage, one score buffer.
     "head_dim_256_causal_ragged": Case(head_dim=256, is_causal=True, q_seq=136, kv_seq=100),
 }
@@ -184,9 +184,46 @@ def test_two_runs_are_bit_identical(run_interpreted):
   q, k, v, dout = _inputs(case, seed=1)
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse, _ = _reference(case, q, k, v, dout, scale)
-  first, second = (np.asarray(_kernel_dq(case, q, k, v, dout, out, lse, scale, run_interpreted))
-                   for _ in range(2))
-  np.testing.assert_array_equal(first, second)
+  first, second = _kernel_dq(case, q, k, v, dout, out, lse, scale, run_interpreted, runs=2)
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+
+
+# --- The walk: blocks skipped, element masks only on boundary blocks -------------
+
+
+def test_a_sliding_window_walks_only_the_blocks_of_its_band():
+  """Rows [1024, 1152) under a causal 300-key window see keys [724, 1152]:
+  blocks 11-17 of 64 keys; the blocks before and after are never loaded.
+  Blocks 14 and 15 (keys 896-1023) are seen whole by every row (the last
+  row sees keys >= 851, the first keys <= 1024): no element mask there."""
+  tiles = dq_kernel.dq_tiles(128, jnp.bfloat16)
+  mask = MaskSpec(left=300, right=0)
+  r = dq_kernel.tile_key_blocks(mask, tiles, 1024, 4096, 4096)
+  assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (11, 18, 14, 16)
+  # Bottom-right by the lengths: the same rows of a 2048-query row over
+  # 3072 keys sit 1024 positions later.
+  aligned = MaskSpec(left=300, right=0, offset_from_lengths=True)
+  r = dq_kernel.tile_key_blocks(aligned, tiles, 1024, 2048, 3072)
+  assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (27, 34, 30, 32)
+
+
+def scores_read(operand, tile):
+  """One tile's segment ranges from a `tile_ranges_operand` (batch row 0)."""
+  return _read_tile_ranges(operand, 0, tile)
+
+
+def test_segment_ids_narrow_the_walk():
+  """Documents of 300 and 724 tokens, causal: the tile of rows [384, 512)
+  (second document) walks blocks 4-7 (keys 256-511: the first block holds
+  both ids) instead of 0-7. Blocks 5 on hold only its id; of them only
+  block 5 (keys 320-383) is seen whole by the tile's first row: the one
+  block without an element mask."""
+  tiles = dq_kernel.dq_tiles(64, jnp.bfloat16)
+  ids = jnp.asarray(_DOCS([300, 724], 1024))[None]
+  ops = dq_kernel.dq_segment_operands(ids, ids, tiles, 1024)
+  seg = scores_read(ops[2], 3)
+  r = dq_kernel.tile_key_blocks(MaskSpec(right=0), tiles, 384, 1024, 1024, seg)
+  assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (4, 8, 5, 6)
 
 
 # --- Tiling: TMEM and SMEM plans, cross-lowering for sm_100 -------------------
@@ -266,6 +303,10 @@ def test_cross_lowers_for_sm100_with_tcgen05_and_tmem(head_dim, variant, cross_l
   # The SMEM the kernel really allocates is within the plan, and the plan
   # within the SM's.
   assert 0 < lowered.max_smem_bytes <= tiles.smem_bytes() <= SMEM_LIMIT_BYTES
+  # Two compute warpgroups (one per score buffer) take the registers the
+  # load/MMA warpgroup gives up; with one, every thread may use 255.
+  assert lowered.has(f"setmaxnreg.inc.sync.aligned.u32 {dq_kernel.COMPUTE_REGISTERS}") == (
+      tiles.score_buffers == 2)
   # The TMEM ref spans exactly the planned columns.
   module = lowered.modules[0]
   assert re.findall(r"memref<128x(\d+)xi32, #mosaic_gpu.tmem", module)[0] == str(

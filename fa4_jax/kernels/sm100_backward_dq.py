@@ -16,15 +16,17 @@ tile) -> TMA. Every dQ element is written by exactly one CTA: deterministic,
 no atomics. lse2 and delta come from `sm90_backward._preprocess` (lse2 = +inf
 on rows that must not contribute), so dead rows need no special case.
 
-Roles (two warpgroups):
+Roles (score_buffers + 1 warpgroups):
 
-    wg 0   compute: dS_n from S_n and dP_n, then the epilogue.
-    wg 1   warp 0: TMA loads (Q, dO, lse2, delta once; K_n, V_n into a ring
+    wg b   compute, one per score buffer b: dS_n of the blocks n with
+           n % score_buffers == b; wg 0 then runs the epilogue.
+    last   warp 0: TMA loads (Q, dO, lse2, delta once; K_n, V_n into a ring
            of `num_stages` slots); warp 1: every tcgen05 MMA (one thread).
 
 With two score buffers the MMA warp issues S_(n+1) and dP_(n+1) before
-dQ += dS_n K_n, so the tensor core computes block n+1 while the compute
-warpgroup turns block n into dS_n:
+dQ += dS_n K_n, so the tensor core computes block n+1 while a compute
+warpgroup turns block n into dS_n, and the two compute warpgroups work on
+consecutive blocks at once (as the forward's two softmax warpgroups do):
 
     S_0, dP_0 | S_1, dP_1, dQ += dS_0 K_0 | S_2, dP_2, dQ += dS_1 K_1 | ...
 
@@ -36,29 +38,33 @@ K-steps of 16, M = 128, N <= 256 per instruction):
     128       64        3       2        S 8 + dP 8 + dQ 4 = 20    128+4*64=384   2*32 + 3*32 + 3 = 163
     256       64        1       1        S 16 + dP 16 + dQ 4 = 36  256+2*64=384   2*64 + 1*64 + 3 = 195
 
-MMA work per block: 3 * 128 * block_kv * head_dim MACs (S, dP, dQ); the
-compute warpgroup's per block: 128 * block_kv exp2 (two MUFU ops per element
-with soft-cap) and ~6 FMA-class ops per element, with S and dP (2 * block_kv
-f32 registers per thread) in registers at once. TMEM loads per block: S and
-dP (2 * block_kv columns), one 16-bit store of block_kv / 2 columns.
+The instruction counts are read off the lowering in
+tests/test_sm100_backward_dq.py. MMA work per block: 3 * 128 * block_kv *
+head_dim MACs (S, dP, dQ). The compute warpgroup's per block: 128 * block_kv
+exp2 (two MUFU ops per element with soft-cap), ~6 FMA-class ops per element,
+TMEM loads of S and dP (2 * block_kv columns) and one 16-bit store of
+block_kv / 2 columns, with S and dP (2 * block_kv f32 registers per thread)
+live at once. Mosaic GPU allocates TMEM in powers of two: every plan above
+allocates all 512 columns, so one CTA per SM (SMEM allows one at head dims
+128 and 256 anyway; at 64 a plan of <= 256 columns would let two share an SM).
 
 Why these tiles. TMEM (512 columns): dQ takes head_dim columns for the whole
 walk, each score buffer S (block_kv, dS packed over it) + dP (block_kv).
-block_kv 64 keeps S and dP of a block in the compute warpgroup's registers
-(128 of them per thread; 128 keys would need 256, i.e. chunked loads) and
-lets two score buffers fit at head dims 64 and 128. The dQ MMA's K is
-block_kv, and Mosaic GPU issues it in groups of 64 under K's 128-byte
-swizzle (`tcgen05.mma` lowering: "K must be a multiple of 64"; the
-interpreter does not check it), so blocks have at least 64 keys. At 256 the
-dQ accumulator takes half the TMEM and 64-key blocks fit TMEM even with two
-score buffers (512), but not SMEM beyond one K/V stage (Q and dO 128 KiB,
-each stage of K and V 64 KiB); with one stage the MMA warp cannot run a
-block ahead (S_(n+1) needs K_(n+1) in the slot that dQ += dS_n K_n still
-reads: `check_budgets` refuses num_stages < score_buffers), so head dim 256
-runs serially: one stage, one score buffer. It is correct (tested) but
-expected slow; the dK/dV kernel does not support 256 at all, so the
-backward falls back to XLA there anyway. SMEM: Q and dO tiles resident (Q later holds dQ on its
-way out), K and V rings, lse2 and delta rows, barriers.
+64-key blocks keep S and dP of a block in the compute warpgroup's registers
+(128 per thread; 128 keys would need 256, i.e. chunked TMEM loads) and let
+two score buffers fit at head dims 64 and 128. The dQ MMA's K is block_kv,
+which Mosaic GPU issues in groups of 64 under K's 128-byte swizzle ("K must
+be a multiple of 64" when lowering; the interpreter does not check it), so
+blocks have at least 64 keys. At head dim 256 the dQ accumulator takes half
+the TMEM; two score buffers of 64 keys would fit TMEM (512 columns) but not
+SMEM beyond one K/V stage (Q and dO 128 KiB, each stage of K and V 64 KiB),
+and with one stage the MMA warp cannot run a block ahead (S_(n+1) needs
+K_(n+1) in the slot dQ += dS_n K_n still reads: `check_budgets` refuses
+num_stages < score_buffers). So head dim 256 runs serially, one stage and one
+score buffer: correct (tested) but expected slow. The shared plan has no
+dK/dV kernel at 256 (dK + dV alone fill TMEM), so the backward falls back to
+XLA there anyway. SMEM: Q and dO tiles resident (Q's later holds dQ on its
+way out), the K and V rings, lse2 and delta rows, barriers.
 
 Segment ids: the CTA walks the blocks its tile's ids may meet
 (`sm90_backward.segment_operands(keys_are_rows=False, consumers=1)`); blocks
@@ -67,9 +73,8 @@ keys' ids from GMEM (as the forward does). Soft-cap: the compute warpgroup
 recomputes t = tanh(scale s / cap) (`scores.softmax_logits`) and multiplies
 dS by `scores.soft_cap_slope(t)`.
 
-What is not here yet (measured nowhere: no Blackwell GPU): two compute
-warpgroups (one per score buffer), 128-key blocks with chunked TMEM loads,
-a persistent grid.
+What is not here yet (measured nowhere: no Blackwell GPU): 128-key blocks
+with chunked TMEM loads, a persistent grid, register counts from ptxas.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.sm100_forward import (SMEM_BYTES, TMEM_COLUMNS, _smem_transforms)
+from fa4_jax.kernels.sm90_backward import segment_operands
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
@@ -443,9 +449,8 @@ class DqContext:
     kv_h = lax.div(h, jnp.int32(statics.group))
     q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, b, statics.q_seq, statics.kv_valid)
     q_lo = tile * BLOCK_Q
-    ranges = scores.kv_tile_ranges(mask, q_lo, q_lo + BLOCK_Q, q_len, kv_len,
-                                   statics.tiles.block_kv)
-    ranges = narrow(ranges, gmem.segments, lambda seg: seg.of_cta(b, tile))
+    segment_ranges = None if gmem.segments is None else gmem.segments.of_cta(b, tile)
+    ranges = tile_key_blocks(mask, statics.tiles, q_lo, q_len, kv_len, segment_ranges)
     return cls(statics, gmem, dq_ref, smem, tmem, bars, b=b, h=h, kv_h=kv_h, q_lo=q_lo,
                q_len=q_len, kv_len=kv_len, ranges=ranges)
 
@@ -465,6 +470,16 @@ class DqContext:
 
   def dp_tmem(self, b):
     return self.tmem["dp"][b]
+
+
+def tile_key_blocks(mask: MaskSpec, tiles: DqTiles, q_lo, q_len, kv_len,
+                    segment_ranges: TileRanges | None = None) -> TileRanges:
+  """The key blocks [lo, hi) the Q tile of rows [q_lo, q_lo + 128) walks
+  (every role of its CTA), and [full_lo, full_hi) of them that need no
+  element mask: the band and the lengths (`scores.kv_tile_ranges`),
+  intersected with the blocks its segment ids meet when given."""
+  ranges = scores.kv_tile_ranges(mask, q_lo, q_lo + BLOCK_Q, q_len, kv_len, tiles.block_kv)
+  return narrow(ranges, segment_ranges, lambda seg: seg)
 
 
 # ----------------------------- load warp -------------------------------------
@@ -607,9 +622,9 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> 
   bars.producer_ds_commit(b)
 
 
-def compute_wg(ctx: DqContext) -> None:
-  """dS of every walked block (element mask only on boundary blocks), then
-  the epilogue."""
+def compute_wg(ctx: DqContext, i: int) -> None:
+  """Compute warpgroup i: dS of the walked blocks of score buffer i (element
+  mask only on boundary blocks); warpgroup 0 then runs the epilogue."""
   bars, smem, ranges = ctx.bars, ctx.smem, ctx.ranges
 
   @pl.when(ctx.num_steps > 0)
@@ -623,17 +638,18 @@ def compute_wg(ctx: DqContext) -> None:
                            layout=_ROW_VECTOR_LAYOUT, optimized=False)
 
     def step(j, carry, *, masked):
-      buf = _rem(j - ranges.lo, ctx.tiles.score_buffers)
-      for_each_buffer(ctx.tiles, buf, lambda b: _grad_block(ctx, lse2, delta, row_ids, j, b,
-                                                            masked=masked))
+      mine = _rem(j - ranges.lo, ctx.tiles.score_buffers) == i
+      pl.when(mine)(lambda: _grad_block(ctx, lse2, delta, row_ids, j, i, masked=masked))
       return carry
 
     walk_blocks(ranges.lo, ranges.hi, ranges, step, lambda j, carry: carry, 0)
-    epilogue(ctx)
+    if i == 0:
+      epilogue(ctx)
 
-  @pl.when(ctx.num_steps == 0)
-  def _():
-    _store_dq(ctx, lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.tiles.dtype))
+  if i == 0:
+    @pl.when(ctx.num_steps == 0)
+    def _():
+      _store_dq(ctx, lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.tiles.dtype))
 
 
 def _store_dq(ctx: DqContext, chunk) -> None:
@@ -660,15 +676,34 @@ def epilogue(ctx: DqContext) -> None:
 
 # ----------------------------- dispatch and build ----------------------------
 
-COMPUTE_WG, LOAD_MMA_WG = 0, 1
 LOAD_WARP, MMA_WARP = 0, 1
+
+# Registers per thread (a multiple of 8, at most 512 per lane in all) with two
+# compute warpgroups: each holds S and dP of a 64-key block (128) and its
+# temporaries; the load and MMA warps need few. With one compute warpgroup
+# (two in all) every thread may use 255 and nothing is set.
+COMPUTE_REGISTERS, LOAD_MMA_REGISTERS = 232, 40
+assert 2 * COMPUTE_REGISTERS + LOAD_MMA_REGISTERS <= 512
+
+
+def _set_registers(ctx: DqContext, count: int, action: str) -> None:
+  if ctx.tiles.score_buffers > 1 and not is_interpreting():  # no register file there
+    plgpu.set_max_registers(count, action=action)
 
 
 def dispatch_roles(ctx: DqContext, wg) -> None:
-  pl.when(wg == COMPUTE_WG)(lambda: compute_wg(ctx))
+  """Warpgroups 0 .. score_buffers - 1 compute (one per score buffer); the
+  last one's warps load and issue the MMAs."""
+  for i in range(ctx.tiles.score_buffers):
+    @pl.when(wg == i)
+    def _(i=i):
+      _set_registers(ctx, COMPUTE_REGISTERS, "increase")
+      compute_wg(ctx, i)
 
-  @pl.when(wg == LOAD_MMA_WG)
+  @pl.when(wg == ctx.tiles.score_buffers)
   def _():
+    _set_registers(ctx, LOAD_MMA_REGISTERS, "decrease")
+
     @plgpu.warp_map
     def _(warp):
       pl.when(warp == LOAD_WARP)(lambda: load_warp(ctx))
@@ -697,6 +732,15 @@ def _scratch_types(tiles: DqTiles) -> dict:
   return dict(smem=smem, tmem=tmem, barrier_refs=DqBarriers.scratch_types(tiles))
 
 
+def dq_segment_operands(q_ids, kv_ids, tiles: DqTiles, q_seq: int):
+  """The segment-id operands `build_dq_kernel(has_segments=True)` takes for
+  q_seq (padded) query rows: `sm90_backward.segment_operands` at this
+  kernel's tiling (queries are the rows, one 128-row tile per CTA)."""
+  return segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=tiles.block_q,
+                          consumers=1, num_ctas=cdiv(q_seq, tiles.block_q),
+                          block_cols=tiles.block_kv)
+
+
 @cached_build
 def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
                     dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
@@ -707,9 +751,10 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
   multiples of 8; keys past `kv_valid` are padding); lse2, delta f32
   [B, Nq, >= q_seq rounded up to 128] (`sm90_backward._preprocess`);
   lengths: [q_lengths] if has_q_lengths, then [kv_lengths]; segment
-  operands: `sm90_backward.segment_operands(q_ids, kv_ids,
-  keys_are_rows=False, block_rows=128, consumers=1, num_ctas=cdiv(q_seq,
-  128), block_cols=block_kv)`. Returns dq [B, q_seq, Nq, D] in dtype."""
+  operands: `dq_segment_operands(q_ids, kv_ids, tiles, q_seq)`, i.e.
+  `sm90_backward.segment_operands(q_ids, kv_ids, keys_are_rows=False,
+  block_rows=128, consumers=1, num_ctas=cdiv(q_seq, 128),
+  block_cols=block_kv)`. Returns dq [B, q_seq, Nq, D] in dtype."""
   tiles = dataclasses.replace(dq_tiles(head_dim, dtype), block_kv=block_kv, block_q=block_q,
                               num_stages=num_stages)
   tiles.check_budgets()
@@ -732,7 +777,7 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
       out_type=jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), jnp.dtype(dtype)),
       grid=(num_q_heads, num_q_tiles, batch),
       grid_names=("heads", "q_tiles", "batch"),
-      num_threads=2,
+      num_threads=tiles.score_buffers + 1,
       thread_name="wg",
       scratch_types=_scratch_types(tiles),
       compiler_params=plgpu.CompilerParams(approx_math=True),
