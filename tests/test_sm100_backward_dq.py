@@ -3,7 +3,7 @@
 * Interpretation: the kernel runs in Pallas' GPU interpreter with the race
   detector on (TMEM, SMEM, barriers and tcgen05 MMAs simulated). Its dQ must
   match jax.vjp of an f32 einsum attention under the explicit boolean mask
-  (tests/reference.py), given lse2 and delta that `sm90_backward._preprocess`
+  (tests/reference.py), given lse2 and delta that `backward_inputs.preprocess`
   makes from that reference's out and lse, as the backward will. Rows that
   see no key get exactly zero, finite gradients.
 * Determinism: two runs are bit-identical (every dQ element has one writer).
@@ -29,7 +29,7 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dq as dq_kernel
-from fa4_jax.kernels.sm90_backward import _preprocess
+from fa4_jax.kernels.backward_inputs import preprocess
 from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.scores import read_tile_ranges as _read_tile_ranges
 from fa4_jax.testing import SMEM_LIMIT_BYTES, TMEM_COLUMNS
@@ -92,7 +92,7 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run, runs: int = 1):
   tk, nkv = k.shape[1], k.shape[2]
   q_pad, kv_pad = cdiv(tq, 8) * 8, cdiv(tk, 8) * 8
   tiles = dq_kernel.dq_tiles(d, q.dtype)
-  lse2, delta = _preprocess(out, lse, dout, q_len, q_pad)
+  lse2, delta = preprocess(out, lse, dout, q_len, q_pad)
   pad = lambda x, t: jnp.pad(x, [(0, 0), (0, t - x.shape[1]), (0, 0), (0, 0)])
   lengths = [x for x in (q_len, kv_len) if x is not None]
   segments = []

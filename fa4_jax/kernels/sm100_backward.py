@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.backward_inputs import preprocess, segment_operands
 from fa4_jax.kernels.sm100_backward_dkdv import BLOCK_KV, build_dkv_kernel, dkv_tiles
-from fa4_jax.kernels.sm100_backward_dq import BLOCK_Q, build_dq_kernel, dq_tiles
+from fa4_jax.kernels.sm100_backward_dq import (BLOCK_Q, build_dq_kernel, dq_segment_operands,
+                                              dq_tiles)
 from fa4_jax.scores import MaskSpec, cdiv
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
@@ -104,9 +105,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
     dkv_segments = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=BLOCK_KV,
                                     consumers=1, num_ctas=cdiv(kv_pad, BLOCK_KV),
                                     block_cols=dkv.block_q)
-    dq_segments = segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=BLOCK_Q,
-                                   consumers=1, num_ctas=cdiv(q_pad, BLOCK_Q),
-                                   block_cols=dq_plan.block_kv)
+    dq_segments = dq_segment_operands(q_ids, kv_ids, dq_plan, q_pad)
   args = [q, k, v, dout, lse2, delta, *lengths]
   dk, dv = build_dkv_kernel(**common, block_kv=BLOCK_KV, block_q=dkv.block_q,
                             num_stages=dkv.num_stages)(*args, *dkv_segments)

@@ -13,7 +13,7 @@ forward's walk. Per key block n (buf = n % score_buffers):
 
 and at the end dQ * scale goes TMEM -> registers -> SMEM (over the dead Q
 tile) -> TMA. Every dQ element is written by exactly one CTA: deterministic,
-no atomics. lse2 and delta come from `sm90_backward._preprocess` (lse2 = +inf
+no atomics. lse2 and delta come from `backward_inputs.preprocess` (lse2 = +inf
 on rows that must not contribute), so dead rows need no special case.
 
 Roles (score_buffers + 1 warpgroups):
@@ -67,7 +67,7 @@ XLA there anyway. SMEM: Q and dO tiles resident (Q's later holds dQ on its
 way out), the K and V rings, lse2 and delta rows, barriers.
 
 Segment ids: the CTA walks the blocks its tile's ids may meet
-(`sm90_backward.segment_operands(keys_are_rows=False, consumers=1)`); blocks
+(`backward_inputs.segment_operands(keys_are_rows=False, consumers=1)`); blocks
 of the tile's one-id run need no element mask; masked blocks load their
 keys' ids from GMEM (as the forward does). Soft-cap: the compute warpgroup
 recomputes t = tanh(scale s / cap) (`scores.softmax_logits`) and multiplies
@@ -94,7 +94,7 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.sm100_forward import (SMEM_BYTES, TMEM_COLUMNS, _smem_transforms)
-from fa4_jax.kernels.sm90_backward import segment_operands
+from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
@@ -734,7 +734,7 @@ def _scratch_types(tiles: DqTiles) -> dict:
 
 def dq_segment_operands(q_ids, kv_ids, tiles: DqTiles, q_seq: int):
   """The segment-id operands `build_dq_kernel(has_segments=True)` takes for
-  q_seq (padded) query rows: `sm90_backward.segment_operands` at this
+  q_seq (padded) query rows: `backward_inputs.segment_operands` at this
   kernel's tiling (queries are the rows, one 128-row tile per CTA)."""
   return segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=tiles.block_q,
                           consumers=1, num_ctas=cdiv(q_seq, tiles.block_q),
@@ -749,10 +749,10 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
 
   q, dout [B, q_seq, Nq, D]; k, v [B, kv_seq, Nkv, D] (sequences padded to
   multiples of 8; keys past `kv_valid` are padding); lse2, delta f32
-  [B, Nq, >= q_seq rounded up to 128] (`sm90_backward._preprocess`);
+  [B, Nq, >= q_seq rounded up to 128] (`backward_inputs.preprocess`);
   lengths: [q_lengths] if has_q_lengths, then [kv_lengths]; segment
   operands: `dq_segment_operands(q_ids, kv_ids, tiles, q_seq)`, i.e.
-  `sm90_backward.segment_operands(q_ids, kv_ids, keys_are_rows=False,
+  `backward_inputs.segment_operands(q_ids, kv_ids, keys_are_rows=False,
   block_rows=128, consumers=1, num_ctas=cdiv(q_seq, 128),
   block_cols=block_kv)`. Returns dq [B, q_seq, Nq, D] in dtype."""
   tiles = dataclasses.replace(dq_tiles(head_dim, dtype), block_kv=block_kv, block_q=block_q,
