@@ -136,9 +136,8 @@ CASES = {
     "mqa_d64": DkvCase(q_seq=128, kv_seq=128, q_heads=3, kv_heads=1),
     # --- causal, lengths, GQA, alignment ---
     # Two key tiles: tile 0 walks both query blocks (block 0 masked), tile 1
-    # only block 1 (block 0 skipped).
-    "causal_d128": DkvCase(head_dim=128, is_causal=True),
-    # Ragged extents (padded to 8 rows; the last key tile runs past the keys).
+    # only block 1 (block 0 skipped); ragged extents (padded to 8 rows; the
+    # last key tile and query block run past the arrays).
     "causal_ragged_tails": DkvCase(q_seq=136, kv_seq=200, is_causal=True),
     # Row 0: queries past 100 and keys past 77 do not count; row 1: no query
     # at all (its CTAs walk nothing and write zeros).
@@ -150,7 +149,7 @@ CASES = {
         batch=2, q_seq=128, kv_seq=256, q_heads=2, kv_heads=1, is_causal=True,
         bottom_right=True, q_lengths=(100, 128), kv_lengths=(256, 150)),
     # --- windows, segment ids, soft-cap, fp16 ---
-    "window_left_right": DkvCase(q_seq=256, kv_seq=384, window=(64, 32)),
+    # Each key tile sees two of the three query blocks, both masked.
     "causal_sliding_window_d128": DkvCase(q_seq=384, kv_seq=384, head_dim=128, is_causal=True,
                                           window=(100, 0)),
     # Key tile 0 is one document (its query blocks need no element mask past
@@ -165,6 +164,7 @@ CASES = {
         q_segment_ids=_ids(np.arange(256) % 3), kv_segment_ids=_ids(np.arange(200) // 2 % 3)),
     "soft_cap_causal_gqa": DkvCase(q_seq=128, q_heads=2, kv_heads=1, is_causal=True,
                                    soft_cap=5.0),
+    # A window on both sides of the diagonal.
     "float16_d128_window": DkvCase(head_dim=128, dtype="float16", window=(100, 100)),
 }
 

@@ -20,8 +20,8 @@ Warpgroups:
 
     wg 0   compute: P^T from S^T (element mask only on boundary blocks, as
            the sm90 kernel: `scores.q_tile_ranges`, `walk_blocks`), then
-           dS^T from dP^T, column chunk by chunk; then the epilogue (dK *
-           scale and dV from TMEM through the K and V SMEM tiles to GMEM).
+           dS^T from dP^T (`_compute_step`); then the epilogue (dK * scale
+           and dV from TMEM through the K and V SMEM tiles to GMEM).
     wg 1   warp 0: TMA loads (K, V once; Q, dO and lse2, delta of every step
            into a ring of `num_stages` slots); warp 1: one thread issues
            every tcgen05 MMA.
@@ -31,32 +31,50 @@ buffers:
 
     dV += P_n^T dO_n,  S_(n+1) = K Q_(n+1)^T,  dK += dS_n^T Q_n,  dP_(n+1) = V dO_(n+1)^T
 
-so the dV MMA runs while the compute warpgroup turns dP_n^T into dS_n^T, and
-S_(n+1) (issued once dV_n has read P_n^T) runs beside the dK MMA and the
-rest of dS_n^T: the softmax of step n+1 can start while dK_n runs.
+The dV MMA and S_(n+1) (issued once dV_n has read P_n^T) run while the
+compute warpgroup turns dP_n^T into dS_n^T; the softmax of step n+1 then
+runs beside dK_n and dP_(n+1).
 
-Static cost model (per CTA and query block; M = BLOCK_KV = 128 keys,
-N = block_q, D = head dim; one tcgen05 MMA instruction is issued per
-product, each M x N x K with K the contraction):
+Static cost model (estimates on paper, never measured; per CTA and query
+block; M = BLOCK_KV = 128 keys, bq = block_q, D = head dim; one tcgen05 MMA
+instruction per product, M x N x K with K the contraction):
 
     MMA issues per query block: 4  (S^T: 128 x bq x D, dP^T: 128 x bq x D,
                                     dV: 128 x D x bq, dK: 128 x D x bq)
     tensor FLOP per query block: 4 * 2 * 128 * bq * D
-        D = 128, bq = 128: 16.8 MFLOP (about 2048 clocks at 8192 dense
-        bf16 FLOP per clock and SM); D = 64: 8.4 MFLOP.
-    exp2 per query block: 128 * bq = 16384 (one per thread and column);
-        with soft-cap one tanh more per element.
+        D = 128, bq = 128: 16.8 MFLOP, about 2048 clocks at 8192 dense
+        16-bit FLOP per clock and SM; D = 64: 8.4 MFLOP, about 1024.
+    compute warpgroup per query block: 128 * bq exp2 (one per thread and
+        column: 128 per thread; soft-cap adds a tanh per element), and
+        about 6 more FP32 operations per element; about 1000-1500 clocks
+        on one warpgroup, so D = 128 should be tensor-bound and D = 64
+        bound by this warpgroup (a second one, splitting the columns of
+        S^T and dP^T, is the next step there).
+    registers of a compute thread: the f32 factors of dS^T of its key (bq)
+        and P^T or dS^T in 16 bits (bq / 2) at once, about 200 at bq = 128;
+        the launch leaves 255 per thread (two warpgroups).
 
     TMEM (columns of 32 bits, all 128 lanes; `DkvTiles.tmem_plan`):
         dK: D, dV: D, S^T/P^T: bq, dP^T/dS^T: bq
         D = 128, bq = 128: 512 of 512;  D = 64, bq = 128: 384.
         D = 256 does not fit: dK and dV alone take all 512 columns
         (`dkv_tiles` raises KernelUnsupported; the caller falls back).
+        So one CTA per SM at either head dim.
     SMEM (bytes, 16-bit inputs; `DkvTiles.smem_bytes`):
         K, V: 2 * 128 * D * 2   (then dK, dV on their way out)
         ring: num_stages * (2 * bq * D * 2 + 2 * bq * 4)   (Q, dO, lse2, delta)
         D = 128, bq = 128, 2 stages: 64 KiB + 130 KiB = 194 KiB of 227;
         D = 64, bq = 128, 3 stages: 32 KiB + 99 KiB = 131 KiB.
+
+Interpreter notes (Pallas' GPU interpreter, jax 0.11.2): it aliases the two
+views of a TMEM `RefUnion` by bytes, row-major, where the hardware packs two
+16-bit values per 32-bit column of the same lane: a 16-bit chunk written over
+S^T lands on f32 columns of *other* chunks there. `_compute_step` therefore
+reads every chunk of a tile before it writes the first 16-bit chunk, which is
+also correct on hardware. Its race detector wants a proxy fence between the
+compute warpgroup's SMEM reads of a ring slot and the TMA that rewrites it,
+and every waiter to observe every barrier phase: `DkvBarriers` adds both only
+when interpreting.
 
 Every barrier is declared once in `DkvBarriers` (name, count, who arrives,
 who waits); the roles use its accessors only.
@@ -87,8 +105,8 @@ TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
 SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
 
 BLOCK_KV = 128  # keys per CTA = TMEM lanes = threads of the compute warpgroup
-# Columns of S^T / dP^T the compute warpgroup handles at once: a thread holds
-# CHUNK scores, CHUNK statistics and the block's f32 P^T weights (block_q).
+# Columns of S^T / dP^T the compute warpgroup loads at once (with as many
+# lse2 or delta values, broadcast to every thread).
 CHUNK = 32
 EPILOGUE_CHUNK = 64
 
@@ -198,7 +216,7 @@ class DkvBarriers:
   kv_full     1       2 (TMA)      no      load: producer_kv (K, V bytes)    MMA: consumer_kv
   qdo_full    stages  2 (TMA)      no      load: producer_qdo (Q, dO bytes)  MMA: consumer_qdo
   qdo_free    stages  1 (MMA)      yes     MMA: consumer_qdo_release         load: producer_qdo_acquire,
-                                             (after dK_n read Q_n)                 drain_ring*
+                                             (dV_n, dK_n done)                     drain_ring*
   stats_full  stages  2 (TMA)      no      load: producer_stats (lse2,       compute: consumer_stats
                                              delta bytes)
   stats_free  stages  1            no      compute: consumer_stats_release   load: producer_stats_acquire,
