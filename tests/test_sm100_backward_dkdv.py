@@ -149,8 +149,9 @@ CASES = {
         batch=2, q_seq=128, kv_seq=256, q_heads=2, kv_heads=1, is_causal=True,
         bottom_right=True, q_lengths=(100, 128), kv_lengths=(256, 150)),
     # --- windows, segment ids, soft-cap, fp16 ---
-    # Each key tile sees two of the three query blocks, both masked.
-    "causal_sliding_window_d128": DkvCase(q_seq=384, kv_seq=384, head_dim=128, is_causal=True,
+    # Head dim 192 (64-row query blocks, TMEM full): a key tile sees up to
+    # four of the six query blocks, none whole (diagonal or window edge).
+    "causal_sliding_window_d192": DkvCase(q_seq=384, kv_seq=384, head_dim=192, is_causal=True,
                                           window=(100, 0)),
     # Key tile 0 is one document (its query blocks need no element mask past
     # the diagonal); tile 2 skips the blocks of the first document.
@@ -195,7 +196,7 @@ def test_two_runs_are_bit_identical(run_interpreted):
 # --- the static plan ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
 def test_tmem_plan_is_dk_dv_and_two_score_tiles(head_dim):
   tiles = dkdv.dkv_tiles(head_dim, jnp.bfloat16)
   assert tiles.tmem_columns() == 2 * head_dim + 2 * tiles.block_q <= dkdv.TMEM_COLUMNS
@@ -239,7 +240,7 @@ _MASKS = {
 
 
 @pytest.mark.parametrize("mask_name", list(_MASKS))
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
 def test_every_tiling_lowers_for_sm100_with_tcgen05_and_fits_smem(head_dim, mask_name,
                                                                    cross_lower):
   options = _MASKS[mask_name]

@@ -110,7 +110,7 @@ BLOCK_KV = 128  # keys per CTA = TMEM lanes = threads of the compute warpgroup
 CHUNK = 32
 EPILOGUE_CHUNK = 64
 
-_SUPPORTED_HEAD_DIMS = (64, 128)
+_SUPPORTED_HEAD_DIMS = (64, 128, 192)
 
 # TMEM loads in the 32x32b shape: thread t owns key t (a row of S^T).
 _ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
@@ -178,18 +178,21 @@ class DkvTiles:
 
 
 def dkv_tiles(head_dim: int, dtype) -> DkvTiles:
-  """The tiling for a head dimension, checked against TMEM and SMEM."""
-  if head_dim == 64:
-    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=128, num_stages=3)
-  elif head_dim == 128:
-    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=128, num_stages=2)
-  elif head_dim == 256:
-    raise KernelUnsupported(
-        "sm100 backward dK/dV: head_dim 256 does not fit TMEM: dK and dV of 128 keys take"
-        f" 2 x 256 = {TMEM_COLUMNS} columns alone, leaving none for S^T and dP^T")
-  else:
+  """The tiling for a head dimension, checked against TMEM and SMEM: the
+  largest query block (128, else 64) whose S^T and dP^T fit beside dK and
+  dV in TMEM, and as many ring stages as the SMEM holds, up to 3."""
+  if head_dim not in _SUPPORTED_HEAD_DIMS:
+    if head_dim == 256:
+      raise KernelUnsupported(
+          "sm100 backward dK/dV: head_dim 256 does not fit TMEM: dK and dV of 128 keys take"
+          f" 2 x 256 = {TMEM_COLUMNS} columns alone, leaving none for S^T and dP^T")
     raise KernelUnsupported(
         f"sm100 backward dK/dV: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  block_q = 128 if 2 * head_dim + 2 * 128 <= TMEM_COLUMNS else 64
+  for num_stages in (3, 2):
+    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=block_q, num_stages=num_stages)
+    if tiles.smem_bytes() <= SMEM_BYTES:
+      break
   tiles.check_budgets()
   return tiles
 
