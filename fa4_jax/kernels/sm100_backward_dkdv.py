@@ -43,20 +43,23 @@ instruction per product, M x N x K with K the contraction):
                                     dV: 128 x D x bq, dK: 128 x D x bq)
     tensor FLOP per query block: 4 * 2 * 128 * bq * D
         D = 128, bq = 128: 16.8 MFLOP, about 2048 clocks at 8192 dense
-        16-bit FLOP per clock and SM; D = 64: 8.4 MFLOP, about 1024.
+        16-bit FLOP per clock and SM; D = 64: 8.4 MFLOP, about 1024;
+        D = 192, bq = 64: 12.6 MFLOP, about 1536.
     compute warpgroup per query block: 128 * bq exp2 (one per thread and
         column: 128 per thread; soft-cap adds a tanh per element), and
         about 6 more FP32 operations per element; about 1000-1500 clocks
-        on one warpgroup, so D = 128 should be tensor-bound and D = 64
-        bound by this warpgroup (a second one, splitting the columns of
-        S^T and dP^T, is the next step there).
+        on one warpgroup at bq = 128 (half at 64), so D = 128 and 192
+        should be tensor-bound and D = 64 bound by this warpgroup (a
+        second one, splitting the columns of S^T and dP^T, is the next
+        step there).
     registers of a compute thread: the f32 factors of dS^T of its key (bq)
         and P^T or dS^T in 16 bits (bq / 2) at once, about 200 at bq = 128;
         the launch leaves 255 per thread (two warpgroups).
 
     TMEM (columns of 32 bits, all 128 lanes; `DkvTiles.tmem_plan`):
         dK: D, dV: D, S^T/P^T: bq, dP^T/dS^T: bq
-        D = 128, bq = 128: 512 of 512;  D = 64, bq = 128: 384.
+        D = 128, bq = 128: 512 of 512;  D = 64, bq = 128: 384;
+        D = 192, bq = 64: 512 (`dkv_tiles` takes bq = 128 where it fits).
         D = 256 does not fit: dK and dV alone take all 512 columns
         (`dkv_tiles` raises KernelUnsupported; the caller falls back).
         So one CTA per SM at either head dim.
@@ -64,7 +67,8 @@ instruction per product, M x N x K with K the contraction):
         K, V: 2 * 128 * D * 2   (then dK, dV on their way out)
         ring: num_stages * (2 * bq * D * 2 + 2 * bq * 4)   (Q, dO, lse2, delta)
         D = 128, bq = 128, 2 stages: 64 KiB + 130 KiB = 194 KiB of 227;
-        D = 64, bq = 128, 3 stages: 32 KiB + 99 KiB = 131 KiB.
+        D = 64, bq = 128, 3 stages: 32 KiB + 99 KiB = 131 KiB;
+        D = 192, bq = 64, 2 stages: 96 KiB + 97 KiB = 193 KiB.
 
 Interpreter notes (Pallas' GPU interpreter, jax 0.11.2): it aliases the two
 views of a TMEM `RefUnion` by bytes, row-major, where the hardware packs two
