@@ -21,7 +21,7 @@ import pytest
 import reference
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dkdv as dkdv
-from fa4_jax.kernels.sm90_backward import _preprocess, segment_operands
+from fa4_jax.kernels.sm90_backward import _preprocess
 from fa4_jax.scores import MaskSpec, cdiv
 
 # bf16 inputs; P^T and dS^T are rounded to 16 bits before their MMAs (as in
@@ -92,10 +92,7 @@ def _kernel_dk_dv(case: DkvCase, q, k, v, do, out, lse, scale):
   operands = [pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), pad(do, q_pad), lse2, delta]
   operands += [x for x in (ql, kl) if x is not None]
   if case.segment_ids() is not None:
-    operands += segment_operands(*case.segment_ids(), keys_are_rows=True,
-                                 block_rows=tiles.block_kv, consumers=1,
-                                 num_ctas=cdiv(kv_pad, tiles.block_kv),
-                                 block_cols=tiles.block_q)
+    operands += dkdv.segment_operands(tiles, case.segment_ids(), kv_pad)
   kernel = dkdv.build_dkv_kernel(
       batch=b, q_seq=q_pad, kv_seq=kv_pad, kv_valid=s, num_q_heads=n, num_kv_heads=nkv,
       head_dim=d, dtype=jnp.dtype(case.dtype), scale=scale, mask=case.mask,

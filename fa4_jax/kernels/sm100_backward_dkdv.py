@@ -98,7 +98,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import KernelUnsupported, sm90_backward
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
@@ -199,6 +199,17 @@ def dkv_tiles(head_dim: int, dtype) -> DkvTiles:
       break
   tiles.check_budgets()
   return tiles
+
+
+def segment_operands(tiles: DkvTiles, segment_ids, kv_pad: int):
+  """The three segment-id operands of this kernel (`has_segments`), for
+  keys padded to `kv_pad`: `sm90_backward.segment_operands` at this tiling
+  (keys as rows, one tile of `block_kv` keys per CTA, `block_q` columns)."""
+  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+  return sm90_backward.segment_operands(q_ids, kv_ids, keys_are_rows=True,
+                                        block_rows=tiles.block_kv,
+                                        consumers=1, num_ctas=cdiv(kv_pad, tiles.block_kv),
+                                        block_cols=tiles.block_q)
 
 
 # ---------------------------------------------------------------------------
