@@ -20,8 +20,8 @@ Warpgroups:
 
     wg 0   compute: P^T from S^T (element mask only on boundary blocks, as
            the sm90 kernel: `scores.q_tile_ranges`, `walk_blocks`), then
-           dS^T from dP^T, column chunk by chunk; then the epilogue (dK *
-           scale and dV from TMEM through the K and V SMEM tiles to GMEM).
+           dS^T from dP^T (`_compute_step`); then the epilogue (dK * scale
+           and dV from TMEM through the K and V SMEM tiles to GMEM).
     wg 1   warp 0: TMA loads (K, V once; Q, dO and lse2, delta of every step
            into a ring of `num_stages` slots); warp 1: one thread issues
            every tcgen05 MMA.
@@ -31,32 +31,54 @@ buffers:
 
     dV += P_n^T dO_n,  S_(n+1) = K Q_(n+1)^T,  dK += dS_n^T Q_n,  dP_(n+1) = V dO_(n+1)^T
 
-so the dV MMA runs while the compute warpgroup turns dP_n^T into dS_n^T, and
-S_(n+1) (issued once dV_n has read P_n^T) runs beside the dK MMA and the
-rest of dS_n^T: the softmax of step n+1 can start while dK_n runs.
+The dV MMA and S_(n+1) (issued once dV_n has read P_n^T) run while the
+compute warpgroup turns dP_n^T into dS_n^T; the softmax of step n+1 then
+runs beside dK_n and dP_(n+1).
 
-Static cost model (per CTA and query block; M = BLOCK_KV = 128 keys,
-N = block_q, D = head dim; one tcgen05 MMA instruction is issued per
-product, each M x N x K with K the contraction):
+Static cost model (estimates on paper, never measured; per CTA and query
+block; M = BLOCK_KV = 128 keys, bq = block_q, D = head dim; one tcgen05 MMA
+instruction per product, M x N x K with K the contraction):
 
     MMA issues per query block: 4  (S^T: 128 x bq x D, dP^T: 128 x bq x D,
                                     dV: 128 x D x bq, dK: 128 x D x bq)
     tensor FLOP per query block: 4 * 2 * 128 * bq * D
-        D = 128, bq = 128: 16.8 MFLOP (about 2048 clocks at 8192 dense
-        bf16 FLOP per clock and SM); D = 64: 8.4 MFLOP.
-    exp2 per query block: 128 * bq = 16384 (one per thread and column);
-        with soft-cap one tanh more per element.
+        D = 128, bq = 128: 16.8 MFLOP, about 2048 clocks at 8192 dense
+        16-bit FLOP per clock and SM; D = 64: 8.4 MFLOP, about 1024;
+        D = 192, bq = 64: 12.6 MFLOP, about 1536.
+    compute warpgroup per query block: 128 * bq exp2 (one per thread and
+        column: 128 per thread; soft-cap adds a tanh per element), and
+        about 6 more FP32 operations per element; about 1000-1500 clocks
+        on one warpgroup at bq = 128 (half at 64), so D = 128 and 192
+        should be tensor-bound and D = 64 bound by this warpgroup (a
+        second one, splitting the columns of S^T and dP^T, is the next
+        step there).
+    registers of a compute thread: the f32 factors of dS^T of its key (bq)
+        and P^T or dS^T in 16 bits (bq / 2) at once, about 200 at bq = 128;
+        the launch leaves 255 per thread (two warpgroups).
 
     TMEM (columns of 32 bits, all 128 lanes; `DkvTiles.tmem_plan`):
         dK: D, dV: D, S^T/P^T: bq, dP^T/dS^T: bq
-        D = 128, bq = 128: 512 of 512;  D = 64, bq = 128: 384.
+        D = 128, bq = 128: 512 of 512;  D = 64, bq = 128: 384;
+        D = 192, bq = 64: 512 (`dkv_tiles` takes bq = 128 where it fits).
         D = 256 does not fit: dK and dV alone take all 512 columns
         (`dkv_tiles` raises KernelUnsupported; the caller falls back).
+        So one CTA per SM at either head dim.
     SMEM (bytes, 16-bit inputs; `DkvTiles.smem_bytes`):
         K, V: 2 * 128 * D * 2   (then dK, dV on their way out)
         ring: num_stages * (2 * bq * D * 2 + 2 * bq * 4)   (Q, dO, lse2, delta)
         D = 128, bq = 128, 2 stages: 64 KiB + 130 KiB = 194 KiB of 227;
-        D = 64, bq = 128, 3 stages: 32 KiB + 99 KiB = 131 KiB.
+        D = 64, bq = 128, 3 stages: 32 KiB + 99 KiB = 131 KiB;
+        D = 192, bq = 64, 2 stages: 96 KiB + 97 KiB = 193 KiB.
+
+Interpreter notes (Pallas' GPU interpreter, jax 0.11.2): it aliases the two
+views of a TMEM `RefUnion` by bytes, row-major, where the hardware packs two
+16-bit values per 32-bit column of the same lane: a 16-bit chunk written over
+S^T lands on f32 columns of *other* chunks there. `_compute_step` therefore
+reads every chunk of a tile before it writes the first 16-bit chunk, which is
+also correct on hardware. Its race detector wants a proxy fence between the
+compute warpgroup's SMEM reads of a ring slot and the TMA that rewrites it,
+and every waiter to observe every barrier phase: `DkvBarriers` adds both only
+when interpreting.
 
 Every barrier is declared once in `DkvBarriers` (name, count, who arrives,
 who waits); the roles use its accessors only.
@@ -76,7 +98,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import KernelUnsupported, sm90_backward
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
@@ -87,12 +109,12 @@ TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
 SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
 
 BLOCK_KV = 128  # keys per CTA = TMEM lanes = threads of the compute warpgroup
-# Columns of S^T / dP^T the compute warpgroup handles at once: a thread holds
-# CHUNK scores, CHUNK statistics and the block's f32 P^T weights (block_q).
+# Columns of S^T / dP^T the compute warpgroup loads at once (with as many
+# lse2 or delta values, broadcast to every thread).
 CHUNK = 32
 EPILOGUE_CHUNK = 64
 
-_SUPPORTED_HEAD_DIMS = (64, 128)
+_SUPPORTED_HEAD_DIMS = (64, 128, 192)
 
 # TMEM loads in the 32x32b shape: thread t owns key t (a row of S^T).
 _ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
@@ -160,20 +182,34 @@ class DkvTiles:
 
 
 def dkv_tiles(head_dim: int, dtype) -> DkvTiles:
-  """The tiling for a head dimension, checked against TMEM and SMEM."""
-  if head_dim == 64:
-    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=128, num_stages=3)
-  elif head_dim == 128:
-    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=128, num_stages=2)
-  elif head_dim == 256:
-    raise KernelUnsupported(
-        "sm100 backward dK/dV: head_dim 256 does not fit TMEM: dK and dV of 128 keys take"
-        f" 2 x 256 = {TMEM_COLUMNS} columns alone, leaving none for S^T and dP^T")
-  else:
+  """The tiling for a head dimension, checked against TMEM and SMEM: the
+  largest query block (128, else 64) whose S^T and dP^T fit beside dK and
+  dV in TMEM, and as many ring stages as the SMEM holds, up to 3."""
+  if head_dim not in _SUPPORTED_HEAD_DIMS:
+    if head_dim == 256:
+      raise KernelUnsupported(
+          "sm100 backward dK/dV: head_dim 256 does not fit TMEM: dK and dV of 128 keys take"
+          f" 2 x 256 = {TMEM_COLUMNS} columns alone, leaving none for S^T and dP^T")
     raise KernelUnsupported(
         f"sm100 backward dK/dV: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  block_q = 128 if 2 * head_dim + 2 * 128 <= TMEM_COLUMNS else 64
+  for num_stages in (3, 2):
+    tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=block_q, num_stages=num_stages)
+    if tiles.smem_bytes() <= SMEM_BYTES:
+      break
   tiles.check_budgets()
   return tiles
+
+
+def segment_operands(tiles: DkvTiles, segment_ids, kv_pad: int):
+  """The three segment-id operands of this kernel (`has_segments`), for
+  keys padded to `kv_pad`: `sm90_backward.segment_operands` at this tiling
+  (keys as rows, one tile of `block_kv` keys per CTA, `block_q` columns)."""
+  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+  return sm90_backward.segment_operands(q_ids, kv_ids, keys_are_rows=True,
+                                        block_rows=tiles.block_kv,
+                                        consumers=1, num_ctas=cdiv(kv_pad, tiles.block_kv),
+                                        block_cols=tiles.block_q)
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +234,7 @@ class DkvBarriers:
   kv_full     1       2 (TMA)      no      load: producer_kv (K, V bytes)    MMA: consumer_kv
   qdo_full    stages  2 (TMA)      no      load: producer_qdo (Q, dO bytes)  MMA: consumer_qdo
   qdo_free    stages  1 (MMA)      yes     MMA: consumer_qdo_release         load: producer_qdo_acquire,
-                                             (after dK_n read Q_n)                 drain_ring*
+                                             (dV_n, dK_n done)                     drain_ring*
   stats_full  stages  2 (TMA)      no      load: producer_stats (lse2,       compute: consumer_stats
                                              delta bytes)
   stats_free  stages  1            no      compute: consumer_stats_release   load: producer_stats_acquire,
