@@ -21,7 +21,7 @@ import pytest
 import reference
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dkdv as dkdv
-from fa4_jax.kernels.sm90_backward import _preprocess
+from fa4_jax.kernels.backward_inputs import preprocess
 from fa4_jax.scores import MaskSpec, cdiv
 
 # bf16 inputs; P^T and dS^T are rounded to 16 bits before their MMAs (as in
@@ -81,18 +81,18 @@ def _reference(case: DkvCase, q, k, v, do, scale):
 def _kernel_dk_dv(case: DkvCase, q, k, v, do, out, lse, scale):
   """dK, dV from the kernel, with its operands prepared as the backward's
   entry point prepares them (sequences padded to multiples of 8, lse2 and
-  delta from `sm90_backward._preprocess`, segment operands of this tiling)."""
+  delta from `backward_inputs.preprocess`, segment operands of this tiling)."""
   tiles = dkdv.dkv_tiles(case.head_dim, case.dtype)
   b, t, n, d = q.shape
   s, nkv = k.shape[1], k.shape[2]
   q_pad, kv_pad = cdiv(t, 8) * 8, cdiv(s, 8) * 8
   ql, kl = case.lengths()
-  lse2, delta = _preprocess(out, lse, do, ql, q_pad)
+  lse2, delta = preprocess(out, lse, do, ql, q_pad)
   pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1]), (0, 0), (0, 0)])
   operands = [pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), pad(do, q_pad), lse2, delta]
   operands += [x for x in (ql, kl) if x is not None]
   if case.segment_ids() is not None:
-    operands += dkdv.segment_operands(tiles, case.segment_ids(), kv_pad)
+    operands += dkdv.dkv_segment_operands(*case.segment_ids(), tiles, kv_pad)
   kernel = dkdv.build_dkv_kernel(
       batch=b, q_seq=q_pad, kv_seq=kv_pad, kv_valid=s, num_q_heads=n, num_kv_heads=nkv,
       head_dim=d, dtype=jnp.dtype(case.dtype), scale=scale, mask=case.mask,

@@ -38,8 +38,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.kernels.backward_inputs import preprocess, segment_operands
-from fa4_jax.kernels.sm100_backward_dkdv import BLOCK_KV, build_dkv_kernel, dkv_tiles
+from fa4_jax.kernels.backward_inputs import preprocess
+from fa4_jax.kernels.sm100_backward_dkdv import (BLOCK_KV, build_dkv_kernel,
+                                                dkv_segment_operands, dkv_tiles)
 from fa4_jax.kernels.sm100_backward_dq import (BLOCK_Q, build_dq_kernel, dq_segment_operands,
                                               dq_tiles)
 from fa4_jax.scores import MaskSpec, cdiv
@@ -102,9 +103,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
   dkv_segments, dq_segments = [], []
   if segment_ids is not None:
     q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
-    dkv_segments = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=BLOCK_KV,
-                                    consumers=1, num_ctas=cdiv(kv_pad, BLOCK_KV),
-                                    block_cols=dkv.block_q)
+    dkv_segments = dkv_segment_operands(q_ids, kv_ids, dkv, kv_pad)
     dq_segments = dq_segment_operands(q_ids, kv_ids, dq_plan, q_pad)
   args = [q, k, v, dout, lse2, delta, *lengths]
   dk, dv = build_dkv_kernel(**common, block_kv=BLOCK_KV, block_q=dkv.block_q,

@@ -98,7 +98,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported, sm90_backward
+from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
@@ -201,15 +202,14 @@ def dkv_tiles(head_dim: int, dtype) -> DkvTiles:
   return tiles
 
 
-def segment_operands(tiles: DkvTiles, segment_ids, kv_pad: int):
-  """The three segment-id operands of this kernel (`has_segments`), for
-  keys padded to `kv_pad`: `sm90_backward.segment_operands` at this tiling
-  (keys as rows, one tile of `block_kv` keys per CTA, `block_q` columns)."""
-  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
-  return sm90_backward.segment_operands(q_ids, kv_ids, keys_are_rows=True,
-                                        block_rows=tiles.block_kv,
-                                        consumers=1, num_ctas=cdiv(kv_pad, tiles.block_kv),
-                                        block_cols=tiles.block_q)
+def dkv_segment_operands(q_ids, kv_ids, tiles: DkvTiles, kv_pad: int):
+  """The three segment-id operands `build_dkv_kernel(has_segments=True)`
+  takes for keys padded to `kv_pad`: `backward_inputs.segment_operands` at
+  this kernel's tiling (keys as rows, one tile of `block_kv` keys per CTA,
+  `block_q` columns)."""
+  return segment_operands(jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32),
+                          keys_are_rows=True, block_rows=tiles.block_kv, consumers=1,
+                          num_ctas=cdiv(kv_pad, tiles.block_kv), block_cols=tiles.block_q)
 
 
 # ---------------------------------------------------------------------------
@@ -776,11 +776,10 @@ def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
 
   q, dout [B, q_seq, Nq, D]; k, v [B, kv_seq, Nkv, D] (sequences padded to
   multiples of 8; keys at or past `kv_valid` are padding); lse2, delta f32
-  [B, Nq, >= q_seq rounded up to block_q] (`sm90_backward._preprocess`:
+  [B, Nq, >= q_seq rounded up to block_q] (`backward_inputs.preprocess`:
   lse2 = +inf on rows that must not contribute); lengths: [q_lengths] if
   `has_q_lengths`, then [kv_lengths] if `has_kv_lengths` (int32 [B]); with
-  `has_segments` the three operands of `sm90_backward.segment_operands(...,
-  keys_are_rows=True, block_rows=block_kv, consumers=1, block_cols=block_q)`.
+  `has_segments` the three operands of `dkv_segment_operands`.
   dk, dv [B, kv_seq, Nkv, D] in `dtype`, summed over each GQA group.
   """
   tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=block_q, num_stages=num_stages,
