@@ -27,7 +27,7 @@ import pytest
 
 import reference
 from fa4_jax.kernels import KernelUnsupported
-from fa4_jax.kernels import sm100_forward
+from fa4_jax.kernels import sm100_forward, sm100_tiles
 from fa4_jax.scores import MaskSpec, TileRanges
 
 BF16_ATOL = 2e-2
@@ -257,7 +257,7 @@ def test_cross_lowers_for_sm100_with_segment_ids(head_dim, causal, window, cross
   assert len(lowered.modules) == 1
   for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st"):
     assert lowered.has(instruction), instruction
-  assert 0 < lowered.max_smem_bytes <= sm100_forward.SMEM_BYTES
+  assert 0 < lowered.max_smem_bytes <= sm100_tiles.SMEM_BYTES
 
 
 # --- Attention sinks and logit soft-capping ----------------------------------
@@ -359,7 +359,7 @@ def test_cross_lowers_for_sm100_with_sinks_and_soft_cap(head_dim, cross_lower):
     assert lowered.has(instruction), instruction
   cfg = sm100_forward.tile_config(head_dim, jnp.bfloat16)
   assert lowered.modules[0].count("tanh.approx.f32") == cfg.num_q_tiles * cfg.block_kv
-  assert 0 < lowered.max_smem_bytes <= sm100_forward.SMEM_BYTES
+  assert 0 < lowered.max_smem_bytes <= sm100_tiles.SMEM_BYTES
 
 
 @pytest.mark.parametrize("options, match", [
@@ -378,7 +378,7 @@ def test_tmem_plan_fits_512_columns(head_dim):
   cfg = sm100_forward.tile_config(head_dim, jnp.bfloat16)
   # S_i/P_i share columns; O_i has head_dim columns.
   assert cfg.tmem_columns() == cfg.num_q_tiles * (cfg.block_kv + head_dim)
-  assert cfg.tmem_columns() <= sm100_forward.TMEM_COLUMNS
+  assert cfg.tmem_columns() <= sm100_tiles.TMEM_COLUMNS
 
 
 def test_tmem_budget_is_asserted():
@@ -425,7 +425,7 @@ def test_cross_lowers_for_sm100_with_tcgen05_and_tmem(head_dim, causal, tq, tk, 
   # P V reads P from TMEM: the A operand is a TMEM address ("[a]"), not a
   # shared-memory descriptor.
   assert lowered.has("kind::f16 [$0], [a_desc]")
-  assert 0 < lowered.max_smem_bytes <= sm100_forward.SMEM_BYTES
+  assert 0 < lowered.max_smem_bytes <= sm100_tiles.SMEM_BYTES
   # One allocation of at most the 512 TMEM columns.
   module = lowered.modules[0]
   assert "%c512_i32" in module.split("tcgen05.alloc")[1][:300]
@@ -540,7 +540,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
       continue  # a pl.loop over producer_k_acquire / producer_v_acquire
     log.clear()
     result = getattr(bars, method)(0)
-    if isinstance(result, sm100_forward._Waiter):
+    if isinstance(result, sm100_tiles.Waiter):
       result.wait()
     elif result is not None:
       log.append(("arrive", result))  # a barrier handed to TMA or to an MMA

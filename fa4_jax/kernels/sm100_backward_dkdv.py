@@ -101,13 +101,15 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
+                                         ROW_VECTOR_LAYOUT,
+                                         SMEM_BYTES,
+                                         TMEM_COLUMNS,
+                                         Waiter, rem)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks
 
-# Hardware limits of one sm_100 SM (as in sm100_forward).
-TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
-SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
 
 BLOCK_KV = 128  # keys per CTA = TMEM lanes = threads of the compute warpgroup
 # Columns of S^T / dP^T the compute warpgroup loads at once (with as many
@@ -117,13 +119,6 @@ EPILOGUE_CHUNK = 64
 
 _SUPPORTED_HEAD_DIMS = (64, 128, 192)
 
-# TMEM loads in the 32x32b shape: thread t owns key t (a row of S^T).
-_ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
-_ROW_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)  # one value per key
-_COL_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(0)  # per query, in every thread
-# The epilogue reads dK / dV in the 16x256b shape, which Mosaic GPU can store
-# into swizzled SMEM for the TMA (as the forward's epilogue does).
-_EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
 
 # Warpgroups and the warps of the last one.
 COMPUTE_WG, LOAD_MMA_WG = 0, 1
@@ -217,16 +212,6 @@ def dkv_segment_operands(q_ids, kv_ids, tiles: DkvTiles, kv_pad: int):
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Waiter:
-  """The waiting side of a barrier (one phase per call)."""
-
-  ref: object
-
-  def wait(self) -> None:
-    plgpu.barrier_wait(self.ref)
-
-
 class DkvBarriers:
   """Every mbarrier of the dK/dV kernel (cf. the forward's `ForwardBarriers`).
 
@@ -305,8 +290,8 @@ class DkvBarriers:
     """TMA barrier of the K and V tiles (pass to both copies)."""
     return self._at("kv_full")
 
-  def consumer_kv(self) -> _Waiter:
-    return _Waiter(self._at("kv_full"))
+  def consumer_kv(self) -> Waiter:
+    return Waiter(self._at("kv_full"))
 
   # Q and dO ring (load warp <-> MMA warp).
   def producer_qdo_acquire(self, slot) -> None:
@@ -317,8 +302,8 @@ class DkvBarriers:
     """TMA barrier of a slot's Q and dO (pass to both copies)."""
     return self._at("qdo_full", slot)
 
-  def consumer_qdo(self, slot) -> _Waiter:
-    return _Waiter(self._at("qdo_full", slot))
+  def consumer_qdo(self, slot) -> Waiter:
+    return Waiter(self._at("qdo_full", slot))
 
   def consumer_qdo_release(self, slot) -> None:
     """MMA warp: the slot is free once every MMA issued so far completed."""
@@ -332,8 +317,8 @@ class DkvBarriers:
     """TMA barrier of a slot's lse2 and delta (pass to both copies)."""
     return self._at("stats_full", slot)
 
-  def consumer_stats(self, slot) -> _Waiter:
-    return _Waiter(self._at("stats_full", slot))
+  def consumer_stats(self, slot) -> Waiter:
+    return Waiter(self._at("stats_full", slot))
 
   def consumer_stats_release(self, slot) -> None:
     if self._interpreting:
@@ -349,15 +334,15 @@ class DkvBarriers:
     """Barrier the S^T MMA arrives on when it completes."""
     return self._at("s_full")
 
-  def consumer_s(self) -> _Waiter:
-    return _Waiter(self._at("s_full"))
+  def consumer_s(self) -> Waiter:
+    return Waiter(self._at("s_full"))
 
   def producer_p_commit(self) -> None:
     """Compute: P^T is in TMEM (after commit_tmem)."""
     plgpu.barrier_arrive(self._at("p_full"))
 
-  def consumer_p(self) -> _Waiter:
-    return _Waiter(self._at("p_full"))
+  def consumer_p(self) -> Waiter:
+    return Waiter(self._at("p_full"))
 
   def consumer_p_release(self):
     """Barrier the dV MMA arrives on when it completes (P^T read)."""
@@ -371,14 +356,14 @@ class DkvBarriers:
   def producer_dp(self):
     return self._at("dp_full")
 
-  def consumer_dp(self) -> _Waiter:
-    return _Waiter(self._at("dp_full"))
+  def consumer_dp(self) -> Waiter:
+    return Waiter(self._at("dp_full"))
 
   def producer_ds_commit(self) -> None:
     plgpu.barrier_arrive(self._at("ds_full"))
 
-  def consumer_ds(self) -> _Waiter:
-    return _Waiter(self._at("ds_full"))
+  def consumer_ds(self) -> Waiter:
+    return Waiter(self._at("ds_full"))
 
   def consumer_ds_release(self):
     """Barrier the dK MMA arrives on when it completes (dS^T read)."""
@@ -389,8 +374,8 @@ class DkvBarriers:
     """MMA warp: after the last MMA, dK and dV are final once it completes."""
     plgpu.tcgen05_commit_arrive(self._at("acc_full"))
 
-  def consumer_acc(self) -> _Waiter:
-    return _Waiter(self._at("acc_full"))
+  def consumer_acc(self) -> Waiter:
+    return Waiter(self._at("acc_full"))
 
   # Interpreter-only drains of the last phases (see __init__).
   def drain_ring(self, num_steps) -> None:
@@ -401,7 +386,7 @@ class DkvBarriers:
 
     @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
     def _(n):
-      slot = _rem(n, stages)
+      slot = rem(n, stages)
       self.producer_qdo_acquire(slot)
       self.producer_stats_acquire(slot)
 
@@ -410,12 +395,6 @@ class DkvBarriers:
     if self._interpreting:
       self.producer_s_acquire()
       self.producer_dp_acquire()
-
-
-def _rem(x, n: int):
-  if isinstance(x, int):
-    return x % n
-  return lax.rem(x, jnp.asarray(n, x.dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -471,7 +450,7 @@ class DkvContext:
     return self.statics.tiles
 
   def slot(self, step):
-    return _rem(step, self.tiles.num_stages)
+    return rem(step, self.tiles.num_stages)
 
   @property
   def s_tmem(self):
@@ -597,7 +576,7 @@ def _column_ids(ctx: DkvContext, q_lo):
   (from GMEM, only in blocks that need the element mask)."""
   seg = ctx.gmem.segments
   return plgpu.load(seg.q_ids.at[ctx.work.batch_idx, pl.ds(q_lo, CHUNK)],
-                    layout=_COL_VECTOR_LAYOUT, optimized=False)
+                    layout=COL_VECTOR_LAYOUT, optimized=False)
 
 
 def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids):
@@ -609,8 +588,8 @@ def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids):
   t = scores.softmax_logits(s, st.scale, st.soft_cap)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [1])
   if masked:
-    keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + k_lo
-    queries = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + q_lo
+    keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=ROW_LAYOUT) + k_lo
+    queries = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=ROW_LAYOUT) + q_lo
     q_seg = kv_seg = None
     if key_ids is not None:
       kv_seg = lax.broadcast_in_dim(key_ids, s.shape, [0])
@@ -637,8 +616,8 @@ def _compute_step(ctx: DkvContext, key_ids, qb, carry, *, masked, head_step0):
   bars.consumer_s().wait()
   probs, weights = [], []  # P^T in 16 bits, and the f32 factors of dS^T
   for cols in chunks:
-    s = plgpu.async_load_tmem(ctx.s_tmem.at[:, cols], layout=_ROW_LAYOUT)
-    lse2 = plgpu.load(refs.lse_smem.at[slot, cols], layout=_COL_VECTOR_LAYOUT)
+    s = plgpu.async_load_tmem(ctx.s_tmem.at[:, cols], layout=ROW_LAYOUT)
+    lse2 = plgpu.load(refs.lse_smem.at[slot, cols], layout=COL_VECTOR_LAYOUT)
     p, w = _chunk_softmax(ctx, s, lse2, k_lo=k_lo, q_lo=q_lo + cols.start, masked=masked,
                           key_ids=key_ids)
     probs.append(p.astype(tiles.dtype))
@@ -649,8 +628,8 @@ def _compute_step(ctx: DkvContext, key_ids, qb, carry, *, masked, head_step0):
   bars.consumer_dp().wait()
   grads = []
   for cols, w in zip(chunks, weights):
-    dp = plgpu.async_load_tmem(ctx.dp_tmem.at[:, cols], layout=_ROW_LAYOUT)
-    delta = plgpu.load(refs.delta_smem.at[slot, cols], layout=_COL_VECTOR_LAYOUT)
+    dp = plgpu.async_load_tmem(ctx.dp_tmem.at[:, cols], layout=ROW_LAYOUT)
+    delta = plgpu.load(refs.delta_smem.at[slot, cols], layout=COL_VECTOR_LAYOUT)
     grads.append((w * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))).astype(tiles.dtype))
   bars.consumer_stats_release(slot)
   _store_chunks(ctx.ds_tmem, chunks, grads)
@@ -676,7 +655,7 @@ def compute_wg(ctx: DkvContext) -> None:
     key_ids = None
     if ctx.gmem.segments is not None:
       key_ids = plgpu.load(ctx.gmem.segments.kv_ids.at[work.batch_idx, pl.ds(work.k_lo, BLOCK_KV)],
-                           layout=_ROW_VECTOR_LAYOUT, optimized=False)
+                           layout=ROW_VECTOR_LAYOUT, optimized=False)
 
     def one_head(g, carry):
       step = functools.partial(_compute_step, ctx, key_ids, head_step0=g * work.blocks_per_head)
@@ -715,11 +694,11 @@ def epilogue(ctx: DkvContext) -> None:
   ctx.bars.consumer_acc().wait()
 
   def dk_chunk(cols):
-    dk = plgpu.async_load_tmem(refs.dk_tmem.at[:, cols], layout=_EPILOGUE_LAYOUT)
+    dk = plgpu.async_load_tmem(refs.dk_tmem.at[:, cols], layout=EPILOGUE_LAYOUT)
     return (dk * ctx.statics.scale).astype(dtype)
 
   def dv_chunk(cols):
-    return plgpu.async_load_tmem(refs.dv_tmem.at[:, cols], layout=_EPILOGUE_LAYOUT).astype(dtype)
+    return plgpu.async_load_tmem(refs.dv_tmem.at[:, cols], layout=EPILOGUE_LAYOUT).astype(dtype)
 
   _store_tiles(ctx, dk_chunk, dv_chunk, dk_ref, dv_ref)
 

@@ -93,8 +93,10 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import sequence_lengths
-from fa4_jax.kernels.sm100_forward import (SMEM_BYTES, TMEM_COLUMNS, _smem_transforms)
 from fa4_jax.kernels.backward_inputs import segment_operands
+from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
+                                        ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS, Waiter, rem,
+                                        smem_transforms)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
@@ -104,13 +106,6 @@ BLOCK_Q = 128  # rows of the Q tile = TMEM lanes = threads of the compute warpgr
 MMA_K_GROUP = 64
 EPILOGUE_CHUNK = 64  # dQ columns read from TMEM at once in the epilogue
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
-
-# As in the forward: TMEM loads in the 32x32b shape (thread t owns row t);
-# the epilogue reads dQ in the 16x256b shape, which stores into swizzled SMEM.
-_ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
-_ROW_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)
-_COL_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(0)
-_EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
 
 
 # ---------------------------------------------------------------------------
@@ -209,18 +204,6 @@ def dq_tiles(head_dim: int, dtype) -> DqTiles:
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Waiter:
-  ref: object
-
-  def wait(self) -> None:
-    plgpu.barrier_wait(self.ref)
-
-
-def _rem(x, n: int):
-  return lax.rem(x, jnp.asarray(n, x.dtype))
-
-
 class DqBarriers:
   """Every mbarrier of the dQ kernel (cf. `sm100_forward.ForwardBarriers`).
 
@@ -294,14 +277,14 @@ class DqBarriers:
   def producer_q(self):
     return self._at("q_full")
 
-  def consumer_q(self) -> _Waiter:
-    return _Waiter(self._at("q_full"))
+  def consumer_q(self) -> Waiter:
+    return Waiter(self._at("q_full"))
 
   def producer_stats(self):
     return self._at("stats_full")
 
-  def consumer_stats(self) -> _Waiter:
-    return _Waiter(self._at("stats_full"))
+  def consumer_stats(self) -> Waiter:
+    return Waiter(self._at("stats_full"))
 
   # K and V rings (load warp <-> MMA warp).
   def producer_k_acquire(self, slot) -> None:
@@ -310,8 +293,8 @@ class DqBarriers:
   def producer_k(self, slot):
     return self._at("k_full", slot)
 
-  def consumer_k(self, slot) -> _Waiter:
-    return _Waiter(self._at("k_full", slot))
+  def consumer_k(self, slot) -> Waiter:
+    return Waiter(self._at("k_full", slot))
 
   def consumer_k_release(self, slot) -> None:
     """MMA warp: the slot is free once every MMA issued so far completed."""
@@ -323,8 +306,8 @@ class DqBarriers:
   def producer_v(self, slot):
     return self._at("v_full", slot)
 
-  def consumer_v(self, slot) -> _Waiter:
-    return _Waiter(self._at("v_full", slot))
+  def consumer_v(self, slot) -> Waiter:
+    return Waiter(self._at("v_full", slot))
 
   def consumer_v_release(self, slot) -> None:
     plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
@@ -337,21 +320,21 @@ class DqBarriers:
   def producer_s(self, buf):
     return self._at("s_full", buf)
 
-  def consumer_s(self, buf) -> _Waiter:
-    return _Waiter(self._at("s_full", buf))
+  def consumer_s(self, buf) -> Waiter:
+    return Waiter(self._at("s_full", buf))
 
   def producer_dp(self, buf):
     return self._at("dp_full", buf)
 
-  def consumer_dp(self, buf) -> _Waiter:
-    return _Waiter(self._at("dp_full", buf))
+  def consumer_dp(self, buf) -> Waiter:
+    return Waiter(self._at("dp_full", buf))
 
   def producer_ds_commit(self, buf) -> None:
     """Compute: dS_n is in TMEM (after commit_tmem); S_n and dP_n were read."""
     plgpu.barrier_arrive(self._at("ds_full", buf))
 
-  def consumer_ds(self, buf) -> _Waiter:
-    return _Waiter(self._at("ds_full", buf))
+  def consumer_ds(self, buf) -> Waiter:
+    return Waiter(self._at("ds_full", buf))
 
   # dQ (MMA warp -> MMA warp, epilogue).
   def producer_dq(self, buf):
@@ -360,8 +343,8 @@ class DqBarriers:
   def producer_dq_final(self) -> None:
     plgpu.tcgen05_commit_arrive(self._at("dq_final"))
 
-  def consumer_dq_final(self) -> _Waiter:
-    return _Waiter(self._at("dq_final"))
+  def consumer_dq_final(self) -> Waiter:
+    return Waiter(self._at("dq_final"))
 
   # Interpreter-only drains of the last phases (see __init__).
   def drain_kv_rings(self, num_steps) -> None:
@@ -371,7 +354,7 @@ class DqBarriers:
 
     @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
     def _(n):
-      slot = _rem(n, stages)
+      slot = rem(n, stages)
       self.producer_k_acquire(slot)
       self.producer_v_acquire(slot)
 
@@ -383,7 +366,7 @@ class DqBarriers:
 
     @pl.loop(jnp.maximum(num_steps - buffers, 0), num_steps)
     def _(n):
-      for_each_buffer(self.tiles, _rem(n, buffers), self.producer_s_acquire)
+      for_each_buffer(self.tiles, rem(n, buffers), self.producer_s_acquire)
 
 
 def for_each_buffer(tiles: DqTiles, buf, fn) -> None:
@@ -502,7 +485,7 @@ def load_warp(ctx: DqContext) -> None:
 
   @pl.loop(0, ctx.num_steps)
   def _(n):
-    slot = _rem(n, stages)
+    slot = rem(n, stages)
     keys = (ctx.b, pl.ds((lo + n) * bk, bk), ctx.kv_h)
 
     @pl.when(n >= stages)
@@ -526,7 +509,7 @@ def load_warp(ctx: DqContext) -> None:
 def _issue_scores(ctx: DqContext, m) -> None:
   """S_m = Q K_m^T and dP_m = dO V_m^T into score buffer m % buffers."""
   bars, smem = ctx.bars, ctx.smem
-  slot = _rem(m, ctx.tiles.num_stages)
+  slot = rem(m, ctx.tiles.num_stages)
   buffers = ctx.tiles.score_buffers
 
   def issue(b):
@@ -542,13 +525,13 @@ def _issue_scores(ctx: DqContext, m) -> None:
                       accumulate=False)
     bars.consumer_v_release(slot)
 
-  for_each_buffer(ctx.tiles, _rem(m, buffers), issue)
+  for_each_buffer(ctx.tiles, rem(m, buffers), issue)
 
 
 def _accumulate_dq(ctx: DqContext, n) -> None:
   """dQ += dS_n K_n (overwrite at n == 0), once dS_n is in TMEM."""
   bars = ctx.bars
-  slot = _rem(n, ctx.tiles.num_stages)
+  slot = rem(n, ctx.tiles.num_stages)
 
   def issue(b):
     bars.consumer_ds(b).wait()
@@ -556,7 +539,7 @@ def _accumulate_dq(ctx: DqContext, n) -> None:
                       bars.producer_dq(b), accumulate=n > 0)
     bars.consumer_k_release(slot)
 
-  for_each_buffer(ctx.tiles, _rem(n, ctx.tiles.score_buffers), issue)
+  for_each_buffer(ctx.tiles, rem(n, ctx.tiles.score_buffers), issue)
 
 
 def mma_warp(ctx: DqContext) -> None:
@@ -588,14 +571,14 @@ def mma_warp(ctx: DqContext) -> None:
 
 def _visible(ctx: DqContext, shape, k_lo, row_ids):
   """The element mask of a block (band, key length, segment ids)."""
-  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_ROW_LAYOUT) + ctx.q_lo
-  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_ROW_LAYOUT) + k_lo
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW_LAYOUT) + ctx.q_lo
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW_LAYOUT) + k_lo
   q_seg = kv_seg = None
   if row_ids is not None:
     # Straight from GMEM, only for blocks that need the element mask (as in
     # the forward: Mosaic GPU lowers these layouts only unoptimized).
     col_ids = plgpu.load(ctx.gmem.segments.kv_ids.at[ctx.b, pl.ds(k_lo, ctx.tiles.block_kv)],
-                         layout=_COL_VECTOR_LAYOUT, optimized=False)
+                         layout=COL_VECTOR_LAYOUT, optimized=False)
     q_seg = lax.broadcast_in_dim(row_ids, shape, [0])
     kv_seg = lax.broadcast_in_dim(col_ids, shape, [1])
   return scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len, q_seg, kv_seg, q_len=ctx.q_len)
@@ -605,7 +588,7 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> 
   """dS of key block j (score buffer b) into TMEM over S."""
   st, bars = ctx.statics, ctx.bars
   bars.consumer_s(b).wait()
-  s = plgpu.async_load_tmem(ctx.s_tmem(b), layout=_ROW_LAYOUT)
+  s = plgpu.async_load_tmem(ctx.s_tmem(b), layout=ROW_LAYOUT)
   t = scores.softmax_logits(s, st.scale, st.soft_cap)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [0])
   if masked:
@@ -614,7 +597,7 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> 
   if st.soft_cap is not None:
     w = w * scores.soft_cap_slope(t)
   bars.consumer_dp(b).wait()
-  dp = plgpu.async_load_tmem(ctx.dp_tmem(b), layout=_ROW_LAYOUT)
+  dp = plgpu.async_load_tmem(ctx.dp_tmem(b), layout=ROW_LAYOUT)
   ds = w * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
   plgpu.wait_load_tmem()  # S fully read before dS overwrites it
   plgpu.async_store_tmem(ctx.ds_tmem(b), ds.astype(ctx.tiles.dtype))
@@ -630,15 +613,15 @@ def compute_wg(ctx: DqContext, i: int) -> None:
   @pl.when(ctx.num_steps > 0)
   def _():
     bars.consumer_stats().wait()
-    lse2 = plgpu.load(smem["lse2"], layout=_ROW_VECTOR_LAYOUT)
-    delta = plgpu.load(smem["delta"], layout=_ROW_VECTOR_LAYOUT)
+    lse2 = plgpu.load(smem["lse2"], layout=ROW_VECTOR_LAYOUT)
+    delta = plgpu.load(smem["delta"], layout=ROW_VECTOR_LAYOUT)
     row_ids = None
     if ctx.statics.has_segments:
       row_ids = plgpu.load(ctx.gmem.segments.q_ids.at[ctx.b, pl.ds(ctx.q_lo, BLOCK_Q)],
-                           layout=_ROW_VECTOR_LAYOUT, optimized=False)
+                           layout=ROW_VECTOR_LAYOUT, optimized=False)
 
     def step(j, carry, *, masked):
-      mine = _rem(j - ranges.lo, ctx.tiles.score_buffers) == i
+      mine = rem(j - ranges.lo, ctx.tiles.score_buffers) == i
       pl.when(mine)(lambda: _grad_block(ctx, lse2, delta, row_ids, j, i, masked=masked))
       return carry
 
@@ -668,7 +651,7 @@ def epilogue(ctx: DqContext) -> None:
 
   def scaled(c):
     dq = plgpu.async_load_tmem(ctx.tmem["dq"].at[:, pl.ds(c, EPILOGUE_CHUNK)],
-                               layout=_EPILOGUE_LAYOUT)
+                               layout=EPILOGUE_LAYOUT)
     return (dq * ctx.statics.scale).astype(ctx.tiles.dtype)
 
   _store_dq(ctx, scaled)
@@ -712,7 +695,7 @@ def dispatch_roles(ctx: DqContext, wg) -> None:
 
 def _scratch_types(tiles: DqTiles) -> dict:
   d, bk, item = tiles.head_dim, tiles.block_kv, jnp.dtype(tiles.dtype)
-  tf = _smem_transforms(item, d)
+  tf = smem_transforms(item, d)
   smem = dict(
       q=plgpu.SMEM((BLOCK_Q, d), item, transforms=tf),
       do=plgpu.SMEM((BLOCK_Q, d), item, transforms=tf),

@@ -74,14 +74,16 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
+                                         ROW_VECTOR_LAYOUT,
+                                         SMEM_BYTES,
+                                         TMEM_COLUMNS,
+                                         Waiter, rem,
+                                         smem_transforms)
 from fa4_jax.scores import MaskSpec
 
 # Optional arguments of `forward` (see fa4_jax/kernels/__init__.py).
 FEATURES = frozenset({"sinks", "soft_cap"})
-
-# Hardware limits of one sm_100 SM.
-TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
-SMEM_BYTES = 232448  # dynamic shared memory per block (227 KiB)
 
 BLOCK_Q = 128  # rows of one Q tile = TMEM lanes = threads of a warpgroup
 # Columns of O handled at once by the correction warpgroup (rescale) and by
@@ -91,16 +93,7 @@ EPILOGUE_CHUNK = 64
 
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
-# TMEM loads in the 32x32b shape: thread t of the warpgroup owns row t, so row
-# reductions need no shuffles.
-_ROW_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
-_ROW_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)
-# A block's key segment ids, broadcast along the rows: every thread holds the
-# whole vector (loaded only for blocks that need the element mask).
-_COL_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(0)
-# The epilogue reads O in the 16x256b shape instead: Mosaic GPU can store
-# that layout into swizzled SMEM for the TMA (it cannot store the 32x32b one).
-_EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
+
 _EPILOGUE_VECTOR_LAYOUT = plgpu.Layout.TCGEN05.reduce(1)
 
 
@@ -196,16 +189,6 @@ for _nq, _roles in REGISTERS.items():
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Waiter:
-  """The waiting side of a barrier (one lap per call)."""
-
-  ref: object
-
-  def wait(self) -> None:
-    plgpu.barrier_wait(self.ref)
-
-
 class ForwardBarriers:
   """Every mbarrier of the forward kernel (cf. the reference `Depth512MBars`).
 
@@ -285,8 +268,8 @@ class ForwardBarriers:
     """TMA barrier of Q tile i (pass to copy_gmem_to_smem)."""
     return self._at("q_full", i)
 
-  def consumer_q(self, i) -> _Waiter:
-    return _Waiter(self._at("q_full", i))
+  def consumer_q(self, i) -> Waiter:
+    return Waiter(self._at("q_full", i))
 
   # K and V rings (load warp <-> MMA warp).
   def producer_k_acquire(self, slot) -> None:
@@ -297,8 +280,8 @@ class ForwardBarriers:
     """TMA barrier of a K slot."""
     return self._at("k_full", slot)
 
-  def consumer_k(self, slot) -> _Waiter:
-    return _Waiter(self._at("k_full", slot))
+  def consumer_k(self, slot) -> Waiter:
+    return Waiter(self._at("k_full", slot))
 
   def consumer_k_release(self, slot) -> None:
     """MMA warp: the slot is free once every MMA issued so far completed."""
@@ -310,8 +293,8 @@ class ForwardBarriers:
   def producer_v(self, slot):
     return self._at("v_full", slot)
 
-  def consumer_v(self, slot) -> _Waiter:
-    return _Waiter(self._at("v_full", slot))
+  def consumer_v(self, slot) -> Waiter:
+    return Waiter(self._at("v_full", slot))
 
   def consumer_v_release(self, slot) -> None:
     plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
@@ -326,8 +309,8 @@ class ForwardBarriers:
     """Barrier the S_i MMA arrives on when it completes."""
     return self._at("s_full", i)
 
-  def consumer_s(self, i) -> _Waiter:
-    return _Waiter(self._at("s_full", i))
+  def consumer_s(self, i) -> Waiter:
+    return Waiter(self._at("s_full", i))
 
   # P_i and O_i: the P_i V MMA needs P_i written *and* O_i rescaled.
   def producer_p_commit(self, i) -> None:
@@ -342,9 +325,9 @@ class ForwardBarriers:
     """Barrier the O_i += P_i V MMA arrives on when it completes."""
     return self._at("o_done", i)
 
-  def consumer_o(self, i) -> _Waiter:
+  def consumer_o(self, i) -> Waiter:
     """Correction: O_i holds every P V product issued so far."""
-    return _Waiter(self._at("o_done", i))
+    return Waiter(self._at("o_done", i))
 
   def consumer_o_release(self, i) -> None:
     """Correction: O_i rescaled (or left alone). One of two arrivals."""
@@ -359,7 +342,7 @@ class ForwardBarriers:
 
     @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
     def _(n):
-      slot = _rem(n, stages)
+      slot = rem(n, stages)
       self.producer_k_acquire(slot)
       self.producer_v_acquire(slot)
 
@@ -380,8 +363,8 @@ class ForwardBarriers:
   def producer_c_commit(self, i) -> None:
     plgpu.barrier_arrive(self._at("c_full", i))
 
-  def consumer_c(self, i) -> _Waiter:
-    return _Waiter(self._at("c_full", i))
+  def consumer_c(self, i) -> Waiter:
+    return Waiter(self._at("c_full", i))
 
   def consumer_c_release(self, i) -> None:
     plgpu.barrier_arrive(self._at("c_free", i))
@@ -390,16 +373,6 @@ class ForwardBarriers:
 # ---------------------------------------------------------------------------
 # The kernel: a context that every role reads, one function per role.
 # ---------------------------------------------------------------------------
-
-
-def _smem_transforms(dtype, minor_dim: int):
-  swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
-  elems = swizzle // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def _rem(x, n: int):
-  return lax.rem(x, jnp.asarray(n, x.dtype))
 
 
 # Warps of the load/MMA warpgroup.
@@ -561,7 +534,7 @@ def load_warp(ctx: ForwardContext) -> None:
 
   @pl.loop(0, ctx.num_steps)
   def _(n):
-    slot = _rem(n, stages)
+    slot = rem(n, stages)
     keys = pl.ds((ctx.blk_lo + n) * bn, bn)
 
     @pl.when(n >= stages)
@@ -598,7 +571,7 @@ def _pv_mma(ctx: ForwardContext, i, n) -> None:
   """O_i += P_i V_n (overwrite at n == 0)."""
   ctx.bars.producer_o_acquire(i)
   plgpu.tcgen05_mma(
-      ctx.refs.o_tmem[i], ctx.p_tmem(i), ctx.refs.v_smem.at[_rem(n, ctx.cfg.num_kv_stages)],
+      ctx.refs.o_tmem[i], ctx.p_tmem(i), ctx.refs.v_smem.at[rem(n, ctx.cfg.num_kv_stages)],
       ctx.bars.producer_o(i), accumulate=n > 0,
   )
 
@@ -614,7 +587,7 @@ def mma_warp(ctx: ForwardContext) -> None:
 
     @pl.loop(0, ctx.num_steps)
     def _(n):
-      slot = _rem(n, stages)
+      slot = rem(n, stages)
       k_t = ctx.refs.k_smem.at[slot].T  # k-major B operand
       bars.consumer_k(slot).wait()
       _s_mma(ctx, 0, n, k_t)
@@ -622,7 +595,7 @@ def mma_warp(ctx: ForwardContext) -> None:
         @pl.when(n > 0)
         def _():
           _pv_mma(ctx, 1, n - 1)
-          bars.consumer_v_release(_rem(n - 1, stages))  # V_(n-1) read by both tiles
+          bars.consumer_v_release(rem(n - 1, stages))  # V_(n-1) read by both tiles
 
         _s_mma(ctx, 1, n, k_t)
       bars.consumer_k_release(slot)
@@ -634,7 +607,7 @@ def mma_warp(ctx: ForwardContext) -> None:
     if nq == 2:
       last = ctx.num_steps - 1
       _pv_mma(ctx, 1, last)
-      bars.consumer_v_release(_rem(last, stages))
+      bars.consumer_v_release(rem(last, stages))
     for i in range(nq):
       bars.drain_o(i)
 
@@ -643,15 +616,15 @@ def mma_warp(ctx: ForwardContext) -> None:
 
 
 def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo, row_ids):
-  rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=_ROW_LAYOUT) + r_lo
-  cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ROW_LAYOUT) + k_lo
+  rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=ROW_LAYOUT) + r_lo
+  cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=ROW_LAYOUT) + k_lo
   q_seg = kv_seg = None
   if row_ids is not None:
     # Straight from GMEM (cached, one 4-byte id per key and thread): only
     # blocks that need the element mask pay. Mosaic GPU lowers GMEM loads
     # into these layouts only unoptimized (per-thread loads, no SMEM plan).
     col_ids = plgpu.load(ctx.refs.kv_seg_ref.at[ctx.b, pl.ds(k_lo, ctx.cfg.block_kv)],
-                         layout=_COL_VECTOR_LAYOUT, optimized=False)
+                         layout=COL_VECTOR_LAYOUT, optimized=False)
     q_seg = lax.broadcast_in_dim(row_ids, s.shape, [0])
     kv_seg = lax.broadcast_in_dim(col_ids, s.shape, [1])
   ok = (scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len, q_seg, kv_seg, q_len=ctx.q_len)
@@ -667,7 +640,7 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   m_run, l_run = carry  # log2-scaled running max, running sum
   k_lo = (ctx.blk_lo + n) * bn
   bars.consumer_s(i).wait()
-  s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=_ROW_LAYOUT)
+  s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=ROW_LAYOUT)
   # Soft-cap: t = tanh(s * scale / cap), in place (no second tile alive),
   # before the mask: tanh(-inf) = -1 would unmask a key.
   s = scores.softmax_logits(s, ctx.statics.scale, ctx.statics.soft_cap)
@@ -712,11 +685,11 @@ def softmax_wg(ctx: ForwardContext, i) -> None:
     # sink, l = 1); the correction and the epilogue read these m and l.
     sink = refs.sinks_ref[ctx.h] if ctx.statics.sinks else None
     init = scores.initial_row_stats(
-        BLOCK_Q, place=lambda x: plgpu.layout_cast(x, _ROW_VECTOR_LAYOUT), sink=sink)
+        BLOCK_Q, place=lambda x: plgpu.layout_cast(x, ROW_VECTOR_LAYOUT), sink=sink)
     row_ids = None  # the tile's segment ids, one per thread, for masked blocks
     if ctx.statics.segments:
       row_ids = plgpu.load(refs.q_seg_ref.at[ctx.b, pl.ds(r_lo, BLOCK_Q)],
-                           layout=_ROW_VECTOR_LAYOUT, optimized=False)
+                           layout=ROW_VECTOR_LAYOUT, optimized=False)
     step = functools.partial(_softmax_step, ctx, i, r_lo, row_ids)
     m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
     # Final statistics for the epilogue, through the same hand-off.
@@ -735,7 +708,7 @@ def _rescale_o(ctx: ForwardContext, i, alpha) -> None:
   o_tmem = ctx.refs.o_tmem[i]
   for c in range(0, ctx.cfg.head_dim, RESCALE_CHUNK):
     chunk = o_tmem.at[:, pl.ds(c, RESCALE_CHUNK)]
-    o = plgpu.async_load_tmem(chunk, layout=_ROW_LAYOUT)
+    o = plgpu.async_load_tmem(chunk, layout=ROW_LAYOUT)
     o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
     plgpu.wait_load_tmem()
     plgpu.async_store_tmem(chunk, o)
@@ -752,7 +725,7 @@ def correction_wg(ctx: ForwardContext) -> None:
     def _(n):
       for i in range(ctx.cfg.num_q_tiles):
         bars.consumer_c(i).wait()
-        alpha = plgpu.load(ctx.refs.alpha_smem.at[i], layout=_ROW_VECTOR_LAYOUT)
+        alpha = plgpu.load(ctx.refs.alpha_smem.at[i], layout=ROW_VECTOR_LAYOUT)
         bars.consumer_c_release(i)
 
         @pl.when(n > 0)
@@ -803,7 +776,7 @@ def epilogue(ctx: ForwardContext) -> None:
 
     def normalized(c, i=i, inv_l=inv_l):
       o = plgpu.async_load_tmem(
-          refs.o_tmem[i].at[:, pl.ds(c, EPILOGUE_CHUNK)], layout=_EPILOGUE_LAYOUT)
+          refs.o_tmem[i].at[:, pl.ds(c, EPILOGUE_CHUNK)], layout=EPILOGUE_LAYOUT)
       return (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(ctx.cfg.dtype)
 
     _store_tile(ctx, i, normalized, lse)
@@ -874,7 +847,7 @@ def dispatch_roles(ctx: ForwardContext, wg) -> None:
 def _scratch_types(cfg: TileConfig) -> dict:
   nq, bn, stages, head_dim = cfg.num_q_tiles, cfg.block_kv, cfg.num_kv_stages, cfg.head_dim
   item = jnp.dtype(cfg.dtype)
-  tf = _smem_transforms(cfg.dtype, head_dim)
+  tf = smem_transforms(cfg.dtype, head_dim)
   return dict(
       q_smem=plgpu.SMEM((nq, BLOCK_Q, head_dim), item, transforms=tf),
       k_smem=plgpu.SMEM((stages, bn, head_dim), item, transforms=tf),
