@@ -29,6 +29,7 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dq as dq_kernel
+from fa4_jax.kernels import sm100_tiles
 from fa4_jax.kernels.backward_inputs import preprocess
 from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.scores import read_tile_ranges as _read_tile_ranges
@@ -386,7 +387,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
     log.clear()
     params = inspect.signature(getattr(bars, method)).parameters
     result = getattr(bars, method)(*[0] * len(params))
-    if isinstance(result, dq_kernel._Waiter):
+    if isinstance(result, sm100_tiles.Waiter):
       result.wait()
     elif result is not None:
       log.append(("arrive", result))  # a barrier handed to TMA or to an MMA
