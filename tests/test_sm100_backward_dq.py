@@ -378,6 +378,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
       barrier_arrive=lambda ref: log.append(("arrive", ref)),
       tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)))
   monkeypatch.setattr(dq_kernel, "plgpu", fake_plgpu)
+  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # Waiter.wait
   bars = bars_cls(dq_kernel.dq_tiles(64, jnp.bfloat16),
                   {name: FakeBarrierArray(name) for name in bars_cls.SPECS})
   accessors = [m for m in dir(bars_cls) if m.startswith(("producer_", "consumer_"))]

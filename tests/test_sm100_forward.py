@@ -529,6 +529,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
       tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)),
   )
   monkeypatch.setattr(sm100_forward, "plgpu", fake_plgpu)
+  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # Waiter.wait
   cfg = sm100_forward.tile_config(64, jnp.bfloat16)
   bars = bars_cls(cfg, {name: FakeBarrierArray(name) for name in bars_cls.SPECS})
   bars._drain = True
