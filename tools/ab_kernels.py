@@ -1,0 +1,119 @@
+"""The sm90 kernels of two checkouts side by side in one process (GPU).
+
+For refactors: a copy of the old package, renamed `fa4_jax_before`, sits in
+a folder given with --before; both run on the same inputs with their own
+heuristic configs, their kernel time taken in interleaved rounds (A B A B
+...), so clock drift hits both alike. `forward`: the forward kernel's time
+(`bench_common.kernel_ms`) on `bench_forward.py`'s cases (`--short`: its
+short-sequence cases); `backward`: the backward's kernel span
+(`bench_backward.span_times`) on `bench_backward.py`'s cases. Also reports
+whether the two give bitwise equal results.
+
+    cp -r OLD/fa4_jax DIR/fa4_jax_before
+    find DIR/fa4_jax_before -name '*.py' | xargs sed -i 's/\\bfa4_jax\\b/fa4_jax_before/g'
+    python3 tools/ab_kernels.py forward|backward --before DIR [--short] [--only SUBSTRING] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import bench_backward  # noqa: E402
+import bench_common  # noqa: E402
+import bench_forward  # noqa: E402
+
+
+def _mask_spec(package, causal, window_left):
+  # A checkout older than commit c5e97bc has masks.py where scores.py is now.
+  try:
+    masks = __import__(f"{package}.scores", fromlist=["MaskSpec"])
+  except ImportError:
+    masks = __import__(f"{package}.masks", fromlist=["MaskSpec"])
+  return masks.MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
+
+
+def _inputs(B, S, Hq, Hkv, D):
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
+  do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
+  return q, k, v, do
+
+
+def forward_call(package, case):
+  """(jitted forward of `package`'s sm90 kernel, its inputs, its timer)."""
+  _, B, S, Hq, Hkv, D, causal, window_left = case[:8]
+  forward = __import__(f"{package}.kernels.sm90_forward", fromlist=["forward"])
+  spec = _mask_spec(package, causal, window_left)
+  q, k, v, _ = _inputs(B, S, Hq, Hkv, D)
+  f = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, None, scale=D ** -0.5, mask=spec)[0])
+  return f, (q, k, v), bench_common.kernel_ms
+
+
+def backward_call(package, case):
+  """(jitted backward of `package`'s sm90 kernels, its inputs, its timer)."""
+  _, B, S, Hq, Hkv, D, causal, window_left = case[:8]
+  backward = __import__(f"{package}.kernels.sm90_backward", fromlist=["backward"])
+  spec = _mask_spec(package, causal, window_left)
+  q, k, v, do = _inputs(B, S, Hq, Hkv, D)
+  # A plausible lse: the backward's speed does not depend on its values.
+  lse = jnp.full((B, Hq, S), 4.0, jnp.float32)
+  f = jax.jit(lambda q, k, v, o, lse, do: backward.backward(
+      q, k, v, o, lse, do, None, None, scale=D ** -0.5, mask=spec))
+  return f, (q, k, v, do, lse, do), lambda f, *a: bench_backward.span_times(f, *a)[0]
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("pass_", metavar="pass", choices=("forward", "backward"))
+  ap.add_argument("--before", required=True, help="folder holding fa4_jax_before")
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--short", action="store_true", help="forward: bench_forward's short cases")
+  bench_common.add_case_options(ap)
+  args = ap.parse_args()
+  sys.path.insert(0, args.before)
+  if args.pass_ == "forward":
+    cases = bench_forward.short_cases() if args.short else bench_forward.CASES
+    make_call = forward_call
+  else:
+    cases, make_call = bench_backward.CASES, backward_call
+  rows = []
+  for case in bench_common.selected(cases, args.only):
+    calls = {p: make_call(p, case) for p in ("fa4_jax_before", "fa4_jax")}
+    outs = {p: jax.block_until_ready(f(*a)) for p, (f, a, _) in calls.items()}
+    same = all(bool(jnp.array_equal(x, y)) for x, y in zip(
+        *(jax.tree.leaves(o) for o in outs.values())))
+    times = {p: [] for p in calls}
+    for _ in range(args.rounds):
+      for p, (f, a, timer) in calls.items():
+        times[p].append(timer(f, *a))
+    before, after = (float(np.median(times[p])) for p in calls)
+    row = dict(case=case[0], before_ms=before, after_ms=after, change=after / before - 1,
+               bitwise_equal=same, rounds=times)
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+  timer = ("kernel time (bench_common.kernel_ms)" if args.pass_ == "forward"
+           else "kernel span (bench_backward.span_times)")
+  path = bench_common.result_path(f"{args.pass_}-ab", jax.devices()[0].device_kind, args.tag)
+  with open(path, "w") as fh:
+    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   method=f"{timer}, median of {args.rounds} interleaved rounds, one process",
+                   rows=rows), fh, indent=1)
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()
