@@ -17,10 +17,8 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +27,11 @@ import pytest
 
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dq as dq_kernel
-from fa4_jax.kernels import sm100_tiles
 from fa4_jax.kernels.backward_inputs import preprocess
 from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.scores import read_tile_ranges as _read_tile_ranges
 from fa4_jax.testing import SMEM_LIMIT_BYTES, TMEM_COLUMNS
+import barrier_tables
 from reference import KernelCase, einsum_attention, packed_segment_ids
 
 
@@ -343,61 +341,11 @@ def test_stats_must_cover_whole_tiles():
 # --- The barrier table ---------------------------------------------------------
 
 
-def _barrier_table_rows():
-  """The DqBarriers docstring table: barrier name -> its row's text
-  (continuation lines included)."""
-  names = dq_kernel.DqBarriers.SPECS
-  rows, current = {}, None
-  for line in dq_kernel.DqBarriers.__doc__.splitlines():
-    first = line.split()[0] if line.strip() else None
-    if first in names:
-      current = first
-      rows[current] = line
-    elif first is None:
-      current = None
-    elif current is not None and line.startswith(" " * 12):
-      rows[current] += " " + line.strip()
-  return rows
-
-
 def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
   """Every DqBarriers accessor (the only way the roles touch a barrier)
   appears in the row of the barrier it arrives on or waits on, and every
-  barrier has both an arriving and a waiting side."""
-  bars_cls = dq_kernel.DqBarriers
-  rows = _barrier_table_rows()
-  assert sorted(rows) == sorted(bars_cls.SPECS)
-  log = []
-
-  class FakeBarrierArray:
-    def __init__(self, name):
-      self.at = {0: name}
-
-  fake_plgpu = types.SimpleNamespace(
-      barrier_wait=lambda ref: log.append(("wait", ref)),
-      barrier_arrive=lambda ref: log.append(("arrive", ref)),
-      tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)))
-  monkeypatch.setattr(dq_kernel, "plgpu", fake_plgpu)
-  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # Waiter.wait
-  bars = bars_cls(dq_kernel.dq_tiles(64, jnp.bfloat16),
-                  {name: FakeBarrierArray(name) for name in bars_cls.SPECS})
-  accessors = [m for m in dir(bars_cls) if m.startswith(("producer_", "consumer_"))]
-  sides = {name: set() for name in bars_cls.SPECS}
-  for method in accessors:
-    assert method in " ".join(rows.values()), f"{method} is missing from the barrier table"
-    log.clear()
-    params = inspect.signature(getattr(bars, method)).parameters
-    result = getattr(bars, method)(*[0] * len(params))
-    if isinstance(result, sm100_tiles.Waiter):
-      result.wait()
-    elif result is not None:
-      log.append(("arrive", result))  # a barrier handed to TMA or to an MMA
-    assert log, method
-    for side, name in log:
-      assert method in rows[name], f"{method} ({side} on {name}) is not in the {name} row"
-      sides[name].add(side)
-  for name, seen in sides.items():
-    assert seen == {"arrive", "wait"}, f"{name}: only {seen}"
-  # The drains (interpreter only) are named where they wait.
-  for method in ("drain_kv_rings", "drain_dq"):
-    assert method in " ".join(rows.values()), method
+  barrier has both an arriving and a waiting side; the interpreter-only
+  drains are named where they wait."""
+  barrier_tables.check_table(
+      dq_kernel.DqBarriers, lambda refs: dq_kernel.DqBarriers(dq_kernel.dq_tiles(64, jnp.bfloat16), refs),
+      dq_kernel, monkeypatch, indent=12, named_only=("drain_kv_rings", "drain_dq"))

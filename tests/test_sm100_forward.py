@@ -18,13 +18,13 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import barrier_tables
 import reference
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_forward, sm100_tiles
@@ -498,63 +498,14 @@ def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
   assert all(got <= limit for got, limit in zip(spills, ceilings)), list(zip(spills, ceilings))
 
 
-def _barrier_table_rows():
-  """The ForwardBarriers docstring table: barrier name -> its row's text
-  (continuation lines included)."""
-  doc = sm100_forward.ForwardBarriers.__doc__
-  names = sm100_forward.ForwardBarriers.SPECS
-  rows, current = {}, None
-  for line in doc.splitlines():
-    first = line.split()[0] if line.strip() else None
-    if first in names:
-      current = first
-      rows[current] = line
-    elif first is None:
-      current = None
-    elif current is not None and line.startswith(" " * 10):
-      rows[current] += " " + line.strip()
-  return rows
-
-
 def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
   """Every accessor of ForwardBarriers (the only way the roles touch a
   barrier) appears in the row of the barrier it arrives on or waits on, and
   every barrier has both an arriving and a waiting side."""
-  bars_cls = sm100_forward.ForwardBarriers
-  rows = _barrier_table_rows()
-  assert sorted(rows) == sorted(bars_cls.SPECS)
+  def make_bars(refs):
+    bars = sm100_forward.ForwardBarriers(sm100_forward.tile_config(64, jnp.bfloat16), refs)
+    bars._drain = True  # the interpreter's drains wait too
+    return bars
 
-  log = []
-
-  class FakeBarrierArray:
-    def __init__(self, name):
-      self.at = {0: name}  # .at[0] is the barrier's name
-
-  fake_plgpu = types.SimpleNamespace(
-      barrier_wait=lambda ref: log.append(("wait", ref)),
-      barrier_arrive=lambda ref: log.append(("arrive", ref)),
-      tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)),
-  )
-  monkeypatch.setattr(sm100_forward, "plgpu", fake_plgpu)
-  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # Waiter.wait
-  cfg = sm100_forward.tile_config(64, jnp.bfloat16)
-  bars = bars_cls(cfg, {name: FakeBarrierArray(name) for name in bars_cls.SPECS})
-  bars._drain = True
-  accessors = [m for m in dir(bars_cls) if m.startswith(("producer_", "consumer_", "drain_"))]
-  sides = {name: set() for name in bars_cls.SPECS}
-  for method in accessors:
-    assert method in " ".join(rows.values()), f"{method} is missing from the barrier table"
-    if method == "drain_kv_rings":
-      continue  # a pl.loop over producer_k_acquire / producer_v_acquire
-    log.clear()
-    result = getattr(bars, method)(0)
-    if isinstance(result, sm100_tiles.Waiter):
-      result.wait()
-    elif result is not None:
-      log.append(("arrive", result))  # a barrier handed to TMA or to an MMA
-    assert log, method
-    for side, name in log:
-      assert method in rows[name], f"{method} ({side} on {name}) is not in the {name} row"
-      sides[name].add(side)
-  for name, seen in sides.items():
-    assert seen == {"arrive", "wait"}, f"{name}: only {seen}"
+  barrier_tables.check_table(sm100_forward.ForwardBarriers, make_bars, sm100_forward, monkeypatch,
+                             indent=10, skip=("drain_kv_rings",))  # a loop over the acquires

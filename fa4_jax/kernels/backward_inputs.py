@@ -1,6 +1,7 @@
-"""What every fused backward computes in XLA before its kernels run (the sm90
-and the sm100 backward alike): the softmax statistics in the kernels' units
-and the segment ids' per-tile ranges.
+"""What every fused backward checks and computes in XLA before its kernels
+run (the sm90 and the sm100 backward alike): its operands' shapes and
+dtypes, the softmax statistics in the kernels' units and the segment ids'
+per-tile ranges.
 
 `preprocess` gives lse2 = lse * log2(e), with +inf on rows that must not
 contribute, so that a kernel's exp2(c * s - lse2) is exactly 0 there and no
@@ -13,10 +14,25 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.scores import LOG2_E, cdiv, pad_ids, tile_ranges_operand
 
 # lse2 and delta are padded to a multiple of this (every block size divides it).
 STATS_ALIGN = 128
+
+
+def check_operands(q, k, v, soft_cap):
+  """The checks both backwards make of their operands; returns soft_cap as
+  a float (or None)."""
+  if soft_cap is not None:
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0:
+      raise ValueError(f"soft_cap must be a positive Python float; got {soft_cap!r}")
+    soft_cap = float(soft_cap)
+  if v.shape != k.shape:
+    raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  return soft_cap
 
 
 def preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = True):

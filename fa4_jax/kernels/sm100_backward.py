@@ -38,7 +38,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.kernels.backward_inputs import preprocess
+from fa4_jax.kernels.backward_inputs import check_operands, preprocess
 from fa4_jax.kernels.sm100_backward_dkdv import (BLOCK_KV, build_dkv_kernel,
                                                 dkv_segment_operands, dkv_tiles)
 from fa4_jax.kernels.sm100_backward_dq import (BLOCK_Q, build_dq_kernel, dq_segment_operands,
@@ -71,14 +71,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
   cap * tanh(scale * q.k / cap).
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
-  if soft_cap is not None:
-    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0:
-      raise ValueError(f"soft_cap must be a positive Python float; got {soft_cap!r}")
-    soft_cap = float(soft_cap)
-  if v.shape != k.shape:
-    raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
-  if k.dtype != q.dtype or v.dtype != q.dtype:
-    raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  soft_cap = check_operands(q, k, v, soft_cap)
   batch, q_seq, num_q_heads, head_dim = q.shape
   _, kv_seq, num_kv_heads, _ = k.shape
   dtype = q.dtype

@@ -102,10 +102,7 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
-                                         ROW_VECTOR_LAYOUT,
-                                         SMEM_BYTES,
-                                         TMEM_COLUMNS,
-                                         Waiter, rem)
+                                         ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS, Waiter, rem)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks

@@ -95,8 +95,8 @@ from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
-                                        ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS, Waiter, rem,
-                                        smem_transforms)
+                                         ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
+                                         KvRingAccessors, Waiter, rem, smem_transforms)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
@@ -204,7 +204,7 @@ def dq_tiles(head_dim: int, dtype) -> DqTiles:
 # ---------------------------------------------------------------------------
 
 
-class DqBarriers:
+class DqBarriers(KvRingAccessors):
   """Every mbarrier of the dQ kernel (cf. `sm100_forward.ForwardBarriers`).
 
   name        count    arrivals  t-core  arrived on by                     waited on by
@@ -285,32 +285,6 @@ class DqBarriers:
 
   def consumer_stats(self) -> Waiter:
     return Waiter(self._at("stats_full"))
-
-  # K and V rings (load warp <-> MMA warp).
-  def producer_k_acquire(self, slot) -> None:
-    plgpu.barrier_wait(self._at("k_free", slot))
-
-  def producer_k(self, slot):
-    return self._at("k_full", slot)
-
-  def consumer_k(self, slot) -> Waiter:
-    return Waiter(self._at("k_full", slot))
-
-  def consumer_k_release(self, slot) -> None:
-    """MMA warp: the slot is free once every MMA issued so far completed."""
-    plgpu.tcgen05_commit_arrive(self._at("k_free", slot))
-
-  def producer_v_acquire(self, slot) -> None:
-    plgpu.barrier_wait(self._at("v_free", slot))
-
-  def producer_v(self, slot):
-    return self._at("v_full", slot)
-
-  def consumer_v(self, slot) -> Waiter:
-    return Waiter(self._at("v_full", slot))
-
-  def consumer_v_release(self, slot) -> None:
-    plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
 
   # S_n, dP_n (MMA warp -> compute), dS_n (compute -> MMA warp).
   def producer_s_acquire(self, buf) -> None:

@@ -75,11 +75,8 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
-                                         ROW_VECTOR_LAYOUT,
-                                         SMEM_BYTES,
-                                         TMEM_COLUMNS,
-                                         Waiter, rem,
-                                         smem_transforms)
+                                         ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
+                                         KvRingAccessors, Waiter, rem, smem_transforms)
 from fa4_jax.scores import MaskSpec
 
 # Optional arguments of `forward` (see fa4_jax/kernels/__init__.py).
@@ -189,7 +186,7 @@ for _nq, _roles in REGISTERS.items():
 # ---------------------------------------------------------------------------
 
 
-class ForwardBarriers:
+class ForwardBarriers(KvRingAccessors):
   """Every mbarrier of the forward kernel (cf. the reference `Depth512MBars`).
 
   Who arrives on each barrier and who waits on it, by role and accessor
@@ -270,34 +267,6 @@ class ForwardBarriers:
 
   def consumer_q(self, i) -> Waiter:
     return Waiter(self._at("q_full", i))
-
-  # K and V rings (load warp <-> MMA warp).
-  def producer_k_acquire(self, slot) -> None:
-    """Load warp: wait until the MMAs that read this K slot completed."""
-    plgpu.barrier_wait(self._at("k_free", slot))
-
-  def producer_k(self, slot):
-    """TMA barrier of a K slot."""
-    return self._at("k_full", slot)
-
-  def consumer_k(self, slot) -> Waiter:
-    return Waiter(self._at("k_full", slot))
-
-  def consumer_k_release(self, slot) -> None:
-    """MMA warp: the slot is free once every MMA issued so far completed."""
-    plgpu.tcgen05_commit_arrive(self._at("k_free", slot))
-
-  def producer_v_acquire(self, slot) -> None:
-    plgpu.barrier_wait(self._at("v_free", slot))
-
-  def producer_v(self, slot):
-    return self._at("v_full", slot)
-
-  def consumer_v(self, slot) -> Waiter:
-    return Waiter(self._at("v_full", slot))
-
-  def consumer_v_release(self, slot) -> None:
-    plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
 
   # S_i (MMA warp -> softmax_i).
   def producer_s_acquire(self, i) -> None:

@@ -48,3 +48,38 @@ class Waiter:
 
   def wait(self) -> None:
     plgpu.barrier_wait(self.ref)
+
+
+class KvRingAccessors:
+  """The K and V rings' barrier accessors of a kernel whose load warp streams
+  K and V blocks through slots that its MMA warp frees (the forward and the
+  dQ kernel): k_full / v_full (TMA, one arrival per slot), k_free / v_free
+  (tcgen05 commit, one per slot). The class it is mixed into owns the
+  barriers (`_at(name, index)`) and lists these in its table."""
+
+  def producer_k_acquire(self, slot) -> None:
+    """Load warp: wait until the MMAs that read this K slot completed."""
+    plgpu.barrier_wait(self._at("k_free", slot))
+
+  def producer_k(self, slot):
+    """TMA barrier of a K slot."""
+    return self._at("k_full", slot)
+
+  def consumer_k(self, slot) -> Waiter:
+    return Waiter(self._at("k_full", slot))
+
+  def consumer_k_release(self, slot) -> None:
+    """MMA warp: the slot is free once every MMA issued so far completed."""
+    plgpu.tcgen05_commit_arrive(self._at("k_free", slot))
+
+  def producer_v_acquire(self, slot) -> None:
+    plgpu.barrier_wait(self._at("v_free", slot))
+
+  def producer_v(self, slot):
+    return self._at("v_full", slot)
+
+  def consumer_v(self, slot) -> Waiter:
+    return Waiter(self._at("v_full", slot))
+
+  def consumer_v_release(self, slot) -> None:
+    plgpu.tcgen05_commit_arrive(self._at("v_free", slot))

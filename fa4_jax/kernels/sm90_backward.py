@@ -97,8 +97,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from fa4_jax.kernels import KernelUnsupported, sm90_tiles
-from fa4_jax.kernels.backward_inputs import preprocess, segment_operands
+from fa4_jax.kernels import sm90_tiles
+from fa4_jax.kernels.backward_inputs import check_operands, preprocess, segment_operands
 from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
 from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
@@ -369,14 +369,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   Sinks need nothing here: the lse includes them.
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
-  if soft_cap is not None:
-    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0:
-      raise ValueError(f"soft_cap must be a positive Python float; got {soft_cap!r}")
-    soft_cap = float(soft_cap)
-  if v.shape != k.shape:
-    raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
-  if k.dtype != q.dtype or v.dtype != q.dtype:
-    raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  soft_cap = check_operands(q, k, v, soft_cap)
   batch, q_seq, num_q_heads, head_dim = q.shape
   _, kv_seq, num_kv_heads, _ = k.shape
   dtype = q.dtype

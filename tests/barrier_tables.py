@@ -1,0 +1,74 @@
+"""The check every sm100 kernel's barrier table gets (test support).
+
+A kernel's `*Barriers` class lists each barrier in its docstring table (name,
+count, who arrives, who waits) and gives the roles accessors as the only way
+to touch a barrier. `check_table` calls every accessor on fake barriers and
+checks that it appears in the row of each barrier it arrives on or waits on,
+and that every barrier has both an arriving and a waiting side.
+"""
+
+import inspect
+import types
+
+from fa4_jax.kernels import sm100_tiles
+
+
+def table_rows(bars_cls, indent: int) -> dict[str, str]:
+  """Barrier name -> its row of the class docstring's table (continuation
+  lines, indented by `indent` spaces or more, included)."""
+  rows, current = {}, None
+  for line in bars_cls.__doc__.splitlines():
+    first = line.split()[0] if line.strip() else None
+    if first in bars_cls.SPECS:
+      current = first
+      rows[current] = line
+    elif first is None:
+      current = None
+    elif current is not None and line.startswith(" " * indent):
+      rows[current] += " " + line.strip()
+  return rows
+
+
+def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
+                skip=(), named_only=()):
+  """`make_bars(refs)` builds the class over fake barrier refs; the accessors
+  in `skip` are not called (loops over others), those in `named_only` only
+  have to appear in the table (e.g. interpreter-only drains)."""
+  rows = table_rows(bars_cls, indent)
+  assert sorted(rows) == sorted(bars_cls.SPECS)
+  log = []
+
+  class FakeBarrierArray:
+    def __init__(self, name):
+      self.at = {0: name}  # .at[0] is the barrier's name
+
+  fake_plgpu = types.SimpleNamespace(
+      barrier_wait=lambda ref: log.append(("wait", ref)),
+      barrier_arrive=lambda ref: log.append(("arrive", ref)),
+      tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)))
+  monkeypatch.setattr(kernel_module, "plgpu", fake_plgpu)
+  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # Waiter.wait, KvRingAccessors
+  bars = make_bars({name: FakeBarrierArray(name) for name in bars_cls.SPECS})
+  table = " ".join(rows.values())
+  for method in named_only:
+    assert method in table, f"{method} is missing from the barrier table"
+  accessors = [m for m in dir(bars_cls) if m.startswith(("producer_", "consumer_", "drain_"))
+               and m not in named_only]
+  sides = {name: set() for name in bars_cls.SPECS}
+  for method in accessors:
+    assert method in table, f"{method} is missing from the barrier table"
+    if method in skip:
+      continue
+    log.clear()
+    params = inspect.signature(getattr(bars, method)).parameters
+    result = getattr(bars, method)(*[0] * len(params))
+    if isinstance(result, sm100_tiles.Waiter):
+      result.wait()
+    elif result is not None:
+      log.append(("arrive", result))  # a barrier handed to TMA or to an MMA
+    assert log, method
+    for side, name in log:
+      assert method in rows[name], f"{method} ({side} on {name}) is not in the {name} row"
+      sides[name].add(side)
+  for name, seen in sides.items():
+    assert seen == {"arrive", "wait"}, f"{name}: only {seen}"
