@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import bench_backward  # noqa: E402
 import bench_common  # noqa: E402
 import bench_forward  # noqa: E402
+from profile_kernel import random_inputs  # noqa: E402  (tools/, the script's folder)
 
 
 def _mask_spec(package, causal, window_left):
@@ -44,21 +45,12 @@ def _mask_spec(package, causal, window_left):
   return masks.MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
 
 
-def _inputs(B, S, Hq, Hkv, D):
-  keys = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
-  do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
-  return q, k, v, do
-
-
 def forward_call(package, case):
   """(jitted forward of `package`'s sm90 kernel, its inputs, its timer)."""
   _, B, S, Hq, Hkv, D, causal, window_left = case[:8]
   forward = __import__(f"{package}.kernels.sm90_forward", fromlist=["forward"])
   spec = _mask_spec(package, causal, window_left)
-  q, k, v, _ = _inputs(B, S, Hq, Hkv, D)
+  q, k, v, _ = random_inputs(B, S, Hq, Hkv, D)
   f = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, None, scale=D ** -0.5, mask=spec)[0])
   return f, (q, k, v), bench_common.kernel_ms
 
@@ -68,7 +60,7 @@ def backward_call(package, case):
   _, B, S, Hq, Hkv, D, causal, window_left = case[:8]
   backward = __import__(f"{package}.kernels.sm90_backward", fromlist=["backward"])
   spec = _mask_spec(package, causal, window_left)
-  q, k, v, do = _inputs(B, S, Hq, Hkv, D)
+  q, k, v, do = random_inputs(B, S, Hq, Hkv, D)
   # A plausible lse: the backward's speed does not depend on its values.
   lse = jnp.full((B, Hq, S), 4.0, jnp.float32)
   f = jax.jit(lambda q, k, v, o, lse, do: backward.backward(

@@ -37,7 +37,7 @@ import bench_common  # noqa: E402
 
 def forward_call(case, config_text, soft_cap=None):
   _, B, S, Hq, Hkv, D, causal, window_left = case
-  q, k, v, _ = _inputs(B, S, Hq, Hkv, D)
+  q, k, v, _ = random_inputs(B, S, Hq, Hkv, D)
   mask, _ = bench_common.case_mask(causal, window_left)
   config = bench_forward.config_for(config_text, D, mask, S)
   fn = jax.jit(lambda q, k, v: sm90_forward.forward(
@@ -48,7 +48,7 @@ def forward_call(case, config_text, soft_cap=None):
 
 def backward_call(case, config_text, soft_cap=None):
   _, B, S, Hq, Hkv, D, causal, window_left, _ = case
-  q, k, v, do = _inputs(B, S, Hq, Hkv, D)
+  q, k, v, do = random_inputs(B, S, Hq, Hkv, D)
   mask, _ = bench_common.case_mask(causal, window_left)
   scale = 1 / math.sqrt(D)
   # Stand-in residuals: computing them with the XLA forward first made
@@ -68,7 +68,8 @@ PASSES = {"forward": (bench_forward.CASES, forward_call),
           "backward": (bench_backward.CASES, backward_call)}
 
 
-def _inputs(B, S, Hq, Hkv, D):
+def random_inputs(B, S, Hq, Hkv, D):
+  """bf16 q, k, v, dout of a benchmark case, fixed seed (`ab_kernels.py` uses it too)."""
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
   k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
