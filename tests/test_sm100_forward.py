@@ -14,6 +14,7 @@
 """
 
 import dataclasses
+import os
 import pathlib
 import shutil
 import subprocess
@@ -493,9 +494,20 @@ def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
   # kernels were written (H200 host, jax 0.11.2's plugin, 2026-11-26): the
   # forward variants in VARIANTS order, then (dK/dV, dQ) per backward variant.
   ceilings = [0, 52, 0, 120, 0, 52, 52] + [0, 8, 0, 8, 0, 8, 40, 0]
-  spills = [row["spill_stores"] for row in sm100_compile_probe.report(dump)]
+  rows = sm100_compile_probe.report(dump)
+  spills = [row["spill_stores"] for row in rows]
   assert len(spills) == len(ceilings)
   assert all(got <= limit for got, limit in zip(spills, ceilings)), list(zip(spills, ceilings))
+  # Where those spills sit: local-memory accesses inside a loop larger than
+  # an mbarrier spin (tools/sass_loops.py on the SASS). The known ones are
+  # in the MMA warp's block loop of the two-Q-tile forward and of dQ, and in
+  # the soft-capped dK/dV (benchmarks/results/sm100-register-plans-*.json);
+  # none may appear elsewhere, and these may not grow.
+  loop_ceilings = [0, 16, 0, 37, 0, 16, 16] + [0, 6, 0, 6, 0, 3, 16, 0]
+  if shutil.which("cuobjdump", path=os.pathsep.join(["/usr/local/cuda/bin", os.environ.get("PATH", "")])):
+    in_loops = [row["loop_spill_accesses"] for row in rows]
+    assert all(got <= limit for got, limit in zip(in_loops, loop_ceilings)), list(
+        zip(in_loops, loop_ceilings))
 
 
 def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):

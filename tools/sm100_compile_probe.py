@@ -150,11 +150,33 @@ def _compile_in_this_process(dump_dir: str) -> None:
   print("dumped:", sorted(os.listdir(dump_dir)), flush=True)
 
 
+def disassemble(dump_dir) -> None:
+  """`kernel_N.sass` beside each `kernel_N.ptx` of `dump_dir`: ptxas for
+  sm_100a, then cuobjdump (the plugin's own dump leaves no SASS for a
+  target the device is not). Skipped where the CUDA tools are missing."""
+  tools = [shutil.which(t, path=os.pathsep.join(["/usr/local/cuda/bin", os.environ.get("PATH", "")]))
+           for t in ("ptxas", "cuobjdump")]
+  if None in tools:
+    print("no ptxas / cuobjdump: SASS not disassembled", flush=True)
+    return
+  ptxas, cuobjdump = tools
+  for ptx in pathlib.Path(dump_dir).glob("kernel_*.ptx"):
+    cubin = ptx.with_suffix(".cubin")
+    subprocess.run([ptxas, "-arch=sm_100a", str(ptx), "-o", str(cubin)], check=True)
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True)
+    ptx.with_suffix(".sass").write_text(sass.stdout)
+
+
 def report(dump_dir) -> list[dict]:
   """Registers, stack frame and spill bytes of every kernel ptxas assembled
   in `dump_dir` (its `*.ptxas` files), in dump order (ptxas reports a
-  kernel's figures more than once in a file: the largest is kept)."""
+  kernel's figures more than once in a file: the largest is kept), and,
+  where `disassemble` left its SASS, how many local-memory accesses (spills)
+  sit in a loop larger than an mbarrier spin (`sass_loops`)."""
   import re
+
+  sys.path.insert(0, HERE)
+  import sass_loops
 
   rows = []
   for path in sorted(pathlib.Path(dump_dir).glob("*.ptxas"),
@@ -165,6 +187,9 @@ def report(dump_dir) -> list[dict]:
                      stack=max(numbers(r"(\d+) bytes stack frame"), default=0),
                      spill_stores=max(numbers(r"(\d+) bytes spill stores"), default=0),
                      spill_loads=max(numbers(r"(\d+) bytes spill loads"), default=0)))
+    sass = path.with_suffix(".sass")
+    if sass.exists():
+      rows[-1]["loop_spill_accesses"] = sass_loops.summary(sass.read_text())["in_loops_past_spins"]
   return rows
 
 
@@ -190,6 +215,7 @@ def main(out: str) -> int:
   code = (f"import sys; sys.path[:0] = [{HERE!r}, {REPO!r}]; import sm100_compile_probe as p; "
           f"p._compile_in_this_process({str(dump_dir)!r})")
   code = subprocess.run([sys.executable, "-c", code], env=env).returncode
+  disassemble(dump_dir)
   for row in report(dump_dir):
     print(row, flush=True)
   return code
