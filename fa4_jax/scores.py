@@ -10,7 +10,7 @@ added here once:
 | which tiles a tile visits | `MaskSpec.key_block_range` / `query_block_range`, `kv_tile_ranges` (query tile -> key blocks: forward, dQ), `q_tile_ranges` (key tile -> query blocks: dK/dV), `segment_tile_ranges` (the blocks a tile's segment ids meet), `TileRanges.intersect`, `walk_blocks` (the kernels' loop over them) | per-tile bounds of a new mask narrow `lo`/`hi` and `full_lo`/`full_hi` through `intersect` |
 | whether a tile needs the element mask | `TileRanges.full_lo` / `full_hi`, `MaskSpec.tile_is_full` | a tile is full only if the new test holds for all its pairs |
 | the element mask | `visible` (band, key length, segment ids) | one more `&` term |
-| the softmax statistics | `initial_row_stats`, `online_softmax`, `normalize` / `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
+| the softmax statistics | `initial_row_stats`, `online_softmax` (with soft-cap, where `fixed_max_is_exact`: `initial_row_stats(fixed_max=True)` and `fixed_max_softmax`, no running max), `normalize` / `finish_rows` | a sink enters the running max and sum at initialisation and the log-sum-exp at the end; a score modification (soft-cap) transforms `s` at the top of `online_softmax` |
 | score modifications | `soft_cap` / `soft_cap_grad`; sinks: `initial_row_stats(sink=)` in the kernels that take them, else the post-pass `add_sinks` on the backend's (out, lse); `sink_grad` (the sinks' gradient, an XLA reduction) | here, with its derivative |
 
 The kernels keep the statistics in their accumulator's row layout and call
@@ -455,7 +455,7 @@ RESCALE_THRESHOLD = 8.0
 M_INIT = -1e30
 
 
-def initial_row_stats(num_rows: int, place=lambda x: x, sink=None):
+def initial_row_stats(num_rows: int, place=lambda x: x, sink=None, *, fixed_max: bool = False):
   """(running max, running sum) of `num_rows` rows before their first key:
   `M_INIT` and 0. `place` puts each vector into the kernel's row layout.
 
@@ -463,7 +463,22 @@ def initial_row_stats(num_rows: int, place=lambda x: x, sink=None):
   start as if they had seen the sink's virtual key: max = sink in log2 units,
   sum = exp2(0) = 1, and O = 0 since its value is zero. No extra pass: a row
   that then sees no key ends with O = 0 and lse = sink.
+
+  `fixed_max` (soft-cap, where `fixed_max_is_exact`): the max the rows keep
+  to the end, 0 or with a sink max(sink, 0) in log2 units (the comment above
+  `fixed_max_is_exact`), and the sum holds the sink's term against it,
+  exp2(sink - max) <= 1. Keys' P then stays <= 2^c; with a large sink it may
+  underflow only where it is negligible next to the sink's term. A sink below
+  about -87 (natural log) underflows itself: a row that sees no key then
+  gets lse -inf, not the sink (its output is zeros either way).
   """
+  if fixed_max:
+    zeros = jnp.full((num_rows,), 0.0, jnp.float32)
+    if sink is None:
+      return place(zeros), place(zeros)
+    sink_m = zeros + sink.astype(jnp.float32) * LOG2_E
+    m = jnp.maximum(sink_m, 0.0)
+    return place(m), place(exact_alpha(sink_m, m))
   if sink is None:
     m = jnp.full((num_rows,), M_INIT, jnp.float32)
     l = jnp.full((num_rows,), 0.0, jnp.float32)
@@ -493,6 +508,50 @@ def online_softmax(s, m, c: float):
   alpha = exact_alpha(m, m_new)
   p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
   return p, m_new, alpha
+
+
+# --- Soft-capped logits: a fixed row max ---------------------------------------
+# With soft-cap a logit is c t in log2 units with t = tanh(...) in [-1, 1] and
+# c = cap log2(e), so P = exp2(c t - m) lies in [2^(-c - m), 2^(c - m)] for
+# any m. The softmax may then keep one fixed max m0 instead of a running one:
+# no row max per block, no rescale factor, no rescale of O, and l sums P
+# without l * alpha (`fixed_max_softmax`). The result is the same quotient
+# O / l; P's relative rounding in a 16-bit float with f32's exponents (bf16)
+# does not depend on its size, and O and l add up in f32.
+#
+# It is exact when nothing overflows or vanishes (`fixed_max_is_exact`):
+# - P = 2^(c t - m0) <= 2^c (m0 >= 0) must be a finite P in P's dtype: bf16
+#   holds up to 2^128 like f32; fp16 only up to 65504, so fp16 keeps the
+#   running max;
+# - l <= N 2^c + 1 (N keys, the sink's term <= 1) and every O element
+#   <= N 2^c max|v| must stay finite in f32: c + log2(N) <= 96 leaves 2^32
+#   of f32's 2^128 for |v| (the running max bounds P by 2^RESCALE_THRESHOLD,
+#   so it tolerated |v| up to about 2^120 / N);
+# - the smallest key term 2^(-c) (without a sink, m0 = 0) must be a normal
+#   f32, or a row whose keys all sit at -cap would sum to l = 0 (exp2 flushes
+#   subnormals): -c >= -126 follows from the first bound.
+# Gemma 2's cap 50 gives c = 72.1: up to 2^23.9 (15.6 M) keys.
+FIXED_MAX_LOG2_BUDGET = 96.0
+
+
+def fixed_max_is_exact(dtype, cap: float | None, num_keys: int) -> bool:
+  """May a softmax with soft-cap `cap` over at most `num_keys` keys per row,
+  with P in `dtype`, keep a fixed max instead of a running one? (The
+  bounds and why: the comment above.) False without soft-cap."""
+  if cap is None:
+    return False
+  p, f32 = jnp.finfo(dtype), jnp.finfo(jnp.float32)
+  if p.maxexp < f32.maxexp or p.minexp > f32.minexp:
+    return False  # fp16: P past 65504 overflows
+  return float(cap) * LOG2_E + math.log2(max(int(num_keys), 1)) <= FIXED_MAX_LOG2_BUDGET
+
+
+def fixed_max_softmax(s, m, c: float):
+  """P = exp2(c s - m) of a tile of soft-capped logits `s` (t of
+  `softmax_logits`, masked ones at -inf) against the rows' fixed max `m`
+  (`initial_row_stats(fixed_max=True)`): the running sum adds P.sum(1), O
+  adds P V, and neither is rescaled."""
+  return jnp.exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
 
 
 def _inverse_sum(l):

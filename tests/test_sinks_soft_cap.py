@@ -15,6 +15,8 @@ Specification:
   added to its output and lse, and a kernel without soft-cap leaves such
   calls to the XLA path under `implementation=None` and says why it cannot
   when asked for by name.
+* The fixed softmax max of soft-capped logits (`scores.fixed_max_is_exact`):
+  where it holds and where not, and how the rows start from a sink.
 * Bad input: a ValueError naming the argument.
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
+from fa4_jax import scores
 from reference import jax_nn_with_sinks, packed_segment_ids, visible_mask
 
 TOLERANCE = {"float32": 3e-5, "bfloat16": 2e-2}
@@ -224,6 +227,41 @@ def test_the_sm100_forward_takes_sinks_and_soft_cap_in_the_kernel(run_interprete
   want = fa4_jax.attention(q, k, v, **options, implementation="xla")
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              atol=2e-2, rtol=2e-2)
+
+
+def test_a_fixed_softmax_max_is_exact_for_bf16_caps_within_the_f32_range():
+  """Soft-capped logits bound P = exp2(c t - m) by 2^(cap log2 e): the
+  kernels may skip the running max where that, times the keys, stays far
+  inside f32 and P's dtype has f32's exponents (bf16, not fp16)."""
+  assert scores.fixed_max_is_exact(jnp.bfloat16, 50.0, 8192)  # Gemma 2
+  assert scores.fixed_max_is_exact(jnp.bfloat16, 50.0, 2 ** 23)
+  assert not scores.fixed_max_is_exact(jnp.bfloat16, 50.0, 2 ** 24)
+  assert not scores.fixed_max_is_exact(jnp.float16, 50.0, 8192)  # 65504
+  assert not scores.fixed_max_is_exact(jnp.float16, 2.0, 128)
+  assert not scores.fixed_max_is_exact(jnp.bfloat16, 1000.0, 8192)
+  assert not scores.fixed_max_is_exact(jnp.bfloat16, None, 8192)
+  # Where it holds, the largest row sum and O (|v| <= 2^31) stay finite in
+  # f32 and the smallest P is a normal number.
+  cap, keys = 60.0, 256
+  assert scores.fixed_max_is_exact(jnp.bfloat16, cap, keys)
+  c = scores.softmax_scale(1.0, cap)
+  largest_p = np.exp2(np.float32(c))
+  assert np.isfinite(np.float32(largest_p * keys * 2.0 ** 31))
+  assert np.exp2(np.float32(-c)) >= np.finfo(np.float32).tiny
+  assert np.isfinite(np.asarray(largest_p, jnp.bfloat16).astype(np.float32))
+
+
+def test_the_fixed_max_rows_start_from_the_sink_below_one():
+  """m0 = max(sink, 0) in log2 units and l = exp2(sink - m0): the sink's
+  term never exceeds 1, and lse = m0 + log2(l) is the sink."""
+  for sink in (-30.0, -2.0, 0.0, 1.0, 45.0):
+    m, l = scores.initial_row_stats(4, sink=jnp.float32(sink), fixed_max=True)
+    np.testing.assert_allclose(np.asarray(m), max(sink * scores.LOG2_E, 0.0), rtol=1e-7)
+    assert np.all(np.asarray(l) <= 1.0)
+    _, lse = scores.finish_rows(m, l)
+    np.testing.assert_allclose(np.asarray(lse), sink, rtol=1e-6, atol=1e-6)
+  m, l = scores.initial_row_stats(4, fixed_max=True)
+  assert np.all(np.asarray(m) == 0.0) and np.all(np.asarray(l) == 0.0)
 
 
 @pytest.mark.parametrize("kwargs, message", [

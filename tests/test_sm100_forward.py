@@ -27,6 +27,7 @@ import pytest
 
 import barrier_tables
 import reference
+from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_forward, sm100_tiles
 from fa4_jax.scores import MaskSpec, TileRanges
@@ -316,7 +317,28 @@ def _expected_with_options(case: OptionCase, q, k, v, scale):
 
 @pytest.mark.parametrize("name", sorted(OPTION_CASES))
 def test_interpreted_kernel_with_sinks_and_soft_cap_matches_the_reference(name, run_interpreted):
-  case = OPTION_CASES[name]
+  _check_option_case(OPTION_CASES[name], run_interpreted)
+
+
+def test_soft_cap_keeps_a_fixed_max_and_matches_the_reference(run_interpreted, monkeypatch):
+  """bf16 with a cap near the bound (`scores.fixed_max_is_exact`: 60 for 256
+  keys, P up to ~2^78): the softmax never runs the running max and the
+  correction never rescales O, and the kernel still matches the f32
+  reference, with GQA, sinks on both sides of 0 (the fixed max is
+  max(sink, 0)) and rows 0-63 that see no key (zeros, lse = sink)."""
+  case = OptionCase(q_heads=4, kv_heads=2, window=(256, -64), sinks=(1.0, -2.0, 45.0, -30.0),
+                    soft_cap=60.0, logit_scale=32.0)  # logits of std ~32
+  assert scores.fixed_max_is_exact(jnp.bfloat16, case.soft_cap, case.kv_seq)
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the fixed-max path must not take a running max or rescale O")
+
+  monkeypatch.setattr(scores, "online_softmax", refuse)
+  monkeypatch.setattr(sm100_forward, "_rescale_o", refuse)
+  _check_option_case(case, run_interpreted)
+
+
+def _check_option_case(case: OptionCase, run_interpreted):
   q, k, v = _inputs(case.batch, case.q_seq, case.kv_seq, case.q_heads, case.kv_heads,
                     case.head_dim, jnp.float32, seed=11, key_growth=case.key_growth)
   q, k, v = (x.astype(case.dtype) for x in (q * case.logit_scale, k, v))

@@ -443,6 +443,52 @@ def test_sinks_and_soft_cap_match_the_einsum_reference_without_races(name, run_i
   _run_and_compare(case, run_interpreted, config=config, **options)
 
 
+def test_soft_cap_keeps_a_fixed_max_and_matches_the_einsum_reference(run_interpreted,
+                                                                      monkeypatch):
+  """bf16 with a cap near the bound (`scores.fixed_max_is_exact`: 60 for 256
+  keys, P up to ~2^78): the kernel never runs the running max nor rescales
+  O, and still matches the f32 reference, with GQA, sinks on both sides of
+  0 (the fixed max is max(sink, 0)) and rows 0-2 that see no key (zeros,
+  lse = sink)."""
+  case = Case(q_heads=4, kv_heads=2, window=(200, -3), q_seq=128, kv_seq=256)
+  assert scores.fixed_max_is_exact(jnp.bfloat16, 60.0, case.kv_seq)
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the fixed-max path must not take a running max or rescale O")
+
+  monkeypatch.setattr(sm90_forward, "online_softmax", refuse)
+  monkeypatch.setattr(sm90_forward, "rescale_rows", refuse)
+  # scale 4: logits of std ~32 against the cap of 60, t up to ~0.9.
+  _run_and_compare(case, run_interpreted, scale=4.0, soft_cap=60.0,
+                   sinks=(1.0, -2.0, 45.0, -30.0))
+
+
+@pytest.mark.parametrize("dtype, soft_cap, kv_seq, fixed", [
+    (jnp.bfloat16, 50.0, 8192, True),
+    (jnp.float16, 50.0, 8192, False),  # P would overflow fp16
+    (jnp.bfloat16, None, 8192, False),  # no soft-cap: the kernel of before
+    (jnp.bfloat16, 100.0, 8192, False),  # past the bound
+])
+def test_forward_builds_the_fixed_max_kernel_where_the_condition_holds(dtype, soft_cap, kv_seq,
+                                                                       fixed, monkeypatch):
+  built = {}
+
+  class Built(Exception):
+    pass
+
+  def capture(**kwargs):
+    built.update(kwargs)
+    raise Built
+
+  monkeypatch.setattr(sm90_forward, "_build_kernel", capture)
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), dtype)
+  kv = jax.ShapeDtypeStruct((1, kv_seq, 2, 64), dtype)
+  with pytest.raises(Built):
+    jax.eval_shape(lambda q, k, v: sm90_forward.forward(
+        q, k, v, None, None, scale=0.125, mask=MaskSpec(), soft_cap=soft_cap), q, kv, kv)
+  assert built["fixed_max"] is fixed
+
+
 # --- tile ranges -------------------------------------------------------------
 
 

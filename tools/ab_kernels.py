@@ -7,11 +7,14 @@ heuristic configs, their kernel time taken in interleaved rounds (A B A B
 (`bench_common.kernel_ms`) on `bench_forward.py`'s cases (`--short`: its
 short-sequence cases); `backward`: the backward's kernel span
 (`bench_backward.span_times`) on `bench_backward.py`'s cases. Also reports
-whether the two give bitwise equal results.
+whether the two give bitwise equal results. `--soft-cap CAP`: every case
+of either pass with that logit soft-cap (both checkouts), e.g. 50 (Gemma 2)
+for the soft-capped forward against the old one.
 
     cp -r OLD/fa4_jax DIR/fa4_jax_before
     find DIR/fa4_jax_before -name '*.py' | xargs sed -i 's/\\bfa4_jax\\b/fa4_jax_before/g'
-    python3 tools/ab_kernels.py forward|backward --before DIR [--short] [--only SUBSTRING] [--rounds 5]
+    python3 tools/ab_kernels.py forward|backward --before DIR [--short] [--only SUBSTRING] \\
+        [--rounds 5] [--soft-cap 50]
 """
 
 from __future__ import annotations
@@ -45,17 +48,23 @@ def _mask_spec(package, causal, window_left):
   return masks.MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
 
 
-def forward_call(package, case):
+def _options(soft_cap):
+  # Only when set: a checkout from before soft-cap takes no such argument.
+  return {} if soft_cap is None else dict(soft_cap=soft_cap)
+
+
+def forward_call(package, case, soft_cap=None):
   """(jitted forward of `package`'s sm90 kernel, its inputs, its timer)."""
   _, B, S, Hq, Hkv, D, causal, window_left = case[:8]
   forward = __import__(f"{package}.kernels.sm90_forward", fromlist=["forward"])
   spec = _mask_spec(package, causal, window_left)
   q, k, v, _ = random_inputs(B, S, Hq, Hkv, D)
-  f = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, None, scale=D ** -0.5, mask=spec)[0])
+  f = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, None, scale=D ** -0.5, mask=spec,
+                                              **_options(soft_cap))[0])
   return f, (q, k, v), bench_common.kernel_ms
 
 
-def backward_call(package, case):
+def backward_call(package, case, soft_cap=None):
   """(jitted backward of `package`'s sm90 kernels, its inputs, its timer)."""
   _, B, S, Hq, Hkv, D, causal, window_left = case[:8]
   backward = __import__(f"{package}.kernels.sm90_backward", fromlist=["backward"])
@@ -64,7 +73,7 @@ def backward_call(package, case):
   # A plausible lse: the backward's speed does not depend on its values.
   lse = jnp.full((B, Hq, S), 4.0, jnp.float32)
   f = jax.jit(lambda q, k, v, o, lse, do: backward.backward(
-      q, k, v, o, lse, do, None, None, scale=D ** -0.5, mask=spec))
+      q, k, v, o, lse, do, None, None, scale=D ** -0.5, mask=spec, **_options(soft_cap)))
   return f, (q, k, v, do, lse, do), lambda f, *a: bench_backward.span_times(f, *a)[0]
 
 
@@ -74,6 +83,8 @@ def main():
   ap.add_argument("--before", required=True, help="folder holding fa4_jax_before")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--short", action="store_true", help="forward: bench_forward's short cases")
+  ap.add_argument("--soft-cap", type=float, default=None,
+                  help="every case with this logit soft-cap (default: none)")
   bench_common.add_case_options(ap)
   args = ap.parse_args()
   sys.path.insert(0, args.before)
@@ -84,22 +95,28 @@ def main():
     cases, make_call = bench_backward.CASES, backward_call
   rows = []
   for case in bench_common.selected(cases, args.only):
-    calls = {p: make_call(p, case) for p in ("fa4_jax_before", "fa4_jax")}
+    calls = {p: make_call(p, case, args.soft_cap) for p in ("fa4_jax_before", "fa4_jax")}
     outs = {p: jax.block_until_ready(f(*a)) for p, (f, a, _) in calls.items()}
-    same = all(bool(jnp.array_equal(x, y)) for x, y in zip(
-        *(jax.tree.leaves(o) for o in outs.values())))
+    pairs = list(zip(*(jax.tree.leaves(o) for o in outs.values())))
+    same = all(bool(jnp.array_equal(x, y)) for x, y in pairs)
+    # A change of the arithmetic (e.g. the fixed max of soft-cap) is not
+    # bitwise: how far apart the two are.
+    max_abs_diff = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+                       for x, y in pairs)
     times = {p: [] for p in calls}
     for _ in range(args.rounds):
       for p, (f, a, timer) in calls.items():
         times[p].append(timer(f, *a))
     before, after = (float(np.median(times[p])) for p in calls)
-    row = dict(case=case[0], before_ms=before, after_ms=after, change=after / before - 1,
-               bitwise_equal=same, rounds=times)
+    row = dict(case=case[0], soft_cap=args.soft_cap, before_ms=before, after_ms=after,
+               change=after / before - 1, bitwise_equal=same, max_abs_diff=max_abs_diff,
+               rounds=times)
     print(json.dumps(row), flush=True)
     rows.append(row)
   timer = ("kernel time (bench_common.kernel_ms)" if args.pass_ == "forward"
            else "kernel span (bench_backward.span_times)")
-  path = bench_common.result_path(f"{args.pass_}-ab", jax.devices()[0].device_kind, args.tag)
+  name = args.pass_ if args.soft_cap is None else f"{args.pass_}-softcap{args.soft_cap:g}"
+  path = bench_common.result_path(f"{name}-ab", jax.devices()[0].device_kind, args.tag)
   with open(path, "w") as fh:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                    method=f"{timer}, median of {args.rounds} interleaved rounds, one process",

@@ -54,7 +54,12 @@ key block lse = sink for its valid rows. Logit soft-capping
 (`forward(..., soft_cap=cap)`, static): the softmax turns each S tile into
 `scores.softmax_logits` (one multiply and a tanh.approx per element) before
 the element mask and folds cap into the exp2 constant
-(`scores.softmax_scale`). Without them the kernel is unchanged.
+(`scores.softmax_scale`). Where the capped logits bound P
+(`scores.fixed_max_is_exact`: bf16, cap * log2(e) + log2(keys) <= 96) the
+rows keep a fixed max (`KernelStatics.fixed_max`): the softmax takes no row
+max and hands no row factors over (c_full / c_free carry only the final
+statistics), and the correction leaves O alone, only keeping its turn in
+po_ready. Without them the kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -210,7 +215,8 @@ class ForwardBarriers(KvRingAccessors):
                                                                         (before S_i is
                                                                         rewritten), drain_o*
   c_full    tiles   1         no      softmax_i: producer_c_commit    correction: consumer_c
-                                        (row factors in SMEM)
+                                        (row factors in SMEM; with a
+                                        fixed max only the final m, l)
   c_free    tiles   1         no      correction: consumer_c_release  softmax_i: producer_c_acquire,
                                                                                  drain_c*
 
@@ -361,6 +367,9 @@ class KernelStatics:
   segments: bool = False  # segment ids given (three more operands)
   soft_cap: float | None = None  # logit soft-cap (static)
   sinks: bool = False  # one sink logit per query head given (one more operand)
+  # Soft-cap only, where `scores.fixed_max_is_exact`: the rows keep one fixed
+  # max, so no row factors go to the correction and O is never rescaled.
+  fixed_max: bool = False
 
   @property
   def exp2_scale(self) -> float:
@@ -625,12 +634,17 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
     needs_no_mask = needs_no_mask & (seg.full_lo <= blk) & (blk < seg.full_hi)
   s = lax.cond(needs_no_mask, lambda s: s,
                lambda s: _masked_scores(ctx, s, r_lo, k_lo, row_ids), s)
+  if ctx.statics.fixed_max:
+    # Bounded logits against a fixed max: P only, nothing to rescale.
+    p = scores.fixed_max_softmax(s, m_run, ctx.statics.exp2_scale)
+    l_run = l_run + p.sum(axis=1)
+    _store_p(ctx, i, p)
+    bars.producer_p_commit(i)
+    return m_run, l_run
   # The shared step: the max moves only past the threshold; alpha is exact.
   p, m_run, alpha = scores.online_softmax(s, m_run, ctx.statics.exp2_scale)
   l_run = l_run * alpha + p.sum(axis=1)
-  plgpu.wait_load_tmem()  # S_i fully read before P_i overwrites it
-  plgpu.async_store_tmem(ctx.p_tmem(i), p.astype(ctx.cfg.dtype))
-  plgpu.commit_tmem()
+  _store_p(ctx, i, p)
   # Hand the row factors to the correction warpgroup.
   @pl.when(n > 0)
   def _():
@@ -640,6 +654,13 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   bars.producer_c_commit(i)
   bars.producer_p_commit(i)
   return m_run, l_run
+
+
+def _store_p(ctx: ForwardContext, i, p) -> None:
+  """P_i into TMEM over S_i."""
+  plgpu.wait_load_tmem()  # S_i fully read before P_i overwrites it
+  plgpu.async_store_tmem(ctx.p_tmem(i), p.astype(ctx.cfg.dtype))
+  plgpu.commit_tmem()
 
 
 def softmax_wg(ctx: ForwardContext, i) -> None:
@@ -654,15 +675,18 @@ def softmax_wg(ctx: ForwardContext, i) -> None:
     # sink, l = 1); the correction and the epilogue read these m and l.
     sink = refs.sinks_ref[ctx.h] if ctx.statics.sinks else None
     init = scores.initial_row_stats(
-        BLOCK_Q, place=lambda x: plgpu.layout_cast(x, ROW_VECTOR_LAYOUT), sink=sink)
+        BLOCK_Q, place=lambda x: plgpu.layout_cast(x, ROW_VECTOR_LAYOUT), sink=sink,
+        fixed_max=ctx.statics.fixed_max)
     row_ids = None  # the tile's segment ids, one per thread, for masked blocks
     if ctx.statics.segments:
       row_ids = plgpu.load(refs.q_seg_ref.at[ctx.b, pl.ds(r_lo, BLOCK_Q)],
                            layout=ROW_VECTOR_LAYOUT, optimized=False)
     step = functools.partial(_softmax_step, ctx, i, r_lo, row_ids)
     m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
-    # Final statistics for the epilogue, through the same hand-off.
-    bars.producer_c_acquire(i)
+    # Final statistics for the epilogue, through the same hand-off (its
+    # first use with a fixed max: no block handed factors over).
+    if not ctx.statics.fixed_max:
+      bars.producer_c_acquire(i)
     refs.m_smem[i] = m_run
     refs.l_smem[i] = l_run
     bars.producer_c_commit(i)
@@ -685,25 +709,29 @@ def _rescale_o(ctx: ForwardContext, i, alpha) -> None:
 
 
 def correction_wg(ctx: ForwardContext) -> None:
-  """Per key block, rescale O_i where a row's max moved; then the epilogue."""
-  bars = ctx.bars
+  """Per key block, rescale O_i where a row's max moved; then the epilogue.
+  With a fixed max no row factors come and O_i is left alone: the
+  correction only keeps its turn in po_ready, after each P_i V completed."""
+  bars, fixed_max = ctx.bars, ctx.statics.fixed_max
 
   @pl.when(ctx.num_steps > 0)
   def _():
     @pl.loop(0, ctx.num_steps)
     def _(n):
       for i in range(ctx.cfg.num_q_tiles):
-        bars.consumer_c(i).wait()
-        alpha = plgpu.load(ctx.refs.alpha_smem.at[i], layout=ROW_VECTOR_LAYOUT)
-        bars.consumer_c_release(i)
+        alpha = None
+        if not fixed_max:
+          bars.consumer_c(i).wait()
+          alpha = plgpu.load(ctx.refs.alpha_smem.at[i], layout=ROW_VECTOR_LAYOUT)
+          bars.consumer_c_release(i)
 
         @pl.when(n > 0)
         def _():
           bars.consumer_o(i).wait()
-
-          @pl.when(jnp.min(alpha) < 1.0)
-          def _():
-            _rescale_o(ctx, i, alpha)
+          if not fixed_max:
+            @pl.when(jnp.min(alpha) < 1.0)
+            def _():
+              _rescale_o(ctx, i, alpha)
 
         bars.consumer_o_release(i)
 
@@ -841,13 +869,15 @@ def _scratch_types(cfg: TileConfig) -> dict:
 @cached_build
 def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
                   num_kv_heads, scale: float, mask: MaskSpec, segments: bool = False,
-                  soft_cap: float | None = None, sinks: bool = False):
+                  soft_cap: float | None = None, sinks: bool = False,
+                  fixed_max: bool = False):
   """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
   whose true extents are tq, tk (rows/keys past them are padding). With
   `segments`, three more operands follow the lengths (`segment_operands`);
   with `sinks`, then the f32 [num_q_heads] sinks."""
   statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
-                          scale=scale, segments=segments, soft_cap=soft_cap, sinks=sinks)
+                          scale=scale, segments=segments, soft_cap=soft_cap, sinks=sinks,
+                          fixed_max=fixed_max)
 
   def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *optional_and_out_refs,
              q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
@@ -945,7 +975,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   call = _build_kernel(
       cfg, batch=b, tq=tq, tk=tk, tq_pad=tq_pad, tk_pad=tk_pad, num_q_heads=nq,
       num_kv_heads=nkv, scale=float(scale), mask=mask, segments=bool(segments),
-      soft_cap=None if soft_cap is None else float(soft_cap), sinks=bool(sink_operand))
+      soft_cap=None if soft_cap is None else float(soft_cap), sinks=bool(sink_operand),
+      # Soft-capped logits are bounded: where that bounds P, no running max.
+      fixed_max=scores.fixed_max_is_exact(q.dtype, soft_cap, tk))
   out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32),
                   *segments, *sink_operand)
   return out[:, :tq], lse[:, :, :tq]

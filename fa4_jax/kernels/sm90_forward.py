@@ -74,7 +74,11 @@ q_lengths are still zeroed with lse -inf in `_epilogue`. Soft-cap turns the
 Q K^T tile into t = tanh(s * scale / cap) before the element mask and folds
 c = cap * log2(e) into the exp2 (`scores.softmax_logits`, `softmax_scale`):
 one multiply and one tanh.approx per element, in the softmax turn of the
-ping-pong. Without them the kernel is unchanged.
+ping-pong. Capped logits are bounded, so where that bounds P
+(`scores.fixed_max_is_exact`: bf16, cap * log2(e) + log2(keys) <= 96) the
+rows keep a fixed max (`_Call.fixed_max`): no row max, no rescale factor,
+no rescale of O, and the turn is tanh, FMA, exp2, row sum. Without them the
+kernel is unchanged.
 
 Paged KV cache (`forward(..., page_table=)`, for `fa4_jax.paged`): K and V
 are pages [num_pages, page_size, Nkv, D] and row b's keys are the pages
@@ -120,10 +124,10 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
                                        where_visible_by_column_chunks)
-from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, initial_row_stats, kv_tile_ranges,
-                            normalize, online_softmax, read_tile_ranges, hull, pad_ids,
-                            softmax_logits, softmax_scale, tile_ranges_operand, visible,
-                            walk_blocks)
+from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
+                            initial_row_stats, kv_tile_ranges, normalize, online_softmax,
+                            read_tile_ranges, hull, pad_ids, softmax_logits, softmax_scale,
+                            tile_ranges_operand, visible, walk_blocks)
 from fa4_jax.target import current_target
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
@@ -406,6 +410,9 @@ class _Call:
   scale: float = 1.0  # the logits' scale (soft-cap divides it by the cap)
   soft_cap: float | None = None  # logits -> cap * tanh(logits / cap); c is then cap * log2(e)
   page_size: int | None = None  # keys per page of a paged K/V; None: K/V are [B, S, Nkv, D]
+  # Soft-cap only, where `scores.fixed_max_is_exact`: the rows keep one fixed
+  # max (no row max, no alpha, no rescale of O; `scores.fixed_max_softmax`).
+  fixed_max: bool = False
 
   @property
   def masked_logit(self) -> float:
@@ -710,7 +717,7 @@ class _ConsumerTile:
     # rows that then see no key end with zeros and lse = sink. Registers:
     # only m and l start from a run-time scalar; nothing more lives in the loop.
     m, l = initial_row_stats(bq, place=lambda x: plgpu.layout_cast(x, _ROW_LAYOUT),
-                             sink=self.sink)
+                             sink=self.sink, fixed_max=self.ctx.call.fixed_max)
     acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.head_dim), 0.0, jnp.float32),
                             plgpu.Layout.WGMMA)
 
@@ -771,7 +778,8 @@ class _ConsumerTile:
     return self.ctx.refs.kv_ids_smem.at[self.ctx.bars.k.slot(step)]
 
   def block_softmax(self, s, m, j, *, masked: bool, key_ids=None):
-    """(P, new running max, alpha) for the logits of KV block j.
+    """(P, new running max, alpha) for the logits of KV block j; with a
+    fixed max (`_Call.fixed_max`) (P, m, None): nothing to rescale.
 
     Soft-cap's tanh runs here, after `qk`'s rendezvous and before
     `hand_off`: inside this consumer's softmax turn, whose MUFU work (tanh,
@@ -804,6 +812,8 @@ class _ConsumerTile:
       else:
         s = where_visible_by_column_chunks(s, key_ids, visible_of, call.masked_logit)
         self.release_k_after_reading_ids(j)
+    if call.fixed_max:
+      return fixed_max_softmax(s, m, call.c), m, None
     return online_softmax(s, m, call.c)
 
   def release_k_after_reading_ids(self, j):
@@ -820,16 +830,17 @@ class _ConsumerTile:
     the row sums before or after it (`sum_before_handoff`)."""
     cfg = self.ctx.call.config
     p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids)
-    acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
+    if alpha is not None:
+      acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     p16 = p.astype(self.ctx.call.dtype)
     if cfg.sum_before_handoff:
-      l = l * alpha + p.sum(axis=1)
+      l = _add_row_sums(l, alpha, p)
       # Pin the order: the softmax must be done before the hand-off.
       acc, l, m_new, alpha, p16 = lax.optimization_barrier((acc, l, m_new, alpha, p16))
       self.hand_off(self.ring_step(j))
     else:
       self.hand_off(self.ring_step(j))
-      l = l * alpha + p.sum(axis=1)
+      l = _add_row_sums(l, alpha, p)
     return p16, m_new, l, acc
 
   def hand_off(self, step):
@@ -866,6 +877,14 @@ class _ConsumerTile:
     @pl.when(j + 1 < self.item.hi)
     def _():
       self.ctx.bars.k.consumer_wait(self.ring_step(j + 1))
+
+
+def _add_row_sums(l, alpha, p):
+  """The running sum after a block of P: l * alpha + rowsum(P), or without
+  a rescale factor (a fixed max) l + rowsum(P)."""
+  if alpha is None:
+    return l + p.sum(axis=1)
+  return l * alpha + p.sum(axis=1)
 
 
 def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
@@ -915,6 +934,7 @@ def _build_kernel(
     has_sinks: bool = False,
     soft_cap: float | None = None,
     page_size: int | None = None,
+    fixed_max: bool = False,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -925,7 +945,8 @@ def _build_kernel(
                c=softmax_scale(scale, soft_cap), heavy_first=heavy_first, work=work,
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
-               has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size)
+               has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size,
+               fixed_max=fixed_max)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1068,6 +1089,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       has_segment_ids=segment_ids is not None, has_sinks=sinks is not None,
       soft_cap=None if soft_cap is None else float(soft_cap),
       page_size=None if page_table is None else k.shape[1],
+      # Soft-capped logits are bounded: where that bounds P, no running max.
+      fixed_max=fixed_max_is_exact(q.dtype, soft_cap, kv_seq),
   )
   args = [q, k, v]
   if q_lengths is not None:
