@@ -584,6 +584,14 @@ class _Sharded:
     seq, ids = self.sequence_spec, self.ids_spec
     return [seq, seq, seq, ids, ids] + [self.stats_spec] * extra_stats + [seq] * extra_sequence
 
+  def laid_out(self, x, spec):
+    """`x` with the sharding `spec` where the mesh's axes are Explicit
+    (shard_map takes nothing else there): for tangents, which JAX makes
+    (`jax.jacfwd`'s basis is replicated) rather than the caller."""
+    if x is None or AxisType.Explicit not in tuple(getattr(self.mesh, "axis_types", ())):
+      return x
+    return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+
   def with_backend(self, backend):
     return dataclasses.replace(self, ring=dataclasses.replace(self.ring, backend=backend))
 
@@ -626,7 +634,8 @@ def _ring_tangent(plan: _Sharded, residuals, linear, partitioned=True):
   finished as the XLA path finishes them (sinks, normalization)."""
   del partitioned  # the ring is always partitioned, and plain jnp
   operands, sinks, out, lse = residuals
-  dq, dk, dv, dsinks = linear
+  dq, dk, dv = (plan.laid_out(x, plan.sequence_spec) for x in linear[:3])
+  dsinks = linear[3]
   with vjp.precision_scope(plan.ring.matmul_precision):
     sums = plan.run(functools.partial(_tangent_sums, plan.ring),
                     (*operands, lse, dq, dk, dv),
