@@ -18,15 +18,26 @@ partial result into a running one with the log-sum-exp of each part:
 The block sent at a step travels while the device computes with the block it
 already has, so communication can hide behind compute.
 
-The backward is written by hand (a `jax.custom_vjp`): blocks travel the ring
-again, each device adds its contribution to the key/value gradients of the
-block it holds, and those gradients travel with the block, arriving back at
-the block's owner after the last step. Per block, the backend's backward
-recomputes probabilities from the final (merged) log-sum-exp and output, which
-makes each block's gradient exact. Reverse mode only: forward-mode and
-second-order AD (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) are not supported
-here (JAX fails inside the ring); for those, use `fa4_jax.attention` under
-sharded `jit`, which gathers the sequence.
+`logits_soft_cap` is applied by every backend call to its own logits, before
+its mask. `sinks` enter once, after the ring: the merged (out, lse) gets them
+as any backend's post-pass does (`scores.add_sinks`), so the lse the
+backward reads includes them.
+
+Differentiation follows `fa4_jax/vjp.py`: one `jax.custom_jvp` whose tangent
+is a `vjp.linear_map`. Reverse mode transposes it to the ring backward,
+written by hand: blocks travel the ring again, each device adds its
+contribution to the key/value gradients of the block it holds, and those
+gradients travel with the block, arriving back at the block's owner after
+the last step. Per block, the backend's backward recomputes probabilities
+from the final (merged) log-sum-exp and output, which makes each block's
+gradient exact; the sinks' gradient is a reduction (`scores.sink_grad`).
+Forward mode (`jax.jvp`, `jax.jacfwd`) evaluates it with a tangent ring: the
+XLA path's tangent is a sum over keys with P = exp(s - final lse), so each
+block's part (`xla_attention.tangent_sums`, the key/value tangents
+travelling with the block) adds up, finished once like the XLA path's
+(`xla_attention.finish_tangent`). Second derivatives (`jax.hessian`,
+`jax.jvp(jax.grad(f))`) differentiate the ring backward on the XLA path;
+reverse-over-reverse raises the `ValueError` of `fa4_jax.attention`.
 
 Layout and causal load balancing
 --------------------------------
