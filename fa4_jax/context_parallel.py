@@ -18,15 +18,26 @@ partial result into a running one with the log-sum-exp of each part:
 The block sent at a step travels while the device computes with the block it
 already has, so communication can hide behind compute.
 
-The backward is written by hand (a `jax.custom_vjp`): blocks travel the ring
-again, each device adds its contribution to the key/value gradients of the
-block it holds, and those gradients travel with the block, arriving back at
-the block's owner after the last step. Per block, the backend's backward
-recomputes probabilities from the final (merged) log-sum-exp and output, which
-makes each block's gradient exact. Reverse mode only: forward-mode and
-second-order AD (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) are not supported
-here (JAX fails inside the ring); for those, use `fa4_jax.attention` under
-sharded `jit`, which gathers the sequence.
+`logits_soft_cap` is applied by every backend call to its own logits, before
+its mask. `sinks` enter once, after the ring: the merged (out, lse) gets them
+as any backend's post-pass does (`scores.add_sinks`), so the lse the
+backward reads includes them.
+
+Differentiation follows `fa4_jax/vjp.py`: one `jax.custom_jvp` whose tangent
+is a `vjp.linear_map`. Reverse mode transposes it to the ring backward,
+written by hand: blocks travel the ring again, each device adds its
+contribution to the key/value gradients of the block it holds, and those
+gradients travel with the block, arriving back at the block's owner after
+the last step. Per block, the backend's backward recomputes probabilities
+from the final (merged) log-sum-exp and output, which makes each block's
+gradient exact; the sinks' gradient is a reduction (`scores.sink_grad`).
+Forward mode (`jax.jvp`, `jax.jacfwd`) evaluates it with a tangent ring: the
+XLA path's tangent is a sum over keys with P = exp(s - final lse), so each
+block's part (`xla_attention.tangent_sums`, the key/value tangents
+travelling with the block) adds up, finished once like the XLA path's
+(`xla_attention.finish_tangent`). Second derivatives (`jax.hessian`,
+`jax.jvp(jax.grad(f))`) differentiate the ring backward on the XLA path;
+reverse-over-reverse raises the `ValueError` of `fa4_jax.attention`.
 
 Layout and causal load balancing
 --------------------------------
@@ -74,7 +85,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from fa4_jax import backends, vjp
+from fa4_jax import backends, scores, vjp, xla_attention
 from fa4_jax.scores import MaskSpec
 from fa4_jax.validation import validate
 
@@ -154,6 +165,8 @@ def context_parallel_attention(
     implementation: str | None = None,
     query_segment_ids=None,
     key_value_segment_ids=None,
+    sinks=None,
+    logits_soft_cap: float | None = None,
 ):
   """Attention with the sequence sharded over mesh axis `axis_name` (ring).
 
@@ -177,11 +190,21 @@ def context_parallel_attention(
     query_segment_ids, key_value_segment_ids: int `[B, T]` each, both or
       neither, laid out and sharded like the sequence (packed documents, as in
       `fa4_jax.attention`): the key/value ids travel the ring with their block.
+    sinks: optional float `[N]`, one logit per query head, as in
+      `fa4_jax.attention` (differentiable; sharded like the heads): added once,
+      to the ring's merged result.
+    logits_soft_cap: optional positive Python number, as in
+      `fa4_jax.attention`: every ring step soft-caps its logits before its mask.
     bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size:
       not supported yet; passing one raises a `ValueError`.
 
   Returns:
     The attention output, `[B, T, N, H]`, sharded like `query`.
+
+  Differentiable in reverse mode (`jax.grad`: a hand-written ring backward),
+  forward mode (`jax.jvp`, `jax.jacfwd`: a ring over the XLA path's tangent)
+  and forward-over-reverse (`jax.hessian`, `jax.jvp(jax.grad(f))`), as
+  `fa4_jax.attention` is (`fa4_jax/vjp.py`).
   """
   unsupported = dict(bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
                      key_value_seq_lengths=key_value_seq_lengths,
@@ -199,7 +222,8 @@ def context_parallel_attention(
                   query_seq_lengths=None, key_value_seq_lengths=None,
                   local_window_size=None, implementation=implementation,
                   query_segment_ids=query_segment_ids,
-                  key_value_segment_ids=key_value_segment_ids)
+                  key_value_segment_ids=key_value_segment_ids, sinks=sinks,
+                  logits_soft_cap=logits_soft_cap)
   q, k, v = args.query, args.key, args.value
   if q.ndim != 4 or len(args.output_shape) != 4:
     raise ValueError("context_parallel_attention needs rank-4 [B, T, N, H] inputs; "
@@ -231,19 +255,17 @@ def context_parallel_attention(
   block_call = backends.CallInfo(
       q_shape=(b // batch_shards, local, n // head_shards, h),
       k_shape=(b // batch_shards, local, kh // head_shards, h),
-      dtype=q.dtype, spec=spec, has_bias=False, has_mask=False)
+      dtype=q.dtype, spec=spec, has_bias=False, has_mask=False,
+      soft_cap=args.logits_soft_cap, has_segment_ids=args.query_segment_ids is not None)
   ring = _Ring(axis_name=axis_name, size=p, causal=is_causal,
                matmul_precision=vjp.current_matmul_precision(),
                load_balanced=load_balanced, scale=args.scale,
-               backend=backends.select(implementation, block_call))
-  pspec = PartitionSpec(batch_axis, axis_name, head_axis, None)
-  operands, in_specs = [q, k, v], [pspec, pspec, pspec]
-  if args.query_segment_ids is not None:
-    operands += [args.query_segment_ids, args.key_value_segment_ids]
-    in_specs += [PartitionSpec(batch_axis, axis_name)] * 2
-  run = jax.shard_map(functools.partial(_ring_attention, ring), mesh=mesh,
-                      in_specs=tuple(in_specs), out_specs=pspec, check_vma=False)
-  return run(*operands)
+               backend=backends.select(implementation, block_call),
+               soft_cap=args.logits_soft_cap)
+  plan = _Sharded(ring=ring, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
+  out, _ = _ring_core(plan, (q, k, v, args.query_segment_ids, args.key_value_segment_ids),
+                      args.sinks)
+  return out
 
 
 def _check_positive_int(x, name):
@@ -302,6 +324,7 @@ class _Ring:
   # The matmul precision scope of the call, re-entered by the backward
   # (`vjp.CoreConfig.matmul_precision`).
   matmul_precision: str | None = None
+  soft_cap: float | None = None  # every backend call soft-caps its own logits
 
   def chunks(self, device):
     """Global chunk indices (of 2P) of the two halves device `device` holds."""
@@ -434,14 +457,14 @@ def _ring_steps(ring: _Ring, kv, state, work, after_work=lambda state: state):
 
 def _segment_parts(q_ids, block, call: _Call):
   """(query ids, key ids) of one call: the rows' ids and those of the held
-  block's columns (they travel with it), or (None, None)."""
+  block's columns (they travel with it, last in the block), or (None, None)."""
   if q_ids is None:
     return None, None
-  return _part(q_ids, call.rows), _part(block[2], call.cols)
+  return _part(q_ids, call.rows), _part(block[-1], call.cols)
 
 
 def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
-  """Ring forward on one device: (out [B,2c,N,H], lse f32 [B,N,2c])."""
+  """Ring forward on one device: (out [B,2c,N,H], lse f32 [B,N,2c]), no sinks."""
   b, t, n, h = q.shape
 
   def attend(block):
@@ -449,18 +472,19 @@ def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
       out, lse = ring.backend.forward(
           _part(q, call.rows), _part(block[0], call.cols), _part(block[1], call.cols),
           None, None, None, None, *_segment_parts(q_ids, block, call),
-          scale=ring.scale, spec=call.spec, soft_cap=None)
+          scale=ring.scale, spec=call.spec, soft_cap=ring.soft_cap)
       return _merge(acc, (out, lse), call.rows)
     return fn
 
   empty = (jnp.zeros((b, t, n, h), jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32))
-  out, lse = _ring_steps(ring, _block(k, v, kv_ids), empty, attend)
+  out, lse = _ring_steps(ring, _block(kv_ids, k, v), empty, attend)
   return out.astype(q.dtype), lse
 
 
-def _block(k, v, kv_ids):
-  """What travels the ring: K, V and, with segment ids, the keys' ids."""
-  return (k, v) if kv_ids is None else (k, v, kv_ids)
+def _block(kv_ids, *arrays):
+  """What travels the ring: K and V (and their tangents, for the tangent
+  ring) and, with segment ids, the keys' ids, last."""
+  return arrays if kv_ids is None else (*arrays, kv_ids)
 
 
 def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, dout):
@@ -480,7 +504,7 @@ def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, dout):
           _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None, None,
           None, *_segment_parts(q_ids, block, call),
           _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows),
-          scale=ring.scale, spec=call.spec, soft_cap=None)
+          scale=ring.scale, spec=call.spec, soft_cap=ring.soft_cap)
       f32 = lambda x: x.astype(jnp.float32)
       return (_add_rows(dq, rows, f32(dq_c)), _add_rows(dk, cols, f32(dk_c)),
               _add_rows(dv, cols, f32(dv_c)))
@@ -490,26 +514,200 @@ def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, dout):
     dq, dk, dv = state
     return (dq, *ring.shift((dk, dv)))
 
-  dq, dk, dv = _ring_steps(ring, _block(k, v, kv_ids),
+  dq, dk, dv = _ring_steps(ring, _block(kv_ids, k, v),
                            (f32_zeros(q), f32_zeros(k), f32_zeros(v)), grads, send_block_grads)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
-  return _forward(ring, q, k, v, q_ids, kv_ids)[0]
+def _tangent_sums(ring: _Ring, q, k, v, q_ids, kv_ids, lse, dq, dk, dv):
+  """Ring tangent on one device: the key sums of the XLA path's tangent
+  (`xla_attention.tangent_sums`) over every block, f32 ([B,2c,N,H],
+  [B,N,2c]). P = exp(s - lse) is exact per block with the final lse, so the
+  blocks' sums add up; the key/value tangents travel with their block."""
+  b, t, n, h = q.shape
+
+  def sums(block):
+    def fn(call, acc):
+      rows, cols = call.rows, call.cols
+      d_out, d_lse = xla_attention.tangent_sums(
+          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None, None,
+          None, *_segment_parts(q_ids, block, call), _part(lse, rows, axis=2),
+          _part(dq, rows), _part(block[2], cols), _part(block[3], cols), None,
+          scale=ring.scale, spec=call.spec, soft_cap=ring.soft_cap)
+      return _add_rows(acc[0], rows, d_out), _add_rows(acc[1], rows, d_lse, axis=2)
+    return fn
+
+  zeros = (jnp.zeros((b, t, n, h), jnp.float32), jnp.zeros((b, n, t), jnp.float32))
+  return _ring_steps(ring, _block(kv_ids, k, v, dk, dv), zeros, sums)
 
 
-def _ring_attention_fwd(ring, q, k, v, q_ids=None, kv_ids=None):
-  out, lse = _forward(ring, q, k, v, q_ids, kv_ids)
-  return out, (q, k, v, q_ids, kv_ids, out, lse)
+# ---------------------------------------------------------------------------
+# Differentiation: the rule of `fa4_jax/vjp.py`, around the ring.
+#
+# `_ring_core` is a `jax.custom_jvp` of the whole sharded call: (out, lse)
+# from the ring forward, and their tangent as one `vjp.linear_map` ("ring"),
+# evaluated by the tangent ring (forward mode) and transposed to the ring
+# backward (reverse mode: one forward, one backward, as a custom_vjp would).
+# The ring backward is itself a custom_jvp ("ring_backward": the derivative
+# of the ring backward on the XLA path; kernels have none) for
+# forward-over-reverse. Sinks enter once, outside the ring: added to the
+# merged (out, lse) like any backend's post-pass (`scores.add_sinks`), their
+# gradient a reduction (`scores.sink_grad`).
 
 
-def _ring_attention_bwd(ring, residuals, dout):
-  # The ids (None when not given: custom_vjp counts the defaults too) are
-  # not differentiable.
-  with vjp.precision_scope(ring.matmul_precision):
-    return _backward(ring, *residuals, dout) + (None, None)
+@dataclasses.dataclass(frozen=True)
+class _Sharded:
+  """The ring and where it runs: what the differentiation rules hold."""
+
+  ring: _Ring
+  mesh: object
+  batch_axis: object = None
+  head_axis: object = None
+
+  @property
+  def sequence_spec(self):  # q, k, v, out and their tangents, [B, T, N, H]
+    return PartitionSpec(self.batch_axis, self.ring.axis_name, self.head_axis, None)
+
+  @property
+  def ids_spec(self):  # segment ids, [B, T]
+    return PartitionSpec(self.batch_axis, self.ring.axis_name)
+
+  @property
+  def stats_spec(self):  # lse, [B, N, T]
+    return PartitionSpec(self.batch_axis, self.head_axis, self.ring.axis_name)
+
+  def run(self, fn, operands, specs, out_specs):
+    """`fn(*operands)` on every device's shards (shard_map); the None
+    operands (no segment ids) reach `fn` as None."""
+    given = [i for i, x in enumerate(operands) if x is not None]
+
+    def local(*arrays):
+      full = [None] * len(operands)
+      for i, x in zip(given, arrays):
+        full[i] = x
+      return fn(*full)
+
+    return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(specs[i] for i in given),
+                         out_specs=out_specs, check_vma=False)(*(operands[i] for i in given))
+
+  def operand_specs(self, extra_sequence=0, extra_stats=0):
+    """Specs of (q, k, v, q_ids, kv_ids) followed by stats and sequence arrays."""
+    seq, ids = self.sequence_spec, self.ids_spec
+    return [seq, seq, seq, ids, ids] + [self.stats_spec] * extra_stats + [seq] * extra_sequence
+
+  def laid_out(self, x, spec):
+    """`x` with the sharding `spec` where the mesh's axes are Explicit
+    (shard_map takes nothing else there): for tangents, which JAX makes
+    (`jax.jacfwd`'s basis is replicated) rather than the caller."""
+    if x is None or AxisType.Explicit not in tuple(getattr(self.mesh, "axis_types", ())):
+      return x
+    return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+
+  def with_backend(self, backend):
+    return dataclasses.replace(self, ring=dataclasses.replace(self.ring, backend=backend))
 
 
-_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+def _sharded_forward(plan: _Sharded, operands, sinks):
+  """(out [B,T,N,H], lse f32 [B,N,T]) of the ring, sinks included."""
+  out, lse = plan.run(functools.partial(_forward, plan.ring), operands, plan.operand_specs(),
+                      (plan.sequence_spec, plan.stats_spec))
+  if sinks is not None:
+    out, lse = scores.add_sinks(out, lse, sinks)
+  return out, lse
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _ring_core(plan: _Sharded, operands, sinks):
+  """(out, lse) of ring attention; operands = (q, k, v, q_ids, kv_ids)."""
+  shielded = functools.partial(_ring_core_shielded, plan)
+  return vjp.keeping_rule(shielded)(operands, sinks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _ring_core_shielded(plan: _Sharded, operands, sinks):
+  """`_ring_core` again, with the same rule, inside `vjp.keeping_rule`."""
+  return _sharded_forward(plan, operands, sinks)
+
+
+@_ring_core.defjvp
+@_ring_core_shielded.defjvp
+def _ring_core_jvp(plan, primals, tangents):
+  operands, sinks = primals
+  out, lse = _ring_core(plan, operands, sinks)
+  dq, dk, dv = tangents[0][:3]  # segment ids are not differentiable
+  dsinks = tangents[1] if sinks is not None else None
+  tangent = vjp.linear_map("ring", plan, (operands, sinks, out, lse), (dq, dk, dv, dsinks))
+  return (out, lse), tangent
+
+
+def _ring_tangent(plan: _Sharded, residuals, linear, partitioned=True):
+  """(dout, dlse) along (dq, dk, dv, dsinks): the tangent ring's key sums,
+  finished as the XLA path finishes them (sinks, normalization)."""
+  del partitioned  # the ring is always partitioned, and plain jnp
+  operands, sinks, out, lse = residuals
+  dq, dk, dv = (plan.laid_out(x, plan.sequence_spec) for x in linear[:3])
+  dsinks = linear[3]
+  with vjp.precision_scope(plan.ring.matmul_precision):
+    sums = plan.run(functools.partial(_tangent_sums, plan.ring),
+                    (*operands, lse, dq, dk, dv),
+                    plan.operand_specs(extra_stats=1, extra_sequence=3),
+                    (plan.sequence_spec, plan.stats_spec))
+    return xla_attention.finish_tangent(*sums, out, lse, sinks, dsinks)
+
+
+def _ring_transpose(plan: _Sharded, residuals, cotangents):
+  """(dq, dk, dv, dsinks) from the cotangent of the output: the ring
+  backward, and the sinks' gradient."""
+  operands, sinks, out, lse = residuals
+  dout, dlse = cotangents  # None: zero
+  if dlse is not None:
+    # The lse never leaves context_parallel_attention, so no caller gives it
+    # a cotangent; the kernels' backward could not take one.
+    raise ValueError("context_parallel_attention: the ring's log-sum-exp has no "
+                     "reverse-mode rule")
+  if dout is None:
+    dout = jnp.zeros_like(out)
+  with vjp.precision_scope(plan.ring.matmul_precision):
+    dq, dk, dv = _ring_backward(plan, operands, out, lse, dout)
+  dsinks = None
+  if sinks is not None:
+    delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    dsinks = scores.sink_grad(sinks, lse, delta)
+  return dq, dk, dv, dsinks
+
+
+def _sharded_backward(plan: _Sharded, operands, out, lse, dout):
+  """(dq, dk, dv) of the ring backward, on every device."""
+  return plan.run(functools.partial(_backward, plan.ring), (*operands, out, lse, dout),
+                  plan.operand_specs(extra_sequence=1) + [plan.stats_spec, plan.sequence_spec],
+                  (plan.sequence_spec,) * 3)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _ring_backward(plan: _Sharded, operands, out, lse, dout):
+  """The ring backward with the backend's kernels; its derivative (for
+  `jax.hessian`) is that of the ring backward on the XLA path."""
+  return _sharded_backward(plan, operands, out, lse, dout)
+
+
+@_ring_backward.defjvp
+def _ring_backward_jvp(plan, primals, tangents):
+  # The segment ids' (float0) tangents are left out.
+  tangents = jax.tree.map(lambda x, t: t if jnp.issubdtype(x.dtype, jnp.inexact) else None,
+                          primals, tangents)
+  tangent = vjp.linear_map("ring_backward", plan, primals, tangents)
+  return _ring_backward(plan, *primals), tangent
+
+
+def _ring_backward_tangent(plan: _Sharded, residuals, linear, partitioned=True):
+  """Tangent of the ring backward on the XLA path at `residuals`."""
+  del partitioned
+  linear = jax.tree.map(
+      lambda x, t: np.zeros(x.shape, jax.dtypes.float0) if t is None else t, residuals, linear)
+  xla_plan = plan.with_backend(backends.XLA)
+  with vjp.precision_scope(plan.ring.matmul_precision):
+    return jax.jvp(functools.partial(_sharded_backward, xla_plan), residuals, linear)[1]
+
+
+vjp.register_linear_map("ring", _ring_tangent, _ring_transpose)
+vjp.register_linear_map("ring_backward", _ring_backward_tangent, vjp.refuse_reverse_over_reverse)

@@ -31,7 +31,7 @@ and returns the tangent of (out, lse) as one linear primitive (`_LinearMap`):
   kernels have no derivative). The tangent of the lse is exact, since the
   backward's derivative reads it.
 The rule is held twice, outside and inside a `custom_vmap` call
-(`_keeping_rule`): partial evaluation (a `lax.scan` linearized for
+(`keeping_rule`): partial evaluation (a `lax.scan` linearized for
 `jax.grad`) inlines a custom_jvp and drops its rule, but stages the
 custom_vmap call whole, so a Hessian-vector product through a scan still
 finds the rule.
@@ -82,19 +82,19 @@ class CoreConfig:
 def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                    kv_segment_ids, sinks, config: CoreConfig):
   """(out, lse) of attention with the backend named in `config`."""
-  return _keeping_rule(functools.partial(_partitioned_forward, config=config))(
+  return keeping_rule(functools.partial(_partitioned_forward, config=config))(
       q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
 def _partitioned_forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                          kv_segment_ids, sinks, config: CoreConfig):
-  """`attention_core` again, with the same rule: what `_keeping_rule` shields."""
+  """`attention_core` again, with the same rule: what `keeping_rule` shields."""
   return sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths,
                           q_segment_ids, kv_segment_ids, sinks)
 
 
-def _keeping_rule(rule_fn):
+def keeping_rule(rule_fn):
   """`rule_fn` (a custom_jvp) as one `custom_vmap` primitive, so that its
   differentiation rule survives JAX's partial evaluation.
 
@@ -225,11 +225,33 @@ def _xla_backward(config, operands, out, lse, dout, dlse=None):
                                 spec=config.spec, soft_cap=config.soft_cap, dlse=dlse)
 
 
-# kind -> (evaluate(config, residuals, linear), transpose(config, residuals, cts))
+# kind -> (evaluate(config, residuals, linear, partitioned=True),
+#          transpose(config, residuals, cts))
 _LINEAR_MAPS = {
     "attention": (_attention_tangent, _attention_transpose),
     "backward": (_backward_tangent, _backward_transpose),
 }
+
+
+def register_linear_map(kind: str, evaluate: Callable, transpose: Callable):
+  """Adds a kind of `linear_map` (another module's differentiation rule,
+  e.g. the context-parallel ring's): `evaluate(config, residuals, linear,
+  partitioned=True)` is the map (plain jnp: it is differentiated for higher
+  orders, with partitioned=False), `transpose(config, residuals, cts)` its
+  transpose (None cotangents are zeros)."""
+  _LINEAR_MAPS[kind] = (evaluate, transpose)
+
+
+def linear_map(kind: str, config, residuals, linear):
+  """The registered map `kind` applied to `linear` at fixed `residuals`, as
+  one primitive: the tangent a `custom_jvp` rule returns, so that forward
+  mode evaluates it and reverse mode transposes it (`_LinearMap`)."""
+  return _LinearMap.of(kind, config, residuals, linear)
+
+
+def refuse_reverse_over_reverse(config, residuals, cotangents):
+  """The transpose of a backward's tangent: not supported (see the error)."""
+  return _backward_transpose(config, residuals, cotangents)
 
 
 class _LinearMap(hijax.HiPrim):

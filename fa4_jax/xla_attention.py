@@ -324,6 +324,19 @@ def tangent(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segmen
   pass over the visible blocks, as in `forward`: memory linear in sequence
   length.
   """
+  sums = tangent_sums(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                      kv_segment_ids, lse, dq, dk, dv, dbias, scale=scale, spec=spec,
+                      soft_cap=soft_cap, blocks=blocks)
+  return finish_tangent(*sums, out, lse, sinks, dsinks)
+
+
+def tangent_sums(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                 lse, dq, dk, dv, dbias, *, scale: float, spec: MaskSpec,
+                 soft_cap: float | None = None, blocks: Blocks | None = None):
+  """The key-block sums of `tangent`: (P dV + (P * dS) V f32 [B,T,N,D],
+  rowsum(P * dS) f32 [B,N,T]). Both are sums over keys, with P from the
+  final `lse`: the keys may be split into parts (the context-parallel ring)
+  and the parts' sums added before `finish_tangent`."""
   p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                scale, spec, blocks, soft_cap)
   bsz, tp, kh, g, d = p.q.shape
@@ -366,6 +379,12 @@ def tangent(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segmen
   nq = p.num_q_blocks
   d_out = d_out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, d)[:, :p.t]
   d_lse = d_lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
+  return d_out, d_lse
+
+
+def finish_tangent(d_out, d_lse, out, lse, sinks, dsinks):
+  """`tangent` from its key sums (`tangent_sums`): the sinks' share of the
+  lse's tangent, and the output's change through the normalization."""
   if sinks is not None:
     d_lse = d_lse + scores.sink_probability(sinks, lse) * dsinks.astype(jnp.float32)[:, None]
   d_out = d_out - d_lse.transpose(0, 2, 1)[..., None] * out.astype(jnp.float32)

@@ -11,7 +11,14 @@ Specification:
   masked pair of chunks;
 * `load_balance` gives device i chunks i and 2P-1-i; `unload_balance` undoes it;
 * batch and head axes may be sharded over other mesh axes at the same time;
-* bad meshes, axis names, lengths and unsupported arguments raise clear errors.
+* `sinks=` and `logits_soft_cap=` mean what they mean in `fa4_jax.attention`
+  (each and together, causal or not, GQA, heads sharded too): output and
+  gradients, the sinks' included, equal an f32 einsum reference;
+* forward mode (`jax.jvp`, `jax.jacfwd`) and forward-over-reverse
+  (`jax.jvp(jax.grad(f))`, `jax.hessian`) equal the reference's;
+  reverse-over-reverse names forward-over-reverse, as `fa4_jax.attention` does;
+* bad meshes, axis names, lengths and unsupported arguments raise clear
+  errors; bad sinks and soft-caps raise `fa4_jax.attention`'s own.
 """
 
 import jax
@@ -22,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
 from fa4_jax import context_parallel
+from reference import einsum_attention, visible_mask
 
 
 def normal(rng, shape):
@@ -197,3 +205,121 @@ def test_head_axis_must_hold_whole_gqa_groups(host_devices):
   with pytest.raises(ValueError, match="whole GQA groups"):
     fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq",
                                        head_axis="model")
+
+
+# --- Sinks, soft-cap and forward mode ------------------------------------------
+
+
+def sharded_along_the_ring(mesh, spec, devices):
+  """(put, restore): a natural-order [B, T, ...] array to the load-balanced
+  layout sharded by `spec`, and back; other arrays (sinks) unchanged."""
+  def put(x):
+    if x.ndim != 4:
+      return x
+    return jax.device_put(fa4_jax.load_balance(x, devices), NamedSharding(mesh, spec))
+
+  def restore(x):
+    return fa4_jax.unload_balance(x, devices) if x.ndim == 4 else x
+
+  return put, restore
+
+
+def weighted_loss(attend):
+  """A loss whose gradient is no multiple of the output (cf. test_forward_mode)."""
+  return lambda *args: jnp.sum(jnp.sin(attend(*args)) * jnp.cos(jnp.arange(8.0)))
+
+
+def ring_and_reference(mesh, is_causal, sinks, soft_cap, t, **axes):
+  """(ring(q, k, v, s), reference(q, k, v, s)): context-parallel attention
+  and the f32 einsum with the same sinks (s, or None) and soft-cap."""
+  use = lambda s: s if sinks else None
+  ring = lambda q, k, v, s: fa4_jax.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=is_causal, sinks=use(s),
+      logits_soft_cap=soft_cap, **axes)
+  visible = visible_mask(t, t, is_causal=is_causal)
+  reference = lambda q, k, v, s: einsum_attention(q, k, v, visible, sinks=use(s),
+                                                  soft_cap=soft_cap)[0]
+  return ring, reference
+
+
+@pytest.mark.parametrize("mesh_shape, is_causal, sinks, soft_cap", [
+    ((4,), True, True, None),
+    ((4,), False, False, 1.5),
+    ((4,), True, True, 1.5),
+    ((2, 2), True, True, 1.5),  # heads sharded too: the sinks with them
+], ids=["sinks-causal", "soft_cap-dense", "both-causal", "both-heads_sharded"])
+def test_sinks_and_soft_cap_equal_the_reference_forward_and_backward(
+    host_devices, mesh_shape, is_causal, sinks, soft_cap):
+  mesh = jax.make_mesh(mesh_shape, ("seq", "model")[:len(mesh_shape)])
+  head_axis = "model" if len(mesh_shape) == 2 else None
+  q, k, v, _ = qkv_and_cotangent(seed=11, n=4, kv_heads=2)  # GQA
+  s = jnp.asarray([0.5, -1.0, 2.0, 3.0], jnp.float32)  # one sink dominates its rows
+  ring, reference = ring_and_reference(mesh, is_causal, sinks, soft_cap, q.shape[1],
+                                       head_axis=head_axis)
+  put, restore = sharded_along_the_ring(mesh, P(None, "seq", head_axis), mesh_shape[0])
+  value_and_grads = lambda f: jax.value_and_grad(weighted_loss(f), (0, 1, 2, 3))
+
+  got = jax.jit(lambda *a: (ring(*a), value_and_grads(ring)(*a)))(*map(put, (q, k, v, s)))
+  want = (reference(q, k, v, s), value_and_grads(reference)(q, k, v, s))
+
+  assert_close(jax.tree.map(restore, got), want)
+
+
+def test_forward_mode_and_hessian_vector_product_equal_the_reference(host_devices):
+  mesh = jax.make_mesh((2,), ("seq",))
+  rng = np.random.default_rng(5)
+  q, k, v, _ = qkv_and_cotangent(seed=5, b=1, t=16)
+  primals = (q, k, v, normal(rng, (4,)))
+  tangents = qkv_and_cotangent(seed=6, b=1, t=16)[:3] + (normal(rng, (4,)),)
+  ring, reference = ring_and_reference(mesh, True, True, 1.5, q.shape[1])
+  put, restore = sharded_along_the_ring(mesh, P(None, "seq"), 2)
+  jvp_and_hvp = lambda f: lambda p, t: (
+      jax.jvp(f, p, t), jax.jvp(jax.grad(weighted_loss(f), (0, 1, 2, 3)), p, t))
+  sharded = lambda xs: tuple(map(put, xs))
+
+  got = jax.jit(jvp_and_hvp(ring))(sharded(primals), sharded(tangents))
+
+  assert_close(jax.tree.map(restore, got), jvp_and_hvp(reference)(primals, tangents))
+
+
+def test_jacfwd_and_hessian_equal_the_reference(host_devices):
+  mesh = jax.make_mesh((2,), ("seq",))  # no layout: a 2-device contiguous ring
+  q, k, v, _ = qkv_and_cotangent(seed=9, b=1, t=8, n=2, kv_heads=1, h=8)
+  s = jnp.asarray([0.3, -0.7], jnp.float32)
+  ring, reference = ring_and_reference(mesh, True, True, 1.5, 8, load_balanced=False)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "seq")))
+  on_ring = lambda f: jax.jit(f)(put(q), put(k), put(v), s)
+
+  on_reference = lambda f: jax.jit(f)(q, k, v, s)
+
+  assert_close(on_ring(jax.jacfwd(ring, (0, 3))), on_reference(jax.jacfwd(reference, (0, 3))))
+  assert_close(on_ring(jax.hessian(weighted_loss(ring), (1, 3))),
+               on_reference(jax.hessian(weighted_loss(reference), (1, 3))))
+
+
+def test_reverse_over_reverse_names_forward_over_reverse(ring_inputs):
+  mesh, q, k, v = ring_inputs
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "seq")))
+  q, k, v = map(put, (q, k, v))
+  loss = lambda q: jnp.sum(fa4_jax.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=True) ** 2)
+  with pytest.raises(ValueError, match=r"reverse-over-reverse.*jax\.hessian"):
+    jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(loss)(q))))(q)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(sinks=jnp.zeros((2,))),  # one per key/value head: must be one per query head
+    dict(sinks=jnp.zeros((4,), jnp.int32)),
+    dict(logits_soft_cap=0.0),
+    dict(logits_soft_cap=-1.0),
+    dict(logits_soft_cap="50"),
+], ids=["sinks-shape", "sinks-dtype", "cap-zero", "cap-negative", "cap-string"])
+def test_bad_sinks_and_soft_caps_raise_what_attention_raises(ring_inputs, kwargs):
+  mesh, q, k, v = ring_inputs
+  with pytest.raises(ValueError) as from_attention:
+    fa4_jax.attention(q, k, v, **kwargs)
+  argument = next(iter(kwargs))
+  assert f"`{argument}`" in str(from_attention.value)
+  with pytest.raises(ValueError) as from_ring:
+    fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq", **kwargs)
+  assert str(from_ring.value) == str(from_attention.value)
