@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import barrier_tables
+import fa4_jax
 import reference
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_forward, sm100_tiles
@@ -600,11 +601,28 @@ def test_cross_lowers_persistent_grid_for_sm100(head_dim, causal, options, cross
   assert "%c512_i32" in module.split("tcgen05.alloc")[1][:300]
 
 
-def test_persistent_grid_takes_the_targets_sm_count():
-  cfg = dataclasses.replace(sm100_forward.tile_config(128, jnp.bfloat16), persistent=True,
-                            num_sms=148)
-  work = sm100_forward.persistent_work(cfg, MaskSpec(right=0), 4, 16, 8192)
-  assert work.num_ctas == 148 and work.paired
+@pytest.mark.parametrize("target_sms, expected", [(None, 148), (100, 100)])
+def test_persistent_grid_takes_one_cta_per_sm_of_the_target(target_sms, expected, monkeypatch):
+  """num_sms 0: the `gpu_target`'s SM count, a B200's 148 without a GPU."""
+  built = {}
+
+  def fake_build(cfg, **kwargs):
+    built["cfg"] = cfg
+    raise StopIteration
+
+  monkeypatch.setattr(sm100_forward, "_build_kernel", fake_build)
+  cfg = dataclasses.replace(sm100_forward.tile_config(128, jnp.bfloat16), persistent=True)
+  q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
+  call = lambda q: sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(),
+                                         config=cfg)
+  with pytest.raises(StopIteration):
+    if target_sms is None:
+      with jax.default_device(jax.devices("cpu")[0]):  # no GPU, even on a GPU host
+        jax.eval_shape(call, q)
+    else:
+      with fa4_jax.gpu_target("sm100", num_sms=target_sms):
+        jax.eval_shape(call, q)
+  assert built["cfg"].num_sms == expected and built["cfg"].persistent
 
 
 def test_bad_grid_configs_are_rejected():
