@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import barrier_tables
+import fa4_jax
 import reference
 from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
@@ -530,6 +531,141 @@ def test_compile_probe_emits_sm100a_ptx_and_cubin(tmp_path):
     in_loops = [row["loop_spill_accesses"] for row in rows]
     assert all(got <= limit for got, limit in zip(in_loops, loop_ceilings)), list(
         zip(in_loops, loop_ceilings))
+
+
+# --- The persistent grid -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentCase(OptionCase):
+  """A call on the persistent grid with `num_sms` CTAs: few, so that every
+  CTA walks several work items (phases carried across items)."""
+
+  num_sms: int = 2
+
+
+PERSISTENT_CASES = {
+    # Three CTA tiles of 256 rows per (batch, head): paired heavy with light
+    # plus one empty tile past the end, 2 x 2 x 4 / 2 = 8 units, 4 per CTA
+    # (8 items each). CTA 0 starts with that empty tile, then tiles 2 and
+    # 1; batch row 1 has no key (kv_len 0), so each CTA ends with four empty
+    # items in a row (zeros, lse = sink). GQA, sinks, soft-cap, lengths.
+    "causal_pairs_odd_tiles_gqa_sinks_soft_cap": PersistentCase(
+        batch=2, q_seq=640, kv_seq=640, q_heads=2, kv_heads=1, is_causal=True,
+        q_lengths=(600, 640), kv_lengths=(640, 0), sinks=(0.5, -1.0), soft_cap=5.0,
+        logit_scale=2.0),
+    # Dense, 8 units over 2 CTAs: CTA 0 walks (b0, h0, tiles 0, 1), (b1, h0,
+    # tiles 0, 1). Batch row 0's tile 1 holds an id no key has and row 1's
+    # tile 1 lies past q_len: empty items in the middle and at the end of a
+    # walk. Segment ids, lengths, GQA, sinks.
+    "dense_segments_lengths_empty_items": PersistentCase(
+        batch=2, q_seq=384, kv_seq=300, q_heads=2, kv_heads=1,
+        q_lengths=(384, 200), kv_lengths=(300, 150), sinks=(1.0, -0.5),
+        q_segment_ids=_ids(np.r_[_DOCS([100, 156], 256), np.full(128, 9)],
+                           _DOCS([120, 136], 384)),
+        kv_segment_ids=_ids(_DOCS([80, 150, 70], 300), _DOCS([120, 180], 300))),
+    # head_dim 256: one Q tile per CTA tile (the other MMA order), 64-key
+    # blocks; three tiles of 128 rows paired with an empty fourth; growing
+    # logits make the correction rescale O; float16.
+    "head_dim_256_causal_float16": PersistentCase(
+        q_seq=264, kv_seq=192, q_heads=2, kv_heads=1, head_dim=256, dtype="float16",
+        is_causal=True, sinks=(2.0, -0.5), logit_scale=2.0, key_growth=4.0),
+}
+
+
+def _persistent_config(case: PersistentCase):
+  cfg = sm100_forward.tile_config(case.head_dim, jnp.dtype(case.dtype))
+  return dataclasses.replace(cfg, persistent=True, num_sms=case.num_sms)
+
+
+@pytest.mark.parametrize("name", sorted(PERSISTENT_CASES))
+def test_interpreted_persistent_grid_matches_the_reference(name, run_interpreted):
+  case = PERSISTENT_CASES[name]
+  cfg = _persistent_config(case)
+  work = sm100_forward.persistent_work(cfg, case.mask, case.batch, case.q_heads,
+                                       -(-case.q_seq // 8) * 8)
+  assert work.num_ctas == case.num_sms and work.count(0) >= 4  # several items per CTA
+  q, k, v = _inputs(case.batch, case.q_seq, case.kv_seq, case.q_heads, case.kv_heads,
+                    case.head_dim, jnp.float32, seed=5, key_growth=case.key_growth)
+  q, k, v = (x.astype(case.dtype) for x in (q * case.logit_scale, k, v))
+  scale = 1.0 / np.sqrt(case.head_dim)
+  ql, kl = case.lengths()
+  options = dict(soft_cap=case.soft_cap, sinks=jnp.asarray(case.sinks, jnp.float32),
+                 segment_ids=case.segment_ids())
+  out, lse = run_interpreted(
+      lambda q, k, v, opts: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=case.mask,
+                                                  config=cfg, **opts),
+      q, k, v, options)
+  expected, expected_lse = _expected_with_options(case, q, k, v, scale)
+  _assert_out_and_lse(out, lse, expected, expected_lse)
+
+
+@pytest.mark.parametrize("head_dim, causal, options", [
+    (64, False, False), (128, True, False), (256, True, False), (128, True, True),
+])
+def test_cross_lowers_persistent_grid_for_sm100(head_dim, causal, options, cross_lower):
+  """The persistent configs lower with tcgen05 MMAs and TMEM (no wgmma),
+  one TMEM allocation of at most 512 columns, within SMEM; with segment
+  ids, sinks and soft-cap too. num_sms 0: a B200's 148 without a GPU."""
+  cfg = dataclasses.replace(sm100_forward.tile_config(head_dim, jnp.bfloat16), persistent=True)
+  q_spec = jax.ShapeDtypeStruct((2, 1300, 4, head_dim), jnp.bfloat16)
+  kv_spec = jax.ShapeDtypeStruct((2, 1030, 2, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  extra = ()
+  if options:
+    extra = (jax.ShapeDtypeStruct((2, 1300), jnp.int32), jax.ShapeDtypeStruct((2, 1030), jnp.int32),
+             jax.ShapeDtypeStruct((4,), jnp.float32))
+  mask = MaskSpec.from_arguments(causal, None)
+
+  def fn(q, k, v, a, b, *extra):
+    kwargs = {}
+    if extra:
+      kwargs = dict(segment_ids=extra[:2], sinks=extra[2], soft_cap=30.0)
+    return sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask, config=cfg, **kwargs)
+
+  lowered = cross_lower(fn, q_spec, kv_spec, kv_spec, lengths, lengths, *extra, arch="sm_100")
+  assert len(lowered.modules) == 1
+  for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st",
+                      "tcgen05.alloc", "cp.async.bulk.tensor", "mbarrier.try_wait.parity"):
+    assert lowered.has(instruction), instruction
+  assert not lowered.has("wgmma")
+  assert 0 < lowered.max_smem_bytes <= sm100_tiles.SMEM_BYTES
+  module = lowered.modules[0]
+  assert module.count("tcgen05.alloc") == 1
+  assert "%c512_i32" in module.split("tcgen05.alloc")[1][:300]
+
+
+@pytest.mark.parametrize("target_sms, expected", [(None, 148), (100, 100)])
+def test_persistent_grid_takes_one_cta_per_sm_of_the_target(target_sms, expected, monkeypatch):
+  """num_sms 0: the `gpu_target`'s SM count, a B200's 148 without a GPU."""
+  built = {}
+
+  def fake_build(cfg, **kwargs):
+    built["cfg"] = cfg
+    raise StopIteration
+
+  monkeypatch.setattr(sm100_forward, "_build_kernel", fake_build)
+  cfg = dataclasses.replace(sm100_forward.tile_config(128, jnp.bfloat16), persistent=True)
+  q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
+  call = lambda q: sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(),
+                                         config=cfg)
+  with pytest.raises(StopIteration):
+    if target_sms is None:
+      with jax.default_device(jax.devices("cpu")[0]):  # no GPU, even on a GPU host
+        jax.eval_shape(call, q)
+    else:
+      with fa4_jax.gpu_target("sm100", num_sms=target_sms):
+        jax.eval_shape(call, q)
+  assert built["cfg"].num_sms == expected and built["cfg"].persistent
+
+
+def test_bad_grid_configs_are_rejected():
+  with pytest.raises(ValueError, match="num_sms must be >= 0"):
+    dataclasses.replace(sm100_forward.tile_config(64, jnp.bfloat16), num_sms=-1)
+  other_tiling = dataclasses.replace(sm100_forward.tile_config(64, jnp.bfloat16), num_kv_stages=2)
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  with pytest.raises(KernelUnsupported, match="config must tile head_dim 64"):
+    sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(), config=other_tiling)
 
 
 def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):

@@ -22,7 +22,9 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from fa4_jax.kernels import default_device
 from fa4_jax.scores import MaskSpec
+from fa4_jax.target import current_target
 
 
 def pairs_causal_tiles(mask: MaskSpec) -> bool:
@@ -105,3 +107,18 @@ class PersistentWork:
     if isinstance(i, int):
       return batch_idx, head, heavy if first else light
     return batch_idx, head, jnp.where(first, heavy, light)
+
+
+def sm_count(default: int) -> int:
+  """SMs of the `fa4_jax.gpu_target` if one is active, else of the default
+  device (a persistent grid launches one CTA per SM: more would queue a
+  second wave); `default` without a GPU."""
+  if (chosen := current_target()) is not None:
+    return chosen.num_sms
+  try:
+    device = default_device()
+  except RuntimeError:
+    return default
+  if device.platform != "gpu":
+    return default
+  return getattr(device, "core_count", None) or default

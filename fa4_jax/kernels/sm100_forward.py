@@ -1,8 +1,9 @@
 """Blackwell (sm_100) attention forward: the FA4 pipeline in Pallas Mosaic GPU.
 
-One CTA owns `num_q_tiles` (2, or 1 for head_dim 256) query tiles of 128 rows
-of one (batch, head) and walks the key/value blocks that those rows can see.
-Accumulators live in tensor memory (TMEM); warpgroups specialise:
+A work item is a CTA tile, `num_q_tiles` (2, or 1 for head_dim 256) query
+tiles of 128 rows of one (batch, head); its CTA walks the key/value blocks
+that those rows can see. Accumulators live in tensor memory (TMEM);
+warpgroups specialise:
 
     wg 0 .. nq-1   softmax of Q tile i: S_i (TMEM) -> P_i (TMEM, over S_i),
                    running max / sum, rescale factor for the correction wg.
@@ -25,20 +26,53 @@ Every barrier is declared once in `ForwardBarriers` with its arrival count,
 the role that arrives on it and the roles that wait on it; the roles use its
 producer_* / consumer_* accessors, never a raw barrier.
 
+Grid (`fa4_jax.kernels.schedule`), two of them:
+
+* One CTA per work item, grid (q heads, CTA tiles, batch): the default.
+  Under causal-like masks the CTA tiles are launched heaviest (most key
+  blocks) first (`heavy_first_tile`), so the long ones start in the first
+  wave and the short ones fill the tail.
+* Persistent (`TileConfig.persistent`): one CTA per SM (`num_sms`, the
+  GPU's or the `gpu_target`'s count; a B200's 148 without one) walks its
+  share of the work items (`PersistentWork`: the launch order of the other
+  grid, causal tiles paired heavy with light). TMEM is allocated once;
+  every role walks the same items in the same order (`CtaWork.walk`), the
+  barriers' phases run on across items (`ForwardBarriers`, "Phases"), O
+  and the row statistics start afresh with each item, and Q's SMEM, which
+  the epilogue reuses for O on its way out, goes back to the load warp
+  through one more barrier (q_free).
+
+Why the persistent grid is not the default: nothing here was measured on a
+Blackwell GPU. On Hopper the persistent grid pays for short items (up to a
+mean of 24 key blocks per tile, 12 for causal pairs; `sm90_forward`)
+because the next item's Q load and the current item's O store overlap the
+neighbours' work, which needs a separate O tile in SMEM. Here Q's SMEM
+doubles as O's (a separate O tile does not fit next to the K/V ring at
+head_dim 128 and 256: 192 of 227 KiB are taken), and TMEM has no room for
+a second O (S and O fill all 512 columns at head_dim 128), so the next
+item's Q load waits for this item's O store and its first P V MMA for the
+epilogue's TMEM reads: what remains is the saved launches and the balanced
+causal tail. Whether that pays, and where, is for a B200 to say; until
+then the grid whose protocol is simpler stays the default and the
+persistent one is an option that the tests run.
+
 The element mask and the online softmax (running max from `scores.M_INIT`,
 threshold, exact rescale factor, 1 / l and LSE) come from `fa4_jax.scores`,
 the one implementation every backend uses, applied to whole tiles in the
 TMEM row layout.
 
-Each role is a module-level function of a `ForwardContext` (static
-configuration, refs, barriers, this CTA's tile geometry): `load_warp`,
-`mma_warp`, `softmax_wg`, `correction_wg` and its `epilogue`. The kernel body
-builds the context and `dispatch_roles` hands each warpgroup (and each warp
-of the last one) its role.
+Each role is a module-level function of the CTA's `CtaWork` (`load_warp`,
+`mma_warp`, `softmax_wg`, `correction_wg`) that walks the work items and
+runs its per-item function on each item's `ForwardContext` (static
+configuration, refs, barriers, the item's tile geometry): `_load_item`,
+`_mma_item`, `_softmax_item`, `_correct_item` and its `epilogue`. The
+kernel body builds the `CtaWork` and `dispatch_roles` hands each warpgroup
+(and each warp of the last one) its role. With one CTA per tile the walk is
+the one item, built once before the roles branch.
 
 Segment ids (packed sequences, `forward(..., segment_ids=(q_ids, kv_ids))`):
 `scores.segment_tile_ranges` gives, per Q tile, the key blocks its ids may
-meet and the ones that hold only its single id. The CTA walks the hull of
+meet and the ones that hold only its single id. A work item walks the hull of
 its Q tiles' blocks intersected with the band (`cta_key_blocks`, computed
 once in `ForwardContext.create`, so the load warp, the MMA warp, the softmax
 and the correction walk the same blocks); a softmax warpgroup applies the
@@ -67,7 +101,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,10 +113,13 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_causal_tiles,
+                                      sm_count)
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
                                          KvRingAccessors, Waiter, rem, smem_transforms)
 from fa4_jax.scores import MaskSpec
+from fa4_jax.target import DEFAULT_NUM_SMS
 
 # Optional arguments of `forward` (see fa4_jax/kernels/__init__.py).
 FEATURES = frozenset({"sinks", "soft_cap"})
@@ -111,6 +148,18 @@ class TileConfig:
   block_kv: int  # keys per K/V block
   num_q_tiles: int  # Q tiles (of BLOCK_Q rows) per CTA, one softmax wg each
   num_kv_stages: int  # slots of the K ring and of the V ring
+  # Persistent grid: one CTA per SM walks a share of the (batch, head, CTA
+  # tile) work items (`schedule.PersistentWork`). Off by default: see the
+  # module docstring ("Grid") for why.
+  persistent: bool = False
+  # CTAs of the persistent grid; 0: one per SM of the GPU at call time (148,
+  # a B200's count, where there is no GPU).
+  num_sms: int = 0
+
+  def __post_init__(self):
+    if self.num_sms < 0:
+      raise ValueError(f"TileConfig.num_sms must be >= 0 (0: the GPU's SM count); "
+                       f"got {self.num_sms}")
 
   @property
   def rows_per_cta(self) -> int:
@@ -198,7 +247,16 @@ class ForwardBarriers(KvRingAccessors):
   (no role touches a barrier except through these accessors):
 
   name      count   arrivals  t-core  arrived on by                   waited on by
-  q_full    tiles   1 (TMA)   no      load: producer_q (TMA bytes)    MMA: consumer_q
+  q_full    tiles   1 (TMA)   no      load: producer_q (TMA bytes)    MMA: consumer_q (one CTA
+                                        or, persistent, for an item     per tile: if it walks
+                                        that walks no key block:        keys; persistent: every
+                                        producer_q_no_keys              item); correction:
+                                                                        consumer_q (persistent:
+                                                                        every item)
+  q_free    tiles   1         no      correction: consumer_q_release  load: producer_q_acquire
+                                        (the item's O_i has left        (before Q_i of every
+                                        Q_i's SMEM; every item but      item but the first)
+                                        the CTA's last)
   k_full    stages  1 (TMA)   no      load: producer_k (TMA bytes)    MMA: consumer_k
   k_free    stages  1 (MMA)   yes     MMA: consumer_k_release         load: producer_k_acquire,
                                                                             drain_kv_rings*
@@ -209,7 +267,9 @@ class ForwardBarriers(KvRingAccessors):
   po_ready  tiles   2         yes     softmax_i: producer_p_commit    MMA: producer_o_acquire
                                         (P_i in TMEM) and
                                       correction: consumer_o_release
-                                        (O_i rescaled)
+                                        (O_i rescaled; at an item's
+                                        first block: the previous
+                                        item's epilogue has read O_i)
   o_done    tiles   1 (MMA)   yes     MMA: producer_o (O_i += P_i V)  correction: consumer_o;
                                                                       MMA: producer_s_acquire
                                                                         (before S_i is
@@ -221,7 +281,30 @@ class ForwardBarriers(KvRingAccessors):
                                                                                  drain_c*
 
   tiles = num_q_tiles, stages = num_kv_stages; t-core: the barrier orders
-  tensor-core work (tcgen05 commits arrive on it). * interpreter only.
+  tensor-core work (tcgen05 commits arrive on it). * interpreter only. The
+  persistent grid alone has a q_free barrier.
+
+  Phases: every barrier is used in the same order by every role, so each
+  wait observes the next phase; nothing is counted by hand. A persistent
+  CTA's roles walk the same work items, one after the other, and the
+  phases simply run on across items. What changes with items is only which
+  waits have a previous phase to wait for: the per-block waits (k_free /
+  v_free, o_done before an S MMA, c_free before a hand-off) are skipped
+  while the CTA's *running* block count (`ForwardContext.steps_before`,
+  over all items so far, not the item's block index) says no phase exists
+  yet, and the wait on q_free is skipped for the CTA's first item. A
+  thread that waits on a barrier must wait on every phase of it (Mosaic
+  GPU keeps each thread's expected parity by counting its own waits), so
+  the per-item barriers get one phase per item, also for items that walk
+  no key block (they add none to the per-block barriers): for those the
+  load warp arrives on q_full without a copy. The correction waits on the
+  Q barriers too, which keeps it from releasing Q's buffer (q_free) twice
+  before the load warp waited once.
+
+  An item's epilogue (correction) reads O_i from TMEM before the next
+  item's first O_i = P_i V MMA overwrites it: that MMA waits on po_ready,
+  which the correction arrives on for the new item's first block only after
+  its epilogue of the previous item, and after `wait_load_tmem`.
 
   S_i needs no "free" barrier of its own: P_i overwrites S_i (same TMEM
   columns), and the MMA warp issues the next S_i MMA only after the P_i V MMA
@@ -233,6 +316,7 @@ class ForwardBarriers(KvRingAccessors):
   SPECS = {
       # name: (arrivals, orders_tensor_core, per "tile" or per "stage")
       "q_full": (1, False, "tile"),
+      "q_free": (1, False, "tile"),  # persistent grid only
       "k_full": (1, False, "stage"),
       "k_free": (1, True, "stage"),
       "v_full": (1, False, "stage"),
@@ -257,6 +341,8 @@ class ForwardBarriers(KvRingAccessors):
   def scratch_types(cfg: TileConfig) -> dict:
     types = {}
     for name, (arrivals, orders_tc, per) in ForwardBarriers.SPECS.items():
+      if name == "q_free" and not cfg.persistent:
+        continue  # one item per CTA: Q_i is loaded once
       count = cfg.num_q_tiles if per == "tile" else cfg.num_kv_stages
       types[name] = plgpu.Barrier(
           num_arrivals=arrivals, num_barriers=count, orders_tensor_core=orders_tc
@@ -266,13 +352,26 @@ class ForwardBarriers(KvRingAccessors):
   def _at(self, name, index):
     return self._refs[name].at[index]
 
-  # Q (load warp -> MMA warp), loaded once per CTA.
+  # Q (load warp -> MMA warp), loaded once per work item.
+  def producer_q_acquire(self, i) -> None:
+    """Load warp: the previous item's epilogue stored O_i out of Q_i's SMEM."""
+    plgpu.barrier_wait(self._at("q_free", i))
+
   def producer_q(self, i):
     """TMA barrier of Q tile i (pass to copy_gmem_to_smem)."""
     return self._at("q_full", i)
 
+  def producer_q_no_keys(self, i) -> None:
+    """Load warp, persistent grid: an item that walks no key block loads no
+    Q; it arrives instead, so the phases stay one per item."""
+    plgpu.barrier_arrive(self._at("q_full", i))
+
   def consumer_q(self, i) -> Waiter:
     return Waiter(self._at("q_full", i))
+
+  def consumer_q_release(self, i) -> None:
+    """Correction: the item's O_i left Q_i's SMEM (its TMA store read it)."""
+    plgpu.barrier_arrive(self._at("q_free", i))
 
   # S_i (MMA warp -> softmax_i).
   def producer_s_acquire(self, i) -> None:
@@ -370,6 +469,18 @@ class KernelStatics:
   # Soft-cap only, where `scores.fixed_max_is_exact`: the rows keep one fixed
   # max, so no row factors go to the correction and O is never rescaled.
   fixed_max: bool = False
+  num_cta_tiles: int = 1  # CTA tiles (of rows_per_cta query rows) along Tq
+  # One CTA per tile: walk the grid's q chunks heaviest first (causal-like).
+  heavy_first: bool = False
+  work: PersistentWork | None = None  # the persistent grid's work items
+
+  @property
+  def persistent(self) -> bool:
+    return self.work is not None
+
+  def kv_head(self, h):
+    """The key/value head of query head h."""
+    return lax.div(h, jnp.asarray(self.group, h.dtype))
 
   @property
   def exp2_scale(self) -> float:
@@ -422,8 +533,9 @@ class ForwardRefs:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardContext:
-  """What every role reads: the static configuration, the refs, the
-  barriers and this CTA's tile geometry (traced scalars)."""
+  """What every role reads about one work item of the CTA (one CTA tile of
+  one (batch, head)): the static configuration, the refs, the barriers and
+  the item's geometry (traced scalars)."""
 
   statics: KernelStatics
   refs: ForwardRefs
@@ -431,22 +543,25 @@ class ForwardContext:
   b: Any  # batch
   h: Any  # query head
   kv_h: Any  # its key/value head
-  row0: Any  # first query row of the CTA
+  row0: Any  # first query row of the item
   q_len: Any  # run-time lengths, clamped to the array extents
   kv_len: Any
-  blk_lo: Any  # the CTA walks key blocks [blk_lo, blk_lo + num_steps)
+  blk_lo: Any  # the item walks key blocks [blk_lo, blk_lo + num_steps)
   num_steps: Any
   # With segment ids: per Q tile, the key blocks its ids meet (TileRanges).
   seg_tiles: tuple[scores.TileRanges, ...] | None = None
+  # Where the item sits in the CTA's walk: its index, the key blocks the
+  # CTA's earlier items walked, and the CTA's item count (0, 0, 1 for one
+  # CTA per tile, Python ints).
+  index: Any = 0
+  step0: Any = 0
+  num_items: Any = 1
 
   @classmethod
-  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers):
+  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers, b, h,
+             kv_h, cta_tile, **position):
     cfg = statics.cfg
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    kv_h = lax.div(h, jnp.asarray(statics.group, h.dtype))
-    q_chunk = lax.axis_index("q_chunk")
-    row0 = q_chunk * cfg.rows_per_cta
+    row0 = cta_tile * cfg.rows_per_cta
 
     # Run-time lengths, clamped to the array extents.
     q_len = jnp.minimum(refs.q_len_ref[b], statics.tq)
@@ -454,11 +569,12 @@ class ForwardContext:
     seg_tiles = None
     if statics.segments:
       seg_tiles = tuple(
-          scores.read_tile_ranges(refs.seg_ranges_ref, b, q_chunk * cfg.num_q_tiles + i)
+          scores.read_tile_ranges(refs.seg_ranges_ref, b, cta_tile * cfg.num_q_tiles + i)
           for i in range(cfg.num_q_tiles))
     blk_lo, num_steps = cta_key_blocks(statics.mask, cfg, row0, q_len, kv_len, seg_tiles)
     return cls(statics, refs, bars, b=b, h=h, kv_h=kv_h, row0=row0, q_len=q_len,
-               kv_len=kv_len, blk_lo=blk_lo, num_steps=num_steps, seg_tiles=seg_tiles)
+               kv_len=kv_len, blk_lo=blk_lo, num_steps=num_steps, seg_tiles=seg_tiles,
+               **position)
 
   @property
   def cfg(self) -> TileConfig:
@@ -473,6 +589,63 @@ class ForwardContext:
 
   def p_tmem(self, i):
     return self.refs.sp_tmem[i][1]
+
+  def steps_before(self, n):
+    """Key blocks this CTA walked before block n of this item, over all its
+    items: the K/V ring position, and the phases every per-block barrier
+    has completed (ForwardBarriers: "Phases")."""
+    if isinstance(self.step0, int) and self.step0 == 0:
+      return n
+    return self.step0 + n
+
+  def has_next_item(self):
+    return self.index + 1 < self.num_items
+
+
+@dataclasses.dataclass(frozen=True)
+class CtaWork:
+  """The work items of this CTA, which every role walks in the same order:
+  one (batch, head, CTA tile) per CTA, or a persistent CTA's share
+  (`schedule.PersistentWork`)."""
+
+  statics: KernelStatics
+  refs: ForwardRefs
+  bars: ForwardBarriers
+  num_items: Any  # 1 (a Python int) for one CTA per tile
+  coords: Callable  # item index -> (batch, head, CTA tile)
+  only_item: ForwardContext | None = None  # one CTA per tile: its item
+
+  @classmethod
+  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers):
+    if statics.persistent:
+      cta = lax.axis_index("ctas")
+      return cls(statics, refs, bars, statics.work.count(cta),
+                 functools.partial(statics.work.coords, cta))
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    kv_h = statics.kv_head(h)
+    # Causal-like masks: the last (heaviest) q chunks are launched first.
+    tile = heavy_first_tile(lax.axis_index("q_chunk"), statics.num_cta_tiles,
+                            statics.heavy_first)
+    only = ForwardContext.create(statics, refs, bars, b, h, kv_h, tile)
+    return cls(statics, refs, bars, 1, lambda j: (b, h, tile), only)
+
+  def walk(self, role_item: Callable[[ForwardContext], None]):
+    """Runs `role_item` on each work item in order; returns the key blocks
+    the CTA walked in all (the drains wait out the last of their phases)."""
+    if self.only_item is not None:
+      role_item(self.only_item)
+      return self.only_item.num_steps
+
+    def item(j, step0):
+      b, h, tile = self.coords(j)
+      ctx = ForwardContext.create(self.statics, self.refs, self.bars, b, h,
+                                  self.statics.kv_head(h), tile, index=j, step0=step0,
+                                  num_items=self.num_items)
+      role_item(ctx)
+      return step0 + ctx.num_steps
+
+    return lax.fori_loop(0, self.num_items, item, jnp.int32(0))
 
 
 def cta_key_blocks(mask: MaskSpec, cfg: TileConfig, row0, q_len, kv_len, seg_tiles=None):
@@ -496,10 +669,27 @@ def cta_key_blocks(mask: MaskSpec, cfg: TileConfig, row0, q_len, kv_len, seg_til
 # ----------------------------- load warp -------------------------------------
 
 
-def load_warp(ctx: ForwardContext) -> None:
-  """TMA loads: Q_i once, then K_n and V_n into the ring of slots."""
+def load_warp(work: CtaWork) -> None:
+  """TMA loads, item by item: Q_i, then K_n and V_n into the ring of slots."""
+  num_steps = work.walk(_load_item)
+  work.bars.drain_kv_rings(num_steps)
+
+
+def _load_item(ctx: ForwardContext) -> None:
   refs, bars = ctx.refs, ctx.bars
   bn, stages = ctx.cfg.block_kv, ctx.cfg.num_kv_stages
+
+  if ctx.statics.persistent:
+    # Q_i's SMEM holds the previous item's O_i until the epilogue stored it.
+    @pl.when(ctx.index > 0)
+    def _():
+      for i in range(ctx.cfg.num_q_tiles):
+        bars.producer_q_acquire(i)
+
+    @pl.when(ctx.num_steps == 0)
+    def _():
+      for i in range(ctx.cfg.num_q_tiles):
+        bars.producer_q_no_keys(i)
 
   @pl.when(ctx.num_steps > 0)
   def _():
@@ -512,32 +702,32 @@ def load_warp(ctx: ForwardContext) -> None:
 
   @pl.loop(0, ctx.num_steps)
   def _(n):
-    slot = rem(n, stages)
+    step = ctx.steps_before(n)
+    slot = rem(step, stages)
     keys = pl.ds((ctx.blk_lo + n) * bn, bn)
 
-    @pl.when(n >= stages)
+    @pl.when(step >= stages)
     def _():
       bars.producer_k_acquire(slot)
 
     plgpu.copy_gmem_to_smem(
         refs.k_ref.at[ctx.b, keys, ctx.kv_h], refs.k_smem.at[slot], bars.producer_k(slot))
 
-    @pl.when(n >= stages)
+    @pl.when(step >= stages)
     def _():
       bars.producer_v_acquire(slot)
 
     plgpu.copy_gmem_to_smem(
         refs.v_ref.at[ctx.b, keys, ctx.kv_h], refs.v_smem.at[slot], bars.producer_v(slot))
 
-  bars.drain_kv_rings(ctx.num_steps)
-
 
 # ----------------------------- MMA warp --------------------------------------
 
 
 def _s_mma(ctx: ForwardContext, i, n, k_t) -> None:
-  """S_i = Q_i K_n^T, once P_i of the previous block has been consumed."""
-  @pl.when(n > 0)
+  """S_i = Q_i K_n^T, once P_i of the previous block (of this item or the
+  CTA's previous one) has been consumed."""
+  @pl.when(ctx.steps_before(n) > 0)
   def _():
     ctx.bars.producer_s_acquire(i)
 
@@ -546,26 +736,44 @@ def _s_mma(ctx: ForwardContext, i, n, k_t) -> None:
 
 
 def _pv_mma(ctx: ForwardContext, i, n) -> None:
-  """O_i += P_i V_n (overwrite at n == 0)."""
+  """O_i += P_i V_n (overwrite at the item's first block, n == 0)."""
   ctx.bars.producer_o_acquire(i)
   plgpu.tcgen05_mma(
-      ctx.refs.o_tmem[i], ctx.p_tmem(i), ctx.refs.v_smem.at[rem(n, ctx.cfg.num_kv_stages)],
+      ctx.refs.o_tmem[i], ctx.p_tmem(i),
+      ctx.refs.v_smem.at[rem(ctx.steps_before(n), ctx.cfg.num_kv_stages)],
       ctx.bars.producer_o(i), accumulate=n > 0,
   )
 
 
-def mma_warp(ctx: ForwardContext) -> None:
+def mma_warp(work: CtaWork) -> None:
   """One thread issues every tcgen05 MMA, in the order of the module docstring."""
+  num_steps = work.walk(_mma_item)
+
+  @pl.when(num_steps > 0)
+  def _():
+    for i in range(work.statics.cfg.num_q_tiles):
+      work.bars.drain_o(i)
+
+
+def _mma_item(ctx: ForwardContext) -> None:
   bars, nq, stages = ctx.bars, ctx.cfg.num_q_tiles, ctx.cfg.num_kv_stages
 
-  @pl.when(ctx.num_steps > 0)
-  def _():
+  def wait_for_q():
     for i in range(nq):
       bars.consumer_q(i).wait()
 
+  if ctx.statics.persistent:
+    wait_for_q()  # every item's phase, also of an item without keys
+
+  @pl.when(ctx.num_steps > 0)
+  def _():
+    if not ctx.statics.persistent:
+      wait_for_q()
+
     @pl.loop(0, ctx.num_steps)
     def _(n):
-      slot = rem(n, stages)
+      step = ctx.steps_before(n)
+      slot = rem(step, stages)
       k_t = ctx.refs.k_smem.at[slot].T  # k-major B operand
       bars.consumer_k(slot).wait()
       _s_mma(ctx, 0, n, k_t)
@@ -573,7 +781,7 @@ def mma_warp(ctx: ForwardContext) -> None:
         @pl.when(n > 0)
         def _():
           _pv_mma(ctx, 1, n - 1)
-          bars.consumer_v_release(rem(n - 1, stages))  # V_(n-1) read by both tiles
+          bars.consumer_v_release(rem(step - 1, stages))  # V_(n-1) read by both tiles
 
         _s_mma(ctx, 1, n, k_t)
       bars.consumer_k_release(slot)
@@ -585,9 +793,7 @@ def mma_warp(ctx: ForwardContext) -> None:
     if nq == 2:
       last = ctx.num_steps - 1
       _pv_mma(ctx, 1, last)
-      bars.consumer_v_release(rem(last, stages))
-    for i in range(nq):
-      bars.drain_o(i)
+      bars.consumer_v_release(rem(ctx.steps_before(last), stages))
 
 
 # ----------------------------- softmax warpgroups ----------------------------
@@ -645,8 +851,9 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   p, m_run, alpha = scores.online_softmax(s, m_run, ctx.statics.exp2_scale)
   l_run = l_run * alpha + p.sum(axis=1)
   _store_p(ctx, i, p)
-  # Hand the row factors to the correction warpgroup.
-  @pl.when(n > 0)
+  # Hand the row factors to the correction warpgroup (which has taken the
+  # previous hand-off: of this item, or the previous item's final m and l).
+  @pl.when(ctx.steps_before(n) > 0)
   def _():
     bars.producer_c_acquire(i)
 
@@ -663,9 +870,19 @@ def _store_p(ctx: ForwardContext, i, p) -> None:
   plgpu.commit_tmem()
 
 
-def softmax_wg(ctx: ForwardContext, i) -> None:
-  """Softmax of Q tile i over the CTA's key blocks; the final running max
-  and sum go to the epilogue through the same hand-off as the factors."""
+def softmax_wg(work: CtaWork, i) -> None:
+  """Softmax of Q tile i of every work item; see `_softmax_item`."""
+  num_steps = work.walk(functools.partial(_softmax_item, i=i))
+
+  @pl.when(num_steps > 0)
+  def _():
+    work.bars.drain_c(i)
+
+
+def _softmax_item(ctx: ForwardContext, i) -> None:
+  """Softmax of Q tile i over the item's key blocks, from fresh row
+  statistics; the final running max and sum go to the epilogue through the
+  same hand-off as the factors."""
   bars, refs = ctx.bars, ctx.refs
   r_lo = ctx.tile_rows(i)
 
@@ -683,14 +900,18 @@ def softmax_wg(ctx: ForwardContext, i) -> None:
                            layout=ROW_VECTOR_LAYOUT, optimized=False)
     step = functools.partial(_softmax_step, ctx, i, r_lo, row_ids)
     m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
-    # Final statistics for the epilogue, through the same hand-off (its
-    # first use with a fixed max: no block handed factors over).
-    if not ctx.statics.fixed_max:
+    # Final statistics for the epilogue, through the same hand-off. With a
+    # fixed max no block handed factors over: the hand-off is free unless an
+    # earlier item of this CTA handed its statistics over.
+    if ctx.statics.fixed_max:
+      @pl.when(ctx.steps_before(0) > 0)
+      def _():
+        bars.producer_c_acquire(i)
+    else:
       bars.producer_c_acquire(i)
     refs.m_smem[i] = m_run
     refs.l_smem[i] = l_run
     bars.producer_c_commit(i)
-    bars.drain_c(i)
 
 
 # ----------------------------- correction warpgroup --------------------------
@@ -708,11 +929,23 @@ def _rescale_o(ctx: ForwardContext, i, alpha) -> None:
   plgpu.commit_tmem()
 
 
-def correction_wg(ctx: ForwardContext) -> None:
+def correction_wg(work: CtaWork) -> None:
+  """Every work item: see `_correct_item`."""
+  work.walk(_correct_item)
+
+
+def _correct_item(ctx: ForwardContext) -> None:
   """Per key block, rescale O_i where a row's max moved; then the epilogue.
   With a fixed max no row factors come and O_i is left alone: the
-  correction only keeps its turn in po_ready, after each P_i V completed."""
+  correction only keeps its turn in po_ready, after each P_i V completed.
+  In a persistent CTA the epilogue then hands Q_i's SMEM back to the load
+  warp for the next item."""
   bars, fixed_max = ctx.bars, ctx.statics.fixed_max
+  if ctx.statics.persistent:
+    # The item's Q_i (or the load warp's arrival for an item without keys)
+    # is in Q_i's SMEM, which the epilogue reuses for O_i.
+    for i in range(ctx.cfg.num_q_tiles):
+      bars.consumer_q(i).wait()
 
   @pl.when(ctx.num_steps > 0)
   def _():
@@ -740,6 +973,12 @@ def correction_wg(ctx: ForwardContext) -> None:
   @pl.when(ctx.num_steps == 0)
   def _():
     epilogue_no_keys(ctx)
+
+  if ctx.statics.persistent:
+    @pl.when(ctx.has_next_item())
+    def _():
+      for i in range(ctx.cfg.num_q_tiles):
+        bars.consumer_q_release(i)
 
 
 # ----------------------------- epilogue (correction warpgroup) ---------------
@@ -777,6 +1016,10 @@ def epilogue(ctx: ForwardContext) -> None:
       return (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(ctx.cfg.dtype)
 
     _store_tile(ctx, i, normalized, lse)
+  if ctx.statics.persistent:
+    # O_i read out of TMEM before the next item's first P_i V MMA (which
+    # waits on po_ready, arrived on after this) overwrites it.
+    plgpu.wait_load_tmem()
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -791,7 +1034,7 @@ def _rows_past_q_len_to_minus_inf(ctx: ForwardContext, i, lse):
 
 
 def epilogue_no_keys(ctx: ForwardContext) -> None:
-  """No row of this CTA sees a key: zeros and lse = -inf, or with sinks
+  """No row of this item sees a key: zeros and lse = -inf, or with sinks
   lse = sink for the rows before q_len."""
   for i in range(ctx.cfg.num_q_tiles):
     zeros = lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.cfg.dtype)
@@ -807,38 +1050,40 @@ def epilogue_no_keys(ctx: ForwardContext) -> None:
 # ----------------------------- dispatch --------------------------------------
 
 
-def _set_registers(ctx: ForwardContext, role: str) -> None:
+def _set_registers(cfg: TileConfig, role: str) -> None:
   if is_interpreting():
     return  # the interpreter has no register file
-  n, action = REGISTERS[ctx.cfg.num_q_tiles][role]
+  n, action = REGISTERS[cfg.num_q_tiles][role]
   plgpu.set_max_registers(n, action=action)
 
 
-def dispatch_roles(ctx: ForwardContext, wg) -> None:
-  """Each warpgroup (and each warp of the last one) runs its role."""
-  for i in ctx.statics.softmax_wgs:
+def dispatch_roles(work: CtaWork, wg) -> None:
+  """Each warpgroup (and each warp of the last one) runs its role over the
+  CTA's work items."""
+  statics = work.statics
+  for i in statics.softmax_wgs:
     @pl.when(wg == i)
     def _():
-      _set_registers(ctx, "softmax")
-      softmax_wg(ctx, i)
+      _set_registers(statics.cfg, "softmax")
+      softmax_wg(work, i)
 
-  @pl.when(wg == ctx.statics.correction_wg)
+  @pl.when(wg == statics.correction_wg)
   def _():
-    _set_registers(ctx, "correction")
-    correction_wg(ctx)
+    _set_registers(statics.cfg, "correction")
+    correction_wg(work)
 
-  @pl.when(wg == ctx.statics.load_mma_wg)
+  @pl.when(wg == statics.load_mma_wg)
   def _():
-    _set_registers(ctx, "load_mma")
+    _set_registers(statics.cfg, "load_mma")
     @plgpu.warp_map
     def _(warp):
       @pl.when(warp == LOAD_WARP)
       def _():
-        load_warp(ctx)
+        load_warp(work)
 
       @pl.when(warp == MMA_WARP)
       def _():
-        mma_warp(ctx)
+        mma_warp(work)
 
 
 def _scratch_types(cfg: TileConfig) -> dict:
@@ -875,9 +1120,12 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
   whose true extents are tq, tk (rows/keys past them are padding). With
   `segments`, three more operands follow the lengths (`segment_operands`);
   with `sinks`, then the f32 [num_q_heads] sinks."""
+  num_cta_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta)
   statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
                           scale=scale, segments=segments, soft_cap=soft_cap, sinks=sinks,
-                          fixed_max=fixed_max)
+                          fixed_max=fixed_max,
+                          num_cta_tiles=num_cta_tiles, heavy_first=pairs_causal_tiles(mask),
+                          work=persistent_work(cfg, mask, batch, num_q_heads, tq_pad))
 
   def kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *optional_and_out_refs,
              q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
@@ -893,14 +1141,15 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
         **dict(zip(("q_seg_ref", "kv_seg_ref", "seg_ranges_ref"), segment_refs)))
     bars = ForwardBarriers(cfg, barrier_refs)
     wg = lax.axis_index("wg")
-    dispatch_roles(ForwardContext.create(statics, refs, bars), wg)
+    dispatch_roles(CtaWork.create(statics, refs, bars), wg)
 
   del tk_pad  # the K/V extents come with the arrays
   # LSE rows go out in 1-D TMA boxes along the sequence, its contiguous axis.
   # On an H100 the sm90 kernel's LSE came back wrong where such a box ran past
   # the end (the interpreter clips it correctly), so the LSE output covers
-  # whole CTAs here too and `forward` slices it.
-  lse_seq = _round_up(tq_pad, cfg.rows_per_cta)
+  # every CTA tile the grid names (with a persistent causal grid's empty
+  # tile past the end) and `forward` slices it.
+  lse_seq = cta_tile_slots(cfg, mask, tq_pad) * cfg.rows_per_cta
   out_types = (
       jax.ShapeDtypeStruct((batch, tq_pad, num_q_heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
@@ -908,13 +1157,30 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
   return plgpu.kernel(
       kernel,
       out_type=out_types,
-      grid=(num_q_heads, pl.cdiv(tq_pad, cfg.rows_per_cta), batch),
-      grid_names=("heads", "q_chunk", "batch"),
+      grid=(statics.work.num_ctas,) if statics.persistent else (num_q_heads, num_cta_tiles, batch),
+      grid_names=("ctas",) if statics.persistent else ("heads", "q_chunk", "batch"),
       num_threads=cfg.num_q_tiles + 2,
       thread_name="wg",
       scratch_types=_scratch_types(cfg),
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
+
+
+def persistent_work(cfg: TileConfig, mask: MaskSpec, batch: int, num_q_heads: int,
+                    tq_pad: int) -> PersistentWork | None:
+  """The persistent grid's work items (CTA tiles paired heavy with light
+  under causal-like masks); None for one CTA per tile."""
+  if not cfg.persistent:
+    return None
+  return PersistentWork(batch, num_q_heads, pl.cdiv(tq_pad, cfg.rows_per_cta), cfg.num_sms,
+                        paired=pairs_causal_tiles(mask))
+
+
+def cta_tile_slots(cfg: TileConfig, mask: MaskSpec, tq_pad: int) -> int:
+  """CTA tiles the grid can name: the query's, and in a persistent causal
+  grid with an odd count one empty tile past the end."""
+  work = persistent_work(cfg, mask, 1, 1, tq_pad)
+  return work.tile_slots if work else pl.cdiv(tq_pad, cfg.rows_per_cta)
 
 
 # ---------------------------------------------------------------------------
@@ -933,10 +1199,14 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            segment_ids=None, sinks=None, soft_cap: float | None = None):
+            segment_ids=None, sinks=None, soft_cap: float | None = None,
+            config: TileConfig | None = None):
   """See fa4_jax/kernels/__init__.py; `segment_ids`: None or (q_ids int32
   [B, Tq], kv_ids int32 [B, Tk]): a query sees only keys of its own id;
-  `sinks`: None or f32 [Nq]; `soft_cap`: None or a float > 0."""
+  `sinks`: None or f32 [Nq]; `soft_cap`: None or a float > 0. `config`:
+  None for `tile_config(head_dim, dtype)`, or that config with other grid
+  fields (`persistent`, `num_sms`); its tiling must be the one the head dim
+  gets."""
   check_supported(q.shape, k.shape, q.dtype, mask)
   if k.dtype != q.dtype or v.dtype != q.dtype or v.shape != k.shape:
     raise KernelUnsupported(
@@ -953,6 +1223,14 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if kv_lengths is None:
     kv_lengths = jnp.full((b,), tk, jnp.int32)
   cfg = tile_config(d, q.dtype)
+  if config is not None:
+    if dataclasses.replace(config, persistent=False, num_sms=0) != cfg:
+      raise KernelUnsupported(
+          f"sm100 forward: config must tile head_dim {d} as tile_config does ({cfg}), "
+          f"up to persistent and num_sms; got {config}")
+    cfg = config
+  if cfg.persistent and not cfg.num_sms:
+    cfg = dataclasses.replace(cfg, num_sms=sm_count(DEFAULT_NUM_SMS["sm100"]))
   # Tiled TMA copies need the sequence extents to be multiples of 8 rows (and
   # the f32 LSE rows 16-byte aligned). Other lengths are padded here, a copy
   # only for such odd lengths; the padding is masked (lengths are clamped to
@@ -965,7 +1243,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     v = jnp.pad(v, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
   segments = ()
   if segment_ids is not None:
-    segments = segment_operands(cfg, segment_ids, b, tq, tk, tq_pad)
+    segments = segment_operands(cfg, segment_ids, b, tq, tk, tq_pad,
+                                num_cta_tiles=cta_tile_slots(cfg, mask, tq_pad))
   sink_operand = ()
   if sinks is not None:
     if jnp.shape(sinks) != (nq,):
@@ -983,18 +1262,21 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   return out[:, :tq], lse[:, :, :tq]
 
 
-def segment_operands(cfg: TileConfig, segment_ids, b, tq, tk, tq_pad):
+def segment_operands(cfg: TileConfig, segment_ids, b, tq, tk, tq_pad, num_cta_tiles=None):
   """(q_ids, kv_ids, ranges): the ids padded so that every row of the grid
   and every key of a walked block has one (padding is masked by the
   lengths), and each Q tile's `segment_tile_ranges` as one int32
   [B, tiles, 4] operand, with empty ranges for the tiles past tq that the
-  last CTA may own."""
+  last CTA tile may hold. `num_cta_tiles`: the CTA tiles the grid names
+  (`cta_tile_slots`; by default those of tq_pad)."""
   q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
   if q_ids.shape != (b, tq) or kv_ids.shape != (b, tk):
     raise KernelUnsupported(
         f"sm100 forward: segment ids must be int32 [B, Tq] = {(b, tq)} and [B, Tk] ="
         f" {(b, tk)}; got {q_ids.shape} and {kv_ids.shape}")
-  num_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta) * cfg.num_q_tiles
+  if num_cta_tiles is None:
+    num_cta_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta)
+  num_tiles = num_cta_tiles * cfg.num_q_tiles
   ranges = scores.tile_ranges_operand(q_ids, kv_ids, BLOCK_Q, cfg.block_kv, num_tiles)
   return (scores.pad_ids(q_ids, num_tiles * BLOCK_Q),
           scores.pad_ids(kv_ids, _round_up(tk, cfg.block_kv)), ranges)

@@ -116,19 +116,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels import KernelUnsupported, default_device, sm90_tiles
+from fa4_jax.kernels import KernelUnsupported, sm90_tiles
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
+from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
                                        where_visible_by_column_chunks)
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
                             initial_row_stats, kv_tile_ranges, normalize, online_softmax,
                             read_tile_ranges, hull, pad_ids, softmax_logits, softmax_scale,
                             tile_ranges_operand, visible, walk_blocks)
-from fa4_jax.target import current_target
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
@@ -1014,18 +1014,9 @@ def segment_operands(segment_ids, cfg: ForwardConfig, mask: MaskSpec, q_seq: int
 
 
 def sm_count(default: int = H100_SMS) -> int:
-  """SMs of the `fa4_jax.gpu_target` if one is active, else of the default
-  device (a persistent grid launches one CTA per SM: more would queue a
-  second wave); `default` without a GPU."""
-  if (chosen := current_target()) is not None:
-    return chosen.num_sms
-  try:
-    device = default_device()
-  except RuntimeError:
-    return default
-  if device.platform != "gpu":
-    return default
-  return getattr(device, "core_count", None) or default
+  """The persistent grid's CTA count: `schedule.sm_count`, an H100's 132
+  without a GPU."""
+  return schedule_sm_count(default)
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
