@@ -674,7 +674,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
   every barrier has both an arriving and a waiting side."""
   def make_bars(refs):
     bars = sm100_forward.ForwardBarriers(sm100_forward.tile_config(64, jnp.bfloat16), refs)
-    bars._drain = True  # the interpreter's drains wait too
+    bars._interpreting = True  # the interpreter's drains wait too
     return bars
 
   barrier_tables.check_table(sm100_forward.ForwardBarriers, make_bars, sm100_forward, monkeypatch,

@@ -1,7 +1,7 @@
 """Fingerprints of every kernel the heuristics build, for refactors.
 
 Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
-the sm100 forward for every head dim, mask and grouping the heuristics
+the sm100 forward and backward (dK/dV and dQ kernels) for every head dim, mask and grouping the heuristics
 distinguish, plus the XLA path, and prints one SHA-256 per case of the
 Mosaic GPU modules (MLIR without debug locations) or of the StableHLO.
 
@@ -55,16 +55,17 @@ def _forward(kernel, d, mask, seq, lengths):
   return f, (q, kv, kv, ln, ln)
 
 
-def _sm90_backward(d, mask, seq, lengths, group=1):
-  from fa4_jax.kernels import sm90_backward
+def _backward(kernel, d, mask, seq, lengths, group=1):
+  """The backward of kernel module `kernel` ("sm90_backward", "sm100_backward")."""
+  module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["backward"])
   q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
 
   def f(q, k, v, o, lse, do, ql, kl):
-    return sm90_backward.backward(q, k, v, o, lse, do, ql if lengths else None,
-                                  kl if lengths else None, scale=0.125, mask=mask)
+    return module.backward(q, k, v, o, lse, do, ql if lengths else None,
+                           kl if lengths else None, scale=0.125, mask=mask)
   return f, (q, kv, kv, q, lse, q, ln, ln)
 
 
@@ -94,12 +95,16 @@ def cases():
                _forward("sm90_forward", d, mask, seq, lengths))
         for group in (1, 4):
           yield (f"sm90 backward d{d} {mname} s{seq} g{group}", "sm_90",
-                 _sm90_backward(d, mask, seq, lengths, group))
+                 _backward("sm90_backward", d, mask, seq, lengths, group))
   for d in (64, 128, 256):
     for mname, mask in MASKS.items():
       for seq in (1000, 4096):
         yield (f"sm100 forward d{d} {mname} s{seq}", "sm_100",
                _forward("sm100_forward", d, mask, seq, seq == 1000))
+  for d in (64, 128):  # the head dims the sm100 backward serves
+    for mname in ("dense", "causal"):
+      yield (f"sm100 backward d{d} {mname} s1000", "sm_100",
+             _backward("sm100_backward", d, MASKS[mname], 1000, True))
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(

@@ -97,12 +97,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
-from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
-                                         ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS, Waiter, rem)
+                                         ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
+                                         BarrierTable, Waiter, rem)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks
@@ -209,7 +209,7 @@ def dkv_segment_operands(q_ids, kv_ids, tiles: DkvTiles, kv_pad: int):
 # ---------------------------------------------------------------------------
 
 
-class DkvBarriers:
+class DkvBarriers(BarrierTable):
   """Every mbarrier of the dK/dV kernel (cf. the forward's `ForwardBarriers`).
 
   name        count   arrivals     t-core  arrived on by                     waited on by
@@ -245,42 +245,24 @@ class DkvBarriers:
   """
 
   SPECS = {
-      # name: (arrivals, orders_tensor_core, per "stage" or once)
-      "kv_full": (2, False, "once"),
+      # name: (arrivals, orders_tensor_core, per "stage" or "one")
+      "kv_full": (2, False, "one"),
       "qdo_full": (2, False, "stage"),
       "qdo_free": (1, True, "stage"),
       "stats_full": (2, False, "stage"),
       "stats_free": (1, False, "stage"),
-      "s_full": (1, True, "once"),
-      "p_full": (1, True, "once"),
-      "p_free": (1, True, "once"),
-      "dp_full": (1, True, "once"),
-      "ds_full": (1, True, "once"),
-      "ds_free": (1, True, "once"),
-      "acc_full": (1, True, "once"),
+      "s_full": (1, True, "one"),
+      "p_full": (1, True, "one"),
+      "p_free": (1, True, "one"),
+      "dp_full": (1, True, "one"),
+      "ds_full": (1, True, "one"),
+      "ds_free": (1, True, "one"),
+      "acc_full": (1, True, "one"),
   }
 
-  def __init__(self, tiles: DkvTiles, refs: dict):
-    self.tiles = tiles
-    self._refs = refs
-    # Pallas' GPU interpreter wants every waiter to observe every phase of a
-    # barrier before the kernel ends, and a proxy fence between the compute
-    # warpgroup's SMEM reads and the TMA that rewrites the slot; hardware
-    # needs neither (a TMA ring's consumer releases its slot with a plain
-    # arrive). The drain_* methods and that fence run only when interpreting.
-    self._interpreting = is_interpreting()
-
   @staticmethod
-  def scratch_types(tiles: DkvTiles) -> dict:
-    types = {}
-    for name, (arrivals, orders_tc, per) in DkvBarriers.SPECS.items():
-      count = tiles.num_stages if per == "stage" else 1
-      types[name] = plgpu.Barrier(num_arrivals=arrivals, num_barriers=count,
-                                  orders_tensor_core=orders_tc)
-    return types
-
-  def _at(self, name, index=0):
-    return self._refs[name].at[index]
+  def barrier_counts(tiles: DkvTiles) -> dict:
+    return {"one": 1, "stage": tiles.num_stages}
 
   # K and V (load warp -> MMA warp), once per CTA.
   def producer_kv(self):
@@ -319,7 +301,10 @@ class DkvBarriers:
 
   def consumer_stats_release(self, slot) -> None:
     if self._interpreting:
-      plgpu.commit_smem()  # see __init__
+      # The interpreter wants a proxy fence between the compute warpgroup's
+      # SMEM reads and the TMA that rewrites the slot; hardware does not (a
+      # TMA ring's consumer releases its slot with a plain arrive).
+      plgpu.commit_smem()
     plgpu.barrier_arrive(self._at("stats_free", slot))
 
   # S^T / P^T (MMA warp <-> compute warpgroup).
@@ -374,12 +359,12 @@ class DkvBarriers:
   def consumer_acc(self) -> Waiter:
     return Waiter(self._at("acc_full"))
 
-  # Interpreter-only drains of the last phases (see __init__).
+  # Interpreter-only drains of the last phases (see `BarrierTable`).
   def drain_ring(self, num_steps) -> None:
     """Load warp: observe the qdo_free / stats_free phases of the last lap."""
     if not self._interpreting:
       return
-    stages = self.tiles.num_stages
+    stages = self.counts["stage"]
 
     @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
     def _(n):

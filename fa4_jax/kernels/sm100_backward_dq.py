@@ -254,24 +254,13 @@ class DqBarriers(KvRingAccessors):
       "dq_final": (1, True, "one"),
   }
 
-  def __init__(self, tiles: DqTiles, refs: dict):
-    self.tiles = tiles
-    self._refs = refs
-    # The interpreter wants every waiter to observe every phase of a barrier
-    # before the kernel ends; hardware does not (drain_* only interpret).
-    self._drain = is_interpreting()
-
   @staticmethod
-  def scratch_types(tiles: DqTiles) -> dict:
-    counts = {"one": 1, "stage": tiles.num_stages, "buffer": tiles.score_buffers}
-    return {
-        name: plgpu.Barrier(num_arrivals=arrivals, num_barriers=counts[per],
-                            orders_tensor_core=orders_tc)
-        for name, (arrivals, orders_tc, per) in DqBarriers.SPECS.items()
-    }
+  def barrier_counts(tiles: DqTiles) -> dict:
+    return {"one": 1, "stage": tiles.num_stages, "buffer": tiles.score_buffers}
 
-  def _at(self, name, index=0):
-    return self._refs[name].at[index]
+  def __init__(self, tiles: DqTiles, refs: dict):
+    super().__init__(tiles, refs)
+    self.tiles = tiles  # for for_each_buffer
 
   # Q and dO, lse2 and delta (load warp -> MMA warp, compute), once per CTA.
   def producer_q(self):
@@ -320,23 +309,13 @@ class DqBarriers(KvRingAccessors):
   def consumer_dq_final(self) -> Waiter:
     return Waiter(self._at("dq_final"))
 
-  # Interpreter-only drains of the last phases (see __init__).
-  def drain_kv_rings(self, num_steps) -> None:
-    if not self._drain:
-      return
-    stages = self.tiles.num_stages
-
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _(n):
-      slot = rem(n, stages)
-      self.producer_k_acquire(slot)
-      self.producer_v_acquire(slot)
-
+  # Interpreter-only drains of the last phases (see `BarrierTable`), with
+  # the K/V rings' drain_kv_rings.
   def drain_dq(self, num_steps) -> None:
     """MMA warp: observe the dq_done phases no S MMA waited for."""
-    if not self._drain:
+    if not self._interpreting:
       return
-    buffers = self.tiles.score_buffers
+    buffers = self.counts["buffer"]
 
     @pl.loop(jnp.maximum(num_steps - buffers, 0), num_steps)
     def _(n):

@@ -314,9 +314,9 @@ class ForwardBarriers(KvRingAccessors):
   """
 
   SPECS = {
-      # name: (arrivals, orders_tensor_core, per "tile" or per "stage")
+      # name: (arrivals, orders_tensor_core, per "tile", "persistent tile" or "stage")
       "q_full": (1, False, "tile"),
-      "q_free": (1, False, "tile"),  # persistent grid only
+      "q_free": (1, False, "persistent tile"),
       "k_full": (1, False, "stage"),
       "k_free": (1, True, "stage"),
       "v_full": (1, False, "stage"),
@@ -328,29 +328,12 @@ class ForwardBarriers(KvRingAccessors):
       "c_free": (1, False, "tile"),
   }
 
-  def __init__(self, cfg: TileConfig, refs: dict):
-    self.cfg = cfg
-    self._refs = refs
-    # Pallas' GPU interpreter wants every waiter to observe every phase of a
-    # barrier before the kernel ends; hardware does not. The drain_* methods
-    # below wait out those last phases only when interpreting (the one place
-    # this kernel decides that).
-    self._drain = is_interpreting()
-
   @staticmethod
-  def scratch_types(cfg: TileConfig) -> dict:
-    types = {}
-    for name, (arrivals, orders_tc, per) in ForwardBarriers.SPECS.items():
-      if name == "q_free" and not cfg.persistent:
-        continue  # one item per CTA: Q_i is loaded once
-      count = cfg.num_q_tiles if per == "tile" else cfg.num_kv_stages
-      types[name] = plgpu.Barrier(
-          num_arrivals=arrivals, num_barriers=count, orders_tensor_core=orders_tc
-      )
-    return types
-
-  def _at(self, name, index):
-    return self._refs[name].at[index]
+  def barrier_counts(cfg: TileConfig) -> dict:
+    # One item per CTA without a persistent grid: Q_i is loaded once, no q_free.
+    persistent_tiles = cfg.num_q_tiles if cfg.persistent else 0
+    return {"tile": cfg.num_q_tiles, "persistent tile": persistent_tiles,
+            "stage": cfg.num_kv_stages}
 
   # Q (load warp -> MMA warp), loaded once per work item.
   def producer_q_acquire(self, i) -> None:
@@ -407,27 +390,16 @@ class ForwardBarriers(KvRingAccessors):
     """Correction: O_i rescaled (or left alone). One of two arrivals."""
     plgpu.barrier_arrive(self._at("po_ready", i))
 
-  # Interpreter-only drains of the last phases (see __init__).
-  def drain_kv_rings(self, num_steps) -> None:
-    """Load warp: observe the k_free / v_free phases of the last lap."""
-    if not self._drain:
-      return
-    stages = self.cfg.num_kv_stages
-
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _(n):
-      slot = rem(n, stages)
-      self.producer_k_acquire(slot)
-      self.producer_v_acquire(slot)
-
+  # Interpreter-only drains of the last phases (see `BarrierTable`), with
+  # the K/V rings' drain_kv_rings.
   def drain_o(self, i) -> None:
     """MMA warp: observe the o_done phase of the last P_i V MMA."""
-    if self._drain:
+    if self._interpreting:
       self.producer_s_acquire(i)
 
   def drain_c(self, i) -> None:
     """Softmax_i: observe the correction's release of the final statistics."""
-    if self._drain:
+    if self._interpreting:
       self.producer_c_acquire(i)
 
   # Row factors (softmax_i -> correction) through SMEM.

@@ -1,5 +1,5 @@
 """What the sm_100 kernels (forward, dK/dV, dQ) share: the SM's budgets, the
-TMEM register layouts, swizzled SMEM tiles, the waiting side of a barrier.
+TMEM register layouts, swizzled SMEM tiles, the mechanics of a barrier table.
 """
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.interpret import is_interpreting
 
 # Hardware limits of one sm_100 SM.
 TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
@@ -50,13 +53,53 @@ class Waiter:
     plgpu.barrier_wait(self.ref)
 
 
-class KvRingAccessors:
-  """The K and V rings' barrier accessors of a kernel whose load warp streams
-  K and V blocks through slots that its MMA warp frees (the forward and the
-  dQ kernel): k_full / v_full (TMA, one arrival per slot), k_free / v_free
-  (tcgen05 commit, one per slot). The class it is mixed into owns the
-  barriers (`_at(name, index)`) and lists these in its table."""
+class BarrierTable:
+  """Every mbarrier of one kernel, declared in one table.
 
+  A kernel's subclass (`ForwardBarriers`, `DkvBarriers`, `DqBarriers`) keeps
+  only its table: SPECS, name -> (arrivals, orders_tensor_core, per), where
+  `per` is a key of the dict `barrier_counts(plan)` returns for the kernel's
+  tile plan (how many barriers of that name: one per stage of a ring, per Q
+  tile, ...; a count of 0 declares none); its docstring, which names who
+  arrives on and who waits on every barrier; and its accessors (producer_*,
+  consumer_*, drain_*), the only way the roles touch a barrier (`_at`).
+  """
+
+  SPECS: dict[str, tuple[int, bool, str]] = {}
+
+  @staticmethod
+  def barrier_counts(plan) -> dict[str, int]:
+    raise NotImplementedError
+
+  @classmethod
+  def scratch_types(cls, plan) -> dict:
+    """The kernel's barrier scratch: one plgpu.Barrier array per name."""
+    counts = cls.barrier_counts(plan)
+    return {
+        name: plgpu.Barrier(num_arrivals=arrivals, num_barriers=counts[per],
+                            orders_tensor_core=orders_tc)
+        for name, (arrivals, orders_tc, per) in cls.SPECS.items() if counts[per]
+    }
+
+  def __init__(self, plan, refs: dict):
+    self.counts = self.barrier_counts(plan)
+    self._refs = refs
+    # Pallas' GPU interpreter wants every waiter to observe every phase of a
+    # barrier before the kernel ends; hardware does not. The drain_* accessors
+    # wait out those last phases only when interpreting (the one place each
+    # kernel decides that).
+    self._interpreting = is_interpreting()
+
+  def _at(self, name, index=0):
+    return self._refs[name].at[index]
+
+
+class KvRingAccessors(BarrierTable):
+  """The barrier table of a kernel whose load warp streams K and V blocks
+  through ring slots that its MMA warp frees (the forward and the dQ
+  kernel), with the rings' accessors: k_full / v_full (TMA, one arrival per
+  slot), k_free / v_free (tcgen05 commit, one per slot), one of each per
+  "stage". The subclass lists these in its table."""
   def producer_k_acquire(self, slot) -> None:
     """Load warp: wait until the MMAs that read this K slot completed."""
     plgpu.barrier_wait(self._at("k_free", slot))
@@ -83,3 +126,16 @@ class KvRingAccessors:
 
   def consumer_v_release(self, slot) -> None:
     plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
+
+  def drain_kv_rings(self, num_steps) -> None:
+    """Load warp, interpreter only: observe the k_free / v_free phases of the
+    last lap."""
+    if not self._interpreting:
+      return
+    stages = self.counts["stage"]
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(n):
+      slot = rem(n, stages)
+      self.producer_k_acquire(slot)
+      self.producer_v_acquire(slot)
