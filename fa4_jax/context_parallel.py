@@ -472,6 +472,7 @@ def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
       out, lse = ring.backend.forward(
           _part(q, call.rows), _part(block[0], call.cols), _part(block[1], call.cols),
           None, None, None, None, *_segment_parts(q_ids, block, call),
+          None,  # sinks: added once to the merged result, never per block
           scale=ring.scale, spec=call.spec, soft_cap=ring.soft_cap)
       return _merge(acc, (out, lse), call.rows)
     return fn

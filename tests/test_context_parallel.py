@@ -28,7 +28,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
-from fa4_jax import context_parallel
+from fa4_jax import context_parallel, interpret
 from reference import einsum_attention, visible_mask
 
 
@@ -323,3 +323,24 @@ def test_bad_sinks_and_soft_caps_raise_what_attention_raises(ring_inputs, kwargs
   with pytest.raises(ValueError) as from_ring:
     fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq", **kwargs)
   assert str(from_ring.value) == str(from_attention.value)
+
+
+def test_ring_runs_the_sm90_kernel_with_sinks_and_soft_cap(host_devices):
+  """The ring calls a kernel backend with its whole contract (the CPU tests
+  above take the XLA path, whose optional arguments hid a missing one): the
+  sm90 forward in Pallas' interpreter on every ring step. One device: the
+  interpreter keeps one GPU's state, and two host devices running kernels
+  at once trip its barrier bookkeeping."""
+  mesh = jax.make_mesh((1,), ("seq",))
+  q, k, v, _ = qkv_and_cotangent(seed=3, b=1, t=256, n=2, kv_heads=1, h=64)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))  # what the kernel takes
+  s = jnp.asarray([0.5, -1.0], jnp.float32)
+  ring, reference = ring_and_reference(mesh, True, True, 1.5, q.shape[1],
+                                       implementation="sm90")
+  put, restore = sharded_along_the_ring(mesh, P(None, "seq"), 1)
+  with interpret.interpret_mode():
+    got = jax.jit(ring)(*map(put, (q, k, v)), s)
+  # bf16: one rounding of P and of the output, against an f32 einsum of
+  # the same bf16 inputs.
+  np.testing.assert_allclose(np.asarray(restore(got), np.float32),
+                             np.asarray(reference(q, k, v, s)), atol=2e-2, rtol=2e-2)
