@@ -693,10 +693,8 @@ def _ring_backward(plan: _Sharded, operands, out, lse, dout):
 
 @_ring_backward.defjvp
 def _ring_backward_jvp(plan, primals, tangents):
-  # The segment ids' (float0) tangents are left out.
-  tangents = jax.tree.map(lambda x, t: t if jnp.issubdtype(x.dtype, jnp.inexact) else None,
-                          primals, tangents)
-  tangent = vjp.linear_map("ring_backward", plan, primals, tangents)
+  tangent = vjp.linear_map("ring_backward", plan, primals,
+                           vjp.inexact_tangents(primals, tangents))
   return _ring_backward(plan, *primals), tangent
 
 

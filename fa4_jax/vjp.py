@@ -188,12 +188,16 @@ def _fused_backward(config, operands, out, lse, dout):
   return sharding.backward(config, *operands, out, lse, dout)
 
 
+def inexact_tangents(primals, tangents):
+  """`tangents` with those of integer and boolean primals (float0: segment
+  ids, lengths, masks) left out (None), as a linear map takes them."""
+  return jax.tree.map(lambda x, t: t if jnp.issubdtype(x.dtype, jnp.inexact) else None,
+                      primals, tangents)
+
+
 @_fused_backward.defjvp
 def _fused_backward_jvp(config, primals, tangents):
-  # The integer and boolean operands' (float0) tangents are left out.
-  tangents = jax.tree.map(lambda x, t: t if jnp.issubdtype(x.dtype, jnp.inexact) else None,
-                          primals, tangents)
-  tangent = _LinearMap.of("backward", config, primals, tangents)
+  tangent = _LinearMap.of("backward", config, primals, inexact_tangents(primals, tangents))
   return _fused_backward(config, *primals), tangent
 
 

@@ -362,15 +362,7 @@ class DkvBarriers(BarrierTable):
   # Interpreter-only drains of the last phases (see `BarrierTable`).
   def drain_ring(self, num_steps) -> None:
     """Load warp: observe the qdo_free / stats_free phases of the last lap."""
-    if not self._interpreting:
-      return
-    stages = self.counts["stage"]
-
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _(n):
-      slot = rem(n, stages)
-      self.producer_qdo_acquire(slot)
-      self.producer_stats_acquire(slot)
+    self._drain_last_lap(num_steps, self.producer_qdo_acquire, self.producer_stats_acquire)
 
   def drain_tmem(self) -> None:
     """MMA warp: observe the p_free / ds_free phases of the last step."""

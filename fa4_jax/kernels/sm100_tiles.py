@@ -93,6 +93,20 @@ class BarrierTable:
   def _at(self, name, index=0):
     return self._refs[name].at[index]
 
+  def _drain_last_lap(self, num_steps, *acquires) -> None:
+    """Interpreter only: the producer of a ring of `counts["stage"]` slots
+    calls each of `acquires` (a slot's producer_*_acquire) on the slots of
+    the last lap, observing the consumers' final free phases."""
+    if not self._interpreting:
+      return
+    stages = self.counts["stage"]
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(n):
+      slot = rem(n, stages)
+      for acquire in acquires:
+        acquire(slot)
+
 
 class KvRingAccessors(BarrierTable):
   """The barrier table of a kernel whose load warp streams K and V blocks
@@ -130,12 +144,4 @@ class KvRingAccessors(BarrierTable):
   def drain_kv_rings(self, num_steps) -> None:
     """Load warp, interpreter only: observe the k_free / v_free phases of the
     last lap."""
-    if not self._interpreting:
-      return
-    stages = self.counts["stage"]
-
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _(n):
-      slot = rem(n, stages)
-      self.producer_k_acquire(slot)
-      self.producer_v_acquire(slot)
+    self._drain_last_lap(num_steps, self.producer_k_acquire, self.producer_v_acquire)
