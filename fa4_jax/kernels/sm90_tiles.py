@@ -4,6 +4,7 @@ SMEM layout that both TMA and `wgmma` read."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -52,6 +53,19 @@ def smem_tile(shape, dtype, swizzle: int = 128):
 
 def _ids_layout(along_rows: bool):
   return plgpu.Layout.WGMMA.reduce(1 if along_rows else 0)
+
+
+def element_ids(row_lo, col_lo, shape):
+  """(row ids, column ids) of the elements of a wgmma tile of `shape`:
+  row_lo + i and col_lo + j at element (i, j), each a tile of `shape`.
+
+  Built from one vector along the rows and one along the columns, then
+  broadcast: Mosaic GPU unrolls an iota into index arithmetic for every
+  element a thread holds (64 in a (64, 128) tile), and a broadcast only
+  reuses the vector's registers (2 row ids and 32 column ids a thread)."""
+  rows = row_lo + plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=_ids_layout(True))
+  cols = col_lo + plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=_ids_layout(False))
+  return lax.broadcast_in_dim(rows, shape, [0]), lax.broadcast_in_dim(cols, shape, [1])
 
 
 def load_ids(ids_ref, batch_idx, start, n: int, *, along_rows: bool):
