@@ -10,6 +10,7 @@ rows. Both read tile ranges and the element mask from `fa4_jax.scores`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
-from fa4_jax.kernels.sm90_tiles import element_ids, where_visible_by_column_chunks
+from fa4_jax.kernels.sm90_tiles import where_visible_by_column_chunks
 from fa4_jax.scores import MaskSpec, TileRanges
 
 
@@ -292,7 +293,9 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
 
     def visible_of(first_col, shape, col_ids=None):
       """The element mask of columns [first_col, first_col + shape[1])."""
-      rows, cols = element_ids(row_lo, col_lo + first_col if first_col else col_lo, shape)
+      iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
+                               layout=plgpu.Layout.WGMMA)
+      rows, cols = row_lo + iota(0), (col_lo + first_col if first_col else col_lo) + iota(1)
       k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
       q_seg = kv_seg = None
       if col_ids is not None:

@@ -123,7 +123,7 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
-from fa4_jax.kernels.sm90_tiles import (element_ids, id_ring, load_ids, padded_head_dim, smem_tile,
+from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
                                        where_visible_by_column_chunks)
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
                             initial_row_stats, kv_tile_ranges, normalize, online_softmax,
@@ -796,8 +796,10 @@ class _ConsumerTile:
     if masked:
       def visible_of(first_col, shape, kv_segment=None):
         """The element mask of columns [first_col, first_col + shape[1])."""
+        q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
         k_lo = j * call.config.block_kv
-        q_idx, k_idx = element_ids(self.q_lo, k_lo + first_col if first_col else k_lo, shape)
+        k_idx = (k_lo + first_col if first_col else k_lo) + plgpu.broadcasted_iota(
+            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
         segments = {}
         if kv_segment is not None:
           segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, shape, [0]),

@@ -4,7 +4,6 @@ SMEM layout that both TMA and `wgmma` read."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -53,29 +52,6 @@ def smem_tile(shape, dtype, swizzle: int = 128):
 
 def _ids_layout(along_rows: bool):
   return plgpu.Layout.WGMMA.reduce(1 if along_rows else 0)
-
-
-# Columns of the wgmma layout's tile: each thread holds 2 of every 8.
-_WGMMA_COLUMNS = 8
-
-
-def element_ids(row_lo, col_lo, shape):
-  """(row ids, column ids) of the elements of a wgmma tile of `shape`:
-  row_lo + i and col_lo + j at element (i, j), each a tile of `shape`.
-
-  Built from one vector along the rows and one along the columns, then
-  broadcast: Mosaic GPU unrolls an iota into index arithmetic for every
-  element a thread holds (64 in a (64, 128) tile), and a broadcast only
-  reuses the vector's registers (2 row ids and 32 column ids a thread).
-  The column ids are one iota over the 8 columns of a wgmma tile's column
-  layout (2 ids a thread) and its copies shifted by 8, 16, ...: one vector
-  add per 8 columns instead of the iota's arithmetic per id."""
-  rows = row_lo + plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=_ids_layout(True))
-  first = col_lo + plgpu.broadcasted_iota(jnp.int32, (_WGMMA_COLUMNS,), 0,
-                                          layout=_ids_layout(False))
-  cols = lax.concatenate([first + c if c else first
-                          for c in range(0, shape[1], _WGMMA_COLUMNS)], 0)
-  return lax.broadcast_in_dim(rows, shape, [0]), lax.broadcast_in_dim(cols, shape, [1])
 
 
 def load_ids(ids_ref, batch_idx, start, n: int, *, along_rows: bool):
