@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 
 from fa4_jax import scores
 from fa4_jax.kernels import sm90_forward
@@ -125,22 +126,39 @@ def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
   return jnp.clip(total[:, None] - starts[None, :], 0, chunk).reshape(batch * splits)
 
 
-def combine(out, lse, splits: int):
-  """Merge chunk results: out [B * P, R, H, D], lse [B * P, H, R] ->
-  (f32 [B, R, H, D], [B, H, R]); rows no chunk saw stay 0 / -inf."""
-  bp, rows, heads, d = out.shape
-  b = bp // splits
-  out = out.reshape(b, splits, rows, heads, d).astype(jnp.float32)
-  lse = lse.reshape(b, splits, heads, rows)
-  top = lse.max(axis=1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  weight = jnp.exp(lse - top)  # 0 for chunks that saw no key
-  total = weight.sum(axis=1)
+def _merge_chunks(a, b):
+  """The online-softmax merge of two (running max, sum, weighted output)
+  states. A state of max -inf (chunks that saw no key) weighs 0: the max
+  is taken as 0 there, so no -inf - -inf = nan arises."""
+  (m_a, sum_a, out_a), (m_b, sum_b, out_b) = a, b
+  m = jnp.maximum(m_a, m_b)
+  finite_m = jnp.where(m == -jnp.inf, 0.0, m)
+  w_a, w_b = jnp.exp(m_a - finite_m), jnp.exp(m_b - finite_m)
+  return m, sum_a * w_a + sum_b * w_b, out_a * w_a + out_b * w_b
+
+
+def combine(out, lse, splits: int, t: int):
+  """Merge chunk results: out [B * P, T * G, Hkv, D], lse [B * P, Hkv, T * G]
+  (packed rows, `pack_rows`) -> (f32 out [B, T, Hkv * G, D], lse [B, Hkv * G, T])
+  in the caller's layout; rows no chunk saw get 0 / -inf.
+
+  One variadic reduction over the chunks carries the merge state
+  (`_merge_chunks`), read from the chunks' outputs arranged in the final
+  order ([B, T, Hkv, G, P, D]), so that the unpacking transpose, the merge,
+  the division and the caller's cast can be one XLA kernel."""
+  bp, rows, kv_heads, d = out.shape
+  b, g = bp // splits, rows // t
+  out = out.reshape(b, splits, t, g, kv_heads, d).transpose(0, 2, 4, 3, 1, 5)
+  lse = lse.reshape(b, splits, kv_heads, t, g).transpose(0, 3, 2, 4, 1)
+  lse = jnp.broadcast_to(lse[..., None], out.shape)  # a reduce's operands share a shape
+  m, total, acc = lax.reduce(
+      (lse, jnp.ones(out.shape, jnp.float32), out.astype(jnp.float32)),
+      (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)), _merge_chunks, (4,))
   seen = total > 0.0
-  merged_lse = jnp.where(seen, top[:, 0] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-  share = weight / jnp.where(seen, total, 1.0)[:, None]  # [B, P, H, R]
-  merged = jnp.einsum("bphr,bprhd->brhd", share, out)
-  return merged, merged_lse
+  safe_total = jnp.where(seen, total, 1.0)
+  merged = jnp.where(seen, acc / safe_total, 0.0).reshape(b, t, kv_heads * g, d)
+  merged_lse = jnp.where(seen, m + jnp.log(safe_total), -jnp.inf)[..., 0]  # [B, T, Hkv, G]
+  return merged, merged_lse.reshape(b, t, kv_heads * g).transpose(0, 2, 1)
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
@@ -180,9 +198,10 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, scale=scale, mask=mask,
                                   config=plan.config, **options)
   if p > 1:
-    merged, lse = combine(out, lse, p)
+    merged, lse = combine(out, lse, p, t)
     out = merged.astype(q.dtype)
-  out, lse = unpack_rows(out, lse, t)
+  else:
+    out, lse = unpack_rows(out, lse, t)
   if sinks is not None:
     out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
   return out, lse

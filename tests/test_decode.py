@@ -13,7 +13,8 @@ Specification:
   einsum with per-row key lengths (a row with length 0 gets zeros and
   -inf), query lengths, GQA and MQA, sinks, over several chunks; the
   gradients (the sm90 backward, from the combined lse) too.
-* The combine of chunks is the softmax of the whole row: checked on its own.
+* The combine of chunks is the softmax of the whole row, in the caller's
+  layout (chunks and rows that saw no key included): checked on its own.
 """
 
 import jax
@@ -66,13 +67,14 @@ def test_band_masks_and_long_queries_keep_the_usual_kernel(name, t, n, kv_heads,
                                         implementation="sm90", **options) == "sm90"
 
 
-def test_combining_chunks_is_the_softmax_of_the_whole_row():
+def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout():
   rng = np.random.default_rng(0)
-  b, p, rows, heads, d, chunk = 2, 4, 3, 2, 5, 7
-  logits = rng.normal(size=(b, heads, rows, p * chunk)) * 3
+  b, p, t, g, kv_heads, d, chunk = 2, 4, 2, 3, 2, 5, 7
+  rows = t * g  # packed row r = token * g + group member
+  logits = rng.normal(size=(b, kv_heads, rows, p * chunk)) * 3
   logits[0, :, :, chunk:3 * chunk] = -np.inf  # chunks that see no key
   logits[1, 0, 0, :] = -np.inf  # a row that sees nothing at all
-  values = rng.normal(size=(b, p * chunk, heads, d))
+  values = rng.normal(size=(b, p * chunk, kv_heads, d))
   outs, lses = [], []
   for c in range(p):
     part = logits[..., c * chunk:(c + 1) * chunk]
@@ -81,18 +83,23 @@ def test_combining_chunks_is_the_softmax_of_the_whole_row():
         np.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     outs.append(np.einsum("bhrs,bshd->brhd", probs, values[:, c * chunk:(c + 1) * chunk]))
     lses.append(lse)
-  out = np.stack(outs, 1).reshape(b * p, rows, heads, d)
-  lse = np.stack(lses, 1).reshape(b * p, heads, rows)
+  out = np.stack(outs, 1).reshape(b * p, rows, kv_heads, d)
+  lse = np.stack(lses, 1).reshape(b * p, kv_heads, rows)
   merged, merged_lse = decode.combine(jnp.asarray(out, jnp.float32),
-                                      jnp.asarray(lse, jnp.float32), p)
-  whole_lse = np.logaddexp.reduce(logits, axis=-1)
+                                      jnp.asarray(lse, jnp.float32), p, t)
+  whole_lse = np.logaddexp.reduce(logits, axis=-1)  # [B, Hkv, rows]
   probs = np.where(np.isfinite(whole_lse)[..., None],
                    np.exp(logits - np.where(np.isfinite(whole_lse), whole_lse, 0.0)[..., None]),
                    0.0)
-  np.testing.assert_allclose(np.asarray(merged), np.einsum("bhrs,bshd->brhd", probs, values),
-                             atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(merged_lse), whole_lse, rtol=1e-5)
-  assert np.all(np.asarray(merged)[1, 0, 0] == 0)
+  want = np.einsum("bhrs,bshd->brhd", probs, values)  # packed rows
+  # The caller's layout: token t's query head h * g + j is packed row t * g + j of KV head h.
+  want = want.reshape(b, t, g, kv_heads, d).transpose(0, 1, 3, 2, 4).reshape(b, t, -1, d)
+  want_lse = whole_lse.reshape(b, kv_heads, t, g).transpose(0, 1, 3, 2).reshape(b, -1, t)
+  assert merged.shape == (b, t, kv_heads * g, d) and merged_lse.shape == (b, kv_heads * g, t)
+  np.testing.assert_allclose(np.asarray(merged), want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(merged_lse), want_lse, rtol=1e-5)
+  assert np.all(np.asarray(merged)[1, 0, 0] == 0) and np.asarray(merged_lse)[1, 0, 0] == -np.inf
+  assert not np.any(np.isnan(np.asarray(merged)))
 
 
 @pytest.mark.parametrize("name, t, n, kv_heads, s, options", [
