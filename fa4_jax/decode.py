@@ -8,13 +8,23 @@ forward kernel on a re-shaped problem:
 
 * **GQA packing**: the G query heads of one KV head become G rows of one
   query tile (row r = t * G + g for token t, group member g), so one CTA
-  reads each K/V byte once per KV head.
+  reads each K/V byte once per KV head. One token with G a multiple of 8
+  (MQA 8/1, GQA 64/8) is read where it lies: the rows of KV head h are
+  query heads h * G .. of [B, Hq, D] (`sm90_forward.forward(...,
+  query_heads_as_rows=G)`). Other shapes are packed by a transpose
+  (`pack_rows`, one XLA copy, with the kernel's padding of rows to 8):
+  Mosaic GPU's TMA copies must start at a row that is provably a multiple
+  of 8, which h * 4 (GQA 32/8) is not.
 * **Split-K**: the cache is cut into `splits` equal chunks along the
   sequence (a reshape, no copy: [B, S] -> [B * splits, S / splits]), each
   chunk a batch row of its own with its own key length, so B x Hkv x splits
-  CTAs fill the GPU.
+  CTAs fill the GPU. The chunks of a sequence read its query (the kernel's
+  `q_batch_divisor`), no copy per chunk.
 * **Combine**: the chunks' outputs are merged with their log-sum-exps in
-  XLA (a pass over B x T x Hq x D per chunk, small at decode sizes).
+  one variadic XLA reduction (an online-softmax merge in f32, `combine`),
+  read in the caller's order so that the unpacking transpose and the cast
+  can fuse into it. With one chunk only the unpacking transpose runs
+  (`unpack_rows`).
 
 Masks: the packed rows of one token share its position, which no `MaskSpec`
 band can express for several tokens, so this path serves masks without a
@@ -117,6 +127,15 @@ def unpack_rows(out, lse, t: int):
   return out, lse
 
 
+def reads_query_in_place(q_shape, kv_heads: int) -> bool:
+  """Whether the kernel reads the query where it lies, without `pack_rows`'
+  copy: one token, groups of a multiple of 8 query heads (MQA 8/1, GQA
+  64/8; not GQA 32/8: `sm90_forward.check_heads_as_rows`), head dims a
+  multiple of 64."""
+  _, t, n, d = q_shape
+  return t == 1 and (n // kv_heads) % 8 == 0 and d % 64 == 0
+
+
 def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
   """int32 [B * splits]: the valid keys of each chunk (0 past the length)."""
   chunk = kv_seq // splits
@@ -179,10 +198,14 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if s % (p * granule):
     raise ValueError(f"splits={p} must divide the key length {s} into chunks of whole "
                      f"granules of {granule}")
-  packed = pack_rows(q, kv_heads)
   options = {} if page_table is None else dict(page_table=page_table)
+  if reads_query_in_place(q.shape, kv_heads):
+    packed = q  # the kernel reads a KV head's query heads as its rows
+    options["query_heads_as_rows"] = g
+  else:
+    packed = pack_rows(q, kv_heads)
   if p > 1:
-    packed = jnp.repeat(packed, p, axis=0)
+    options["q_batch_divisor"] = p  # the chunks of a sequence share its query
     if page_table is None:
       k = k.reshape(b * p, s // p, kv_heads, d)
       v = v.reshape(b * p, s // p, kv_heads, d)

@@ -18,6 +18,7 @@ Specification:
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,6 +108,8 @@ def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout(
      dict(key_value_seq_lengths=(700, 0, 513))),
     ("mqa, 3 tokens, query lengths, sinks", 3, 4, 1, 512,
      dict(query_seq_lengths=(2, 3, 0), key_value_seq_lengths=(200, 512, 9), sinks=True)),
+    ("mqa 8/1, one token read in place, 2 chunks", 1, 8, 1, 1024,
+     dict(key_value_seq_lengths=(1024, 600, 0))),
 ])
 def test_decode_matches_an_f32_einsum_without_races(name, t, n, kv_heads, s, options,
                                                     run_interpreted):
@@ -148,3 +151,40 @@ def test_gradients_through_the_decode_arrangement_match_an_f32_einsum(run_interp
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w),
                                atol=2e-2 * max(1.0, float(jnp.abs(w).max())), rtol=2e-2)
+
+
+def _ops_on_query_before_the_kernel(q_shape, kv_heads, splits):
+  """The primitives applied to q before the Pallas kernel in a decode call."""
+  b, t, n, d = q_shape
+  q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, 1024, kv_heads, d), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: decode.forward(
+      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=decode.DecodePlan(splits)))(
+          q, kv, kv).jaxpr
+  # The kernel is the first operation that takes both the query and the keys.
+  from_q, from_k, ops = {jaxpr.invars[0]}, {jaxpr.invars[1]}, []
+  for eqn in jaxpr.eqns:
+    operands = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
+    takes_q, takes_k = (any(v in seen for v in operands) for seen in (from_q, from_k))
+    if takes_q and takes_k:
+      return ops
+    if takes_q:
+      ops.append(eqn.primitive.name)
+      from_q.update(eqn.outvars)
+    if takes_k:
+      from_k.update(eqn.outvars)
+  raise AssertionError("no operation took the query and the keys")
+
+
+@pytest.mark.parametrize("name, q_shape, kv_heads, splits, copies", [
+    ("mqa 8/1, 4 chunks", (2, 1, 8, 64), 1, 4, False),
+    ("gqa 64/8, 1 chunk", (2, 1, 64, 128), 8, 1, False),
+    # Groups of 4: Mosaic GPU's TMA wants rows from multiples of 8 (head * 4 is not).
+    ("gqa 32/8", (2, 1, 32, 128), 8, 2, True),
+    ("mqa 8/1, 2 tokens", (2, 2, 8, 64), 1, 2, True),
+])
+def test_one_token_with_groups_of_8_query_heads_reaches_the_kernel_without_a_copy(
+    name, q_shape, kv_heads, splits, copies):
+  ops = _ops_on_query_before_the_kernel(q_shape, kv_heads, splits)
+  assert set(ops) <= {"reshape"} or copies, ops
+  assert copies == (set(ops) - {"reshape"} != set()), ops
