@@ -41,6 +41,7 @@ and the kernel reads each chunk's pages through its row of the table
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -145,6 +146,16 @@ def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
   return jnp.clip(total[:, None] - starts[None, :], 0, chunk).reshape(batch * splits)
 
 
+# Chunks up to which `combine` unrolls its merge into elementwise ops over
+# the chunks' slices. H100, bf16, T=1 (tools/ab_kernels.py decode, 3 rounds,
+# decode-ab-combine-*.json): MQA 8/1 D64 16 chunks, XLA makes two kernels
+# of it, 3.1 us against 3.3 for one variadic reduction and 4.2 for a
+# reduction of the weights then a weighted sum (25.9 us of attention
+# beside it); GQA 32/8 rows within 0.3 % of one another. More chunks would
+# grow the program with their count: those take the reduction.
+MAX_UNROLLED_CHUNKS = 16
+
+
 def _merge_chunks(a, b):
   """The online-softmax merge of two (running max, sum, weighted output)
   states. A state of max -inf (chunks that saw no key) weighs 0: the max
@@ -161,23 +172,37 @@ def combine(out, lse, splits: int, t: int):
   (packed rows, `pack_rows`) -> (f32 out [B, T, Hkv * G, D], lse [B, Hkv * G, T])
   in the caller's layout; rows no chunk saw get 0 / -inf.
 
-  One variadic reduction over the chunks carries the merge state
-  (`_merge_chunks`), read from the chunks' outputs arranged in the final
-  order ([B, T, Hkv, G, P, D]), so that the unpacking transpose, the merge,
-  the division and the caller's cast can be one XLA kernel."""
+  Each chunk's output is read in the final order ([B, T, Hkv, G, D]), so
+  that the unpacking transpose and the caller's cast fuse into the merge.
+  Up to MAX_UNROLLED_CHUNKS chunks the merge is written out chunk by chunk
+  (max, weights, weighted sum: elementwise ops XLA fuses); beyond, one
+  variadic reduction over the chunks carries the merge state
+  (`_merge_chunks`)."""
   bp, rows, kv_heads, d = out.shape
   b, g = bp // splits, rows // t
   out = out.reshape(b, splits, t, g, kv_heads, d).transpose(0, 2, 4, 3, 1, 5)
-  lse = lse.reshape(b, splits, kv_heads, t, g).transpose(0, 3, 2, 4, 1)
-  lse = jnp.broadcast_to(lse[..., None], out.shape)  # a reduce's operands share a shape
-  m, total, acc = lax.reduce(
-      (lse, jnp.ones(out.shape, jnp.float32), out.astype(jnp.float32)),
-      (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)), _merge_chunks, (4,))
+  lse = lse.reshape(b, splits, kv_heads, t, g).transpose(0, 3, 2, 4, 1)  # [B, T, Hkv, G, P]
+  if splits <= MAX_UNROLLED_CHUNKS:
+    parts = [lse[..., c] for c in range(splits)]
+    top = functools.reduce(jnp.maximum, parts)
+    top = jnp.where(top == -jnp.inf, 0.0, top)  # rows no chunk saw
+    weights = [jnp.exp(part - top) for part in parts]  # 0 for chunks that saw no key
+    total = functools.reduce(jnp.add, weights)
+    m = top
+    acc = functools.reduce(jnp.add, [w[..., None] * out[..., c, :].astype(jnp.float32)
+                                     for c, w in enumerate(weights)])
+  else:
+    lse = jnp.broadcast_to(lse[..., None], out.shape)  # a reduce's operands share a shape
+    m, total, acc = lax.reduce(
+        (lse, jnp.ones(out.shape, jnp.float32), out.astype(jnp.float32)),
+        (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)), _merge_chunks, (4,))
+    m, total = m[..., 0], total[..., 0]
   seen = total > 0.0
   safe_total = jnp.where(seen, total, 1.0)
-  merged = jnp.where(seen, acc / safe_total, 0.0).reshape(b, t, kv_heads * g, d)
-  merged_lse = jnp.where(seen, m + jnp.log(safe_total), -jnp.inf)[..., 0]  # [B, T, Hkv, G]
-  return merged, merged_lse.reshape(b, t, kv_heads * g).transpose(0, 2, 1)
+  merged = jnp.where(seen[..., None], acc / safe_total[..., None], 0.0)
+  merged_lse = jnp.where(seen, m + jnp.log(safe_total), -jnp.inf)  # [B, T, Hkv, G]
+  return (merged.reshape(b, t, kv_heads * g, d),
+          merged_lse.reshape(b, t, kv_heads * g).transpose(0, 2, 1))
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,

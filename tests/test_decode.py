@@ -68,9 +68,11 @@ def test_band_masks_and_long_queries_keep_the_usual_kernel(name, t, n, kv_heads,
                                         implementation="sm90", **options) == "sm90"
 
 
-def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout():
+@pytest.mark.parametrize("p", [4, decode.MAX_UNROLLED_CHUNKS + 4],
+                         ids=["merge written out per chunk", "one variadic reduction"])
+def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout(p):
   rng = np.random.default_rng(0)
-  b, p, t, g, kv_heads, d, chunk = 2, 4, 2, 3, 2, 5, 7
+  b, t, g, kv_heads, d, chunk = 2, 2, 3, 2, 5, 7
   rows = t * g  # packed row r = token * g + group member
   logits = rng.normal(size=(b, kv_heads, rows, p * chunk)) * 3
   logits[0, :, :, chunk:3 * chunk] = -np.inf  # chunks that see no key
