@@ -91,7 +91,8 @@ def implementations(splits, scale, kv_lengths):
   return impls
 
 
-def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
+def case_inputs(B, T, S, Hq, Hkv, D, ragged):
+  """(q, k, v, key lengths or None, the K and V bytes a call must read) of a case."""
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (B, T, Hq, D), jnp.bfloat16)
   k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
@@ -101,7 +102,11 @@ def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
   if ragged:
     kv_lengths = jnp.asarray(np.random.default_rng(0).integers(S // 16, S + 1, size=B), jnp.int32)
     valid_keys = int(kv_lengths.sum())
-  kv_bytes = 2 * valid_keys * Hkv * D * 2  # the keys a call must read
+  return q, k, v, kv_lengths, 2 * valid_keys * Hkv * D * 2
+
+
+def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
+  q, k, v, kv_lengths, kv_bytes = case_inputs(B, T, S, Hq, Hkv, D, ragged)
   row = dict(case=name, B=B, T=T, S=S, Hq=Hq, Hkv=Hkv, D=D, kv_bytes=kv_bytes,
              chosen=fa4_jax.which_implementation(
                  q, k, v, **({} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths))),

@@ -8,13 +8,23 @@ forward kernel on a re-shaped problem:
 
 * **GQA packing**: the G query heads of one KV head become G rows of one
   query tile (row r = t * G + g for token t, group member g), so one CTA
-  reads each K/V byte once per KV head.
+  reads each K/V byte once per KV head. One token with G a multiple of 8
+  (MQA 8/1, GQA 64/8) is read where it lies: the rows of KV head h are
+  query heads h * G .. of [B, Hq, D] (`sm90_forward.forward(...,
+  query_heads_as_rows=G)`). Other shapes are packed by a transpose
+  (`pack_rows`, one XLA copy, with the kernel's padding of rows to 8):
+  Mosaic GPU's TMA copies must start at a row that is provably a multiple
+  of 8, which h * 4 (GQA 32/8) is not.
 * **Split-K**: the cache is cut into `splits` equal chunks along the
   sequence (a reshape, no copy: [B, S] -> [B * splits, S / splits]), each
   chunk a batch row of its own with its own key length, so B x Hkv x splits
-  CTAs fill the GPU.
+  CTAs fill the GPU. The chunks of a sequence read its query (the kernel's
+  `q_batch_divisor`), no copy per chunk.
 * **Combine**: the chunks' outputs are merged with their log-sum-exps in
-  XLA (a pass over B x T x Hq x D per chunk, small at decode sizes).
+  one variadic XLA reduction (an online-softmax merge in f32, `combine`),
+  read in the caller's order so that the unpacking transpose and the cast
+  can fuse into it. With one chunk only the unpacking transpose runs
+  (`unpack_rows`).
 
 Masks: the packed rows of one token share its position, which no `MaskSpec`
 band can express for several tokens, so this path serves masks without a
@@ -31,8 +41,10 @@ and the kernel reads each chunk's pages through its row of the table
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
+from jax import lax
 
 from fa4_jax import scores
 from fa4_jax.kernels import sm90_forward
@@ -116,6 +128,15 @@ def unpack_rows(out, lse, t: int):
   return out, lse
 
 
+def reads_query_in_place(q_shape, kv_heads: int) -> bool:
+  """Whether the kernel reads the query where it lies, without `pack_rows`'
+  copy: one token, groups of a multiple of 8 query heads (MQA 8/1, GQA
+  64/8; not GQA 32/8: `sm90_forward.check_heads_as_rows`), head dims a
+  multiple of 64."""
+  _, t, n, d = q_shape
+  return t == 1 and (n // kv_heads) % 8 == 0 and d % 64 == 0
+
+
 def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
   """int32 [B * splits]: the valid keys of each chunk (0 past the length)."""
   chunk = kv_seq // splits
@@ -125,22 +146,63 @@ def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
   return jnp.clip(total[:, None] - starts[None, :], 0, chunk).reshape(batch * splits)
 
 
-def combine(out, lse, splits: int):
-  """Merge chunk results: out [B * P, R, H, D], lse [B * P, H, R] ->
-  (f32 [B, R, H, D], [B, H, R]); rows no chunk saw stay 0 / -inf."""
-  bp, rows, heads, d = out.shape
-  b = bp // splits
-  out = out.reshape(b, splits, rows, heads, d).astype(jnp.float32)
-  lse = lse.reshape(b, splits, heads, rows)
-  top = lse.max(axis=1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  weight = jnp.exp(lse - top)  # 0 for chunks that saw no key
-  total = weight.sum(axis=1)
+# Chunks up to which `combine` unrolls its merge into elementwise ops over
+# the chunks' slices. H100, bf16, T=1 (tools/ab_kernels.py decode, 3 rounds,
+# decode-ab-combine-*.json): MQA 8/1 D64 16 chunks, XLA makes two kernels
+# of it, 3.1 us against 3.3 for one variadic reduction and 4.2 for a
+# reduction of the weights then a weighted sum (25.9 us of attention
+# beside it); GQA 32/8 rows within 0.3 % of one another. More chunks would
+# grow the program with their count: those take the reduction.
+MAX_UNROLLED_CHUNKS = 16
+
+
+def _merge_chunks(a, b):
+  """The online-softmax merge of two (running max, sum, weighted output)
+  states. A state of max -inf (chunks that saw no key) weighs 0: the max
+  is taken as 0 there, so no -inf - -inf = nan arises."""
+  (m_a, sum_a, out_a), (m_b, sum_b, out_b) = a, b
+  m = jnp.maximum(m_a, m_b)
+  finite_m = jnp.where(m == -jnp.inf, 0.0, m)
+  w_a, w_b = jnp.exp(m_a - finite_m), jnp.exp(m_b - finite_m)
+  return m, sum_a * w_a + sum_b * w_b, out_a * w_a + out_b * w_b
+
+
+def combine(out, lse, splits: int, t: int):
+  """Merge chunk results: out [B * P, T * G, Hkv, D], lse [B * P, Hkv, T * G]
+  (packed rows, `pack_rows`) -> (f32 out [B, T, Hkv * G, D], lse [B, Hkv * G, T])
+  in the caller's layout; rows no chunk saw get 0 / -inf.
+
+  Each chunk's output is read in the final order ([B, T, Hkv, G, D]), so
+  that the unpacking transpose and the caller's cast fuse into the merge.
+  Up to MAX_UNROLLED_CHUNKS chunks the merge is written out chunk by chunk
+  (max, weights, weighted sum: elementwise ops XLA fuses); beyond, one
+  variadic reduction over the chunks carries the merge state
+  (`_merge_chunks`)."""
+  bp, rows, kv_heads, d = out.shape
+  b, g = bp // splits, rows // t
+  out = out.reshape(b, splits, t, g, kv_heads, d).transpose(0, 2, 4, 3, 1, 5)
+  lse = lse.reshape(b, splits, kv_heads, t, g).transpose(0, 3, 2, 4, 1)  # [B, T, Hkv, G, P]
+  if splits <= MAX_UNROLLED_CHUNKS:
+    parts = [lse[..., c] for c in range(splits)]
+    top = functools.reduce(jnp.maximum, parts)
+    top = jnp.where(top == -jnp.inf, 0.0, top)  # rows no chunk saw
+    weights = [jnp.exp(part - top) for part in parts]  # 0 for chunks that saw no key
+    total = functools.reduce(jnp.add, weights)
+    m = top
+    acc = functools.reduce(jnp.add, [w[..., None] * out[..., c, :].astype(jnp.float32)
+                                     for c, w in enumerate(weights)])
+  else:
+    lse = jnp.broadcast_to(lse[..., None], out.shape)  # a reduce's operands share a shape
+    m, total, acc = lax.reduce(
+        (lse, jnp.ones(out.shape, jnp.float32), out.astype(jnp.float32)),
+        (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)), _merge_chunks, (4,))
+    m, total = m[..., 0], total[..., 0]
   seen = total > 0.0
-  merged_lse = jnp.where(seen, top[:, 0] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-  share = weight / jnp.where(seen, total, 1.0)[:, None]  # [B, P, H, R]
-  merged = jnp.einsum("bphr,bprhd->brhd", share, out)
-  return merged, merged_lse
+  safe_total = jnp.where(seen, total, 1.0)
+  merged = jnp.where(seen[..., None], acc / safe_total[..., None], 0.0)
+  merged_lse = jnp.where(seen, m + jnp.log(safe_total), -jnp.inf)  # [B, T, Hkv, G]
+  return (merged.reshape(b, t, kv_heads * g, d),
+          merged_lse.reshape(b, t, kv_heads * g).transpose(0, 2, 1))
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
@@ -161,10 +223,14 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if s % (p * granule):
     raise ValueError(f"splits={p} must divide the key length {s} into chunks of whole "
                      f"granules of {granule}")
-  packed = pack_rows(q, kv_heads)
   options = {} if page_table is None else dict(page_table=page_table)
+  if reads_query_in_place(q.shape, kv_heads):
+    packed = q  # the kernel reads a KV head's query heads as its rows
+    options["query_heads_as_rows"] = g
+  else:
+    packed = pack_rows(q, kv_heads)
   if p > 1:
-    packed = jnp.repeat(packed, p, axis=0)
+    options["q_batch_divisor"] = p  # the chunks of a sequence share its query
     if page_table is None:
       k = k.reshape(b * p, s // p, kv_heads, d)
       v = v.reshape(b * p, s // p, kv_heads, d)
@@ -180,9 +246,10 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, scale=scale, mask=mask,
                                   config=plan.config, **options)
   if p > 1:
-    merged, lse = combine(out, lse, p)
+    merged, lse = combine(out, lse, p, t)
     out = merged.astype(q.dtype)
-  out, lse = unpack_rows(out, lse, t)
+  else:
+    out, lse = unpack_rows(out, lse, t)
   if sinks is not None:
     out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
   return out, lse

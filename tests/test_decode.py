@@ -13,10 +13,12 @@ Specification:
   einsum with per-row key lengths (a row with length 0 gets zeros and
   -inf), query lengths, GQA and MQA, sinks, over several chunks; the
   gradients (the sm90 backward, from the combined lse) too.
-* The combine of chunks is the softmax of the whole row: checked on its own.
+* The combine of chunks is the softmax of the whole row, in the caller's
+  layout (chunks and rows that saw no key included): checked on its own.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,13 +68,16 @@ def test_band_masks_and_long_queries_keep_the_usual_kernel(name, t, n, kv_heads,
                                         implementation="sm90", **options) == "sm90"
 
 
-def test_combining_chunks_is_the_softmax_of_the_whole_row():
+@pytest.mark.parametrize("p", [4, decode.MAX_UNROLLED_CHUNKS + 4],
+                         ids=["merge written out per chunk", "one variadic reduction"])
+def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout(p):
   rng = np.random.default_rng(0)
-  b, p, rows, heads, d, chunk = 2, 4, 3, 2, 5, 7
-  logits = rng.normal(size=(b, heads, rows, p * chunk)) * 3
+  b, t, g, kv_heads, d, chunk = 2, 2, 3, 2, 5, 7
+  rows = t * g  # packed row r = token * g + group member
+  logits = rng.normal(size=(b, kv_heads, rows, p * chunk)) * 3
   logits[0, :, :, chunk:3 * chunk] = -np.inf  # chunks that see no key
   logits[1, 0, 0, :] = -np.inf  # a row that sees nothing at all
-  values = rng.normal(size=(b, p * chunk, heads, d))
+  values = rng.normal(size=(b, p * chunk, kv_heads, d))
   outs, lses = [], []
   for c in range(p):
     part = logits[..., c * chunk:(c + 1) * chunk]
@@ -81,18 +86,23 @@ def test_combining_chunks_is_the_softmax_of_the_whole_row():
         np.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     outs.append(np.einsum("bhrs,bshd->brhd", probs, values[:, c * chunk:(c + 1) * chunk]))
     lses.append(lse)
-  out = np.stack(outs, 1).reshape(b * p, rows, heads, d)
-  lse = np.stack(lses, 1).reshape(b * p, heads, rows)
+  out = np.stack(outs, 1).reshape(b * p, rows, kv_heads, d)
+  lse = np.stack(lses, 1).reshape(b * p, kv_heads, rows)
   merged, merged_lse = decode.combine(jnp.asarray(out, jnp.float32),
-                                      jnp.asarray(lse, jnp.float32), p)
-  whole_lse = np.logaddexp.reduce(logits, axis=-1)
+                                      jnp.asarray(lse, jnp.float32), p, t)
+  whole_lse = np.logaddexp.reduce(logits, axis=-1)  # [B, Hkv, rows]
   probs = np.where(np.isfinite(whole_lse)[..., None],
                    np.exp(logits - np.where(np.isfinite(whole_lse), whole_lse, 0.0)[..., None]),
                    0.0)
-  np.testing.assert_allclose(np.asarray(merged), np.einsum("bhrs,bshd->brhd", probs, values),
-                             atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(merged_lse), whole_lse, rtol=1e-5)
-  assert np.all(np.asarray(merged)[1, 0, 0] == 0)
+  want = np.einsum("bhrs,bshd->brhd", probs, values)  # packed rows
+  # The caller's layout: token t's query head h * g + j is packed row t * g + j of KV head h.
+  want = want.reshape(b, t, g, kv_heads, d).transpose(0, 1, 3, 2, 4).reshape(b, t, -1, d)
+  want_lse = whole_lse.reshape(b, kv_heads, t, g).transpose(0, 1, 3, 2).reshape(b, -1, t)
+  assert merged.shape == (b, t, kv_heads * g, d) and merged_lse.shape == (b, kv_heads * g, t)
+  np.testing.assert_allclose(np.asarray(merged), want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(merged_lse), want_lse, rtol=1e-5)
+  assert np.all(np.asarray(merged)[1, 0, 0] == 0) and np.asarray(merged_lse)[1, 0, 0] == -np.inf
+  assert not np.any(np.isnan(np.asarray(merged)))
 
 
 @pytest.mark.parametrize("name, t, n, kv_heads, s, options", [
@@ -100,6 +110,8 @@ def test_combining_chunks_is_the_softmax_of_the_whole_row():
      dict(key_value_seq_lengths=(700, 0, 513))),
     ("mqa, 3 tokens, query lengths, sinks", 3, 4, 1, 512,
      dict(query_seq_lengths=(2, 3, 0), key_value_seq_lengths=(200, 512, 9), sinks=True)),
+    ("mqa 8/1, one token read in place, 2 chunks", 1, 8, 1, 1024,
+     dict(key_value_seq_lengths=(1024, 600, 0))),
 ])
 def test_decode_matches_an_f32_einsum_without_races(name, t, n, kv_heads, s, options,
                                                     run_interpreted):
@@ -141,3 +153,40 @@ def test_gradients_through_the_decode_arrangement_match_an_f32_einsum(run_interp
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w),
                                atol=2e-2 * max(1.0, float(jnp.abs(w).max())), rtol=2e-2)
+
+
+def _ops_on_query_before_the_kernel(q_shape, kv_heads, splits):
+  """The primitives applied to q before the Pallas kernel in a decode call."""
+  b, t, n, d = q_shape
+  q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, 1024, kv_heads, d), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: decode.forward(
+      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=decode.DecodePlan(splits)))(
+          q, kv, kv).jaxpr
+  # The kernel is the first operation that takes both the query and the keys.
+  from_q, from_k, ops = {jaxpr.invars[0]}, {jaxpr.invars[1]}, []
+  for eqn in jaxpr.eqns:
+    operands = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
+    takes_q, takes_k = (any(v in seen for v in operands) for seen in (from_q, from_k))
+    if takes_q and takes_k:
+      return ops
+    if takes_q:
+      ops.append(eqn.primitive.name)
+      from_q.update(eqn.outvars)
+    if takes_k:
+      from_k.update(eqn.outvars)
+  raise AssertionError("no operation took the query and the keys")
+
+
+@pytest.mark.parametrize("name, q_shape, kv_heads, splits, copies", [
+    ("mqa 8/1, 4 chunks", (2, 1, 8, 64), 1, 4, False),
+    ("gqa 64/8, 1 chunk", (2, 1, 64, 128), 8, 1, False),
+    # Groups of 4: Mosaic GPU's TMA wants rows from multiples of 8 (head * 4 is not).
+    ("gqa 32/8", (2, 1, 32, 128), 8, 2, True),
+    ("mqa 8/1, 2 tokens", (2, 2, 8, 64), 1, 2, True),
+])
+def test_one_token_with_groups_of_8_query_heads_reaches_the_kernel_without_a_copy(
+    name, q_shape, kv_heads, splits, copies):
+  ops = _ops_on_query_before_the_kernel(q_shape, kv_heads, splits)
+  assert set(ops) <= {"reshape"} or copies, ops
+  assert copies == (set(ops) - {"reshape"} != set()), ops

@@ -11,9 +11,15 @@ whether the two give bitwise equal results. `--soft-cap CAP`: every case
 of either pass with that logit soft-cap (both checkouts), e.g. 50 (Gemma 2)
 for the soft-capped forward against the old one.
 
+`decode`: `decode.forward` (the whole arrangement: packing, the kernel, the
+combine) on `bench_decode.py`'s T=1 and T=16 cases, each with its
+`choose_splits` plan, timed as bench_decode times it (the sum of a call's
+kernel durations in a profiler trace, `bench_common.kernel_sum_ms`): TB/s of
+K/V read per side, and one call's kernels (name, microseconds) per side.
+
     cp -r OLD/fa4_jax DIR/fa4_jax_before
     find DIR/fa4_jax_before -name '*.py' | xargs sed -i 's/\\bfa4_jax\\b/fa4_jax_before/g'
-    python3 tools/ab_kernels.py forward|backward --before DIR [--short] [--only SUBSTRING] \\
+    python3 tools/ab_kernels.py forward|backward|decode --before DIR [--short] [--only SUBSTRING] \\
         [--rounds 5] [--soft-cap 50]
 """
 
@@ -35,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import bench_backward  # noqa: E402
 import bench_common  # noqa: E402
+import bench_decode  # noqa: E402
 import bench_forward  # noqa: E402
 from profile_kernel import random_inputs  # noqa: E402  (tools/, the script's folder)
 
@@ -77,9 +84,32 @@ def backward_call(package, case, soft_cap=None):
   return f, (q, k, v, do, lse, do), lambda f, *a: bench_backward.span_times(f, *a)[0]
 
 
+def decode_call(package, case, soft_cap=None):
+  """(jitted `package`'s decode arrangement, its inputs, its timer)."""
+  _, B, T, S, Hq, Hkv, D, ragged = case
+  decode = __import__(f"{package}.decode", fromlist=["forward"])
+  q, k, v, kv_lengths, _ = bench_decode.case_inputs(B, T, S, Hq, Hkv, D, ragged)
+  plan = decode.DecodePlan(decode.choose_splits(B, Hkv, S, ragged=ragged))
+  spec = _mask_spec(package, False, None)
+  f = jax.jit(lambda q, k, v: decode.forward(q, k, v, None, kv_lengths, scale=D ** -0.5,
+                                             mask=spec, plan=plan, **_options(soft_cap))[0])
+  return f, (q, k, v), bench_common.kernel_sum_ms
+
+
+def decode_cases():
+  """bench_decode's cases of one token and of 16."""
+  return [c for c in bench_decode.CASES if c[2] in (1, 16)]
+
+
+def one_call_kernels(f, args):
+  """[(kernel name, microseconds)] of one call of `f(*args)` (a profiler trace)."""
+  _, kernels = bench_common.trace_spans(f, args, 1)[0]
+  return [(name, round(1e3 * duration, 2)) for name, _, duration in kernels]
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("pass_", metavar="pass", choices=("forward", "backward"))
+  ap.add_argument("pass_", metavar="pass", choices=("forward", "backward", "decode"))
   ap.add_argument("--before", required=True, help="folder holding fa4_jax_before")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--short", action="store_true", help="forward: bench_forward's short cases")
@@ -91,6 +121,8 @@ def main():
   if args.pass_ == "forward":
     cases = bench_forward.short_cases() if args.short else bench_forward.CASES
     make_call = forward_call
+  elif args.pass_ == "decode":
+    cases, make_call = decode_cases(), decode_call
   else:
     cases, make_call = bench_backward.CASES, backward_call
   rows = []
@@ -111,10 +143,15 @@ def main():
     row = dict(case=case[0], soft_cap=args.soft_cap, before_ms=before, after_ms=after,
                change=after / before - 1, bitwise_equal=same, max_abs_diff=max_abs_diff,
                rounds=times)
+    if args.pass_ == "decode":
+      kv_bytes = bench_decode.case_inputs(*case[1:])[4]
+      row.update(before_tb_per_s=kv_bytes / before / 1e9, after_tb_per_s=kv_bytes / after / 1e9,
+                 kernels={p: one_call_kernels(f, a) for p, (f, a, _) in calls.items()})
     print(json.dumps(row), flush=True)
     rows.append(row)
-  timer = ("kernel time (bench_common.kernel_ms)" if args.pass_ == "forward"
-           else "kernel span (bench_backward.span_times)")
+  timer = {"forward": "kernel time (bench_common.kernel_ms)",
+           "backward": "kernel span (bench_backward.span_times)",
+           "decode": "sum of kernel durations (bench_common.kernel_sum_ms)"}[args.pass_]
   name = args.pass_ if args.soft_cap is None else f"{args.pass_}-softcap{args.soft_cap:g}"
   path = bench_common.result_path(f"{name}-ab", jax.devices()[0].device_kind, args.tag)
   with open(path, "w") as fh:

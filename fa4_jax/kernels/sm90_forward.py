@@ -413,6 +413,11 @@ class _Call:
   # Soft-cap only, where `scores.fixed_max_is_exact`: the rows keep one fixed
   # max (no row max, no alpha, no rescale of O; `scores.fixed_max_softmax`).
   fixed_max: bool = False
+  # Decode (`forward(..., query_heads_as_rows=)`): Q is a one-token query
+  # [B, heads * G, 1, D] whose head h's rows are its query heads h * G ..;
+  # None: Q is [B, q_seq, heads, D].
+  query_heads_as_rows: int | None = None
+  q_batch_divisor: int = 1  # batch row b reads Q's row b // this
 
   @property
   def masked_logit(self) -> float:
@@ -590,8 +595,7 @@ def _producer(ctx: _Context) -> None:
     for c_i in range(cfg.num_consumers):
       if cfg.persistent:
         bars.q.producer_acquire(i, c_i)
-      rows = pl.ds(item.cta_q_lo + c_i * bq, bq)
-      bars.q.producer_fill(refs.q.at[item.batch_idx, rows, item.head], refs.q_smem, i, c_i)
+      bars.q.producer_fill(_q_rows(ctx, item, item.cta_q_lo + c_i * bq), refs.q_smem, i, c_i)
     kv_head = lax.div(item.head, jnp.int32(ctx.call.group))
 
     @pl.loop(item.lo, item.hi)
@@ -613,6 +617,22 @@ def _producer(ctx: _Context) -> None:
   bars.v.producer_drain(total_steps)
   if cfg.persistent:
     bars.q.producer_drain(ctx.num_items)
+
+
+def _q_rows(ctx: _Context, item: _WorkItem, row0):
+  """The GMEM rows of Q from `row0` that one consumer tile of `item` reads.
+
+  With `query_heads_as_rows` = G they are the query heads h * G + row0 ..
+  of Q's token: past the head's G rows the tile holds the next heads'
+  queries (or TMA's zeros past the end), whose output rows the caller drops."""
+  call, q = ctx.call, ctx.refs.q
+  bq = call.config.block_q
+  batch = item.batch_idx
+  if call.q_batch_divisor != 1:
+    batch = lax.div(batch, jnp.int32(call.q_batch_divisor))
+  if call.query_heads_as_rows is None:
+    return q.at[batch, pl.ds(row0, bq), item.head]
+  return q.at[batch, pl.ds(item.head * call.query_heads_as_rows + row0, bq), 0]
 
 
 def _kv_block_fill(ctx: _Context, item: _WorkItem, j, kv_head) -> Callable:
@@ -935,6 +955,8 @@ def _build_kernel(
     soft_cap: float | None = None,
     page_size: int | None = None,
     fixed_max: bool = False,
+    query_heads_as_rows: int | None = None,
+    q_batch_divisor: int = 1,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -946,7 +968,8 @@ def _build_kernel(
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
                has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size,
-               fixed_max=fixed_max)
+               fixed_max=fixed_max, query_heads_as_rows=query_heads_as_rows,
+               q_batch_divisor=q_batch_divisor)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1021,7 +1044,8 @@ def sm_count(default: int = H100_SMS) -> int:
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             config: ForwardConfig | None = None, segment_ids=None, sinks=None,
-            soft_cap: float | None = None, page_table=None):
+            soft_cap: float | None = None, page_table=None,
+            query_heads_as_rows: int | None = None, q_batch_divisor: int = 1):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
@@ -1034,16 +1058,29 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   keys are pages page_table[b, 0 .. P-1] one after the other (Tk = P *
   page_size; `check_paged`); entries are clipped into [0, num_pages).
   Without them the kernel is the one built before they existed.
+
+  Decode (`fa4_jax.decode`), Q read in place: `query_heads_as_rows` = G
+  takes q [Bq, 1, Nkv * G, D] (one token) as the packed problem [Bq, G,
+  Nkv, D] whose rows are a KV head's query heads (`decode.pack_rows`),
+  without the transpose and padding copies (`check_heads_as_rows`);
+  `q_batch_divisor` = P serves [Bq * P, ...] rows with batch row b reading
+  Q's row b // P (split-K chunks of one sequence, without repeating Q).
   """
+  if query_heads_as_rows is not None:
+    check_heads_as_rows(q.shape, query_heads_as_rows)
+    q = q.reshape(q.shape[0], q.shape[2], 1, q.shape[3])  # [B, Nq, 1, D]: free
+  if q_batch_divisor < 1:
+    raise KernelUnsupported(f"sm90 forward: q_batch_divisor must be >= 1; got {q_batch_divisor}")
+  q_shape = _problem_q_shape(q.shape, query_heads_as_rows, q_batch_divisor)
   logical_k_shape = k.shape
   if page_table is not None:
-    logical_k_shape = check_paged(q.shape, k.shape, jnp.shape(page_table), segment_ids)
-  check_supported(q.shape, logical_k_shape, q.dtype, mask)
+    logical_k_shape = check_paged(q_shape, k.shape, jnp.shape(page_table), segment_ids)
+  check_supported(q_shape, logical_k_shape, q.dtype, mask)
   if v.shape != k.shape:
     raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-  batch, q_seq, num_q_heads, head_dim = q.shape
+  batch, q_seq, num_q_heads, head_dim = q_shape
   _, kv_seq, num_kv_heads, _ = logical_k_shape
   if segment_ids is not None:
     shapes = tuple(jnp.shape(x) for x in segment_ids)
@@ -1060,7 +1097,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   # masked in the kernel, padded rows and columns are sliced off.
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
-  if d != head_dim or q_pad != q_seq:
+  if (d != head_dim or q_pad != q_seq) and query_heads_as_rows is None:
     q = jnp.pad(q, [(0, 0), (0, q_pad - q_seq), (0, 0), (0, d - head_dim)])
   if d != head_dim or kv_pad != kv_seq:  # never for a paged K/V (`check_paged`)
     k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
@@ -1082,6 +1119,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       page_size=None if page_table is None else k.shape[1],
       # Soft-capped logits are bounded: where that bounds P, no running max.
       fixed_max=fixed_max_is_exact(q.dtype, soft_cap, kv_seq),
+      **_q_options(query_heads_as_rows, q_batch_divisor),
   )
   args = [q, k, v]
   if q_lengths is not None:
@@ -1098,6 +1136,46 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
   return out, lse[..., :q_seq]
+
+
+def _q_options(query_heads_as_rows, q_batch_divisor) -> dict:
+  """The build's Q-layout arguments, only where set (the usual call builds
+  the very kernel it built before they existed)."""
+  options = {}
+  if query_heads_as_rows is not None:
+    options["query_heads_as_rows"] = query_heads_as_rows
+  if q_batch_divisor != 1:
+    options["q_batch_divisor"] = q_batch_divisor
+  return options
+
+
+def _problem_q_shape(q_shape, query_heads_as_rows, q_batch_divisor) -> tuple[int, ...]:
+  """[batch, rows, heads, D] of the problem the kernel serves; `q_shape` is
+  the Q operand's ([Bq, Nkv * G, 1, D] with `query_heads_as_rows` = G)."""
+  batch, rows, heads, d = q_shape
+  if query_heads_as_rows is not None:
+    rows, heads = query_heads_as_rows, rows // query_heads_as_rows
+  return (batch * q_batch_divisor, rows, heads, d)
+
+
+def check_heads_as_rows(q_shape, group: int) -> None:
+  """Raises KernelUnsupported unless Q [B, 1, Nq, D] can be read in place
+  with a KV head's `group` query heads as its rows.
+
+  One token only (a head's query heads are then rows group * h .. of
+  [B, Nq, D]); head dims multiples of 64 (Q is not padded) and groups
+  multiples of 8: the TMA copies tile (rows, head_dim) by (8, 64), and
+  Mosaic GPU's layout inference wants a copy's first row proven a multiple
+  of 8 (head * 4 is not). A tile's rows past the head's `group` are the
+  next heads' queries, whose output rows lie past the problem's rows."""
+  if len(q_shape) != 4 or q_shape[1] != 1:
+    raise KernelUnsupported(f"sm90 forward: query_heads_as_rows takes one token, q [B, 1, "
+                            f"Nq, D]; got {q_shape}")
+  _, _, heads, head_dim = q_shape
+  if group < 1 or group % 8 or heads % group or head_dim % 64:
+    raise KernelUnsupported(f"sm90 forward: query_heads_as_rows={group} must be a multiple "
+                            f"of 8 dividing the query heads {heads}, with head_dim a multiple "
+                            f"of 64; got head_dim {head_dim}")
 
 
 def check_paged(q_shape, pages_shape, table_shape, segment_ids=None) -> tuple[int, ...]:
