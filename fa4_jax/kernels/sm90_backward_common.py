@@ -244,19 +244,35 @@ class KeyTileWork:
 
 
 class TileSoftmax(NamedTuple):
-  """One tile's recomputed softmax: `p` = P (for dV = P^T dO) and `w`, the
-  factor of dS = w * (dP - delta) (`scores_grad`): P itself, or with
-  soft-cap P * (1 - t^2), where 1 - t^2 is the slope of cap * tanh(x / cap),
-  so that dS is the gradient w.r.t. x = scale * s as without soft-cap (the
-  kernels' factor `scale` in dQ and dK stays)."""
+  """One tile's recomputed softmax and what its dS needs: `p` = P (for dV =
+  P^T dO) and dS = `grad()` = w * (dp - delta) (`scores_grad`).
+
+  Without soft-cap w = P and (dp, delta) are the caller's dP and delta,
+  untouched: dS is formed where the caller asks for it (after the dV wgmma is
+  issued, in the dK/dV kernel). With soft-cap dS also carries the slope 1 -
+  t^2 of cap * tanh(x / cap), so that dS is the gradient w.r.t. x = scale * s
+  as without soft-cap (the kernels' factor `scale` in dQ and dK stays): the
+  slope is applied to dP - delta while t is alive, before P exists, and dp
+  then holds slope * (dP - delta), delta None."""
 
   p: Any
   w: Any
+  dp: Any = None
+  delta: Any = None
+  keys_along_rows: bool = False
+
+  def grad(self):
+    """dS = w * (dp - delta) in fp32; a delta vector (one per query) is
+    broadcast along the keys here."""
+    delta = self.delta
+    if delta is not None and delta.ndim == 1:
+      delta = lax.broadcast_in_dim(delta, self.p.shape, [1 if self.keys_along_rows else 0])
+    return scores_grad(self.w, self.dp, delta)
 
 
 def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, mask: MaskSpec,
                  c: float, masked: bool, segments=None, scale: float = 1.0,
-                 cap: float | None = None) -> TileSoftmax:
+                 cap: float | None = None, dp=None, delta=None) -> TileSoftmax:
   """P = exp2(c * t - lse2) of one tile (S^T when `keys_along_rows`, as in
   the kernels that own keys; S in the dQ kernel) with t = s, or t =
   tanh(s * scale / cap) with soft-cap `cap` (`scores.softmax_logits`;
@@ -268,21 +284,29 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   `lse2=None`: s already holds S - lse2 / c (`fold_stats`, not with
   soft-cap).
 
-  Soft-cap's slope 1 - t^2 enters dS through `TileSoftmax.w` = P * slope,
-  formed here while t is alive: neither t nor S stays alive until dS.
-  Per element that costs one FMUL and one MUFU (tanh.approx) for t, one
-  FFMA (1 - t^2) and one FMUL (P * slope): 2 MUFU ops instead of 1.
-  Registers: one more f32 tile (32 per thread at 64 x 64) from the tanh
-  until w (t, or the slope, beside the logits through the mask and exp2);
-  after it w stands where P stood (dQ, dK pass) or beside P until P's
-  16-bit copy for the dV wgmma is made (fused dK/dV, head-dim split).
-  Recovering t from P instead (t = (log2 P + lse2) / c, at dS) costs a
-  lg2 per element and keeps lse2 alive, and spilled more (ptxas, H200:
-  e.g. D128 causal dK/dV 308 bytes against 240 here and 176 without
-  soft-cap; D192 window 224 against 4). Masked elements have P = 0 and a
-  finite slope, so w = 0 there.
+  `dp`, `delta`: the tile's dP (or dP^T) and delta (tile-shaped, a vector
+  of one value per query, or None when dp already holds dP - delta), or
+  dp None where the caller forms no dS; carried in the result for
+  `TileSoftmax.grad`.
+
+  Soft-cap's slope 1 - t^2 is applied to dP - delta here, right after the
+  tanh: t then dies when the logits are formed (they take its registers)
+  and P never lives beside it. Per element that costs one FMUL and one MUFU
+  (tanh.approx) for t, one FFMA (1 - t^2) and one FMUL (the slope onto dP -
+  delta): 2 MUFU ops instead of 1. Two earlier orders held one more f32 tile
+  (32 registers per thread at 64 x 64) and spilled in the D128 dK/dV
+  kernel: w = P * slope formed after the exp2 (t beside P; Nsight Compute,
+  H100, B2 S8192 H16 D128 cap 50: 21 M local-memory spill requests in the
+  dK/dV kernel against 0.12 M without soft-cap, and the kernel +20 %), and t
+  recovered from P at dS (t = (log2 P + lse2) / c: a lg2 per element, lse2
+  alive; ptxas, H200: D128 causal dK/dV 308 spill bytes). Masked elements
+  have P = 0 and a finite slope, so dS = 0 there.
   """
   t = scores.softmax_logits(s, scale, cap)
+  if cap is not None and dp is not None:
+    if delta is not None and delta.ndim == 1:
+      delta = lax.broadcast_in_dim(delta, s.shape, [1 if keys_along_rows else 0])
+    dp, delta = scores_grad(scores.soft_cap_slope(t), dp, delta), None
   if lse2 is None:  # already in s (`fold_stats`)
     assert cap is None, "soft-cap needs the raw S: lse2 cannot be folded into it"
     logits2 = t * c
@@ -309,7 +333,7 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
     else:
       logits2 = where_visible_by_column_chunks(logits2, segments[1], visible_of, -jnp.inf)
   p = jnp.exp2(logits2)
-  return TileSoftmax(p, p if cap is None else p * scores.soft_cap_slope(t))
+  return TileSoftmax(p, p, dp, delta, keys_along_rows)
 
 
 def mma(a, b, shape):

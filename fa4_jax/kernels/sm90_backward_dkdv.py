@@ -33,31 +33,29 @@ from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rende
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
                                                   KeyTileWork, SegmentRefs, launch,
                                                   load_operand, mma_accumulate,
-                                                  mma_accumulate_pair, narrow, scores_grad,
-                                                  stats_of_slot,
-                                                  transposed_scores, zeros)
+                                                  mma_accumulate_pair, narrow, stats_of_slot,
+                                                  TileSoftmax, transposed_scores, zeros)
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import cdiv, walk_blocks
 
 
-def _dk_dv_update(dk, dv, p, w, dp, delta, q_tile, do_tile, staging):
-  """dV += P^T dO and dK += dS^T Q with dS^T = w * (dP^T - delta), w = P^T
-  or its soft-capped weight (`TileSoftmax`; `delta=None`: dp already holds
-  dP^T - delta).
+def _dk_dv_update(dk, dv, softmax: TileSoftmax, q_tile, do_tile, staging):
+  """dV += P^T dO and dK += dS^T Q with dS^T = `softmax.grad()` (keys along
+  rows: `softmax.p` is P^T).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
-  one wait covers both. (Here `p` is P^T: keys along rows.)
+  one wait covers both.
   """
   dtype = q_tile.dtype
   if is_interpreting():
-    dv = mma_accumulate(dv, p.astype(dtype), do_tile, staging)
-    ds = scores_grad(w, dp, delta).astype(dtype)
+    dv = mma_accumulate(dv, softmax.p.astype(dtype), do_tile, staging)
+    ds = softmax.grad().astype(dtype)
     return mma_accumulate(dk, ds, q_tile, staging), dv
 
   def body(refs):
     dk_ref, dv_ref = refs
-    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-    ds = scores_grad(w, dp, delta).astype(dtype)
+    plgpu.wgmma(dv_ref, softmax.p.astype(dtype), do_tile)
+    ds = softmax.grad().astype(dtype)
     plgpu.wgmma(dk_ref, ds, q_tile)
 
   return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
@@ -211,16 +209,16 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
         soft_cap=kp.soft_cap is not None)
     seg = block_segments(slot) if masked else None
-    p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
-                      kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
+    softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
+                         kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
+                         dp=dp, delta=delta)
     if kp.with_dk and kp.with_dv:
-      acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], p, w, dp, delta,
-                                           q_tile, do_tile, stage)
-    elif kp.with_dk:  # (p is w without soft-cap, unused with it)
-      acc["dk"] = mma_accumulate(acc["dk"], scores_grad(w, dp, delta).astype(kp.dtype),
-                                 q_tile, stage)
+      acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], softmax, q_tile, do_tile,
+                                           stage)
+    elif kp.with_dk:
+      acc["dk"] = mma_accumulate(acc["dk"], softmax.grad().astype(kp.dtype), q_tile, stage)
     else:
-      acc["dv"] = mma_accumulate(acc["dv"], p.astype(kp.dtype), do_tile, stage)
+      acc["dv"] = mma_accumulate(acc["dv"], softmax.p.astype(kp.dtype), do_tile, stage)
     bars.stream.consumer_release(step)
     return acc
 
@@ -442,11 +440,12 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=False, stats_first=False)
       seg = block_segments(slot) if masked else None
-      p, w = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
-                        kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
-      ds = scores_grad(w, dp, delta)
+      softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
+                           kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
+                           dp=dp, delta=delta)
+      ds = softmax.grad()
       pds.producer_acquire(step)
-      p_tile[...] = p.astype(kp.dtype)
+      p_tile[...] = softmax.p.astype(kp.dtype)
       ds_tile[...] = ds.astype(kp.dtype)
       pds.producer_publish(step)
     else:

@@ -29,7 +29,7 @@ from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
                                                   launch,
                                                   load_operand, mma_accumulate, mma_pair,
-                                                  narrow, scores_grad, zeros)
+                                                  narrow, zeros)
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
@@ -218,9 +218,9 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
     seg = block_segments(slot) if masked else None
-    _, w = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
-                      kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
-    ds = scores_grad(w, dp, lax.broadcast_in_dim(delta, s.shape, [0]))
+    ds = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+                    kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
+                    dp=dp, delta=delta).grad()
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
     bars.stream.consumer_release(step)
     return dq
