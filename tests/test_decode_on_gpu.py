@@ -9,6 +9,9 @@
 * A paged cache (pages of 16 and 64 tokens at shuffled physical positions)
   read through the page table by the kernel ("sm90"), equal to the einsum on
   the same cache laid out contiguously.
+* MQA 8/1 and GQA 64/8 at one token (groups of a multiple of 8 query heads,
+  which the kernel reads in place, `decode.reads_query_in_place`), split
+  into chunks, contiguous and paged, with per-row lengths.
 
 bf16 tolerances: one bf16 rounding of P and of each chunk's output, then the
 merge in f32; the reference sees the same bf16 inputs.
@@ -90,5 +93,30 @@ def test_paged_cache_through_the_page_table_matches_an_f32_einsum(page_size):
   assert fa4_jax.which_paged_implementation(*args) == "sm90"
   out = jax.jit(fa4_jax.paged_attention)(*args)
   visible = np.arange(s)[None, None, None, :] < lengths[:, None, None, None]
+  _check(out, einsum_attention(q, k, v, visible)[0])
+  assert np.all(np.asarray(out[2], np.float32) == 0)
+
+
+@pytest.mark.parametrize("n, kv_heads, d, paged", [(8, 1, 64, False), (64, 8, 128, False),
+                                                   (8, 1, 64, True)],
+                         ids=["mqa 8/1 d64", "gqa 64/8 d128", "mqa 8/1 d64 paged"])
+def test_groups_of_eight_heads_read_in_place_match_an_f32_einsum(n, kv_heads, d, paged):
+  from fa4_jax import decode
+  b, s, page_size = 8, 32768, 64
+  q, k, v = _inputs(5, b, 1, s, n, kv_heads, d)
+  assert decode.reads_query_in_place(q.shape, kv_heads)
+  lengths = jnp.asarray([32768, 1, 0, 30000, 4096, 513, 32767, 8], jnp.int32)
+  visible = np.arange(s)[None, None, None, :] < np.asarray(lengths)[:, None, None, None]
+  if paged:
+    table = np.random.default_rng(6).permutation(b * s // page_size).reshape(b, -1)
+    pool = lambda x: jnp.zeros((b * s // page_size, page_size, kv_heads, d), x.dtype).at[
+        table.reshape(-1)].set(x.reshape(-1, page_size, kv_heads, d))
+    args = (q, pool(k), pool(v), jnp.asarray(table, jnp.int32), lengths)
+    assert fa4_jax.which_paged_implementation(*args) == "sm90"
+    out = jax.jit(fa4_jax.paged_attention)(*args)
+  else:
+    assert fa4_jax.which_implementation(q, k, v, key_value_seq_lengths=lengths) == "sm90_decode"
+    out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, key_value_seq_lengths=lengths))(
+        q, k, v)
   _check(out, einsum_attention(q, k, v, visible)[0])
   assert np.all(np.asarray(out[2], np.float32) == 0)
