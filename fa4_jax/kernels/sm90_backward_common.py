@@ -285,9 +285,11 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   soft-cap).
 
   `dp`, `delta`: the tile's dP (or dP^T) and delta (tile-shaped, a vector
-  of one value per query, or None when dp already holds dP - delta), or
-  dp None where the caller forms no dS; carried in the result for
-  `TileSoftmax.grad`.
+  of one value per query, or None when dp already holds dP - delta),
+  carried in the result for `TileSoftmax.grad`; or dp None where the caller
+  forms dS itself as w * (dP - delta), with soft-cap w = P * slope (the
+  head-dim-split dK/dV kernel, whose softmax warpgroup spilled more with
+  the slope on dP: ptxas, D256 window GQA, 1792 bytes against 1256).
 
   Soft-cap's slope 1 - t^2 is applied to dP - delta here, right after the
   tanh: t then dies when the logits are formed (they take its registers)
@@ -333,6 +335,8 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
     else:
       logits2 = where_visible_by_column_chunks(logits2, segments[1], visible_of, -jnp.inf)
   p = jnp.exp2(logits2)
+  if cap is not None and dp is None:  # a caller that forms dS itself: w = P * slope
+    return TileSoftmax(p, p * scores.soft_cap_slope(t))
   return TileSoftmax(p, p, dp, delta, keys_along_rows)
 
 

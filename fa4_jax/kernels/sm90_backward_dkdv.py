@@ -33,8 +33,9 @@ from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rende
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
                                                   KeyTileWork, SegmentRefs, launch,
                                                   load_operand, mma_accumulate,
-                                                  mma_accumulate_pair, narrow, stats_of_slot,
-                                                  TileSoftmax, transposed_scores, zeros)
+                                                  mma_accumulate_pair, narrow, scores_grad,
+                                                  stats_of_slot, TileSoftmax, transposed_scores,
+                                                  zeros)
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import cdiv, walk_blocks
 
@@ -441,9 +442,8 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
           c=c, fold_stats=False, stats_first=False)
       seg = block_segments(slot) if masked else None
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
-                           kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
-                           dp=dp, delta=delta)
-      ds = softmax.grad()
+                           kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
+      ds = scores_grad(softmax.w, dp, delta)
       pds.producer_acquire(step)
       p_tile[...] = softmax.p.astype(kp.dtype)
       ds_tile[...] = ds.astype(kp.dtype)
