@@ -8,23 +8,22 @@ forward kernel on a re-shaped problem:
 
 * **GQA packing**: the G query heads of one KV head become G rows of one
   query tile (row r = t * G + g for token t, group member g), so one CTA
-  reads each K/V byte once per KV head. One token with G a multiple of 8
-  (MQA 8/1, GQA 64/8) is read where it lies: the rows of KV head h are
-  query heads h * G .. of [B, Hq, D] (`sm90_forward.forward(...,
-  query_heads_as_rows=G)`). Other shapes are packed by a transpose
-  (`pack_rows`, one XLA copy, with the kernel's padding of rows to 8):
-  Mosaic GPU's TMA copies must start at a row that is provably a multiple
-  of 8, which h * 4 (GQA 32/8) is not.
+  reads each K/V byte once per KV head. One token is read where it lies:
+  [B, 1, Hkv * G, D] is [B, Hkv, G, D] by a free reshape, which the kernel
+  reads and writes heads-major (`sm90_forward.forward(..., heads_major=True)`:
+  a KV head's G rows, fewer than 8 or a multiple of 8, no padding); so no
+  XLA copy packs Q or unpacks O. Several tokens are packed by a transpose
+  (`pack_rows`, one XLA copy, with the kernel's padding of rows to 8).
 * **Split-K**: the cache is cut into `splits` equal chunks along the
   sequence (a reshape, no copy: [B, S] -> [B * splits, S / splits]), each
   chunk a batch row of its own with its own key length, so B x Hkv x splits
   CTAs fill the GPU. The chunks of a sequence read its query (the kernel's
   `q_batch_divisor`), no copy per chunk.
 * **Combine**: the chunks' outputs are merged with their log-sum-exps in
-  one variadic XLA reduction (an online-softmax merge in f32, `combine`),
-  read in the caller's order so that the unpacking transpose and the cast
-  can fuse into it. With one chunk only the unpacking transpose runs
-  (`unpack_rows`).
+  f32 (`combine`), read in the caller's order so that the unpacking and the
+  cast fuse into the merge (two small XLA kernels on an H100). With one
+  chunk nothing runs after the kernel (one token) or the unpacking
+  transpose (`unpack_rows`).
 
 Masks: the packed rows of one token share its position, which no `MaskSpec`
 band can express for several tokens, so this path serves masks without a
@@ -129,12 +128,13 @@ def unpack_rows(out, lse, t: int):
 
 
 def reads_query_in_place(q_shape, kv_heads: int) -> bool:
-  """Whether the kernel reads the query where it lies, without `pack_rows`'
-  copy: one token, groups of a multiple of 8 query heads (MQA 8/1, GQA
-  64/8; not GQA 32/8: `sm90_forward.check_heads_as_rows`), head dims a
-  multiple of 64."""
+  """Whether the kernel reads the query where it lies, heads-major, without
+  `pack_rows`' copy: one token, groups of fewer than 8 or a multiple of 8
+  query heads (GQA 32/8, MQA 8/1, GQA 64/8; not 12 or 24), head dims a
+  multiple of 64 (`sm90_forward.check_heads_major`)."""
   _, t, n, d = q_shape
-  return t == 1 and (n // kv_heads) % 8 == 0 and d % 64 == 0
+  g = n // kv_heads
+  return t == 1 and (g < 8 or g % 8 == 0) and d % 64 == 0
 
 
 def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
@@ -224,9 +224,10 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     raise ValueError(f"splits={p} must divide the key length {s} into chunks of whole "
                      f"granules of {granule}")
   options = {} if page_table is None else dict(page_table=page_table)
-  if reads_query_in_place(q.shape, kv_heads):
-    packed = q  # the kernel reads a KV head's query heads as its rows
-    options["query_heads_as_rows"] = g
+  in_place = reads_query_in_place(q.shape, kv_heads)
+  if in_place:  # [B, 1, Hkv * G, D] as [B, Hkv, G, D]: a KV head's query heads as rows
+    packed = q.reshape(b, kv_heads, g, d)
+    options["heads_major"] = True
   else:
     packed = pack_rows(q, kv_heads)
   if p > 1:
@@ -245,11 +246,16 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     options["soft_cap"] = soft_cap
   out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, scale=scale, mask=mask,
                                   config=plan.config, **options)
+  if in_place:  # out [B * P, Hkv, G, D], lse [B * P, Hkv, G]
+    if p == 1:
+      out, lse = out.reshape(b, 1, n, d), lse.reshape(b, n, 1)
+    else:
+      out = out.transpose(0, 2, 1, 3)  # as packed rows, for `combine` (XLA fuses it)
+  elif p == 1:
+    out, lse = unpack_rows(out, lse, t)
   if p > 1:
     merged, lse = combine(out, lse, p, t)
     out = merged.astype(q.dtype)
-  else:
-    out, lse = unpack_rows(out, lse, t)
   if sinks is not None:
     out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
   return out, lse

@@ -112,6 +112,8 @@ def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout(
      dict(query_seq_lengths=(2, 3, 0), key_value_seq_lengths=(200, 512, 9), sinks=True)),
     ("mqa 8/1, one token read in place, 2 chunks", 1, 8, 1, 1024,
      dict(key_value_seq_lengths=(1024, 600, 0))),
+    ("gqa 8/2, one token read in place, one chunk", 1, 8, 2, 512,
+     dict(key_value_seq_lengths=(512, 0, 100))),
 ])
 def test_decode_matches_an_f32_einsum_without_races(name, t, n, kv_heads, s, options,
                                                     run_interpreted):
@@ -178,15 +180,77 @@ def _ops_on_query_before_the_kernel(q_shape, kv_heads, splits):
   raise AssertionError("no operation took the query and the keys")
 
 
+def _ops_on_out_after_the_kernel(q_shape, kv_heads, splits):
+  """The primitives applied to the kernel's output on its way to the result."""
+  b, t, n, d = q_shape
+  q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, 1024, kv_heads, d), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: decode.forward(
+      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=decode.DecodePlan(splits))[0])(
+          q, kv, kv).jaxpr
+  # The kernel's call is the first operation that takes both the query and the keys.
+  from_q, from_k = {jaxpr.invars[0]}, {jaxpr.invars[1]}
+  for kernel, eqn in enumerate(jaxpr.eqns):
+    operands = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
+    takes_q, takes_k = (any(v in seen for v in operands) for seen in (from_q, from_k))
+    if takes_q and takes_k:
+      break
+    (from_q if takes_q else from_k if takes_k else set()).update(eqn.outvars)
+  from_out, ops = {jaxpr.eqns[kernel].outvars[0]}, []
+  for eqn in jaxpr.eqns[kernel + 1:]:
+    if any(v in from_out for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
+      ops.append(eqn.primitive.name)
+      from_out.update(eqn.outvars)
+  return ops
+
+
 @pytest.mark.parametrize("name, q_shape, kv_heads, splits, copies", [
     ("mqa 8/1, 4 chunks", (2, 1, 8, 64), 1, 4, False),
     ("gqa 64/8, 1 chunk", (2, 1, 64, 128), 8, 1, False),
-    # Groups of 4: Mosaic GPU's TMA wants rows from multiples of 8 (head * 4 is not).
-    ("gqa 32/8", (2, 1, 32, 128), 8, 2, True),
+    ("gqa 32/8, 2 chunks", (2, 1, 32, 128), 8, 2, False),
+    ("gqa 32/8, 1 chunk", (2, 1, 32, 128), 8, 1, False),
+    # Groups of 12: TMA tiles rows by 8, and 12 is neither below 8 nor a multiple.
+    ("gqa 24/2", (2, 1, 24, 128), 2, 2, True),
     ("mqa 8/1, 2 tokens", (2, 2, 8, 64), 1, 2, True),
 ])
-def test_one_token_with_groups_of_8_query_heads_reaches_the_kernel_without_a_copy(
-    name, q_shape, kv_heads, splits, copies):
+def test_one_token_reaches_the_kernel_without_a_copy(name, q_shape, kv_heads, splits, copies):
   ops = _ops_on_query_before_the_kernel(q_shape, kv_heads, splits)
-  assert set(ops) <= {"reshape"} or copies, ops
   assert copies == (set(ops) - {"reshape"} != set()), ops
+
+
+def test_one_token_in_one_chunk_leaves_the_kernel_with_a_reshape_only():
+  assert set(_ops_on_out_after_the_kernel((2, 1, 32, 128), 8, 1)) <= {"reshape"}
+  assert "transpose" in _ops_on_out_after_the_kernel((2, 2, 32, 128), 8, 1)
+
+
+@pytest.mark.parametrize("name, b, s, n, kv_heads, d, paged", [
+    ("gqa 32/8 d128, 2 chunks", 8, 32768, 32, 8, 128, False),
+    ("gqa 32/8 d128, 1 chunk", 64, 4096, 32, 8, 128, False),
+    ("mqa 8/1 d64, 16 chunks", 8, 32768, 8, 1, 64, False),
+    ("gqa 32/8 d256, 2 chunks", 8, 32768, 32, 8, 256, False),
+    ("gqa 32/8 d128, pages of 16", 8, 32768, 32, 8, 128, True),
+])
+def test_one_token_decode_kernels_lower_for_hopper_with_q_read_in_place(
+    name, b, s, n, kv_heads, d, paged, cross_lower):
+  """The heads-major kernel of the heuristic's plan (4 or 8 rows per KV head,
+  Q rows shared by the chunks of a sequence) lowers for sm_90 and fits SMEM."""
+  from fa4_jax.kernels import sm90_forward
+  q = jax.ShapeDtypeStruct((b, 1, n, d), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  plan = decode.DecodePlan(decode.choose_splits(b, kv_heads, s, ragged=True, granule=16 if paged
+                                                else 1))
+  assert decode.reads_query_in_place(q.shape, kv_heads)
+  if paged:
+    pages = jax.ShapeDtypeStruct((b * s // 16, 16, kv_heads, d), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((b, s // 16), jnp.int32)
+    lowered = cross_lower(lambda q, k, v, t, n: decode.forward(
+        q, k, v, None, n, scale=0.1, mask=MaskSpec(), plan=plan, page_table=t)[0],
+                          q, pages, pages, table, lengths)
+  else:
+    kv = jax.ShapeDtypeStruct((b, s, kv_heads, d), jnp.bfloat16)
+    lowered = cross_lower(lambda q, k, v, n: decode.forward(
+        q, k, v, None, n, scale=0.1, mask=MaskSpec(), plan=plan)[0], q, kv, kv, lengths)
+  assert len(lowered.modules) == 1
+  assert lowered.max_smem_bytes <= sm90_forward.SMEM_LIMIT_BYTES
+  for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):
+    assert lowered.has(instruction)

@@ -413,10 +413,10 @@ class _Call:
   # Soft-cap only, where `scores.fixed_max_is_exact`: the rows keep one fixed
   # max (no row max, no alpha, no rescale of O; `scores.fixed_max_softmax`).
   fixed_max: bool = False
-  # Decode (`forward(..., query_heads_as_rows=)`): Q is a one-token query
-  # [B, heads * G, 1, D] whose head h's rows are its query heads h * G ..;
-  # None: Q is [B, q_seq, heads, D].
-  query_heads_as_rows: int | None = None
+  # Decode (`forward(..., heads_major=True)`): Q and O are [B, heads, q_seq,
+  # D] (a one-token query's heads as rows is then a free reshape); else
+  # [B, q_seq, heads, D].
+  heads_major: bool = False
   q_batch_divisor: int = 1  # batch row b reads Q's row b // this
 
   @property
@@ -620,19 +620,14 @@ def _producer(ctx: _Context) -> None:
 
 
 def _q_rows(ctx: _Context, item: _WorkItem, row0):
-  """The GMEM rows of Q from `row0` that one consumer tile of `item` reads.
-
-  With `query_heads_as_rows` = G they are the query heads h * G + row0 ..
-  of Q's token: past the head's G rows the tile holds the next heads'
-  queries (or TMA's zeros past the end), whose output rows the caller drops."""
+  """The GMEM rows of Q from `row0` that one consumer tile of `item` reads
+  (past the rows Q has, TMA fills zeros)."""
   call, q = ctx.call, ctx.refs.q
-  bq = call.config.block_q
+  rows = pl.ds(row0, call.config.block_q)
   batch = item.batch_idx
   if call.q_batch_divisor != 1:
     batch = lax.div(batch, jnp.int32(call.q_batch_divisor))
-  if call.query_heads_as_rows is None:
-    return q.at[batch, pl.ds(row0, bq), item.head]
-  return q.at[batch, pl.ds(item.head * call.query_heads_as_rows + row0, bq), 0]
+  return q.at[batch, item.head, rows] if call.heads_major else q.at[batch, rows, item.head]
 
 
 def _kv_block_fill(ctx: _Context, item: _WorkItem, j, kv_head) -> Callable:
@@ -923,7 +918,9 @@ def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
   refs.lse_smem.at[wg][...] = lse
   plgpu.commit_smem()
   b_i, h_i = tile.item.batch_idx, tile.item.head
-  plgpu.copy_smem_to_gmem(tile.o_tile, refs.out.at[b_i, pl.ds(tile.q_lo, bq), h_i])
+  rows = pl.ds(tile.q_lo, bq)  # (TMA writes only the rows O has)
+  plgpu.copy_smem_to_gmem(tile.o_tile, refs.out.at[b_i, h_i, rows] if call.heads_major
+                          else refs.out.at[b_i, rows, h_i])
   plgpu.copy_smem_to_gmem(refs.lse_smem.at[wg], refs.lse.at[b_i, h_i, pl.ds(tile.q_lo, bq)])
 
 
@@ -955,7 +952,7 @@ def _build_kernel(
     soft_cap: float | None = None,
     page_size: int | None = None,
     fixed_max: bool = False,
-    query_heads_as_rows: int | None = None,
+    heads_major: bool = False,
     q_batch_divisor: int = 1,
 ):
   cfg = config
@@ -968,7 +965,7 @@ def _build_kernel(
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
                has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size,
-               fixed_max=fixed_max, query_heads_as_rows=query_heads_as_rows,
+               fixed_max=fixed_max, heads_major=heads_major,
                q_batch_divisor=q_batch_divisor)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
@@ -980,7 +977,8 @@ def _build_kernel(
   # correctly), so the LSE output covers whole tiles and `forward` slices it.
   lse_seq = _tile_slots(cfg, mask, q_seq) * cfg.block_q_cta
   out_type = (
-      jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), dtype),
+      jax.ShapeDtypeStruct((batch, num_q_heads, q_seq, head_dim) if heads_major
+                           else (batch, q_seq, num_q_heads, head_dim), dtype),
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
@@ -1045,7 +1043,7 @@ def sm_count(default: int = H100_SMS) -> int:
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             config: ForwardConfig | None = None, segment_ids=None, sinks=None,
             soft_cap: float | None = None, page_table=None,
-            query_heads_as_rows: int | None = None, q_batch_divisor: int = 1):
+            heads_major: bool = False, q_batch_divisor: int = 1):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
@@ -1059,19 +1057,20 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   page_size; `check_paged`); entries are clipped into [0, num_pages).
   Without them the kernel is the one built before they existed.
 
-  Decode (`fa4_jax.decode`), Q read in place: `query_heads_as_rows` = G
-  takes q [Bq, 1, Nkv * G, D] (one token) as the packed problem [Bq, G,
-  Nkv, D] whose rows are a KV head's query heads (`decode.pack_rows`),
-  without the transpose and padding copies (`check_heads_as_rows`);
-  `q_batch_divisor` = P serves [Bq * P, ...] rows with batch row b reading
-  Q's row b // P (split-K chunks of one sequence, without repeating Q).
+  Decode (`fa4_jax.decode`), the query where it lies: `heads_major` takes
+  q [Bq, Nq, Tq, D] and returns out [B, Nq, Tq, D] (a one-token query's G
+  heads of a KV head as its rows is then a free reshape, `check_heads_major`);
+  `q_batch_divisor` = P serves B = Bq * P rows of K/V with batch row b
+  reading Q's row b // P (split-K chunks of one sequence, Q not repeated).
   """
-  if query_heads_as_rows is not None:
-    check_heads_as_rows(q.shape, query_heads_as_rows)
-    q = q.reshape(q.shape[0], q.shape[2], 1, q.shape[3])  # [B, Nq, 1, D]: free
   if q_batch_divisor < 1:
     raise KernelUnsupported(f"sm90 forward: q_batch_divisor must be >= 1; got {q_batch_divisor}")
-  q_shape = _problem_q_shape(q.shape, query_heads_as_rows, q_batch_divisor)
+  if heads_major:
+    check_heads_major(q.shape)
+    q_shape = (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+  else:
+    q_shape = q.shape
+  q_shape = (q_shape[0] * q_batch_divisor, *q_shape[1:])
   logical_k_shape = k.shape
   if page_table is not None:
     logical_k_shape = check_paged(q_shape, k.shape, jnp.shape(page_table), segment_ids)
@@ -1097,7 +1096,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   # masked in the kernel, padded rows and columns are sliced off.
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
-  if (d != head_dim or q_pad != q_seq) and query_heads_as_rows is None:
+  if heads_major:
+    q_pad = q_seq  # read as it lies (`check_heads_major`)
+  if d != head_dim or q_pad != q_seq:
     q = jnp.pad(q, [(0, 0), (0, q_pad - q_seq), (0, 0), (0, d - head_dim)])
   if d != head_dim or kv_pad != kv_seq:  # never for a paged K/V (`check_paged`)
     k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
@@ -1119,7 +1120,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       page_size=None if page_table is None else k.shape[1],
       # Soft-capped logits are bounded: where that bounds P, no running max.
       fixed_max=fixed_max_is_exact(q.dtype, soft_cap, kv_seq),
-      **_q_options(query_heads_as_rows, q_batch_divisor),
+      **_q_options(heads_major, q_batch_divisor),
   )
   args = [q, k, v]
   if q_lengths is not None:
@@ -1138,44 +1139,27 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   return out, lse[..., :q_seq]
 
 
-def _q_options(query_heads_as_rows, q_batch_divisor) -> dict:
+def _q_options(heads_major, q_batch_divisor) -> dict:
   """The build's Q-layout arguments, only where set (the usual call builds
   the very kernel it built before they existed)."""
   options = {}
-  if query_heads_as_rows is not None:
-    options["query_heads_as_rows"] = query_heads_as_rows
+  if heads_major:
+    options["heads_major"] = True
   if q_batch_divisor != 1:
     options["q_batch_divisor"] = q_batch_divisor
   return options
 
 
-def _problem_q_shape(q_shape, query_heads_as_rows, q_batch_divisor) -> tuple[int, ...]:
-  """[batch, rows, heads, D] of the problem the kernel serves; `q_shape` is
-  the Q operand's ([Bq, Nkv * G, 1, D] with `query_heads_as_rows` = G)."""
-  batch, rows, heads, d = q_shape
-  if query_heads_as_rows is not None:
-    rows, heads = query_heads_as_rows, rows // query_heads_as_rows
-  return (batch * q_batch_divisor, rows, heads, d)
-
-
-def check_heads_as_rows(q_shape, group: int) -> None:
-  """Raises KernelUnsupported unless Q [B, 1, Nq, D] can be read in place
-  with a KV head's `group` query heads as its rows.
-
-  One token only (a head's query heads are then rows group * h .. of
-  [B, Nq, D]); head dims multiples of 64 (Q is not padded) and groups
-  multiples of 8: the TMA copies tile (rows, head_dim) by (8, 64), and
-  Mosaic GPU's layout inference wants a copy's first row proven a multiple
-  of 8 (head * 4 is not). A tile's rows past the head's `group` are the
-  next heads' queries, whose output rows lie past the problem's rows."""
-  if len(q_shape) != 4 or q_shape[1] != 1:
-    raise KernelUnsupported(f"sm90 forward: query_heads_as_rows takes one token, q [B, 1, "
-                            f"Nq, D]; got {q_shape}")
-  _, _, heads, head_dim = q_shape
-  if group < 1 or group % 8 or heads % group or head_dim % 64:
-    raise KernelUnsupported(f"sm90 forward: query_heads_as_rows={group} must be a multiple "
-                            f"of 8 dividing the query heads {heads}, with head_dim a multiple "
-                            f"of 64; got head_dim {head_dim}")
+def check_heads_major(q_shape) -> None:
+  """Raises KernelUnsupported unless Q [B, Nq, Tq, D] can be read heads-major
+  without padding: head dims multiples of 64, and Tq below 8 or a multiple
+  of 8 (TMA tiles (rows, head_dim) by (8, 64); a dimension shorter than a
+  tile is read with zeros past it and written only where it exists,
+  checked on an H100 for 2, 4 and 8 rows)."""
+  if len(q_shape) != 4 or q_shape[3] % 64 or not (q_shape[2] < 8 or q_shape[2] % 8 == 0):
+    raise KernelUnsupported(f"sm90 forward: heads_major takes q [B, heads, rows, head_dim] with "
+                            f"rows < 8 or a multiple of 8 and head_dim a multiple of 64; got "
+                            f"{q_shape}")
 
 
 def check_paged(q_shape, pages_shape, table_shape, segment_ids=None) -> tuple[int, ...]:
