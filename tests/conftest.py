@@ -8,6 +8,12 @@ import os
 # deadlocks at random on a 2-core machine. Set before any backend starts.
 os.environ.setdefault("NPROC", "32")
 
+# Under pytest-xdist (the README's `-n 2`) several processes may share one GPU:
+# each takes its share of the memory instead of XLA's default 75 %.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / _workers:.2f}")
+
 import jax  # noqa: E402
 import pytest
 
