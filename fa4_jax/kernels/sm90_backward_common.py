@@ -264,10 +264,16 @@ class TileSoftmax(NamedTuple):
   def grad(self):
     """dS = w * (dp - delta) in fp32; a delta vector (one per query) is
     broadcast along the keys here."""
-    delta = self.delta
-    if delta is not None and delta.ndim == 1:
-      delta = lax.broadcast_in_dim(delta, self.p.shape, [1 if self.keys_along_rows else 0])
+    delta = per_query_tile(self.delta, self.p.shape, self.keys_along_rows)
     return scores_grad(self.w, self.dp, delta)
+
+
+def per_query_tile(x, shape, keys_along_rows: bool):
+  """A vector of one value per query broadcast over a tile of `shape`
+  (queries along its columns when `keys_along_rows`); a tile or None as is."""
+  if x is None or x.ndim != 1:
+    return x
+  return lax.broadcast_in_dim(x, shape, [1 if keys_along_rows else 0])
 
 
 def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, mask: MaskSpec,
@@ -306,14 +312,13 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   """
   t = scores.softmax_logits(s, scale, cap)
   if cap is not None and dp is not None:
-    if delta is not None and delta.ndim == 1:
-      delta = lax.broadcast_in_dim(delta, s.shape, [1 if keys_along_rows else 0])
+    delta = per_query_tile(delta, s.shape, keys_along_rows)
     dp, delta = scores_grad(scores.soft_cap_slope(t), dp, delta), None
   if lse2 is None:  # already in s (`fold_stats`)
     assert cap is None, "soft-cap needs the raw S: lse2 cannot be folded into it"
     logits2 = t * c
   else:
-    logits2 = t * c - lax.broadcast_in_dim(lse2, s.shape, [1 if keys_along_rows else 0])
+    logits2 = t * c - per_query_tile(lse2, s.shape, keys_along_rows)
   if masked:
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
 
