@@ -8,9 +8,10 @@ kernel time (TB/s; the H100 SXM's HBM3 peaks near 3.35). Rows are issue #27's
   the row's `chosen`);
 * `kernel`: the sm90 forward kernel in its usual arrangement (one CTA per
   query head and tile);
-* `decode`: `fa4_jax.decode` (query heads packed as rows, the cache in
-  `decode.choose_splits` chunks, combined in XLA), also above its row limit;
-* `decode pN`: the same with N chunks (`--splits`);
+* `decode`: `fa4_jax.decode` as `decode.plan` plans it (query heads packed
+  as rows, the cache in chunks combined in XLA, the grid), also above its
+  row limit (then its splits only);
+* `decode pN`: the same with N chunks and one CTA per item (`--splits`);
 * `cudnn`, `xla`: `jax.nn.dot_product_attention`;
 * `tokamax`: tokamax 0.0.17's Mosaic GPU attention, where installed.
 
@@ -61,6 +62,14 @@ CASES = [
 ]
 
 
+def planned(q_shape, k_shape, ragged):
+  """`decode.plan`'s plan (splits, grid), or its splits alone for rows above
+  its limit."""
+  return (decode.plan(q_shape, k_shape, MaskSpec(), ragged=ragged)
+          or decode.DecodePlan(decode.choose_splits(q_shape[0], k_shape[2], k_shape[1],
+                                                    ragged=ragged)))
+
+
 def implementations(splits, scale, kv_lengths):
   lengths = {} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths)
   impls = {
@@ -75,10 +84,10 @@ def implementations(splits, scale, kv_lengths):
   plans = {"decode": None} | {f"decode p{p}": p for p in splits}
   for label, p in plans.items():
     def run(q, k, v, p=p):
-      chosen = p if p is not None else decode.choose_splits(
-          q.shape[0], k.shape[2], k.shape[1], ragged=kv_lengths is not None)
+      chosen = decode.DecodePlan(p) if p is not None else planned(q.shape, k.shape,
+                                                                  kv_lengths is not None)
       return decode.forward(q, k, v, None, kv_lengths, scale=scale, mask=MaskSpec(),
-                            plan=decode.DecodePlan(chosen))[0]
+                            plan=chosen)[0]
     impls[label] = run
   try:
     from tokamax._src.ops.attention import pallas_mosaic_gpu as tokamax_gpu
@@ -98,11 +107,16 @@ def case_inputs(B, T, S, Hq, Hkv, D, ragged):
   k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
   v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
   kv_lengths = None
-  valid_keys = B * S
   if ragged:
     kv_lengths = jnp.asarray(np.random.default_rng(0).integers(S // 16, S + 1, size=B), jnp.int32)
-    valid_keys = int(kv_lengths.sum())
-  return q, k, v, kv_lengths, 2 * valid_keys * Hkv * D * 2
+  return q, k, v, kv_lengths, kv_bytes_read(k, kv_lengths)
+
+
+def kv_bytes_read(k, kv_lengths):
+  """The K and V bytes a call must read: each row's first kv_lengths keys (all without)."""
+  B, S, Hkv, D = k.shape
+  valid_keys = B * S if kv_lengths is None else int(kv_lengths.sum())
+  return 2 * valid_keys * Hkv * D * k.dtype.itemsize
 
 
 def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
@@ -110,7 +124,7 @@ def run_case(name, B, T, S, Hq, Hkv, D, ragged, splits, rounds):
   row = dict(case=name, B=B, T=T, S=S, Hq=Hq, Hkv=Hkv, D=D, kv_bytes=kv_bytes,
              chosen=fa4_jax.which_implementation(
                  q, k, v, **({} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths))),
-             splits=decode.choose_splits(B, Hkv, S, ragged=ragged))
+             splits=planned((B, T, Hq, D), (B, S, Hkv, D), ragged).splits)
   columns = implementations([p for p in splits if S % p == 0], D ** -0.5, kv_lengths)
   row.update(bench_common.bandwidth_columns(
       {column: (f, (q, k, v)) for column, f in columns.items()}, rounds, kv_bytes, "xla"))

@@ -46,8 +46,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fa4_jax import scores
-from fa4_jax.kernels import sm90_forward
+from fa4_jax.kernels import default_device, sm90_forward
 from fa4_jax.scores import MaskSpec
+from fa4_jax.target import current_target
 
 
 # Packed rows (T x G) up to which the decode path serves a call. H200, bf16,
@@ -71,41 +72,119 @@ class DecodePlan:
 
 
 def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
-         ragged: bool = False, num_sms: int | None = None,
+         ragged: bool = False, num_sms: int | None = None, streams: int | None = None,
          granule: int = 1) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
-  Splits: the largest power of two that keeps B x Hkv x splits CTAs within
-  one wave of the GPU's SMs, divides the key length and leaves chunks of at
-  least MIN_CHUNK keys. H200 (B*Hkv*splits CTAs on 132 SMs): B8 S32k best at
-  2 (128 CTAs: 4.48 TB/s; 4: 4.39, 1: 3.41), B64 S4k at 1 (512: 4.34; 2:
+  Splits: the largest power of two that keeps B x Hkv x splits x tiles CTAs
+  (tiles: the query tiles of an item, two for 256 packed rows) within
+  `streams` (`streaming_ctas`: the SM count, or fewer where fewer CTAs read a
+  cache faster), divides the key length and leaves chunks of at least
+  MIN_CHUNK keys. H200 (B*Hkv*splits CTAs on 132 SMs): B8 S32k best at 2
+  (128 CTAs: 4.48 TB/s; 4: 4.39, 1: 3.41), B64 S4k at 1 (512: 4.34; 2:
   4.28), B1 S131k at 16 (128: 4.25; 8: 3.29). With `ragged` key lengths
   (each row its own) chunks past a row's length end at once, and more of
-  them balance the rows: up to 8 waves (B32 S16k, lengths S/16..S: 4 chunks
-  4.04, 2: 3.86, 1: 3.53, 8: 3.85). `granule`: chunks hold whole
-  granules of keys (a paged cache's pages; `k_shape` is then the logical
-  [B, pages * page_size, Hkv, D]).
+  them balance the rows: up to 8 waves of the SMs (B32 S16k, lengths
+  S/16..S: 4 chunks 4.04, 2: 3.86, 1: 3.53, 8: 3.85). `granule`: chunks
+  hold whole granules of keys (a paged cache's pages; `k_shape` is then
+  the logical [B, pages * page_size, Hkv, D]). Counting the tiles: B8 T64
+  S32k (256 rows) on 128 CTAs (1 chunk) 2.50 TB/s, on 256 (2) 2.43. The
+  grid: `choose_config`.
+  `num_sms`, `streams`: None for the GPU's (tests name them).
   """
-  b, t, n, _ = q_shape
+  b, t, n, d = q_shape
   s, kv_heads = k_shape[1], k_shape[2]
   rows = t * (n // kv_heads)
   if has_segment_ids or not mask.is_dense or rows > MAX_PACKED_ROWS:
     return None
-  return DecodePlan(choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms,
-                                  granule=granule))
+  if num_sms is None:
+    num_sms = sm90_forward.sm_count()
+  if streams is None:
+    streams = streaming_ctas(d, rows, num_sms)
+  # Query tiles of an item: 128 packed rows at D128 fill one CTA's consumers.
+  tiles = -(-rows // sm90_forward.choose_config(d, mask).block_q_cta)
+  splits = choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms, streams=streams,
+                         granule=granule, tiles=tiles)
+  config = None if ragged else choose_config(d, mask, s // splits, rows,
+                                             b * kv_heads * splits * tiles,
+                                             num_sms=num_sms, streams=streams)
+  return DecodePlan(splits, config)
+
+
+# CTAs that read a cache fastest at once, per device kind, at head dims of
+# 128 and more and up to 64 packed rows, where fewer than the SM count win.
+# H100 SXM, one token, GQA
+# 32/8 D128, TB/s of K/V read, 3 interleaved rounds (decode-ctas-*.json):
+# B32 S8k (256 items) on a persistent grid of 64 CTAs 3.128, of 128 3.094,
+# of 132 3.070, one CTA per item 3.039 (cuDNN 3.070); B64 S4k 3.085 / 3.069
+# / 3.054 / 3.043 (cuDNN 3.057); B8 S32k one CTA per item: 64 CTAs (1
+# chunk) 3.131, 128 (2 chunks) 3.067; B8 T16 3.087 vs 3.006; B1 S131k 8
+# chunks 3.03 vs 16 chunks 2.99; D256 3.13 vs 3.08. A grid whose CTAs
+# share items unevenly loses (88 CTAs: 2.84). More CTAs win at D64 (B8
+# S32k: 2 chunks 3.02, 1 chunk 2.36) and with 128 rows (B8 T32: 2.98 vs
+# 2.85), and an H200 needs them all (B8 S32k: 4.48 on 128 CTAs, 3.41 on
+# 64).
+STREAMING_CTAS = {"NVIDIA H100 80GB HBM3": 64}
+
+
+def streaming_ctas(head_dim: int, rows: int, num_sms: int) -> int:
+  """CTAs that should read a cache at once: `STREAMING_CTAS` for the default
+  device's kind at head dims >= 128 and up to 64 packed rows (not under
+  `fa4_jax.gpu_target`, which names no kind), else `num_sms`."""
+  if head_dim < 128 or rows > 64 or current_target() is not None:
+    return num_sms
+  try:
+    device = default_device()
+  except RuntimeError:
+    return num_sms
+  return min(num_sms, STREAMING_CTAS.get(getattr(device, "device_kind", ""), num_sms))
+
+
+def choose_config(head_dim: int, mask: MaskSpec, chunk: int, rows: int, ctas: int, *,
+                  num_sms: int, streams: int) -> sm90_forward.ForwardConfig | None:
+  """The kernel's config for `ctas` items of `chunk` keys (`rows` packed
+  rows <= 64 each); None keeps the forward kernel's heuristic (one CTA per
+  item, or its own persistent grid for short chunks).
+
+  Items beyond `streams` that `streams` CTAs share evenly, or beyond the
+  SMs, run on a persistent grid of that many CTAs with two Q tiles per
+  consumer: a CTA starts its next item while the current one ends, where
+  one CTA per item pays a launch and a pipeline fill each (figures at
+  `STREAMING_CTAS`). `plan` keeps one CTA per item for ragged key lengths
+  (and paged caches), whose items differ in length: there the GPU's block
+  scheduler balances them, where a persistent grid deals them out in a
+  fixed order. Short chunks keep the heuristic's persistent grid of one CTA
+  per SM (B128 S2k: 3.061 TB/s on 132 CTAs, 3.047 on 64). Head dims above
+  128 have no SMEM for a second Q tile beside the O tiles."""
+  config = sm90_forward.choose_config(head_dim, mask, kv_seq=chunk, q_seq=rows)
+  if config.persistent:
+    return None
+  if ctas > streams and ctas % streams == 0:
+    grid = streams
+  elif ctas > num_sms:
+    grid = num_sms
+  else:
+    return None
+  persistent = dataclasses.replace(config, persistent=True, q_buffers=2, num_sms=grid)
+  d = sm90_forward.padded_head_dim(head_dim)
+  if (persistent.smem_bytes(d, 2)
+      > sm90_forward.SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES):
+    return None
+  return persistent
 
 
 RAGGED_WAVES = 8
 
 
 def choose_splits(batch: int, kv_heads: int, kv_seq: int, *, ragged: bool = False,
-                  num_sms: int | None = None, granule: int = 1) -> int:
-  """Chunks of the cache: see `plan`."""
+                  num_sms: int | None = None, streams: int | None = None,
+                  granule: int = 1, tiles: int = 1) -> int:
+  """Chunks of the cache: see `plan` (`streams` None: `num_sms`)."""
   if num_sms is None:
     num_sms = sm90_forward.sm_count()
-  slots = num_sms * (RAGGED_WAVES if ragged else 1)
+  slots = num_sms * RAGGED_WAVES if ragged else (streams or num_sms)
   splits = 1
-  while (batch * kv_heads * splits * 2 <= slots and kv_seq % (splits * 2 * granule) == 0
+  while (batch * kv_heads * tiles * splits * 2 <= slots and kv_seq % (splits * 2 * granule) == 0
          and kv_seq // (splits * 2) >= MIN_CHUNK):
     splits *= 2
   return splits
@@ -184,11 +263,10 @@ def combine(out, lse, splits: int, t: int):
   lse = lse.reshape(b, splits, kv_heads, t, g).transpose(0, 3, 2, 4, 1)  # [B, T, Hkv, G, P]
   if splits <= MAX_UNROLLED_CHUNKS:
     parts = [lse[..., c] for c in range(splits)]
-    top = functools.reduce(jnp.maximum, parts)
-    top = jnp.where(top == -jnp.inf, 0.0, top)  # rows no chunk saw
-    weights = [jnp.exp(part - top) for part in parts]  # 0 for chunks that saw no key
+    m = functools.reduce(jnp.maximum, parts)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # rows no chunk saw
+    weights = [jnp.exp(part - m) for part in parts]  # 0 for chunks that saw no key
     total = functools.reduce(jnp.add, weights)
-    m = top
     acc = functools.reduce(jnp.add, [w[..., None] * out[..., c, :].astype(jnp.float32)
                                      for c, w in enumerate(weights)])
   else:

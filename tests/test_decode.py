@@ -6,9 +6,14 @@ Specification:
   and the cache split into chunks; `which_implementation` says
   "sm90_decode". Causal masks, windows, segment ids and long queries keep
   the usual kernel.
-* Splits: the largest power of two that keeps B x Hkv x splits CTAs within
-  one wave of SMs (8 with per-row key lengths), divides S and leaves chunks
+* Splits: the largest power of two that keeps B x Hkv x splits x (query
+  tiles of an item) CTAs within one wave of SMs (8 with per-row key
+  lengths; fewer CTAs where they read a cache faster), divides S and leaves chunks
   of >= 512 keys (the measured best choices on an H200 for issue #27's rows).
+* Grid: where the CTAs of the plan outnumber the CTAs that read a cache
+  fastest (shared evenly) or the SMs, and key lengths are equal, they run
+  on a persistent grid with two Q tiles per consumer; ragged lengths, short
+  chunks and head dims above 128 keep the forward kernel's heuristic.
 * Numerics (interpreter with race detection): out and lse equal an f32
   einsum with per-row key lengths (a row with length 0 gets zeros and
   -inf), query lengths, GQA and MQA, sinks, over several chunks; the
@@ -42,6 +47,8 @@ def _inputs(seed, b, t, s, n, kv_heads, d, dtype=jnp.bfloat16):
     ((64, 1, 4096, 32, 8), 1, False),
     ((1, 1, 131072, 32, 8), 16, False),
     ((8, 16, 32768, 32, 8), 2, False),
+    ((8, 32, 32768, 32, 8), 2, False),  # 128 rows: one query tile
+    ((8, 64, 32768, 32, 8), 1, False),  # 256 rows: two query tiles, 128 CTAs
     ((32, 1, 16384, 32, 8), 4, True),
     ((1, 1, 1000, 8, 1), 1, False),  # 1000 = 2 * 500: a chunk of 500 keys is too short
     ((1, 1, 3072, 8, 1), 4, False),  # splits divide S: 8 would give chunks of 384
@@ -49,8 +56,50 @@ def _inputs(seed, b, t, s, n, kv_heads, d, dtype=jnp.bfloat16):
 def test_splits_fill_one_wave_of_sms_with_chunks_of_at_least_512_keys(shape, splits, ragged):
   b, t, s, n, kv_heads = shape
   plan = decode.plan((b, t, n, 128), (b, s, kv_heads, 128), MaskSpec(), ragged=ragged,
-                     num_sms=132)
+                     num_sms=132, streams=132)
   assert plan is not None and plan.splits == splits
+
+
+@pytest.mark.parametrize("name, b, s, d, ragged, streams, splits, grid", [
+    ("512 items on 132 SMs", 64, 4096, 128, False, 132, 1, 132),
+    ("256 items", 32, 8192, 128, False, 132, 1, 132),
+    ("one wave of 128 items", 8, 32768, 128, False, 132, 2, None),
+    ("short chunks keep the heuristic's grid", 128, 2048, 128, False, 132, 1, None),
+    ("ragged lengths: the block scheduler balances them", 32, 16384, 128, True, 132, 4, None),
+    ("D256: no room for O tiles beside two Q tiles", 64, 4096, 256, False, 132, 1, None),
+    ("64 streams: 512 items shared by 64 CTAs", 64, 4096, 128, False, 64, 1, 64),
+    ("64 streams: one chunk per row of B8", 8, 32768, 128, False, 64, 1, None),
+    ("64 streams: 8 chunks for B1", 1, 131072, 128, False, 64, 8, None),
+    ("64 streams, 96 items: one wave of the SMs", 12, 8192, 128, False, 64, 1, None),
+    ("64 streams, 200 items: more than the SMs", 25, 8192, 128, False, 64, 1, 132),
+])
+def test_the_grid_streams_the_cache_with_as_many_ctas_as_read_it_fastest(
+    name, b, s, d, ragged, streams, splits, grid):
+  """Splits fill `streams` CTAs (132: every SM; 64: an H100 at D >= 128,
+  `decode.STREAMING_CTAS`); more items than that, shared evenly, or than
+  the SMs run on a persistent grid with two Q tiles per consumer."""
+  plan = decode.plan((b, 1, 32, d), (b, s, 8, d), MaskSpec(), ragged=ragged, num_sms=132,
+                     streams=streams)
+  assert plan.splits == splits
+  if grid is None:
+    assert plan.config is None  # the forward kernel's heuristic
+  else:
+    assert plan.config.persistent and plan.config.q_buffers == 2 and plan.config.num_sms == grid
+
+
+def test_fewer_streams_only_on_the_device_kind_measured_at_d128_up_and_64_rows(
+    monkeypatch):
+  class Device:
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+  monkeypatch.setattr(decode, "default_device", lambda: Device)
+  assert decode.streaming_ctas(128, 4, 132) == 64 and decode.streaming_ctas(256, 64, 132) == 64
+  assert decode.streaming_ctas(64, 4, 132) == 132  # D64
+  assert decode.streaming_ctas(128, 128, 132) == 132  # 32 tokens x 4 heads
+  Device.device_kind = "NVIDIA H200"
+  assert decode.streaming_ctas(128, 4, 132) == 132
+  with fa4_jax.gpu_target("sm90"):  # an export names no device kind
+    Device.device_kind = "NVIDIA H100 80GB HBM3"
+    assert decode.streaming_ctas(128, 4, 132) == 132
 
 
 @pytest.mark.parametrize("name, t, n, kv_heads, options", [
@@ -140,6 +189,25 @@ def test_decode_matches_an_f32_einsum_without_races(name, t, n, kv_heads, s, opt
                              atol=2e-2, rtol=1e-2)
 
 
+def test_a_persistent_grid_of_two_ctas_walks_every_items_rows_without_races(run_interpreted):
+  """6 items (3 rows x 2 KV heads) on 2 CTAs, one token of 4 query heads
+  per KV head read in place, lengths incl. an empty row."""
+  b, s, n, kv_heads, d = 3, 512, 8, 2, 64
+  q, k, v, _ = _inputs(2, b, 1, s, n, kv_heads, d)
+  # The grid `choose_config` gives 6 items of long chunks on 2 streams, on short ones.
+  config = decode.choose_config(d, MaskSpec(), 8192, 4, b * kv_heads, num_sms=132, streams=2)
+  assert config.persistent and config.num_sms == 2
+  plan = decode.DecodePlan(1, config)
+  kv_len = (300, 0, 512)
+  out, lse = run_interpreted(lambda q, k, v: decode.forward(
+      q, k, v, None, jnp.asarray(kv_len, jnp.int32), scale=d ** -0.5, mask=MaskSpec(),
+      plan=plan), q, k, v)
+  visible = (np.arange(s)[None, None, None, :] < np.asarray(kv_len)[:, None, None, None])
+  want, want_lse = einsum_attention(q, k, v, visible)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=2e-2, rtol=1e-2)
+
+
 def test_gradients_through_the_decode_arrangement_match_an_f32_einsum(run_interpreted):
   b, t, s, n, kv_heads, d = 1, 1, 1024, 4, 1, 64
   q, k, v, dout = _inputs(2, b, t, s, n, kv_heads, d)
@@ -223,22 +291,27 @@ def test_one_token_in_one_chunk_leaves_the_kernel_with_a_reshape_only():
   assert "transpose" in _ops_on_out_after_the_kernel((2, 2, 32, 128), 8, 1)
 
 
-@pytest.mark.parametrize("name, b, s, n, kv_heads, d, paged", [
-    ("gqa 32/8 d128, 2 chunks", 8, 32768, 32, 8, 128, False),
-    ("gqa 32/8 d128, 1 chunk", 64, 4096, 32, 8, 128, False),
-    ("mqa 8/1 d64, 16 chunks", 8, 32768, 8, 1, 64, False),
-    ("gqa 32/8 d256, 2 chunks", 8, 32768, 32, 8, 256, False),
-    ("gqa 32/8 d128, pages of 16", 8, 32768, 32, 8, 128, True),
+@pytest.mark.parametrize("name, b, s, n, kv_heads, d, paged, ragged, streams", [
+    ("gqa 32/8 d128, 2 chunks", 8, 32768, 32, 8, 128, False, False, 132),
+    ("gqa 32/8 d128, 1 chunk, persistent grid of 64 CTAs", 64, 4096, 32, 8, 128, False, False,
+     64),
+    ("gqa 32/8 d128, ragged, 2 chunks", 64, 4096, 32, 8, 128, False, True, 64),
+    ("mqa 8/1 d64, 16 chunks", 8, 32768, 8, 1, 64, False, False, 132),
+    ("gqa 32/8 d256, 2 chunks", 8, 32768, 32, 8, 256, False, False, 132),
+    ("gqa 32/8 d128, 16 chunks of pages of 16", 8, 32768, 32, 8, 128, True, True, 64),
 ])
 def test_one_token_decode_kernels_lower_for_hopper_with_q_read_in_place(
-    name, b, s, n, kv_heads, d, paged, cross_lower):
+    name, b, s, n, kv_heads, d, paged, ragged, streams, cross_lower):
   """The heads-major kernel of the heuristic's plan (4 or 8 rows per KV head,
-  Q rows shared by the chunks of a sequence) lowers for sm_90 and fits SMEM."""
+  Q rows shared by the chunks of a sequence, a persistent grid where the
+  items outnumber the streams) lowers for sm_90 and fits SMEM."""
   from fa4_jax.kernels import sm90_forward
   q = jax.ShapeDtypeStruct((b, 1, n, d), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-  plan = decode.DecodePlan(decode.choose_splits(b, kv_heads, s, ragged=True, granule=16 if paged
-                                                else 1))
+  plan = decode.plan(q.shape, (b, s, kv_heads, d), MaskSpec(), ragged=ragged,
+                     granule=16 if paged else 1, num_sms=132, streams=streams)
+  assert (plan.config is not None and plan.config.persistent) == ("persistent" in name)
+  assert (plan.splits > 1) == ("chunks" in name)
   assert decode.reads_query_in_place(q.shape, kv_heads)
   if paged:
     pages = jax.ShapeDtypeStruct((b * s // 16, 16, kv_heads, d), jnp.bfloat16)

@@ -89,11 +89,11 @@ def decode_call(package, case, soft_cap=None):
   _, B, T, S, Hq, Hkv, D, ragged = case
   decode = __import__(f"{package}.decode", fromlist=["forward"])
   q, k, v, kv_lengths, _ = bench_decode.case_inputs(B, T, S, Hq, Hkv, D, ragged)
-  plan = decode.DecodePlan(decode.choose_splits(B, Hkv, S, ragged=ragged))
   spec = _mask_spec(package, False, None)
-  f = jax.jit(lambda q, k, v: decode.forward(q, k, v, None, kv_lengths, scale=D ** -0.5,
-                                             mask=spec, plan=plan, **_options(soft_cap))[0])
-  return f, (q, k, v), bench_common.kernel_sum_ms
+  plan = decode.plan(q.shape, k.shape, spec, ragged=ragged)  # each package's own heuristic
+  f = jax.jit(lambda q, k, v, kv_lengths: decode.forward(
+      q, k, v, None, kv_lengths, scale=D ** -0.5, mask=spec, plan=plan, **_options(soft_cap))[0])
+  return f, (q, k, v, kv_lengths), bench_common.kernel_sum_ms
 
 
 def decode_cases():
@@ -144,7 +144,8 @@ def main():
                change=after / before - 1, bitwise_equal=same, max_abs_diff=max_abs_diff,
                rounds=times)
     if args.pass_ == "decode":
-      kv_bytes = bench_decode.case_inputs(*case[1:])[4]
+      _, k, _, kv_lengths = calls["fa4_jax"][1]
+      kv_bytes = bench_decode.kv_bytes_read(k, kv_lengths)
       row.update(before_tb_per_s=kv_bytes / before / 1e9, after_tb_per_s=kv_bytes / after / 1e9,
                  kernels={p: one_call_kernels(f, a) for p, (f, a, _) in calls.items()})
     print(json.dumps(row), flush=True)
