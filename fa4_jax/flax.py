@@ -22,8 +22,10 @@ How each Flax argument is handled:
 * `mask` (True = attend; any dtype, nonzero = attend, as in Flax) and `bias`
   (additive) are passed on, broadcastable to `[batch..., heads, q, kv]`.
   A mask *array* keeps the GPU kernels from serving the call (they take only
-  `is_causal` / `local_window_size`), so prefer `is_causal=True` over
-  `nn.make_causal_mask(...)` where you can.
+  `is_causal` / `local_window_size` and key lengths), so prefer
+  `is_causal=True` over `nn.make_causal_mask(...)` where you can; a mask
+  that only marks each row's valid keys as a prefix runs as key lengths
+  (cached decoding, below).
 * `is_causal` (NNX call argument) is passed on; `make_attention_fn(
   is_causal=True)` adds it to every call.
 * `dtype`: query, key and value are cast to it, as Flax does; with
@@ -54,6 +56,15 @@ How each Flax argument is handled:
       def forward(model, x, ids):
         with fa4_jax.flax.segment_ids(ids, ids):
           return model(x, is_causal=True)
+
+Cached decoding (`decode=True`): Flax passes its cache mask, `[batch..., 1,
+1, max_length]` (the keys written so far), and `is_causal=False`. A mask of
+that form (one per batch row, the same for every head and query: also a
+padding mask) whose rows are prefixes of the keys runs as
+`key_value_seq_lengths`, which the GPU kernels serve (one token: the decode
+arrangement); rows that are not prefixes run the mask, on the XLA path.
+With a traced mask (under `jax.jit`) the choice is a `lax.cond` on the
+mask's values, so both are compiled.
 
 One difference from Flax's default: a query row whose every key is masked
 gets zeros (Flax and `jax.nn` return the mean of all values).
@@ -142,7 +153,7 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
         promote_dtype=promote_dtype, is_causal=is_causal,
         segment_ids=_segment_ids_of_call(query, query_segment_ids, key_value_segment_ids),
         sinks=sinks, unsupported=unsupported, **options)
-    out = api.attention(*call.arrays, **call.kwargs)
+    out = _attend(call)
     return out.reshape(call.batch_shape + out.shape[-3:])
 
   attention_fn.options = options  # what which_implementation needs to know
@@ -164,7 +175,12 @@ def which_implementation(query, key, value, bias=None, mask=None, *,
                     segment_ids=_segment_ids_of_call(query, query_segment_ids,
                                                      key_value_segment_ids),
                     **attention_fn.options)
-  return api.which_implementation(*call.arrays, **call.kwargs)
+  keys = _key_mask_as_lengths(call)
+  if keys is None:
+    return api.which_implementation(*call.arrays, **call.kwargs)
+  by_lengths, by_mask, prefix = keys
+  # A traced mask: what serves it when its rows are prefixes.
+  return (by_mask if _known_false(prefix) else by_lengths)(api.which_implementation)
 
 
 def _segment_ids_of_call(query, query_segment_ids, key_value_segment_ids):
@@ -183,6 +199,48 @@ def _segment_ids_of_call(query, query_segment_ids, key_value_segment_ids):
         "reused for other ids. Enter the block inside the jitted function, "
         "with the ids as its arguments")
   return ids
+
+
+def _attend(call):
+  """`fa4_jax.attention` of a translated call. A mask that only says which
+  keys each batch row holds, as prefixes (`_key_mask_as_lengths`), runs as
+  key lengths, which the kernels serve: decided in Python for a concrete
+  mask, by `lax.cond` for a traced one (both branches are compiled; the
+  predicate is a reduction over [batch, kv_length])."""
+  keys = _key_mask_as_lengths(call)
+  if keys is None:
+    return api.attention(*call.arrays, **call.kwargs)
+  by_lengths, by_mask, prefix = keys
+  if not isinstance(prefix, jax.core.Tracer):
+    return (by_lengths if bool(prefix) else by_mask)(api.attention)
+  return jax.lax.cond(prefix, lambda: by_lengths(api.attention), lambda: by_mask(api.attention))
+
+
+def _key_mask_as_lengths(call):
+  """For a mask of shape [batch or 1, 1, 1, kv_length] (no bias): Flax's
+  cached-decoding mask (keys 0..index), a padding mask. Returns (the call
+  with key lengths instead, the call with the mask, whether every row's
+  keys are a prefix), each call taking `api.attention` or
+  `api.which_implementation`; None for any other mask. The mask's call runs
+  the XLA path when a kernel was named (no kernel takes a mask)."""
+  query, key, value, bias, mask = call.arrays
+  if (mask is None or bias is not None or mask.ndim != 4 or query.ndim != 4
+      or mask.shape[1:3] != (1, 1)):
+    return None
+  batch, kv_length = query.shape[0], key.shape[1]
+  valid = jnp.broadcast_to(mask[:, 0, 0, :], (batch, kv_length))
+  lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32)
+  prefix = jnp.all(valid == (jnp.arange(kv_length) < lengths[:, None]))
+  mask_kwargs = dict(call.kwargs)
+  if mask_kwargs.get("implementation") not in (None, "xla"):
+    mask_kwargs["implementation"] = "xla"
+  return (lambda f: f(query, key, value, key_value_seq_lengths=lengths, **call.kwargs),
+          lambda f: f(query, key, value, mask=mask, **mask_kwargs),
+          prefix)
+
+
+def _known_false(x) -> bool:
+  return not isinstance(x, jax.core.Tracer) and not bool(x)
 
 
 class _Call:

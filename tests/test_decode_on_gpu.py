@@ -12,6 +12,9 @@
 * MQA 8/1 and GQA 64/8 at one token (groups of a multiple of 8 query heads,
   which the kernel reads in place, `decode.reads_query_in_place`), split
   into chunks, contiguous and paged, with per-row lengths.
+* Flax NNX cached decoding (`decode=True`) through `fa4_jax.flax`: its cache
+  mask runs as key lengths on the decode arrangement, equal to Flax's
+  default attention.
 
 bf16 tolerances: one bf16 rounding of P and of each chunk's output, then the
 merge in f32; the reference sees the same bf16 inputs.
@@ -120,3 +123,30 @@ def test_groups_of_eight_heads_read_in_place_match_an_f32_einsum(n, kv_heads, d,
         q, k, v)
   _check(out, einsum_attention(q, k, v, visible)[0])
   assert np.all(np.asarray(out[2], np.float32) == 0)
+
+
+def test_flax_cached_decoding_runs_the_decode_kernel_and_matches_flax():
+  """NNX decode=True, GQA 16/4 D128 bf16, a 4096-slot cache: Flax's cache
+  mask becomes key lengths (a lax.cond on the mask's values) and the decode
+  arrangement serves each step; outputs equal Flax's default attention."""
+  nnx = pytest.importorskip("flax.nnx")
+  import fa4_jax.flax
+
+  def layer(fn):
+    return nnx.MultiHeadAttention(
+        num_heads=16, num_kv_heads=4, in_features=512, qkv_features=2048, attention_fn=fn,
+        decode=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+  q = jnp.zeros((4, 1, 16, 128), jnp.bfloat16)
+  kv = jnp.zeros((4, 4096, 4, 128), jnp.bfloat16)
+  mask = (jnp.arange(4096) < 700)[None, None, None, :]
+  assert fa4_jax.flax.which_implementation(q, kv, kv, mask=mask) == "sm90_decode"
+  x = jax.random.normal(jax.random.key(3), (4, 6, 512), jnp.bfloat16)
+  outputs = []
+  for fn in (nnx.dot_product_attention, fa4_jax.flax.attention_fn):
+    model = layer(fn)
+    model.init_cache((4, 4096, 512), dtype=jnp.bfloat16)
+    step = nnx.jit(lambda model, x: model(x, decode=True))
+    outputs.append(jnp.concatenate([step(model, x[:, i:i + 1]) for i in range(6)], axis=1))
+  got, want = (np.asarray(o, np.float32) for o in outputs)
+  np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)

@@ -251,3 +251,40 @@ def test_cached_decoding_matches_flax():
     outputs.append(jnp.concatenate(
         [decode_step(layer, x[:, i:i + 1]) for i in range(4)], axis=1))
   np.testing.assert_allclose(outputs[1], outputs[0], **TOL)
+
+
+# --- Key masks as key lengths (cached decoding) --------------------------------
+
+
+def _cache_mask(lengths, kv_length):
+  """Flax's cached-decoding mask for keys 0..length-1 of each row: [B, 1, 1, kv]."""
+  return (jnp.arange(kv_length) < jnp.asarray(lengths)[:, None])[:, None, None, :]
+
+
+def test_a_prefix_key_mask_is_served_as_key_lengths_by_the_decode_kernel():
+  q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
+  kv = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+  sm90 = fa4_jax.flax.make_attention_fn(implementation="sm90")
+  holes = _cache_mask([5, 9], 256).at[0, 0, 0, 2].set(False)
+  with fa4_jax.interpret_mode():
+    assert fa4_jax.flax.which_implementation(
+        q, kv, kv, mask=_cache_mask([5, 9], 256), attention_fn=sm90) == "sm90_decode"
+    assert fa4_jax.flax.which_implementation(q, kv, kv, mask=holes, attention_fn=sm90) == "xla"
+    # A traced mask: a lax.cond on its values picks the lengths or the mask.
+    jaxpr = jax.make_jaxpr(lambda q, k, v, m: sm90(q, k, v, mask=m))(q, kv, kv, holes)
+  assert any(e.primitive.name == "cond" for e in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("name, mask", [
+    ("prefixes", _cache_mask([3, T], T)),
+    ("a hole in one row", _cache_mask([3, T], T).at[1, 0, 0, 4].set(False)),
+    ("keys from the end", (jnp.arange(T) >= jnp.array([[2], [7]]))[:, None, None, :]),
+])
+def test_key_masks_traced_or_not_equal_the_explicit_mask(name, mask):
+  """Prefix rows run as key lengths, others as the mask: both equal jax.nn's
+  masked attention, whether the mask is known when traced or not."""
+  q, k, v = _normal(B, 1, HEADS, 8), _normal(B, T, HEADS, 8), _normal(B, T, HEADS, 8)
+  want = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+  np.testing.assert_allclose(fa4_jax.flax.attention_fn(q, k, v, mask=mask), want, **TOL)
+  traced = jax.jit(lambda q, k, v, m: fa4_jax.flax.attention_fn(q, k, v, mask=m))
+  np.testing.assert_allclose(traced(q, k, v, mask), want, **TOL)
