@@ -288,3 +288,30 @@ def test_key_masks_traced_or_not_equal_the_explicit_mask(name, mask):
   np.testing.assert_allclose(fa4_jax.flax.attention_fn(q, k, v, mask=mask), want, **TOL)
   traced = jax.jit(lambda q, k, v, m: fa4_jax.flax.attention_fn(q, k, v, mask=m))
   np.testing.assert_allclose(traced(q, k, v, mask), want, **TOL)
+
+
+def test_key_mask_gradients_under_vmap_and_batch_sharded_jit(host_devices):
+  """The lax.cond of a traced key mask differentiates like jax.nn's masked
+  attention, under vmap, and under a batch-sharded jit without gathering."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  b, t = 4, 12
+  q, k, v, dout = (_normal(b, t, HEADS, 8) for _ in range(4))
+  mask = _cache_mask([12, 5, 9, 1], t)
+  ours = lambda q, k, v, m: fa4_jax.flax.attention_fn(q, k, v, mask=m)
+  ref = lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, implementation="xla")
+
+  def loss(attend):
+    return lambda q, k, v, m: jnp.sum(attend(q, k, v, m) * dout)
+
+  want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v, mask)
+  _assert_trees_close(jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v, mask), want)
+  per_row = jax.vmap(lambda q, k, v, m: ours(q[None], k[None], v[None], m[None])[0])
+  np.testing.assert_allclose(per_row(q, k, v, mask), ref(q, k, v, mask), **TOL)
+
+  mesh = jax.make_mesh((4,), ("data",))
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+  compiled = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2))).lower(
+      put(q), put(k), put(v), put(mask)).compile()
+  _assert_trees_close(compiled(put(q), put(k), put(v), put(mask)), want)
+  assert "all-gather" not in compiled.as_text()
