@@ -113,16 +113,15 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
 
 # CTAs that read a cache fastest at once, per device kind, at head dims of
 # 128 and more and up to 64 packed rows, where fewer than the SM count win.
-# H100 SXM, one token, GQA
-# 32/8 D128, TB/s of K/V read, 3 interleaved rounds (decode-ctas-*.json):
-# B32 S8k (256 items) on a persistent grid of 64 CTAs 3.128, of 128 3.094,
-# of 132 3.070, one CTA per item 3.039 (cuDNN 3.070); B64 S4k 3.085 / 3.069
-# / 3.054 / 3.043 (cuDNN 3.057); B8 S32k one CTA per item: 64 CTAs (1
-# chunk) 3.131, 128 (2 chunks) 3.067; B8 T16 3.087 vs 3.006; B1 S131k 8
-# chunks 3.03 vs 16 chunks 2.99; D256 3.13 vs 3.08. A grid whose CTAs
-# share items unevenly loses (88 CTAs: 2.84). More CTAs win at D64 (B8
-# S32k: 2 chunks 3.02, 1 chunk 2.36) and with 128 rows (B8 T32: 2.98 vs
-# 2.85), and an H200 needs them all (B8 S32k: 4.48 on 128 CTAs, 3.41 on
+# H100 SXM, one token, GQA 32/8 D128, TB/s of K/V read, 3 interleaved rounds
+# (decode-ctas-*.json): B32 S8k (256 items) on a persistent grid of 64 CTAs
+# 3.128, of 128 3.094, of 132 3.070, one CTA per item 3.039 (cuDNN 3.070);
+# B64 S4k 3.085 / 3.069 / 3.054 / 3.043 (cuDNN 3.057); B8 S32k one CTA per
+# item: 64 CTAs (1 chunk) 3.131, 128 (2 chunks) 3.067; B8 T16 3.087 vs
+# 3.006; B1 S131k 8 chunks 3.03 vs 16 chunks 2.99; D256 3.13 vs 3.08. A grid
+# whose CTAs share items unevenly loses (88 CTAs: 2.84). More CTAs win at
+# D64 (B8 S32k: 2 chunks 3.02, 1 chunk 2.36) and with 128 rows (B8 T32: 2.98
+# vs 2.85), and an H200 needs them all (B8 S32k: 4.48 on 128 CTAs, 3.41 on
 # 64).
 STREAMING_CTAS = {"NVIDIA H100 80GB HBM3": 64}
 
@@ -142,9 +141,9 @@ def streaming_ctas(head_dim: int, rows: int, num_sms: int) -> int:
 
 def choose_config(head_dim: int, mask: MaskSpec, chunk: int, rows: int, ctas: int, *,
                   num_sms: int, streams: int) -> sm90_forward.ForwardConfig | None:
-  """The kernel's config for `ctas` items of `chunk` keys (`rows` packed
-  rows <= 64 each); None keeps the forward kernel's heuristic (one CTA per
-  item, or its own persistent grid for short chunks).
+  """The kernel's config for `ctas` CTA tiles of `chunk` keys and up to
+  `rows` packed rows each; None keeps the forward kernel's heuristic (one
+  CTA per tile, or its own persistent grid for short chunks).
 
   Items beyond `streams` that `streams` CTAs share evenly, or beyond the
   SMs, run on a persistent grid of that many CTAs with two Q tiles per
