@@ -96,8 +96,12 @@ class TinyLM(nnx.Module):
     self.final_norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
     self.readout = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens):  # [batch, seq] int32 -> [batch, seq, vocab] logits
-    x = self.token_embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1]))
+  def __call__(self, tokens, positions=None):
+    """[batch, seq] int32 -> [batch, seq, vocab] logits. `positions` ([seq])
+    defaults to 0..seq-1; cached decoding passes the position of its token."""
+    if positions is None:
+      positions = jnp.arange(tokens.shape[1])
+    x = self.token_embed(tokens) + self.pos_embed(positions)
     for block in self.blocks:
       x = block(x)
     return self.readout(self.final_norm(x)).astype(jnp.float32)
@@ -200,16 +204,10 @@ def parse_args(argv=None):
   return args
 
 
-def main(argv=None) -> dict:
-  args = parse_args(argv)
+def train(args, tokenizer: CharTokenizer, tokens: np.ndarray):
+  """Builds the model `args` describe and trains it for `args.steps` steps on
+  `tokens`, printing progress. Returns the model and a summary dict."""
   dtype = jnp.dtype(args.dtype)
-  text = CORPUS.read_text(encoding="utf-8")
-  tokenizer = CharTokenizer(text)
-  tokens = tokenizer.encode(text)
-  print(f"corpus: {len(tokens):,} characters, vocabulary of {tokenizer.vocab_size}")
-  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-        f"dtype {args.dtype}")
-
   model = TinyLM(tokenizer.vocab_size, args.seq_len, args.d_model, args.heads,
                  args.layers, dtype, rngs=nnx.Rngs(args.seed))
   schedule = optax.warmup_cosine_decay_schedule(
@@ -260,14 +258,28 @@ def main(argv=None) -> dict:
   first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
   print(f"done: {args.steps} steps in {elapsed:.1f} s, {rate:,.0f} tokens/s after "
         f"compilation; loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps)")
+  return model, dict(first_loss=first, last_loss=last, tokens_per_s=rate,
+                     implementation=implementation, losses=losses)
 
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  text = CORPUS.read_text(encoding="utf-8")
+  tokenizer = CharTokenizer(text)
+  tokens = tokenizer.encode(text)
+  print(f"corpus: {len(tokens):,} characters, vocabulary of {tokenizer.vocab_size}")
+  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"dtype {args.dtype}")
+
+  model, summary = train(args, tokenizer, tokens)
   if args.plot:
-    save_loss_plot(losses, args.plot)
+    save_loss_plot(summary["losses"], args.plot)
   if not args.smoke:
     print("sample:")
     print(sample(model, tokenizer, "The lighthouse", 200, args.seq_len, seed=args.seed))
-  return dict(first_loss=first, last_loss=last, tokens_per_s=rate,
-              implementation=implementation)
+  return dict(first_loss=summary["first_loss"], last_loss=summary["last_loss"],
+              tokens_per_s=summary["tokens_per_s"],
+              implementation=summary["implementation"])
 
 
 if __name__ == "__main__":
