@@ -148,5 +148,8 @@ def test_flax_cached_decoding_runs_the_decode_kernel_and_matches_flax():
     model.init_cache((4, 4096, 512), dtype=jnp.bfloat16)
     step = nnx.jit(lambda model, x: model(x, decode=True))
     outputs.append(jnp.concatenate([step(model, x[:, i:i + 1]) for i in range(6)], axis=1))
-  got, want = (np.asarray(o, np.float32) for o in outputs)
+  # The cache at work: decoding token by token equals the uncached causal call.
+  uncached = layer(nnx.dot_product_attention)(x, is_causal=True)
+  got, want, whole = (np.asarray(o, np.float32) for o in (*outputs, uncached))
   np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(got, whole, atol=2e-2, rtol=2e-2)
