@@ -165,11 +165,7 @@ def choose_config(head_dim: int, mask: MaskSpec, chunk: int, rows: int, ctas: in
   else:
     return None
   persistent = dataclasses.replace(config, persistent=True, q_buffers=2, num_sms=grid)
-  d = sm90_forward.padded_head_dim(head_dim)
-  if (persistent.smem_bytes(d, 2)
-      > sm90_forward.SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES):
-    return None
-  return persistent
+  return persistent if persistent.fits_smem(sm90_forward.padded_head_dim(head_dim), 2) else None
 
 
 RAGGED_WAVES = 8

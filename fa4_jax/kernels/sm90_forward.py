@@ -222,6 +222,10 @@ class ForwardConfig:
     key_ids = cdiv(self.num_kv_stages * self.block_kv * 4, 1024) * 1024 if segment_ids else 0
     return q_tiles + kv_ring + lse + o_tiles + key_ids
 
+  def fits_smem(self, head_dim: int, itemsize: int) -> bool:
+    """Whether `smem_bytes` leaves the barriers and padding their reserve."""
+    return self.smem_bytes(head_dim, itemsize) <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES
+
 
 def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
                   q_seq: int | None = None) -> ForwardConfig:
@@ -272,7 +276,7 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
       # B8 S2048 D128 663 vs 648 dense, 572 vs 553 causal; the short sweep
       # rows +2 to +7 % (forward-qbuf-*.json, forward-short-qbuf-*.json).
       double = dataclasses.replace(config, q_buffers=2)
-      if double.smem_bytes(d, 2) <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES:
+      if double.fits_smem(d, 2):
         config = double
   return config
 
