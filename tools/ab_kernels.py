@@ -7,7 +7,11 @@ heuristic configs, their kernel time taken in interleaved rounds (A B A B
 (`bench_common.kernel_ms`) on `bench_forward.py`'s cases (`--short`: its
 short-sequence cases); `backward`: the backward's kernel span
 (`bench_backward.span_times`) on `bench_backward.py`'s cases. Also reports
-whether the two give bitwise equal results. `--soft-cap CAP`: every case
+whether the two give bitwise equal results. `packed`: the forward with
+segment ids on `bench_packed.py`'s packings (causal, rows of 16k tokens,
+documents of 1k-4k tokens), timed as bench_packed times its forward
+(`bench_common.kernel_sum_ms`: every kernel of the call, the XLA work on
+the ids included). `--soft-cap CAP`: every case
 of either pass with that logit soft-cap (both checkouts), e.g. 50 (Gemma 2)
 for the soft-capped forward against the old one.
 
@@ -19,7 +23,7 @@ K/V read per side, and one call's kernels (name, microseconds) per side.
 
     cp -r OLD/fa4_jax DIR/fa4_jax_before
     find DIR/fa4_jax_before -name '*.py' | xargs sed -i 's/\\bfa4_jax\\b/fa4_jax_before/g'
-    python3 tools/ab_kernels.py forward|backward|decode --before DIR [--short] [--only SUBSTRING] \\
+    python3 tools/ab_kernels.py forward|backward|decode|packed --before DIR [--short] [--only SUBSTRING] \\
         [--rounds 5] [--soft-cap 50]
 """
 
@@ -43,6 +47,7 @@ import bench_backward  # noqa: E402
 import bench_common  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_forward  # noqa: E402
+import bench_packed  # noqa: E402
 from profile_kernel import random_inputs  # noqa: E402  (tools/, the script's folder)
 
 
@@ -69,6 +74,26 @@ def forward_call(package, case, soft_cap=None):
   f = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, None, scale=D ** -0.5, mask=spec,
                                               **_options(soft_cap))[0])
   return f, (q, k, v), bench_common.kernel_ms
+
+
+def packed_cases():
+  """bench_packed's rows: (name, B, Hq, Hkv, D, mean document length)."""
+  return [(f"{name} mean doc {mean}", B, Hq, Hkv, D, mean)
+          for name, B, Hq, Hkv, D in bench_packed.SHAPES for mean in bench_packed.MEAN_DOCUMENTS]
+
+
+def packed_call(package, case, soft_cap=None):
+  """(jitted causal forward of `package`'s sm90 kernel with bench_packed's
+  segment ids, its inputs, its timer)."""
+  _, B, Hq, Hkv, D, mean = case
+  forward = __import__(f"{package}.kernels.sm90_forward", fromlist=["forward"])
+  spec = _mask_spec(package, True, None)
+  q, k, v, _ = random_inputs(B, bench_packed.ROW, Hq, Hkv, D)
+  ids = jnp.asarray(bench_packed.packed_rows(B, mean))
+  f = jax.jit(lambda q, k, v, ids: forward.forward(
+      q, k, v, None, None, scale=D ** -0.5, mask=spec, segment_ids=(ids, ids),
+      **_options(soft_cap))[0])
+  return f, (q, k, v, ids), bench_common.kernel_sum_ms
 
 
 def backward_call(package, case, soft_cap=None):
@@ -109,7 +134,7 @@ def one_call_kernels(f, args):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("pass_", metavar="pass", choices=("forward", "backward", "decode"))
+  ap.add_argument("pass_", metavar="pass", choices=("forward", "backward", "decode", "packed"))
   ap.add_argument("--before", required=True, help="folder holding fa4_jax_before")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--short", action="store_true", help="forward: bench_forward's short cases")
@@ -123,6 +148,8 @@ def main():
     make_call = forward_call
   elif args.pass_ == "decode":
     cases, make_call = decode_cases(), decode_call
+  elif args.pass_ == "packed":
+    cases, make_call = packed_cases(), packed_call
   else:
     cases, make_call = bench_backward.CASES, backward_call
   rows = []
@@ -152,6 +179,7 @@ def main():
     rows.append(row)
   timer = {"forward": "kernel time (bench_common.kernel_ms)",
            "backward": "kernel span (bench_backward.span_times)",
+           "packed": "kernel time of every kernel of the call (bench_common.kernel_sum_ms)",
            "decode": "sum of kernel durations (bench_common.kernel_sum_ms)"}[args.pass_]
   name = args.pass_ if args.soft_cap is None else f"{args.pass_}-softcap{args.soft_cap:g}"
   path = bench_common.result_path(f"{name}-ab", jax.devices()[0].device_kind, args.tag)
