@@ -429,12 +429,16 @@ def visible(mask: MaskSpec, q_idx, k_idx, kv_len, q_segment=None, kv_segment=Non
   business (the forward zeroes their output, the backward their P through
   the lse). Every backend's element mask is this one test. `q_len` (the
   row's query length) is needed only by a mask with `offset_from_lengths`.
+  `kv_len=None`: the caller knows every `k_idx` lies below the key length
+  (a kernel whose blocks end at a static length), so no compare is spent.
   """
   if mask.offset_from_lengths:
-    if q_len is None:
-      raise ValueError("a mask aligned by the lengths needs the row's q_len")
+    if q_len is None or kv_len is None:
+      raise ValueError("a mask aligned by the lengths needs the row's q_len and kv_len")
     mask = mask.at_lengths(q_len, kv_len)
-  ok = mask.visible(q_idx, k_idx) & (k_idx < kv_len)
+  ok = mask.visible(q_idx, k_idx)
+  if kv_len is not None:
+    ok = ok & (k_idx < kv_len)
   if q_segment is not None:
     ok = ok & (q_segment == kv_segment)
   return ok
