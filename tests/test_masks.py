@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, key_length_to_compare
 
 T, S, BQ, BK = 37, 45, 8, 8
 SPECS = [
@@ -89,3 +89,19 @@ def test_causal_with_a_window_keeps_only_the_past_side():
   assert MaskSpec.from_arguments(True, (4, 6)) == MaskSpec(left=4, right=0)
   assert MaskSpec.from_arguments(True, None).is_causal
   assert MaskSpec().is_dense
+
+
+def test_the_key_length_compare_is_dropped_only_where_no_walked_key_lies_past_it():
+  causal = MaskSpec.from_arguments(True, None)
+  # Segment-id kernel, a static length that ends a block: every block the
+  # kernel walks lies below it, so the compare could never fail.
+  assert key_length_to_compare(4 * BK, BK, causal, segment_ids=True) is None
+  # Every other case compares: a length inside a block (padded keys follow
+  # it), a length known only at run time, a mask aligned by the lengths,
+  # and the kernels without segment ids (their measured choice).
+  assert key_length_to_compare(4 * BK + 3, BK, causal, segment_ids=True) == 4 * BK + 3
+  traced = jnp.int32(4 * BK)
+  assert key_length_to_compare(traced, BK, causal, segment_ids=True) is traced
+  aligned = MaskSpec(right=0, offset_from_lengths=True)
+  assert key_length_to_compare(4 * BK, BK, aligned, segment_ids=True) == 4 * BK
+  assert key_length_to_compare(4 * BK, BK, causal, segment_ids=False) == 4 * BK

@@ -126,9 +126,9 @@ from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
                                        where_visible_by_column_chunks)
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
-                            initial_row_stats, kv_tile_ranges, normalize, online_softmax,
-                            read_tile_ranges, hull, pad_ids, softmax_logits, softmax_scale,
-                            tile_ranges_operand, visible, walk_blocks)
+                            initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,
+                            online_softmax, read_tile_ranges, hull, pad_ids, softmax_logits,
+                            softmax_scale, tile_ranges_operand, visible, walk_blocks)
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
@@ -823,8 +823,9 @@ class _ConsumerTile:
         if kv_segment is not None:
           segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, shape, [0]),
                           kv_segment=lax.broadcast_in_dim(kv_segment, shape, [1]))
-        return visible(call.mask, q_idx, k_idx, self.key_length_to_test(), **segments,
-                       q_len=self.item.q_len)
+        kv_len = key_length_to_compare(self.item.kv_len, call.config.block_kv, call.mask,
+                                       segment_ids=call.has_segment_ids)
+        return visible(call.mask, q_idx, k_idx, kv_len, **segments, q_len=self.item.q_len)
 
       if key_ids is None:
         s = jnp.where(visible_of(0, s.shape), s, call.masked_logit)
@@ -834,21 +835,6 @@ class _ConsumerTile:
     if call.fixed_max:
       return fixed_max_softmax(s, m, call.c), m, None
     return online_softmax(s, m, call.c)
-
-  def key_length_to_test(self):
-    """The key length the element mask compares keys with, or None where no
-    walked block holds a key past it (a static length that ends a block):
-    each condition of the mask costs a select per element of a masked block.
-
-    Only with segment ids, whose boundary blocks make masked steps common
-    (H100: packed rows 2.7-5.2 % faster, bitwise equal). Dropping the compare
-    from the plain kernels sped most causal rows up by 0.5-5.7 % but slowed
-    B64 S512 H16 D128 causal by 3 % (performance notes), so they keep it."""
-    kv_len, call = self.item.kv_len, self.ctx.call
-    if (call.has_segment_ids and isinstance(kv_len, int)
-        and kv_len % call.config.block_kv == 0 and not call.mask.offset_from_lengths):
-      return None
-    return kv_len
 
   def release_k_after_reading_ids(self, j):
     """Releases the K slot of block j once its key ids have been read."""
