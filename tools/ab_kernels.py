@@ -11,7 +11,9 @@ whether the two give bitwise equal results. `packed`: the forward with
 segment ids on `bench_packed.py`'s packings (causal, rows of 16k tokens,
 documents of 1k-4k tokens), timed as bench_packed times its forward
 (`bench_common.kernel_sum_ms`: every kernel of the call, the XLA work on
-the ids included). `--soft-cap CAP`: every case
+the ids included). `packed-backward`: the backward with segment ids on the
+same packings, the lse and output from the new checkout's forward, timed
+as the backward pass (the kernel span). `--soft-cap CAP`: every case
 of either pass with that logit soft-cap (both checkouts), e.g. 50 (Gemma 2)
 for the soft-capped forward against the old one.
 
@@ -23,7 +25,7 @@ K/V read per side, and one call's kernels (name, microseconds) per side.
 
     cp -r OLD/fa4_jax DIR/fa4_jax_before
     find DIR/fa4_jax_before -name '*.py' | xargs sed -i 's/\\bfa4_jax\\b/fa4_jax_before/g'
-    python3 tools/ab_kernels.py forward|backward|decode|packed --before DIR [--short] [--only SUBSTRING] \\
+    python3 tools/ab_kernels.py forward|backward|decode|packed|packed-backward --before DIR [--short] [--only SUBSTRING] \\
         [--rounds 5] [--soft-cap 50]
 """
 
@@ -96,6 +98,25 @@ def packed_call(package, case, soft_cap=None):
   return f, (q, k, v, ids), bench_common.kernel_sum_ms
 
 
+def packed_backward_call(package, case, soft_cap=None):
+  """(jitted backward of `package`'s sm90 kernels with bench_packed's
+  segment ids, its inputs, its timer). The output and lse come from the new
+  checkout's forward, so both sides see the same inputs."""
+  _, B, Hq, Hkv, D, mean = case
+  backward = __import__(f"{package}.kernels.sm90_backward", fromlist=["backward"])
+  forward = __import__("fa4_jax.kernels.sm90_forward", fromlist=["forward"])
+  q, k, v, do = random_inputs(B, bench_packed.ROW, Hq, Hkv, D)
+  ids = jnp.asarray(bench_packed.packed_rows(B, mean))
+  o, lse = jax.jit(lambda q, k, v, ids: forward.forward(
+      q, k, v, None, None, scale=D ** -0.5, mask=_mask_spec("fa4_jax", True, None),
+      segment_ids=(ids, ids), **_options(soft_cap)))(q, k, v, ids)
+  spec = _mask_spec(package, True, None)
+  f = jax.jit(lambda q, k, v, o, lse, do, ids: backward.backward(
+      q, k, v, o, lse, do, None, None, scale=D ** -0.5, mask=spec, segment_ids=(ids, ids),
+      **_options(soft_cap)))
+  return f, (q, k, v, o, lse, do, ids), lambda f, *a: bench_backward.span_times(f, *a)[0]
+
+
 def backward_call(package, case, soft_cap=None):
   """(jitted backward of `package`'s sm90 kernels, its inputs, its timer)."""
   _, B, S, Hq, Hkv, D, causal, window_left = case[:8]
@@ -134,7 +155,8 @@ def one_call_kernels(f, args):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("pass_", metavar="pass", choices=("forward", "backward", "decode", "packed"))
+  ap.add_argument("pass_", metavar="pass", choices=("forward", "backward", "decode", "packed",
+                                                      "packed-backward"))
   ap.add_argument("--before", required=True, help="folder holding fa4_jax_before")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--short", action="store_true", help="forward: bench_forward's short cases")
@@ -150,6 +172,8 @@ def main():
     cases, make_call = decode_cases(), decode_call
   elif args.pass_ == "packed":
     cases, make_call = packed_cases(), packed_call
+  elif args.pass_ == "packed-backward":
+    cases, make_call = packed_cases(), packed_backward_call
   else:
     cases, make_call = bench_backward.CASES, backward_call
   rows = []
@@ -180,6 +204,7 @@ def main():
   timer = {"forward": "kernel time (bench_common.kernel_ms)",
            "backward": "kernel span (bench_backward.span_times)",
            "packed": "kernel time of every kernel of the call (bench_common.kernel_sum_ms)",
+           "packed-backward": "kernel span (bench_backward.span_times)",
            "decode": "sum of kernel durations (bench_common.kernel_sum_ms)"}[args.pass_]
   name = args.pass_ if args.soft_cap is None else f"{args.pass_}-softcap{args.soft_cap:g}"
   path = bench_common.result_path(f"{name}-ab", jax.devices()[0].device_kind, args.tag)

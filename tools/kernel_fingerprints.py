@@ -2,7 +2,7 @@
 
 Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim, mask and grouping the heuristics
-distinguish, plus the XLA path, and prints one SHA-256 per case of the
+distinguish, the sm90 kernels of packed rows (segment ids), plus the XLA path, and prints one SHA-256 per case of the
 Mosaic GPU modules (MLIR without debug locations) or of the StableHLO.
 
 A refactor that leaves every fingerprint unchanged hands the GPU the very
@@ -42,31 +42,39 @@ def _digest(texts) -> str:
   return h.hexdigest()[:16]
 
 
-def _forward(kernel, d, mask, seq, lengths):
+def _segments(ids, segments):
+  """The kernels' `segment_ids` argument: ids for queries and keys, or None."""
+  return (ids, ids) if segments else None
+
+
+def _forward(kernel, d, mask, seq, lengths, segments=False):
   """The forward of kernel module `kernel` ("sm90_forward", "sm100_forward")."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["forward"])
   q = jax.ShapeDtypeStruct((2, seq, 4, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
+  ids = jax.ShapeDtypeStruct((2, seq), jnp.int32)
 
-  def f(q, k, v, ql, kl):
+  def f(q, k, v, ql, kl, ids):
     return module.forward(q, k, v, ql if lengths else None, kl if lengths else None,
-                          scale=0.125, mask=mask)
-  return f, (q, kv, kv, ln, ln)
+                          scale=0.125, mask=mask, segment_ids=_segments(ids, segments))
+  return f, (q, kv, kv, ln, ln, ids)
 
 
-def _backward(kernel, d, mask, seq, lengths, group=1):
+def _backward(kernel, d, mask, seq, lengths, group=1, segments=False):
   """The backward of kernel module `kernel` ("sm90_backward", "sm100_backward")."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["backward"])
   q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
+  ids = jax.ShapeDtypeStruct((2, seq), jnp.int32)
 
-  def f(q, k, v, o, lse, do, ql, kl):
+  def f(q, k, v, o, lse, do, ql, kl, ids):
     return module.backward(q, k, v, o, lse, do, ql if lengths else None,
-                           kl if lengths else None, scale=0.125, mask=mask)
-  return f, (q, kv, kv, q, lse, q, ln, ln)
+                           kl if lengths else None, scale=0.125, mask=mask,
+                           segment_ids=_segments(ids, segments))
+  return f, (q, kv, kv, q, lse, q, ln, ln, ids)
 
 
 def _xla(mask, seq, lengths, backward):
@@ -96,6 +104,13 @@ def cases():
         for group in (1, 4):
           yield (f"sm90 backward d{d} {mname} s{seq} g{group}", "sm_90",
                  _backward("sm90_backward", d, mask, seq, lengths, group))
+  for d in (64, 128):  # packed rows: segment ids, causal and dense
+    for mname in ("dense", "causal"):
+      for seq in (1000, 8192):
+        yield (f"sm90 forward d{d} {mname} s{seq} segment ids", "sm_90",
+               _forward("sm90_forward", d, MASKS[mname], seq, seq == 1000, segments=True))
+        yield (f"sm90 backward d{d} {mname} s{seq} segment ids", "sm_90",
+               _backward("sm90_backward", d, MASKS[mname], seq, seq == 1000, segments=True))
   for d in (64, 128, 256):
     for mname, mask in MASKS.items():
       for seq in (1000, 4096):
