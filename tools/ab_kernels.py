@@ -84,14 +84,20 @@ def packed_cases():
           for name, B, Hq, Hkv, D in bench_packed.SHAPES for mean in bench_packed.MEAN_DOCUMENTS]
 
 
+def packed_inputs(case):
+  """(q, k, v, dout, segment ids) of a packed case: bench_packed's packing."""
+  _, B, Hq, Hkv, D, mean = case
+  q, k, v, do = random_inputs(B, bench_packed.ROW, Hq, Hkv, D)
+  return q, k, v, do, jnp.asarray(bench_packed.packed_rows(B, mean))
+
+
 def packed_call(package, case, soft_cap=None):
   """(jitted causal forward of `package`'s sm90 kernel with bench_packed's
   segment ids, its inputs, its timer)."""
-  _, B, Hq, Hkv, D, mean = case
+  D = case[4]
   forward = __import__(f"{package}.kernels.sm90_forward", fromlist=["forward"])
   spec = _mask_spec(package, True, None)
-  q, k, v, _ = random_inputs(B, bench_packed.ROW, Hq, Hkv, D)
-  ids = jnp.asarray(bench_packed.packed_rows(B, mean))
+  q, k, v, _, ids = packed_inputs(case)
   f = jax.jit(lambda q, k, v, ids: forward.forward(
       q, k, v, None, None, scale=D ** -0.5, mask=spec, segment_ids=(ids, ids),
       **_options(soft_cap))[0])
@@ -102,11 +108,10 @@ def packed_backward_call(package, case, soft_cap=None):
   """(jitted backward of `package`'s sm90 kernels with bench_packed's
   segment ids, its inputs, its timer). The output and lse come from the new
   checkout's forward, so both sides see the same inputs."""
-  _, B, Hq, Hkv, D, mean = case
+  D = case[4]
   backward = __import__(f"{package}.kernels.sm90_backward", fromlist=["backward"])
   forward = __import__("fa4_jax.kernels.sm90_forward", fromlist=["forward"])
-  q, k, v, do = random_inputs(B, bench_packed.ROW, Hq, Hkv, D)
-  ids = jnp.asarray(bench_packed.packed_rows(B, mean))
+  q, k, v, do, ids = packed_inputs(case)
   o, lse = jax.jit(lambda q, k, v, ids: forward.forward(
       q, k, v, None, None, scale=D ** -0.5, mask=_mask_spec("fa4_jax", True, None),
       segment_ids=(ids, ids), **_options(soft_cap)))(q, k, v, ids)

@@ -1,9 +1,10 @@
 """Fingerprints of every kernel the heuristics build, for refactors.
 
 Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
-the sm100 forward and backward (dK/dV and dQ kernels) for every head dim, mask and grouping the heuristics
-distinguish, the sm90 kernels of packed rows (segment ids), plus the XLA path, and prints one SHA-256 per case of the
-Mosaic GPU modules (MLIR without debug locations) or of the StableHLO.
+the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
+mask and grouping the heuristics distinguish, the sm90 kernels of packed
+rows (segment ids), plus the XLA path, and prints one SHA-256 per case of
+the Mosaic GPU modules (MLIR without debug locations) or of the StableHLO.
 
 A refactor that leaves every fingerprint unchanged hands the GPU the very
 same programs, so it cannot have changed their speed or their registers.
