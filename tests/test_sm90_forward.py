@@ -284,6 +284,27 @@ def test_persistent_heuristic_configs_prefetch_q_where_it_fits(head_dim):
   assert sm90_forward.choose_config(head_dim, MaskSpec(), 16384).q_depth == 1
 
 
+def test_packed_gqa_rows_take_the_persistent_grid_at_any_length():
+  """Packed documents are short whatever the row's length: causal GQA calls
+  with segment ids (four query heads or more per KV head) take the
+  persistent grid with two Q tiles, which the keys' ids still leave room
+  for; H16 packed rows, dense masks and calls without ids keep the grid
+  their length picks."""
+  causal = MaskSpec(right=0)
+  packed_gqa = sm90_forward.choose_config(128, causal, 16384, segment_ids=True, group=4)
+  assert packed_gqa.persistent and packed_gqa.q_depth == 2
+  assert packed_gqa.smem_bytes(128, 2, segment_ids=True) <= (
+      SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES)
+  long_row = sm90_forward.choose_config(128, causal, 16384)
+  assert not long_row.persistent
+  for others in (dict(segment_ids=True, group=2), dict(segment_ids=False, group=4)):
+    assert sm90_forward.choose_config(128, causal, 16384, **others) == long_row
+  assert not sm90_forward.choose_config(128, MaskSpec(), 16384, segment_ids=True,
+                                        group=4).persistent
+  assert not sm90_forward.choose_config(64, causal, 16384, segment_ids=True,
+                                        group=4).persistent
+
+
 def test_registers_beyond_the_sm_are_refused():
   """Consumers that ask for more registers than the producer gives back wait
   forever in `set_max_registers` (seen on an H100): refused, not run."""

@@ -57,7 +57,8 @@ work, not the documents'.
 
 Grid (`fa4_jax.kernels.schedule`): one CTA per (q head, q tile, batch); or,
 with `ForwardConfig.persistent` (chosen when a tile walks few KV blocks: short
-sequences, local windows), one CTA per SM walks a share of those work items
+sequences, local windows, and packed causal GQA rows,
+`packed_rows_go_persistent`), one CTA per SM walks a share of those work items
 (in the grid's launch order, causal tiles paired heavy with light so that
 every CTA gets the same work), the K/V ring and Q buffers carrying their
 barrier phases across items, so that one item's Q load and O store overlap the
@@ -222,14 +223,19 @@ class ForwardConfig:
     key_ids = cdiv(self.num_kv_stages * self.block_kv * 4, 1024) * 1024 if segment_ids else 0
     return q_tiles + kv_ring + lse + o_tiles + key_ids
 
-  def fits_smem(self, head_dim: int, itemsize: int) -> bool:
+  def fits_smem(self, head_dim: int, itemsize: int, segment_ids: bool = False) -> bool:
     """Whether `smem_bytes` leaves the barriers and padding their reserve."""
-    return self.smem_bytes(head_dim, itemsize) <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES
+    return (self.smem_bytes(head_dim, itemsize, segment_ids)
+            <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES)
 
 
 def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
-                  q_seq: int | None = None) -> ForwardConfig:
+                  q_seq: int | None = None, *, segment_ids: bool = False,
+                  group: int = 1) -> ForwardConfig:
   """Block sizes, stages and grid per (padded) head dim. No autotuning at call time.
+
+  `segment_ids` (the call packs documents) and `group` (query heads per KV
+  head) matter only for the grid: `packed_rows_go_persistent`.
 
   Register budget per consumer thread (64 rows per warpgroup): O takes
   head_dim / 2 fp32 registers, S takes block_kv / 2, P a quarter of that.
@@ -269,16 +275,41 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
   if kv_seq is not None:
     limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if pairs_causal_tiles(mask)
              else PERSISTENT_MAX_MEAN_BLOCKS)
-    if mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit:
+    if (mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit
+        or packed_rows_go_persistent(d, mask, segment_ids, group)):
       config = dataclasses.replace(config, persistent=True)
       # A second Q tile per consumer fits next to the ring and the O tiles
-      # at D <= 128 (D = 128: 224.5 of 227 KiB). H100, against one Q tile:
-      # B8 S2048 D128 663 vs 648 dense, 572 vs 553 causal; the short sweep
-      # rows +2 to +7 % (forward-qbuf-*.json, forward-short-qbuf-*.json).
+      # at D <= 128 (D = 128: 224.5 of 227 KiB, 225.5 with the keys' ids).
+      # H100, against one Q tile: B8 S2048 D128 663 vs 648 dense, 572 vs 553
+      # causal; the short sweep rows +2 to +7 % (forward-qbuf-*.json,
+      # forward-short-qbuf-*.json).
       double = dataclasses.replace(config, q_buffers=2)
-      if double.fits_smem(d, 2):
+      if double.fits_smem(d, 2, segment_ids):
         config = double
   return config
+
+
+# Packed rows walk short documents whatever the row's length, so the mean
+# above (which assumes one document) misjudges them; the documents' lengths
+# are run-time data the heuristic cannot see. H100, bf16, causal, D128, rows
+# of 16,384 tokens, documents of mean 1k / 2k / 4k tokens, the persistent
+# grid with two Q tiles against one CTA per tile (2026-11-27;
+# packed-persistent-grid-configs-*.json, packed-ab-packed-gqa-persistent-*):
+# GQA 32/8 B1 -10.2 / -2.2 / -3.5 % and -10.8 / +1.6 / -2.4 % in a second
+# run, B8 -4.2 / -3.8 / -3.5 % and -6.8 / -5.9 / +2.0 %; H16 slower on five
+# of six rows (B8 +14 / +10 / +17 %, B1 -1.0 / +5.4 / +3.7 %). A GQA row of
+# one long document pays +1-3.5 % (packed-gqa-long-documents-*). So packed
+# GQA rows (four query heads or more per KV head, whose tiles in flight
+# share K/V) take it; other packed rows keep the grid their length picks.
+PACKED_PERSISTENT_MIN_GROUP = 4
+
+
+def packed_rows_go_persistent(head_dim: int, mask: MaskSpec, segment_ids: bool,
+                              group: int) -> bool:
+  """Whether a causal call with segment ids takes the persistent grid
+  regardless of its row length (the measurements above: D128, causal)."""
+  return (segment_ids and head_dim == 128 and pairs_causal_tiles(mask)
+          and group >= PACKED_PERSISTENT_MIN_GROUP)
 
 
 # A persistent grid hides each work item's Q load and O store behind the
@@ -1109,7 +1140,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
             for x in (k, v))
   if config is None:
-    config = choose_config(d, mask, kv_seq, q_seq)
+    config = choose_config(d, mask, kv_seq, q_seq, segment_ids=segment_ids is not None,
+                           group=num_q_heads // num_kv_heads)
   if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
     raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
                             f"{k.shape[1]} must divide one another")
