@@ -43,9 +43,10 @@ def _inputs(seed, b, t, n, kv_heads, d):
   return draw(keys[0], n), draw(keys[1], kv_heads), draw(keys[2], kv_heads, 1.0), draw(keys[3], n)
 
 
-def test_forward_at_16k_tokens_matches_an_f32_einsum_on_sampled_rows():
-  b, t, n, d = 2, 16384, 16, 128
-  q, k, v, _ = _inputs(0, b, t, n, n, d)
+@pytest.mark.parametrize("n, kv_heads", [(16, 16), (32, 8)])  # GQA: the persistent grid
+def test_forward_at_16k_tokens_matches_an_f32_einsum_on_sampled_rows(n, kv_heads):
+  b, t, d = 2, 16384, 128
+  q, k, v, _ = _inputs(0, b, t, n, kv_heads, d)
   ids = _packing(np.random.default_rng(0), b, t, 1024)
   attend = lambda q, k, v, ids: fa4_jax.attention(
       q, k, v, is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids,
@@ -55,6 +56,7 @@ def test_forward_at_16k_tokens_matches_an_f32_einsum_on_sampled_rows():
   out, lse = jax.jit(attend)(q, k, v, jnp.asarray(ids))
   rows = np.sort(np.random.default_rng(1).choice(t, 512, replace=False))
   qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+  kf, vf = (jnp.repeat(x, n // kv_heads, axis=2) for x in (kf, vf))  # query head h reads h // G
   logits = jnp.einsum("btnd,bsnd->bnts", qf[:, rows], kf, precision="highest") / np.sqrt(d)
   visible = (ids[:, rows, None] == ids[:, None, :]) & (np.arange(t)[None, None, :] <= rows[None, :, None])
   logits = jnp.where(visible[:, None], logits, -jnp.inf)
