@@ -16,6 +16,18 @@ in its own child process so that no cache of one measurement helps another:
   lowering still run there (the cache key is the lowered module); the
   compile becomes a cache read.
 
+`--new-shape`: instead, the cost of a shape a warm process has not seen
+(bucketed lengths, an eval batch): each child first runs the whole first
+call at half the sequence length, then measures the case's shape
+(columns `fa4_jax new shape`, `cudnn new shape`, `tokamax new shape`).
+
+Before the clock each child imports the library it measures with its
+kernel modules (fa4_jax: `fa4_jax.kernels.sm90_forward` and
+`sm90_backward`, which import Pallas' Mosaic GPU; tokamax: its Mosaic GPU
+attention op), which a process does once whatever its shapes; `import_s`
+records it. (Until 2026-11-27 fa4_jax's kernel modules were imported inside
+its `trace_s`, tokamax's before the clock.)
+
 Per measurement: `trace_s` (`jax.jit(f).trace`: Python, including our
 kernel bodies), `lower_s` (`.lower()`: Pallas -> Mosaic GPU MLIR, Mosaic's
 layout inference and lowering, StableHLO), `compile_s` (`.compile()`: XLA,
@@ -32,9 +44,9 @@ machine's CPU), and only the fa4_jax column runs. For trying the script and
 for profiling the Python side.
 
 Usage (GPU machine, repository root; about 6 minutes on an H100, --quick 2):
-    python3 benchmarks/bench_compile.py [--quick] [--only SUBSTRING] [--tag NAME]
-        [--out PATH] [--budget-s 420] [--cpu]
-Writes benchmarks/results/compile[-NAME]-<device>-<date>.json (or $OUT/, or
+    python3 benchmarks/bench_compile.py [--quick] [--new-shape] [--only SUBSTRING]
+        [--tag NAME] [--out PATH] [--budget-s 420] [--cpu]
+Writes benchmarks/results/compile[-new-shape][-NAME]-<device>-<date>.json (or $OUT/, or
 --out) and prints a Markdown table for BENCHMARKS.md.
 """
 
@@ -86,6 +98,8 @@ def _attention(column: str, causal: bool, segments: bool):
 
   if column == "fa4_jax":
     import fa4_jax
+    import fa4_jax.kernels.sm90_backward  # noqa: F401  (imported once per process:
+    import fa4_jax.kernels.sm90_forward  # noqa: F401   before the clock, as tokamax's op)
 
     def ours(q, k, v):
       options = {}
@@ -161,10 +175,20 @@ def measure(spec: dict) -> dict:
   cpu = spec["cpu"]
   # Backend start-up and the operands' own small programs, before the clock.
   args = _operands(spec, concrete=not cpu)
+  start = time.perf_counter()
   fn = _function(spec)
+  import_s = time.perf_counter() - start
+  if spec.get("warm_up_seq"):  # a first call at another shape, before the clock
+    warm_spec = dict(spec, S=spec["warm_up_seq"])
+    warm_args = _operands(warm_spec, concrete=not cpu)
+    with _cross_lowering() if cpu else _nothing():
+      warm = jax.jit(_function(warm_spec)).trace(*warm_args)
+      warm = warm.lower(lowering_platforms=("cuda",)) if cpu else warm.lower()
+      if not cpu:
+        jax.block_until_ready(warm.compile()(*warm_args))
   events: dict = {}
   _events_listener(events)
-  result = {}
+  result = {"import_s": import_s}
   clock = _StageClock(result)
   with _cross_lowering() if cpu else _nothing():
     traced = jax.jit(fn).trace(*args)
@@ -258,12 +282,20 @@ def tokamax_installed() -> bool:
   return importlib.util.find_spec("tokamax") is not None
 
 
-def plan(cases, cpu: bool, with_layers: bool):
+def plan(cases, cpu: bool, with_layers: bool, new_shape: bool = False):
   """(row name, pass, column, spec) of every measurement, in order."""
   out = []
   for name, B, S, Hq, Hkv, D, causal, segments in cases:
     base = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal, segments=segments, cpu=cpu,
                 layers=1)
+    if new_shape:
+      for pass_name in PASSES:
+        for column in columns_for((name, B, S, Hq, Hkv, D, causal, segments), cpu):
+          if column == "tokamax" and not tokamax_installed():
+            continue
+          out.append((name, pass_name, f"{column} new shape",
+                      dict(base, column=column, warm_up_seq=S // 2, **{"pass": pass_name})))
+      continue
     for pass_name in PASSES:
       for column in columns_for((name, B, S, Hq, Hkv, D, causal, segments), cpu):
         if column == "tokamax" and not tokamax_installed():
@@ -339,6 +371,8 @@ def run_ptxas(spec: dict) -> dict:
 
 def markdown(rows) -> str:
   columns = ["fa4_jax", "fa4_jax cached", "cudnn", "tokamax", "fa4_jax ptxas"]
+  if any(r["column"].endswith(" new shape") for r in rows):
+    columns = ["fa4_jax new shape", "cudnn new shape", "tokamax new shape"]
   lines = ["| case | pass | " + " | ".join(columns) + " |",
            "|" + "---|" * (len(columns) + 2)]
 
@@ -368,6 +402,8 @@ def main():
                   help="only the D128 dense and causal rows, no layers row")
   ap.add_argument("--cpu", action="store_true",
                   help="cross-lower on the CPU (trace and lower only, fa4_jax only)")
+  ap.add_argument("--new-shape", action="store_true",
+                  help="a shape new to a warm process (after a first call at S/2) instead")
   ap.add_argument("--out", default=None, help="the JSON file to write")
   ap.add_argument("--budget-s", type=float, default=420.0,
                   help="start no measurement after this many seconds (the rest are skipped)")
@@ -384,7 +420,8 @@ def main():
   cases = bench_common.selected(cases, args.only)
   started = time.perf_counter()
   rows = []
-  for case, pass_name, column, spec in plan(cases, args.cpu, with_layers=not args.quick):
+  for case, pass_name, column, spec in plan(cases, args.cpu, with_layers=not args.quick,
+                                            new_shape=args.new_shape):
     if time.perf_counter() - started > args.budget_s:
       print(f"budget spent: skipped {case} {pass_name} {column}", flush=True)
       continue
@@ -402,8 +439,10 @@ def main():
     print(json.dumps(row), flush=True)
   print(markdown(rows))
   bench_common.write_results(
-      "compile", device, args.tag,
-      ("one fresh process per measurement; trace/lower/compile via "
+      "compile-new-shape" if args.new_shape else "compile", device, args.tag,
+      ("one fresh process per measurement, the library and its kernel modules "
+       "imported before the clock (import_s); with --new-shape a first call at S/2 "
+       "before the clock; trace/lower/compile via "
        "jax.jit(f).trace(...).lower().compile(), run = first call of the "
        "compiled function to its result; `fa4_jax cached`: the second of two "
        "processes sharing a persistent compilation cache"),
