@@ -180,30 +180,35 @@ def measure(spec: dict) -> dict:
   import_s = time.perf_counter() - start
   if spec.get("warm_up_seq"):  # a first call at another shape, before the clock
     warm_spec = dict(spec, S=spec["warm_up_seq"])
-    warm_args = _operands(warm_spec, concrete=not cpu)
-    with _cross_lowering() if cpu else _nothing():
-      warm = jax.jit(_function(warm_spec)).trace(*warm_args)
-      warm = warm.lower(lowering_platforms=("cuda",)) if cpu else warm.lower()
-      if not cpu:
-        jax.block_until_ready(warm.compile()(*warm_args))
+    _first_call(_function(warm_spec), _operands(warm_spec, concrete=not cpu), cpu)
   events: dict = {}
   _events_listener(events)
   result = {"import_s": import_s}
   clock = _StageClock(result)
-  with _cross_lowering() if cpu else _nothing():
-    traced = jax.jit(fn).trace(*args)
-    clock.stage("trace")
-    lowered = traced.lower(lowering_platforms=("cuda",)) if cpu else traced.lower()
-    clock.stage("lower")
-    if not cpu:
-      compiled = lowered.compile()
-      clock.stage("compile")
-      jax.block_until_ready(compiled(*args))
-      clock.stage("run")
+  lowered = _first_call(fn, args, cpu, stage=clock.stage)
   result["total_s"] = sum(result[f"{k}_s"] for k in clock.stages)
   result["events"] = {k: round(v, 4) for k, v in sorted(events.items())}
   result["mosaic_gpu_kernels"] = lowered.as_text().count("custom_call @mosaic_gpu")
   return result
+
+
+def _first_call(fn, args, cpu: bool, stage=lambda name: None):
+  """Traces, lowers, compiles and runs `fn(*args)` (with `cpu`: cross-lowers
+  for sm_90 and stops there), calling `stage(name)` after each step; returns
+  the lowered program."""
+  import jax
+
+  with _cross_lowering() if cpu else _nothing():
+    traced = jax.jit(fn).trace(*args)
+    stage("trace")
+    lowered = traced.lower(lowering_platforms=("cuda",)) if cpu else traced.lower()
+    stage("lower")
+    if not cpu:
+      compiled = lowered.compile()
+      stage("compile")
+      jax.block_until_ready(compiled(*args))
+      stage("run")
+  return lowered
 
 
 class _StageClock:
@@ -271,10 +276,12 @@ def run_child(spec: dict) -> dict:
 
 
 def columns_for(case, cpu: bool) -> list[str]:
+  """The libraries measured for `case`: tokamax only where installed."""
   segments = case[7]
   if cpu:
     return ["fa4_jax"]
-  return ["fa4_jax"] + ([] if segments else ["cudnn", "tokamax"])
+  others = [] if segments else ["cudnn"] + (["tokamax"] if tokamax_installed() else [])
+  return ["fa4_jax"] + others
 
 
 def tokamax_installed() -> bool:
@@ -288,18 +295,15 @@ def plan(cases, cpu: bool, with_layers: bool, new_shape: bool = False):
   for name, B, S, Hq, Hkv, D, causal, segments in cases:
     base = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal, segments=segments, cpu=cpu,
                 layers=1)
+    columns = columns_for((name, B, S, Hq, Hkv, D, causal, segments), cpu)
     if new_shape:
       for pass_name in PASSES:
-        for column in columns_for((name, B, S, Hq, Hkv, D, causal, segments), cpu):
-          if column == "tokamax" and not tokamax_installed():
-            continue
+        for column in columns:
           out.append((name, pass_name, f"{column} new shape",
                       dict(base, column=column, warm_up_seq=S // 2, **{"pass": pass_name})))
       continue
     for pass_name in PASSES:
-      for column in columns_for((name, B, S, Hq, Hkv, D, causal, segments), cpu):
-        if column == "tokamax" and not tokamax_installed():
-          continue
+      for column in columns:
         out.append((name, pass_name, column, dict(base, column=column, **{"pass": pass_name})))
       if name in CACHED:
         spec = dict(base, column="fa4_jax", **{"pass": pass_name})
