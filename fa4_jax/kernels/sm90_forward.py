@@ -124,8 +124,8 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
-from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
-                                       where_visible_by_column_chunks)
+from fa4_jax.kernels.sm90_tiles import (chunk_shape, id_ring, load_ids, padded_head_dim,
+                                       smem_tile, where_visible_by_column_chunks)
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
                             initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,
                             online_softmax, read_tile_ranges, hull, pad_ids, softmax_logits,
@@ -844,23 +844,24 @@ class _ConsumerTile:
     call = self.ctx.call
     s = softmax_logits(s, call.scale, call.soft_cap)
     if masked:
-      def visible_of(first_col, shape, kv_segment=None):
-        """The element mask of columns [first_col, first_col + shape[1])."""
-        q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        k_lo = j * call.config.block_kv
-        k_idx = (k_lo + first_col if first_col else k_lo) + plgpu.broadcasted_iota(
-            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        segments = {}
-        if kv_segment is not None:
-          segments = dict(q_segment=lax.broadcast_in_dim(self.q_segment, shape, [0]),
-                          kv_segment=lax.broadcast_in_dim(kv_segment, shape, [1]))
-        kv_len = key_length_to_compare(self.item.kv_len, call.config.block_kv, call.mask,
-                                       segment_ids=call.has_segment_ids)
-        return visible(call.mask, q_idx, k_idx, kv_len, **segments, q_len=self.item.q_len)
-
+      kv_len = key_length_to_compare(self.item.kv_len, call.config.block_kv, call.mask,
+                                     segment_ids=call.has_segment_ids)
+      shape = s.shape if key_ids is None else chunk_shape(s.shape)
+      q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+      k_idx = j * call.config.block_kv + plgpu.broadcasted_iota(
+          jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
       if key_ids is None:
-        s = jnp.where(visible_of(0, s.shape), s, call.masked_logit)
+        s = jnp.where(visible(call.mask, q_idx, k_idx, kv_len, q_len=self.item.q_len), s,
+                      call.masked_logit)
       else:
+        q_segment = lax.broadcast_in_dim(self.q_segment, shape, [0])
+
+        def visible_of(first_col, kv_segment):
+          """The element mask of the chunk of columns from `first_col`."""
+          return visible(call.mask, q_idx, k_idx + first_col if first_col else k_idx, kv_len,
+                         q_segment, lax.broadcast_in_dim(kv_segment, shape, [1]),
+                         q_len=self.item.q_len)
+
         s = where_visible_by_column_chunks(s, key_ids, visible_of, call.masked_logit)
         self.release_k_after_reading_ids(j)
     if call.fixed_max:
