@@ -48,10 +48,11 @@ def _segments(ids, segments):
   return (ids, ids) if segments else None
 
 
-def _forward(kernel, d, mask, seq, lengths, segments=False):
-  """The forward of kernel module `kernel` ("sm90_forward", "sm100_forward")."""
+def _forward(kernel, d, mask, seq, lengths, segments=False, group=2):
+  """The forward of kernel module `kernel` ("sm90_forward", "sm100_forward");
+  `group` query heads per KV head (2 KV heads)."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["forward"])
-  q = jax.ShapeDtypeStruct((2, seq, 4, d), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
   ids = jax.ShapeDtypeStruct((2, seq), jnp.int32)
@@ -112,6 +113,10 @@ def cases():
                _forward("sm90_forward", d, MASKS[mname], seq, seq == 1000, segments=True))
         yield (f"sm90 backward d{d} {mname} s{seq} segment ids", "sm_90",
                _backward("sm90_backward", d, MASKS[mname], seq, seq == 1000, segments=True))
+  for seq in (1000, 8192):  # packed causal rows of 4+ query heads per KV head: their own grid
+    yield (f"sm90 forward d128 causal s{seq} segment ids g4", "sm_90",
+           _forward("sm90_forward", 128, MASKS["causal"], seq, seq == 1000, segments=True,
+                    group=4))
   for d in (64, 128, 256):
     for mname, mask in MASKS.items():
       for seq in (1000, 4096):
