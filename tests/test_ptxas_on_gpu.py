@@ -79,7 +79,8 @@ for d in (64, 128, 192, 256):
                        forward(d, mask, config, segments=True))
       items.setdefault(f"forward d={d} {mask} {config} soft-cap",
                        forward(d, mask, config, capped=True))
-      # Packed rows with 4+ query heads per KV head get their own grid.
+      # Packed causal rows of 4+ query heads per KV head take the persistent
+      # grid at any length (at 8192 the plain call takes another grid).
       packed = sm90_forward.choose_config(d, mask, seq, segment_ids=True, group=4)
       items.setdefault(f"forward d={d} {mask} {packed} segment ids",
                        forward(d, mask, packed, segments=True))
@@ -150,7 +151,7 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   spills = {name: _spill_bytes(dumps) for name, dumps in calls}
   for name, total in spills.items():
     print(f"spill bytes {total:5d}  {name}")
-  # (The packed GQA grid has no plain call to compare with.)
+  # (A packed grid that no plain call picks has nothing to compare with.)
   held = [(name, suffix) for name in spills for suffix in (" soft-cap", " segment ids")
           if name.endswith(suffix) and name.startswith("forward")
           and name[:-len(suffix)] in spills]
