@@ -110,7 +110,7 @@ def where_visible_by_column_chunks(x, column_ids, visible_of, fill):
   masked once on the whole tile) lowered faster still but made ptxas spill
   twice as much and the packed GQA forward 15-21 % slower (performance
   notes)."""
-  rows, n = x.shape
+  n = x.shape[1]
   assert n % ID_CHUNK == 0, (n, ID_CHUNK)
   parts = []
   for first in range(0, n, ID_CHUNK):
