@@ -10,7 +10,6 @@ rows. Both read tile ranges and the element mask from `fa4_jax.scores`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
-from fa4_jax.kernels.sm90_tiles import chunk_shape, where_visible_by_column_chunks
+from fa4_jax.kernels.sm90_tiles import where_visible
 from fa4_jax.scores import MaskSpec, TileRanges
 
 
@@ -321,25 +320,9 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
     logits2 = t * c - per_query_tile(lse2, s.shape, keys_along_rows)
   if masked:
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
-    shape = s.shape if segments is None else chunk_shape(s.shape)
-    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape, layout=plgpu.Layout.WGMMA)
-    rows, cols = row_lo + iota(0), col_lo + iota(1)
-    if segments is None:
-      k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
-      logits2 = jnp.where(scores.visible(mask, q_idx, k_idx, kv_len, q_len=q_len), logits2,
-                          -jnp.inf)
-    else:
-      row_seg = lax.broadcast_in_dim(segments[0], shape, [0])
-
-      def visible_of(first_col, col_ids):
-        """The element mask of the chunk of columns from `first_col`."""
-        chunk_cols = cols + first_col if first_col else cols
-        col_seg = lax.broadcast_in_dim(col_ids, shape, [1])
-        k_idx, q_idx = (rows, chunk_cols) if keys_along_rows else (chunk_cols, rows)
-        kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
-        return scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
-
-      logits2 = where_visible_by_column_chunks(logits2, segments[1], visible_of, -jnp.inf)
+    logits2 = where_visible(logits2, -jnp.inf, mask=mask, row_lo=row_lo, col_lo=col_lo,
+                            keys_along_rows=keys_along_rows, kv_len=kv_len, q_len=q_len,
+                            segments=segments)
   p = jnp.exp2(logits2)
   if cap is not None and dp is None:  # a caller that forms dS itself: w = P * slope
     return TileSoftmax(p, p * scores.soft_cap_slope(t))

@@ -124,12 +124,12 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
-from fa4_jax.kernels.sm90_tiles import (chunk_shape, id_ring, load_ids, padded_head_dim,
-                                       smem_tile, where_visible_by_column_chunks)
+from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
+                                       where_visible)
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
                             initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,
                             online_softmax, read_tile_ranges, hull, pad_ids, softmax_logits,
-                            softmax_scale, tile_ranges_operand, visible, walk_blocks)
+                            softmax_scale, tile_ranges_operand, walk_blocks)
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
@@ -846,23 +846,11 @@ class _ConsumerTile:
     if masked:
       kv_len = key_length_to_compare(self.item.kv_len, call.config.block_kv, call.mask,
                                      segment_ids=call.has_segment_ids)
-      shape = s.shape if key_ids is None else chunk_shape(s.shape)
-      q_idx = self.q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-      k_idx = j * call.config.block_kv + plgpu.broadcasted_iota(
-          jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-      if key_ids is None:
-        s = jnp.where(visible(call.mask, q_idx, k_idx, kv_len, q_len=self.item.q_len), s,
-                      call.masked_logit)
-      else:
-        q_segment = lax.broadcast_in_dim(self.q_segment, shape, [0])
-
-        def visible_of(first_col, kv_segment):
-          """The element mask of the chunk of columns from `first_col`."""
-          return visible(call.mask, q_idx, k_idx + first_col if first_col else k_idx, kv_len,
-                         q_segment, lax.broadcast_in_dim(kv_segment, shape, [1]),
-                         q_len=self.item.q_len)
-
-        s = where_visible_by_column_chunks(s, key_ids, visible_of, call.masked_logit)
+      segments = None if key_ids is None else (self.q_segment, key_ids)
+      s = where_visible(s, call.masked_logit, mask=call.mask, row_lo=self.q_lo,
+                        col_lo=j * call.config.block_kv, keys_along_rows=False, kv_len=kv_len,
+                        q_len=self.item.q_len, segments=segments)
+      if key_ids is not None:
         self.release_k_after_reading_ids(j)
     if call.fixed_max:
       return fixed_max_softmax(s, m, call.c), m, None

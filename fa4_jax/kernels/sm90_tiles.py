@@ -3,12 +3,15 @@ SMEM layout that both TMA and `wgmma` read."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, cdiv, visible
 
 MAX_HEAD_DIM = 256
 
@@ -100,9 +103,9 @@ def where_visible_by_column_chunks(x, column_ids, visible_of, fill):
   ids)`: the element mask of the chunk whose first column is
   `first_column`, `ids` its columns' ids (a vector along them).
 
-  Callers build what every chunk shares (the chunk's row and column iotas,
-  the rows' ids broadcast) once per tile and shift the column iota per
-  chunk (`chunk_shape`). Mosaic GPU's layout inference searches the layout
+  Its caller, `where_visible`, builds what every chunk shares (the chunk's
+  row and column iotas, the rows' ids broadcast) once per tile and shifts
+  the column iota per chunk (`chunk_shape`). Mosaic GPU's layout inference searches the layout
   of most traced ops, reducing the whole kernel's constraint system at each
   step: with all of it traced per chunk, a segment-id forward left 308 of
   868 variables to that search and lowered 7x slower than the plain one;
@@ -122,3 +125,32 @@ def where_visible_by_column_chunks(x, column_ids, visible_of, fill):
 def chunk_shape(tile_shape) -> tuple[int, int]:
   """The shape of one chunk of `where_visible_by_column_chunks`."""
   return tile_shape[0], ID_CHUNK
+
+
+def where_visible(x, fill, *, mask: MaskSpec, row_lo, col_lo, keys_along_rows: bool, kv_len,
+                  q_len, segments=None):
+  """`x` (a wgmma tile) where `scores.visible` lets its query see its key,
+  `fill` elsewhere: the element mask of every sm90 kernel. The tile's rows
+  start at `row_lo` and hold queries (keys when `keys_along_rows`, as in
+  the kernels that own keys), its columns start at `col_lo`. `segments`:
+  None, or the ids of the rows (a vector along them, `load_ids`) and of the
+  columns (their `id_ring` slot, read a chunk at a time:
+  `where_visible_by_column_chunks`)."""
+  shape = x.shape if segments is None else chunk_shape(x.shape)
+  iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape, layout=plgpu.Layout.WGMMA)
+  rows, cols = row_lo + iota(0), col_lo + iota(1)
+  if segments is None:
+    k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
+    return jnp.where(visible(mask, q_idx, k_idx, kv_len, q_len=q_len), x, fill)
+  row_ids, column_ids = segments
+  row_seg = lax.broadcast_in_dim(row_ids, shape, [0])
+
+  def visible_of(first_col, col_ids):
+    """The element mask of the chunk of columns from `first_col`."""
+    chunk_cols = cols + first_col if first_col else cols
+    col_seg = lax.broadcast_in_dim(col_ids, shape, [1])
+    k_idx, q_idx = (rows, chunk_cols) if keys_along_rows else (chunk_cols, rows)
+    kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
+    return visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
+
+  return where_visible_by_column_chunks(x, column_ids, visible_of, fill)
