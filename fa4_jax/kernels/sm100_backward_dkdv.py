@@ -102,7 +102,7 @@ from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
-                                         BarrierTable, Waiter, rem)
+                                         BarrierTable, Waiter, element_mask, rem)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks
@@ -545,14 +545,6 @@ def mma_warp(ctx: DkvContext) -> None:
 # ----------------------------- compute warpgroup -----------------------------
 
 
-def _column_ids(ctx: DkvContext, q_lo):
-  """The segment ids of queries [q_lo, q_lo + CHUNK) along a chunk's columns
-  (from GMEM, only in blocks that need the element mask)."""
-  seg = ctx.gmem.segments
-  return plgpu.load(seg.q_ids.at[ctx.work.batch_idx, pl.ds(q_lo, CHUNK)],
-                    layout=COL_VECTOR_LAYOUT, optimized=False)
-
-
 def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids):
   """(P^T, w) of one chunk of S^T (keys along rows, queries [q_lo, q_lo +
   CHUNK) along columns): P^T = exp2(c t - lse2), 0 where the element mask
@@ -562,13 +554,10 @@ def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids):
   t = scores.softmax_logits(s, st.scale, st.soft_cap)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [1])
   if masked:
-    keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=ROW_LAYOUT) + k_lo
-    queries = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=ROW_LAYOUT) + q_lo
-    q_seg = kv_seg = None
-    if key_ids is not None:
-      kv_seg = lax.broadcast_in_dim(key_ids, s.shape, [0])
-      q_seg = lax.broadcast_in_dim(_column_ids(ctx, q_lo), s.shape, [1])
-    ok = scores.visible(st.mask, queries, keys, work.kv_len, q_seg, kv_seg, q_len=work.q_len)
+    segments = (None if key_ids is None
+                else (key_ids, ctx.gmem.segments.q_ids, work.batch_idx))
+    ok = element_mask(st.mask, s.shape, row_lo=k_lo, col_lo=q_lo, keys_along_rows=True,
+                      kv_len=work.kv_len, q_len=work.q_len, segments=segments)
     logits2 = jnp.where(ok, logits2, -jnp.inf)
   p = jnp.exp2(logits2)
   return p, (p if st.soft_cap is None else p * scores.soft_cap_slope(t))

@@ -94,9 +94,9 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.backward_inputs import segment_operands
-from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
-                                         ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
-                                         KvRingAccessors, Waiter, rem, smem_transforms)
+from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
+                                         SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
+                                         element_mask, rem, smem_transforms)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
@@ -522,21 +522,6 @@ def mma_warp(ctx: DqContext) -> None:
 # ----------------------------- compute warpgroup -----------------------------
 
 
-def _visible(ctx: DqContext, shape, k_lo, row_ids):
-  """The element mask of a block (band, key length, segment ids)."""
-  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW_LAYOUT) + ctx.q_lo
-  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW_LAYOUT) + k_lo
-  q_seg = kv_seg = None
-  if row_ids is not None:
-    # Straight from GMEM, only for blocks that need the element mask (as in
-    # the forward: Mosaic GPU lowers these layouts only unoptimized).
-    col_ids = plgpu.load(ctx.gmem.segments.kv_ids.at[ctx.b, pl.ds(k_lo, ctx.tiles.block_kv)],
-                         layout=COL_VECTOR_LAYOUT, optimized=False)
-    q_seg = lax.broadcast_in_dim(row_ids, shape, [0])
-    kv_seg = lax.broadcast_in_dim(col_ids, shape, [1])
-  return scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len, q_seg, kv_seg, q_len=ctx.q_len)
-
-
 def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> None:
   """dS of key block j (score buffer b) into TMEM over S."""
   st, bars = ctx.statics, ctx.bars
@@ -545,7 +530,11 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> 
   t = scores.softmax_logits(s, st.scale, st.soft_cap)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [0])
   if masked:
-    logits2 = jnp.where(_visible(ctx, s.shape, j * ctx.tiles.block_kv, row_ids), logits2, -jnp.inf)
+    segments = None if row_ids is None else (row_ids, ctx.gmem.segments.kv_ids, ctx.b)
+    ok = element_mask(st.mask, s.shape, row_lo=ctx.q_lo, col_lo=j * ctx.tiles.block_kv,
+                      keys_along_rows=False, kv_len=ctx.kv_len, q_len=ctx.q_len,
+                      segments=segments)
+    logits2 = jnp.where(ok, logits2, -jnp.inf)
   w = jnp.exp2(logits2)  # P
   if st.soft_cap is not None:
     w = w * scores.soft_cap_slope(t)

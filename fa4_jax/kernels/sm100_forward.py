@@ -115,9 +115,9 @@ from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_causal_tiles,
                                       sm_count)
-from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
-                                         ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
-                                         KvRingAccessors, Waiter, rem, smem_transforms)
+from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
+                                         SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
+                                         element_mask, rem, smem_transforms)
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import DEFAULT_NUM_SMS
 
@@ -772,19 +772,10 @@ def _mma_item(ctx: ForwardContext) -> None:
 
 
 def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo, row_ids):
-  rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=ROW_LAYOUT) + r_lo
-  cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=ROW_LAYOUT) + k_lo
-  q_seg = kv_seg = None
-  if row_ids is not None:
-    # Straight from GMEM (cached, one 4-byte id per key and thread): only
-    # blocks that need the element mask pay. Mosaic GPU lowers GMEM loads
-    # into these layouts only unoptimized (per-thread loads, no SMEM plan).
-    col_ids = plgpu.load(ctx.refs.kv_seg_ref.at[ctx.b, pl.ds(k_lo, ctx.cfg.block_kv)],
-                         layout=COL_VECTOR_LAYOUT, optimized=False)
-    q_seg = lax.broadcast_in_dim(row_ids, s.shape, [0])
-    kv_seg = lax.broadcast_in_dim(col_ids, s.shape, [1])
-  ok = (scores.visible(ctx.statics.mask, rows, cols, ctx.kv_len, q_seg, kv_seg, q_len=ctx.q_len)
-        & (rows < ctx.q_len))
+  segments = None if row_ids is None else (row_ids, ctx.refs.kv_seg_ref, ctx.b)
+  ok = element_mask(ctx.statics.mask, s.shape, row_lo=r_lo, col_lo=k_lo, keys_along_rows=False,
+                    kv_len=ctx.kv_len, q_len=ctx.q_len, segments=segments,
+                    hide_rows_past_q_len=True)
   return jnp.where(ok, s, -jnp.inf)
 
 

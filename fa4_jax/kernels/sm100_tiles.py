@@ -11,6 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 
 # Hardware limits of one sm_100 SM.
@@ -27,6 +28,33 @@ COL_VECTOR_LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(0)
 # Epilogues read accumulators in the 16x256b shape instead: Mosaic GPU can
 # store that layout into swizzled SMEM for the TMA (not the 32x32b one).
 EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
+
+
+def element_mask(mask: scores.MaskSpec, shape, *, row_lo, col_lo, keys_along_rows: bool, kv_len,
+                 q_len, segments=None, hide_rows_past_q_len: bool = False):
+  """`scores.visible` over a `ROW_LAYOUT` tile of `shape` whose rows start
+  at `row_lo` and hold queries (keys when `keys_along_rows`, as in the
+  dK/dV kernel), its columns at `col_lo`: the element mask of every sm100
+  kernel. `segments`: None, or (the rows' ids as a vector along them, the
+  GMEM ids [B, length] of what the columns hold, the batch index). The
+  columns' ids are read here, so only blocks that need the element mask
+  pay, one 4-byte id per column and thread (Mosaic GPU lowers GMEM loads
+  into these layouts only unoptimized: per-thread loads, no SMEM plan).
+  `hide_rows_past_q_len`: also hide rows at or past `q_len` (the forward,
+  whose rows are queries)."""
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW_LAYOUT) + row_lo
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW_LAYOUT) + col_lo
+  row_seg = col_seg = None
+  if segments is not None:
+    row_ids, column_ids_ref, batch_idx = segments
+    column_ids = plgpu.load(column_ids_ref.at[batch_idx, pl.ds(col_lo, shape[1])],
+                            layout=COL_VECTOR_LAYOUT, optimized=False)
+    row_seg = lax.broadcast_in_dim(row_ids, shape, [0])
+    col_seg = lax.broadcast_in_dim(column_ids, shape, [1])
+  k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
+  kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
+  ok = scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
+  return ok & (rows < q_len) if hide_rows_past_q_len else ok
 
 
 def smem_transforms(dtype, minor_dim: int):
