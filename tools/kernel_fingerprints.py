@@ -2,7 +2,7 @@
 
 Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
-mask and grouping the heuristics distinguish, the sm90 kernels of packed
+mask and grouping the heuristics distinguish, the kernels of packed
 rows (segment ids), plus the XLA path, and prints one SHA-256 per case of
 the Mosaic GPU modules (MLIR without debug locations) or of the StableHLO.
 
@@ -128,6 +128,10 @@ def cases():
     for mname in ("dense", "causal"):
       yield (f"sm100 backward d{d} {mname} s1000", "sm_100",
              _backward("sm100_backward", d, MASKS[mname], 1000, True))
+  yield ("sm100 forward d128 causal s1000 segment ids", "sm_100",
+         _forward("sm100_forward", 128, MASKS["causal"], 1000, True, segments=True))
+  yield ("sm100 backward d128 causal s1000 segment ids", "sm_100",
+         _backward("sm100_backward", 128, MASKS["causal"], 1000, True, segments=True))
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(
