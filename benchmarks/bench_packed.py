@@ -54,6 +54,11 @@ SHAPES = [
     ("B8 H16 D128", 8, 16, 16, 128),
     ("B1 H32/8 D128", 1, 32, 8, 128),
     ("B8 H32/8 D128", 8, 32, 8, 128),
+    # Beyond the table: head dim 64, and two query heads per KV head.
+    ("B1 H32 D64", 1, 32, 32, 64),
+    ("B8 H32 D64", 8, 32, 32, 64),
+    ("B1 H32/16 D128", 1, 32, 16, 128),
+    ("B8 H32/16 D128", 8, 32, 16, 128),
 ]
 BACKWARD_FACTOR = bench_common.BACKWARD_FLOPS_FACTOR
 ITERATIONS = bench_common.ITERATIONS
