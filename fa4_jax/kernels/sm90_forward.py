@@ -301,6 +301,8 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
 # one long document pays +1-3.5 % (packed-gqa-long-documents-*). So packed
 # GQA rows (four query heads or more per KV head, whose tiles in flight
 # share K/V) take it; other packed rows keep the grid their length picks.
+# Two query heads per KV head lost on long documents (+2-6 %) for -6 to -9 %
+# at 1k documents (packed-ab-gqa2-persistent-*, 2026-11-27).
 PACKED_PERSISTENT_MIN_GROUP = 4
 
 
