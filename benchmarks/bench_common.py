@@ -206,6 +206,29 @@ def table_cell(column, fmt) -> str:
   return "error" if "error" in column else fmt(column)
 
 
+def table_main(prefix: str, cases, rows_of, markdown, method, *, default_rounds: int = 1,
+               add_arguments=None) -> None:
+  """The command line of a benchmark that prints a Markdown table and writes
+  its rows: --only and --tag (`add_case_options`), --rounds, and the
+  script's own arguments (`add_arguments(parser)`). `rows_of(case, args)`:
+  the rows of one selected case; `markdown(rows)`: the table;
+  `method(args)`: how the rows were measured (the JSON's `method`)."""
+  import argparse
+
+  ap = argparse.ArgumentParser()
+  add_case_options(ap)
+  ap.add_argument("--rounds", type=int, default=default_rounds,
+                  help="measure every column this many times, interleaved; report medians")
+  if add_arguments is not None:
+    add_arguments(ap)
+  args = ap.parse_args()
+  device = jax.devices()[0]
+  print(device.device_kind, jax.__version__, flush=True)
+  rows = [row for case in selected(cases, args.only) for row in rows_of(case, args)]
+  print(markdown(rows))
+  write_results(prefix, device.device_kind, args.tag, method(args), rows)
+
+
 def add_case_options(parser) -> None:
   """--only SUBSTRING (repeatable) and --tag NAME (added to the results file name)."""
   parser.add_argument("--only", action="append", default=None,

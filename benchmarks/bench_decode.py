@@ -25,7 +25,6 @@ Usage (GPU machine, repository root):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -143,23 +142,15 @@ def markdown(rows):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  bench_common.add_case_options(ap)
-  ap.add_argument("--rounds", type=int, default=1)
-  ap.add_argument("--splits", default="1,2,4,8,16")
-  args = ap.parse_args()
-  device = jax.devices()[0]
-  print(device.device_kind, jax.__version__, flush=True)
-  splits = [int(x) for x in args.splits.split(",")]
-  rows = [run_case(*case, splits, args.rounds)
-          for case in bench_common.selected(CASES, args.only)]
-  print(markdown(rows))
-  bench_common.write_results(
-      "decode", device.device_kind, args.tag,
-      ("sum of kernel durations in a profiler trace, median of "
-       f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
-       "TB/s = K and V bytes read once / time; bf16"),
-      rows)
+  def rows_of(case, args):
+    return [run_case(*case, [int(x) for x in args.splits.split(",")], args.rounds)]
+
+  bench_common.table_main(
+      "decode", CASES, rows_of, markdown,
+      lambda args: ("sum of kernel durations in a profiler trace, median of "
+                    f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
+                    "TB/s = K and V bytes read once / time; bf16"),
+      add_arguments=lambda ap: ap.add_argument("--splits", default="1,2,4,8,16"))
 
 
 if __name__ == "__main__":

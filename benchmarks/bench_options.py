@@ -30,7 +30,6 @@ prints a Markdown table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -117,22 +116,14 @@ def markdown(rows):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  bench_common.add_case_options(ap)
-  ap.add_argument("--rounds", type=int, default=3,
-                  help="measure every column this many times, interleaved; report medians")
-  args = ap.parse_args()
-  device = jax.devices()[0]
-  print(device.device_kind, jax.__version__, flush=True)
-  rows = [run_case(*case, args.rounds) for case in bench_common.selected(CASES, args.only)]
-  print(markdown(rows))
-  bench_common.write_results(
-      "options", device.device_kind, args.tag,
-      (f"forward: sum of kernel durations in a profiler trace, median of "
-       f"{bench_common.ITERATIONS}; backward: kernel span of the VJP in a profiler "
-       f"trace, median of {bench_common.ITERATIONS}; median of {args.rounds} "
-       "interleaved rounds; bf16; percentages against the plain column"),
-      rows)
+  bench_common.table_main(
+      "options", CASES, lambda case, args: [run_case(*case, args.rounds)], markdown,
+      lambda args: (f"forward: sum of kernel durations in a profiler trace, median of "
+                    f"{bench_common.ITERATIONS}; backward: kernel span of the VJP in a "
+                    f"profiler trace, median of {bench_common.ITERATIONS}; median of "
+                    f"{args.rounds} interleaved rounds; bf16; percentages against the plain "
+                    "column"),
+      default_rounds=3)
 
 
 if __name__ == "__main__":

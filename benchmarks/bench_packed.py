@@ -31,7 +31,6 @@ prints a Markdown table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -176,26 +175,13 @@ def markdown(rows):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  bench_common.add_case_options(ap)
-  ap.add_argument("--rounds", type=int, default=1,
-                  help="measure every column this many times, interleaved; report medians")
-  args = ap.parse_args()
-  device = jax.devices()[0]
-  print(device.device_kind, jax.__version__, flush=True)
-  rows = []
-  for shape in bench_common.selected(SHAPES, args.only):
-    rows += run_shape(*shape, args.rounds)
-  print(markdown(rows))
-  bench_common.write_results(
-      "packed", device.device_kind, args.tag,
-      (f"forward: sum of kernel durations in a profiler trace, median of "
-       f"{ITERATIONS}; "
-       f"backward: kernel span in a profiler trace, median of {ITERATIONS}; "
-       f"median of {args.rounds} interleaved rounds; "
-       "useful FLOPs: visible pairs only (dense: S^2/2 per row), "
-       f"backward {BACKWARD_FACTOR}x forward"),
-      rows)
+  bench_common.table_main(
+      "packed", SHAPES, lambda shape, args: run_shape(*shape, args.rounds), markdown,
+      lambda args: (f"forward: sum of kernel durations in a profiler trace, median of "
+                    f"{ITERATIONS}; backward: kernel span in a profiler trace, median of "
+                    f"{ITERATIONS}; median of {args.rounds} interleaved rounds; useful "
+                    "FLOPs: visible pairs only (dense: S^2/2 per row), backward "
+                    f"{BACKWARD_FACTOR}x forward"))
 
 
 if __name__ == "__main__":

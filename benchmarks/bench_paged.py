@@ -29,7 +29,6 @@ Usage (GPU machine, repository root):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -129,21 +128,12 @@ def run_case(name, B, S, page_size, ragged, rounds):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  bench_common.add_case_options(ap)
-  ap.add_argument("--rounds", type=int, default=1)
-  args = ap.parse_args()
-  device = jax.devices()[0]
-  print(device.device_kind, jax.__version__, flush=True)
-  rows = [run_case(*case, args.rounds) for case in bench_common.selected(CASES, args.only)]
-  print(markdown(rows))
-  bench_common.write_results(
-      "paged", device.device_kind, args.tag,
-      ("sum of kernel durations in a profiler trace, median of "
-       f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
-       "TB/s = K and V bytes of the valid keys read once / time; bf16; "
-       "pages shuffled in the pool"),
-      rows)
+  bench_common.table_main(
+      "paged", CASES, lambda case, args: [run_case(*case, args.rounds)], markdown,
+      lambda args: ("sum of kernel durations in a profiler trace, median of "
+                    f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; "
+                    "TB/s = K and V bytes of the valid keys read once / time; bf16; "
+                    "pages shuffled in the pool"))
 
 
 if __name__ == "__main__":

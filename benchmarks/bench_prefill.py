@@ -29,7 +29,6 @@ Usage (GPU machine, repository root):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -139,21 +138,11 @@ def markdown(rows):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  bench_common.add_case_options(ap)
-  ap.add_argument("--rounds", type=int, default=1)
-  args = ap.parse_args()
-  device = jax.devices()[0]
-  print(device.device_kind, jax.__version__, flush=True)
-  rows = [run_case(*case, args.rounds) for case in bench_common.selected(CASES, args.only)]
-  print(markdown(rows))
-  bench_common.write_results(
-      "prefill", device.device_kind, args.tag,
-      ("sum of kernel durations in a profiler trace (backward: the VJP's "
-       f"kernel span), median of {bench_common.ITERATIONS}, median of "
-       f"{args.rounds} interleaved rounds; bf16; TFLOP/s over visible "
-       "pairs"),
-      rows)
+  bench_common.table_main(
+      "prefill", CASES, lambda case, args: [run_case(*case, args.rounds)], markdown,
+      lambda args: ("sum of kernel durations in a profiler trace (backward: the VJP's "
+                    f"kernel span), median of {bench_common.ITERATIONS}, median of "
+                    f"{args.rounds} interleaved rounds; bf16; TFLOP/s over visible pairs"))
 
 
 if __name__ == "__main__":
