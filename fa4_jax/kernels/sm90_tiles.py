@@ -107,12 +107,12 @@ def where_visible_by_column_chunks(x, column_ids, visible_of, fill):
   row and column iotas, the rows' ids broadcast) once per tile and shifts
   the column iota per chunk (`chunk_shape`). Mosaic GPU's layout inference
   searches the layout of most traced ops, reducing the whole kernel's
-  constraint system at each step: with all of it traced per chunk, a segment-id forward left 308 of
-  868 variables to that search and lowered 7x slower than the plain one;
-  now 188 of 643. Tracing only the id compare per chunk (the positions
-  masked once on the whole tile) lowered faster still but made ptxas spill
-  twice as much and the packed GQA forward 15-21 % slower (performance
-  notes)."""
+  constraint system at each step: with all of it traced per chunk, a
+  segment-id forward left 308 of 868 variables to that search and lowered
+  7x slower than the plain one; now 188 of 643. Tracing only the id
+  compare per chunk (the positions masked once on the whole tile) lowered
+  faster still but made ptxas spill twice as much and the packed GQA
+  forward 15-21 % slower (performance notes)."""
   n = x.shape[1]
   assert n % ID_CHUNK == 0, (n, ID_CHUNK)
   parts = []
