@@ -284,25 +284,44 @@ def test_persistent_heuristic_configs_prefetch_q_where_it_fits(head_dim):
   assert sm90_forward.choose_config(head_dim, MaskSpec(), 16384).q_depth == 1
 
 
-def test_packed_gqa_rows_take_the_persistent_grid_at_any_length():
-  """Packed documents are short whatever the row's length: causal GQA calls
-  with segment ids (four query heads or more per KV head) take the
-  persistent grid with two Q tiles, which the keys' ids still leave room
-  for; H16 packed rows, dense masks and calls without ids keep the grid
-  their length picks."""
+def test_packed_causal_rows_take_the_work_queue_at_any_length():
+  """Packed documents are short whatever the row's length, and a tile's cost
+  depends on where the documents end: causal D128 calls with segment ids take
+  the persistent grid with a work queue and two Q tiles, which the keys' ids
+  and the queue's cells still leave room for; dense masks, other head dims
+  and calls without ids keep the grid their length picks."""
   causal = MaskSpec(right=0)
-  packed_gqa = sm90_forward.choose_config(128, causal, 16384, segment_ids=True, group=4)
-  assert packed_gqa.persistent and packed_gqa.q_depth == 2
-  assert packed_gqa.smem_bytes(128, 2, segment_ids=True) <= (
+  packed = sm90_forward.choose_config(128, causal, 16384, segment_ids=True)
+  assert packed.persistent and packed.work_queue and packed.q_depth == 2
+  assert packed.smem_bytes(128, 2, segment_ids=True) <= (
       SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES)
   long_row = sm90_forward.choose_config(128, causal, 16384)
   assert not long_row.persistent
-  for others in (dict(segment_ids=True, group=2), dict(segment_ids=False, group=4)):
-    assert sm90_forward.choose_config(128, causal, 16384, **others) == long_row
-  assert not sm90_forward.choose_config(128, MaskSpec(), 16384, segment_ids=True,
-                                        group=4).persistent
-  assert not sm90_forward.choose_config(64, causal, 16384, segment_ids=True,
-                                        group=4).persistent
+  assert not sm90_forward.choose_config(128, MaskSpec(), 16384, segment_ids=True).persistent
+  assert not sm90_forward.choose_config(64, causal, 16384, segment_ids=True).work_queue
+  assert not sm90_forward.choose_config(128, causal, 1024).work_queue
+
+
+def test_the_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without():
+  """The packed config lowers for Hopper within its SMEM estimate and takes
+  units with a GMEM atomic. Under vmap Pallas adds a grid axis whose CTAs
+  would share the one counter, so the vmapped call's kernel has no atomic
+  (fixed round-robin shares, the protocol the interpreter tests)."""
+  from fa4_jax.testing import cross_lower
+
+  mask = MaskSpec(right=0)
+  config = sm90_forward.choose_config(128, mask, 16384, segment_ids=True)
+  lowered = _lower(128, mask, config, lengths=True, segment_ids=True)
+  _assert_fits_and_uses_hopper_instructions(lowered)
+  _assert_smem_within_the_heuristics_estimate(lowered, 128, config, segment_ids=True)
+  assert lowered.has("atom.relaxed.gpu.global.add")
+
+  q = jax.ShapeDtypeStruct((3, 2, 512, 4, 128), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((3, 2, 512), jnp.int32)
+  fn = lambda q, k, v, ids: sm90_forward.forward(q, k, v, None, None, scale=0.1, mask=mask,
+                                                  config=config, segment_ids=(ids, ids))[0]
+  vmapped = cross_lower(jax.vmap(fn), q, q, q, ids)
+  assert vmapped.has("wgmma.mma_async") and not vmapped.has("atom.relaxed.gpu.global.add")
 
 
 def test_registers_beyond_the_sm_are_refused():
@@ -367,6 +386,26 @@ def test_segment_ids_in_a_persistent_causal_grid_with_an_empty_tile(run_interpre
                                num_sms=2, q_buffers=2)
   assert sm90_forward.PersistentWork(1, 2, 3, 2, True).tile_slots == 4
   _run_and_compare(case, run_interpreted, config=config)
+
+
+@pytest.mark.parametrize("q_buffers", [1, 2])
+def test_a_work_queue_hands_every_tile_to_some_cta_once(q_buffers, run_interpreted):
+  """Persistent grid with a work queue: three CTAs take 2 heads x 3 causal
+  tiles x 2 rows one unit at a time (the producer publishes each unit in the
+  cell of its Q copy, the consumers stop at a unit past the end); rows are
+  packed differently, with lengths. (The interpreter hands units out round
+  robin; the GPU test checks the atomic counter.)"""
+  q_ids = _ids(packed_segment_ids([150, 100, 50], 300), packed_segment_ids([20, 280], 300))
+  case = Case(batch=2, q_heads=2, kv_heads=1, head_dim=128, is_causal=True, q_seq=300,
+              kv_seq=300, q_lengths=(300, 260), q_segment_ids=q_ids, kv_segment_ids=q_ids)
+  config = dataclasses.replace(sm90_forward.choose_config(128, case.mask), persistent=True,
+                               num_sms=3, q_buffers=q_buffers, work_queue=True)
+  _run_and_compare(case, run_interpreted, config=config)
+
+
+def test_a_work_queue_needs_the_persistent_grid():
+  with pytest.raises(ValueError, match="persistent=True"):
+    sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, work_queue=True)
 
 
 def test_segment_ids_in_one_cta_per_tile_grid(run_interpreted):

@@ -113,8 +113,9 @@ def cases():
                _forward("sm90_forward", d, MASKS[mname], seq, seq == 1000, segments=True))
         yield (f"sm90 backward d{d} {mname} s{seq} segment ids", "sm_90",
                _backward("sm90_backward", d, MASKS[mname], seq, seq == 1000, segments=True))
-  # Packed causal rows of 4+ query heads per KV head: the persistent grid at
-  # any length (at s8192 the plain and group-2 calls take another).
+  # Packed causal D128 rows take the persistent grid with a work queue at any
+  # length and group (the cases above: two query heads per KV head); here
+  # four.
   for seq in (1000, 8192):
     yield (f"sm90 forward d128 causal s{seq} segment ids g4", "sm_90",
            _forward("sm90_forward", 128, MASKS["causal"], seq, seq == 1000, segments=True,

@@ -245,12 +245,14 @@ class OneShotBuffer:
     b = self.buffer(item, index)
     plgpu.copy_gmem_to_smem(src_gmem, copies_smem.at[b], self.full.at[b])
 
-  def producer_drain(self, num_items) -> None:
-    """Interpreter only: observe the last release of every copy."""
+  def producer_drain(self, num_items, next_acquired: bool = False) -> None:
+    """Interpreter only: observe the last release of every copy (of the
+    items after `num_items - depth` if the producer already acquired item
+    `num_items`, whose acquire observed that one's)."""
     if not is_interpreting():
       return
     num_buffers = self.consumed.shape[0] // self.depth
-    first = jnp.maximum(num_items - self.depth, 0)
+    first = jnp.maximum(num_items - self.depth + int(next_acquired), 0)
 
     @pl.loop(first, num_items)
     def _(item):

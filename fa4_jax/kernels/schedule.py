@@ -10,6 +10,10 @@ Two grids, chosen per call by the kernel's config:
   tiles in closed form, in the order the hardware would launch the
   one-CTA-per-tile grid, so the tiles in flight share K/V in L2. Causal tiles
   are paired heavy with light so that every CTA gets the same work.
+* A persistent grid with a work queue (`PersistentWork.queued`, `WorkQueue`):
+  the same order, but each CTA takes its next tile from a counter in GMEM
+  when it starts the previous one, so CTAs whose tiles turned out short
+  (packed documents: a tile's cost is run-time data) take more of them.
 
 The functions work on Python ints (tests, host-side sizing) and on traced
 int32 scalars (inside a kernel) alike.
@@ -18,9 +22,15 @@ int32 scalars (inside a kernel) alike.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.kernels import default_device
 from fa4_jax.scores import MaskSpec
@@ -47,6 +57,10 @@ def _rem(x, n: int):
   return x % n if isinstance(x, int) else lax.rem(x, jnp.int32(n))
 
 
+# A work queue's SMEM cells hold units as f32 values (`WorkQueue`).
+MAX_QUEUED_UNITS = 2 ** 24
+
+
 @dataclasses.dataclass(frozen=True)
 class PersistentWork:
   """The work items of a persistent grid: which (batch, q head, q tile) the
@@ -64,6 +78,11 @@ class PersistentWork:
   round-robin gave some CTAs only heavy tiles (436 vs 531 TFLOP/s at B8
   S2048 causal). An odd tile count gets one empty tile past the end (no KV
   blocks; its rows are past the query length, so nothing lands in the output).
+
+  `queued`: units are single tiles, heavy first under causal-like masks
+  (`heavy_first`), and CTA `cta` starts with unit `cta`; the others are
+  handed out at run time (`WorkQueue`), so `count` and `coords` do not apply
+  and `unit_coords` names a unit's tile.
   """
 
   batch: int
@@ -71,6 +90,15 @@ class PersistentWork:
   num_q_tiles: int
   num_sms: int
   paired: bool
+  queued: bool = False
+  heavy_first: bool = False
+
+  def __post_init__(self):
+    if self.queued and self.paired:
+      raise ValueError("PersistentWork: a queued grid hands out single tiles (paired=False)")
+    if self.queued and self.num_units > MAX_QUEUED_UNITS:
+      raise ValueError(f"PersistentWork: a work queue names at most {MAX_QUEUED_UNITS} units "
+                       f"(f32 cells); got {self.num_units}")
 
   @property
   def tile_slots(self) -> int:
@@ -107,6 +135,121 @@ class PersistentWork:
     if isinstance(i, int):
       return batch_idx, head, heavy if first else light
     return batch_idx, head, jnp.where(first, heavy, light)
+
+  def unit_coords(self, unit):
+    """(batch, q head, q tile) of unit `unit` of a queued grid: heads vary
+    fastest, then tiles (heavy first), then the batch, as the hardware
+    launches the one-CTA-per-tile grid."""
+    head = _rem(unit, self.num_heads)
+    rest = _div(unit, self.num_heads)
+    position, batch_idx = _rem(rest, self.num_q_tiles), _div(rest, self.num_q_tiles)
+    return batch_idx, head, heavy_first_tile(position, self.num_q_tiles, self.heavy_first)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkQueue:
+  """Hands out a persistent grid's units at run time (`PersistentWork.queued`).
+
+  A counter in GMEM (a Pallas global semaphore: zeroed before every launch)
+  counts the units taken after the first wave: CTA `cta` runs unit `cta`
+  first, then `num_ctas + atomicAdd(counter, 1)` until that passes
+  `num_units`. Only the producer takes units, one ahead: when it starts
+  work item i (its Q copies acquired), `fetch` issues the atomic from one
+  thread (warp 1, lane 0 of the warpgroup, so the thread that issues the TMA
+  copies does not wait for it), which stores the unit into the SMEM cell of
+  item i + 1; the producer reads it after a warpgroup barrier when it is
+  done loading item i (`fetched`), and each consumer after its Q wait of
+  item i + 1 (`unit_of`), which that barrier and the Q copy's TMA order
+  after the store. A unit past the end, followed by a plain arrive on the
+  Q barriers, tells the consumers to stop.
+
+  `depth + 1` cells (`num_cells`), used round robin: item i + 1's cell was
+  last read by item i - depth's consumers, whose Q copy the producer had to
+  see released before starting item i. The cells are f32 words holding the
+  unit as a float, exact below 2^24 units (`PersistentWork` checks): they
+  ride in the LSE rows' buffer, which has room to spare (every SMEM buffer
+  starts at a 1 KiB multiple), and Pallas loads f32 scalars from SMEM but
+  has no scalar bitcast. Without the counter (the interpreter, and
+  `sm90_forward`'s vmapped calls) the fetch is the fixed round robin
+  `unit + num_ctas`: the same protocol without the atomic.
+  """
+
+  counter: Any  # GMEM int32 semaphore; None: fixed round robin
+  cells: Any  # SMEM f32 [>= num_cells(depth)]
+  depth: int  # Q copies per consumer
+  first_unit: Any  # this CTA's first unit (its index)
+  num_ctas: int
+
+  @staticmethod
+  def num_cells(depth: int) -> int:
+    return depth + 1
+
+  @classmethod
+  def create(cls, cells, depth: int, num_ctas: int, cta, counter: bool) -> "WorkQueue":
+    """`counter`: take units from a GMEM counter (hardware only), else in a
+    fixed round robin."""
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR((1,))) if counter else None
+    return cls(sem, cells, depth, cta, num_ctas)
+
+  def _cell(self, item):
+    return _rem(item, self.num_cells(self.depth))
+
+  def fetch(self, item, unit) -> None:
+    """Producer, starting item `item` (of unit `unit`): takes the unit of
+    item + 1 into its cell."""
+    cell = self._cell(item + 1)
+    if self.counter is None:
+      self.cells[cell] = (unit + self.num_ctas).astype(jnp.float32)
+      return
+    _fetch_add_into(self.counter, self.cells, cell, self.num_ctas)
+
+  def fetched(self, item):
+    """Producer, done loading item `item`: the unit of item + 1."""
+    if self.counter is not None:
+      _warpgroup_barrier()
+    return self._read(item + 1)
+
+  def unit_of(self, item):
+    """Consumer, after its Q wait of item `item`: the item's unit."""
+    return jnp.where(item == 0, self.first_unit, self._read(item))
+
+  def _read(self, item):
+    return self.cells[self._cell(item)].astype(jnp.int32)
+
+
+def _fetch_add_into(counter, cells, cell, num_ctas: int) -> None:
+  """cells[cell] = num_ctas + atomicAdd(counter, 1) (int32 bits), by one
+  thread of the warpgroup (warp 1, lane 0)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
+                                plgpu.Layout.WG_SPLAT(shape=(1,))))
+  def _(ctx, counter_ref, cells_ref, cell_splat):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    index = arith.index_cast(ir.IndexType.get(), cell_splat.registers.flat[0])
+    tid = mgpu.utils.thread_idx()
+    lane32 = arith.cmpi(arith.CmpIPredicate.eq,
+                        arith.remui(tid, mgpu.c(128, tid.type)), mgpu.c(32, tid.type))
+    with mgpu.utils.when(lane32):
+      old = llvm.inline_asm(i32, [mgpu.utils.memref_ptr(counter_ref)],
+                            "atom.relaxed.gpu.global.add.u32 $0, [$1], 1;", "=r,l",
+                            has_side_effects=True)
+      unit = arith.addi(old, mgpu.c(num_ctas, i32))
+      memref.store(arith.sitofp(ir.F32Type.get(), unit), cells_ref, [index])
+
+  _(counter, cells, jnp.full((1,), cell, jnp.int32))
+
+
+def _warpgroup_barrier() -> None:
+  """All 128 threads of this warpgroup meet (bar.sync): orders the fetching
+  thread's SMEM store before the others' reads and the TMA that follows."""
+
+  @plgpu.inline_mgpu()
+  def _(ctx):
+    del ctx
+    mgpu.utils.warpgroup_barrier()
+
+  _()
 
 
 def sm_count(default: int) -> int:

@@ -57,15 +57,19 @@ work, not the documents'.
 
 Grid (`fa4_jax.kernels.schedule`): one CTA per (q head, q tile, batch); or,
 with `ForwardConfig.persistent` (chosen when a tile walks few KV blocks: short
-sequences, local windows, and packed causal GQA rows,
-`packed_rows_go_persistent`), one CTA per SM walks a share of those work items
-(in the grid's launch order, causal tiles paired heavy with light so that
-every CTA gets the same work), the K/V ring and Q buffers carrying their
-barrier phases across items, so that one item's Q load and O store overlap the
-neighbouring items' work. With two Q tiles per consumer
-(`ForwardConfig.q_buffers`) the next item's Q loads while the current item
-runs, instead of after its last Q K^T with the next K/V loads queued behind
-it.
+sequences, local windows, and packed causal rows), one CTA per SM walks a
+share of those work items (in the grid's launch order, causal tiles paired
+heavy with light so that every CTA gets the same work), the K/V ring and Q
+buffers carrying their barrier phases across items, so that one item's Q load
+and O store overlap the neighbouring items' work. With two Q tiles per
+consumer (`ForwardConfig.q_buffers`) the next item's Q loads while the
+current item runs, instead of after its last Q K^T with the next K/V loads
+queued behind it. Packed rows, whose tiles' costs are run-time data, take
+their tiles from a work queue instead of a fixed share
+(`ForwardConfig.work_queue`, `schedule.WorkQueue`,
+`packed_rows_use_a_work_queue`): the producer takes the next tile from a
+GMEM counter and passes it to the consumers in an SMEM cell that their Q
+barrier orders.
 
 Sinks and soft-cap (`forward(..., sinks=, soft_cap=)`, `FEATURES`): a
 head's sink logit is read from a small GMEM operand [Nq] once per tile and
@@ -122,7 +126,8 @@ from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
-from fa4_jax.kernels.schedule import PersistentWork, heavy_first_tile, pairs_causal_tiles
+from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, heavy_first_tile,
+                                     pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
                                        where_visible)
@@ -178,6 +183,10 @@ class ForwardConfig:
   # be exposed at the start of the next item. One CTA per tile has one item
   # and always uses one (`q_depth`).
   q_buffers: int = 1
+  # Persistent grid only: each CTA takes its next tile from a counter in GMEM
+  # (`schedule.WorkQueue`) instead of a fixed share, so CTAs that drew short
+  # tiles take more; tiles are not paired.
+  work_queue: bool = False
   # Multiply O by alpha only in warps where some row's max moved
   # (`fa4_jax.kernels.accumulator.rescale_rows`); exact either way.
   conditional_rescale: bool = False
@@ -194,6 +203,9 @@ class ForwardConfig:
     if self.num_sms < 0:
       raise ValueError(f"ForwardConfig.num_sms must be >= 0 (0: the GPU's SM count); "
                        f"got {self.num_sms}")
+    if self.work_queue and not self.persistent:
+      raise ValueError("ForwardConfig.work_queue hands out a persistent grid's tiles; "
+                       "set persistent=True")
     if self.q_buffers not in (1, 2):
       raise ValueError(f"ForwardConfig.q_buffers must be 1 or 2; got {self.q_buffers}")
     check_register_split("ForwardConfig", self.producer_registers, self.num_consumers,
@@ -215,7 +227,8 @@ class ForwardConfig:
     tile = self.num_consumers * self.block_q * head_dim * itemsize
     q_tiles = self.q_depth * tile
     kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
-    lse = self.num_consumers * self.block_q * 4
+    # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`).
+    lse = (self.num_consumers + self.work_queue) * self.block_q * 4
     o_tiles = tile if self.persistent else 0
     # Mosaic GPU starts every scratch buffer at a multiple of 1 KiB: the
     # small ring takes a whole one at block_kv 64 (the LSE rows' padding is
@@ -230,12 +243,11 @@ class ForwardConfig:
 
 
 def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
-                  q_seq: int | None = None, *, segment_ids: bool = False,
-                  group: int = 1) -> ForwardConfig:
+                  q_seq: int | None = None, *, segment_ids: bool = False) -> ForwardConfig:
   """Block sizes, stages and grid per (padded) head dim. No autotuning at call time.
 
-  `segment_ids` (the call packs documents) and `group` (query heads per KV
-  head) matter only for the grid: `packed_rows_go_persistent`.
+  `segment_ids` (the call packs documents) matters only for the grid:
+  `packed_rows_use_a_work_queue`.
 
   Register budget per consumer thread (64 rows per warpgroup): O takes
   head_dim / 2 fp32 registers, S takes block_kv / 2, P a quarter of that.
@@ -275,9 +287,9 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
   if kv_seq is not None:
     limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if pairs_causal_tiles(mask)
              else PERSISTENT_MAX_MEAN_BLOCKS)
-    if (mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit
-        or packed_rows_go_persistent(d, mask, segment_ids, group)):
-      config = dataclasses.replace(config, persistent=True)
+    queued = packed_rows_use_a_work_queue(d, mask, segment_ids)
+    if queued or mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit:
+      config = dataclasses.replace(config, persistent=True, work_queue=queued)
       # A second Q tile per consumer fits next to the ring and the O tiles
       # at D <= 128 (D = 128: 224.5 of 227 KiB, 225.5 with the keys' ids).
       # H100, against one Q tile: B8 S2048 D128 663 vs 648 dense, 572 vs 553
@@ -290,28 +302,28 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
 
 
 # Packed rows walk short documents whatever the row's length, so the mean
-# above (which assumes one document) misjudges them; the documents' lengths
-# are run-time data the heuristic cannot see. H100, bf16, causal, D128, rows
-# of 16,384 tokens, documents of mean 1k / 2k / 4k tokens, the persistent
-# grid with two Q tiles against one CTA per tile (2026-11-27;
-# packed-persistent-grid-configs-*.json, packed-ab-packed-gqa-persistent-*):
-# GQA 32/8 B1 -10.2 / -2.2 / -3.5 % and -10.8 / +1.6 / -2.4 % in a second
-# run, B8 -4.2 / -3.8 / -3.5 % and -6.8 / -5.9 / +2.0 %; H16 slower on five
-# of six rows (B8 +14 / +10 / +17 %, B1 -1.0 / +5.4 / +3.7 %). A GQA row of
-# one long document pays +1-3.5 % (packed-gqa-long-documents-*). So packed
-# GQA rows (four query heads or more per KV head, whose tiles in flight
-# share K/V) take it; other packed rows keep the grid their length picks.
-# Two query heads per KV head lost on long documents (+2-6 %) for -6 to -9 %
-# at 1k documents (packed-ab-gqa2-persistent-*, 2026-11-27).
-PACKED_PERSISTENT_MIN_GROUP = 4
-
-
-def packed_rows_go_persistent(head_dim: int, mask: MaskSpec, segment_ids: bool,
-                              group: int) -> bool:
-  """Whether a causal call with segment ids takes the persistent grid
-  regardless of its row length (the measurements above: D128, causal)."""
-  return (segment_ids and head_dim == 128 and pairs_causal_tiles(mask)
-          and group >= PACKED_PERSISTENT_MIN_GROUP)
+# above (which assumes one document) misjudges them; the documents' lengths,
+# and so each tile's cost, are run-time data. A persistent grid hides each
+# tile's Q load and O store behind its neighbours' work, but a fixed share
+# per CTA leaves CTAs that drew long tiles working while the others idle; the
+# work queue hands tiles out as CTAs free up. H100, bf16, causal, D128, rows
+# of 16,384 tokens, documents of mean 1k / 2k / 4k tokens, the queue with two
+# Q tiles against the grid used before (2026-11-27, 3 rounds, bitwise equal
+# outputs; packed-ab-work-queue-*.json):
+# - H16 (one CTA per tile before): B1 -11.7 / -7.0 / -7.7 %, B8 -8.1 / -6.4 /
+#   -5.4 %; the static persistent grid had lost on five of these rows.
+# - GQA 32/8 (static persistent grid before): B1 -3.9 / -10.0 / -4.8 %, B8
+#   -1.8 / +4.2 / -1.6 % (B8 rounds spread 5-12 %).
+# - GQA 32/16 (one CTA per tile before): B1 -12.7 / -7.1 / -5.2 %, B8 -6.6 /
+#   -2.2 / +2.4 %.
+# Rows of one long document pay for it (...-long-documents-*.json): mean 8k
+# -6.6 to +1.2 %, one 16k document per row -2.4 to +6.6 % (H16 B8 the most).
+# One Q tile per consumer lost everywhere (+6 to +24 %): the next tile's Q
+# must load while the current one runs.
+def packed_rows_use_a_work_queue(head_dim: int, mask: MaskSpec, segment_ids: bool) -> bool:
+  """Whether a causal call with segment ids takes the persistent grid with
+  a work queue regardless of its row length (measured above: D128)."""
+  return segment_ids and head_dim == 128 and pairs_causal_tiles(mask)
 
 
 # A persistent grid hides each work item's Q load and O store behind the
@@ -371,6 +383,13 @@ class ForwardBarriers:
   | v.full[slot]         | producer TMA of V_n (likewise)   | both consumers, every step  |
   | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
   | pingpong             | both consumers (2)               | both consumers (only with `config.pingpong`) |
+  | q.full[b] (stop)     | producer, a plain arrive (1) after | each consumer, which then  |
+  |                      | its last item (work queue only)  | reads a unit past the end   |
+
+  Work queue (`schedule.WorkQueue`): the producer's fetch thread stores item
+  i + 1's unit in its SMEM cell while item i loads; a warpgroup barrier, then
+  the TMA of item i + 1's Q (or the stop arrive) on q.full[b] publishes it,
+  and each consumer reads the cell after that wait.
 
   b = `q.buffer(item, i)`: consumer i's Q tile for work item `item`, one of
   `config.q_depth` copies (two let a persistent CTA prefetch the next Q).
@@ -455,6 +474,9 @@ class _Call:
   # [B, q_seq, heads, D].
   heads_major: bool = False
   q_batch_divisor: int = 1  # batch row b reads Q's row b // this
+  # With `config.work_queue`: units from the GMEM counter (else the fixed
+  # round robin the interpreter runs; `_fixed_shares_under_vmap`).
+  queue_counter: bool = True
 
   @property
   def masked_logit(self) -> float:
@@ -520,7 +542,8 @@ def _scratch_smem(call: _Call) -> list:
       smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles (then O)
       smem_tile((cfg.num_kv_stages, bk, d), dtype),  # K ring
       smem_tile((cfg.num_kv_stages, bk, d), dtype),  # V ring
-      plgpu.SMEM((cfg.num_consumers, bq), jnp.float32),  # LSE rows
+      # LSE rows (then, with a work queue, a row of its cells)
+      plgpu.SMEM((cfg.num_consumers + cfg.work_queue, bq), jnp.float32),
   ]
   if cfg.persistent:
     # O tiles of their own, so the next work item's Q can land during the epilogue.
@@ -555,14 +578,20 @@ class _Context:
   refs: _Refs
   bars: ForwardBarriers
   wg: Any  # this warpgroup's index
-  num_items: Any  # work items of this CTA
-  item_coords: Callable  # i -> (batch, q head, q tile) of work item i
+  num_items: Any  # work items of this CTA; None with a work queue
+  item_coords: Callable  # i -> (batch, q head, q tile) of work item i; None with a queue
+  queue: WorkQueue | None = None  # the persistent grid's work queue, if it has one
 
   @classmethod
   def create(cls, call: _Call, refs: _Refs, barrier_refs) -> "_Context":
     cfg = call.config
     bars = ForwardBarriers.from_refs(cfg, barrier_refs)
     wg = lax.axis_index("wg")
+    if cfg.work_queue:
+      cells = refs.lse_smem.at[cfg.num_consumers]
+      queue = WorkQueue.create(cells, cfg.q_depth, call.work.num_ctas, lax.axis_index("ctas"),
+                               counter=call.queue_counter and not call.interpreting)
+      return cls(call, refs, bars, wg, None, None, queue)
     if cfg.persistent:
       cta = lax.axis_index("ctas")
       num_items = call.work.count(cta)
@@ -574,10 +603,14 @@ class _Context:
       num_items, item_coords = 1, lambda i: coords
     return cls(call, refs, bars, wg, num_items, item_coords)
 
-  def item(self, i) -> _WorkItem:
-    """Everything about this CTA's work item i both roles agree on."""
+  def item(self, i, unit=None) -> _WorkItem:
+    """Everything about this CTA's work item i both roles agree on (with a
+    work queue: the item of `unit`)."""
     call, cfg = self.call, self.call.config
-    batch_idx, head, tile = self.item_coords(i)
+    if unit is None:
+      batch_idx, head, tile = self.item_coords(i)
+    else:
+      batch_idx, head, tile = call.work.unit_coords(unit)
     q_len, kv_len = sequence_lengths(self.refs.q_len, self.refs.kv_len, batch_idx, call.q_seq,
                                      call.kv_valid)
     cta_q_lo = tile * cfg.block_q_cta
@@ -609,6 +642,20 @@ class _Context:
     item, so the ring position is a run-time value wgmma closures accept)."""
     return lax.fori_loop(0, self.num_items, body, init)
 
+  def queued_item_loop(self, body, first_unit, init):
+    """With a work queue: runs body(i, unit, carry) -> (next unit, carry)
+    while the unit is one of the grid's; returns (items run, carry)."""
+    num_units = self.call.work.num_units
+
+    def step(state):
+      i, unit, carry = state
+      unit, carry = body(i, unit, carry)
+      return i + 1, unit, carry
+
+    i, _, carry = lax.while_loop(lambda state: state[1] < num_units, step,
+                                 (jnp.int32(0), first_unit, init))
+    return i, carry
+
 
 def consumer_kv_blocks(mask: MaskSpec, cfg: ForwardConfig, q_lo, q_len, kv_len,
                        segments: TileRanges | None = None) -> TileRanges:
@@ -627,10 +674,14 @@ def _producer(ctx: _Context) -> None:
   bq = cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
-  def produce_item(i, step0):
-    item = ctx.item(i)
+  def produce_item(i, step0, unit=None):
+    item = ctx.item(i, unit)
+    if ctx.queue is not None:
+      for c_i in range(cfg.num_consumers):
+        bars.q.producer_acquire(i, c_i)
+      ctx.queue.fetch(i, unit)  # item i + 1's unit, read once this item is loaded
     for c_i in range(cfg.num_consumers):
-      if cfg.persistent:
+      if cfg.persistent and ctx.queue is None:
         bars.q.producer_acquire(i, c_i)
       bars.q.producer_fill(_q_rows(ctx, item, item.cta_q_lo + c_i * bq), refs.q_smem, i, c_i)
     kv_head = lax.div(item.head, jnp.int32(ctx.call.group))
@@ -649,11 +700,35 @@ def _producer(ctx: _Context) -> None:
 
     return step0 + (item.hi - item.lo)
 
+  if ctx.queue is not None:
+    _produce_queued(ctx, produce_item)
+    return
   total_steps = ctx.item_loop(produce_item, jnp.int32(0))
   bars.k.producer_drain(total_steps)
   bars.v.producer_drain(total_steps)
   if cfg.persistent:
     bars.q.producer_drain(ctx.num_items)
+
+
+def _produce_queued(ctx: _Context, produce_item) -> None:
+  """The producer's loop over the units a work queue hands this CTA, then
+  the stop signal: the unit past the end it fetched last sits in the next
+  item's cell; a plain arrive (no TMA) on each consumer's Q barrier of that
+  item lets them read it."""
+  cfg, bars, queue = ctx.call.config, ctx.bars, ctx.queue
+
+  def one_item(i, unit, step0):
+    step0 = produce_item(i, step0, unit)
+    return queue.fetched(i), step0
+
+  num_items, total_steps = ctx.queued_item_loop(one_item, queue.first_unit, jnp.int32(0))
+  for c_i in range(cfg.num_consumers):
+    bars.q.producer_acquire(num_items, c_i)
+  for c_i in range(cfg.num_consumers):
+    plgpu.barrier_arrive(bars.q.full.at[bars.q.buffer(num_items, c_i)])
+  bars.k.producer_drain(total_steps)
+  bars.v.producer_drain(total_steps)
+  bars.q.producer_drain(num_items, next_acquired=True)
 
 
 def _q_rows(ctx: _Context, item: _WorkItem, row0):
@@ -710,14 +785,35 @@ def _consumer(ctx: _Context) -> None:
   """Warpgroups 0 .. num_consumers - 1: consumer `wg` computes the rows
   [wg * block_q, (wg + 1) * block_q) of every work item of the CTA."""
   plgpu.set_max_registers(ctx.call.config.consumer_registers, action="increase")
-  ctx.item_loop(functools.partial(_consume_item, ctx), jnp.int32(0))
+  if ctx.queue is not None:
+    _consume_queued(ctx)
+  else:
+    ctx.item_loop(functools.partial(_consume_item, ctx), jnp.int32(0))
   plgpu.wait_smem_to_gmem(0)
 
 
-def _consume_item(ctx: _Context, i, step0):
+def _consume_queued(ctx: _Context) -> None:
+  """A consumer's loop over the units the producer publishes: each item's
+  Q wait comes first (the unit rides with it), and the unit read after the
+  wait of the next one decides whether the loop goes on."""
+  bars, queue, wg = ctx.bars, ctx.queue, ctx.wg
+
+  def next_unit(i):
+    bars.q.consumer_wait(i, wg)
+    return queue.unit_of(i)
+
+  def one_item(i, unit, step0):
+    step0 = _consume_item(ctx, i, step0, unit)
+    return next_unit(i + 1), step0
+
+  ctx.queued_item_loop(one_item, next_unit(jnp.int32(0)), jnp.int32(0))
+
+
+def _consume_item(ctx: _Context, i, step0, unit=None):
   """One consumer's share of work item i, whose first KV block sits at ring
-  position `step0`; returns the ring position after the item."""
-  tile = _ConsumerTile.create(ctx, i, step0)
+  position `step0`; returns the ring position after the item. With a work
+  queue, `unit` is the item's (its Q wait came first)."""
+  tile = _ConsumerTile.create(ctx, i, step0, unit)
   acc, m, l = tile.walk_kv_blocks()
   if ctx.call.config.persistent:
     ctx.bars.q.consumer_release(i, ctx.wg)  # every QK of this tile completed
@@ -740,11 +836,12 @@ class _ConsumerTile:
   own: TileRanges  # the blocks its rows see, inside [item.lo, item.hi)
   q_segment: Any  # the rows' segment ids (`_ROW_LAYOUT`); None without segment ids
   sink: Any  # the head's sink logit (f32 scalar); None without sinks
+  q_waited: bool = False  # the Q wait came before (a work queue's unit rides with it)
 
   @classmethod
-  def create(cls, ctx: _Context, i, step0) -> "_ConsumerTile":
+  def create(cls, ctx: _Context, i, step0, unit=None) -> "_ConsumerTile":
     cfg, wg = ctx.call.config, ctx.wg
-    item = ctx.item(i)
+    item = ctx.item(i, unit)
     q_tile = ctx.refs.q_smem.at[ctx.bars.q.buffer(i, wg)]
     o_tile = ctx.refs.o_smem.at[wg] if cfg.persistent else q_tile
     q_lo = item.cta_q_lo + wg * cfg.block_q
@@ -756,7 +853,8 @@ class _ConsumerTile:
       q_segment = load_ids(ctx.refs.q_ids, item.batch_idx, q_lo, cfg.block_q, along_rows=True)
     # One scalar per tile from GMEM, loaded before the wait for Q hides its latency.
     sink = ctx.refs.sinks[item.head] if ctx.call.has_sinks else None
-    return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink)
+    return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink,
+               q_waited=unit is not None)
 
   def walk_kv_blocks(self):
     """(O, m, l) of the tile, unnormalised. Every consumer steps through all
@@ -764,7 +862,8 @@ class _ConsumerTile:
     its own ones, masking the elements of the boundary blocks."""
     cfg, bars, wg = self.ctx.call.config, self.ctx.bars, self.ctx.wg
     bq, lo, hi, own = cfg.block_q, self.item.lo, self.item.hi, self.own
-    bars.q.consumer_wait(self.index, wg)
+    if not self.q_waited:
+      bars.q.consumer_wait(self.index, wg)
     # With a sink the rows start from its virtual key (m = sink, l = 1):
     # rows that then see no key end with zeros and lse = sink. Registers:
     # only m and l start from a run-time scalar; nothing more lives in the loop.
@@ -981,6 +1080,7 @@ def _build_kernel(
     fixed_max: bool = False,
     heads_major: bool = False,
     q_batch_divisor: int = 1,
+    queue_counter: bool = True,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -993,7 +1093,7 @@ def _build_kernel(
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
                has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size,
                fixed_max=fixed_max, heads_major=heads_major,
-               q_batch_divisor=q_batch_divisor)
+               q_batch_divisor=q_batch_divisor, queue_counter=queue_counter)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1032,8 +1132,10 @@ def _persistent_work(cfg: ForwardConfig, mask: MaskSpec, batch: int, num_q_heads
   """The persistent grid's work items; None for one CTA per tile."""
   if not cfg.persistent:
     return None
+  causal = pairs_causal_tiles(mask)
   return PersistentWork(batch, num_q_heads, cdiv(q_seq, cfg.block_q_cta), cfg.num_sms,
-                        pairs_causal_tiles(mask))
+                        paired=causal and not cfg.work_queue, queued=cfg.work_queue,
+                        heavy_first=causal)
 
 
 def _tile_slots(cfg: ForwardConfig, mask: MaskSpec, q_seq: int) -> int:
@@ -1131,17 +1233,17 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
             for x in (k, v))
   if config is None:
-    config = choose_config(d, mask, kv_seq, q_seq, segment_ids=segment_ids is not None,
-                           group=num_q_heads // num_kv_heads)
+    config = choose_config(d, mask, kv_seq, q_seq, segment_ids=segment_ids is not None)
   if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
     raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
                             f"{k.shape[1]} must divide one another")
   if config.persistent and not config.num_sms:
     config = dataclasses.replace(config, num_sms=sm_count(H100_SMS))
-  call = _build_kernel(
+  build = functools.partial(
+      _build_kernel,
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
-      dtype=q.dtype, scale=float(scale), mask=mask, config=config,
+      dtype=q.dtype, scale=float(scale), mask=mask,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
       has_segment_ids=segment_ids is not None, has_sinks=sinks is not None,
       soft_cap=None if soft_cap is None else float(soft_cap),
@@ -1150,6 +1252,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       fixed_max=fixed_max_is_exact(q.dtype, soft_cap, kv_seq),
       **_q_options(heads_major, q_batch_divisor),
   )
+  call = build(config=config)
+  if config.work_queue:
+    call = _fixed_shares_under_vmap(call, lambda: build(config=config, queue_counter=False))
   args = [q, k, v]
   if q_lengths is not None:
     args.append(jnp.asarray(q_lengths, jnp.int32))
@@ -1165,6 +1270,26 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
   return out, lse[..., :q_seq]
+
+
+def _fixed_shares_under_vmap(queued_call, build_fixed):
+  """`queued_call`, except under `jax.vmap`: Pallas batches a kernel by
+  adding a grid axis, whose CTAs would all take units from the one counter
+  of the work queue (`schedule.WorkQueue`), so a vmapped call runs the same
+  kernel with the queue's counter replaced by fixed round-robin shares
+  (`build_fixed()`, as in the interpreter)."""
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return queued_call(*args)
+
+  @run.def_vmap
+  def _vmap_rule(axis_size, in_batched, *args):
+    del axis_size
+    outs = jax.vmap(build_fixed(), in_axes=[0 if b else None for b in in_batched])(*args)
+    return outs, tuple(True for _ in outs)
+
+  return run
 
 
 def _q_options(heads_major, q_batch_divisor) -> dict:
