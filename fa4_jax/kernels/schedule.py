@@ -165,11 +165,12 @@ class WorkQueue:
 
   `depth + 1` cells (`num_cells`), used round robin: item i + 1's cell was
   last read by item i - depth's consumers, whose Q copy the producer had to
-  see released before starting item i. The cells are f32 words holding the
-  unit as a float, exact below 2^24 units (`PersistentWork` checks): they
-  ride in the LSE rows' buffer, which has room to spare (every SMEM buffer
-  starts at a 1 KiB multiple), and Pallas loads f32 scalars from SMEM but
-  has no scalar bitcast. Without the counter (the interpreter, and
+  see released before starting item i. The cells ride in the LSE rows'
+  buffer, which has bytes to spare (every SMEM buffer starts at a 1 KiB
+  multiple, and one more KiB would not fit beside the packed D128 config),
+  so they are f32 words; Pallas' Mosaic GPU lowering has no scalar bitcast,
+  so they hold the unit as a float, exact below 2^24 units
+  (`PersistentWork` checks). Without the counter (the interpreter, and
   `sm90_forward`'s vmapped calls) the fetch is the fixed round robin
   `unit + num_ctas`: the same protocol without the atomic.
   """
@@ -218,8 +219,8 @@ class WorkQueue:
 
 
 def _fetch_add_into(counter, cells, cell, num_ctas: int) -> None:
-  """cells[cell] = num_ctas + atomicAdd(counter, 1) (int32 bits), by one
-  thread of the warpgroup (warp 1, lane 0)."""
+  """cells[cell] = num_ctas + atomicAdd(counter, 1) (as an f32 value), by
+  one thread of the warpgroup (warp 1, lane 0)."""
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
                                 plgpu.Layout.WG_SPLAT(shape=(1,))))
