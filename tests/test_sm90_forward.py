@@ -391,10 +391,11 @@ def test_segment_ids_in_a_persistent_causal_grid_with_an_empty_tile(run_interpre
 @pytest.mark.parametrize("q_buffers", [1, 2])
 def test_a_work_queue_hands_every_tile_to_some_cta_once(q_buffers, run_interpreted):
   """Persistent grid with a work queue: three CTAs take 2 heads x 3 causal
-  tiles x 2 rows one unit at a time (the producer publishes each unit in the
-  cell of its Q copy, the consumers stop at a unit past the end); rows are
-  packed differently, with lengths. (The interpreter hands units out round
-  robin; the GPU test checks the atomic counter.)"""
+  tiles x 2 rows one unit at a time (the producer stores each next unit in
+  an SMEM cell that the next Q's barrier orders for the consumers, who stop
+  at a unit past the end); rows are packed differently, with lengths. (The
+  interpreter hands units out round robin; the atomic counter runs in
+  tests/test_segments_on_gpu.py, whose packed causal calls take the queue.)"""
   q_ids = _ids(packed_segment_ids([150, 100, 50], 300), packed_segment_ids([20, 280], 300))
   case = Case(batch=2, q_heads=2, kv_heads=1, head_dim=128, is_causal=True, q_seq=300,
               kv_seq=300, q_lengths=(300, 260), q_segment_ids=q_ids, kv_segment_ids=q_ids)
