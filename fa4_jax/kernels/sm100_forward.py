@@ -495,7 +495,7 @@ class ForwardRefs:
   sp_tmem: Any  # S_i / P_i (RefUnion: P_i over S_i's columns)
   o_tmem: Any
   # With segment ids only: ids padded to whole tiles / blocks, and the
-  # `scores.stack_tile_ranges` of every Q tile of the grid.
+  # `scores.tile_ranges_operand` of every Q tile of the grid.
   q_seg_ref: Any = None
   kv_seg_ref: Any = None
   seg_ranges_ref: Any = None

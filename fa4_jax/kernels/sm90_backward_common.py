@@ -139,7 +139,7 @@ class KernelRefs:
 class SegmentRefs:
   """The segment-id inputs of a kernel, after the sequence lengths: the ids
   of the queries and of the keys (int32 [B, L], padded to whole tiles), the
-  segment ranges (`scores.stack_tile_ranges`) of each CTA's tile and, with
+  segment ranges (`scores.tile_ranges_operand`) of each CTA's tile and, with
   several consumer tiles per CTA, of each consumer's (CTA t, consumer i: row
   t * consumers + i). Built by `sm90_backward.segment_operands`."""
 

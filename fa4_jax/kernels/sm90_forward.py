@@ -497,7 +497,7 @@ class _Refs:
   kv_len: Any  # None without key lengths
   q_ids: Any  # segment ids [B, rows of every tile slot]; None without segment ids
   kv_ids: Any  # segment ids [B, keys of every key block]
-  segment_ranges: Any  # [B, consumer tiles, 4]: `stack_tile_ranges` of the ids
+  segment_ranges: Any  # [B, consumer tiles, 4]: `tile_ranges_operand` of the ids
   sinks: Any  # f32 [Nq] in GMEM; None without sinks
   page_table: Any  # int32 [B, pages] in GMEM; None without a paged K/V
   out: Any
