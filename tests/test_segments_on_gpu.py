@@ -1,7 +1,8 @@
 """Packed sequences on a Hopper GPU, at training sizes (skipped without one).
 
 * The default implementation serves segment ids with the sm90 kernels.
-* Forward at B2 x 16k tokens (H16 D128, bf16, causal, documents of mean 1k):
+* Forward at B2 x 16k tokens (H16 D128, GQA 32/8 D128, H32 D64; bf16, causal,
+  documents of mean 1k; each takes the persistent grid's work queue):
   sampled rows against an f32 einsum with the explicit mask.
 * Gradients at 4k tokens (dense and causal, GQA 16/4, a window, interleaved
   ids) against jax.nn's XLA attention in f32 given the explicit mask; rows
@@ -43,9 +44,9 @@ def _inputs(seed, b, t, n, kv_heads, d):
   return draw(keys[0], n), draw(keys[1], kv_heads), draw(keys[2], kv_heads, 1.0), draw(keys[3], n)
 
 
-@pytest.mark.parametrize("n, kv_heads", [(16, 16), (32, 8)])  # GQA: the persistent grid
-def test_forward_at_16k_tokens_matches_an_f32_einsum_on_sampled_rows(n, kv_heads):
-  b, t, d = 2, 16384, 128
+@pytest.mark.parametrize("n, kv_heads, d", [(16, 16, 128), (32, 8, 128), (32, 32, 64)])
+def test_forward_at_16k_tokens_matches_an_f32_einsum_on_sampled_rows(n, kv_heads, d):
+  b, t = 2, 16384
   q, k, v, _ = _inputs(0, b, t, n, kv_heads, d)
   ids = _packing(np.random.default_rng(0), b, t, 1024)
   attend = lambda q, k, v, ids: fa4_jax.attention(

@@ -286,23 +286,27 @@ def test_persistent_heuristic_configs_prefetch_q_where_it_fits(head_dim):
 
 def test_packed_causal_rows_take_the_work_queue_at_any_length():
   """Packed documents are short whatever the row's length, and a tile's cost
-  depends on where the documents end: causal D128 calls with segment ids take
-  the persistent grid with a work queue and two Q tiles, which the keys' ids
-  and the queue's cells still leave room for; dense masks, other head dims
-  and calls without ids keep the grid their length picks."""
+  depends on where the documents end: causal calls with segment ids at head
+  dims up to 128 take the persistent grid with a work queue and two Q tiles,
+  which the keys' ids and the queue's cells still leave room for; dense
+  masks, larger head dims and calls without ids keep the grid their length
+  picks."""
   causal = MaskSpec(right=0)
-  packed = sm90_forward.choose_config(128, causal, 16384, segment_ids=True)
-  assert packed.persistent and packed.work_queue and packed.q_depth == 2
-  assert packed.smem_bytes(128, 2, segment_ids=True) <= (
-      SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES)
+  for head_dim in (64, 128):
+    for row in (2048, 16384):
+      packed = sm90_forward.choose_config(head_dim, causal, row, segment_ids=True)
+      assert packed.persistent and packed.work_queue and packed.q_depth == 2
+      assert packed.smem_bytes(head_dim, 2, segment_ids=True) <= (
+          SMEM_LIMIT_BYTES - sm90_forward.SMEM_RESERVE_BYTES)
   long_row = sm90_forward.choose_config(128, causal, 16384)
   assert not long_row.persistent
   assert not sm90_forward.choose_config(128, MaskSpec(), 16384, segment_ids=True).persistent
-  assert not sm90_forward.choose_config(64, causal, 16384, segment_ids=True).work_queue
+  assert not sm90_forward.choose_config(256, causal, 16384, segment_ids=True).work_queue
   assert not sm90_forward.choose_config(128, causal, 1024).work_queue
 
 
-def test_the_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without(head_dim):
   """The packed config lowers for Hopper within its SMEM estimate and takes
   units with a GMEM atomic. Under vmap Pallas adds a grid axis whose CTAs
   would share the one counter, so the vmapped call's kernel has no atomic
@@ -310,11 +314,13 @@ def test_the_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without():
   from fa4_jax.testing import cross_lower
 
   mask = MaskSpec(right=0)
-  config = sm90_forward.choose_config(128, mask, 16384, segment_ids=True)
-  lowered = _lower(128, mask, config, lengths=True, segment_ids=True)
+  config = sm90_forward.choose_config(head_dim, mask, 16384, segment_ids=True)
+  lowered = _lower(head_dim, mask, config, lengths=True, segment_ids=True)
   _assert_fits_and_uses_hopper_instructions(lowered)
-  _assert_smem_within_the_heuristics_estimate(lowered, 128, config, segment_ids=True)
+  _assert_smem_within_the_heuristics_estimate(lowered, head_dim, config, segment_ids=True)
   assert lowered.has("atom.relaxed.gpu.global.add")
+  if head_dim != 128:
+    return  # the vmapped kernel differs only by the grid: one head dim is enough
 
   q = jax.ShapeDtypeStruct((3, 2, 512, 4, 128), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((3, 2, 512), jnp.int32)

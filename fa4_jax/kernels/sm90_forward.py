@@ -316,14 +316,19 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
 #   -1.8 / +4.2 / -1.6 % (B8 rounds spread 5-12 %).
 # - GQA 32/16 (one CTA per tile before): B1 -12.7 / -7.1 / -5.2 %, B8 -6.6 /
 #   -2.2 / +2.4 %.
+# - D64 H32 (one CTA per tile before; 2026-11-27, fourth session,
+#   packed-ab-work-queue-d64-*.json): B1 -16.8 / -13.0 / -11.3 %, B8 -13.6 /
+#   -11.2 / -4.1 %; rows of 2,048 tokens (B8, documents of mean 256 / 512 /
+#   1k, the static pairs before) -7.3 / -4.0 / -7.3 %.
 # Rows of one long document pay for it (...-long-documents-*.json): mean 8k
-# -6.6 to +1.2 %, one 16k document per row -2.4 to +6.6 % (H16 B8 the most).
+# -6.6 to +1.2 %, one 16k document per row -2.4 to +6.6 % (H16 B8 the most;
+# D64: B1 -8.2 / -4.1 %, B8 +1.1 / +5.2 %).
 # One Q tile per consumer lost everywhere (+6 to +24 %): the next tile's Q
 # must load while the current one runs.
 def packed_rows_use_a_work_queue(head_dim: int, mask: MaskSpec, segment_ids: bool) -> bool:
   """Whether a causal call with segment ids takes the persistent grid with
-  a work queue regardless of its row length (measured above: D128)."""
-  return segment_ids and head_dim == 128 and pairs_causal_tiles(mask)
+  a work queue regardless of its row length (measured above: D64, D128)."""
+  return segment_ids and head_dim <= 128 and pairs_causal_tiles(mask)
 
 
 # A persistent grid hides each work item's Q load and O store behind the
