@@ -79,8 +79,8 @@ for d in (64, 128, 192, 256):
                        forward(d, mask, config, segments=True))
       items.setdefault(f"forward d={d} {mask} {config} soft-cap",
                        forward(d, mask, config, capped=True))
-      # Packed causal D128 rows take the persistent grid with a work queue at
-      # any length (at 8192 the plain call takes another grid).
+      # Packed causal rows take the persistent grid with a work queue at any
+      # length (at 8192 the plain causal call takes another grid).
       packed = sm90_forward.choose_config(d, mask, seq, segment_ids=True)
       items.setdefault(f"forward d={d} {mask} {packed} segment ids",
                        forward(d, mask, packed, segments=True))

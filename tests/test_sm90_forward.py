@@ -182,7 +182,8 @@ def test_one_cta_per_tile_grid_matches_jax_nn_without_races(name, run_interprete
   long sequences get one CTA per (head, q tile, batch), checked here."""
   case = FEATURE_CASES[name]
   config = dataclasses.replace(
-      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False)
+      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False,
+      work_queue=False)
   _run_and_compare(case, run_interpreted, config=config)
 
 
@@ -233,7 +234,8 @@ def test_key_blocks_of_192_keep_tails_and_the_diagonal_right(run_interpreted):
   block size that divides neither the lengths nor the 128-row CTA tile."""
   case = Case(head_dim=128, is_causal=True, q_seq=300, kv_seq=500)
   config = dataclasses.replace(
-      sm90_forward.choose_config(128, case.mask, case.kv_seq), block_kv=192, persistent=False)
+      sm90_forward.choose_config(128, case.mask, case.kv_seq), block_kv=192, persistent=False,
+      work_queue=False)
   _run_and_compare(case, run_interpreted, config=config)
 
 
@@ -289,8 +291,8 @@ def test_packed_causal_rows_take_the_work_queue_at_any_length():
   depends on where the documents end: causal calls with segment ids at head
   dims up to 128 take the persistent grid with a work queue and two Q tiles,
   which the keys' ids and the queue's cells still leave room for; dense
-  masks, larger head dims and calls without ids keep the grid their length
-  picks."""
+  masks, larger head dims and long rows without ids keep the grid their
+  length picks."""
   causal = MaskSpec(right=0)
   for head_dim in (64, 128):
     for row in (2048, 16384):
@@ -302,7 +304,24 @@ def test_packed_causal_rows_take_the_work_queue_at_any_length():
   assert not long_row.persistent
   assert not sm90_forward.choose_config(128, MaskSpec(), 16384, segment_ids=True).persistent
   assert not sm90_forward.choose_config(256, causal, 16384, segment_ids=True).work_queue
-  assert not sm90_forward.choose_config(128, causal, 1024).work_queue
+
+
+def test_short_causal_rows_take_the_work_queue_and_long_ones_one_cta_per_tile():
+  """Causal rows whose tiles walk few key blocks (up to S = 4096 at 128-key
+  blocks: 16.5 on average) take the persistent grid with a work queue and
+  two Q tiles, which beat the static pairs there; longer rows keep one CTA
+  per tile, and rows whose queries do not line up with their keys keep the
+  pairs the queue was not measured against."""
+  causal = MaskSpec(right=0)
+  for head_dim in (64, 128):
+    for seq in (512, 2048, 4096):
+      config = sm90_forward.choose_config(head_dim, causal, seq)
+      assert config.persistent and config.work_queue and config.q_depth == 2, (head_dim, seq)
+    assert not sm90_forward.choose_config(head_dim, causal, 8192).persistent
+  prefill = sm90_forward.choose_config(128, causal, 4096, 1024)
+  assert prefill.persistent and not prefill.work_queue
+  assert not sm90_forward.choose_config(128, MaskSpec(), 2048).work_queue
+  assert not sm90_forward.choose_config(128, MaskSpec(left=255, right=0), 2048).work_queue
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -418,7 +437,8 @@ def test_a_work_queue_needs_the_persistent_grid():
 def test_segment_ids_in_one_cta_per_tile_grid(run_interpreted):
   case = SEGMENT_CASES["packed_causal_with_a_one_token_document"]
   config = dataclasses.replace(
-      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False)
+      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False,
+      work_queue=False)
   _run_and_compare(case, run_interpreted, config=config)
 
 

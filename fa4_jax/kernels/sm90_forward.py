@@ -64,12 +64,12 @@ buffers carrying their barrier phases across items, so that one item's Q load
 and O store overlap the neighbouring items' work. With two Q tiles per
 consumer (`ForwardConfig.q_buffers`) the next item's Q loads while the
 current item runs, instead of after its last Q K^T with the next K/V loads
-queued behind it. Packed rows, whose tiles' costs are run-time data, take
-their tiles from a work queue instead of a fixed share
-(`ForwardConfig.work_queue`, `schedule.WorkQueue`,
-`packed_rows_use_a_work_queue`): the producer takes the next tile from a
-GMEM counter and passes it to the consumers in an SMEM cell that their Q
-barrier orders.
+queued behind it. Packed rows, whose tiles' costs are run-time data, and
+short causal rows take their tiles from a work queue instead of a fixed
+share (`ForwardConfig.work_queue`, `schedule.WorkQueue`,
+`packed_rows_use_a_work_queue`, `short_causal_rows_use_a_work_queue`):
+the producer takes the next tile from a GMEM counter and passes it to the
+consumers in an SMEM cell that their Q barrier orders.
 
 Sinks and soft-cap (`forward(..., sinks=, soft_cap=)`, `FEATURES`): a
 head's sink logit is read from a small GMEM operand [Nq] once per tile and
@@ -285,10 +285,12 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True,
                          conditional_rescale=True)
   if kv_seq is not None:
-    limit = (PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if pairs_causal_tiles(mask)
-             else PERSISTENT_MAX_MEAN_BLOCKS)
-    queued = packed_rows_use_a_work_queue(d, mask, segment_ids)
-    if queued or mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq) <= limit:
+    causal = pairs_causal_tiles(mask)
+    limit = PERSISTENT_MAX_MEAN_BLOCKS_PAIRED if causal else PERSISTENT_MAX_MEAN_BLOCKS
+    mean_blocks = mean_kv_blocks_per_tile(config, mask, kv_seq, q_seq)
+    queued = (packed_rows_use_a_work_queue(d, mask, segment_ids)
+              or short_causal_rows_use_a_work_queue(mask, mean_blocks, kv_seq, q_seq))
+    if queued or mean_blocks <= limit:
       config = dataclasses.replace(config, persistent=True, work_queue=queued)
       # A second Q tile per consumer fits next to the ring and the O tiles
       # at D <= 128 (D = 128: 224.5 of 227 KiB, 225.5 with the keys' ids).
@@ -329,6 +331,30 @@ def packed_rows_use_a_work_queue(head_dim: int, mask: MaskSpec, segment_ids: boo
   """Whether a causal call with segment ids takes the persistent grid with
   a work queue regardless of its row length (measured above: D64, D128)."""
   return segment_ids and head_dim <= 128 and pairs_causal_tiles(mask)
+
+
+def short_causal_rows_use_a_work_queue(mask: MaskSpec, mean_blocks: float, kv_seq: int,
+                                       q_seq: int | None) -> bool:
+  """Whether a causal call without segment ids, whose tiles walk
+  `mean_blocks` key blocks on average, takes the persistent grid with a work
+  queue instead of fixed shares of paired tiles (measured: square rows)."""
+  square = q_seq is None or q_seq == kv_seq
+  return pairs_causal_tiles(mask) and square and mean_blocks <= QUEUED_MAX_MEAN_BLOCKS
+
+
+# Causal rows without segment ids: the work queue (tiles unpaired, heavy
+# first, two Q tiles) against the grid chosen before (the static persistent
+# grid with paired tiles up to S2048, one CTA per tile beyond). H100, bf16,
+# 3 interleaved rounds, bitwise equal outputs (2026-11-27, fourth session;
+# forward-work-queue-causal-configs-*.json): S512 / S1024 / S2048 / S4096 with
+# B x S = 32k tokens, D64 H32 -0.6 / -2.0 / -2.7 / -4.5 %, D128 H16 -7.4 /
+# -2.3 / -3.6 / -3.5 %, D128 GQA 16/4 -0.5 / -0.4 / -1.9 / -5.8 %; B8 S2048
+# H16 D128 -2.1 %. At S8192 (32.5 blocks per tile) it is mixed: D128 H16
+# +0.7 %, D64 H32 -4.0 %, GQA 32/8 -2.1 %; B1 S16384 D128 +2.9 %. The
+# threshold sits between 16.5 (S4096) and 32.5. Through this heuristic,
+# before / after (forward-ab-work-queue-causal{-short,}-*.json): the short
+# rows -0.6 to -9.2 %, the forward table's longer rows within 0.4 %.
+QUEUED_MAX_MEAN_BLOCKS = 24
 
 
 # A persistent grid hides each work item's Q load and O store behind the
