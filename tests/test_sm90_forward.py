@@ -81,6 +81,13 @@ def _reference_with_options(case: Case, q, k, v, scale, sinks, soft_cap):
   return out, lse, visible.any(-1)
 
 
+def _one_cta_per_tile(config, **changes):
+  """`config` on a grid of one CTA per tile: without the persistent grid
+  there is no work queue either (the heuristic picks one for short causal
+  and packed rows)."""
+  return dataclasses.replace(config, persistent=False, work_queue=False, **changes)
+
+
 def _run_and_compare(case: Case, run_interpreted, scale=None, config=None, *, sinks=None,
                      soft_cap=None):
   q, k, v = _inputs(case)
@@ -181,9 +188,7 @@ def test_one_cta_per_tile_grid_matches_jax_nn_without_races(name, run_interprete
   """The heuristic picks the persistent grid for the short sequences above;
   long sequences get one CTA per (head, q tile, batch), checked here."""
   case = FEATURE_CASES[name]
-  config = dataclasses.replace(
-      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False,
-      work_queue=False)
+  config = _one_cta_per_tile(sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq))
   _run_and_compare(case, run_interpreted, config=config)
 
 
@@ -233,9 +238,8 @@ def test_key_blocks_of_192_keep_tails_and_the_diagonal_right(run_interpreted):
   """D = 128 can run 192-key blocks (the SMEM ring then fills 227 KiB): a
   block size that divides neither the lengths nor the 128-row CTA tile."""
   case = Case(head_dim=128, is_causal=True, q_seq=300, kv_seq=500)
-  config = dataclasses.replace(
-      sm90_forward.choose_config(128, case.mask, case.kv_seq), block_kv=192, persistent=False,
-      work_queue=False)
+  config = _one_cta_per_tile(sm90_forward.choose_config(128, case.mask, case.kv_seq),
+                             block_kv=192)
   _run_and_compare(case, run_interpreted, config=config)
 
 
@@ -436,9 +440,7 @@ def test_a_work_queue_needs_the_persistent_grid():
 
 def test_segment_ids_in_one_cta_per_tile_grid(run_interpreted):
   case = SEGMENT_CASES["packed_causal_with_a_one_token_document"]
-  config = dataclasses.replace(
-      sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq), persistent=False,
-      work_queue=False)
+  config = _one_cta_per_tile(sm90_forward.choose_config(case.head_dim, case.mask, case.kv_seq))
   _run_and_compare(case, run_interpreted, config=config)
 
 
@@ -466,7 +468,7 @@ def test_tiles_walk_only_the_key_blocks_their_documents_meet(mask):
   128-key blocks): each tile walks exactly the blocks holding a key one of
   its rows sees, and runs without the element mask exactly the blocks whose
   every pair is visible; the producer loads the span of its consumers'."""
-  config = dataclasses.replace(sm90_forward.choose_config(128, mask, 8192), persistent=False)
+  config = _one_cta_per_tile(sm90_forward.choose_config(128, mask, 8192))
   assert (config.block_q, config.block_kv, config.num_consumers) == (64, 128, 2)
   ids = packed_segment_ids([200, 300, 524], 1024)
   own, cta = _walked_blocks(mask, config, ids, ids)
@@ -713,7 +715,7 @@ def test_conditional_rescale_branches_on_a_warp_vote(head_dim):
   """`conditional_rescale` puts O's rescale behind a warp-uniform branch
   (vote.sync.any over the rows' alpha != 1); without it there is no vote."""
   mask = MaskSpec(right=0)
-  base = dataclasses.replace(sm90_forward.choose_config(head_dim, mask, 8192), persistent=False)
+  base = _one_cta_per_tile(sm90_forward.choose_config(head_dim, mask, 8192))
   for conditional in (False, True):
     config = dataclasses.replace(base, conditional_rescale=conditional)
     lowered = _lower(head_dim, mask, config)
