@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
@@ -148,7 +149,8 @@ class PersistentWork:
 
 @dataclasses.dataclass(frozen=True)
 class WorkQueue:
-  """Hands out a persistent grid's units at run time (`PersistentWork.queued`).
+  """Hands out a persistent grid's units at run time (`PersistentWork.queued`):
+  the forward's query tiles, the dK/dV kernel's key tiles.
 
   A counter in GMEM (a Pallas global semaphore: zeroed before every launch)
   counts the units taken after the first wave: CTA `cta` runs unit `cta`
@@ -177,20 +179,34 @@ class WorkQueue:
 
   counter: Any  # GMEM int32 semaphore; None: fixed round robin
   cells: Any  # SMEM f32 [>= num_cells(depth)]
-  depth: int  # Q copies per consumer
+  depth: int  # copies of each consumer's per-item buffer (Q in the forward)
   first_unit: Any  # this CTA's first unit (its index)
   num_ctas: int
+  num_units: int
 
   @staticmethod
   def num_cells(depth: int) -> int:
     return depth + 1
 
   @classmethod
-  def create(cls, cells, depth: int, num_ctas: int, cta, counter: bool) -> "WorkQueue":
+  def create(cls, cells, depth: int, work: PersistentWork, cta, counter: bool) -> "WorkQueue":
     """`counter`: take units from a GMEM counter (hardware only), else in a
     fixed round robin."""
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR((1,))) if counter else None
-    return cls(sem, cells, depth, cta, num_ctas)
+    return cls(sem, cells, depth, cta, work.num_ctas, work.num_units)
+
+  def loop(self, body, first_unit, init):
+    """Runs body(i, unit, carry) -> (next unit, carry) while the unit is one
+    of the grid's; returns (items run, carry)."""
+
+    def step(state):
+      i, unit, carry = state
+      unit, carry = body(i, unit, carry)
+      return i + 1, unit, carry
+
+    i, _, carry = lax.while_loop(lambda state: state[1] < self.num_units, step,
+                                 (jnp.int32(0), first_unit, init))
+    return i, carry
 
   def _cell(self, item):
     return _rem(item, self.num_cells(self.depth))
@@ -251,6 +267,26 @@ def _warpgroup_barrier() -> None:
     mgpu.utils.warpgroup_barrier()
 
   _()
+
+
+def fixed_shares_under_vmap(queued_call, build_fixed):
+  """`queued_call`, except under `jax.vmap`: Pallas batches a kernel by
+  adding a grid axis, whose CTAs would all take units from the one counter
+  of the work queue (`WorkQueue`), so a vmapped call runs the same kernel
+  with the queue's counter replaced by fixed round-robin shares
+  (`build_fixed()`, as in the interpreter)."""
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return queued_call(*args)
+
+  @run.def_vmap
+  def _vmap_rule(axis_size, in_batched, *args):
+    del axis_size
+    outs = jax.vmap(build_fixed(), in_axes=[0 if b else None for b in in_batched])(*args)
+    return outs, tuple(True for _ in outs)
+
+  return run
 
 
 def sm_count(default: int) -> int:

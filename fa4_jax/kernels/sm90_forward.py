@@ -126,8 +126,8 @@ from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
-from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, heavy_first_tile,
-                                     pairs_causal_tiles)
+from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
+                                     heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
                                        where_visible)
@@ -506,7 +506,7 @@ class _Call:
   heads_major: bool = False
   q_batch_divisor: int = 1  # batch row b reads Q's row b // this
   # With `config.work_queue`: units from the GMEM counter (else the fixed
-  # round robin the interpreter runs; `_fixed_shares_under_vmap`).
+  # round robin the interpreter runs; `schedule.fixed_shares_under_vmap`).
   queue_counter: bool = True
 
   @property
@@ -620,7 +620,7 @@ class _Context:
     wg = lax.axis_index("wg")
     if cfg.work_queue:
       cells = refs.lse_smem.at[cfg.num_consumers]
-      queue = WorkQueue.create(cells, cfg.q_depth, call.work.num_ctas, lax.axis_index("ctas"),
+      queue = WorkQueue.create(cells, cfg.q_depth, call.work, lax.axis_index("ctas"),
                                counter=call.queue_counter and not call.interpreting)
       return cls(call, refs, bars, wg, None, None, queue)
     if cfg.persistent:
@@ -672,20 +672,6 @@ class _Context:
     """Runs body(i, carry) over this CTA's work items (a loop even for one
     item, so the ring position is a run-time value wgmma closures accept)."""
     return lax.fori_loop(0, self.num_items, body, init)
-
-  def queued_item_loop(self, body, first_unit, init):
-    """With a work queue: runs body(i, unit, carry) -> (next unit, carry)
-    while the unit is one of the grid's; returns (items run, carry)."""
-    num_units = self.call.work.num_units
-
-    def step(state):
-      i, unit, carry = state
-      unit, carry = body(i, unit, carry)
-      return i + 1, unit, carry
-
-    i, _, carry = lax.while_loop(lambda state: state[1] < num_units, step,
-                                 (jnp.int32(0), first_unit, init))
-    return i, carry
 
 
 def consumer_kv_blocks(mask: MaskSpec, cfg: ForwardConfig, q_lo, q_len, kv_len,
@@ -752,7 +738,7 @@ def _produce_queued(ctx: _Context, produce_item) -> None:
     step0 = produce_item(i, step0, unit)
     return queue.fetched(i), step0
 
-  num_items, total_steps = ctx.queued_item_loop(one_item, queue.first_unit, jnp.int32(0))
+  num_items, total_steps = queue.loop(one_item, queue.first_unit, jnp.int32(0))
   for c_i in range(cfg.num_consumers):
     bars.q.producer_acquire(num_items, c_i)
   for c_i in range(cfg.num_consumers):
@@ -837,7 +823,7 @@ def _consume_queued(ctx: _Context) -> None:
     step0 = _consume_item(ctx, i, step0, unit)
     return next_unit(i + 1), step0
 
-  ctx.queued_item_loop(one_item, next_unit(jnp.int32(0)), jnp.int32(0))
+  queue.loop(one_item, next_unit(jnp.int32(0)), jnp.int32(0))
 
 
 def _consume_item(ctx: _Context, i, step0, unit=None):
@@ -1285,7 +1271,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   )
   call = build(config=config)
   if config.work_queue:
-    call = _fixed_shares_under_vmap(call, lambda: build(config=config, queue_counter=False))
+    call = fixed_shares_under_vmap(call, lambda: build(config=config, queue_counter=False))
   args = [q, k, v]
   if q_lengths is not None:
     args.append(jnp.asarray(q_lengths, jnp.int32))
@@ -1301,26 +1287,6 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
   return out, lse[..., :q_seq]
-
-
-def _fixed_shares_under_vmap(queued_call, build_fixed):
-  """`queued_call`, except under `jax.vmap`: Pallas batches a kernel by
-  adding a grid axis, whose CTAs would all take units from the one counter
-  of the work queue (`schedule.WorkQueue`), so a vmapped call runs the same
-  kernel with the queue's counter replaced by fixed round-robin shares
-  (`build_fixed()`, as in the interpreter)."""
-
-  @jax.custom_batching.custom_vmap
-  def run(*args):
-    return queued_call(*args)
-
-  @run.def_vmap
-  def _vmap_rule(axis_size, in_batched, *args):
-    del axis_size
-    outs = jax.vmap(build_fixed(), in_axes=[0 if b else None for b in in_batched])(*args)
-    return outs, tuple(True for _ in outs)
-
-  return run
 
 
 def _q_options(heads_major, q_batch_divisor) -> dict:
