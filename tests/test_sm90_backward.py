@@ -374,6 +374,39 @@ def test_segment_ids_with_xla_delta_and_loads_after_the_wait(run_interpreted):
   _check_einsum_case(case, run_interpreted, config=config)
 
 
+def test_a_work_queue_hands_every_key_tile_to_some_cta_once(run_interpreted):
+  """The dK/dV kernel as a persistent grid with a work queue: three CTAs
+  take 2 KV heads x 3 key tiles x 2 rows one tile at a time (the producer
+  stores each next unit in an SMEM cell the next K/V barrier orders for the
+  consumers, who stop at a unit past the end; each consumer releases its
+  K/V copy once its dK/dV store has read it). Rows packed differently, with
+  lengths, GQA, a one-token document. (The interpreter hands units out round
+  robin; the atomic counter runs in tests/test_segments_on_gpu.py.)"""
+  rows = (_packed([150, 100, 1, 49], 300), _packed([20, 280], 300))
+  case = Case(batch=2, q_heads=4, kv_heads=2, head_dim=64, is_causal=True, q_seq=300,
+              kv_seq=300, q_lengths=(300, 260), q_segment_ids=rows, kv_segment_ids=rows)
+  config = sm90_backward.choose_config(64, case.mask, 2, segment_ids=True)
+  assert config.work_queue
+  config = dataclasses.replace(config, num_sms=3)
+  _check_einsum_case(case, run_interpreted, config=config)
+
+
+def test_only_packed_causal_rows_at_head_dim_64_take_the_dk_dv_work_queue():
+  """Measured: the queue gains at head dim 64 and loses at 128, whose queued
+  consumer spills more (choose_config); dense packed rows, windows and calls
+  without segment ids keep one CTA per key tile."""
+  causal = MaskSpec(right=0)
+  for group in (1, 4):
+    assert sm90_backward.choose_config(64, causal, group, segment_ids=True).work_queue
+    assert not sm90_backward.choose_config(128, causal, group, segment_ids=True).work_queue
+  assert not sm90_backward.choose_config(64, causal).work_queue
+  assert not sm90_backward.choose_config(64, MaskSpec(), segment_ids=True).work_queue
+  assert not sm90_backward.choose_config(64, MaskSpec(left=255, right=0),
+                                         segment_ids=True).work_queue
+  with pytest.raises(ValueError, match="work_queue is a choice of the 'fused'"):
+    sm90_backward.BackwardConfig(dk_dv="two_passes", work_queue=True)
+
+
 def _walked(operands, band, cta: int, consumer: int | None = None, consumers: int = 1):
   """(lo, hi, full_lo, full_hi): the blocks a CTA (or one of its consumers)
   of a kernel walks: its band ranges intersected with its segment ranges
@@ -583,6 +616,38 @@ def test_every_config_with_segment_ids_fits_smem_and_uses_wgmma_and_tma(
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")
   _check_launch_chain(lowered.modules, config.overlap_kernels)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_dk_dv_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without(
+    head_dim, cross_lower):
+  """The queued dK/dV kernel (two K/V copies per consumer and the queue's
+  cells beside the segment ids' ring) fits the SMEM and takes units
+  with a GMEM atomic. Under vmap Pallas adds a grid axis whose CTAs would
+  share the one counter, so the vmapped call's kernel has none (fixed
+  round-robin shares, the protocol the interpreter tests)."""
+  mask = MaskSpec(right=0)
+  # (At 128 the heuristic keeps one CTA per key tile; the queue must still fit.)
+  config = dataclasses.replace(sm90_backward.choose_config(head_dim, mask, 4, segment_ids=True),
+                               work_queue=True)
+  b, t, nq, nkv = 2, 1024, 8, 2
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+
+  def fn(q, k, v, out, lse, dout, ids):
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125, mask=mask,
+                                  config=config, segment_ids=(ids, ids))
+
+  shapes = lambda *lead: (spec((*lead, b, t, nq, head_dim)), spec((*lead, b, t, nkv, head_dim)),
+                          spec((*lead, b, t, nkv, head_dim)), spec((*lead, b, t, nq, head_dim)),
+                          spec((*lead, b, nq, t), jnp.float32),
+                          spec((*lead, b, t, nq, head_dim)), spec((*lead, b, t), jnp.int32))
+  lowered = cross_lower(fn, *shapes())
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("wgmma.mma_async") and lowered.has("atom.relaxed.gpu.global.add")
+  if head_dim != 128:
+    return  # the vmapped kernel differs only by the grid: one head dim is enough
+  vmapped = cross_lower(jax.vmap(fn), *shapes(3))
+  assert vmapped.has("wgmma.mma_async") and not vmapped.has("atom.relaxed.gpu.global.add")
 
 
 @pytest.mark.parametrize("head_dim,config", sm90_backward.all_configs(),

@@ -27,6 +27,8 @@ atomics):
    dim 128 dK + dV do not fit one warpgroup: at 256 the consumers share the
    keys and split the head dim (`_build_dkv_head_split_kernel`), at 192 the
    kernel runs once for dK and once for dV (`BackwardConfig.dk_dv`).
+   Packed causal rows at head dim 64 run it as a persistent grid whose CTAs
+   take key tiles from a work queue (`BackwardConfig.work_queue`).
 3. the dQ kernel (`sm90_backward_dq`): one CTA per (q head, Q tile of `dq_num_consumers *
    dq_block_q` rows, batch), the mirror image: consumers own query rows and
    their dQ, the producer streams (K, V) tiles of the key blocks those rows
@@ -94,16 +96,19 @@ lse2 = +inf, P = 0 and delta = 0: their gradients are zeros.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
 from fa4_jax.kernels import sm90_tiles
 from fa4_jax.kernels.backward_inputs import check_operands, preprocess, segment_operands
 from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
+from fa4_jax.kernels.schedule import fixed_shares_under_vmap, sm_count
 from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
 from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.target import DEFAULT_NUM_SMS
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
 FEATURES = frozenset({"soft_cap"})
@@ -190,10 +195,21 @@ class BackwardConfig:
   # subtractions leave the softmax. Rows with lse2 = +inf start at -inf and
   # keep P = 0.
   fold_stats: bool = False
+  # The dK/dV kernel as a persistent grid: one CTA per SM (`num_sms`; 0: the
+  # device's, filled in by `backward`) takes key tiles from a work queue
+  # (`schedule.WorkQueue`), with two copies of each consumer's K and V tiles
+  # so that the next tile's load while the current one runs. For packed
+  # rows, whose key tiles' costs are run-time data and often short (no CTA
+  # launch, no K/V load latency between tiles).
+  work_queue: bool = False
+  num_sms: int = 0
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
       raise ValueError(f"dk_dv must be one of {DK_DV_SCHEMES}; got {self.dk_dv!r}")
+    if self.work_queue and self.dk_dv != "fused":
+      raise ValueError(f"work_queue is a choice of the 'fused' dK/dV kernel; got "
+                       f"dk_dv={self.dk_dv!r}: set work_queue=False")
     if self.overlap_kernels and self.delta_in_dq:
       raise ValueError(f"overlap_kernels needs independent kernels: delta_in_dq=False; "
                        f"got delta_in_dq={self.delta_in_dq}: set overlap_kernels=False")
@@ -215,7 +231,8 @@ class BackwardConfig:
     check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
                          self.dq_num_consumers, self.dq_consumer_registers)
 
-def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConfig:
+def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
+                  segment_ids: bool = False) -> BackwardConfig:
   """Block sizes per (padded) head dim; the same for every mask. Where delta
   is computed depends on whether the mask has a window, how lse and delta
   enter the dK/dV kernel on the GQA group size (`group` query heads per KV
@@ -292,12 +309,25 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1) -> BackwardConf
   # 5.010 vs 5.028 on the H100, 4.908 vs 4.834 on the H200, every folded
   # round slower there (backward-fold-window-..., backward-h200-fold-window*).
   fold_stats = causal_without_window and group > 1 and d > 64
+  #
+  # Packed causal rows (segment ids) at head dim 64: the dK/dV kernel's key
+  # tiles see few query blocks each (a 128-key tile of a 1k-token document
+  # about 8 per query head), so a CTA per tile spends a good part of its
+  # time starting (launch, K/V load) and finishing; a persistent grid with a
+  # work queue and two K/V copies per consumer hides that (`work_queue`).
+  # H100, bench_packed's rows (16k tokens, documents of mean 1k / 2k / 4k),
+  # backward span, two interleaved rounds against one CTA per key tile
+  # (packed-backward-ab-dkv-queue-*.json): B1 H32 D64 -6.1 / -4.4 / -2.6 %.
+  # At head dim 128 the queued consumer spills more (ptxas, whole call: 768
+  # -> 976 bytes, GQA 168 -> 720) and loses: B8 H16 +2.8 / +1.3 / +1.2 %,
+  # B8 GQA 32/8 +4.2 / +1.7 / +2.7 % (B1: -3.5 to +0.3 %).
+  work_queue = segment_ids and causal_without_window and d <= 64
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
                           delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq,
                           operands_in_registers=d <= 64, dq_operands_in_registers=d <= 64,
-                          fold_stats=fold_stats, **three_dq_consumers)
+                          fold_stats=fold_stats, work_queue=work_queue, **three_dq_consumers)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
@@ -378,7 +408,10 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   # and head dims to multiples of 64 (a copy only for unaligned shapes).
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
-  config = config or choose_config(d, mask, num_q_heads // num_kv_heads)
+  config = config or choose_config(d, mask, num_q_heads // num_kv_heads,
+                                   segment_ids=segment_ids is not None)
+  if config.work_queue and not config.num_sms:
+    config = dataclasses.replace(config, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"]))
   lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
 
   def pad(x, t_pad):
@@ -417,7 +450,12 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   last_dq = LaunchChain(follows_previous=overlap)
   dkv_args = [*args, *dkv_segments]
   if config.dk_dv == "fused":
-    dk, dv = _build_dkv_kernel(**common, outputs=("dk", "dv"), chain=first_dkv)(*dkv_args)
+    build_dkv = functools.partial(_build_dkv_kernel, **common, outputs=("dk", "dv"),
+                                  chain=first_dkv)
+    dkv_call = build_dkv()
+    if config.work_queue:
+      dkv_call = fixed_shares_under_vmap(dkv_call, lambda: build_dkv(queue_counter=False))
+    dk, dv = dkv_call(*dkv_args)
   elif config.dk_dv == "head_dim_split":
     dk, dv = _build_dkv_head_split_kernel(**common, chain=first_dkv)(*dkv_args)
   else:

@@ -31,13 +31,16 @@ from fa4_jax.scores import MaskSpec, TileRanges
 class BackwardBarriers:
   """Every barrier of one backward kernel, with its producer and consumer side.
 
-  | barrier            | arrives (count)                        | waits                  |
-  |--------------------|----------------------------------------|------------------------|
-  | resident.full[i]   | producer TMAs of consumer i's resident | consumer i, once       |
-  |                    | operands (one per operand)             |                        |
-  | stream.full[slot]  | producer TMAs of step n (one/operand)  | both consumers, each n |
-  | stream.consumed[s] | each consumer after its last wgmma     | producer, before it    |
-  |                    | reading the slot (2)                   | refills the slot       |
+  | barrier              | arrives (count)                        | waits                  |
+  |----------------------|----------------------------------------|------------------------|
+  | resident.full[b]     | producer TMAs of consumer i's resident | consumer i, once per   |
+  |                      | operands (one per operand)             | work item              |
+  | resident.consumed[b] | consumer i once its epilogue's store   | producer, before it    |
+  |                      | has read the buffer (1; persistent     | reloads copy b         |
+  |                      | grid only)                             |                        |
+  | stream.full[slot]    | producer TMAs of step n (one/operand)  | both consumers, each n |
+  | stream.consumed[s]   | each consumer after its last wgmma     | producer, before it    |
+  |                      | reading the slot (2)                   | refills the slot       |
 
   dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
   dQ kernel:    resident = (Q, dO, lse, delta), or (Q, dO, lse, O) with
@@ -47,28 +50,46 @@ class BackwardBarriers:
   The epilogue of consumer i writes its result into its own resident buffer
   (only consumer i reads it, and all its wgmmas have completed), then TMA-
   stores it and waits for the store before the CTA exits.
+
+  A persistent grid (the dK/dV kernel's work queue) runs several work items
+  per CTA: `resident_copies` copies of each consumer's resident buffers
+  (copy b = `resident.buffer(item, i)`), and the ring's steps count on
+  across items. A consumer releases its copy once the epilogue's store has
+  read it; the producer waits for that before loading the copy again.
   """
 
   resident: OneShotBuffer
   stream: BundleRing
 
   @staticmethod
-  def scratch_types(num_consumers, num_stages, num_resident, num_streamed):
-    return (
-        plgpu.Barrier(num_arrivals=num_resident, num_barriers=num_consumers),
-        *BundleRing.barrier_types(num_stages, num_consumers, num_streamed),
-    )
+  def scratch_types(num_consumers, num_stages, num_resident, num_streamed,
+                    resident_copies: int = 0):
+    """`resident_copies`: 0 for one work item per CTA, else the copies of
+    each consumer's resident buffers in a persistent grid."""
+    resident = [plgpu.Barrier(num_arrivals=num_resident,
+                              num_barriers=num_consumers * max(resident_copies, 1))]
+    if resident_copies:
+      resident.append(plgpu.Barrier(num_arrivals=1,
+                                    num_barriers=num_consumers * resident_copies))
+    return (*resident, *BundleRing.barrier_types(num_stages, num_consumers, num_streamed))
 
   @classmethod
-  def from_refs(cls, refs, num_consumers, num_stages, num_streamed):
-    resident_full, stream_full, stream_consumed = refs
+  def from_refs(cls, refs, num_consumers, num_stages, num_streamed, resident_copies: int = 0):
+    if resident_copies:
+      resident_full, resident_consumed, stream_full, stream_consumed = refs
+      resident = OneShotBuffer(resident_full, resident_consumed, resident_copies)
+    else:
+      resident_full, stream_full, stream_consumed = refs
+      resident = OneShotBuffer(resident_full)
     ring = SlotRing(stream_full, stream_consumed, num_stages, num_consumers)
-    return cls(resident=OneShotBuffer(resident_full),
-               stream=BundleRing(ring, num_streamed))
+    return cls(resident=resident, stream=BundleRing(ring, num_streamed))
 
-  def producer_fill_resident(self, copies, i):
-    for src, dst in copies:
-      plgpu.copy_gmem_to_smem(src, dst, self.resident.full.at[i])
+  def producer_fill_resident(self, copies, item, i):
+    """TMA each (GMEM source, SMEM buffer array) of consumer i into the
+    buffers' copy of work item `item`."""
+    b = self.resident.buffer(item, i)
+    for src, buffers in copies:
+      plgpu.copy_gmem_to_smem(src, buffers.at[b], self.resident.full.at[b])
 
 
 
@@ -205,11 +226,15 @@ class KeyTileWork:
   group: int
 
   @classmethod
-  def of_this_cta(cls, *, num_keys, block_q, mask, gmem: KernelRefs, q_seq, kv_valid, group):
+  def of_this_cta(cls, **statics):
     """The CTA at grid position (heads, kv_tiles, batch)."""
-    kv_head = lax.axis_index("heads")
-    batch_idx = lax.axis_index("batch")
-    kv_tile = lax.axis_index("kv_tiles")
+    return cls.at(lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("kv_tiles"),
+                  **statics)
+
+  @classmethod
+  def at(cls, kv_head, batch_idx, kv_tile, *, num_keys, block_q, mask, gmem: KernelRefs, q_seq,
+         kv_valid, group):
+    """The key tile `kv_tile` of (`batch_idx`, `kv_head`)."""
     k_lo = kv_tile * num_keys
     q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, batch_idx, q_seq, kv_valid)
     ranges = scores.q_tile_ranges(mask, k_lo, k_lo + num_keys, q_len, kv_len, block_q)

@@ -6,6 +6,9 @@ their dK and dV in registers; a producer warpgroup streams (Q, dO, lse2,
 delta) tiles of every query head of the GQA group and every query block the
 mask lets these keys be seen by (`BackwardBarriers`). With `outputs` naming
 one gradient it is one pass of the "two_passes" scheme (head dim 192).
+With `BackwardConfig.work_queue` the same roles run as a persistent grid:
+one CTA per SM takes key tiles from a work queue (`schedule.WorkQueue`),
+and the next tile's K and V load while the current one runs.
 
 `_build_dkv_head_split_kernel`: at head dim 256 the two consumers share one
 key tile and split the head dim of dK and dV (`_HeadSplitBarriers`).
@@ -30,6 +33,7 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
                                      SlotRing)
+from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
                                                   KeyTileWork, SegmentRefs, launch,
                                                   load_operand, mma_accumulate,
@@ -64,6 +68,10 @@ def _dk_dv_update(dk, dv, softmax: TileSoftmax, q_tile, do_tile, staging):
 
 # --- dK / dV: each consumer owns a key tile -------------------------------------
 
+# K/V copies per consumer in the queued grid: with one, the producer could
+# load the next tile's only once the epilogue's store has read the last.
+QUEUED_RESIDENT_COPIES = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class _DkvPass(KernelStatics):
@@ -72,6 +80,13 @@ class _DkvPass(KernelStatics):
   outputs: tuple[str, ...]
   interpreting: bool
   has_segments: bool = False
+  queued: bool = False  # a persistent grid fed by a work queue
+
+  @property
+  def resident_copies(self) -> int:
+    """Copies of each consumer's K (and V) tile: the queued grid loads the
+    next tile's while the current one runs."""
+    return QUEUED_RESIDENT_COPIES if self.queued else 1
 
   @property
   def with_dk(self) -> bool:
@@ -82,6 +97,10 @@ class _DkvPass(KernelStatics):
     return "dv" in self.outputs
 
   @property
+  def num_resident(self) -> int:
+    return 2 if self.with_dk else 1  # K (and V)
+
+  @property
   def num_streamed(self) -> int:
     # Q, dO, lse (and delta), (and the queries' segment ids)
     return (4 if self.with_dk else 3) + self.has_segments
@@ -90,13 +109,17 @@ class _DkvPass(KernelStatics):
     """Scratch SMEM, in the order `_DkvSmem` unpacks it."""
     cfg, bk, bq, nc = self.cfg, self.cfg.block_kv, self.cfg.block_q, self.cfg.num_consumers
     swizzle = swizzle_bytes(self.dtype, bk, bq)
-    resident_tile = smem_tile((nc, bk, self.head_dim), self.dtype, swizzle)
+    resident_tile = smem_tile((nc * self.resident_copies, bk, self.head_dim), self.dtype,
+                              swizzle)
     ring_tile = smem_tile((cfg.num_stages, bq, self.head_dim), self.dtype, swizzle)
     ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
+    # A work queue's cells ride in one more row of the lse2 ring's buffer
+    # (which starts a KiB of SMEM of its own either way).
+    lse_ring = plgpu.SMEM((cfg.num_stages + self.queued, bq), jnp.float32)
     smem = [resident_tile]  # K tiles, then dK (or dV)
     if self.with_dk:
       smem.append(resident_tile)  # V tiles, then dV
-    smem += [ring_tile, ring_tile, ring_stats]  # Q, dO, lse2 rings
+    smem += [ring_tile, ring_tile, lse_ring]  # Q, dO, lse2 rings
     if self.with_dk:
       smem.append(ring_stats)  # delta ring
     if self.interpreting:
@@ -129,21 +152,22 @@ class _DkvSmem(NamedTuple):
 
 
 def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: BackwardBarriers,
-                  work: KeyTileWork, num_steps):
-  """Each consumer's K (and V) tile once, then (Q, dO, lse2, delta, and the
-  queries' segment ids) of every step through the ring."""
-  cfg, bk, bq = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q
-  plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-  for i in range(cfg.num_consumers):
+                  work: KeyTileWork, item=0, step0=0):
+  """Work item `item`'s K (and V) tile of each consumer once, then (Q, dO,
+  lse2, delta, and the queries' segment ids) of every step through the
+  ring, from ring position `step0`; returns the position after the item."""
+  bk, bq = kp.cfg.block_kv, kp.cfg.block_q
+  for i in range(kp.cfg.num_consumers):
     keys = (work.batch_idx, pl.ds(work.k_lo + i * bk, bk), work.kv_head)
-    resident = [(gmem.k.at[keys], smem.k.at[i])]
+    resident = [(gmem.k.at[keys], smem.k)]
     if kp.with_dk:
-      resident.append((gmem.v.at[keys], smem.v.at[i]))
-    bars.producer_fill_resident(resident, i)
+      resident.append((gmem.v.at[keys], smem.v))
+    bars.producer_fill_resident(resident, item, i)
 
-  @pl.loop(0, num_steps)
-  def _(step):
-    head, qb = work.rows_of(step)
+  @pl.loop(0, work.num_steps)
+  def _(n):
+    step = step0 + n
+    head, qb = work.rows_of(n)
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
     stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
     streamed = [(gmem.q.at[rows], smem.q_ring), (gmem.do.at[rows], smem.do_ring),
@@ -155,7 +179,33 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
     bars.stream.producer_acquire(step)
     bars.stream.producer_fill(streamed, step)
 
-  bars.stream.producer_drain(num_steps)
+  return step0 + work.num_steps
+
+
+def _dkv_producer_queued(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem,
+                         bars: BackwardBarriers, queue: WorkQueue, work_of) -> None:
+  """The producer's loop over the key tiles the work queue hands this CTA
+  (as `sm90_forward`'s): before loading item i it waits for its consumers
+  to release the copies item i - copies used, and fetches item i + 1's unit;
+  the stop signal is a unit past the end in the next item's cell, with one
+  plain arrive per resident operand on each consumer's full barrier."""
+  nc = kp.cfg.num_consumers
+
+  def one_item(i, unit, step0):
+    for c in range(nc):
+      bars.resident.producer_acquire(i, c)
+    queue.fetch(i, unit)
+    step0 = _dkv_producer(kp, gmem, smem, bars, work_of(unit), i, step0)
+    return queue.fetched(i), step0
+
+  num_items, total_steps = queue.loop(one_item, queue.first_unit, jnp.int32(0))
+  for c in range(nc):
+    bars.resident.producer_acquire(num_items, c)
+  for c in range(nc):
+    for _ in range(kp.num_resident):
+      plgpu.barrier_arrive(bars.resident.full.at[bars.resident.buffer(num_items, c)])
+  bars.stream.producer_drain(total_steps)
+  bars.resident.producer_drain(num_items, next_acquired=True)
 
 
 def _query_ids(gmem: KernelRefs, batch_idx, qb, bq: int, q_ids_ring):
@@ -176,22 +226,26 @@ def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, q
 
 
 def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
-                  work: KeyTileWork, blocks_per_head, segments: SegmentRefs | None):
+                  work: KeyTileWork, segments: SegmentRefs | None, item=0, step0=0):
   """Consumer `wg`: the dK and/or dV of its `block_kv` keys over every step
-  of the CTA (steps its keys cannot see only keep the ring going).
-  Returns (accumulators by name, its first key)."""
+  of work item `item` (steps its keys cannot see only keep the ring going),
+  whose first step sits at ring position `step0`. Returns (accumulators by
+  name, its first key). A queued consumer waited for its resident copy
+  already (the item's unit rides with it); otherwise the wait is here,
+  after the ranges' reads."""
   cfg, bk, bq, c, mask = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c, kp.mask
-  lo, hi = work.lo, work.hi
-  plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+  lo, hi, blocks_per_head = work.lo, work.hi, work.blocks_per_head
   k_lo = work.k_lo + wg * bk
   own = scores.q_tile_ranges(mask, k_lo, k_lo + bk, work.q_len, work.kv_len, bq)
   own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.kv_tile, wg))
   own = own.within(lo, hi)
   block_segments = _key_tile_segments(segments, work.batch_idx, k_lo, bk, smem.q_ids)
-  k_tile = smem.k.at[wg]
-  v_tile = smem.v.at[wg] if kp.with_dk else None
+  copy = bars.resident.buffer(item, wg)
+  k_tile = smem.k.at[copy]
+  v_tile = smem.v.at[copy] if kp.with_dk else None
   stage = smem.staging[0].at[wg] if kp.interpreting else None
-  bars.resident.consumer_wait(0, wg)
+  if not kp.queued:
+    bars.resident.consumer_wait(item, wg)
   k_operand, v_operand = k_tile, v_tile  # the A operands of S^T and dP^T
   if cfg.operands_in_registers and not kp.interpreting:
     k_operand = load_operand(k_tile)
@@ -230,7 +284,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
     return acc
 
   def one_head(g, acc):
-    head_step0 = g * blocks_per_head
+    head_step0 = step0 + g * blocks_per_head
     return walk_blocks(lo, hi, own,
                 functools.partial(step_fn, head_step0=head_step0),
                 functools.partial(skip_fn, head_step0=head_step0), acc)
@@ -240,67 +294,131 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
   return acc, k_lo
 
 
-def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, grad_refs,
-                  work: KeyTileWork):
+def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: BackwardBarriers,
+                  grad_refs, work: KeyTileWork, item=0):
   """Every wgmma reading K and V has completed, so their tiles hold the
-  results on the way out (dV uses the K tile when V is absent)."""
+  results on the way out (dV uses the K tile when V is absent). A queued
+  consumer releases the copy for the producer once the store has read it."""
   bk = kp.cfg.block_kv
-  k_tile = smem.k.at[wg]
-  out_tiles = {"dk": k_tile, "dv": smem.v.at[wg] if kp.with_dk else k_tile}
+  copy = bars.resident.buffer(item, wg)
+  k_tile = smem.k.at[copy]
+  out_tiles = {"dk": k_tile, "dv": smem.v.at[copy] if kp.with_dk else k_tile}
   for g in kp.outputs:
     out_tiles[g][...] = (acc[g] * kp.scale if g == "dk" else acc[g]).astype(kp.dtype)
   plgpu.commit_smem()
   keys = (work.batch_idx, pl.ds(k_lo, bk), work.kv_head)
   for g, grad_ref in zip(kp.outputs, grad_refs):
     plgpu.copy_smem_to_gmem(out_tiles[g], grad_ref.at[keys])
+  if kp.queued:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    bars.resident.consumer_release(item, wg)
+  else:
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_consumer_queued(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
+                         queue: WorkQueue, work_of, grad_refs, segments) -> None:
+  """A consumer's loop over the key tiles the producer publishes: each
+  item's resident wait comes first (the unit rides with it), and the unit
+  read after the next one's wait decides whether the loop goes on."""
+
+  def next_unit(i):
+    bars.resident.consumer_wait(i, wg)
+    return queue.unit_of(i)
+
+  def one_item(i, unit, step0):
+    work = work_of(unit)
+    acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, segments, i, step0)
+    _dkv_epilogue(kp, wg, acc, k_lo, smem, bars, grad_refs, work, i)
+    return next_unit(i + 1), step0 + work.num_steps
+
+  queue.loop(one_item, next_unit(jnp.int32(0)), jnp.int32(0))
   plgpu.wait_smem_to_gmem(0)
+
+
+def dkv_persistent_work(cfg, batch: int, num_kv_heads: int, kv_seq: int) -> PersistentWork:
+  """The queued dK/dV grid's units: key tiles of `num_consumers * block_kv`
+  keys, heads fastest, then tiles (in order: under causal masks the first
+  key tiles see the most queries, so they start first), then the batch."""
+  return PersistentWork(batch, num_kv_heads, cdiv(kv_seq, cfg.num_consumers * cfg.block_kv),
+                        cfg.num_sms, paired=False, queued=True)
 
 
 @cached_build
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                       head_dim, dtype, scale, mask, config, has_q_lengths,
                       has_kv_lengths, has_segments=False, outputs=("dk", "dv"),
-                      chain=NO_CHAIN, soft_cap=None):
+                      chain=NO_CHAIN, soft_cap=None, queue_counter=True):
   """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
 
   A pass without dK needs neither V (for dP) nor delta: they are not loaded.
   With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
   per consumer), and the ring streams each query block's ids with it.
+  With `config.work_queue` the grid is persistent (`dkv_persistent_work`);
+  `queue_counter=False` hands its units out in fixed round robin (the
+  interpreter, vmapped calls).
   """
   cfg = config
   nc = cfg.num_consumers
   kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                tuple(outputs), is_interpreting(), has_segments)
-  grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, nc * cfg.block_kv), batch=batch)
+                tuple(outputs), is_interpreting(), has_segments, queued=cfg.work_queue)
+  statics = dict(num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, q_seq=q_seq,
+                 kv_valid=kv_valid, group=kp.group)
+  if kp.queued:
+    persistent = dkv_persistent_work(cfg, batch, num_kv_heads, kv_seq)
+    grid = dict(ctas=persistent.num_ctas)
+  else:
+    grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, nc * cfg.block_kv), batch=batch)
+  copies = kp.resident_copies if kp.queued else 0
 
   def kernel(*refs):
     chain.at_start()
     gmem, (*grad_refs, smem, barrier_refs) = KernelRefs.split(
         refs, has_q_lengths, has_kv_lengths, nc if has_segments else None)
     smem = _DkvSmem.unpack(smem, kp.with_dk, has_segments)
-    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed)
-    work = KeyTileWork.of_this_cta(
-        num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, gmem=gmem,
-        q_seq=q_seq, kv_valid=kv_valid, group=kp.group)
-    # Once per CTA, outside the roles (as the roles' loops use them).
-    blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed,
+                                      copies)
     wg = lax.axis_index("wg")
+    if kp.queued:
+      queue = WorkQueue.create(smem.lse_ring.at[cfg.num_stages], kp.resident_copies,
+                               persistent, lax.axis_index("ctas"),
+                               counter=queue_counter and not kp.interpreting)
 
-    pl.when(wg == nc)(lambda: _dkv_producer(kp, gmem, smem, bars, work, num_steps))
+      def work_of(unit):
+        batch_idx, kv_head, kv_tile = persistent.unit_coords(unit)
+        return KeyTileWork.at(kv_head, batch_idx, kv_tile, gmem=gmem, **statics)
 
-    @pl.when(wg < nc)
-    def _consumers():
-      acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, blocks_per_head, gmem.segments)
-      _dkv_epilogue(kp, wg, acc, k_lo, smem, grad_refs, work)
+      @pl.when(wg == nc)
+      def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        _dkv_producer_queued(kp, gmem, smem, bars, queue, work_of)
+
+      @pl.when(wg < nc)
+      def _consumers():
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        _dkv_consumer_queued(kp, wg, smem, bars, queue, work_of, grad_refs, gmem.segments)
+    else:
+      work = KeyTileWork.of_this_cta(gmem=gmem, **statics)
+
+      @pl.when(wg == nc)
+      def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        num_steps = _dkv_producer(kp, gmem, smem, bars, work)
+        bars.stream.producer_drain(num_steps)
+
+      @pl.when(wg < nc)
+      def _consumers():
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, gmem.segments)
+        _dkv_epilogue(kp, wg, acc, k_lo, smem, bars, grad_refs, work)
 
     chain.at_exit(grid)
 
   out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype)
                    for _ in outputs)
-  num_resident = 2 if kp.with_dk else 1  # K (and V)
   return launch(kernel, out_type=out_type, smem=kp.smem(),
-                barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, num_resident,
-                                                        kp.num_streamed),
+                barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, kp.num_resident,
+                                                        kp.num_streamed, copies),
                 grid=grid, num_threads=nc + 1)
 
 

@@ -154,11 +154,11 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
   for i in range(nc):
     rows = (work.batch_idx, pl.ds(work.q_lo + i * bq, bq), work.head)
     stats = (work.batch_idx, work.head, pl.ds(work.q_lo + i * bq, bq))
-    fourth = ((gmem.delta.at[rows], smem.o.at[i]) if kd.with_delta
-              else (gmem.delta.at[stats], smem.delta.at[i]))
+    fourth = ((gmem.delta.at[rows], smem.o) if kd.with_delta
+              else (gmem.delta.at[stats], smem.delta))
     bars.producer_fill_resident(
-        [(gmem.q.at[rows], smem.q.at[i]), (gmem.do.at[rows], smem.do.at[i]),
-         (gmem.lse.at[stats], smem.lse.at[i]), fourth], i)
+        [(gmem.q.at[rows], smem.q), (gmem.do.at[rows], smem.do),
+         (gmem.lse.at[stats], smem.lse), fourth], 0, i)
 
   @pl.loop(lo, hi)
   def _(j):
