@@ -92,7 +92,7 @@ for d in (64, 128, 192, 256):
                        backward(d, mask, group, config, segments=True))
       items.setdefault(f"backward d={d} {mask} group={group > 1} {config} soft-cap",
                        backward(d, mask, group, config, capped=True))
-      # Packed causal rows: the dK/dV kernel takes a work queue.
+      # Packed causal rows (head dim 64): the dK/dV kernel takes a work queue.
       packed = sm90_backward.choose_config(d, mask, group, segment_ids=True)
       items.setdefault(f"backward d={d} {mask} group={group > 1} {packed} segment ids",
                        backward(d, mask, group, packed, segments=True))

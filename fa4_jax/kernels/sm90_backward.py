@@ -198,9 +198,9 @@ class BackwardConfig:
   # The dK/dV kernel as a persistent grid: one CTA per SM (`num_sms`; 0: the
   # device's, filled in by `backward`) takes key tiles from a work queue
   # (`schedule.WorkQueue`), with two copies of each consumer's K and V tiles
-  # so that the next tile's load while the current one runs. For packed
-  # rows, whose key tiles' costs are run-time data and often short (no CTA
-  # launch, no K/V load latency between tiles).
+  # so that the next tile's K and V load while the current one runs. For
+  # packed rows, whose key tiles' costs are run-time data and often short
+  # (no CTA launch, no K/V load latency between tiles).
   work_queue: bool = False
   num_sms: int = 0
 
@@ -316,8 +316,9 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # time starting (launch, K/V load) and finishing; a persistent grid with a
   # work queue and two K/V copies per consumer hides that (`work_queue`).
   # H100, bench_packed's rows (16k tokens, documents of mean 1k / 2k / 4k),
-  # backward span, two interleaved rounds against one CTA per key tile
-  # (packed-backward-ab-dkv-queue-*.json): B1 H32 D64 -6.1 / -4.4 / -2.6 %.
+  # backward span, three interleaved rounds against one CTA per key tile
+  # (packed-backward-ab-dkv-queue-d64-*.json): H32 D64 B1 -6.6 / -4.9 /
+  # -2.9 %, B8 -4.7 / +2.8 / -0.6 % (B8 rounds spread up to 7 %).
   # At head dim 128 the queued consumer spills more (ptxas, whole call: 768
   # -> 976 bytes, GQA 168 -> 720) and loses: B8 H16 +2.8 / +1.3 / +1.2 %,
   # B8 GQA 32/8 +4.2 / +1.7 / +2.7 % (B1: -3.5 to +0.3 %).

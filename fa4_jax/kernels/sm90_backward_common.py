@@ -34,7 +34,8 @@ class BackwardBarriers:
   | barrier              | arrives (count)                        | waits                  |
   |----------------------|----------------------------------------|------------------------|
   | resident.full[b]     | producer TMAs of consumer i's resident | consumer i, once per   |
-  |                      | operands (one per operand)             | work item              |
+  |                      | operands (one per operand; a queued    | work item              |
+  |                      | grid's stop: one plain arrive each)    |                        |
   | resident.consumed[b] | consumer i once its epilogue's store   | producer, before it    |
   |                      | has read the buffer (1; persistent     | reloads copy b         |
   |                      | grid only)                             |                        |
