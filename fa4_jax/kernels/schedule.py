@@ -156,24 +156,26 @@ class WorkQueue:
   counts the units taken after the first wave: CTA `cta` runs unit `cta`
   first, then `num_ctas + atomicAdd(counter, 1)` until that passes
   `num_units`. Only the producer takes units, one ahead: when it starts
-  work item i (its Q copies acquired), `fetch` issues the atomic from one
+  work item i (the copies of its per-item buffer acquired: Q in the
+  forward, K and V in the dK/dV kernel), `fetch` issues the atomic from one
   thread (warp 1, lane 0 of the warpgroup, so the thread that issues the TMA
   copies does not wait for it), which stores the unit into the SMEM cell of
   item i + 1; the producer reads it after a warpgroup barrier when it is
-  done loading item i (`fetched`), and each consumer after its Q wait of
-  item i + 1 (`unit_of`), which that barrier and the Q copy's TMA order
-  after the store. A unit past the end, followed by a plain arrive on the
-  Q barriers, tells the consumers to stop.
+  done loading item i (`fetched`), and each consumer after its wait for
+  item i + 1's buffer (`unit_of`), which that barrier and the buffer's TMA
+  order after the store. A unit past the end, followed by plain arrives on
+  the buffer's barriers, tells the consumers to stop. `producer_loop` and
+  `consumer_loop` are the two roles' sides of this protocol.
 
   `depth + 1` cells (`num_cells`), used round robin: item i + 1's cell was
-  last read by item i - depth's consumers, whose Q copy the producer had to
+  last read by item i - depth's consumers, whose copy the producer had to
   see released before starting item i. The cells ride in the LSE rows'
-  buffer, which has bytes to spare (every SMEM buffer starts at a 1 KiB
+  buffer (the lse2 ring's in the dK/dV kernel), which has bytes to spare (every SMEM buffer starts at a 1 KiB
   multiple, and one more KiB would not fit beside the packed D128 config),
   so they are f32 words; Pallas' Mosaic GPU lowering has no scalar bitcast,
   so they hold the unit as a float, exact below 2^24 units
   (`PersistentWork` checks). Without the counter (the interpreter, and
-  `sm90_forward`'s vmapped calls) the fetch is the fixed round robin
+  vmapped calls: `fixed_shares_under_vmap`) the fetch is the fixed round robin
   `unit + num_ctas`: the same protocol without the atomic.
   """
 
@@ -229,6 +231,55 @@ class WorkQueue:
   def unit_of(self, item):
     """Consumer, after its Q wait of item `item`: the item's unit."""
     return jnp.where(item == 0, self.first_unit, self._read(item))
+
+  # --- the two roles' loops --------------------------------------------------
+  # `per_item` (a `pipeline.OneShotBuffer`) is the buffer each consumer gets
+  # once per item and whose full barrier carries the unit: Q in the forward,
+  # K and V in the dK/dV kernel.
+
+  def producer_loop(self, per_item, num_consumers: int, prepare, produce,
+                    stop_arrivals: int = 1):
+    """The producer's loop over the units this CTA takes. Per item i:
+    `prepare(unit)` (what the item needs, read before the wait), the wait
+    for every consumer's release of the copies item i will use, the fetch
+    of item i + 1's unit, then `produce(i, prepared, step0)` -> step0, which
+    fills those copies. Then the stop signal: the unit past the end sits in
+    the next item's cell, and `stop_arrivals` plain arrives (one per TMA a
+    fill makes) on each consumer's copy of that item let them read it.
+    Returns the ring position after the last item."""
+
+    def one_item(i, unit, step0):
+      prepared = prepare(unit)
+      for c in range(num_consumers):
+        per_item.producer_acquire(i, c)
+      self.fetch(i, unit)  # item i + 1's unit, read once this item is loaded
+      step0 = produce(i, prepared, step0)
+      return self.fetched(i), step0
+
+    num_items, total_steps = self.loop(one_item, self.first_unit, jnp.int32(0))
+    for c in range(num_consumers):
+      per_item.producer_acquire(num_items, c)
+    for c in range(num_consumers):
+      for _ in range(stop_arrivals):
+        plgpu.barrier_arrive(per_item.full.at[per_item.buffer(num_items, c)])
+    per_item.producer_drain(num_items, next_acquired=True)
+    return total_steps
+
+  def consumer_loop(self, per_item, consumer, consume) -> None:
+    """Consumer `consumer`'s loop over the units the producer publishes:
+    each item's wait on `per_item` comes first (the unit rides with it),
+    then `consume(i, unit, step0)` -> step0; the unit read after the next
+    item's wait decides whether the loop goes on."""
+
+    def next_unit(i):
+      per_item.consumer_wait(i, consumer)
+      return self.unit_of(i)
+
+    def one_item(i, unit, step0):
+      step0 = consume(i, unit, step0)
+      return next_unit(i + 1), step0
+
+    self.loop(one_item, next_unit(jnp.int32(0)), jnp.int32(0))
 
   def _read(self, item):
     return self.cells[self._cell(item)].astype(jnp.int32)

@@ -182,32 +182,6 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
   return step0 + work.num_steps
 
 
-def _dkv_producer_queued(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem,
-                         bars: BackwardBarriers, queue: WorkQueue, work_of) -> None:
-  """The producer's loop over the key tiles the work queue hands this CTA
-  (as `sm90_forward`'s): before loading item i it waits for its consumers
-  to release the copies item i - copies used, and fetches item i + 1's unit;
-  the stop signal is a unit past the end in the next item's cell, with one
-  plain arrive per resident operand on each consumer's full barrier."""
-  nc = kp.cfg.num_consumers
-
-  def one_item(i, unit, step0):
-    for c in range(nc):
-      bars.resident.producer_acquire(i, c)
-    queue.fetch(i, unit)
-    step0 = _dkv_producer(kp, gmem, smem, bars, work_of(unit), i, step0)
-    return queue.fetched(i), step0
-
-  num_items, total_steps = queue.loop(one_item, queue.first_unit, jnp.int32(0))
-  for c in range(nc):
-    bars.resident.producer_acquire(num_items, c)
-  for c in range(nc):
-    for _ in range(kp.num_resident):
-      plgpu.barrier_arrive(bars.resident.full.at[bars.resident.buffer(num_items, c)])
-  bars.stream.producer_drain(total_steps)
-  bars.resident.producer_drain(num_items, next_acquired=True)
-
-
 def _query_ids(gmem: KernelRefs, batch_idx, qb, bq: int, q_ids_ring):
   """(GMEM source, SMEM ring) of the segment ids of query block qb, which
   the producer streams with the block's Q and dO."""
@@ -316,26 +290,6 @@ def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: BackwardBar
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv_consumer_queued(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
-                         queue: WorkQueue, work_of, grad_refs, segments) -> None:
-  """A consumer's loop over the key tiles the producer publishes: each
-  item's resident wait comes first (the unit rides with it), and the unit
-  read after the next one's wait decides whether the loop goes on."""
-
-  def next_unit(i):
-    bars.resident.consumer_wait(i, wg)
-    return queue.unit_of(i)
-
-  def one_item(i, unit, step0):
-    work = work_of(unit)
-    acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, segments, i, step0)
-    _dkv_epilogue(kp, wg, acc, k_lo, smem, bars, grad_refs, work, i)
-    return next_unit(i + 1), step0 + work.num_steps
-
-  queue.loop(one_item, next_unit(jnp.int32(0)), jnp.int32(0))
-  plgpu.wait_smem_to_gmem(0)
-
-
 def dkv_persistent_work(cfg, batch: int, num_kv_heads: int, kv_seq: int) -> PersistentWork:
   """The queued dK/dV grid's units: key tiles of `num_consumers * block_kv`
   keys, heads fastest, then tiles (in order: under causal masks the first
@@ -387,28 +341,34 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       def work_of(unit):
         batch_idx, kv_head, kv_tile = persistent.unit_coords(unit)
         return KeyTileWork.at(kv_head, batch_idx, kv_tile, gmem=gmem, **statics)
-
-      @pl.when(wg == nc)
-      def _producer():
-        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-        _dkv_producer_queued(kp, gmem, smem, bars, queue, work_of)
-
-      @pl.when(wg < nc)
-      def _consumers():
-        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-        _dkv_consumer_queued(kp, wg, smem, bars, queue, work_of, grad_refs, gmem.segments)
     else:
       work = KeyTileWork.of_this_cta(gmem=gmem, **statics)
 
-      @pl.when(wg == nc)
-      def _producer():
-        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+    @pl.when(wg == nc)
+    def _producer():
+      plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+      if kp.queued:
+        # The unit past the end rides on one plain arrive per K/V copy.
+        num_steps = queue.producer_loop(
+            bars.resident, nc, prepare=work_of, stop_arrivals=kp.num_resident,
+            produce=lambda i, work, step0: _dkv_producer(kp, gmem, smem, bars, work, i, step0))
+      else:
         num_steps = _dkv_producer(kp, gmem, smem, bars, work)
-        bars.stream.producer_drain(num_steps)
+      bars.stream.producer_drain(num_steps)
 
-      @pl.when(wg < nc)
-      def _consumers():
-        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+    @pl.when(wg < nc)
+    def _consumers():
+      plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+      if kp.queued:
+        def consume(i, unit, step0):
+          work = work_of(unit)
+          acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, gmem.segments, i, step0)
+          _dkv_epilogue(kp, wg, acc, k_lo, smem, bars, grad_refs, work, i)
+          return step0 + work.num_steps
+
+        queue.consumer_loop(bars.resident, wg, consume)
+        plgpu.wait_smem_to_gmem(0)
+      else:
         acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, gmem.segments)
         _dkv_epilogue(kp, wg, acc, k_lo, smem, bars, grad_refs, work)
 

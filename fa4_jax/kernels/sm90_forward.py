@@ -691,12 +691,9 @@ def _producer(ctx: _Context) -> None:
   bq = cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
-  def produce_item(i, step0, unit=None):
-    item = ctx.item(i, unit)
-    if ctx.queue is not None:
-      for c_i in range(cfg.num_consumers):
-        bars.q.producer_acquire(i, c_i)
-      ctx.queue.fetch(i, unit)  # item i + 1's unit, read once this item is loaded
+  def produce_item(i, item: _WorkItem, step0):
+    """Item i's Q tiles, then its KV blocks (a work queue's loop waited for
+    the Q copies already)."""
     for c_i in range(cfg.num_consumers):
       if cfg.persistent and ctx.queue is None:
         bars.q.producer_acquire(i, c_i)
@@ -718,34 +715,19 @@ def _producer(ctx: _Context) -> None:
     return step0 + (item.hi - item.lo)
 
   if ctx.queue is not None:
-    _produce_queued(ctx, produce_item)
+    # The unit past the end rides on a plain arrive on each Q barrier.
+    total_steps = ctx.queue.producer_loop(
+        bars.q, cfg.num_consumers, prepare=lambda unit: ctx.item(None, unit),
+        produce=produce_item)
+    bars.k.producer_drain(total_steps)
+    bars.v.producer_drain(total_steps)
     return
-  total_steps = ctx.item_loop(produce_item, jnp.int32(0))
+  total_steps = ctx.item_loop(lambda i, step0: produce_item(i, ctx.item(i), step0),
+                              jnp.int32(0))
   bars.k.producer_drain(total_steps)
   bars.v.producer_drain(total_steps)
   if cfg.persistent:
     bars.q.producer_drain(ctx.num_items)
-
-
-def _produce_queued(ctx: _Context, produce_item) -> None:
-  """The producer's loop over the units a work queue hands this CTA, then
-  the stop signal: the unit past the end it fetched last sits in the next
-  item's cell; a plain arrive (no TMA) on each consumer's Q barrier of that
-  item lets them read it."""
-  cfg, bars, queue = ctx.call.config, ctx.bars, ctx.queue
-
-  def one_item(i, unit, step0):
-    step0 = produce_item(i, step0, unit)
-    return queue.fetched(i), step0
-
-  num_items, total_steps = queue.loop(one_item, queue.first_unit, jnp.int32(0))
-  for c_i in range(cfg.num_consumers):
-    bars.q.producer_acquire(num_items, c_i)
-  for c_i in range(cfg.num_consumers):
-    plgpu.barrier_arrive(bars.q.full.at[bars.q.buffer(num_items, c_i)])
-  bars.k.producer_drain(total_steps)
-  bars.v.producer_drain(total_steps)
-  bars.q.producer_drain(num_items, next_acquired=True)
 
 
 def _q_rows(ctx: _Context, item: _WorkItem, row0):
@@ -803,27 +785,11 @@ def _consumer(ctx: _Context) -> None:
   [wg * block_q, (wg + 1) * block_q) of every work item of the CTA."""
   plgpu.set_max_registers(ctx.call.config.consumer_registers, action="increase")
   if ctx.queue is not None:
-    _consume_queued(ctx)
+    ctx.queue.consumer_loop(ctx.bars.q, ctx.wg,
+                            lambda i, unit, step0: _consume_item(ctx, i, step0, unit))
   else:
     ctx.item_loop(functools.partial(_consume_item, ctx), jnp.int32(0))
   plgpu.wait_smem_to_gmem(0)
-
-
-def _consume_queued(ctx: _Context) -> None:
-  """A consumer's loop over the units the producer publishes: each item's
-  Q wait comes first (the unit rides with it), and the unit read after the
-  wait of the next one decides whether the loop goes on."""
-  bars, queue, wg = ctx.bars, ctx.queue, ctx.wg
-
-  def next_unit(i):
-    bars.q.consumer_wait(i, wg)
-    return queue.unit_of(i)
-
-  def one_item(i, unit, step0):
-    step0 = _consume_item(ctx, i, step0, unit)
-    return next_unit(i + 1), step0
-
-  queue.loop(one_item, next_unit(jnp.int32(0)), jnp.int32(0))
 
 
 def _consume_item(ctx: _Context, i, step0, unit=None):
