@@ -67,6 +67,9 @@ def _target_arch(arch: str):
 def _capture_modules(into: list[str]):
   from jax.experimental.mosaic.gpu import core as mgpu_core
 
+  from fa4_jax.kernels import compile_ahead
+
+  compile_ahead.install()  # before the patch, which would otherwise undo it
   original = mgpu_core._mosaic_gpu_lowering_rule
 
   def capturing_rule(ctx, *args, module, **kwargs):

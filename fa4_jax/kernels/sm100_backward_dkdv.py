@@ -99,6 +99,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.backward_inputs import segment_operands
+from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
@@ -745,7 +746,7 @@ def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
 
   out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), jnp.dtype(dtype)),) * 2
   return plgpu.kernel(
-      kernel,
+      compile_ahead.named(kernel, "sm100_dkdv"),
       out_type=out_type,
       grid=(num_kv_heads, cdiv(kv_seq, BLOCK_KV), batch),
       grid_names=("heads", "kv_tiles", "batch"),

@@ -91,6 +91,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported
+from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.backward_inputs import segment_operands
@@ -698,7 +699,7 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
     dispatch_roles(ctx, lax.axis_index("wg"))
 
   call = plgpu.kernel(
-      kernel,
+      compile_ahead.named(kernel, "sm100_dq"),
       out_type=jax.ShapeDtypeStruct((batch, q_seq, num_q_heads, head_dim), jnp.dtype(dtype)),
       grid=(num_q_heads, num_q_tiles, batch),
       grid_names=("heads", "q_tiles", "batch"),

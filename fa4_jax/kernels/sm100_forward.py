@@ -112,6 +112,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_causal_tiles,
                                       sm_count)
@@ -1118,7 +1119,7 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
-      kernel,
+      compile_ahead.named(kernel, "sm100_forward"),
       out_type=out_types,
       grid=(statics.work.num_ctas,) if statics.persistent else (num_q_heads, num_cta_tiles, batch),
       grid_names=("ctas",) if statics.persistent else ("heads", "q_chunk", "batch"),

@@ -19,6 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
 from fa4_jax.kernels.sm90_tiles import where_visible
 from fa4_jax.scores import MaskSpec, TileRanges
@@ -192,11 +193,11 @@ def narrow(ranges: TileRanges, segments: "SegmentRefs | None", read) -> TileRang
   return ranges if segments is None else ranges.intersect(read(segments))
 
 
-def launch(kernel, *, out_type, smem, barriers, grid: dict, num_threads: int):
+def launch(kernel, *, role: str, out_type, smem, barriers, grid: dict, num_threads: int):
   """`kernel` as a Mosaic GPU kernel over `grid` (axis name -> size), with
-  `num_threads` warpgroups named "wg"."""
+  `num_threads` warpgroups named "wg"; `role` names it (`compile_ahead`)."""
   return plgpu.kernel(
-      kernel,
+      compile_ahead.named(kernel, role),
       out_type=out_type,
       scratch_types=(smem, barriers),
       grid=tuple(grid.values()),

@@ -376,7 +376,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
   out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype)
                    for _ in outputs)
-  return launch(kernel, out_type=out_type, smem=kp.smem(),
+  return launch(kernel, role="sm90_dkdv", out_type=out_type, smem=kp.smem(),
                 barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, kp.num_resident,
                                                         kp.num_streamed, copies),
                 grid=grid, num_threads=nc + 1)
@@ -623,7 +623,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
     chain.at_exit(grid)
 
   out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype),) * 2
-  return launch(kernel, out_type=out_type,
+  return launch(kernel, role="sm90_dkdv_head_split", out_type=out_type,
                 smem=_HeadSplitSmem.types(cfg, head_dim, dtype, has_segments),
                 barriers=_HeadSplitBarriers.scratch_types(cfg.num_stages, kp.num_streamed),
                 grid=grid, num_threads=3)

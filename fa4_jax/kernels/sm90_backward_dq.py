@@ -281,7 +281,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
     # the dK/dV kernel's blocks, which divide a CTA's rows, read only written rows.
     delta_type = jax.ShapeDtypeStruct((batch, num_q_heads, num_q_tiles * nc * bq), jnp.float32)
     out_type = (out_type, delta_type)
-  return launch(kernel, out_type=out_type, smem=kd.smem(),
+  return launch(kernel, role="sm90_dq", out_type=out_type, smem=kd.smem(),
                 barriers=BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4,
                                                         kd.num_streamed),
                 grid=grid, num_threads=nc + 1)

@@ -122,6 +122,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, sm90_tiles
+from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.accumulator import rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
@@ -1092,7 +1093,7 @@ def _build_kernel(
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
-      kernel,
+      compile_ahead.named(kernel, "sm90_forward"),
       out_type=out_type,
       scratch_types=(tuple(_scratch_smem(call)),
                      ForwardBarriers.scratch_types(cfg, kv_copies_per_block(cfg.block_kv,
