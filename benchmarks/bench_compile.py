@@ -84,6 +84,9 @@ CACHED = QUICK
 LAYERS = 4
 LAYERS_CASE = "B2 S4096 H16 D128 causal"
 PASSES = ("forward", "grad")
+# fa4_jax without `fa4_jax.kernels.compile_ahead` (FA4_JAX_COMPILE_AHEAD=0):
+# XLA compiles the kernels one after another, as before 2026-11-27.
+SERIAL_COLUMN = "fa4_jax serial compile"
 CHILD_TIMEOUT_S = 150
 
 
@@ -96,7 +99,7 @@ def _attention(column: str, causal: bool, segments: bool):
   import jax
   import jax.numpy as jnp
 
-  if column == "fa4_jax":
+  if column in ("fa4_jax", SERIAL_COLUMN):
     import fa4_jax
     import fa4_jax.kernels.sm90_backward  # noqa: F401  (imported once per process:
     import fa4_jax.kernels.sm90_forward  # noqa: F401   before the clock, as tokamax's op)
@@ -189,6 +192,9 @@ def measure(spec: dict) -> dict:
   result["total_s"] = sum(result[f"{k}_s"] for k in clock.stages)
   result["events"] = {k: round(v, 4) for k, v in sorted(events.items())}
   result["mosaic_gpu_kernels"] = lowered.as_text().count("custom_call @mosaic_gpu")
+  if spec["column"].startswith("fa4_jax"):
+    from fa4_jax.kernels import compile_ahead
+    result["compiled_ahead"] = compile_ahead.outcomes()
   return result
 
 
@@ -262,6 +268,8 @@ def run_child(spec: dict) -> dict:
   env = dict(os.environ)
   if spec["cpu"]:
     env["JAX_PLATFORMS"] = "cpu"
+  if spec["column"] == SERIAL_COLUMN:
+    env["FA4_JAX_COMPILE_AHEAD"] = "0"
   if spec.get("dump_to"):  # Mosaic GPU writes each kernel's PTX there
     env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=spec["dump_to"])
   try:
@@ -281,7 +289,7 @@ def columns_for(case, cpu: bool) -> list[str]:
   if cpu:
     return ["fa4_jax"]
   others = [] if segments else ["cudnn"] + (["tokamax"] if tokamax_installed() else [])
-  return ["fa4_jax"] + others
+  return ["fa4_jax", SERIAL_COLUMN] + others
 
 
 def tokamax_installed() -> bool:
@@ -374,9 +382,9 @@ def run_ptxas(spec: dict) -> dict:
 
 
 def markdown(rows) -> str:
-  columns = ["fa4_jax", "fa4_jax cached", "cudnn", "tokamax", "fa4_jax ptxas"]
+  columns = ["fa4_jax", SERIAL_COLUMN, "fa4_jax cached", "cudnn", "tokamax", "fa4_jax ptxas"]
   if any(r["column"].endswith(" new shape") for r in rows):
-    columns = ["fa4_jax new shape", "cudnn new shape", "tokamax new shape"]
+    columns = ["fa4_jax new shape", SERIAL_COLUMN + " new shape", "cudnn new shape", "tokamax new shape"]
   lines = ["| case | pass | " + " | ".join(columns) + " |",
            "|" + "---|" * (len(columns) + 2)]
 
