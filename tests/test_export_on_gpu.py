@@ -13,6 +13,11 @@ import subprocess
 import sys
 
 import jax
+# A process that runs a deserialized module with Mosaic GPU kernels must
+# import Mosaic GPU first: the import tells the custom call where its runtime
+# library is (`MOSAIC_GPU_RUNTIME_LIB_PATH`); without it XLA fails to compile
+# the module ("Symbols not found: mosaic_gpu_launch_kernel"). README, export.
+import jax.experimental.mosaic.gpu  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
 import pytest
