@@ -74,6 +74,12 @@ def test_nothing_is_queued_without_a_cuda_device_of_the_kernels_arch(cross_lower
   assert compile_ahead._submitted == {}
 
 
+def test_nothing_is_queued_when_exporting(recorded_compiles):
+  with fa4_jax.gpu_target("sm90"):  # the module is for a GPU elsewhere
+    jax.export.export(jax.jit(causal_grad), platforms=("cuda",))(SPEC, SPEC, SPEC)
+  assert recorded_compiles == [] and compile_ahead._submitted == {}
+
+
 def test_the_switch_and_the_persistent_cache_turn_it_off(monkeypatch, tmp_path):
   monkeypatch.delenv(compile_ahead.ENV_SWITCH, raising=False)
   assert compile_ahead.enabled()

@@ -22,8 +22,9 @@ here changes what runs on the GPU.
 
 Runs only where a CUDA device of the kernel's architecture is present (not
 when cross-lowering on a CPU host, `fa4_jax.gpu_target`), only for fa4_jax's
-kernels (their bodies are named by `named`), and not while JAX's persistent
-compilation cache is on. Off with `FA4_JAX_COMPILE_AHEAD=0`.
+kernels (their bodies are named by `named`), not under `jax.export` (the
+module is compiled elsewhere), and not while JAX's persistent compilation
+cache is on. Off with `FA4_JAX_COMPILE_AHEAD=0`.
 
 How it hooks in (jax is pinned; `tests/test_compile_ahead.py` checks both
 hooks on the CPU): Pallas emits every Mosaic GPU kernel through
@@ -87,7 +88,8 @@ def install() -> None:
   def lowering_rule_then_compile_ahead(ctx, *args, module, **kwargs):
     outs = lowering_rule(ctx, *args, module=module, **kwargs)
     try:
-      if enabled() and _is_ours(module) and len(outs):
+      exporting = ctx.module_context.lowering_parameters.for_export  # compiled elsewhere
+      if enabled() and not exporting and _is_ours(module) and len(outs):
         _submit(outs[0].owner, module)
     except Exception:  # noqa: BLE001 - a warm-up must never fail a lowering
       pass
