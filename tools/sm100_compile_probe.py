@@ -151,7 +151,7 @@ def _compile_in_this_process(dump_dir: str) -> None:
 
 
 def disassemble(dump_dir) -> None:
-  """`kernel_N.sass` beside each `kernel_N.ptx` of `dump_dir`: ptxas for
+  """`<kernel>_N.sass` beside each `<kernel>_N.ptx` of `dump_dir`: ptxas for
   sm_100a, then cuobjdump (the plugin's own dump leaves no SASS for a
   target the device is not). Skipped where the CUDA tools are missing."""
   tools = [shutil.which(t, path=os.pathsep.join(["/usr/local/cuda/bin", os.environ.get("PATH", "")]))
@@ -160,7 +160,7 @@ def disassemble(dump_dir) -> None:
     print("no ptxas / cuobjdump: SASS not disassembled", flush=True)
     return
   ptxas, cuobjdump = tools
-  for ptx in pathlib.Path(dump_dir).glob("kernel_*.ptx"):
+  for ptx in pathlib.Path(dump_dir).glob("*.ptx"):
     cubin = ptx.with_suffix(".cubin")
     subprocess.run([ptxas, "-arch=sm_100a", str(ptx), "-o", str(cubin)], check=True)
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True)
@@ -179,8 +179,9 @@ def report(dump_dir) -> list[dict]:
   import sass_loops
 
   rows = []
+  # Files are named <kernel>_<N>.ptxas, N counting the modules lowered.
   for path in sorted(pathlib.Path(dump_dir).glob("*.ptxas"),
-                     key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]):
+                     key=lambda p: int(re.findall(r"(\d+)", p.name)[-1])):
     text = path.read_text()
     numbers = lambda pattern: [int(x) for x in re.findall(pattern, text)]
     rows.append(dict(file=path.name, registers=max(numbers(r"Used (\d+) registers"), default=0),
