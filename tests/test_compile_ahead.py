@@ -32,8 +32,8 @@ def causal_grad(q, k, v):
 def recorded_compiles(monkeypatch):
   """A stand-in Hopper device; `_compile` records its arguments instead."""
   calls = []
-  monkeypatch.setattr(compile_ahead, "_device_cache",
-                      [types.SimpleNamespace(compute_capability="9.0", id=0)])
+  monkeypatch.setattr(compile_ahead, "_local_cuda_device",
+                      lambda: types.SimpleNamespace(compute_capability="9.0", id=0))
   monkeypatch.setattr(compile_ahead, "_submitted", {})
   monkeypatch.setattr(compile_ahead, "_compile",
                       lambda device, values, signature: calls.append((values, signature)) or True)
@@ -65,10 +65,10 @@ def test_every_kernel_of_a_grad_is_queued_with_its_custom_call(cross_lower,
 
 def test_nothing_is_queued_without_a_cuda_device_of_the_kernels_arch(cross_lower, monkeypatch):
   monkeypatch.setattr(compile_ahead, "_submitted", {})
-  monkeypatch.setattr(compile_ahead, "_device_cache", [None])  # a CPU host
+  monkeypatch.setattr(compile_ahead, "_local_cuda_device", lambda: None)  # a CPU host
   on_cpu = cross_lower(causal_grad, SPEC, SPEC, SPEC)
-  monkeypatch.setattr(compile_ahead, "_device_cache",
-                      [types.SimpleNamespace(compute_capability="10.0", id=0)])
+  monkeypatch.setattr(compile_ahead, "_local_cuda_device",
+                      lambda: types.SimpleNamespace(compute_capability="10.0", id=0))
   on_sm100 = cross_lower(causal_grad, SPEC, SPEC, SPEC)  # lowered for sm_90
   assert len(on_cpu.modules) == len(on_sm100.modules) == 3  # the hook saw them
   assert compile_ahead._submitted == {}

@@ -39,6 +39,7 @@ a compile under way).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import threading
 
@@ -50,7 +51,6 @@ _lock = threading.Lock()
 _installed = False
 _submitted: dict[bytes, concurrent.futures.Future] = {}
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
-_device_cache: list = []  # [device or None], looked up once
 
 
 def named(body, role: str):
@@ -114,16 +114,16 @@ def _is_ours(module) -> bool:
   return ir.StringAttr(name).value.startswith(NAME_PREFIX)
 
 
+@functools.cache
 def _local_cuda_device():
   """A CUDA device of this process, or None (CPU host, cross-lowering)."""
-  if not _device_cache:
-    try:
-      import jax
-      devices = jax.devices("cuda")
-    except RuntimeError:
-      devices = []
-    _device_cache.append(devices[0] if devices else None)
-  return _device_cache[0]
+  import jax
+
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:
+    return None
+  return devices[0] if devices else None
 
 
 def _module_arch(module) -> str:
@@ -177,6 +177,9 @@ def one_op_program(values: dict, signature: tuple[list[str], list[str]]):
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import func
 
+  def row_major(types):
+    return [list(reversed(range(ir.RankedTensorType(t).rank))) for t in types]
+
   context = mlir.make_ir_context()
   with context, ir.Location.unknown():
     operand_types = [ir.Type.parse(t) for t in signature[0]]
@@ -192,10 +195,7 @@ def one_op_program(values: dict, signature: tuple[list[str], list[str]]):
         call = mlir.custom_call(
             "mosaic_gpu_v2", result_types=result_types, operands=list(main.arguments),
             backend_config=config, api_version=4,
-            operand_layouts=[list(reversed(range(ir.RankedTensorType(t).rank)))
-                             for t in operand_types],
-            result_layouts=[list(reversed(range(ir.RankedTensorType(t).rank)))
-                            for t in result_types])
+            operand_layouts=row_major(operand_types), result_layouts=row_major(result_types))
         func.ReturnOp(call.results)
   return program
 
