@@ -34,7 +34,9 @@ layout inference and lowering, StableHLO), `compile_s` (`.compile()`: XLA,
 and for the Mosaic GPU custom calls LLVM and ptxas), `run_s` (the first call
 of the compiled function, to its result), `total_s` (their sum), and
 `events`: JAX's own compile-stage durations (`jax.monitoring`), summed by
-name. The `layers` rows call attention 4 times in one jit (same shape, as a
+name; for fa4_jax, `compile_ahead_timeline`: when each kernel's compile was
+queued, started and finished on its worker thread and how long jax's compile
+waited for them, in seconds from the start of the first call. The `layers` rows call attention 4 times in one jit (same shape, as a
 model whose layers are not scanned): the kernels are traced and lowered once,
 not once per call site (`fa4_jax.kernels.build_cache`).
 
@@ -188,6 +190,7 @@ def measure(spec: dict) -> dict:
   _events_listener(events)
   result = {"import_s": import_s}
   clock = _StageClock(result)
+  origin = clock.wall
   lowered = _first_call(fn, args, cpu, stage=clock.stage)
   result["total_s"] = sum(result[f"{k}_s"] for k in clock.stages)
   result["events"] = {k: round(v, 4) for k, v in sorted(events.items())}
@@ -195,6 +198,9 @@ def measure(spec: dict) -> dict:
   if spec["column"].startswith("fa4_jax"):
     from fa4_jax.kernels import compile_ahead
     result["compiled_ahead"] = compile_ahead.outcomes()
+    # Seconds from the start of the first call: when each kernel's compile was
+    # queued, started, finished on its worker; when jax's compile waited.
+    result["compile_ahead_timeline"] = compile_ahead.timeline(since=origin)
   return result
 
 

@@ -35,8 +35,9 @@ def recorded_compiles(monkeypatch):
   monkeypatch.setattr(compile_ahead, "_local_cuda_device",
                       lambda: types.SimpleNamespace(compute_capability="9.0", id=0))
   monkeypatch.setattr(compile_ahead, "_submitted", {})
+  monkeypatch.setattr(compile_ahead, "_events", [])
   monkeypatch.setattr(compile_ahead, "_compile",
-                      lambda device, values, signature: calls.append((values, signature)) or True)
+                      lambda device, values, signature, event: calls.append((values, signature)) or True)
   monkeypatch.delenv(compile_ahead.ENV_SWITCH, raising=False)
   return calls
 
@@ -52,6 +53,9 @@ def test_every_kernel_of_a_grad_is_queued_with_its_custom_call(cross_lower,
   assert len({values["kernel_hash"] for values, _ in recorded_compiles}) == 6
   names = sorted(m.split("@", 1)[1].split(" ", 1)[0] for m in lowered.modules)
   assert names == ["fa4_jax_sm90_dkdv", "fa4_jax_sm90_dq", "fa4_jax_sm90_forward"]
+  # The benchmarks' timeline names each queued kernel, in lowering order.
+  queued = [event["name"] for event in compile_ahead.timeline()]
+  assert queued == 2 * ["fa4_jax_sm90_forward", "fa4_jax_sm90_dq", "fa4_jax_sm90_dkdv"]
   for values, (operand_types, result_types) in recorded_compiles:
     # Mosaic GPU's kernel cache is keyed by the SHA-256 of the module bytes.
     assert values["kernel_hash"] == hashlib.sha256(values["module"]).digest()
@@ -95,6 +99,9 @@ def test_jax_compiles_a_program_only_after_the_queued_kernels(monkeypatch):
   release = threading.Event()
   queued = concurrent.futures.ThreadPoolExecutor(1).submit(release.wait)
   monkeypatch.setattr(compile_ahead, "_submitted", {b"a kernel": queued})
+  monkeypatch.setattr(compile_ahead, "_events", [])
   threading.Timer(0.3, release.set).start()
   jax.jit(lambda x: x * 3.0).lower(1.0).compile()  # any program, through jax's compile
   assert queued.done()
+  [wait] = compile_ahead.timeline()
+  assert wait["name"] == "wait" and wait["finished"] - wait["started"] >= 0.2

@@ -42,6 +42,7 @@ import concurrent.futures
 import functools
 import os
 import threading
+import time
 
 NAME_PREFIX = "fa4_jax_"
 ENV_SWITCH = "FA4_JAX_COMPILE_AHEAD"
@@ -50,6 +51,9 @@ MAX_WORKERS = 4
 _lock = threading.Lock()
 _installed = False
 _submitted: dict[bytes, concurrent.futures.Future] = {}
+# For benchmarks (`timeline`): per queued kernel its module name and the
+# perf_counter times it was queued, started and finished; and the waits.
+_events: list[dict] = []
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -100,7 +104,11 @@ def install() -> None:
   def backend_compile_after_workers(*args, **kwargs):
     # XLA would compile a kernel a worker is still compiling a second time
     # (Mosaic GPU's cache does not wait for a compile under way): wait.
-    wait_for_all()
+    started = time.perf_counter()
+    if wait_for_all():
+      with _lock:
+        _events.append(dict(name="wait", queued=started, started=started,
+                            finished=time.perf_counter()))
     return backend_compile(*args, **kwargs)
 
   mgpu_core._mosaic_gpu_lowering_rule = lowering_rule_then_compile_ahead
@@ -167,7 +175,10 @@ def _submit(custom_call, module) -> None:
       _executor = concurrent.futures.ThreadPoolExecutor(
           max_workers=min(MAX_WORKERS, max(1, (os.cpu_count() or 2) - 1)),
           thread_name_prefix="fa4_jax_compile_ahead")
-    _submitted[kernel_hash] = _executor.submit(_compile, device, values, signature)
+    event = dict(name=ir.StringAttr(module.operation.attributes["sym_name"]).value,
+                 queued=time.perf_counter())
+    _events.append(event)
+    _submitted[kernel_hash] = _executor.submit(_compile, device, values, signature, event)
 
 
 def one_op_program(values: dict, signature: tuple[list[str], list[str]]):
@@ -200,9 +211,10 @@ def one_op_program(values: dict, signature: tuple[list[str], list[str]]):
   return program
 
 
-def _compile(device, values, signature) -> bool:
+def _compile(device, values, signature, event: dict) -> bool:
   """Compiles the one-op program on `device`'s backend; False on failure
   (the program's own compile then does the work, as without this module)."""
+  event["started"] = time.perf_counter()
   try:
     import numpy as np
     from jax._src import compiler
@@ -218,6 +230,8 @@ def _compile(device, values, signature) -> bool:
     return True
   except Exception:  # noqa: BLE001 - a warm-up; the real compile reports errors
     return False
+  finally:
+    event["finished"] = time.perf_counter()
 
 
 def outcomes() -> dict[str, int]:
@@ -229,9 +243,23 @@ def outcomes() -> dict[str, int]:
   return dict(compiled=compiled, failed=len(done) - compiled, running=len(futures) - len(done))
 
 
-def wait_for_all() -> None:
-  """Blocks until every queued compile has finished."""
+def timeline(since: float = 0.0) -> list[dict]:
+  """For benchmarks: each kernel queued so far (`name`: its module's) and
+  each wait of a program's compile (`name` "wait"), with the seconds from
+  `since` (a `time.perf_counter()` reading) to when it was queued, started
+  and finished (None while not yet)."""
+  with _lock:
+    events = [dict(e) for e in _events]
+  def rel(t):
+    return None if t is None else round(t - since, 4)
+  return [dict(name=e["name"], queued=rel(e["queued"]), started=rel(e.get("started")),
+               finished=rel(e.get("finished"))) for e in events]
+
+
+def wait_for_all() -> bool:
+  """Blocks until every queued compile has finished; True if it had to wait."""
   with _lock:
     pending = [f for f in _submitted.values() if not f.done()]
   if pending:
     concurrent.futures.wait(pending)
+  return bool(pending)
