@@ -50,6 +50,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fa4_jax import xla_attention
+from fa4_jax.batching import custom_vmap_call
 
 # One letter per dimension of every array the backends see:
 #   b batch, t query position, s key position, n query head, k KV head,
@@ -186,18 +187,9 @@ def _run(call: _Call, arrays):
   if mesh is not None:
     return _shard_mapped(call, mesh, arrays)
 
-  @jax.custom_batching.custom_vmap
-  def run(*arrays):
-    return _partitioned(call, *arrays)
-
-  @run.def_vmap
-  def _vmap_rule(axis_size, in_batched, *arrays):
-    del axis_size
-    in_axes = [0 if batched else None for batched in in_batched]
-    outs = jax.vmap(functools.partial(_call_backend, call), in_axes=in_axes)(*arrays)
-    return outs, (True,) * len(outs)
-
-  return run(*arrays)
+  # custom_partitioning has no batching rule: under vmap, the backend itself.
+  return custom_vmap_call(functools.partial(_partitioned, call),
+                          under_vmap=functools.partial(_call_backend, call))(*arrays)
 
 
 def _explicit_mesh(arrays):

@@ -54,6 +54,7 @@ import numpy as np
 from jax.experimental import hijax
 
 from fa4_jax import scores, sharding, xla_attention
+from fa4_jax.batching import custom_vmap_call
 from fa4_jax.scores import MaskSpec
 
 
@@ -110,22 +111,7 @@ def keeping_rule(rule_fn):
     # Only arrays pass through (custom_vmap's jvp fails on None leaves).
     leaves, tree = jax.tree.flatten(args)
     on_leaves = lambda *leaves: rule_fn(*jax.tree.unflatten(tree, leaves))
-
-    @jax.custom_batching.custom_vmap
-    def call(*leaves):
-      return on_leaves(*leaves)
-
-    @call.def_vmap
-    def _vmap_rule(axis_size, in_batched, *leaves):
-      del axis_size
-      if not any(in_batched):  # so called by custom_vmap's own jvp
-        out = on_leaves(*leaves)
-        return out, jax.tree.map(lambda _: False, out)
-      in_axes = tuple(0 if batched else None for batched in in_batched)
-      out = jax.vmap(on_leaves, in_axes=in_axes)(*leaves)
-      return out, jax.tree.map(lambda _: True, out)
-
-    return call(*leaves)
+    return custom_vmap_call(on_leaves)(*leaves)
 
   return shielded
 

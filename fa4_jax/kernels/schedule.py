@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
@@ -33,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fa4_jax.batching import custom_vmap_call
 from fa4_jax.kernels import default_device
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import current_target
@@ -327,17 +327,7 @@ def fixed_shares_under_vmap(queued_call, build_fixed):
   with the queue's counter replaced by fixed round-robin shares
   (`build_fixed()`, as in the interpreter)."""
 
-  @jax.custom_batching.custom_vmap
-  def run(*args):
-    return queued_call(*args)
-
-  @run.def_vmap
-  def _vmap_rule(axis_size, in_batched, *args):
-    del axis_size
-    outs = jax.vmap(build_fixed(), in_axes=[0 if b else None for b in in_batched])(*args)
-    return outs, tuple(True for _ in outs)
-
-  return run
+  return custom_vmap_call(queued_call, under_vmap=lambda *args: build_fixed()(*args))
 
 
 def sm_count(default: int) -> int:
