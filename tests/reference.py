@@ -9,6 +9,14 @@ import numpy as np
 from fa4_jax.scores import MaskSpec
 
 
+def relative_error(got, want) -> float:
+  """|got - want| / |want| over all elements (Frobenius norms, in float64):
+  the gradient checks' measure, since bf16 leaves a few elements far off
+  while the whole stays close. `want` of norm below 1e-6 counts as 1e-6."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6))
+
+
 def visible_mask(t, s, *, is_causal=False, window=None, q_lengths=None,
                  kv_lengths=None, batch=1, q_offset=0, q_segment_ids=None,
                  kv_segment_ids=None):
