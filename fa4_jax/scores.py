@@ -191,19 +191,20 @@ class MaskSpec:
       self, q_lo: Int, q_hi: Int, num_keys: Int, block_k: int
   ) -> tuple[Int, Int]:
     """Key blocks [b_lo, b_hi) of size `block_k` that rows [q_lo, q_hi) touch."""
-    k_lo, k_hi = self.key_range(q_lo, q_hi, num_keys)
-    b_lo = k_lo // block_k
-    b_hi = _max(b_lo, cdiv(k_hi, block_k))
-    return b_lo, b_hi
+    return _blocks_covering(*self.key_range(q_lo, q_hi, num_keys), block_k)
 
   def query_block_range(
       self, k_lo: Int, k_hi: Int, num_queries: Int, block_q: int
   ) -> tuple[Int, Int]:
     """Query blocks [b_lo, b_hi) of size `block_q` that keys [k_lo, k_hi) touch."""
-    q_lo, q_hi = self.query_range(k_lo, k_hi, num_queries)
-    b_lo = q_lo // block_q
-    b_hi = _max(b_lo, cdiv(q_hi, block_q))
-    return b_lo, b_hi
+    return _blocks_covering(*self.query_range(k_lo, k_hi, num_queries), block_q)
+
+
+def _blocks_covering(lo: Int, hi: Int, block: int) -> tuple[Int, Int]:
+  """Blocks [b_lo, b_hi) of size `block` that cover positions [lo, hi)
+  (none where hi <= lo)."""
+  b_lo = lo // block
+  return b_lo, _max(b_lo, cdiv(hi, block))
 
 
 # --- Tile ranges of the kernels ---------------------------------------------

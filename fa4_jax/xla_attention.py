@@ -104,31 +104,29 @@ class _Problem:
   def key_blocks_for(self, qb):
     """Key blocks [lo, hi) the query block `qb` may see (mask, lengths and
     segment ids)."""
-    bq = self.blocks.block_q
-    if self.spec.offset_from_lengths:  # each row its own band: their union
-      q_hi = jnp.minimum((qb + 1) * bq, self.q_len)
-      lo, hi = self.spec.at_lengths(self.q_len, self.kv_len).key_block_range(
-          qb * bq, q_hi, self.kv_len, self.blocks.block_k)
-      lo, hi = _union_over_rows(lo, jnp.where(q_hi > qb * bq, hi, lo))
-      return _narrow(lo, hi, self.q_block_segments, qb)
-    q_hi = jnp.minimum((qb + 1) * bq, jnp.max(self.q_len))
-    lo, hi = self.spec.key_block_range(qb * bq, q_hi, jnp.max(self.kv_len),
-                                       self.blocks.block_k)
-    return _narrow(lo, jnp.where(q_hi > qb * bq, hi, lo), self.q_block_segments, qb)
+    return self._blocks_paired_with(
+        qb, self.blocks.block_q, self.q_len, self.kv_len, self.q_block_segments,
+        lambda spec, lo, hi, n: spec.key_block_range(lo, hi, n, self.blocks.block_k))
 
   def query_blocks_for(self, kb):
     """Query blocks [lo, hi) that may see key block `kb`."""
-    bk = self.blocks.block_k
+    return self._blocks_paired_with(
+        kb, self.blocks.block_k, self.kv_len, self.q_len, self.k_block_segments,
+        lambda spec, lo, hi, n: spec.query_block_range(lo, hi, n, self.blocks.block_q))
+
+  def _blocks_paired_with(self, b, size, own_len, other_len, own_segments, block_range):
+    """The other side's blocks [lo, hi) that block `b` (of `size` rows or
+    keys, `own_len` of them) pairs with: `block_range(spec, lo, hi, other_len)`
+    is the MaskSpec's range; an empty block pairs with none."""
     if self.spec.offset_from_lengths:  # each row its own band: their union
-      k_hi = jnp.minimum((kb + 1) * bk, self.kv_len)
-      lo, hi = self.spec.at_lengths(self.q_len, self.kv_len).query_block_range(
-          kb * bk, k_hi, self.q_len, self.blocks.block_q)
-      lo, hi = _union_over_rows(lo, jnp.where(k_hi > kb * bk, hi, lo))
-      return _narrow(lo, hi, self.k_block_segments, kb)
-    k_hi = jnp.minimum((kb + 1) * bk, jnp.max(self.kv_len))
-    lo, hi = self.spec.query_block_range(kb * bk, k_hi, jnp.max(self.q_len),
-                                         self.blocks.block_q)
-    return _narrow(lo, jnp.where(k_hi > kb * bk, hi, lo), self.k_block_segments, kb)
+      own_hi = jnp.minimum((b + 1) * size, own_len)
+      lo, hi = block_range(self.spec.at_lengths(self.q_len, self.kv_len), b * size, own_hi,
+                           other_len)
+      lo, hi = _union_over_rows(lo, jnp.where(own_hi > b * size, hi, lo))
+      return _narrow(lo, hi, own_segments, b)
+    own_hi = jnp.minimum((b + 1) * size, jnp.max(own_len))
+    lo, hi = block_range(self.spec, b * size, own_hi, jnp.max(other_len))
+    return _narrow(lo, jnp.where(own_hi > b * size, hi, lo), own_segments, b)
 
   def _slice_pair(self, x, qb, kb):
     """The [.., Tb, Sb] block of a broadcastable bias or mask array."""
