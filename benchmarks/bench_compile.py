@@ -36,9 +36,10 @@ of the compiled function, to its result), `total_s` (their sum), and
 `events`: JAX's own compile-stage durations (`jax.monitoring`), summed by
 name; for fa4_jax, `compile_ahead_timeline`: when each kernel's compile was
 queued, started and finished on its worker thread and how long jax's compile
-waited for them, in seconds from the start of the first call. The `layers` rows call attention 4 times in one jit (same shape, as a
-model whose layers are not scanned): the kernels are traced and lowered once,
-not once per call site (`fa4_jax.kernels.build_cache`).
+waited for them, in seconds from the start of the first call. The `layers`
+rows call attention 4 times in one jit (same shape, as a model whose layers
+are not scanned): the kernels are traced and lowered once, not once per call
+site (`fa4_jax.kernels.build_cache`).
 
 `--cpu`: no GPU needed; each child cross-lowers for CUDA with the arch set to
 sm_90 (`fa4_jax.testing`), so only trace_s and lower_s are measured (on this

@@ -36,8 +36,8 @@ def recorded_compiles(monkeypatch):
                       lambda: types.SimpleNamespace(compute_capability="9.0", id=0))
   monkeypatch.setattr(compile_ahead, "_submitted", {})
   monkeypatch.setattr(compile_ahead, "_events", [])
-  monkeypatch.setattr(compile_ahead, "_compile",
-                      lambda device, values, signature, event: calls.append((values, signature)) or True)
+  monkeypatch.setattr(compile_ahead, "_compile", lambda device, values, signature, event:
+                      calls.append((values, signature)) or True)
   monkeypatch.delenv(compile_ahead.ENV_SWITCH, raising=False)
   return calls
 

@@ -38,17 +38,15 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import bench_common  # noqa: E402
 
-# bf16, bench_compile's shapes (GQA: 16 query heads on 4 KV heads).
-TIMELINE_CASES = {
-    "B2 S4096 H16 D128": dict(B=2, S=4096, Hq=16, Hkv=16, D=128, causal=False),
-    "B2 S4096 H16 D128 causal": dict(B=2, S=4096, Hq=16, Hkv=16, D=128, causal=True),
-    "B2 S4096 H16 D64": dict(B=2, S=4096, Hq=16, Hkv=16, D=64, causal=False),
-    "B2 S4096 H16/4 D128 (GQA) causal": dict(B=2, S=4096, Hq=16, Hkv=4, D=128, causal=True),
-}
+import bench_compile  # noqa: E402
+
+# bench_compile's cases whose grads were near tokamax's (no segment ids).
+TIMELINE_CASES = [case for case in bench_compile.CASES
+                  if case[0] in ("B2 S4096 H16 D128", "B2 S4096 H16 D128 causal",
+                                 "B2 S4096 H16 D64", "B2 S4096 H16/4 D128 (GQA) causal")]
 
 
 def timeline_child(spec: dict, workers: int) -> None:
-  import bench_compile
   from fa4_jax.kernels import compile_ahead
 
   if workers:
@@ -58,11 +56,11 @@ def timeline_child(spec: dict, workers: int) -> None:
 
 def timeline(passes) -> list[dict]:
   rows = []
-  for case, shape in TIMELINE_CASES.items():
+  for case, B, S, Hq, Hkv, D, causal, segments in TIMELINE_CASES:
     for pass_name in passes:
       for workers in (0, 1):
-        spec = dict(shape, segments=False, cpu=False, layers=1, column="fa4_jax",
-                    **{"pass": pass_name})
+        spec = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal, segments=segments,
+                    cpu=False, layers=1, column="fa4_jax", **{"pass": pass_name})
         proc = subprocess.run(
             [sys.executable, __file__, "--timeline-child", json.dumps(spec), str(workers)],
             capture_output=True, text=True, timeout=180)
@@ -95,15 +93,8 @@ def _grad_kernel_sets(count: int):
   queue = compile_ahead._submit
 
   def capture(custom_call, module):
-    from jax._src.lib.mlir import ir
-
-    config = ir.DictAttr(custom_call.attributes["mhlo.backend_config"])
-    values = {config[i].name: (config[i].attr.value if isinstance(config[i].attr, ir.BoolAttr)
-                               else config[i].attr.value_bytes) for i in range(len(config))}
-    signature = ([str(v.type) for v in custom_call.operands],
-                 [str(r.type) for r in custom_call.results])
-    captured.append((ir.StringAttr(module.operation.attributes["sym_name"]).value, values,
-                     signature))
+    captured.append((compile_ahead.module_name(module),
+                     *compile_ahead.custom_call_config(custom_call)))
 
   q = jnp.zeros((2, 4096, 16, 128), jnp.bfloat16)
   loss = lambda q, k, v: fa4_jax.attention(q, k, v).astype(jnp.float32).sum()

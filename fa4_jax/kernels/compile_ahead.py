@@ -116,10 +116,14 @@ def install() -> None:
 
 
 def _is_ours(module) -> bool:
+  return module_name(module).startswith(NAME_PREFIX)
+
+
+def module_name(module) -> str:
+  """The Mosaic GPU module's name (its kernel body's `__name__`)."""
   from jax._src.lib.mlir import ir
 
-  name = module.operation.attributes["sym_name"]
-  return ir.StringAttr(name).value.startswith(NAME_PREFIX)
+  return ir.StringAttr(module.operation.attributes["sym_name"]).value
 
 
 @functools.cache
@@ -146,11 +150,33 @@ def _module_arch(module) -> str:
 def _submit(custom_call, module) -> None:
   """Queues the compile of `custom_call`'s kernel. (Each lowering makes a
   new module: Mosaic GPU numbers them in `mosaic_gpu.dump_basename`.)"""
-  from jax._src.lib.mlir import ir
-
   device = _local_cuda_device()
   if device is None or getattr(device, "compute_capability", None) != _module_arch(module):
     return
+  found = custom_call_config(custom_call)
+  if found is None:
+    return
+  values, signature = found
+  kernel_hash = values["kernel_hash"]
+  global _executor
+  with _lock:
+    if kernel_hash in _submitted:
+      return
+    if _executor is None:
+      _executor = concurrent.futures.ThreadPoolExecutor(
+          max_workers=min(MAX_WORKERS, max(1, (os.cpu_count() or 2) - 1)),
+          thread_name_prefix="fa4_jax_compile_ahead")
+    event = dict(name=module_name(module), queued=time.perf_counter())
+    _events.append(event)
+    _submitted[kernel_hash] = _executor.submit(_compile, device, values, signature, event)
+
+
+def custom_call_config(custom_call):
+  """(backend config values, (operand types, result types)) of a Mosaic GPU
+  custom call, as `one_op_program` takes them; None if the config holds an
+  attribute this version does not know, or no kernel hash or module."""
+  from jax._src.lib.mlir import ir
+
   config = ir.DictAttr(custom_call.attributes["mhlo.backend_config"])
   values = {}
   for i in range(len(config)):
@@ -161,24 +187,12 @@ def _submit(custom_call, module) -> None:
     elif isinstance(attr, ir.StringAttr):
       values[entry.name] = attr.value_bytes
     else:  # an attribute this version of the hook does not know: leave it
-      return
-  kernel_hash = values.get("kernel_hash")
-  if kernel_hash is None or "module" not in values:
-    return
+      return None
+  if "kernel_hash" not in values or "module" not in values:
+    return None
   signature = ([str(v.type) for v in custom_call.operands],
                [str(r.type) for r in custom_call.results])
-  global _executor
-  with _lock:
-    if kernel_hash in _submitted:
-      return
-    if _executor is None:
-      _executor = concurrent.futures.ThreadPoolExecutor(
-          max_workers=min(MAX_WORKERS, max(1, (os.cpu_count() or 2) - 1)),
-          thread_name_prefix="fa4_jax_compile_ahead")
-    event = dict(name=ir.StringAttr(module.operation.attributes["sym_name"]).value,
-                 queued=time.perf_counter())
-    _events.append(event)
-    _submitted[kernel_hash] = _executor.submit(_compile, device, values, signature, event)
+  return values, signature
 
 
 def one_op_program(values: dict, signature: tuple[list[str], list[str]]):
@@ -248,12 +262,12 @@ def timeline(since: float = 0.0) -> list[dict]:
   each wait of a program's compile (`name` "wait"), with the seconds from
   `since` (a `time.perf_counter()` reading) to when it was queued, started
   and finished (None while not yet)."""
-  with _lock:
-    events = [dict(e) for e in _events]
   def rel(t):
     return None if t is None else round(t - since, 4)
-  return [dict(name=e["name"], queued=rel(e["queued"]), started=rel(e.get("started")),
-               finished=rel(e.get("finished"))) for e in events]
+
+  with _lock:
+    return [dict(name=e["name"], queued=rel(e["queued"]), started=rel(e.get("started")),
+                 finished=rel(e.get("finished"))) for e in _events]
 
 
 def wait_for_all() -> bool:
