@@ -33,11 +33,11 @@ from fa4_jax.kernels import sm90_backward, sm90_forward  # noqa: E402
 CAUSAL = scores.MaskSpec(right=0)
 
 
-def computed_pairs(ids, block_rows: int, block_cols: int, keys_are_rows: bool) -> int:
-  """Pairs computed by tiles of `block_rows` rows walking `block_cols`-wide
-  blocks (rows are keys for the dK/dV kernel)."""
+def walked_blocks(ids, block_rows: int, block_cols: int, keys_are_rows: bool) -> np.ndarray:
+  """int [batch, tiles]: the blocks of `block_cols` columns that each tile of
+  `block_rows` rows walks (rows are keys for the dK/dV kernel)."""
   ids = jnp.asarray(ids)
-  batch, seq = ids.shape
+  seq = ids.shape[1]
   segments = scores.segment_tile_ranges(ids, ids, block_rows, block_cols)
   tiles = jnp.arange(segments.lo.shape[1])
   lo, hi = tiles * block_rows, (tiles + 1) * block_rows
@@ -46,7 +46,14 @@ def computed_pairs(ids, block_rows: int, block_cols: int, keys_are_rows: bool) -
   band = scores.TileRanges(*(jnp.broadcast_to(x, segments.lo.shape) for x in
                              (band.lo, band.hi, band.full_lo, band.full_hi)))
   walked = band.intersect(segments)
-  return int(jnp.sum(walked.hi - walked.lo)) * block_rows * block_cols
+  return np.maximum(np.asarray(walked.hi - walked.lo), 0)
+
+
+def computed_pairs(ids, block_rows: int, block_cols: int, keys_are_rows: bool) -> int:
+  """Pairs computed by tiles of `block_rows` rows walking `block_cols`-wide
+  blocks (rows are keys for the dK/dV kernel)."""
+  return int(walked_blocks(ids, block_rows, block_cols, keys_are_rows).sum()) * (
+      block_rows * block_cols)
 
 
 def main() -> int:
