@@ -106,7 +106,8 @@ def _check_pair_array(x, name: str, full_shape: tuple[int, ...], want_bool: bool
   if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"`bias` must be a floating-point array; got {_dtype_name(x.dtype)}")
   if x.ndim > 4:
-    raise ValueError(f"`{name}` must have rank <= 4 (batch, heads, q_seq, kv_seq); got rank {x.ndim}")
+    raise ValueError(f"`{name}` must have rank <= 4 (batch, heads, q_seq, kv_seq); "
+                     f"got rank {x.ndim}")
   x = x.reshape((1,) * (4 - x.ndim) + x.shape)
   if any(d not in (1, f) for d, f in zip(x.shape, full_shape)):
     raise ValueError(

@@ -170,8 +170,9 @@ class WorkQueue:
   `depth + 1` cells (`num_cells`), used round robin: item i + 1's cell was
   last read by item i - depth's consumers, whose copy the producer had to
   see released before starting item i. The cells ride in the LSE rows'
-  buffer (the lse2 ring's in the dK/dV kernel), which has bytes to spare (every SMEM buffer starts at a 1 KiB
-  multiple, and one more KiB would not fit beside the packed D128 config),
+  buffer (the lse2 ring's in the dK/dV kernel), which has bytes to spare
+  (every SMEM buffer starts at a 1 KiB multiple, and one more KiB would not
+  fit beside the packed D128 config),
   so they are f32 words; Pallas' Mosaic GPU lowering has no scalar bitcast,
   so they hold the unit as a float, exact below 2^24 units
   (`PersistentWork` checks). Without the counter (the interpreter, and

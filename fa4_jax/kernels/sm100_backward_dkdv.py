@@ -163,7 +163,8 @@ class DkvTiles:
     return 4
 
   def check_budgets(self) -> None:
-    assert self.block_kv == BLOCK_KV, f"block_kv must be {BLOCK_KV} (TMEM lanes); got {self.block_kv}"
+    assert self.block_kv == BLOCK_KV, (
+        f"block_kv must be {BLOCK_KV} (TMEM lanes); got {self.block_kv}")
     assert self.block_q % CHUNK == 0, f"block_q must be a multiple of {CHUNK}; got {self.block_q}"
     cols = self.tmem_columns()
     assert cols <= TMEM_COLUMNS, (

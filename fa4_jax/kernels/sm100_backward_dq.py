@@ -162,7 +162,8 @@ class DqTiles:
 
   def check_budgets(self) -> None:
     if self.block_q != BLOCK_Q:
-      raise KernelUnsupported(f"sm100 dQ: block_q must be {BLOCK_Q} (TMEM lanes); got {self.block_q}")
+      raise KernelUnsupported(
+          f"sm100 dQ: block_q must be {BLOCK_Q} (TMEM lanes); got {self.block_q}")
     if self.block_kv % MMA_K_GROUP:
       raise KernelUnsupported(
           f"sm100 dQ: block_kv must be a multiple of {MMA_K_GROUP} (the K of dQ += dS K under"

@@ -629,7 +629,8 @@ def cta_key_blocks(mask: MaskSpec, cfg: TileConfig, row0, q_len, kv_len, seg_til
   blocks its tiles' ids meet. Traced scalars in the kernel; arrays (one
   entry per CTA) in the tests."""
   cta_rows_hi = jnp.minimum(row0 + cfg.rows_per_cta, q_len)
-  blk_lo, blk_hi = mask.at_lengths(q_len, kv_len).key_block_range(row0, cta_rows_hi, kv_len, cfg.block_kv)
+  blk_lo, blk_hi = mask.at_lengths(q_len, kv_len).key_block_range(row0, cta_rows_hi, kv_len,
+                                                                  cfg.block_kv)
   if seg_tiles is not None:
     band = scores.TileRanges(blk_lo, blk_hi, blk_lo, blk_hi)
     walked = band.intersect(scores.hull(seg_tiles))
@@ -795,7 +796,8 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   # Element masks only where the block straddles a mask/length edge (or,
   # with segment ids, lies outside the tile's run of its one id).
   needs_no_mask = (
-      ctx.statics.mask.at_lengths(ctx.q_len, ctx.kv_len).tile_is_full(r_lo, r_lo + BLOCK_Q, k_lo, k_lo + bn)
+      ctx.statics.mask.at_lengths(ctx.q_len, ctx.kv_len).tile_is_full(r_lo, r_lo + BLOCK_Q,
+                                                                      k_lo, k_lo + bn)
       & (k_lo + bn <= ctx.kv_len)
       & (r_lo + BLOCK_Q <= ctx.q_len)
   )
