@@ -5,6 +5,10 @@
 Prints the stall reasons over all sampled instructions of one kernel of the
 report (0: the first profiled launch; a backward call has two, dK/dV then dQ)
 and the instructions with the most samples, each with its two main reasons.
+Then the MUFU (special function unit) operations the kernel executed, by
+opcode, and the cycles an SM's MUFU needs for them at Hopper's 16 per cycle
+(`--sms`, default 132): set beside the kernel's elapsed cycles, how busy
+that unit must have been.
 """
 
 from __future__ import annotations
@@ -38,11 +42,32 @@ def _reasons(row: dict) -> dict[str, int]:
           if k.startswith("stall_") and "Not Issued" not in k}
 
 
+MUFU_PER_CYCLE_PER_SM = 16  # CUDA C++ Programming Guide, throughput table, cc 9.0
+
+
+def _opcode(source: str) -> str:
+  words = source.split()
+  if words and words[0].startswith("@"):  # a predicate
+    words = words[1:]
+  return words[0] if words else ""
+
+
+def mufu_ops(rows) -> collections.Counter:
+  """Thread-level MUFU operations executed, by opcode (MUFU.EX2, MUFU.TANH...)."""
+  ops = collections.Counter()
+  for r in rows:
+    opcode = _opcode(r["Source"])
+    if opcode.startswith("MUFU"):
+      ops[opcode] += _count(r["Thread Instructions Executed"])
+  return ops
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("csv")
   ap.add_argument("--kernel", type=int, default=0)
   ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--sms", type=int, default=132)
   args = ap.parse_args()
   rows = kernels_of(args.csv)[args.kernel]
   samples = lambda r: _count(r["Warp Stall Sampling (All Samples)"])
@@ -58,6 +83,12 @@ def main() -> None:
     main_reasons = sorted(_reasons(r).items(), key=lambda kv: -kv[1])[:2]
     print(f"  {r['Address'][-5:]} {samples(r) / total:6.1%} {r['Source'].strip()[:58]:58s} "
           + ", ".join(f"{k[6:]} {v}" for k, v in main_reasons))
+  ops = mufu_ops(rows)
+  total_ops = sum(ops.values())
+  print(f"MUFU operations: {total_ops:,} ("
+        + ", ".join(f"{k} {v:,}" for k, v in ops.most_common()) + "); at "
+        f"{MUFU_PER_CYCLE_PER_SM} per cycle per SM: "
+        f"{total_ops / (MUFU_PER_CYCLE_PER_SM * args.sms):,.0f} cycles per SM")
 
 
 if __name__ == "__main__":
