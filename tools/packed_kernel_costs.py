@@ -1,14 +1,14 @@
 """What a packed call's kernels cost per CTA and per block walked.
 
 Rows of 16k tokens cut into equal documents of L tokens (L = 128 ... 16384),
-causal inside each, B1 H16 D128 bf16: every row has the same CTAs (one per
-tile, 2,048 per kernel), only the blocks each CTA walks change with L. Each
+causal inside each, B1 H16 D128 bf16: every row launches the same grids,
+only the blocks each CTA walks change with L. Each
 kernel's time (median of `bench_common.ITERATIONS` calls in a profiler
 trace) is fitted as `fixed + per_block * blocks` by least squares, where
 `blocks` counts the blocks the CTAs' walks take (the kernels' own range
 helpers, through `packed_tile_bound.walked_blocks`). `fixed` is what the
 call pays whatever the documents: with one CTA per tile, each tile's loads
-and stores that its own walk does not hide. Then the same split for
+and stores that its walk does not hide. Then the same split for
 `bench_packed.py`'s packings (`--packings`).
 
     python3 tools/packed_kernel_costs.py [--packings]   (GPU machine)
