@@ -1,4 +1,4 @@
-"""What a packed call's kernels cost per CTA and per block walked.
+"""What a packed call's kernels cost: a fixed part, and a cost per block walked.
 
 Rows of 16k tokens cut into equal documents of L tokens (L = 128 ... 16384),
 causal inside each, B1 H16 D128 bf16: every row launches the same grids,
