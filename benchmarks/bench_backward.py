@@ -101,12 +101,12 @@ def span_times(f, *args):
   """(span ms, {kernel name: ms}) medians over ITERATIONS calls, the span from
   a profiler trace (first kernel's start to last kernel's end; see
   `bench_common.trace_spans`), per-kernel durations as in `kernel_times`."""
-  calls = bench_common.trace_spans(f, args, ITERATIONS)
+  span, kernels = bench_common.kernel_medians(f, args, ITERATIONS)
   per_kernel = {}
-  for i, (name, _, _) in enumerate(calls[0][1]):
-    per_kernel[f"{i}:{name[:60]}"] = float(np.median([c[1][i][2] for c in calls]))
-    per_kernel[f"{i}:starts_at"] = float(np.median([c[1][i][1] for c in calls]))
-  return float(np.median([span for span, _ in calls])), per_kernel
+  for i, (name, start, duration) in enumerate(kernels):
+    per_kernel[f"{i}:{name[:60]}"] = float(duration)
+    per_kernel[f"{i}:starts_at"] = float(start)
+  return float(span), per_kernel
 
 
 def errors(grads, ref):

@@ -82,6 +82,17 @@ def trace_spans(f, args, iterations: int):
   return out
 
 
+def kernel_medians(f, args, iterations: int = ITERATIONS):
+  """(span, [(name, start, duration)]) of `f(*args)`, milliseconds: medians
+  over `iterations` calls (`trace_spans`), kernel by kernel (every call
+  launches the same kernels in the same order)."""
+  calls = trace_spans(f, args, iterations)
+  kernels = [(name, statistics.median(c[1][i][1] for c in calls),
+              statistics.median(c[1][i][2] for c in calls))
+             for i, (name, _, _) in enumerate(calls[0][1])]
+  return statistics.median(span for span, _ in calls), kernels
+
+
 def span_ms(f, *args) -> float:
   """Median kernel span of `f(*args)` over ITERATIONS calls (`trace_spans`)."""
   return statistics.median(span for span, _ in trace_spans(f, args, ITERATIONS))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -67,9 +66,8 @@ def kernel_times(ids, q, k, v, do) -> dict[str, float]:
   bwd = jax.jit(lambda vjp, do: vjp(do))
   times = {"xla": 0.0}
   for f, args in ((fwd, (q, k, v)), (bwd, (vjp, do))):
-    calls = bench_common.trace_spans(f, args, bench_common.ITERATIONS)
-    for i, (name, _, _) in enumerate(calls[0][1]):
-      us = 1e3 * statistics.median(kernels[i][2] for _, kernels in calls)
+    for name, _, duration in bench_common.kernel_medians(f, args)[1]:
+      us = 1e3 * duration
       for role in ("forward", "dq", "dkdv"):
         if f"fa4_jax_sm90_{role}_" in name:
           times[role] = us
