@@ -2,10 +2,10 @@
 
 import os
 
-# The GPU interpreter runs each warpgroup (and warp) as its own XLA CPU
-# computation that blocks in barrier waits; XLA's CPU thread pool, sized by
-# NPROC (default: the core count), must hold them all at once or a kernel
-# deadlocks at random on a 2-core machine. Set before any backend starts.
+# The GPU interpreter runs each warpgroup as its own XLA CPU computation that
+# blocks in barrier waits; XLA's CPU thread pool, sized by NPROC (default: the
+# core count), must hold them all at once or a kernel deadlocks at random on
+# a 2-core machine (`fa4_jax.interpret`). Set before any backend starts.
 os.environ.setdefault("NPROC", "32")
 
 # Under pytest-xdist (the README's `-n 2`) several processes may share one GPU:

@@ -1,12 +1,14 @@
 """The kernel test harness itself: it must catch what it claims to catch."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fa4_jax import testing
+from fa4_jax import interpret, testing
 
 SHAPE = (128, 128)
 
@@ -41,6 +43,24 @@ def test_interpreter_reports_a_read_before_the_barrier_wait_as_a_race():
     testing.run_interpreted(_copy_plus_one(wait_for_copy=False), x)
   # ...and the harness is usable again afterwards.
   testing.run_interpreted(_copy_plus_one(wait_for_copy=True), x)
+
+
+def test_tests_give_the_interpreter_threads_enough():
+  # conftest sets NPROC before JAX starts: with too few pool threads an
+  # interpreted kernel can deadlock at random on a 2-core machine.
+  assert interpret.interpreter_thread_pool_size() >= interpret.MIN_INTERPRETER_THREADS
+
+
+@pytest.mark.parametrize("nproc, warns", [("2", True), ("32", False)])
+def test_interpret_mode_warns_when_the_thread_pool_is_too_small(monkeypatch, nproc, warns):
+  monkeypatch.setenv("NPROC", nproc)
+  monkeypatch.setattr(interpret, "_warned_of_thread_pool", False)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with interpret.interpret_mode():
+      pass
+  told = [w for w in caught if "NPROC=32" in str(w.message)]
+  assert len(told) == (1 if warns else 0)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
