@@ -417,6 +417,22 @@ def test_segment_ids_in_a_persistent_causal_grid_with_an_empty_tile(run_interpre
   _run_and_compare(case, run_interpreted, config=config)
 
 
+def test_segment_ids_in_the_static_persistent_grid_of_three_consumers(run_interpreted):
+  """Short rows at head dim 64 take the static persistent grid with two Q
+  copies and three consumers; over two batch rows of 79 queries the third
+  consumer's rows all lie past the length (its segment ranges are the
+  padding's empty ones) and the second's partly."""
+  case = Case(batch=2, q_heads=2, kv_heads=2, head_dim=64, q_seq=79, kv_seq=63,
+              q_segment_ids=_ids(packed_segment_ids([30, 49], 79),
+                                 packed_segment_ids([5, 40, 34], 79)),
+              kv_segment_ids=_ids(packed_segment_ids([20, 43], 63),
+                                  packed_segment_ids([63], 63)))
+  config = sm90_forward.choose_config(64, case.mask, 63, 79, segment_ids=True)
+  assert (config.persistent, config.work_queue, config.q_buffers,
+          config.num_consumers) == (True, False, 2, 3)
+  _run_and_compare(case, run_interpreted, config=config)
+
+
 @pytest.mark.parametrize("q_buffers", [1, 2])
 def test_a_work_queue_hands_every_tile_to_some_cta_once(q_buffers, run_interpreted):
   """Persistent grid with a work queue: three CTAs take 2 heads x 3 causal
