@@ -146,6 +146,19 @@ class KernelCase:
     return (jnp.asarray(self.q_segment_ids, jnp.int32),
             jnp.asarray(self.kv_segment_ids, jnp.int32))
 
+  def backward_inputs(self, seed: int = 0):
+    """(q, k, v, dout) in the case's dtype, normal; v with mean 1, so that
+    "averaged the wrong keys" is visible."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    dtype = jnp.dtype(self.dtype)
+    q_shape = (self.batch, self.q_seq, self.q_heads, self.head_dim)
+    kv_shape = (self.batch, self.kv_seq, self.kv_heads, self.head_dim)
+    q = jax.random.normal(keys[0], q_shape, dtype)
+    k = jax.random.normal(keys[1], kv_shape, dtype)
+    v = 1.0 + jax.random.normal(keys[2], kv_shape, dtype)
+    dout = jax.random.normal(keys[3], q_shape, dtype)
+    return q, k, v, dout
+
   def visible(self) -> np.ndarray:
     """[B, 1, Tq, Tk]: which key each row sees, from the definitions."""
     return visible_mask(self.q_seq, self.kv_seq, is_causal=self.is_causal,

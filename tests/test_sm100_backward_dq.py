@@ -60,18 +60,6 @@ class Case(KernelCase):
     return np.concatenate(rows)
 
 
-def _inputs(case: Case, seed: int = 0):
-  keys = jax.random.split(jax.random.key(seed), 4)
-  dtype = jnp.dtype(case.dtype)
-  q_shape = (case.batch, case.q_seq, case.q_heads, case.head_dim)
-  kv_shape = (case.batch, case.kv_seq, case.kv_heads, case.head_dim)
-  q = jax.random.normal(keys[0], q_shape, dtype)
-  k = jax.random.normal(keys[1], kv_shape, dtype)
-  v = 1.0 + jax.random.normal(keys[2], kv_shape, dtype)
-  dout = jax.random.normal(keys[3], q_shape, dtype)
-  return q, k, v, dout
-
-
 def _reference(case: Case, q, k, v, dout, scale):
   """(out, lse, dq) of the f32 einsum attention under the explicit mask."""
   f32 = lambda x: x.astype(jnp.float32)
@@ -112,7 +100,7 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run, runs: int = 1):
 
 
 def _check(case: Case, run_interpreted):
-  q, k, v, dout = _inputs(case)
+  q, k, v, dout = case.backward_inputs()
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse, expected = _reference(case, q, k, v, dout, scale)
   got = np.asarray(_kernel_dq(case, q, k, v, dout, out, lse, scale, run_interpreted), np.float32)
@@ -180,7 +168,7 @@ def test_dq_matches_the_f32_reference_without_races(name, run_interpreted):
 def test_two_runs_are_bit_identical(run_interpreted):
   """Every dQ element is written by one CTA from one sequence of MMAs."""
   case = Case(is_causal=True, q_seq=128, kv_seq=192)
-  q, k, v, dout = _inputs(case, seed=1)
+  q, k, v, dout = case.backward_inputs(seed=1)
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse, _ = _reference(case, q, k, v, dout, scale)
   first, second = _kernel_dq(case, q, k, v, dout, out, lse, scale, run_interpreted, runs=2)

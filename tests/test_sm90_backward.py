@@ -42,18 +42,6 @@ class Case(KernelCase):
   pass  # KernelCase's defaults: 128 queries and keys
 
 
-def _inputs(case: Case):
-  keys = jax.random.split(jax.random.key(0), 4)
-  dtype = jnp.dtype(case.dtype)
-  q_shape = (case.batch, case.q_seq, case.q_heads, case.head_dim)
-  kv_shape = (case.batch, case.kv_seq, case.kv_heads, case.head_dim)
-  q = jax.random.normal(keys[0], q_shape, dtype)
-  k = jax.random.normal(keys[1], kv_shape, dtype)
-  v = 1.0 + jax.random.normal(keys[2], kv_shape, dtype)
-  dout = jax.random.normal(keys[3], q_shape, dtype)
-  return q, k, v, dout
-
-
 def _forward(case: Case, q, k, v, scale):
   """(out, lse) from the XLA forward: what the backward receives."""
   q_len, kv_len = case.lengths()
@@ -97,7 +85,7 @@ def _rows_seeing_keys(case: Case) -> np.ndarray:
 
 
 def _check_case(case: Case, run_interpreted, config=None):
-  q, k, v, dout = _inputs(case)
+  q, k, v, dout = case.backward_inputs()
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse = _forward(case, q, k, v, scale)
   grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, config)
@@ -260,7 +248,7 @@ def test_three_dk_dv_consumers_match_xla_backward_without_races(name, run_interp
 @pytest.mark.parametrize("options", [{}, dict(soft_cap=2.0)], ids=["plain", "soft_cap"])
 def test_gradients_are_bit_identical_across_runs(options, run_interpreted):
   case = Case(q_heads=2, kv_heads=1, is_causal=True)
-  q, k, v, dout = _inputs(case)
+  q, k, v, dout = case.backward_inputs()
   scale = 1.0 / math.sqrt(case.head_dim)
   out, lse = _forward(case, q, k, v, scale)
   first = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, **options)
@@ -342,7 +330,7 @@ def _check_einsum_case(case: Case, run_interpreted, config=None, *, scale=None, 
                        soft_cap=None):
   """The kernels' gradients, given the f32 reference's out and lse (with
   `sinks`: the lse includes them), against that reference's gradients."""
-  q, k, v, dout = _inputs(case)
+  q, k, v, dout = case.backward_inputs()
   scale = 1.0 / math.sqrt(case.head_dim) if scale is None else scale
   out, lse, exact = _einsum_grads(case, q, k, v, dout, scale, sinks=sinks, soft_cap=soft_cap)
   options = {} if soft_cap is None else dict(soft_cap=soft_cap)
