@@ -34,7 +34,9 @@ device's shard. For each axis of `query` ([B, T, N, H]):
   devices (`psum`), so it comes out replicated, as its shape demands.
 
 Under `jax.vmap` the call falls back to the backend batched by `vmap`, with
-XLA's own partitioning (custom partitioning has no batching rule).
+XLA's own partitioning (custom partitioning has no batching rule). In
+`fa4_jax.interpret_mode` the backend runs unwrapped: the interpreter holds
+one GPU's state on the host.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from fa4_jax import xla_attention
+from fa4_jax import interpret, xla_attention
 from fa4_jax.batching import custom_vmap_call
 
 # One letter per dimension of every array the backends see:
@@ -183,6 +185,11 @@ def _run(call: _Call, arrays):
   the call becomes a `shard_map`. Otherwise (`AxisType.Auto` meshes, no mesh)
   XLA decides the shardings at compile time through `custom_partitioning`.
   """
+  if interpret.is_interpreting():
+    # The GPU interpreter runs on one host device, and custom_partitioning's
+    # lowering cannot carry its ordered callbacks (under jax.jit it raised a
+    # KeyError): the backend itself.
+    return _call_backend(call, *arrays)
   mesh = _explicit_mesh(arrays)
   if mesh is not None:
     return _shard_mapped(call, mesh, arrays)

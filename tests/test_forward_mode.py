@@ -214,7 +214,9 @@ def test_a_kernel_primal_with_an_xla_tangent_and_grad_keeps_the_fused_backward(r
 
   forward, backward = ("sm90", ("out", "lse")), ("sm90", ("dq", "dk", "dv"))
   loss = lambda q, k, v: jnp.sum(attend("sm90")(q, k, v).astype(jnp.float32) ** 2)
-  with fa4_jax.interpret_mode():
+  # Traced for an H100 (the call structure; the interpreter runs the backend
+  # unpartitioned, so its jaxpr holds no partitioned call to count).
+  with fa4_jax.gpu_target("sm90"):
     jvp_calls = _backend_calls(jax.make_jaxpr(
         lambda p, t: jax.jvp(attend("sm90"), p, t))((q, k, v), tangents).jaxpr)
     grad_calls = _backend_calls(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v).jaxpr)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import fa4_jax
 from fa4_jax import interpret, testing
 
 SHAPE = (128, 128)
@@ -79,3 +80,22 @@ def test_cross_lowering_rejects_unknown_architectures():
   spec = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
   with pytest.raises(ValueError, match="arch must be one of"):
     testing.cross_lower(_copy_plus_one(True), spec, arch="sm_80")
+
+
+def test_an_interpreted_attention_call_runs_under_jit_and_grad():
+  """jit(attention) in interpret mode: the sharding wrapper steps aside (its
+  lowering could not carry the interpreter's ordered callbacks)."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, 64, 2, 64), jnp.bfloat16) for key in keys)
+  attend = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=True, implementation="sm90")
+  loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
+  with interpret.interpret_mode():
+    out = jax.jit(attend)(q, k, v)
+    dq = jax.jit(jax.grad(loss))(q, k, v)
+  jax.clear_caches()  # traces made in interpret mode must not be reused
+  want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+  want_dq = jax.grad(lambda q: jax.nn.dot_product_attention(
+      q, k.astype(jnp.float32), v.astype(jnp.float32), is_causal=True).sum())(q.astype(jnp.float32))
+  # bf16 inputs, outputs rounded to bf16 (2^-8 relative) against f32.
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(dq, np.float32), want_dq, atol=3e-2, rtol=3e-2)
