@@ -1,0 +1,36 @@
+"""tools/fuzz_attention.py draws random calls and flags those that differ
+from the einsum reference: it passes a correct implementation and catches a
+wrong one."""
+
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import fuzz_attention  # noqa: E402
+
+
+def test_draws_cover_the_options_each_call_can_combine():
+  rng = np.random.default_rng(0)
+  calls = [fuzz_attention.draw_call(rng, "sm90", 200) for _ in range(60)]
+  assert any(c["segment_ids"] is not None for c in calls)
+  assert any(c["sinks"] is not None for c in calls)
+  assert any(c["soft_cap"] is not None for c in calls)
+  assert any(c["q_lengths"] is not None for c in calls)
+  assert any(c["window"] is not None for c in calls)
+  assert any(c["q_heads"] > c["kv_heads"] for c in calls)
+  assert {c["dtype"] for c in calls} == {"bfloat16", "float16"}
+
+
+def test_the_xla_path_passes_and_a_wrong_mask_fails(monkeypatch, capsys):
+  argv = ["fuzz_attention.py", "--implementation", "xla", "--trials", "3", "--max-seq", "60"]
+  monkeypatch.setattr(sys, "argv", argv)
+  assert fuzz_attention.main() == 0
+  right = fuzz_attention.einsum_attention
+  # A reference that lets every row see every key: every masked call differs.
+  monkeypatch.setattr(fuzz_attention, "einsum_attention",
+                      lambda q, k, v, visible, **kw: right(q, k, v, visible | True, **kw))
+  monkeypatch.setattr(sys, "argv", argv + ["--seed", "3"])
+  assert fuzz_attention.main() == 1
+  assert "reproduce: --implementation xla --seed 3" in capsys.readouterr().out

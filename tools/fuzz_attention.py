@@ -1,0 +1,186 @@
+"""Random calls of `fa4_jax.attention` against the f32 einsum reference.
+
+The tests check chosen cases; this draws calls the tests did not think of:
+batch 1-3, odd lengths (queries and keys differ), GQA, head dims the
+kernels take, causal or windowed masks, per-row lengths, segment ids
+(sorted documents or interleaved ids, so rows may see no key), sinks (also
+large ones) and soft-cap, bf16 / fp16 (f32 on the XLA path), each combined
+at random. Every call's output and gradients (q, k, v and sinks) are
+compared with `tests/reference.py`'s einsum attention under the explicit
+mask: outputs on the rows that see a key, gradients as relative errors.
+
+    python3 tools/fuzz_attention.py --implementation sm90 --interpret [--trials 40]
+    python3 tools/fuzz_attention.py --implementation sm90 --max-seq 2048   # on a GPU
+
+`--interpret` runs the kernels in Pallas' GPU interpreter with race
+detection (CPU; set NPROC=32, see `fa4_jax.interpret`; keep `--max-seq`
+small). Prints one line per call and, for each failure, the arguments that
+reproduce it; exits 1 if any call failed. `--seconds` stops drawing new
+calls after that long (one GPU command has 10 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # fa4_jax
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # reference
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import fa4_jax  # noqa: E402
+from reference import einsum_attention, random_packing, relative_error, visible_mask  # noqa: E402
+
+# 16-bit inputs against the f32 reference of the same rounded inputs: O and
+# P leave the kernels rounded to 16 bits (bf16: 2^-8 relative), so outputs
+# of magnitude up to ~4 differ by up to ~3e-2; the gradients' relative
+# (Frobenius) errors sit near 5e-3 (tests/test_on_gpu.py). f32 (XLA path):
+# float32 rounding only.
+TOLERANCES = {"bfloat16": (6e-2, 2e-2), "float16": (2e-2, 1e-2), "float32": (1e-4, 1e-4)}
+
+
+def draw_call(rng: np.random.Generator, implementation: str, max_seq: int) -> dict:
+  """One random call's arguments (numpy; see the module docstring)."""
+  b, t, s = int(rng.integers(1, 4)), int(rng.integers(1, max_seq)), int(rng.integers(1, max_seq))
+  kv_heads = int(rng.choice([1, 2]))
+  head_dim = int(rng.choice([64, 128] if implementation == "sm100" else [64, 64, 128, 128, 96, 256]))
+  causal = bool(rng.random() < 0.5)
+  window = None
+  if rng.random() < 0.3:
+    window = (int(rng.integers(0, max_seq // 4 + 1)), 0 if causal else int(rng.integers(0, max_seq // 4 + 1)))
+  lengths = rng.random() < 0.4
+  segments = None
+  if rng.random() < 0.6:
+    if rng.random() < 0.6:  # documents one after the other
+      segments = [np.stack([random_packing(rng, n, 8) for _ in range(b)]) for n in (t, s)]
+    else:  # interleaved ids: rows whose id no key has see nothing
+      count = int(rng.integers(1, 5))
+      segments = [rng.integers(0, count, size=(b, n)) for n in (t, s)]
+  dtype = "float32" if implementation == "xla" else str(rng.choice(["bfloat16", "bfloat16", "float16"]))
+  return dict(
+      batch=b, q_seq=t, kv_seq=s, q_heads=kv_heads * int(rng.choice([1, 2, 4])), kv_heads=kv_heads,
+      head_dim=head_dim, dtype=dtype, is_causal=causal, window=window,
+      q_lengths=rng.integers(1, t + 1, size=b) if lengths else None,
+      kv_lengths=rng.integers(1, s + 1, size=b) if lengths else None,
+      segment_ids=segments,
+      sinks=(rng.normal(size=1) * (30 if rng.random() < 0.25 else 1)).item() if rng.random() < 0.4 else None,
+      soft_cap=float(rng.choice([5.0, 30.0])) if rng.random() < 0.4 else None)
+
+
+def check_call(call: dict, implementation: str | None, seed: int):
+  """(output error, gradient error, all finite) of one call."""
+  b, t, s, n, kh, d = (call[x] for x in ("batch", "q_seq", "kv_seq", "q_heads", "kv_heads", "head_dim"))
+  dtype = jnp.dtype(call["dtype"])
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = (2 * jax.random.normal(keys[0], (b, t, n, d))).astype(dtype)
+  k = jax.random.normal(keys[1], (b, s, kh, d)).astype(dtype)
+  v = (1.0 + jax.random.normal(keys[2], (b, s, kh, d))).astype(dtype)
+  dout = jax.random.normal(keys[3], (b, t, n, d), jnp.float32)
+  as_int = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+  ids = call["segment_ids"] or (None, None)
+  options = dict(is_causal=call["is_causal"], local_window_size=call["window"],
+                 query_seq_lengths=as_int(call["q_lengths"]),
+                 key_value_seq_lengths=as_int(call["kv_lengths"]),
+                 query_segment_ids=as_int(ids[0]), key_value_segment_ids=as_int(ids[1]),
+                 logits_soft_cap=call["soft_cap"])
+  visible = visible_mask(t, s, is_causal=call["is_causal"], window=call["window"],
+                         q_lengths=call["q_lengths"], kv_lengths=call["kv_lengths"], batch=b,
+                         q_segment_ids=ids[0], kv_segment_ids=ids[1])
+  # Rows past the query length hold anything; compare the others.
+  valid_rows = np.ones((b, t), bool)
+  if call["q_lengths"] is not None:
+    valid_rows = np.arange(t)[None] < np.asarray(call["q_lengths"])[:, None]
+  weights = jnp.asarray(valid_rows, jnp.float32)[:, :, None, None] * dout
+  args = [q, k, v]
+  if call["sinks"] is not None:
+    args.append(jnp.full((n,), call["sinks"], jnp.float32) + jnp.arange(n, dtype=jnp.float32))
+
+  def ours(*a):
+    sinks = a[3] if len(a) > 3 else None
+    return fa4_jax.attention(*a[:3], sinks=sinks, implementation=implementation, **options)
+
+  def reference(*a):
+    sinks = a[3] if len(a) > 3 else None
+    return einsum_attention(*a[:3], visible, sinks=sinks, soft_cap=call["soft_cap"])[0]
+
+  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * weights)
+  wrt = tuple(range(len(args)))
+  out, want = jax.jit(ours)(*args), jax.jit(reference)(*args)
+  grads = jax.jit(jax.grad(loss(ours), wrt))(*args)
+  want_grads = jax.jit(jax.grad(loss(reference), wrt))(*args)
+  out_error = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want))[valid_rows],
+                           initial=0.0))
+  grad_error = max(relative_error(np.asarray(g, np.float32), w) for g, w in zip(grads, want_grads))
+  finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in (out, *grads))
+  return out_error, grad_error, finite
+
+
+def describe(call: dict) -> str:
+  short = {k: v for k, v in call.items() if k not in ("segment_ids", "q_lengths", "kv_lengths")}
+  short["lengths"] = None if call["q_lengths"] is None else (
+      list(map(int, call["q_lengths"])), list(map(int, call["kv_lengths"])))
+  short["segment_ids"] = call["segment_ids"] is not None
+  return " ".join(f"{k}={v}" for k, v in short.items())
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--implementation", default="sm90",
+                  help="xla, sm90, sm100, or default (fa4_jax's choice)")
+  ap.add_argument("--interpret", action="store_true",
+                  help="kernels in the GPU interpreter with race detection (CPU)")
+  ap.add_argument("--trials", type=int, default=40)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--max-seq", type=int, default=None,
+                  help="longest query or key sequence drawn (default: 200 interpreted, else 1500)")
+  ap.add_argument("--seconds", type=float, default=float("inf"))
+  ap.add_argument("--only", type=int, default=None, help="check only this trial (a failure's)")
+  args = ap.parse_args()
+  implementation = None if args.implementation == "default" else args.implementation
+  max_seq = args.max_seq or (200 if args.interpret else 1500)
+  rng = np.random.default_rng(args.seed)
+  start, failures, done = time.time(), 0, 0
+  for trial in range(args.trials):
+    if time.time() - start > args.seconds:
+      break
+    call = draw_call(rng, args.implementation, max_seq)
+    if args.only is not None and trial != args.only:
+      continue
+    try:
+      if args.interpret:
+        fa4_jax.interpret.reset_interpreter_state()
+        with fa4_jax.interpret_mode(detect_races=True):
+          errors = check_call(call, implementation, trial)
+        raced = fa4_jax.interpret.races_found()
+        fa4_jax.interpret.reset_interpreter_state()
+        jax.clear_caches()  # interpreted traces must not be reused
+      else:
+        errors, raced = check_call(call, implementation, trial), False
+    except ValueError as e:  # a combination the implementation refuses, by name
+      print(f"{trial} refused: {e}", flush=True)
+      continue
+    out_error, grad_error, finite = errors
+    out_tolerance, grad_tolerance = TOLERANCES[call["dtype"]]
+    failed = out_error > out_tolerance or grad_error > grad_tolerance or not finite or raced
+    failures += failed
+    done += 1
+    print(f"{trial} {'FAIL' if failed else 'ok'} out {out_error:.1e} grad {grad_error:.1e}"
+          f"{' non-finite' if not finite else ''}{' RACE' if raced else ''} | {describe(call)}",
+          flush=True)
+    if failed:
+      print(f"  reproduce: --implementation {args.implementation} --seed {args.seed} "
+            f"--trials {trial + 1} --only {trial} --max-seq {max_seq}"
+            f"{' --interpret' if args.interpret else ''}", flush=True)
+  print(f"{done} calls, {failures} failed, {time.time() - start:.0f} s", flush=True)
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
