@@ -24,8 +24,9 @@ _state = threading.local()
 # CPU backend starts; by default the core count). With fewer threads than a
 # CTA's warpgroups plus one, a kernel can deadlock at random: on a 2-core
 # machine under load the D64 forward (four warpgroups) hung in 2 of 4 runs
-# without NPROC, in none of 5 with NPROC=32. fa4_jax's kernels run at most
-# four warpgroups; the tests set NPROC=32 (`tests/conftest.py`).
+# without NPROC, in none of 4 with NPROC=5 and none of 5 with NPROC=32.
+# fa4_jax's kernels run at most four warpgroups; the tests set NPROC=32
+# (`tests/conftest.py`).
 MIN_INTERPRETER_THREADS = 8
 RECOMMENDED_INTERPRETER_THREADS = 32
 
