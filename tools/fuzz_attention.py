@@ -70,7 +70,11 @@ def draw_call(rng: np.random.Generator, implementation: str, max_seq: int) -> di
       q_lengths=rng.integers(1, t + 1, size=b) if lengths else None,
       kv_lengths=rng.integers(1, s + 1, size=b) if lengths else None,
       segment_ids=segments,
-      sinks=(rng.normal(size=1) * (30 if rng.random() < 0.25 else 1)).item() if rng.random() < 0.4 else None,
+      # Large sinks only where the output's dtype has f32's range: a sink of
+      # +15 leaves fp16 outputs of ~1e-6, fp16 subnormals, whose rounding
+      # then dominates every gradient (delta is formed from the output).
+      sinks=(rng.normal(size=1) * (30 if rng.random() < 0.25 and dtype != "float16" else 1)).item()
+      if rng.random() < 0.4 else None,
       soft_cap=float(rng.choice([5.0, 30.0])) if rng.random() < 0.4 else None)
 
 
@@ -117,9 +121,24 @@ def check_call(call: dict, implementation: str | None, seed: int):
   want_grads = jax.jit(jax.grad(loss(reference), wrt))(*args)
   out_error = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want))[valid_rows],
                            initial=0.0))
-  grad_error = max(relative_error(np.asarray(g, np.float32), w) for g, w in zip(grads, want_grads))
+  grad_error = max(gradient_error(grads, want_grads, i) for i in range(len(grads)))
   finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in (out, *grads))
   return out_error, grad_error, finite
+
+
+def gradient_error(grads, want_grads, i: int) -> float:
+  """Relative error of gradient i, or, where its exact value nearly
+  vanishes, its error against the call's largest gradient scaled to its
+  size. Rows that see exactly one key have dq = dk = 0 exactly, and a 16-bit
+  kernel leaves rounding noise there (delta comes from the rounded output),
+  small beside dv but infinite relative to 0."""
+  got, want = (np.asarray(x, np.float64) for x in (grads[i], want_grads[i]))
+  norms = [float(np.linalg.norm(np.asarray(w, np.float64))) for w in want_grads]
+  largest = int(np.argmax(norms))
+  scale = norms[largest] * np.sqrt(want.size / np.asarray(want_grads[largest]).size)
+  if norms[i] >= 1e-2 * scale:
+    return relative_error(got, want)
+  return float(np.linalg.norm(got - want)) / max(scale, 1e-6)
 
 
 def describe(call: dict) -> str:
