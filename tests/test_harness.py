@@ -89,10 +89,8 @@ def test_an_interpreted_attention_call_runs_under_jit_and_grad():
   q, k, v = (jax.random.normal(key, (1, 64, 2, 64), jnp.bfloat16) for key in keys)
   attend = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=True, implementation="sm90")
   loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
-  with interpret.interpret_mode():
-    out = jax.jit(attend)(q, k, v)
-    dq = jax.jit(jax.grad(loss))(q, k, v)
-  jax.clear_caches()  # traces made in interpret mode must not be reused
+  out, dq = testing.run_interpreted(
+      lambda: (jax.jit(attend)(q, k, v), jax.jit(jax.grad(loss))(q, k, v)))
   want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
   want_dq = jax.grad(lambda q: jax.nn.dot_product_attention(
       q, k.astype(jnp.float32), v.astype(jnp.float32), is_causal=True).sum())(q.astype(jnp.float32))
