@@ -30,10 +30,43 @@ ON_GPU = jax.devices()[0].platform == "gpu"
 cpu_only = pytest.mark.skipif(ON_GPU, reason="describes a machine without a GPU")
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--kernels-on-gpu", action="store_true",
+      help="run the kernels of the interpreter tests on this machine's GPU instead of "
+           "the interpreter (no race detection): the same small, odd cases on hardware")
+
+
+def pytest_collection_modifyitems(config, items):
+  """With `--kernels-on-gpu`, only the tests that run kernels interpreted."""
+  if not config.getoption("--kernels-on-gpu"):
+    return
+  chosen = [item for item in items if "run_interpreted" in getattr(item, "fixturenames", ())]
+  config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+  items[:] = chosen
+
+
 @pytest.fixture
-def run_interpreted():
-  """`run_interpreted(fn, *args)`: fn under the GPU interpreter, no races allowed."""
-  return testing.run_interpreted
+def run_interpreted(request):
+  """`run_interpreted(fn, *args)`: fn under the GPU interpreter, no races allowed.
+
+  With `--kernels-on-gpu`, fn runs on the GPU instead: the interpreter's cases
+  (odd lengths, tiny grids, work queues of a few CTAs) then meet the hardware's
+  real concurrency and its real atomics. Blackwell cases skip off Blackwell.
+  """
+  if not request.config.getoption("--kernels-on-gpu"):
+    return testing.run_interpreted
+  if not ON_GPU:
+    pytest.skip("--kernels-on-gpu needs a GPU")
+  major = str(jax.devices()[0].compute_capability).split(".")[0]
+  if "sm100" in request.node.nodeid and major != "10":
+    pytest.skip("a Blackwell kernel, and this GPU is not sm_100")
+  return _run_on_gpu
+
+
+def _run_on_gpu(fn, *args, detect_races=True, **kwargs):
+  del detect_races  # the hardware has no race detector
+  return jax.block_until_ready(fn(*args, **kwargs))
 
 
 @pytest.fixture
