@@ -16,7 +16,10 @@ mask: outputs on the rows that see a key, gradients as relative errors.
 detection (CPU; set NPROC=32, see `fa4_jax.interpret`; keep `--max-seq`
 small). Prints one line per call and, for each failure, the arguments that
 reproduce it; exits 1 if any call failed. `--seconds` stops drawing new
-calls after that long (one GPU command has 10 minutes).
+calls after that long (one GPU command has 10 minutes). On a GPU each call
+compiles new kernels for its shape (40-55 s per call on H200 hosts with
+several fuzzers at once): run a few processes with different `--seed`s,
+each given `XLA_PYTHON_CLIENT_MEM_FRACTION` so that together they fit.
 """
 
 from __future__ import annotations
