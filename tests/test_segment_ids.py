@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fa4_jax
 from fa4_jax import scores
 from fa4_jax.scores import MaskSpec
-from reference import packed_segment_ids, random_packing, rows_seeing_keys, visible_mask
+from reference import (einsum_attention, packed_segment_ids, random_packing, relative_error,
+                       rows_seeing_keys, visible_mask)
 
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
 
@@ -319,6 +320,35 @@ def test_context_parallel_attention_masks_each_ring_step_with_the_held_blocks_id
   np.testing.assert_allclose(np.asarray(out), np.asarray(balance(want)), atol=3e-5)
   for g, w in zip(grads[:3], want_grads):
     np.testing.assert_allclose(np.asarray(g), np.asarray(balance(w)), atol=3e-5)
+
+
+
+def test_the_ring_hands_the_ids_to_the_sm90_kernels_forward_and_backward(host_devices,
+                                                                         run_interpreted):
+  """The test above takes the XLA path (two devices: each step masks with the
+  held block's ids, not its own); here every call of the ring is the sm90
+  forward or backward kernel, in the interpreter with race detection, which
+  keeps one GPU's state: one device, holding both load-balanced chunks.
+  Documents cross the chunk boundary (at 128), one is a single token."""
+  mesh = jax.make_mesh((1,), ("seq",))
+  q, k, v, dout = _inputs(13, 1, 256, 256, 2, 1, 64, "bfloat16")
+  ids = jnp.asarray(packed_segment_ids([90, 77, 1, 88], 256))[None]
+  ring = lambda q, k, v, ids: fa4_jax.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=True, query_segment_ids=ids,
+      key_value_segment_ids=ids, implementation="sm90")
+  visible = visible_mask(256, 256, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+  reference = lambda q, k, v: einsum_attention(q, k, v, visible)[0]
+  balance = lambda x: fa4_jax.load_balance(x, 1)
+  put = lambda x: jax.device_put(balance(x), NamedSharding(mesh, P(None, "seq")))
+  out, grads = run_interpreted(lambda *a: _jitted_vjp(ring, *a),
+                               put(dout), put(q), put(k), put(v), put(ids))
+  want, want_grads = _jitted_vjp(reference, dout.astype(jnp.float32), q, k, v)
+  # bf16: one rounding of P and of the output against an f32 einsum of the
+  # same bf16 inputs; gradients as relative errors over the whole array.
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(balance(want)),
+                             atol=2e-2, rtol=2e-2)
+  for g, w in zip(grads[:3], want_grads):
+    assert relative_error(g, balance(w)) < 1e-2
 
 
 # --- Bad input -------------------------------------------------------------------
