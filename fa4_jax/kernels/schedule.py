@@ -230,7 +230,10 @@ class WorkQueue:
     return self._read(item + 1)
 
   def unit_of(self, item):
-    """Consumer, after its Q wait of item `item`: the item's unit."""
+    """Consumer, after its Q wait of item `item`: the item's unit. At item 0
+    the cell read holds nothing written yet (cell 0 is first written when
+    the producer starts item `depth`, which reuses item 0's copies and so
+    waits for their release); the select discards it."""
     return jnp.where(item == 0, self.first_unit, self._read(item))
 
   # --- the two roles' loops --------------------------------------------------
