@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import fuzz_attention  # noqa: E402
@@ -34,3 +35,19 @@ def test_the_xla_path_passes_and_a_wrong_mask_fails(monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", argv + ["--seed", "3"])
   assert fuzz_attention.main() == 1
   assert "reproduce: --implementation xla --seed 3" in capsys.readouterr().out
+
+
+def test_the_sinks_gradient_is_measured_against_its_terms_and_a_wrong_one_fails():
+  """d sinks sums one term per row, of both signs; a 16-bit kernel's rounding
+  errs each term a little, which can be large beside a sum that cancels, but
+  not beside the terms' L2 norm (here 1.5 against a sum of 0.3)."""
+  qkv = [np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3))]
+  want = qkv + [np.array([0.3])]
+  terms = np.array([1.5])
+  error = lambda sinks: fuzz_attention.gradient_error(qkv + [np.array([sinks])], want, terms)
+  assert error(0.3 + 0.015) == pytest.approx(0.01)  # 5 % of the sum, 1 % of the terms
+  # Wrong by the sum's size: flagged (bf16 tolerance 2e-2).
+  assert error(0.6) == pytest.approx(0.2)
+  assert error(-0.3) == pytest.approx(0.4)
+  # Without the terms, the error is relative to the sum.
+  assert fuzz_attention.gradient_error(qkv + [np.array([0.315])], want) == pytest.approx(0.05)

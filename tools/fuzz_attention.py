@@ -117,9 +117,12 @@ def check_call(call: dict, implementation: str | None, seed: int):
     sinks = a[3] if len(a) > 3 else None
     return fa4_jax.attention(*a[:3], sinks=sinks, implementation=implementation, **options)
 
-  def reference(visible, *a):
+  @jax.jit
+  def reference_with_lse(visible, *a):
     sinks = a[3] if len(a) > 3 else None
-    return einsum_attention(*a[:3], visible, sinks=sinks, soft_cap=call["soft_cap"])[0]
+    return einsum_attention(*a[:3], visible, sinks=sinks, soft_cap=call["soft_cap"])
+
+  reference = lambda visible, *a: reference_with_lse(visible, *a)[0]
 
   loss = lambda f: lambda w, *a: jnp.sum(f(*a).astype(jnp.float32) * w)
   wrt = tuple(range(2, len(args) + 2))
@@ -129,17 +132,44 @@ def check_call(call: dict, implementation: str | None, seed: int):
   want_grads = jax.jit(jax.grad(loss(reference), wrt))(weights, visible, *args)
   out_error = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want))[valid_rows],
                            initial=0.0))
-  grad_error = gradient_error(grads, want_grads)
+  sink_terms = None
+  if call["sinks"] is not None:
+    sink_terms = sink_gradient_terms(reference_with_lse(visible, *args), args[3], weights)
+  grad_error = gradient_error(grads, want_grads, sink_terms)
   finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in (out, *grads))
   return out_error, grad_error, finite
 
 
-def gradient_error(grads, want_grads) -> float:
+def sink_gradient_terms(reference_out_and_lse, sinks, weights):
+  """[N]: per head, the L2 norm of the terms that d sinks sums. d sink_h is
+  -sum over rows of p_sink * delta (delta: the row's sum of weights *
+  output), terms of both signs. A 16-bit kernel forms delta from its
+  rounded output, so each term carries an error of about one rounding, of
+  random sign: the sum's error grows like the terms' L2 norm, which can
+  exceed the sum where the terms cancel. (It stays near the sum's size
+  where they do not, so a wrong gradient still shows.)"""
+  out, lse = reference_out_and_lse  # [B, T, N, H], [B, N, T]
+  p_sink = jnp.exp(sinks[None, :, None] - lse)  # lse includes the sink: never -inf
+  delta = jnp.sum(weights * out, axis=-1).transpose(0, 2, 1)  # [B, N, T]
+  return jnp.sqrt(jnp.sum((p_sink * delta) ** 2, axis=(0, 2)))
+
+
+def gradient_error(grads, want_grads, sink_terms=None) -> float:
   """The largest error among the gradients: each relative to its exact
   value, or, where that nearly vanishes, against the call's largest
   gradient scaled to its size. Rows that see exactly one key have dq = dk =
   0 exactly, and a 16-bit kernel leaves rounding noise there (delta comes
-  from the rounded output), small beside dv but infinite relative to 0."""
+  from the rounded output), small beside dv but infinite relative to 0.
+  The sinks' gradient (fourth, where given) is measured against
+  `sink_terms` (the L2 norm of the terms it sums) where that is larger."""
+  if sink_terms is not None:
+    *grads, got_sinks = grads
+    *want_grads, want_sinks = want_grads
+    scale = max(float(np.linalg.norm(np.asarray(want_sinks, np.float64))),
+                float(np.linalg.norm(np.asarray(sink_terms, np.float64))), 1e-6)
+    sinks_error = float(np.linalg.norm(np.asarray(got_sinks, np.float64)
+                                       - np.asarray(want_sinks, np.float64))) / scale
+    return max(sinks_error, gradient_error(grads, want_grads))
   wants = [np.asarray(w, np.float64) for w in want_grads]
   norms = [float(np.linalg.norm(w)) for w in wants]
   largest = int(np.argmax(norms))
