@@ -111,7 +111,7 @@ def check_call(call: dict, implementation: str | None, seed: int):
     args.append(jnp.full((n,), call["sinks"], jnp.float32) + jnp.arange(n, dtype=jnp.float32))
 
   # The mask and the weights go in as arguments: closed over, they are
-  # constants that XLA's GPU compiler spends seconds folding.
+  # constants, and XLA's GPU compiler once spent over a second folding them.
   def ours(visible, *a):
     del visible
     sinks = a[3] if len(a) > 3 else None
