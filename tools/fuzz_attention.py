@@ -127,20 +127,20 @@ def check_call(call: dict, implementation: str | None, seed: int):
   loss = lambda f: lambda w, *a: jnp.sum(f(*a).astype(jnp.float32) * w)
   wrt = tuple(range(2, len(args) + 2))
   visible = jnp.asarray(visible)
-  out, want = jax.jit(ours)(visible, *args), jax.jit(reference)(visible, *args)
+  out, (want, want_lse) = jax.jit(ours)(visible, *args), reference_with_lse(visible, *args)
   grads = jax.jit(jax.grad(loss(ours), wrt))(weights, visible, *args)
   want_grads = jax.jit(jax.grad(loss(reference), wrt))(weights, visible, *args)
   out_error = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want))[valid_rows],
                            initial=0.0))
   sink_terms = None
   if call["sinks"] is not None:
-    sink_terms = sink_gradient_terms(reference_with_lse(visible, *args), args[3], weights)
+    sink_terms = sink_gradient_terms(want, want_lse, args[3], weights)
   grad_error = gradient_error(grads, want_grads, sink_terms)
   finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in (out, *grads))
   return out_error, grad_error, finite
 
 
-def sink_gradient_terms(reference_out_and_lse, sinks, weights):
+def sink_gradient_terms(out, lse, sinks, weights):
   """[N]: per head, the L2 norm of the terms that d sinks sums. d sink_h is
   -sum over rows of p_sink * delta (delta: the row's sum of weights *
   output), terms of both signs. A 16-bit kernel forms delta from its
@@ -148,7 +148,7 @@ def sink_gradient_terms(reference_out_and_lse, sinks, weights):
   random sign: the sum's error grows like the terms' L2 norm, which can
   exceed the sum where the terms cancel. (It stays near the sum's size
   where they do not, so a wrong gradient still shows.)"""
-  out, lse = reference_out_and_lse  # [B, T, N, H], [B, N, T]
+  # out [B, T, N, H] and lse [B, N, T]: the reference's.
   p_sink = jnp.exp(sinks[None, :, None] - lse)  # lse includes the sink: never -inf
   delta = jnp.sum(weights * out, axis=-1).transpose(0, 2, 1)  # [B, N, T]
   return jnp.sqrt(jnp.sum((p_sink * delta) ** 2, axis=(0, 2)))
@@ -209,13 +209,13 @@ def main() -> int:
   max_seq = args.max_seq or (200 if args.interpret else 1500)
   rng = np.random.default_rng(args.seed)
   start, failures, done = time.time(), 0, 0
+  run = testing.run_interpreted if args.interpret else lambda fn, *a: fn(*a)
   for trial in range(args.trials):
     if time.time() - start > args.seconds:
       break
     call = draw_call(rng, args.implementation, max_seq)
     if args.only is not None and trial != args.only:
       continue
-    run = testing.run_interpreted if args.interpret else lambda fn, *a: fn(*a)
     raced = False
     try:
       errors = run(check_call, call, implementation, trial)
