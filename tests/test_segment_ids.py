@@ -322,7 +322,6 @@ def test_context_parallel_attention_masks_each_ring_step_with_the_held_blocks_id
     np.testing.assert_allclose(np.asarray(g), np.asarray(balance(w)), atol=3e-5)
 
 
-
 def test_the_ring_hands_the_ids_to_the_sm90_kernels_forward_and_backward(host_devices,
                                                                          run_interpreted):
   """The test above takes the XLA path (two devices: each step masks with the
