@@ -254,10 +254,12 @@ class ForwardBarriers(KvRingAccessors):
                                         producer_q_no_keys              item); correction:
                                                                         consumer_q (persistent:
                                                                         every item)
-  q_free    tiles   1         no      correction: consumer_q_release  load: producer_q_acquire
+  q_free    tiles   2         no      correction: consumer_q_release  load: producer_q_acquire
                                         (the item's O_i has left        (before Q_i of every
-                                        Q_i's SMEM; every item but      item but the first)
-                                        the CTA's last)
+                                        Q_i's SMEM) and MMA:            item but the first)
+                                        consumer_q_seen (its wait
+                                        on q_full passed); every item
+                                        but the CTA's last
   k_full    stages  1 (TMA)   no      load: producer_k (TMA bytes)    MMA: consumer_k
   k_free    stages  1 (MMA)   yes     MMA: consumer_k_release         load: producer_k_acquire,
                                                                             drain_kv_rings*
@@ -300,7 +302,11 @@ class ForwardBarriers(KvRingAccessors):
   no key block (they add none to the per-block barriers): for those the
   load warp arrives on q_full without a copy. The correction waits on the
   Q barriers too, which keeps it from releasing Q's buffer (q_free) twice
-  before the load warp waited once.
+  before the load warp waited once. The MMA warp arrives on q_free too,
+  once its wait on q_full has passed: over items without keys nothing else
+  ties it to the load and correction, which could otherwise run q_full two
+  phases past its wait (a parity wait then misreads the phase; the GPU
+  interpreter caught it as a first wait at phase 2, at random).
 
   An item's epilogue (correction) reads O_i from TMEM before the next
   item's first O_i = P_i V MMA overwrites it: that MMA waits on po_ready,
@@ -317,7 +323,7 @@ class ForwardBarriers(KvRingAccessors):
   SPECS = {
       # name: (arrivals, orders_tensor_core, per "tile", "persistent tile" or "stage")
       "q_full": (1, False, "tile"),
-      "q_free": (1, False, "persistent tile"),
+      "q_free": (2, False, "persistent tile"),
       "k_full": (1, False, "stage"),
       "k_free": (1, True, "stage"),
       "v_full": (1, False, "stage"),
@@ -355,6 +361,11 @@ class ForwardBarriers(KvRingAccessors):
 
   def consumer_q_release(self, i) -> None:
     """Correction: the item's O_i left Q_i's SMEM (its TMA store read it)."""
+    plgpu.barrier_arrive(self._at("q_free", i))
+
+  def consumer_q_seen(self, i) -> None:
+    """MMA warp, persistent grid: its wait on this item's q_full passed, so
+    the next item's Q may complete q_full's next phase."""
     plgpu.barrier_arrive(self._at("q_free", i))
 
   # S_i (MMA warp -> softmax_i).
@@ -738,6 +749,11 @@ def _mma_item(ctx: ForwardContext) -> None:
 
   if ctx.statics.persistent:
     wait_for_q()  # every item's phase, also of an item without keys
+
+    @pl.when(ctx.has_next_item())
+    def _():
+      for i in range(nq):
+        bars.consumer_q_seen(i)
 
   @pl.when(ctx.num_steps > 0)
   def _():
