@@ -1,11 +1,12 @@
-"""Context-parallel attention with sinks and soft-cap on Hopper GPUs (skipped
-without two).
+"""Context-parallel attention with sinks and soft-cap, and with segment ids,
+on Hopper GPUs (skipped without two).
 
-The CPU tests (test_context_parallel.py) check the ring's algebra on host
-devices through the XLA path; here each ring step runs the sm90 kernels:
-B1 x 4k tokens, GQA 8/2, D128, bf16, causal, load-balanced over 2 GPUs.
-Output, the gradients of q, k, v and the sinks, and one forward-mode
-product against an f32 einsum on the same bf16 inputs.
+The CPU tests (test_context_parallel.py, test_segment_ids.py) check the
+ring's algebra on host devices through the XLA path, and the ring with ids
+through the kernels in the interpreter on one device; here each ring step
+runs the sm90 kernels on two GPUs: 4k tokens, GQA 8/2, D128, bf16, causal,
+load-balanced. Output and gradients (and, with sinks, one forward-mode
+product) against an f32 einsum on the same bf16 inputs.
 
 bf16 tolerances as in test_sinks_soft_cap_on_gpu.py: one bf16 rounding of
 P and of the output over sums of thousands of terms.
@@ -18,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
-from reference import einsum_attention, relative_error, visible_mask
+from reference import einsum_attention, packed_segment_ids, relative_error, visible_mask
 
 HOPPERS = [d for d in jax.devices() if d.platform == "gpu"
            and str(getattr(d, "compute_capability", "")).startswith("9")]
@@ -67,3 +68,49 @@ def test_ring_with_sinks_and_soft_cap_matches_an_f32_einsum():
       put(q), put(k), put(v), put(tangent))
   _, want_dot = jax.jvp(lambda q: reference(q, k, v, sinks), (q,), (tangent,))
   assert relative_error(restore(got_dot), want_dot) < 2e-2
+
+
+def test_ring_with_segment_ids_matches_an_f32_einsum():
+  """Packed rows through the ring: each step's kernels mask with the ids of
+  the chunk the device holds. Documents cross the load-balanced chunks'
+  boundaries (every 1024 tokens), one is a single token, and the padding
+  queries carry an id no key has, so they see nothing: zero output, zero
+  and finite gradients."""
+  b, t, n, kv_heads, d, devices = 2, 4096, 8, 2, 128, 2
+  keys = jax.random.split(jax.random.key(1), 4)
+  draw = lambda key, heads: jax.random.normal(key, (b, t, heads, d)).astype(jnp.bfloat16)
+  q, k, v, dout = draw(keys[0], n), draw(keys[1], kv_heads), draw(keys[2], kv_heads), draw(
+      keys[3], n)
+  q_ids = np.stack([packed_segment_ids([700, 1400, 1, 999, 800], t),     # 196 padding tokens
+                    packed_segment_ids([3000, 1000], t, first_id=10)])  # 96
+  padding = q_ids == np.array([[5], [12]])  # the ids packed_segment_ids gives the padding
+  kv_ids = np.where(padding, -1, q_ids)  # padding keys: an id no query has
+  mesh = jax.make_mesh((devices,), ("seq",), devices=HOPPERS[:devices])
+  put = lambda x: jax.device_put(fa4_jax.load_balance(x, devices),
+                                 NamedSharding(mesh, P(None, "seq")))
+  restore = lambda x: fa4_jax.unload_balance(x, devices)
+
+  def ring(q, k, v, q_ids, kv_ids):
+    return fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq",
+                                              is_causal=True, query_segment_ids=q_ids,
+                                              key_value_segment_ids=kv_ids)
+
+  # An argument of the jitted reference, not a constant XLA would fold.
+  visible = jnp.asarray(visible_mask(t, t, is_causal=True, batch=b, q_segment_ids=q_ids,
+                                     kv_segment_ids=kv_ids))
+  reference = lambda q, k, v, visible: einsum_attention(q, k, v, visible)[0]
+  loss = lambda attend, dout: (lambda *a: jnp.sum(attend(*a).astype(jnp.float32)
+                                                  * dout.astype(jnp.float32)))
+  ids = (put(jnp.asarray(q_ids)), put(jnp.asarray(kv_ids)))
+  out = np.asarray(restore(jax.jit(ring)(put(q), put(k), put(v), *ids)), np.float32)
+  np.testing.assert_allclose(out, np.asarray(jax.jit(reference)(q, k, v, visible)), atol=2e-2, rtol=2e-2)
+  assert padding.sum() == 292 and np.all(out[padding] == 0)
+
+  got = jax.jit(jax.grad(lambda q, k, v, dout, *ids: loss(ring, dout)(q, k, v, *ids),
+                         argnums=(0, 1, 2)))(put(q), put(k), put(v), put(dout), *ids)
+  want = jax.jit(jax.grad(loss(reference, dout), argnums=(0, 1, 2)))(q, k, v, visible)
+  for g, w, label in zip(got, want, ["q", "k", "v"]):
+    g = np.asarray(restore(g), np.float32)
+    assert np.all(np.isfinite(g)), label
+    assert relative_error(g, w) < 1e-2, label
+  assert np.all(np.asarray(restore(got[0]), np.float32)[padding] == 0)
