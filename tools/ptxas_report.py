@@ -8,7 +8,7 @@ left: registers per thread, stack frame, spill stores / loads. The first
 thing to read when a configuration is slower than expected.
 
     python3 tools/ptxas_report.py [--head-dim 128] [--causal] [--backward]
-        [--config key=value,...]... [--keep DIR]
+        [--soft-cap 50] [--config key=value,...]... [--keep DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ BENCHMARKS = os.path.join(REPO, "benchmarks")  # bench_forward / bench_backward:
 
 
 def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
-             backward: bool = False, group: int = 1) -> None:
+             backward: bool = False, group: int = 1, soft_cap: float | None = None) -> None:
   """Runs in a child process with the dump variables set."""
   sys.path.insert(0, REPO)
   sys.path.insert(0, BENCHMARKS)
@@ -38,6 +38,7 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
   from fa4_jax.scores import MaskSpec
 
   mask = MaskSpec.from_arguments(causal, None)
+  options = {} if soft_cap is None else dict(soft_cap=soft_cap)
   q = jnp.ones((1, 1024, 2 * group, head_dim), jnp.bfloat16)
   kv = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
   if backward:
@@ -45,12 +46,12 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
     config = bench_backward.config_for(config_text, head_dim, mask, group)
     lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
     fn = jax.jit(lambda q, k, v: sm90_backward.backward(
-        q, k, v, q, lse, q, None, None, scale=0.1, mask=mask, config=config))
+        q, k, v, q, lse, q, None, None, scale=0.1, mask=mask, config=config, **options))
   else:
     import bench_forward
     config = bench_forward.config_for(config_text, head_dim, mask, 8192)
     fn = jax.jit(lambda q, k, v: sm90_forward.forward(
-        q, k, v, None, None, scale=0.1, mask=mask, config=config)[0])
+        q, k, v, None, None, scale=0.1, mask=mask, config=config, **options)[0])
   jax.block_until_ready(fn(q, kv, kv))
 
 
@@ -79,6 +80,7 @@ def main() -> int:
   ap.add_argument("--group", type=int, default=1,
                   help="query heads per KV head (GQA), two KV heads")
   ap.add_argument("--backward", action="store_true", help="the backward kernels")
+  ap.add_argument("--soft-cap", type=float, default=None, help="compile with this logit soft-cap")
   ap.add_argument("--config", action="append", default=None)
   ap.add_argument("--keep", default=None, help="copy each dump folder here")
   args = ap.parse_args()
@@ -87,10 +89,11 @@ def main() -> int:
       env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
                  MOSAIC_GPU_DUMP_RESOURCES="1", MOSAIC_GPU_DUMP_TO=tmp)
       code = (f"import sys; sys.path.insert(0, {HERE!r}); import ptxas_report as r; "
-              f"r._compile({tmp!r}, {args.head_dim}, {args.causal}, {text!r}, {args.backward}, {args.group})")
+              f"r._compile({tmp!r}, {args.head_dim}, {args.causal}, {text!r}, {args.backward}, "
+              f"{args.group}, {args.soft_cap!r})")
       rc = subprocess.run([sys.executable, "-c", code], env=env).returncode
       print(f"== head_dim {args.head_dim} causal {args.causal} group {args.group} "
-            f"config [{text}] (rc {rc})")
+            f"soft-cap {args.soft_cap} config [{text}] (rc {rc})")
       print(summarize(pathlib.Path(tmp)), flush=True)
       if args.keep:
         pathlib.Path(args.keep).mkdir(parents=True, exist_ok=True)
