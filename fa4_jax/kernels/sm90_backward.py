@@ -323,6 +323,12 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # -> 976 bytes, GQA 168 -> 720) and loses: B8 H16 +2.8 / +1.3 / +1.2 %,
   # B8 GQA 32/8 +4.2 / +1.7 / +2.7 % (B1: -3.5 to +0.3 %).
   work_queue = segment_ids and causal_without_window and d <= 64
+  #
+  # Soft-cap takes the same configs. At D128 its dK/dV kernel spills (ptxas,
+  # S1024: 40-276 bytes) where the plain one does not; 32-row query tiles
+  # spill nothing but run 1.4-10 points slower (H200, B2 S8192: +25.2 /
+  # +18.5 / +20.1 % over the plain call against +15.0 / +17.1 / +14.7,
+  # dense / causal / GQA 32/8 causal; backward-soft-cap-block-q32-*.json).
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
