@@ -232,11 +232,11 @@ class BackwardConfig:
                          self.dq_num_consumers, self.dq_consumer_registers)
 
 def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
-                  segment_ids: bool = False) -> BackwardConfig:
+                  segment_ids: bool = False, soft_cap: bool = False) -> BackwardConfig:
   """Block sizes per (padded) head dim; the same for every mask. Where delta
   is computed depends on whether the mask has a window, how lse and delta
   enter the dK/dV kernel on the GQA group size (`group` query heads per KV
-  head) and the mask (below).
+  head), the mask and whether the logits are soft-capped (below).
 
   Registers per consumer thread (64 rows per warpgroup, fp32):
   dK/dV: dK + dV = head_dim, S^T and dP^T = block_q / 2 each.
@@ -310,6 +310,17 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # round slower there (backward-fold-window-..., backward-h200-fold-window*).
   fold_stats = causal_without_window and group > 1 and d > 64
   #
+  # Under soft-cap only delta can be folded (the tanh needs the raw S^T),
+  # and lse2 is loaded after the wait. At D128 that pays under causal masks,
+  # windows included, and removes most of the soft-capped dK/dV kernel's
+  # spills (ptxas, S1024, causal: 220 / 276 -> 28 / 84 bytes stored /
+  # loaded): H200, B2 S8192 H16, 5 rounds, span 2.986 -> 2.945 ms causal (also
+  # -1.7 % on an H100 and -2.5 % in a second H200 run), B1 S16384 causal
+  # windows of 1024 / 4096 keys 0.892 -> 0.863 / 2.619 -> 2.573 ms. Dense
+  # calls gain nothing (H16 5.733 -> 5.791 ms, GQA 32/8 tied, rounds spread
+  # 5-12 %) and keep the default (backward-soft-cap-fold-stats-*.json).
+  fold_stats = fold_stats or (soft_cap and mask.right == 0 and d > 64)
+  #
   # Packed causal rows (segment ids) at head dim 64: the dK/dV kernel's key
   # tiles see few query blocks each (a 128-key tile of a 1k-token document
   # about 8 per query head), so a CTA per tile spends a good part of its
@@ -324,9 +335,9 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # B8 GQA 32/8 +4.2 / +1.7 / +2.7 % (B1: -3.5 to +0.3 %).
   work_queue = segment_ids and causal_without_window and d <= 64
   #
-  # Soft-cap takes the same configs. At D128 its dK/dV kernel spills (ptxas,
-  # S1024: 40-276 bytes) where the plain one does not; 32-row query tiles
-  # spill nothing but run 1.4-10 points slower (H200, B2 S8192: +25.2 /
+  # Soft-cap at D128: its dK/dV kernel spills (ptxas, S1024: 40-276 bytes
+  # with the plain call's config); 32-row query tiles spill nothing
+  # but run 1.4-10 points slower (H200, B2 S8192: +25.2 /
   # +18.5 / +20.1 % over the plain call against +15.0 / +17.1 / +14.7,
   # dense / causal / GQA 32/8 causal; backward-soft-cap-block-q32-*.json).
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
@@ -363,7 +374,8 @@ def all_configs() -> list[tuple[int, BackwardConfig]]:
   for d in (64, 128, 192, 256):
     for mask in sm90_tiles.HEURISTIC_MASKS:
       for group in (1, 4):
-        seen[(d, choose_config(d, mask, group))] = None
+        for soft_cap in (False, True):
+          seen[(d, choose_config(d, mask, group, soft_cap=soft_cap))] = None
   return list(seen)
 
 
@@ -416,7 +428,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
   config = config or choose_config(d, mask, num_q_heads // num_kv_heads,
-                                   segment_ids=segment_ids is not None)
+                                   segment_ids=segment_ids is not None,
+                                   soft_cap=soft_cap is not None)
   if config.work_queue and not config.num_sms:
     config = dataclasses.replace(config, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"]))
   lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
