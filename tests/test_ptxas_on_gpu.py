@@ -90,8 +90,9 @@ for d in (64, 128, 192, 256):
                        backward(d, mask, group, config))
       items.setdefault(f"backward d={d} {mask} group={group > 1} {config} segment ids",
                        backward(d, mask, group, config, segments=True))
-      items.setdefault(f"backward d={d} {mask} group={group > 1} {config} soft-cap",
-                       backward(d, mask, group, config, capped=True))
+      capped = sm90_backward.choose_config(d, mask, group, soft_cap=True)
+      items.setdefault(f"backward d={d} {mask} group={group > 1} {capped} soft-cap",
+                       backward(d, mask, group, capped, capped=True))
       # Packed causal rows (head dim 64): the dK/dV kernel takes a work queue.
       packed = sm90_backward.choose_config(d, mask, group, segment_ids=True)
       items.setdefault(f"backward d={d} {mask} group={group > 1} {packed} segment ids",
