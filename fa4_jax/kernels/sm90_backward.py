@@ -315,7 +315,7 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # windows included, and removes most of the soft-capped dK/dV kernel's
   # spills (ptxas, S1024, causal: 220 / 276 -> 28 / 84 bytes stored /
   # loaded): H200, B2 S8192 H16, 5 rounds, span 2.986 -> 2.945 ms causal (also
-  # -1.7 % on an H100 and -2.5 % in a second H200 run), B1 S16384 causal
+  # -1.4 % on an H100 and -2.1 % in a second H200 run), B1 S16384 causal
   # windows of 1024 / 4096 keys 0.892 -> 0.863 / 2.619 -> 2.573 ms. Dense
   # calls gain nothing (H16 5.733 -> 5.791 ms, GQA 32/8 tied, rounds spread
   # 5-12 %) and keep the default (backward-soft-cap-fold-stats-*.json).
