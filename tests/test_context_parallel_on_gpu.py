@@ -26,6 +26,21 @@ HOPPERS = [d for d in jax.devices() if d.platform == "gpu"
 pytestmark = pytest.mark.skipif(len(HOPPERS) < 2, reason="needs two Hopper GPUs")
 
 
+def _load_balanced_ring(devices):
+  """(mesh, put, restore): a mesh over the first `devices` GPUs, and the
+  moves of a [B, T, ...] array into the load-balanced, sequence-sharded
+  layout the ring takes, and back."""
+  mesh = jax.make_mesh((devices,), ("seq",), devices=HOPPERS[:devices])
+  put = lambda x: jax.device_put(fa4_jax.load_balance(x, devices),
+                                 NamedSharding(mesh, P(None, "seq")))
+  return mesh, put, lambda x: fa4_jax.unload_balance(x, devices)
+
+
+def _dot_loss(attend, dout):
+  """The scalar whose gradients the tests compare: <attend(*args), dout> in f32."""
+  return lambda *a: jnp.sum(attend(*a).astype(jnp.float32) * dout.astype(jnp.float32))
+
+
 def test_ring_with_sinks_and_soft_cap_matches_an_f32_einsum():
   b, t, n, kv_heads, d, cap, devices = 1, 4096, 8, 2, 128, 30.0, 2
   keys = jax.random.split(jax.random.key(0), 6)
@@ -34,29 +49,26 @@ def test_ring_with_sinks_and_soft_cap_matches_an_f32_einsum():
       keys[3], n)
   sinks = 2.0 * jax.random.normal(keys[4], (n,), jnp.float32)
   tangent = draw(keys[5], n)
-  mesh = jax.make_mesh((devices,), ("seq",), devices=HOPPERS[:devices])
-  put = lambda x: jax.device_put(fa4_jax.load_balance(x, devices),
-                                 NamedSharding(mesh, P(None, "seq")))
-  restore = lambda x: fa4_jax.unload_balance(x, devices)
+  mesh, put, restore = _load_balanced_ring(devices)
 
   def ring(q, k, v, s):
     return fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq",
                                               is_causal=True, sinks=s, logits_soft_cap=cap)
 
-  visible = visible_mask(t, t, is_causal=True)
+  # An argument of the jitted reference, not a constant XLA would fold.
+  visible = jnp.asarray(visible_mask(t, t, is_causal=True))
 
-  def reference(q, k, v, s):
+  def reference(q, k, v, s, visible):
     return einsum_attention(q, k, v, visible, sinks=s, soft_cap=cap)[0]
 
-  loss = lambda attend, dout: (lambda *a: jnp.sum(attend(*a).astype(jnp.float32)
-                                                  * dout.astype(jnp.float32)))
   out = restore(jax.jit(ring)(put(q), put(k), put(v), sinks))
   np.testing.assert_allclose(np.asarray(out, np.float32),
-                             np.asarray(reference(q, k, v, sinks)), atol=2e-2, rtol=2e-2)
+                             np.asarray(reference(q, k, v, sinks, visible)), atol=2e-2, rtol=2e-2)
 
-  got = jax.jit(jax.grad(loss(ring, put(dout)), argnums=(0, 1, 2, 3)))(
+  got = jax.jit(jax.grad(_dot_loss(ring, put(dout)), argnums=(0, 1, 2, 3)))(
       put(q), put(k), put(v), sinks)
-  want = jax.jit(jax.grad(loss(reference, dout), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+  want = jax.jit(jax.grad(_dot_loss(reference, dout), argnums=(0, 1, 2, 3)))(
+      q, k, v, sinks, visible)
   for g, w, label in zip(got, want, ["q", "k", "v", "sinks"]):
     g = np.asarray(restore(g) if g.ndim == 4 else g, np.float32)
     w = np.asarray(w)
@@ -66,7 +78,7 @@ def test_ring_with_sinks_and_soft_cap_matches_an_f32_einsum():
   # Forward mode: the tangent ring against the reference's jvp (q's tangent).
   _, got_dot = jax.jit(lambda q, k, v, t: jax.jvp(lambda q: ring(q, k, v, sinks), (q,), (t,)))(
       put(q), put(k), put(v), put(tangent))
-  _, want_dot = jax.jvp(lambda q: reference(q, k, v, sinks), (q,), (tangent,))
+  _, want_dot = jax.jvp(lambda q: reference(q, k, v, sinks, visible), (q,), (tangent,))
   assert relative_error(restore(got_dot), want_dot) < 2e-2
 
 
@@ -85,10 +97,7 @@ def test_ring_with_segment_ids_matches_an_f32_einsum():
                     packed_segment_ids([3000, 1000], t, first_id=10)])  # 96
   padding = q_ids == np.array([[5], [12]])  # the ids packed_segment_ids gives the padding
   kv_ids = np.where(padding, -1, q_ids)  # padding keys: an id no query has
-  mesh = jax.make_mesh((devices,), ("seq",), devices=HOPPERS[:devices])
-  put = lambda x: jax.device_put(fa4_jax.load_balance(x, devices),
-                                 NamedSharding(mesh, P(None, "seq")))
-  restore = lambda x: fa4_jax.unload_balance(x, devices)
+  mesh, put, restore = _load_balanced_ring(devices)
 
   def ring(q, k, v, q_ids, kv_ids):
     return fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq",
@@ -99,17 +108,15 @@ def test_ring_with_segment_ids_matches_an_f32_einsum():
   visible = jnp.asarray(visible_mask(t, t, is_causal=True, batch=b, q_segment_ids=q_ids,
                                      kv_segment_ids=kv_ids))
   reference = lambda q, k, v, visible: einsum_attention(q, k, v, visible)[0]
-  loss = lambda attend, dout: (lambda *a: jnp.sum(attend(*a).astype(jnp.float32)
-                                                  * dout.astype(jnp.float32)))
   ids = (put(jnp.asarray(q_ids)), put(jnp.asarray(kv_ids)))
   out = np.asarray(restore(jax.jit(ring)(put(q), put(k), put(v), *ids)), np.float32)
   want_out = np.asarray(jax.jit(reference)(q, k, v, visible))
   np.testing.assert_allclose(out, want_out, atol=2e-2, rtol=2e-2)
   assert padding.sum() == 292 and np.all(out[padding] == 0)
 
-  got = jax.jit(jax.grad(lambda q, k, v, dout, *ids: loss(ring, dout)(q, k, v, *ids),
+  got = jax.jit(jax.grad(lambda q, k, v, dout, *ids: _dot_loss(ring, dout)(q, k, v, *ids),
                          argnums=(0, 1, 2)))(put(q), put(k), put(v), put(dout), *ids)
-  want = jax.jit(jax.grad(loss(reference, dout), argnums=(0, 1, 2)))(q, k, v, visible)
+  want = jax.jit(jax.grad(_dot_loss(reference, dout), argnums=(0, 1, 2)))(q, k, v, visible)
   for g, w, label in zip(got, want, ["q", "k", "v"]):
     g = np.asarray(restore(g), np.float32)
     assert np.all(np.isfinite(g)), label
