@@ -128,20 +128,31 @@ def chunk_shape(tile_shape) -> tuple[int, int]:
 
 
 def where_visible(x, fill, *, mask: MaskSpec, row_lo, col_lo, keys_along_rows: bool, kv_len,
-                  q_len, segments=None):
+                  q_len, segments=None, mask_mod=None):
   """`x` (a wgmma tile) where `scores.visible` lets its query see its key,
   `fill` elsewhere: the element mask of every sm90 kernel. The tile's rows
   start at `row_lo` and hold queries (keys when `keys_along_rows`, as in
   the kernels that own keys), its columns start at `col_lo`. `segments`:
   None, or the ids of the rows (a vector along them, `load_ids`) and of the
   columns (their `id_ring` slot, read a chunk at a time:
-  `where_visible_by_column_chunks`)."""
+  `where_visible_by_column_chunks`).
+
+  `mask_mod`: None, or a hook `mask_mod(q_idx, kv_idx) -> bool` (True:
+  visible) and-ed with the built-in mask; `q_idx` and `kv_idx` are int32
+  tiles of positions (WGMMA layout, the tile's shape or, with `segments`, a
+  chunk's), already oriented by `keys_along_rows`, so the hook never cares
+  which side holds the keys. `mask_mod_hook` makes one from a user's traced
+  `mask_mod`. Without it the traced program is the one built before it
+  existed."""
   shape = x.shape if segments is None else chunk_shape(x.shape)
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape, layout=plgpu.Layout.WGMMA)
   rows, cols = row_lo + iota(0), col_lo + iota(1)
   if segments is None:
     k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
-    return jnp.where(visible(mask, q_idx, k_idx, kv_len, q_len=q_len), x, fill)
+    ok = visible(mask, q_idx, k_idx, kv_len, q_len=q_len)
+    if mask_mod is not None:
+      ok = ok & mask_mod(q_idx, k_idx)
+    return jnp.where(ok, x, fill)
   row_ids, column_ids = segments
   row_seg = lax.broadcast_in_dim(row_ids, shape, [0])
 
@@ -151,6 +162,28 @@ def where_visible(x, fill, *, mask: MaskSpec, row_lo, col_lo, keys_along_rows: b
     col_seg = lax.broadcast_in_dim(col_ids, shape, [1])
     k_idx, q_idx = (rows, chunk_cols) if keys_along_rows else (chunk_cols, rows)
     kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
-    return visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
+    ok = visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
+    if mask_mod is not None:
+      ok = ok & mask_mod(q_idx, k_idx)
+    return ok
 
   return where_visible_by_column_chunks(x, column_ids, visible_of, fill)
+
+
+def mask_mod_hook(mask_mod, captured_refs, batch_idx, head_idx):
+  """`where_visible`'s `mask_mod` hook for a user's traced `mask_mod`
+  (`fa4_jax.mod_functions.ModFunction`): it evaluates it on the tile
+  (`mod_functions.evaluate_in_kernel`). `captured_refs`: its captured arrays
+  as GMEM refs, in `mask_mod.captured_avals`' order (0-d ones as shape (1,));
+  `batch_idx`, `head_idx`: the scalars it sees (global: a sharded call's
+  offsets added, `scores.Scores.global_indices`). None for no `mask_mod`."""
+  if mask_mod is None:
+    return None
+  from fa4_jax import mod_functions
+
+  def hook(q_idx, kv_idx):
+    keep = mod_functions.evaluate_in_kernel(mask_mod, captured_refs, batch_idx, head_idx, q_idx,
+                                            kv_idx)
+    return jnp.broadcast_to(keep, q_idx.shape) if jnp.shape(keep) != q_idx.shape else keep
+
+  return hook
