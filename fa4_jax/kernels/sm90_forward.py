@@ -98,6 +98,23 @@ block_kv or block_kv divides them) and head dims multiples of 64 (the cache
 is read in place, never padded): `check_paged`. Without a page table the
 kernel is unchanged.
 
+Programmable scores (`forward(..., mods=)`, a `scores.Scores` with a
+`score_mod` and / or a `mask_mod`): before the kernel XLA classifies every
+(CTA tile, key block) pair by every mask of the call, the built-ins and
+`mask_mod` (`scores.tile_classes`: EMPTY, PARTIAL, FULL; from the block
+mask where it nests) and turns the classes into lists (`scores.block_lists`:
+per CTA tile the partial blocks, then the full ones). The producer loads
+the listed blocks only; both consumers walk the same list, the partial
+blocks with the element mask (the built-ins and `mask_mod` evaluated on the
+tile, `sm90_tiles.where_visible`'s hook), the full ones without (`mask_mod`
+is not evaluated there). `score_mod` runs on every walked block after the
+scale and before the soft-cap (`_ConsumerTile.modified_logits`), and the
+softmax's constant is then log2(e) (cap * log2(e)). The mods see the global
+(batch, head) (`Scores.index_offsets`) and the query and key positions;
+their captured arrays are GMEM operands (`mod_functions.evaluate_in_kernel`).
+Such calls take one CTA per tile (`mods_config`). Without mods the kernel is
+unchanged (`tools/kernel_fingerprints.py`).
+
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
 (`_ConsumerTile.p_times_v`, `SlotRing.producer_drain` /
@@ -120,6 +137,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fa4_jax import mod_functions
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, sm90_tiles
 from fa4_jax.kernels import compile_ahead
@@ -130,8 +148,9 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
 from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
                                      heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
-from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, padded_head_dim, smem_tile,
-                                       where_visible)
+from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, mask_mod_hook, padded_head_dim,
+                                       smem_tile, where_visible)
+from fa4_jax import scores as score_lib
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
                             initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,
                             online_softmax, read_tile_ranges, hull, pad_ids, softmax_logits,
@@ -139,7 +158,7 @@ from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixe
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
-FEATURES = frozenset({"sinks", "soft_cap"})
+FEATURES = frozenset({"sinks", "soft_cap", "mods"})
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -509,6 +528,12 @@ class _Call:
   # With `config.work_queue`: units from the GMEM counter (else the fixed
   # round robin the interpreter runs; `schedule.fixed_shares_under_vmap`).
   queue_counter: bool = True
+  # Programmable scores (`forward(..., mods=)`): the CTA walks its key blocks
+  # from the block lists (`scores.block_lists`), partial ones masked;
+  # `score_mod` / `mask_mod` are the traced functions (`mod_functions`), or None.
+  mods: bool = False
+  score_mod: Any = None
+  mask_mod: Any = None
 
   @property
   def masked_logit(self) -> float:
@@ -541,6 +566,15 @@ class _Refs:
   o_smem: Any  # O tiles (persistent grid only)
   p_smem: Any  # P staging (interpreter only)
   kv_ids_smem: Any  # the keys' segment ids, a ring beside K's; None without segment ids
+  # Programmable scores only (`_Call.mods`), in GMEM: the block lists
+  # (`scores.block_lists`: counts int32 [B, Hm, tiles, 2], order int32
+  # [B, Hm, tiles, nk]), the (batch, head) offsets the mods add (int32 [2]),
+  # and the captured arrays of score_mod and mask_mod.
+  block_counts: Any = None
+  block_order: Any = None
+  index_offsets: Any = None
+  score_captured: tuple = ()
+  mask_captured: tuple = ()
 
   @classmethod
   def unpack(cls, call: _Call, refs) -> tuple["_Refs", Any]:
@@ -552,10 +586,20 @@ class _Refs:
     kv_len = refs.pop(0) if call.has_kv_lengths else None
     q_ids = kv_ids = segment_ranges = None
     if call.has_segment_ids:
-      q_ids, kv_ids, segment_ranges = refs[:3]
-      del refs[:3]
+      # (The block lists hold the ids' tile ranges where there are mods.)
+      q_ids, kv_ids = refs[:2]
+      segment_ranges = None if call.mods else refs[2]
+      del refs[:2 if call.mods else 3]
     sinks = refs.pop(0) if call.has_sinks else None
     page_table = refs.pop(0) if call.page_size is not None else None
+    mod_refs = {}
+    if call.mods:
+      mod_refs = dict(block_counts=refs.pop(0), block_order=refs.pop(0),
+                      index_offsets=refs.pop(0))
+      for key, mod in (("score_captured", call.score_mod), ("mask_captured", call.mask_mod)):
+        count = 0 if mod is None else len(mod.captured_avals)
+        mod_refs[key] = tuple(refs[:count])
+        del refs[:count]
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.config.persistent else None
@@ -563,7 +607,7 @@ class _Refs:
     kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
     return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table, out,
                lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem,
-               kv_ids_smem), barrier_refs
+               kv_ids_smem, **mod_refs), barrier_refs
 
 
 def _scratch_smem(call: _Call) -> list:
@@ -599,6 +643,9 @@ class _WorkItem:
   lo: Any  # the producer loads KV blocks [lo, hi) for the whole CTA tile
   hi: Any
   tile: Any  # the CTA tile's index; consumer c's rows are tile `tile * num_consumers + c`
+  # Programmable scores (`_Call.mods`): [lo, hi) are positions in the CTA's
+  # block list, [lo, partial) its partial blocks, [partial, hi) its full ones.
+  partial: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,6 +693,14 @@ class _Context:
     q_len, kv_len = sequence_lengths(self.refs.q_len, self.refs.kv_len, batch_idx, call.q_seq,
                                      call.kv_valid)
     cta_q_lo = tile * cfg.block_q_cta
+    if call.mods:
+      # The CTA's block list: its partial blocks, then its full ones.
+      at = (batch_idx, self.list_head(head), tile)
+      partial = self.refs.block_counts[(*at, 0)]
+      # (lo a Python int: a concrete array closed over by `p_times_v`'s
+      # `pl.run_state` body would become an input Mosaic GPU cannot lower.)
+      return _WorkItem(batch_idx, head, q_len, kv_len, cta_q_lo, 0,
+                       partial + self.refs.block_counts[(*at, 1)], tile, partial)
     if call.has_segment_ids:
       # The blocks some consumer computes: its segments can meet the CTA
       # tile's in a narrower span than the band allows.
@@ -658,6 +713,18 @@ class _Context:
                               cfg.block_kv)
       lo, hi = blocks.lo, blocks.hi
     return _WorkItem(batch_idx, head, q_len, kv_len, cta_q_lo, lo, hi, tile)
+
+  def list_head(self, head):
+    """The head index of the block lists (`_Refs.block_order`): theirs have
+    one head where no mask varies with the head."""
+    return head if self.refs.block_order.shape[1] > 1 else 0
+
+  def kv_block(self, item: _WorkItem, j):
+    """The key block of walk position j: j itself, or with programmable
+    scores the list's j-th entry (`scores.block_lists`, a scalar GMEM load)."""
+    if not self.call.mods:
+      return j
+    return self.refs.block_order[item.batch_idx, self.list_head(item.head), item.tile, j]
 
   def consumer_blocks(self, batch_idx, tile, c, q_lo, q_len, kv_len) -> TileRanges:
     """The key blocks consumer c's rows (from `q_lo`) of CTA tile `tile` see:
@@ -702,8 +769,9 @@ def _producer(ctx: _Context) -> None:
     kv_head = lax.div(item.head, jnp.int32(ctx.call.group))
 
     @pl.loop(item.lo, item.hi)
-    def _(j):
-      step = step0 + j - item.lo
+    def _(n):
+      step = step0 + n - item.lo
+      j = ctx.kv_block(item, n)  # n itself without programmable scores
       fill = _kv_block_fill(ctx, item, j, kv_head)
       bars.k.producer_acquire(step)
       fill(bars.k, refs.k, refs.k_smem, step)
@@ -821,6 +889,9 @@ class _ConsumerTile:
   q_segment: Any  # the rows' segment ids (`_ROW_LAYOUT`); None without segment ids
   sink: Any  # the head's sink logit (f32 scalar); None without sinks
   q_waited: bool = False  # the Q wait came before (a work queue's unit rides with it)
+  # Programmable scores: (batch, head) as the mods see them (the offsets of a
+  # sharded call added); None without mods.
+  mod_indices: Any = None
 
   @classmethod
   def create(cls, ctx: _Context, i, step0, unit=None) -> "_ConsumerTile":
@@ -829,8 +900,13 @@ class _ConsumerTile:
     q_tile = ctx.refs.q_smem.at[ctx.bars.q.buffer(i, wg)]
     o_tile = ctx.refs.o_smem.at[wg] if cfg.persistent else q_tile
     q_lo = item.cta_q_lo + wg * cfg.block_q
-    own = ctx.consumer_blocks(item.batch_idx, item.tile, wg, q_lo, item.q_len,
-                              item.kv_len).within(item.lo, item.hi)
+    own = mod_indices = None
+    if ctx.call.mods:  # both consumers walk the CTA's list (`walk_block_list`)
+      offsets = ctx.refs.index_offsets
+      mod_indices = (item.batch_idx + offsets[0], item.head + offsets[1])
+    else:
+      own = ctx.consumer_blocks(item.batch_idx, item.tile, wg, q_lo, item.q_len,
+                                item.kv_len).within(item.lo, item.hi)
     q_segment = None
     if ctx.call.has_segment_ids:
       # The rows' ids, for the element mask of boundary blocks.
@@ -838,7 +914,7 @@ class _ConsumerTile:
     # One scalar per tile from GMEM, loaded before the wait for Q hides its latency.
     sink = ctx.refs.sinks[item.head] if ctx.call.has_sinks else None
     return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink,
-               q_waited=unit is not None)
+               q_waited=unit is not None, mod_indices=mod_indices)
 
   def walk_kv_blocks(self):
     """(O, m, l) of the tile, unnormalised. Every consumer steps through all
@@ -861,9 +937,22 @@ class _ConsumerTile:
       bars.k.consumer_wait(self.step0)
 
     pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
-    carry = walk_blocks(lo, hi, own, self.compute_step, self.skip_step, (acc, m, l))
+    if self.ctx.call.mods:
+      carry = self.walk_block_list((acc, m, l))
+    else:
+      carry = walk_blocks(lo, hi, own, self.compute_step, self.skip_step, (acc, m, l))
     pl.when(wg == 0)(bars.pingpong.sync)
     return carry
+
+  def walk_block_list(self, carry):
+    """Programmable scores: the CTA's block list, its partial blocks with the
+    element mask (the built-ins and `mask_mod`), then its full ones without
+    (`mask_mod` is not evaluated there); empty blocks are not in it. Both
+    consumers compute every listed block: the list is the CTA tile's."""
+    item = self.item
+    step = lambda masked: functools.partial(self.compute_step, masked=masked)
+    carry = lax.fori_loop(item.lo, item.partial, step(True), carry)
+    return lax.fori_loop(item.partial, item.hi, step(False), carry)
 
   def ring_step(self, j):
     """Ring position of KV block j."""
@@ -874,6 +963,9 @@ class _ConsumerTile:
     cfg, bars = self.ctx.call.config, self.ctx.bars
     acc, m, l = carry
     step = self.ring_step(j)
+    # The key block at walk position j (j itself without programmable
+    # scores), read before Q K^T so that its GMEM latency hides behind it.
+    block = self.ctx.kv_block(self.item, j)
     s = pl.run_scoped(functools.partial(self.qk, k_tile=self.ctx.refs.k_smem.at[bars.k.slot(step)]),
                       plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
     key_ids = self.key_ids(step) if masked else None
@@ -881,7 +973,7 @@ class _ConsumerTile:
       bars.k.consumer_release(step)
     # else: released once the mask has read the keys' ids (`block_softmax`)
     p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked,
-                                                   key_ids=key_ids)
+                                                   key_ids=key_ids, block=block)
     acc = self.p_times_v(acc, p16, self.ctx.refs.v_smem.at[bars.v.slot(step)],
                          lambda: self.wait_next_k(j))
     bars.v.consumer_release(step)
@@ -912,7 +1004,7 @@ class _ConsumerTile:
       return None
     return self.ctx.refs.kv_ids_smem.at[self.ctx.bars.k.slot(step)]
 
-  def block_softmax(self, s, m, j, *, masked: bool, key_ids=None):
+  def block_softmax(self, s, m, j, *, masked: bool, key_ids=None, block=None):
     """(P, new running max, alpha) for the logits of KV block j; with a
     fixed max (`_Call.fixed_max`) (P, m, None): nothing to rescale.
 
@@ -925,21 +1017,51 @@ class _ConsumerTile:
     `key_ids`: the SMEM slot of the block's key segment ids; the mask reads
     them a chunk of columns at a time (`where_visible_by_column_chunks`),
     then the block's K slot (which they ride with) is released.
+
+    `block`: the key block (j: its position in the walk, which differs with
+    programmable scores' block lists). A `score_mod` runs on the scaled
+    scores before the soft-cap, a `mask_mod` in the element mask of partial
+    blocks (`modified_logits`, `mask_mod_hook`).
     """
     call = self.ctx.call
-    s = softmax_logits(s, call.scale, call.soft_cap)
+    block = j if block is None else block
+    if call.score_mod is None:
+      s = softmax_logits(s, call.scale, call.soft_cap)
+    else:
+      s = self.modified_logits(s, block)
     if masked:
       kv_len = key_length_to_compare(self.item.kv_len, call.config.block_kv, call.mask,
                                      segment_ids=call.has_segment_ids)
       segments = None if key_ids is None else (self.q_segment, key_ids)
+      mask_mod = None
+      if call.mask_mod is not None:
+        mask_mod = mask_mod_hook(call.mask_mod, self.ctx.refs.mask_captured, *self.mod_indices)
       s = where_visible(s, call.masked_logit, mask=call.mask, row_lo=self.q_lo,
-                        col_lo=j * call.config.block_kv, keys_along_rows=False, kv_len=kv_len,
-                        q_len=self.item.q_len, segments=segments)
+                        col_lo=block * call.config.block_kv, keys_along_rows=False,
+                        kv_len=kv_len, q_len=self.item.q_len, segments=segments,
+                        mask_mod=mask_mod)
       if key_ids is not None:
         self.release_k_after_reading_ids(j)
     if call.fixed_max:
       return fixed_max_softmax(s, m, call.c), m, None
     return online_softmax(s, m, call.c)
+
+  def modified_logits(self, s, block):
+    """A tile of raw Q K^T logits of key block `block` through the scale and
+    `score_mod`, then soft-capped (t = tanh(s / cap)) if the call is: in the
+    units of `_Call.c` = softmax_scale(1, cap) (`scores.Scores` has the order)."""
+    call, cfg = self.ctx.call, self.ctx.call.config
+    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
+                             layout=plgpu.Layout.WGMMA)
+    q_idx = self.q_lo + iota(0)
+    kv_idx = block * cfg.block_kv + iota(1)
+    s = mod_functions.evaluate_in_kernel(call.score_mod, self.ctx.refs.score_captured,
+                                         s * jnp.float32(call.scale), *self.mod_indices, q_idx,
+                                         kv_idx)
+    s = s.astype(jnp.float32)
+    if s.shape != q_idx.shape:  # a score_mod that ignores the score
+      s = jnp.broadcast_to(s, q_idx.shape)
+    return softmax_logits(s, 1.0, call.soft_cap)
 
   def release_k_after_reading_ids(self, j):
     """Releases the K slot of block j once its key ids have been read."""
@@ -950,11 +1072,11 @@ class _ConsumerTile:
       plgpu.commit_smem()
     self.ctx.bars.k.consumer_release(self.ring_step(j))
 
-  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, key_ids=None):
+  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, key_ids=None, block=None):
     """Softmax of block j, O rescaled, the hand-off of the tensor core, and
     the row sums before or after it (`sum_before_handoff`)."""
     cfg = self.ctx.call.config
-    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids)
+    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
     if alpha is not None:
       acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     p16 = p.astype(self.ctx.call.dtype)
@@ -1065,6 +1187,9 @@ def _build_kernel(
     heads_major: bool = False,
     q_batch_divisor: int = 1,
     queue_counter: bool = True,
+    mods: bool = False,
+    score_mod=None,
+    mask_mod=None,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -1072,12 +1197,16 @@ def _build_kernel(
   work = _persistent_work(cfg, mask, batch, num_q_heads, q_seq)
   call = _Call(config=cfg, mask=mask, q_seq=q_seq, kv_valid=kv_valid, head_dim=head_dim,
                dtype=dtype, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles,
-               c=softmax_scale(scale, soft_cap), heavy_first=heavy_first, work=work,
+               # A score_mod takes the scaled scores: the softmax's constant is
+               # then log2(e) (cap * log2(e) with soft-cap).
+               c=softmax_scale(scale if score_mod is None else 1.0, soft_cap),
+               heavy_first=heavy_first, work=work,
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
                has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size,
                fixed_max=fixed_max, heads_major=heads_major,
-               q_batch_divisor=q_batch_divisor, queue_counter=queue_counter)
+               q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
+               score_mod=score_mod, mask_mod=mask_mod)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1156,7 +1285,7 @@ def sm_count(default: int = H100_SMS) -> int:
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             config: ForwardConfig | None = None, segment_ids=None, sinks=None,
             soft_cap: float | None = None, page_table=None,
-            heads_major: bool = False, q_batch_divisor: int = 1):
+            heads_major: bool = False, q_batch_divisor: int = 1, mods=None):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
@@ -1175,7 +1304,21 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   heads of a KV head as its rows is then a free reshape, `check_heads_major`);
   `q_batch_divisor` = P serves B = Bq * P rows of K/V with batch row b
   reading Q's row b // P (split-K chunks of one sequence, Q not repeated).
+
+  `mods`: None, or the call's `scores.Scores` with a `score_mod` and / or a
+  `mask_mod` (its lengths, segment ids, band, scale and soft-cap are the
+  arguments above; it adds the mods, their captured arrays, the block mask
+  and the index offsets). The kernel then walks per CTA tile the block
+  lists of every mask (`scores.tile_classes`, `block_lists`, computed here
+  in XLA): partial blocks with the element mask and `mask_mod`, full ones
+  without, empty ones neither loaded nor computed; `score_mod` runs on every
+  walked block. One CTA per tile (no persistent grid), no page table or
+  heads-major Q.
   """
+  if mods is not None and not mods.has_mods:
+    mods = None
+  if mods is not None:
+    check_mods(mods, config, page_table, heads_major, q_batch_divisor)
   if q_batch_divisor < 1:
     raise KernelUnsupported(f"sm90 forward: q_batch_divisor must be >= 1; got {q_batch_divisor}")
   if heads_major:
@@ -1218,6 +1361,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             for x in (k, v))
   if config is None:
     config = choose_config(d, mask, kv_seq, q_seq, segment_ids=segment_ids is not None)
+    if mods is not None:
+      config = mods_config(config)
   if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
     raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
                             f"{k.shape[1]} must divide one another")
@@ -1235,6 +1380,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       # Soft-capped logits are bounded: where that bounds P, no running max.
       fixed_max=fixed_max_is_exact(q.dtype, soft_cap, kv_seq),
       **_q_options(heads_major, q_batch_divisor),
+      **({} if mods is None else dict(mods=True, score_mod=mods.score_mod,
+                                      mask_mod=mods.mask_mod)),
   )
   call = build(config=config)
   if config.work_queue:
@@ -1245,15 +1392,74 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if kv_lengths is not None:
     args.append(jnp.asarray(kv_lengths, jnp.int32))
   if segment_ids is not None:
-    args.extend(segment_operands(segment_ids, config, mask, q_pad, kv_pad))
+    segment_args = segment_operands(segment_ids, config, mask, q_pad, kv_pad)
+    # With mods the block lists hold the ids' tile ranges.
+    args.extend(segment_args[:2] if mods is not None else segment_args)
   if sinks is not None:
     args.append(jnp.asarray(sinks, jnp.float32))
   if page_table is not None:
     args.append(page_table_operand(page_table, config.block_kv, k.shape[1], k.shape[0]))
+  if mods is not None:
+    args.extend(mods_operands(mods, config, q_shape, logical_k_shape, q_lengths, kv_lengths,
+                              segment_ids, scale=scale, mask=mask, soft_cap=soft_cap))
   out, lse = call(*args)
   if d != head_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :head_dim]
   return out, lse[..., :q_seq]
+
+
+def mods_config(config: ForwardConfig) -> ForwardConfig:
+  """The heuristic's config for a call with programmable scores: one CTA per
+  tile (the block lists are per CTA tile; the persistent grid and its work
+  queue walk ranges), so one Q tile per consumer."""
+  return dataclasses.replace(config, persistent=False, work_queue=False, q_buffers=1)
+
+
+def check_mods(mods, config: ForwardConfig | None, page_table, heads_major: bool,
+               q_batch_divisor: int) -> None:
+  """Raises KernelUnsupported (or a ValueError naming an op the kernel
+  cannot run, `mod_functions.kernel_problem`) unless the kernel can run
+  these programmable scores."""
+  if page_table is not None or heads_major or q_batch_divisor != 1:
+    raise KernelUnsupported("sm90 forward: score_mod / mask_mod are not supported with a page "
+                            "table, heads-major Q or a Q batch divisor")
+  if config is not None and config.persistent:
+    raise KernelUnsupported("sm90 forward: score_mod / mask_mod walk one CTA per tile; pass a "
+                            "config with persistent=False (`mods_config`)")
+  for mod in (mods.score_mod, mods.mask_mod):
+    if mod is not None:
+      problem = mod_functions.kernel_problem(mod)
+      if problem is not None:
+        raise mod_functions.Unsupported(f"sm90 forward: {problem}")
+
+
+def mods_operands(mods, config: ForwardConfig, q_shape, k_shape, q_lengths, kv_lengths,
+                  segment_ids, *, scale: float, mask: MaskSpec, soft_cap) -> list:
+  """The kernel's operands for programmable scores: the block lists of the
+  CTA tiles (counts, order: `scores.block_lists` of `scores.tile_classes`
+  of every mask of the call, at `block_q_cta` x `block_kv`), the (batch,
+  head) offsets of a sharded call (zeros without), then the captured arrays
+  of `score_mod` and of `mask_mod` (0-d ones as shape (1,)).
+
+  The classes take the call's arguments as the kernel masks them: the
+  lengths clipped to the sequences (a length past them would make the last,
+  padded, key block look full)."""
+  batch, q_seq, num_q_heads, _ = q_shape
+  kv_seq = k_shape[1]
+  clip = lambda x, n: None if x is None else jnp.clip(jnp.asarray(x, jnp.int32), 0, n)
+  q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+  scores_ = mods.replace(mask=mask, scale=float(scale), soft_cap=soft_cap,
+                         q_lengths=clip(q_lengths, q_seq), kv_lengths=clip(kv_lengths, kv_seq),
+                         q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  classes = score_lib.tile_classes(scores_, batch, num_q_heads, q_seq, kv_seq,
+                                   config.block_q_cta, config.block_kv)
+  counts, order = score_lib.block_lists(classes)
+  offsets = (jnp.zeros((2,), jnp.int32) if mods.index_offsets is None
+             else jnp.asarray(mods.index_offsets, jnp.int32).reshape(2))
+  captured = [*(mods.score_captured if mods.score_mod is not None else ()),
+              *(mods.mask_captured if mods.mask_mod is not None else ())]
+  return [counts, order, offsets,
+          *(jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in captured)]
 
 
 def _q_options(heads_major, q_batch_divisor) -> dict:
