@@ -1,7 +1,8 @@
 """Generate text with a KV cache from the tiny character LM, with fa4_jax and
 with jax.nn attention, and compare their speed and their tokens.
 
-Trains the model of examples/train_tiny_lm.py briefly, then decodes with
+Trains its own copy of examples/train_tiny_lm.py's model briefly (that
+script saves no weights to load), then decodes with
 Flax's cache (`nnx.MultiHeadAttention` with `decode=True`): one token per
 step, each layer's new key/value written into a cache of `--seq-len` slots,
 and the query attending to the slots written so far (Flax passes that as a
