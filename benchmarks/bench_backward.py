@@ -50,6 +50,7 @@ from jax.experimental.mosaic.gpu import profiler
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa4_jax import xla_attention  # noqa: E402
+from fa4_jax.scores import Scores  # noqa: E402
 from fa4_jax.kernels import sm90_backward  # noqa: E402
 
 import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
@@ -150,7 +151,7 @@ class CaseSetup:
     mask, window = bench_common.case_mask(causal, window_left)
     self.mask = mask
     self.xla_fwd = jax.jit(lambda q, k, v: xla_attention.forward(
-        q, k, v, None, None, None, None, scale=scale, spec=mask))
+        q, k, v, None, None, Scores(mask=mask, scale=scale)))
     out, lse = self.xla_fwd(self.q, self.k, self.v)
 
     self.impls, self.configs = [], []
@@ -180,8 +181,7 @@ class CaseSetup:
       out32, lse32 = self.xla_fwd(*f32[:3])
       mask, scale = self.mask, self.scale
       ref = jax.jit(lambda q, k, v, o, l, do: xla_attention.backward(
-          q, k, v, None, None, None, None, None, None, o, l, do, scale=scale,
-          spec=mask)[:3])(
+          q, k, v, None, None, Scores(mask=mask, scale=scale), o, l, do)[:3])(
               *f32[:3], out32, lse32, f32[3])
       return jax.block_until_ready(ref)
 

@@ -7,7 +7,7 @@ from typing import Literal
 import jax
 from jax import lax
 
-from fa4_jax import backends
+from fa4_jax import backends, mod_functions, scores
 from fa4_jax.validation import Arguments, validate
 from fa4_jax.vjp import CoreConfig, attention_core, current_matmul_precision
 
@@ -33,6 +33,9 @@ def attention(
     sinks=None,
     logits_soft_cap: float | None = None,
     causal_alignment: str = "top_left",
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
 ):
   """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
 
@@ -91,6 +94,21 @@ def attention(
       has its own (`kv_len - q_len`), which the kernels read per row; a
       one-token causal query with lengths sees every valid key (the decode
       arrangement). Not part of `jax.nn`.
+    score_mod: optional `score_mod(score, batch, head, q_idx, kv_idx) ->
+      score`, FlexAttention's contract: a JAX function of a float32 score and
+      int32 indices, applied elementwise to the scaled (and biased) score
+      before the soft-cap and the masks. `head` is the query head; `q_idx`
+      and `kv_idx` are positions in the query and key sequences as passed
+      (under bottom-right alignment too). It may close over arrays (ALiBi
+      slopes, a bias table): gradients flow to them. Fused into the kernels;
+      one that uses an op a kernel cannot run falls back to the XLA path
+      (`implementation="sm90"` raises a ValueError naming the op).
+    mask_mod: optional `mask_mod(batch, head, q_idx, kv_idx) -> bool` (True:
+      attend), and-ed with every other mask. Without `block_mask`, the call
+      classifies its tiles itself (evaluating `mask_mod` once per call).
+    block_mask: optional, from `fa4_jax.create_block_mask`: the tile classes
+      of a `mask_mod` computed once and reused across layers and calls (its
+      `mask_mod` applies when `mask_mod` is not given).
 
   Returns:
     The attention output, shaped like `query` (and the residual, if asked).
@@ -105,7 +123,8 @@ def attention(
   if implementation == "cudnn":
     extras = dict(query_segment_ids=query_segment_ids,
                   key_value_segment_ids=key_value_segment_ids, sinks=sinks,
-                  logits_soft_cap=logits_soft_cap,
+                  logits_soft_cap=logits_soft_cap, score_mod=score_mod, mask_mod=mask_mod,
+                  block_mask=block_mask,
                   causal_alignment=None if causal_alignment == "top_left" else causal_alignment)
     given = [name for name, x in extras.items() if x is not None]
     if given:
@@ -123,14 +142,10 @@ def attention(
                            query_seq_lengths, key_value_seq_lengths,
                            local_window_size, implementation,
                            query_segment_ids, key_value_segment_ids, sinks,
-                           logits_soft_cap, causal_alignment)
-  config = CoreConfig(backend=backend, scale=args.scale, spec=args.spec,
-                      soft_cap=args.logits_soft_cap,
-                      matmul_precision=current_matmul_precision())
+                           logits_soft_cap, causal_alignment, score_mod, mask_mod, block_mask)
+  config = CoreConfig(backend=backend, matmul_precision=current_matmul_precision())
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
-                            args.query_seq_lengths, args.key_value_seq_lengths,
-                            args.query_segment_ids, args.key_value_segment_ids, args.sinks,
-                            config)
+                            args.scores, config)
   out = out.reshape(args.output_shape)
   if not return_residual:
     return out
@@ -144,7 +159,8 @@ def which_implementation(
     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
     implementation: Implementation = None, query_segment_ids=None,
     key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
-    causal_alignment="top_left", part: str = "forward",
+    causal_alignment="top_left", score_mod=None, mask_mod=None, block_mask=None,
+    part: str = "forward",
 ) -> str:
   """The implementation `attention` would use for these arguments here (on
   the default device, or for the active `fa4_jax.gpu_target`):
@@ -163,7 +179,8 @@ def which_implementation(
   args, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
                            query_seq_lengths, key_value_seq_lengths,
                            local_window_size, implementation, query_segment_ids,
-                           key_value_segment_ids, sinks, logits_soft_cap, causal_alignment)
+                           key_value_segment_ids, sinks, logits_soft_cap, causal_alignment,
+                           score_mod, mask_mod, block_mask)
   if part == "backward":
     return backends.backward_name(backend, _call_info(args))
   return backend.name
@@ -172,19 +189,46 @@ def which_implementation(
 def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, implementation,
              query_segment_ids=None, key_value_segment_ids=None, sinks=None,
-             logits_soft_cap=None, causal_alignment="top_left"):
+             logits_soft_cap=None, causal_alignment="top_left", score_mod=None, mask_mod=None,
+             block_mask=None):
   args: Arguments = validate(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, implementation=implementation,
       query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
-      sinks=sinks, logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment)
+      sinks=sinks, logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
+      score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
   return args, backends.select(implementation, _call_info(args))
 
 
 def _call_info(args: Arguments) -> backends.CallInfo:
-  return backends.CallInfo(
-      q_shape=args.query.shape, k_shape=args.key.shape, dtype=args.query.dtype,
-      spec=args.spec, has_bias=args.bias is not None, has_mask=args.mask is not None,
-      soft_cap=args.logits_soft_cap, has_segment_ids=args.query_segment_ids is not None)
+  return backends.CallInfo.of(args.query, args.key, args.bias, args.mask, args.scores)
+
+
+def create_block_mask(mask_mod, batch: int | None, heads: int | None, q_len: int,
+                      kv_len: int, *, q_block: int = scores.DEFAULT_MASK_BLOCK,
+                      kv_block: int = scores.DEFAULT_MASK_BLOCK) -> scores.BlockMask:
+  """The tile classes of `mask_mod(batch, head, q_idx, kv_idx) -> bool`,
+  computed once in XLA, for `fa4_jax.attention(..., block_mask=)`.
+
+  Every (query tile, key tile) pair of `q_block` x `kv_block` positions is
+  EMPTY (no pair visible: never loaded), PARTIAL (the element mask runs) or
+  FULL (every pair visible: `mask_mod` is not evaluated there). `batch` /
+  `heads` None: the mask is the same for every batch row / head (it is
+  evaluated at index 0 and broadcast). Reusable across layers and calls,
+  under `jit` too (it is a pytree of arrays); a kernel whose tiles differ
+  from `q_block` x `kv_block` regroups it where the sizes nest, else
+  evaluates `mask_mod` anew."""
+  mod, captured = mod_functions.trace(mask_mod, "mask_mod")
+  for name, value in (("q_len", q_len), ("kv_len", kv_len), ("q_block", q_block),
+                      ("kv_block", kv_block)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"`{name}` must be a positive int; got {value!r}")
+  for name, value in (("batch", batch), ("heads", heads)):
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise ValueError(f"`{name}` must be a positive int or None (broadcast); got {value!r}")
+  classes = scores.mask_mod_classes(mod, captured, batch or 1, heads or 1, q_len, kv_len,
+                                    q_block, kv_block)
+  return scores.BlockMask(classes=classes, mask_captured=captured, q_block=q_block,
+                          kv_block=kv_block, q_len=q_len, kv_len=kv_len, mask_mod=mod)

@@ -25,9 +25,13 @@ is the sm90 backward.
 
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional
-arguments it takes in `FEATURES` ("sinks", "soft_cap"): without "sinks" the
-sinks are added after its forward (`scores.add_sinks`); without "soft_cap" the
-forward cannot serve a soft-capped call and the backward leaves it to XLA.
+arguments it takes in `FEATURES` ("sinks", "soft_cap", "mods"): without
+"sinks" the sinks are added after its forward (`scores.add_sinks`); without
+"soft_cap" or "mods" the forward cannot serve a soft-capped call or one with
+a `score_mod` / `mask_mod`, and the backward leaves it to XLA. A module with
+"mods" is given the whole score value (`mods=`) where the call has them.
+The gradients of a score_mod's captured arrays come from the XLA backward
+where a kernel's backward does not compute them (`_captured_grads`).
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ import dataclasses
 import functools
 import importlib
 
-from fa4_jax import interpret, per_platform, scores, target, xla_attention
+import jax.numpy as jnp
+
+from fa4_jax import interpret, mod_functions, per_platform, scores, target, xla_attention
 from fa4_jax.kernels import KernelUnsupported, default_device
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, Scores
 from fa4_jax.vjp import Backend
 
 KERNEL_IMPLEMENTATIONS = ("sm90", "sm100")
@@ -62,6 +68,19 @@ class CallInfo:
   has_mask: bool
   soft_cap: float | None = None
   has_segment_ids: bool = False
+  score_mod: object = None  # mod_functions.ModFunction
+  mask_mod: object = None
+
+  @property
+  def has_mods(self) -> bool:
+    return self.score_mod is not None or self.mask_mod is not None
+
+  @classmethod
+  def of(cls, q, k, bias, mask, scores_: Scores) -> "CallInfo":
+    return cls(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=scores_.mask,
+               has_bias=bias is not None, has_mask=mask is not None,
+               soft_cap=scores_.soft_cap, has_segment_ids=scores_.q_segment_ids is not None,
+               score_mod=scores_.score_mod, mask_mod=scores_.mask_mod)
 
 
 XLA = Backend("xla", xla_attention.forward, xla_attention.backward)
@@ -82,49 +101,55 @@ def _kernel_backend(name: str) -> Backend:
   """Backend of one kernel family: its forward, its backward if it has one."""
   fwd_module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
 
-  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
-              *, scale, spec, soft_cap):
+  def forward(q, k, v, bias, mask, scores_: Scores):
     del bias, mask  # never selected with them (see _kernel_problem)
-    options = _options(fwd_module, soft_cap=soft_cap)
-    in_kernel = "sinks" in _features(fwd_module)
-    if in_kernel:
-      options["sinks"] = sinks
-    out, lse = fwd_module.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec,
-                                  segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
-                                  **options)
-    if sinks is not None and not in_kernel:
-      out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
+    options = _options(fwd_module, scores_)
+    out, lse = fwd_module.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths,
+                                  scale=scores_.scale, mask=scores_.mask,
+                                  segment_ids=scores_.segment_pair, **options)
+    if scores_.sinks is not None and "sinks" not in options:
+      out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
     return out, lse
 
-  def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-               out, lse, dout, *, scale, spec, soft_cap):
+  def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout):
     # The fused backward where it supports the call, else the XLA backward
     # (which takes the kernel's lse): decided here, at trace time.
-    bwd_module = fused_backward(name, q.shape, k.shape, q.dtype, spec, soft_cap)
-    if bwd_module is not None:
-      dq, dk, dv = bwd_module.backward(
-          q, k, v, out, lse, dout, q_lengths, kv_lengths, scale=scale, mask=spec,
-          segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
-          **_options(bwd_module, soft_cap=soft_cap))
-      return dq, dk, dv, None
-    return xla_attention.backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                                  kv_segment_ids, out, lse, dout, scale=scale, spec=spec,
-                                  soft_cap=soft_cap)
+    bwd_module = fused_backward(name, CallInfo.of(q, k, bias, mask, scores_))
+    if bwd_module is None:
+      return xla_attention.backward(q, k, v, bias, mask, scores_, out, lse, dout)
+    options = _options(bwd_module, scores_)
+    options.pop("sinks", None)  # the lse holds them
+    dq, dk, dv = bwd_module.backward(
+        q, k, v, out, lse, dout, scores_.q_lengths, scores_.kv_lengths, scale=scores_.scale,
+        mask=scores_.mask, segment_ids=scores_.segment_pair, **options)
+    return dq, dk, dv, None, _captured_grads(q, k, v, scores_, out, lse, dout)
 
   return Backend(name, forward, backward)
 
 
-def fused_backward(name: str, q_shape, k_shape, dtype, spec: MaskSpec, soft_cap):
+def _captured_grads(q, k, v, scores_: Scores, out, lse, dout):
+  """The gradients of a score_mod's float captured arrays, for a kernel
+  backward that computes dq, dk, dv only: one blockwise XLA pass (its dq,
+  dk, dv are unused, and XLA drops them). None without such arrays."""
+  if scores_.score_mod is None or not any(
+      jnp.issubdtype(c.dtype, jnp.inexact) for c in scores_.score_captured):
+    return None
+  return xla_attention.backward(q, k, v, None, None, scores_, out, lse, dout)[4]
+
+
+def fused_backward(name: str, call: CallInfo):
   """Kernel family `name`'s backward module if it serves these arguments,
   else None (the XLA backward runs, on the kernel's lse)."""
   try:
     module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
   except ModuleNotFoundError:
     return None
-  if soft_cap is not None and "soft_cap" not in _features(module):
+  if call.soft_cap is not None and "soft_cap" not in _features(module):
+    return None
+  if call.has_mods and ("mods" not in _features(module) or _mods_problem(call) is not None):
     return None
   try:
-    module.check_supported(q_shape, k_shape, dtype, spec)
+    module.check_supported(call.q_shape, call.k_shape, call.dtype, call.spec)
   except KernelUnsupported:
     return None
   return module
@@ -134,8 +159,7 @@ def backward_name(backend: Backend, call: CallInfo) -> str:
   """What runs the backward of `backend` for `call`: its kernel family's
   fused backward ("sm90", "sm100") or "xla"."""
   family = {"sm90_decode": "sm90"}.get(backend.name, backend.name)
-  if family in KERNEL_IMPLEMENTATIONS and fused_backward(
-      family, call.q_shape, call.k_shape, call.dtype, call.spec, call.soft_cap) is not None:
+  if family in KERNEL_IMPLEMENTATIONS and fused_backward(family, call) is not None:
     return family
   return "xla"
 
@@ -146,18 +170,16 @@ def _decode_backend() -> Backend:
   from fa4_jax import decode
   from fa4_jax.kernels import sm90_forward
 
-  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
-              *, scale, spec, soft_cap):
+  def forward(q, k, v, bias, mask, scores_: Scores):
     del bias, mask  # never selected with them (see _kernel_problem)
-    plan = decode.plan(q.shape, k.shape, spec, has_segment_ids=q_segment_ids is not None,
-                       ragged=kv_lengths is not None)
+    plan = decode.plan(q.shape, k.shape, scores_.mask,
+                       has_segment_ids=scores_.q_segment_ids is not None,
+                       ragged=scores_.kv_lengths is not None)
     if plan is None:  # other shapes per device (e.g. a sharded call): the usual kernel
-      return _kernel_backend("sm90").forward(
-          q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
-          scale=scale, spec=spec, soft_cap=soft_cap)
-    options = _options(sm90_forward, soft_cap=soft_cap)
-    return decode.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=spec, plan=plan,
-                          sinks=sinks, **options)
+      return _kernel_backend("sm90").forward(q, k, v, None, None, scores_)
+    options = {} if scores_.soft_cap is None else dict(soft_cap=scores_.soft_cap)
+    return decode.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths, scale=scores_.scale,
+                          mask=scores_.mask, plan=plan, sinks=scores_.sinks, **options)
 
   return Backend("sm90_decode", forward, _kernel_backend("sm90").backward)
 
@@ -166,15 +188,22 @@ def _features(module) -> frozenset[str]:
   return getattr(module, "FEATURES", frozenset())
 
 
-def _options(module, **options):
+def _options(module, scores_: Scores):
   """The optional keyword arguments a kernel module takes, those that are set
   (so that a module without a feature is called as before)."""
+  options = dict(soft_cap=scores_.soft_cap, sinks=scores_.sinks,
+                 mods=scores_ if scores_.has_mods else None)
   return {k: v for k, v in options.items() if v is not None and k in _features(module)}
 
 
-def _segment_pair(q_segment_ids, kv_segment_ids):
-  """The kernels' `segment_ids` argument: both arrays or None."""
-  return None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+def _mods_problem(call: CallInfo) -> str | None:
+  """Why no kernel can run the call's score_mod or mask_mod, or None."""
+  for mod in (call.score_mod, call.mask_mod):
+    if mod is not None:
+      problem = mod_functions.kernel_problem(mod)
+      if problem is not None:
+        return problem
+  return None
 
 
 def device_arch_major() -> int | None:
@@ -216,6 +245,13 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
   if call.soft_cap is not None and "soft_cap" not in _features(module):
     return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
             "implementation=None (which falls back to the XLA path) or 'xla'")
+  if call.has_mods:
+    if "mods" not in _features(module):
+      return (f"implementation={name!r} does not support `score_mod` / `mask_mod` yet; use "
+              "implementation=None (which falls back to the XLA path) or 'xla'")
+    problem = _mods_problem(call)
+    if problem is not None:
+      return f"implementation={name!r}: {problem}"
   try:
     module.check_supported(call.q_shape, call.k_shape, call.dtype, call.spec)
   except KernelUnsupported as e:
@@ -307,7 +343,7 @@ def _untargeted_host() -> bool:
 def _arrangement(name: str, call: CallInfo) -> Backend:
   """Kernel family `name`'s backend for this call: the sm90 decode
   arrangement for short band-free queries, else the kernels as they are."""
-  if name == "sm90":
+  if name == "sm90" and not call.has_mods:
     from fa4_jax import decode
     if decode.plan(call.q_shape, call.k_shape, call.spec,
                    has_segment_ids=call.has_segment_ids) is not None:

@@ -86,7 +86,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fa4_jax import backends, scores, vjp, xla_attention
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, Scores
 from fa4_jax.validation import validate
 
 # ---------------------------------------------------------------------------
@@ -463,6 +463,14 @@ def _segment_parts(q_ids, block, call: _Call):
   return _part(q_ids, call.rows), _part(block[-1], call.cols)
 
 
+def _block_scores(ring: _Ring, q_ids, block, call: _Call) -> Scores:
+  """The score value of one block pair's backend call (no sinks: they join
+  the merged result once)."""
+  q_seg, kv_seg = _segment_parts(q_ids, block, call)
+  return Scores(mask=call.spec, scale=ring.scale, soft_cap=ring.soft_cap, q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg)
+
+
 def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
   """Ring forward on one device: (out [B,2c,N,H], lse f32 [B,N,2c]), no sinks."""
   b, t, n, h = q.shape
@@ -471,9 +479,7 @@ def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
     def fn(call, acc):
       out, lse = ring.backend.forward(
           _part(q, call.rows), _part(block[0], call.cols), _part(block[1], call.cols),
-          None, None, None, None, *_segment_parts(q_ids, block, call),
-          None,  # sinks: added once to the merged result, never per block
-          scale=ring.scale, spec=call.spec, soft_cap=ring.soft_cap)
+          None, None, _block_scores(ring, q_ids, block, call))
       return _merge(acc, (out, lse), call.rows)
     return fn
 
@@ -501,11 +507,10 @@ def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, dout):
     def fn(call, state):
       dq, dk, dv = state
       rows, cols = call.rows, call.cols
-      dq_c, dk_c, dv_c, _ = ring.backend.backward(
-          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None, None,
-          None, *_segment_parts(q_ids, block, call),
-          _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows),
-          scale=ring.scale, spec=call.spec, soft_cap=ring.soft_cap)
+      dq_c, dk_c, dv_c, _, _ = ring.backend.backward(
+          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None,
+          _block_scores(ring, q_ids, block, call),
+          _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows))
       f32 = lambda x: x.astype(jnp.float32)
       return (_add_rows(dq, rows, f32(dq_c)), _add_rows(dk, cols, f32(dk_c)),
               _add_rows(dv, cols, f32(dv_c)))
@@ -531,10 +536,9 @@ def _tangent_sums(ring: _Ring, q, k, v, q_ids, kv_ids, lse, dq, dk, dv):
     def fn(call, acc):
       rows, cols = call.rows, call.cols
       d_out, d_lse = xla_attention.tangent_sums(
-          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None, None,
-          None, *_segment_parts(q_ids, block, call), _part(lse, rows, axis=2),
-          _part(dq, rows), _part(block[2], cols), _part(block[3], cols), None,
-          scale=ring.scale, spec=call.spec, soft_cap=ring.soft_cap)
+          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None,
+          _block_scores(ring, q_ids, block, call), _part(lse, rows, axis=2),
+          _part(dq, rows), _part(block[2], cols), _part(block[3], cols), None)
       return _add_rows(acc[0], rows, d_out), _add_rows(acc[1], rows, d_lse, axis=2)
     return fn
 

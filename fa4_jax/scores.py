@@ -51,6 +51,7 @@ import functools
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -708,3 +709,273 @@ def sink_grad(sinks, lse, delta):
   """d loss / d sinks [N], from the lse with sinks [B, N, T] and delta =
   rowsum(dout * out) [B, N, T]: -sum over rows of exp(sink - lse) * delta."""
   return -(sink_probability(sinks, lse) * delta).sum(axis=(0, 2)).astype(sinks.dtype)
+
+
+# --- Programmable scores: block masks ---------------------------------------------
+# A block mask classifies every (query tile, key tile) pair of one call:
+# EMPTY (no pair visible: never loaded), PARTIAL (some: the element mask
+# runs) or FULL (all: no element mask). It is data, [Bm, Hm, nq, nk] int8,
+# Bm and Hm 1 where it broadcasts over the batch or the heads. The kernels
+# read it as lists (`block_lists`): per query tile, the partial key tiles,
+# then the full ones.
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+DEFAULT_MASK_BLOCK = 128  # FlexAttention's; the sm90 forward's CTA tile
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """Per-tile classes of a `mask_mod` (`create_block_mask`), reusable across
+  layers and calls. `classes` int8 [Bm, Hm, ceil(q_len / q_block),
+  ceil(kv_len / kv_block)]; the `mask_mod` itself and its captured arrays
+  come along, so a call given only the block mask applies it."""
+
+  classes: Any
+  mask_captured: tuple = ()
+  q_block: int = dataclasses.field(default=DEFAULT_MASK_BLOCK, metadata=dict(static=True))
+  kv_block: int = dataclasses.field(default=DEFAULT_MASK_BLOCK, metadata=dict(static=True))
+  q_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+  kv_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+  mask_mod: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+  @property
+  def shape(self):
+    return self.classes.shape
+
+  def density(self):
+    """The share of tiles that are not EMPTY (a traced or concrete scalar)."""
+    return jnp.mean((self.classes != EMPTY).astype(jnp.float32))
+
+
+def evaluate_mask_mod(mask_mod, captured, batch_idx, head_idx, q_idx, kv_idx):
+  """`mask_mod` on broadcasting index arrays (the XLA path's element mask)."""
+  from fa4_jax import mod_functions
+  return mod_functions.evaluate(mask_mod, captured, batch_idx, head_idx, q_idx, kv_idx)
+
+
+def mask_mod_classes(mask_mod, captured, batch: int, heads: int, q_len: int, kv_len: int,
+                     q_block: int, kv_block: int, *, first_batch=0, first_head=0):
+  """int8 [batch, heads, nq, nk]: `mask_mod` evaluated once, in XLA, one query
+  tile at a time (memory: batch x heads x q_block x kv_len), into classes.
+  Positions past the lengths count as not visible. `first_batch`,
+  `first_head`: the indices `mask_mod` sees for row 0 and head 0 (a shard's)."""
+  nq, nk = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
+  b = first_batch + jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
+  h = first_head + jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+  cols = jnp.arange(nk * kv_block, dtype=jnp.int32)[None, None, None, :]
+
+  def one_tile(qt):
+    rows = (qt * q_block + jnp.arange(q_block, dtype=jnp.int32))[None, None, :, None]
+    real = (rows < q_len) & (cols < kv_len)
+    keep = evaluate_mask_mod(mask_mod, captured, b, h, rows, cols) & real
+    tiles = keep.reshape(batch, heads, q_block, nk, kv_block)
+    real = real.reshape(1, 1, q_block, nk, kv_block)
+    any_ = tiles.any(axis=(2, 4))
+    all_ = jnp.where(real, tiles, True).all(axis=(2, 4))
+    return jnp.where(all_ & any_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
+
+  return jnp.moveaxis(lax.map(one_tile, jnp.arange(nq, dtype=jnp.int32)), 0, 2)
+
+
+def combine_classes(a, b):
+  """Classes of two masks and-ed: EMPTY if either is, FULL if both are."""
+  return jnp.where((a == EMPTY) | (b == EMPTY), EMPTY,
+                   jnp.where((a == FULL) & (b == FULL), FULL, PARTIAL)).astype(jnp.int8)
+
+
+def _regroup_axis(classes, axis: int, size_from: int, size_to: int, count_to: int):
+  """Classes along `axis` from tiles of `size_from` to tiles of `size_to`:
+  unions of tiles (coarser) or parts of one (finer); EMPTY past the end."""
+  if size_from == size_to:
+    out = classes
+  elif size_to % size_from == 0:  # each new tile is `r` old ones
+    r = size_to // size_from
+    n = classes.shape[axis]
+    pad = [(0, 0)] * classes.ndim
+    pad[axis] = (0, cdiv(n, r) * r - n)
+    # Padding tiles lie past the length: they neither add pairs nor make a
+    # union partial (EMPTY entries of a FULL union are past the length).
+    padded = jnp.pad(classes, pad, constant_values=-1)
+    shape = classes.shape[:axis] + (cdiv(n, r), r) + classes.shape[axis + 1:]
+    grouped = padded.reshape(shape)
+    real = grouped >= 0
+    any_ = (real & (grouped != EMPTY)).any(axis=axis + 1)
+    all_ = jnp.where(real, grouped == FULL, True).all(axis=axis + 1)
+    out = jnp.where(any_ & all_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
+  elif size_from % size_to == 0:
+    out = jnp.repeat(classes, size_from // size_to, axis=axis)
+  else:
+    raise ValueError(f"block sizes {size_from} and {size_to} do not nest")
+  n = out.shape[axis]
+  if n < count_to:
+    pad = [(0, 0)] * out.ndim
+    pad[axis] = (0, count_to - n)
+    out = jnp.pad(out, pad, constant_values=EMPTY)
+  return lax.slice_in_dim(out, 0, count_to, axis=axis)
+
+
+def block_mask_nests(block_mask: BlockMask, q_block: int, kv_block: int) -> bool:
+  """Whether `block_mask`'s tiles and tiles of (q_block, kv_block) nest."""
+  nests = lambda a, b: a % b == 0 or b % a == 0
+  return nests(block_mask.q_block, q_block) and nests(block_mask.kv_block, kv_block)
+
+
+def block_lists(classes):
+  """int32 (counts [..., nq, 2], order [..., nq, nk]) of classes [..., nq, nk]:
+  per query tile the number of PARTIAL and FULL key tiles, and the key
+  tiles in walking order: the partial ones, then the full ones (each in
+  increasing order), then the empty ones (never walked)."""
+  rank = jnp.where(classes == PARTIAL, 0, jnp.where(classes == FULL, 1, 2))
+  order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+  counts = jnp.stack([(classes == PARTIAL).sum(-1), (classes == FULL).sum(-1)], axis=-1)
+  return counts.astype(jnp.int32), order
+
+
+# --- Programmable scores: the score value -----------------------------------------
+
+
+def _static(**kwargs):
+  return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """Everything that shapes a score, built once (`fa4_jax.validation`) and
+  carried whole to every backend: a pytree whose arrays are leaves and
+  whose static description (mask band, scale, soft-cap, the traced
+  `score_mod` and `mask_mod`) is hashable.
+
+  How a score is formed, in this order (every backend):
+    s = scale * q.k (+ bias)
+    s = score_mod(s, batch, head, q_idx, kv_idx)        if given
+    s = cap * tanh(s / cap)                             with soft-cap
+    s = -inf where not visible: the band (causal, windows), the lengths,
+        the segment ids, and mask_mod(batch, head, q_idx, kv_idx)
+    softmax over the keys, with the sink's virtual key if given.
+  `q_idx` / `kv_idx` are positions in the query and key sequences as passed
+  (0-based; under bottom-right alignment too: alignment moves the causal
+  diagonal, not the indices); `head` is the query head; `batch` the row.
+  """
+
+  mask: MaskSpec = _static(default=MaskSpec())
+  scale: float = _static(default=1.0)
+  soft_cap: float | None = _static(default=None)
+  score_mod: Any = _static(default=None)  # mod_functions.ModFunction
+  mask_mod: Any = _static(default=None)
+  q_lengths: Any = None  # int32 [B]
+  kv_lengths: Any = None  # int32 [B]
+  q_segment_ids: Any = None  # int32 [B, T]
+  kv_segment_ids: Any = None  # int32 [B, S]
+  sinks: Any = None  # float [N]
+  score_captured: tuple = ()
+  mask_captured: tuple = ()
+  block_mask: BlockMask | None = None  # classes of mask_mod alone
+  # int32 [2]: the global (batch, head) index of this shard's first row and
+  # head, which a sharded call adds before calling the mods; None: 0, 0.
+  index_offsets: Any = None
+
+  @property
+  def has_mods(self) -> bool:
+    return self.score_mod is not None or self.mask_mod is not None
+
+  @property
+  def segment_pair(self):
+    """The kernels' `segment_ids` argument: both arrays or None."""
+    return None if self.q_segment_ids is None else (self.q_segment_ids, self.kv_segment_ids)
+
+  def replace(self, **changes) -> "Scores":
+    return dataclasses.replace(self, **changes)
+
+  def without_sinks(self) -> "Scores":
+    return self.replace(sinks=None)
+
+  def global_indices(self, batch_idx, head_idx):
+    """(batch, head) as the mods see them: shard-local plus the offsets."""
+    if self.index_offsets is None:
+      return batch_idx, head_idx
+    return batch_idx + self.index_offsets[0], head_idx + self.index_offsets[1]
+
+  def modified(self, s, batch_idx, head_idx, q_idx, kv_idx):
+    """Scaled logits `s` (f32, broadcasting against the indices) through
+    `score_mod` and the soft-cap (the order above)."""
+    if self.score_mod is not None:
+      from fa4_jax import mod_functions
+      b, h = self.global_indices(batch_idx, head_idx)
+      s = mod_functions.evaluate(self.score_mod, self.score_captured, s, b, h, q_idx, kv_idx)
+    return soft_cap(s, self.soft_cap)
+
+  def mod_keeps(self, batch_idx, head_idx, q_idx, kv_idx):
+    """`mask_mod` on broadcasting indices (True without one)."""
+    if self.mask_mod is None:
+      return True
+    b, h = self.global_indices(batch_idx, head_idx)
+    return evaluate_mask_mod(self.mask_mod, self.mask_captured, b, h, q_idx, kv_idx)
+
+  def mod_classes(self, batch: int, heads: int, q_len: int, kv_len: int, q_block: int,
+                  kv_block: int):
+    """int8 [Bm, Hm, nq, nk] classes of `mask_mod` alone at these tiles: the
+    block mask's where it nests with them (a sharded call holds its shard's
+    part of it), else `mask_mod` evaluated anew; None without a `mask_mod`."""
+    if self.mask_mod is None:
+      return None
+    nq, nk = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
+    bm = self.block_mask
+    if bm is not None and block_mask_nests(bm, q_block, kv_block):
+      classes = _regroup_axis(bm.classes, 2, bm.q_block, q_block, nq)
+      return _regroup_axis(classes, 3, bm.kv_block, kv_block, nk)
+    # Evaluated a DEFAULT_MASK_BLOCK of rows at a time where the tiles are
+    # made of such blocks: large tiles (the XLA path's) cost no more memory.
+    fine = lambda size: DEFAULT_MASK_BLOCK if size % DEFAULT_MASK_BLOCK == 0 else size
+    b0, h0 = self.global_indices(0, 0)
+    classes = mask_mod_classes(self.mask_mod, self.mask_captured, batch, heads, q_len, kv_len,
+                               fine(q_block), fine(kv_block), first_batch=b0, first_head=h0)
+    classes = _regroup_axis(classes, 2, fine(q_block), q_block, nq)
+    return _regroup_axis(classes, 3, fine(kv_block), kv_block, nk)
+
+
+def _ranges_to_classes(ranges: TileRanges, num_cols: int):
+  """int8 [..., num_cols] classes of tile ranges [...]: EMPTY outside [lo,
+  hi), FULL inside [full_lo, full_hi), PARTIAL between."""
+  col = jnp.arange(num_cols, dtype=jnp.int32)
+  at = lambda x: jnp.asarray(x, jnp.int32)[..., None]
+  inside = (col >= at(ranges.lo)) & (col < at(ranges.hi))
+  full = (col >= at(ranges.full_lo)) & (col < at(ranges.full_hi))
+  return jnp.where(inside, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+
+def builtin_tile_classes(scores_: "Scores", batch: int, q_len: int, kv_len: int, q_block: int,
+                         kv_block: int):
+  """int8 [B, 1, nq, nk]: the classes of the built-in masks (band, lengths,
+  segment ids) at tiles of `q_block` x `kv_block`: the same tile bounds the
+  kernels walk (`kv_tile_ranges`, `segment_tile_ranges`), as classes, to
+  combine with a `mask_mod`'s (`Scores.tile_classes`)."""
+  nq, nk = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
+  full_len = lambda n: jnp.full((batch,), n, jnp.int32)
+  q_lens = full_len(q_len) if scores_.q_lengths is None else scores_.q_lengths
+  kv_lens = full_len(kv_len) if scores_.kv_lengths is None else scores_.kv_lengths
+  q_lo = jnp.arange(nq, dtype=jnp.int32) * q_block
+
+  def one_row(ql, kl):
+    r = kv_tile_ranges(scores_.mask, q_lo, q_lo + q_block, ql, kl, kv_block)
+    return tuple(jnp.broadcast_to(x, (nq,)) for x in (r.lo, r.hi, r.full_lo, r.full_hi))
+
+  ranges = TileRanges(*jax.vmap(one_row)(q_lens.astype(jnp.int32),
+                                         kv_lens.astype(jnp.int32)))  # [B, nq] each
+  if scores_.q_segment_ids is not None:
+    ranges = ranges.intersect(segment_tile_ranges(
+        scores_.q_segment_ids, scores_.kv_segment_ids, q_block, kv_block))
+  return _ranges_to_classes(ranges, nk)[:, None]
+
+
+def tile_classes(scores_: "Scores", batch: int, heads: int, q_len: int, kv_len: int,
+                 q_block: int, kv_block: int):
+  """int8 [B, Hm, nq, nk] (Hm: 1 or `heads`): every mask of the call, the
+  built-ins and `mask_mod`, as classes of tiles of `q_block` x `kv_block`;
+  what a kernel that walks `block_lists` reads."""
+  classes = builtin_tile_classes(scores_, batch, q_len, kv_len, q_block, kv_block)
+  mod = scores_.mod_classes(batch, heads, q_len, kv_len, q_block, kv_block)
+  if mod is None:
+    return classes
+  return combine_classes(classes, mod)

@@ -56,18 +56,21 @@ from fa4_jax.batching import custom_vmap_call
 
 # One letter per dimension of every array the backends see:
 #   b batch, t query position, s key position, n query head, k KV head,
-#   h head dim. `bias`/`mask` dims of size 1 are broadcast (see `_labels`).
+#   h head dim; r any dimension every device needs whole (the arrays a
+#   score_mod or mask_mod captured, the block mask's tile axes).
+#   `bias`/`mask`/block-mask dims of size 1 are broadcast (see `_labels`).
 _LAYOUTS = {
     "q": "btnh", "k": "bskh", "v": "bskh", "bias": "bnts", "mask": "bnts",
     "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt", "kv_segment_ids": "bs",
-    "sinks": "n", "out": "btnh", "lse": "bnt", "dout": "btnh",
+    "sinks": "n", "block_mask.classes": "bnrr", "out": "btnh", "lse": "bnt", "dout": "btnh",
     "dq": "btnh", "dk": "bskh", "dv": "bskh", "dbias": "bnts",
 }
-_FORWARD_OPERANDS = ("q", "k", "v", "bias", "mask", "q_lengths", "kv_lengths",
-                     "q_segment_ids", "kv_segment_ids")
+# Arrays whose size-1 dims broadcast (labelled "1").
+_BROADCASTING = ("bias", "mask", "dbias", "block_mask.classes")
+_FORWARD_OPERANDS = ("q", "k", "v", "bias", "mask")
 _BACKWARD_OPERANDS = _FORWARD_OPERANDS + ("out", "lse", "dout")
 # Forward-mode derivatives: "x_t" is the tangent of "x" (laid out like it).
-_TANGENT_OPERANDS = _FORWARD_OPERANDS + ("sinks", "out", "lse", "q_t", "k_t", "v_t", "bias_t",
+_TANGENT_OPERANDS = _FORWARD_OPERANDS + ("out", "lse", "q_t", "k_t", "v_t", "bias_t",
                                          "sinks_t")
 _BACKWARD_TANGENT_OPERANDS = _BACKWARD_OPERANDS + ("q_t", "k_t", "v_t", "bias_t", "out_t",
                                                    "lse_t", "dout_t")
@@ -77,7 +80,7 @@ def _base(name: str) -> str:
   """The array whose layout `name` has: itself, or what it is the tangent of."""
   return name.removesuffix("_t")
 # Dimensions every device needs whole (gathered when they arrive sharded).
-_REPLICATED_DIMS = "tsh"
+_REPLICATED_DIMS = "tshr"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,64 +88,102 @@ class _Call:
   """The static part of one partitioned call (hashable: a static argument).
 
   `operands` / `results` name the arrays actually passed and returned, in
-  order; absent optional operands (None) are left out.
+  order; absent optional operands (None) are left out. The score value's
+  arrays are operands named by their field (`_score_leaves`); `scores` is
+  its tree structure, which holds its static part.
   """
 
   config: object  # vjp.CoreConfig
   operands: tuple[str, ...]
   results: tuple[str, ...]
+  scores: object = None  # the score value's treedef
+
+
+def _score_leaves(scores_) -> tuple[tuple[str, ...], list, object]:
+  """(names, arrays, treedef) of the score value's arrays: "q_lengths",
+  "score_captured[0]", "block_mask.classes", ..."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(scores_)
+  names = tuple(jax.tree_util.keystr(path, simple=True, separator=".")
+                for path, _ in with_paths)
+  return names, [x for _, x in with_paths], treedef
+
+
+def _captured_layout(name: str, ndim: int) -> str:
+  return "r" * ndim
+
+
+def _score_results(scores_) -> tuple[str, ...]:
+  """Names of the gradients of the score_mod's float captured arrays."""
+  if scores_.score_mod is None:
+    return ()
+  return tuple(f"dcaptured.{i}" for i, c in enumerate(scores_.score_captured)
+               if jax.numpy.issubdtype(c.dtype, jax.numpy.inexact))
+
+
+def _named_call(config, given: dict, order, scores_, results, extra=()):
+  """(call, arrays) for the arrays in `given` (None left out), then the
+  score value's, then `extra` (name, array) pairs."""
+  names = [n for n in order if given.get(n) is not None]
+  arrays = [given[n] for n in names]
+  score_names, score_arrays, treedef = _score_leaves(scores_)
+  for name, x in extra:
+    if x is not None:
+      names.append(name)
+      arrays.append(x)
+  call = _Call(config, tuple(names) + score_names, tuple(results), treedef)
+  return call, arrays + score_arrays
 
 
 # ---------------------------------------------------------------------------
 # Entry points used by vjp.py.
 
 
-def forward(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-            kv_segment_ids, sinks):
+def forward(config, q, k, v, bias, mask, scores_):
   """(out, lse) of the backend in `config`, partitioned across devices."""
-  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
-               kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
-               kv_segment_ids=kv_segment_ids, sinks=sinks)
-  names = tuple(n for n in _FORWARD_OPERANDS + ("sinks",) if given[n] is not None)
-  call = _Call(config, names, ("out", "lse"))
-  return _run(call, [given[n] for n in names])
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask)
+  call, arrays = _named_call(config, given, _FORWARD_OPERANDS, scores_, ("out", "lse"))
+  return _run(call, arrays)
 
 
-def backward(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-             kv_segment_ids, out, lse, dout):
-  """(dq, dk, dv, dbias or None) of the backend, partitioned across devices."""
-  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
-               kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
-               kv_segment_ids=kv_segment_ids, out=out, lse=lse, dout=dout)
-  names = tuple(n for n in _BACKWARD_OPERANDS if given[n] is not None)
-  results = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ())
-  grads = _run(_Call(config, names, results), [given[n] for n in names])
-  return tuple(grads) + ((None,) if bias is None else ())
+def backward(config, q, k, v, bias, mask, scores_, out, lse, dout):
+  """(dq, dk, dv, dbias or None, dcaptured or None) of the backend,
+  partitioned across devices."""
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, out=out, lse=lse, dout=dout)
+  results = (("dq", "dk", "dv") + (("dbias",) if bias is not None else ())
+             + _score_results(scores_))
+  call, arrays = _named_call(config, given, _BACKWARD_OPERANDS, scores_, results)
+  grads = dict(zip(results, _run(call, arrays)))
+  return (grads["dq"], grads["dk"], grads["dv"], grads.get("dbias"),
+          _captured_grads(scores_, grads))
 
 
-def tangent(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-            sinks, out, lse, q_t, k_t, v_t, bias_t, sinks_t):
+def _captured_grads(scores_, grads: dict):
+  if scores_.score_mod is None:
+    return None
+  return tuple(grads.get(f"dcaptured.{i}") for i in range(len(scores_.score_captured)))
+
+
+def tangent(config, q, k, v, bias, mask, scores_, out, lse, q_t, k_t, v_t, bias_t, sinks_t,
+            captured_t):
   """Tangents (of out, of lse) of the forward (`xla_attention.tangent`),
   partitioned like it."""
-  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
-               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
-               out=out, lse=lse, q_t=q_t, k_t=k_t, v_t=v_t, bias_t=bias_t, sinks_t=sinks_t)
-  names = tuple(n for n in _TANGENT_OPERANDS if given[n] is not None)
-  return _run(_Call(config, names, ("out_t", "lse_t")), [given[n] for n in names])
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, out=out, lse=lse, q_t=q_t, k_t=k_t,
+               v_t=v_t, bias_t=bias_t, sinks_t=sinks_t)
+  extra = [(f"captured_t.{i}", t) for i, t in enumerate(captured_t or ())]
+  call, arrays = _named_call(config, given, _TANGENT_OPERANDS, scores_, ("out_t", "lse_t"),
+                             extra)
+  return _run(call, arrays)
 
 
-def backward_tangent(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                     kv_segment_ids, out, lse, dout, q_t, k_t, v_t, bias_t, out_t, lse_t,
-                     dout_t):
+def backward_tangent(config, q, k, v, bias, mask, scores_, out, lse, dout, q_t, k_t, v_t,
+                     bias_t, out_t, lse_t, dout_t):
   """Tangents (of dq, dk, dv, dbias or None) of the XLA backward, partitioned
-  like the backward."""
-  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
-               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, out=out, lse=lse,
-               dout=dout, q_t=q_t, k_t=k_t, v_t=v_t, bias_t=bias_t, out_t=out_t, lse_t=lse_t,
-               dout_t=dout_t)
-  names = tuple(n for n in _BACKWARD_TANGENT_OPERANDS if given[n] is not None)
+  like the backward (a call without a score_mod)."""
+  given = dict(q=q, k=k, v=v, bias=bias, mask=mask, out=out, lse=lse, dout=dout, q_t=q_t,
+               k_t=k_t, v_t=v_t, bias_t=bias_t, out_t=out_t, lse_t=lse_t, dout_t=dout_t)
   results = ("dq_t", "dk_t", "dv_t") + (("dbias_t",) if bias is not None else ())
-  grads = _run(_Call(config, names, results), [given[n] for n in names])
+  call, arrays = _named_call(config, given, _BACKWARD_TANGENT_OPERANDS, scores_, results)
+  grads = _run(call, arrays)
   return tuple(grads) + ((None,) if bias is None else ())
 
 
@@ -150,31 +191,50 @@ def backward_tangent(config, q, k, v, bias, mask, q_lengths, kv_lengths, q_segme
 # The per-device computation: the backend on whatever shapes it is given.
 
 
+def _split_named(call: _Call, arrays):
+  """(the named arrays as a dict, the score value rebuilt)."""
+  num_scores = call.scores.num_leaves
+  named = dict(zip(call.operands[:len(arrays) - num_scores], arrays[:len(arrays) - num_scores]))
+  scores_ = call.scores.unflatten(arrays[len(arrays) - num_scores:])
+  return named, scores_
+
+
 def _call_backend(call: _Call, *arrays):
   """Runs the backend on `arrays` (named by `call.operands`); a flat tuple."""
-  a = dict(zip(call.operands, arrays))
+  return _call_backend_at(call, arrays, None)
+
+
+def _call_backend_at(call: _Call, arrays, index_offsets):
+  """`_call_backend` on one device's shard; `index_offsets`: its first
+  (batch, head), which a score_mod or mask_mod must see as global indices."""
+  a, scores_ = _split_named(call, arrays)
+  if index_offsets is not None:
+    scores_ = scores_.replace(index_offsets=index_offsets)
   cfg = call.config
-  common = tuple(a.get(n) for n in _FORWARD_OPERANDS)
-  options = dict(scale=cfg.scale, spec=cfg.spec, soft_cap=cfg.soft_cap)
+  common = tuple(a.get(n) for n in _FORWARD_OPERANDS) + (scores_,)
   if call.results == ("out", "lse"):
-    return tuple(cfg.backend.forward(*common, a.get("sinks"), **options))
+    return tuple(cfg.backend.forward(*common))
   if call.results == ("out_t", "lse_t"):
-    tangents = (a.get(n) for n in ("q_t", "k_t", "v_t", "bias_t", "sinks_t"))
-    return xla_attention.tangent(*common, a.get("sinks"), a["out"], a["lse"], *tangents,
-                                 **options)
+    tangents = [a.get(n) for n in ("q_t", "k_t", "v_t", "bias_t", "sinks_t")]
+    captured_t = tuple(a.get(f"captured_t.{i}") for i in range(len(scores_.score_captured)))
+    return xla_attention.tangent(*common, a["out"], a["lse"], *tangents, captured_t)
   if call.results[0] == "dq_t":
-    primals = common + (a["out"], a["lse"], a["dout"])
+    primals = tuple(a.get(n) for n in _FORWARD_OPERANDS) + (a["out"], a["lse"], a["dout"])
     tangents = tuple(a.get(n + "_t") for n in _BACKWARD_OPERANDS)
     # Integer operands (and absent ones) have no tangent: float0 zeros.
     tangents = tuple(np.zeros(x.shape, jax.dtypes.float0) if x is not None and t is None else t
                      for x, t in zip(primals, tangents))
-    dq, dk, dv, dbias = jax.jvp(
-        lambda *p: xla_attention.backward(*p, **options), primals, tangents)[1]
+
+    def xla_backward(q, k, v, bias, mask, out, lse, dout):
+      return xla_attention.backward(q, k, v, bias, mask, scores_, out, lse, dout)[:4]
+
+    dq, dk, dv, dbias = jax.jvp(xla_backward, primals, tangents)[1]
     return (dq, dk, dv) + ((dbias,) if "dbias_t" in call.results else ())
-  dq, dk, dv, dbias = cfg.backend.backward(
-      *common, a["out"], a["lse"], a["dout"], scale=cfg.scale, spec=cfg.spec,
-      soft_cap=cfg.soft_cap)
-  return (dq, dk, dv) + ((dbias,) if "dbias" in call.results else ())
+  dq, dk, dv, dbias, dcaptured = cfg.backend.backward(*common, a["out"], a["lse"], a["dout"])
+  grads = dict(dq=dq, dk=dk, dv=dv, dbias=dbias)
+  for i, g in enumerate(dcaptured or ()):
+    grads[f"dcaptured.{i}"] = g
+  return tuple(grads[n] for n in call.results)
 
 
 def _run(call: _Call, arrays):
@@ -209,6 +269,8 @@ def _explicit_mesh(arrays):
 
 
 def _result_shape(name: str, shapes: dict) -> tuple[int, ...]:
+  if name.startswith("dcaptured."):
+    return shapes["score_captured." + name.split(".")[1]]
   q, k = shapes["q"], shapes["k"]
   return {"out": q, "dq": q, "lse": (q[0], q[2], q[1]), "dk": k, "dv": k,
           "dbias": shapes.get("bias")}[_base(name)]
@@ -224,7 +286,8 @@ def _result_specs(call: _Call, given_specs: dict) -> list[PartitionSpec]:
   like = {"out": q, "dq": q, "lse": (q[0], q[2], q[1]),
           "dk": given_specs["k"], "dv": given_specs["v"],
           "dbias": given_specs.get("bias")}
-  return [PartitionSpec(*like[_base(n)]) for n in call.results]
+  return [PartitionSpec() if n.startswith("dcaptured.") else PartitionSpec(*like[_base(n)])
+          for n in call.results]
 
 
 def _shard_mapped(call: _Call, mesh, arrays):
@@ -242,8 +305,8 @@ def _shard_mapped(call: _Call, mesh, arrays):
   # an all-gather along those axes.
   arrays = [jax.sharding.reshard(a, NamedSharding(mesh, spec))
             for a, spec in zip(arrays, in_specs)]
-  reduce_axes = _dbias_reduce_axes(call, plan, result_shapes[-1])
-  run = jax.shard_map(_per_device(call, reduce_axes), mesh=mesh,
+  reduce_axes = _reduce_axes(call, plan, result_shapes)
+  run = jax.shard_map(_per_device(call, plan, reduce_axes), mesh=mesh,
                       in_specs=in_specs, out_specs=out_specs, check_vma=False)
   results = run(*arrays)
   # Results take their operands' shardings back (the custom_vjp needs each
@@ -258,11 +321,15 @@ def _shard_mapped(call: _Call, mesh, arrays):
 
 def _labels(call: _Call, name: str, shape) -> str:
   """Dimension letters of array `name`; "1" marks a broadcast (size-1) dim of
-  `bias`/`mask`/`dbias` whose full size is larger."""
-  layout = _LAYOUTS[_base(name)]
-  if _base(name) not in ("bias", "mask", "dbias"):
+  `bias`/`mask`/`dbias`/the block mask whose full size is larger."""
+  base = _base(name)
+  if base not in _LAYOUTS:  # captured arrays, their tangents and gradients
+    return "r" * len(shape)
+  layout = _LAYOUTS[base]
+  if base not in _BROADCASTING:
     return layout
-  return "".join("1" if size == 1 else letter for letter, size in zip(layout, shape))
+  return "".join("1" if size == 1 and letter in "bn" + "ts" * (base != "block_mask.classes")
+                 else letter for letter, size in zip(layout, shape))
 
 
 def _sharding_rule(call: _Call, mesh, operand_types, result_types):
@@ -283,6 +350,7 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
   if kv_heads == 1:  # MQA: Shardy takes no size-1 factor inside a compound
     factor["n"] = "n"
   ones = 0
+  whole = []
 
   def dims(name, shape):
     nonlocal ones
@@ -291,6 +359,9 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
       if letter == "1" or (letter == "k" and kv_heads == 1):
         out.append(f"one{ones}")
         ones += 1
+      elif letter == "r":  # a dimension of its own, kept whole
+        out.append(f"whole{len(whole)}")
+        whole.append(out[-1])
       else:
         out.append(factor[letter])
     return " ".join(out)
@@ -300,7 +371,7 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
   rule = ", ".join(terms[:nin]) + " -> " + ", ".join(terms[nin:])
   # Shardy wants special factors listed in order of first appearance.
   tokens = re.findall(r"\w+", rule)
-  replicated = sorted(_REPLICATED_DIMS, key=tokens.index)
+  replicated = sorted([d for d in _REPLICATED_DIMS if d in tokens] + whole, key=tokens.index)
   options = {"need_replication_factors": tuple(replicated)}
   if group > 1 and kv_heads > 1:
     options["g"] = group  # g appears only inside (k g): its size must be given
@@ -356,23 +427,50 @@ def _plan_from_shapes(mesh, arg_shapes) -> _Plan:
   return _plan(mesh, q.shape, k.shape[2], getattr(q.sharding, "spec", ()))
 
 
-def _dbias_reduce_axes(call: _Call, plan: _Plan, dbias_shape) -> tuple[str, ...]:
-  """Mesh axes to sum the bias gradient over: a bias broadcast over a sharded
-  batch or head axis gets a partial gradient on each device."""
-  if _base(call.results[-1]) != "dbias":
-    return ()
-  labels = _labels(call, "dbias", dbias_shape)
-  return (plan.batch if labels[0] == "1" else ()) + (plan.heads if labels[1] == "1" else ())
+def _reduce_axes(call: _Call, plan: _Plan, result_shapes) -> tuple[tuple[str, ...], ...]:
+  """Per result, the mesh axes to sum it over: a bias broadcast over a
+  sharded batch or head axis, and the captured arrays of a score_mod, get a
+  partial gradient on each device."""
+  axes = []
+  for name, shape in zip(call.results, result_shapes):
+    if _base(name) == "dbias":
+      labels = _labels(call, "dbias", shape)
+      axes.append((plan.batch if labels[0] == "1" else ())
+                  + (plan.heads if labels[1] == "1" else ()))
+    elif name.startswith("dcaptured."):
+      axes.append(plan.batch + plan.heads)
+    else:
+      axes.append(())
+  return tuple(axes)
 
 
-def _per_device(call: _Call, reduce_axes):
-  """The backend on one device's shard, with the bias gradient summed."""
+def _index_offsets(call: _Call, plan: _Plan, arrays):
+  """int32 [2]: this device's first (batch, head) in the whole call, for a
+  score_mod or mask_mod (which see global indices); None without them or
+  when neither axis is sharded."""
+  if call.scores is None or not (plan.batch or plan.heads):
+    return None
+  _, scores_ = _split_named(call, arrays)
+  if not scores_.has_mods:
+    return None
+  q = arrays[call.operands.index("q")]
+
+  def first(axes, local_size):
+    index = 0
+    for axis in axes:  # row-major over the axes, as PartitionSpec lays them out
+      index = index * plan.mesh.shape[axis] + jax.lax.axis_index(axis)
+    return index * local_size
+
+  return jax.numpy.stack([first(plan.batch, q.shape[0]),
+                          first(plan.heads, q.shape[2])]).astype(jax.numpy.int32)
+
+
+def _per_device(call: _Call, plan: _Plan, reduce_axes):
+  """The backend on one device's shard, with partial gradients summed."""
 
   def run(*arrays):
-    results = _call_backend(call, *arrays)
-    if reduce_axes:
-      results = results[:-1] + (jax.lax.psum(results[-1], reduce_axes),)
-    return results
+    results = _call_backend_at(call, arrays, _index_offsets(call, plan, arrays))
+    return tuple(jax.lax.psum(r, axes) if axes else r for r, axes in zip(results, reduce_axes))
 
   return run
 
@@ -384,8 +482,8 @@ def _partition(call: _Call, mesh, arg_shapes, result_shapes):
                         for n, a in zip(call.operands, arg_shapes))
   result_shardings = tuple(plan.sharding(call, n, r.shape)
                            for n, r in zip(call.results, result_shapes))
-  reduce_axes = _dbias_reduce_axes(call, plan, result_shapes[-1].shape)
-  return mesh, _per_device(call, reduce_axes), result_shardings, arg_shardings
+  reduce_axes = _reduce_axes(call, plan, [r.shape for r in result_shapes])
+  return mesh, _per_device(call, plan, reduce_axes), result_shardings, arg_shardings
 
 
 def _infer_result_shardings(call: _Call, mesh, arg_shapes, result_shapes):

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.scores import MaskSpec
+from fa4_jax import mod_functions
+from fa4_jax.scores import BlockMask, MaskSpec, Scores, cdiv
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90", "sm100", "cudnn")
@@ -30,15 +31,41 @@ class Arguments:
   value: jax.Array  # [B, S, K, H]
   bias: jax.Array | None  # [Bb, Nb, Tb, Sb], each 1 or full
   mask: jax.Array | None  # same, bool
-  query_seq_lengths: jax.Array | None  # int32 [B]
-  key_value_seq_lengths: jax.Array | None  # int32 [B]
-  query_segment_ids: jax.Array | None  # int32 [B, T]
-  key_value_segment_ids: jax.Array | None  # int32 [B, S]
-  sinks: jax.Array | None  # float [N]
-  logits_soft_cap: float | None
-  scale: float
-  spec: MaskSpec
+  scores: Scores  # everything else that shapes a score
   output_shape: tuple[int, ...]  # the query's own shape (3D or 4D)
+
+  # The score value's parts, by the names of the arguments they came from.
+  @property
+  def spec(self) -> MaskSpec:
+    return self.scores.mask
+
+  @property
+  def scale(self) -> float:
+    return self.scores.scale
+
+  @property
+  def logits_soft_cap(self) -> float | None:
+    return self.scores.soft_cap
+
+  @property
+  def query_seq_lengths(self):
+    return self.scores.q_lengths
+
+  @property
+  def key_value_seq_lengths(self):
+    return self.scores.kv_lengths
+
+  @property
+  def query_segment_ids(self):
+    return self.scores.q_segment_ids
+
+  @property
+  def key_value_segment_ids(self):
+    return self.scores.kv_segment_ids
+
+  @property
+  def sinks(self):
+    return self.scores.sinks
 
 
 def _dtype_name(dtype) -> str:
@@ -246,11 +273,42 @@ def _align(spec: MaskSpec, alignment, q_lengths, kv_lengths, b: int, t: int, s: 
   return dataclasses.replace(spec, offset_from_lengths=True), q_lengths, kv_lengths
 
 
+def _check_mods(score_mod, mask_mod, block_mask, shape_q, shape_k):
+  """(score_mod, its captured arrays, mask_mod, its captured arrays, block
+  mask), traced (`mod_functions.trace`) and checked against the call."""
+  score_fn, score_captured = (None, ())
+  if score_mod is not None:
+    score_fn, score_captured = mod_functions.trace(score_mod, "score_mod")
+  mask_fn, mask_captured = (None, ())
+  if mask_mod is not None:
+    mask_fn, mask_captured = mod_functions.trace(mask_mod, "mask_mod")
+  if block_mask is not None:
+    if not isinstance(block_mask, BlockMask):
+      raise ValueError("`block_mask` must come from fa4_jax.create_block_mask; got "
+                       f"{type(block_mask).__name__}")
+    (b, t, n), s = shape_q, shape_k[1]
+    bm_b, bm_h, nq, nk = block_mask.shape
+    want = (cdiv(t, block_mask.q_block), cdiv(s, block_mask.kv_block))
+    if ((block_mask.q_len, block_mask.kv_len) != (t, s) or (nq, nk) != want
+        or bm_b not in (1, b) or bm_h not in (1, n)):
+      raise ValueError(
+          f"`block_mask` was made for batch {bm_b}, heads {bm_h}, q_len {block_mask.q_len}, "
+          f"kv_len {block_mask.kv_len}; this call has batch {b}, {n} query heads, q_len {t}, "
+          f"kv_len {s} (batch and heads may be 1 in the block mask: it broadcasts)")
+    if mask_fn is None:  # the block mask brings its mask_mod along
+      mask_fn, mask_captured = block_mask.mask_mod, tuple(block_mask.mask_captured)
+    if mask_fn is None:
+      raise ValueError("`block_mask` carries no `mask_mod`; make it with "
+                       "fa4_jax.create_block_mask(mask_mod, ...)")
+  return score_fn, score_captured, mask_fn, mask_captured, block_mask
+
+
 def validate(query, key, value, bias, mask, *, scale, is_causal,
              query_seq_lengths, key_value_seq_lengths, local_window_size,
              implementation, query_segment_ids=None,
              key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
-             causal_alignment="top_left") -> Arguments:
+             causal_alignment="top_left", score_mod=None, mask_mod=None,
+             block_mask=None) -> Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
@@ -274,10 +332,14 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
   spec, q_lengths, kv_lengths = _align(MaskSpec.from_arguments(bool(is_causal), window),
                                        causal_alignment, q_lengths, kv_lengths, b, t, s)
   mask = _check_pair_array(mask, "mask", (b, n, t, s), want_bool=True)
+  score_fn, score_captured, mask_fn, mask_captured, block_mask = _check_mods(
+      score_mod, mask_mod, block_mask, (b, t, n), (b, s))
+  scores = Scores(
+      mask=spec, scale=_check_scale(scale, h), soft_cap=_check_soft_cap(logits_soft_cap),
+      score_mod=score_fn, mask_mod=mask_fn, q_lengths=q_lengths, kv_lengths=kv_lengths,
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=_check_sinks(sinks, n),
+      score_captured=score_captured, mask_captured=mask_captured, block_mask=block_mask)
   return Arguments(
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),
-      mask=mask, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-      query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
-      sinks=_check_sinks(sinks, n), logits_soft_cap=_check_soft_cap(logits_soft_cap),
-      scale=_check_scale(scale, h), spec=spec, output_shape=output_shape)
+      mask=mask, scores=scores, output_shape=output_shape)

@@ -2,18 +2,18 @@
 
 A backend is a pair of functions:
 
-    forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-            kv_segment_ids, sinks, *, scale, spec, soft_cap)
-        -> (out [B,T,N,D], lse f32 [B,N,T])
-    backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-             kv_segment_ids, out, lse, dout, *, scale, spec, soft_cap)
-        -> (dq, dk, dv, dbias or None)
+    forward(q, k, v, bias, mask, scores) -> (out [B,T,N,D], lse f32 [B,N,T])
+    backward(q, k, v, bias, mask, scores, out, lse, dout)
+        -> (dq, dk, dv, dbias or None, dcaptured or None)
 
-Lengths are int32 [B], segment ids int32 [B, T] and [B, S], sinks [N]; each
-may be None. `soft_cap` is None or the logit soft-cap. The forward's lse
-includes the sinks (a kernel starts its softmax from them, the XLA path adds
-them after), so the backward's P = exp(s - lse) needs no change and takes no
-sinks; their gradient is a reduction here (`scores.sink_grad`).
+`scores` is the score value (`fa4_jax.scores.Scores`): everything besides
+q, k, v, bias and mask that shapes a score (the mask band, lengths, segment
+ids, scale, soft-cap, sinks, `score_mod` and `mask_mod` with the arrays they
+captured, the block mask). The forward's lse includes the sinks (a kernel
+starts its softmax from them, the XLA path adds them after), so the
+backward's P = exp(s - lse) needs no change and ignores them; their gradient
+is a reduction here (`scores.sink_grad`). `dcaptured` are the gradients of
+the score_mod's captured arrays (a tuple like them, None for integer ones).
 A backend may pair a kernel forward with the XLA backward: any forward that
 honours the lse contract of `fa4_jax/kernels/__init__.py` works with any
 backward.
@@ -55,7 +55,7 @@ from jax.experimental import hijax
 
 from fa4_jax import scores, sharding, xla_attention
 from fa4_jax.batching import custom_vmap_call
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import Scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,32 +67,27 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class CoreConfig:
-  """Everything static about one call: hashable, so jit caches on it."""
+  """What is static about one call besides the score value's own static
+  part: hashable, so jit caches on it."""
 
   backend: Backend
-  scale: float
-  spec: MaskSpec
-  soft_cap: float | None = None
   # `jax.default_matmul_precision` in force where the call was traced (None:
   # none set): the backward is traced later, often outside that scope, and
   # re-enters it so that its matmuls match the forward's (`precision_scope`).
   matmul_precision: str | None = None
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
-def attention_core(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                   kv_segment_ids, sinks, config: CoreConfig):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
+def attention_core(q, k, v, bias, mask, scores_: Scores, config: CoreConfig):
   """(out, lse) of attention with the backend named in `config`."""
   return keeping_rule(functools.partial(_partitioned_forward, config=config))(
-      q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, sinks)
+      q, k, v, bias, mask, scores_)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
-def _partitioned_forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                         kv_segment_ids, sinks, config: CoreConfig):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
+def _partitioned_forward(q, k, v, bias, mask, scores_: Scores, config: CoreConfig):
   """`attention_core` again, with the same rule: what `keeping_rule` shields."""
-  return sharding.forward(config, q, k, v, bias, mask, q_lengths, kv_lengths,
-                          q_segment_ids, kv_segment_ids, sinks)
+  return sharding.forward(config, q, k, v, bias, mask, scores_)
 
 
 def keeping_rule(rule_fn):
@@ -122,48 +117,54 @@ def _core_jvp(config, primals, tangents):
   """(out, lse) from the backend's forward; their tangent from a linear map
   that evaluates with the XLA path and transposes to the fused backward."""
   out, lse = attention_core(*primals, config)
-  operands, sinks = primals[:9], primals[9]
-  dq, dk, dv, dbias = tangents[:4]
-  dsinks = tangents[9] if sinks is not None else None
-  # mask, lengths and segment ids are not differentiable.
-  tangent = _LinearMap.of("attention", config, (operands, sinks, out, lse),
-                          (dq, dk, dv, dbias, dsinks))
+  q, k, v, bias, mask, scores_ = primals
+  dq, dk, dv, dbias, _, dscores = tangents
+  # Of the score value only the sinks and the score_mod's float captured
+  # arrays are differentiable (mask, lengths, segment ids, mask_mod's
+  # captured arrays are not).
+  dsinks = dscores.sinks if scores_.sinks is not None else None
+  dcaptured = inexact_tangents(scores_.score_captured, dscores.score_captured)
+  tangent = _LinearMap.of("attention", config, ((q, k, v, bias, mask, scores_), out, lse),
+                          (dq, dk, dv, dbias, dsinks, dcaptured))
   return (out, lse), tangent
 
 
 def _attention_tangent(config, residuals, linear, partitioned=True):
-  """(dout, dlse) along the tangents (dq, dk, dv, dbias, dsinks): the XLA
-  path's `tangent`, partitioned across devices unless it is to be
+  """(dout, dlse) along the tangents (dq, dk, dv, dbias, dsinks, dcaptured):
+  the XLA path's `tangent`, partitioned across devices unless it is to be
   differentiated (custom partitioning cannot be)."""
-  operands, sinks, out, lse = residuals
+  operands, out, lse = residuals
   with precision_scope(config.matmul_precision):
     if partitioned:
-      return sharding.tangent(config, *operands, sinks, out, lse, *linear)
-    return xla_attention.tangent(*operands, sinks, out, lse, *linear, scale=config.scale,
-                                 spec=config.spec, soft_cap=config.soft_cap)
+      return sharding.tangent(config, *operands, out, lse, *linear)
+    return xla_attention.tangent(*operands, out, lse, *linear)
 
 
 def _attention_transpose(config, residuals, cotangents):
-  """Cotangents (dq, dk, dv, dbias, dsinks) from those of (out, lse): the
-  backend's fused backward. `dlse` is None (zero) unless the lse itself is
-  differentiated (`fa4_jax.attention` returns it under stop_gradient); then
-  the XLA backward serves (the kernels take no lse cotangent)."""
-  operands, sinks, out, lse = residuals
+  """Cotangents (dq, dk, dv, dbias, dsinks, dcaptured) from those of (out,
+  lse): the backend's fused backward. `dlse` is None (zero) unless the lse
+  itself is differentiated (`fa4_jax.attention` returns it under
+  stop_gradient); then the XLA backward serves (the kernels take no lse
+  cotangent)."""
+  operands, out, lse = residuals
+  scores_ = operands[5]
   dout, dlse = cotangents  # None: zero
   if dout is None:
     dout = jnp.zeros_like(out)
   with precision_scope(config.matmul_precision):
     if dlse is None:
-      dq, dk, dv, dbias = _fused_backward(config, operands, out, lse, dout)
+      dq, dk, dv, dbias, dcaptured = _fused_backward(config, operands, out, lse, dout)
     else:
-      dq, dk, dv, dbias = _xla_backward(config, operands, out, lse, dout, dlse)
+      dq, dk, dv, dbias, dcaptured = _xla_backward(config, operands, out, lse, dout, dlse)
   dsinks = None
-  if sinks is not None:
+  if scores_.sinks is not None:
     delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
     if dlse is not None:
       delta = delta - dlse.astype(jnp.float32)
-    dsinks = scores.sink_grad(sinks, lse, delta)
-  return dq, dk, dv, dbias, dsinks
+    dsinks = scores.sink_grad(scores_.sinks, lse, delta)
+  if dcaptured is not None:  # leaves where the linear inputs have them (float arrays)
+    dcaptured = inexact_tangents(scores_.score_captured, dcaptured)
+  return dq, dk, dv, dbias, dsinks, dcaptured
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -188,12 +189,14 @@ def _fused_backward_jvp(config, primals, tangents):
 
 
 def _backward_tangent(config, residuals, linear, partitioned=True):
-  """Tangent of the XLA backward's (dq, dk, dv, dbias) at `residuals`."""
+  """Tangent of the XLA backward's (dq, dk, dv, dbias, dcaptured) at
+  `residuals`. With a score_mod it is not partitioned (its captured arrays'
+  tangents enter every block)."""
   operands, out, lse, dout = residuals
   with precision_scope(config.matmul_precision):
-    if partitioned:
+    if partitioned and operands[5].score_mod is None:
       return sharding.backward_tangent(config, *operands, out, lse, dout, *linear[0][:4],
-                                       *linear[1:])
+                                       *linear[1:]) + (None,)
     linear = jax.tree.map(
         lambda x, t: np.zeros(x.shape, jax.dtypes.float0) if t is None else t, residuals, linear)
     return jax.jvp(lambda *a: _xla_backward(config, *a), residuals, linear)[1]
@@ -211,8 +214,8 @@ def _backward_transpose(config, residuals, cotangents):
 
 def _xla_backward(config, operands, out, lse, dout, dlse=None):
   """The XLA path's backward (plain jnp: differentiable in forward mode)."""
-  return xla_attention.backward(*operands, out, lse, dout, scale=config.scale,
-                                spec=config.spec, soft_cap=config.soft_cap, dlse=dlse)
+  del config
+  return xla_attention.backward(*operands, out, lse, dout, dlse=dlse)
 
 
 # kind -> (evaluate(config, residuals, linear, partitioned=True),

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fa4_jax import scores
-from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, Scores, cdiv
 
 Array = jax.Array
 
@@ -80,12 +80,25 @@ class _Problem:
   # Per block, the blocks its segment ids can meet, over the whole batch.
   q_block_segments: Optional[scores.TileRanges]  # query block -> key blocks
   k_block_segments: Optional[scores.TileRanges]  # key block -> query blocks
+  # bool [nq, nk]: the block pairs `mask_mod` lets some pair of (any batch
+  # row and head) see; None without a mask_mod.
+  mod_blocks: Optional[Array]
   t: int  # true query length
   s: int  # true key length
-  spec: MaskSpec
-  scale: float
+  scores: Scores
   blocks: Blocks
-  soft_cap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+
+  @property
+  def spec(self) -> MaskSpec:
+    return self.scores.mask
+
+  @property
+  def scale(self) -> float:
+    return self.scores.scale
+
+  @property
+  def soft_cap(self) -> Optional[float]:
+    return self.scores.soft_cap
 
   @property
   def num_q_blocks(self) -> int:
@@ -114,6 +127,18 @@ class _Problem:
         kb, self.blocks.block_k, self.kv_len, self.q_len, self.k_block_segments,
         lambda spec, lo, hi, n: spec.query_block_range(lo, hi, n, self.blocks.block_q))
 
+  def walk_key_blocks(self, qb, step, carry):
+    """`step(kb, carry)` over the key blocks query block `qb` sees."""
+    lo, hi = self.key_blocks_for(qb)
+    mod_row = None if self.mod_blocks is None else self.mod_blocks[qb]
+    return _walk(lo, hi, mod_row, step, carry)
+
+  def walk_query_blocks(self, kb, step, carry):
+    """`step(qb, carry)` over the query blocks that see key block `kb`."""
+    lo, hi = self.query_blocks_for(kb)
+    mod_col = None if self.mod_blocks is None else self.mod_blocks[:, kb]
+    return _walk(lo, hi, mod_col, step, carry)
+
   def _blocks_paired_with(self, b, size, own_len, other_len, own_segments, block_range):
     """The other side's blocks [lo, hi) that block `b` (of `size` rows or
     keys, `own_len` of them) pairs with: `block_range(spec, lo, hi, other_len)`
@@ -137,15 +162,43 @@ class _Problem:
       x = lax.dynamic_slice_in_dim(x, kb * bk, bk, axis=-1)
     return x
 
-  def logits(self, q_blk, k_blk, qb, kb):
-    """Scaled, biased, soft-capped, masked logits [B, K, G, bq, bk] in float32
-    (-inf = masked)."""
+  def scaled_logits(self, q_blk, k_blk, qb, kb):
+    """scale * q.k (+ bias) [B, K, G, bq, bk] in float32: what `score_mod`
+    takes."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk,
                    preferred_element_type=jnp.float32)
     s = s * jnp.float32(self.scale)
     if self.bias is not None:
       s = s + self._slice_pair(self.bias, qb, kb).astype(jnp.float32)
-    s = scores.soft_cap(s, self.soft_cap)
+    return s
+
+  def _mod_indices(self, qb, kb):
+    """(batch, head, q_idx, kv_idx) broadcasting against [B, K, G, bq, bk]."""
+    b, kh, g = self.q.shape[0], self.q.shape[2], self.q.shape[3]
+    batch = jnp.arange(b, dtype=jnp.int32)[:, None, None, None, None]
+    head = (jnp.arange(kh, dtype=jnp.int32)[:, None] * g
+            + jnp.arange(g, dtype=jnp.int32)[None, :])[None, :, :, None, None]
+    rows = self.q_rows(qb).astype(jnp.int32)[:, None]
+    cols = self.k_cols(kb).astype(jnp.int32)[None, :]
+    return batch, head, rows, cols
+
+  def modified(self, s, qb, kb, score_captured=None):
+    """`score_mod` and the soft-cap applied to scaled logits `s`
+    (`Scores.modified`); `score_captured` replaces the captured arrays (to
+    differentiate in them)."""
+    scores_ = self.scores
+    if score_captured is not None:
+      scores_ = scores_.replace(score_captured=tuple(score_captured))
+    return scores_.modified(s, *self._mod_indices(qb, kb))
+
+  def logits(self, q_blk, k_blk, qb, kb):
+    """Scaled, biased, modified (score_mod, soft-cap), masked logits
+    [B, K, G, bq, bk] in float32 (-inf = masked)."""
+    s = self.modified(self.scaled_logits(q_blk, k_blk, qb, kb), qb, kb)
+    return self.masked(s, qb, kb)
+
+  def masked(self, s, qb, kb):
+    """`s` at -inf where the call's mask hides the pair."""
     rows, cols = self.q_rows(qb), self.k_cols(kb)
     q_seg = kv_seg = None
     if self.q_segments is not None:
@@ -157,6 +210,8 @@ class _Problem:
     visible = visible[:, None, None]  # [B, 1, 1, bq, bk]
     if self.mask is not None:
       visible = visible & self._slice_pair(self.mask, qb, kb)
+    if self.scores.mask_mod is not None:
+      visible = visible & self.scores.mod_keeps(*self._mod_indices(qb, kb))
     return jnp.where(visible, s, -jnp.inf)
 
   def q_block(self, x, qb):
@@ -164,6 +219,17 @@ class _Problem:
 
   def k_block(self, x, kb):
     return lax.dynamic_slice_in_dim(x, kb * self.blocks.block_k, self.blocks.block_k, 1)
+
+
+def _walk(lo, hi, mod_blocks, step, carry):
+  """`step` over blocks [lo, hi), only those `mod_blocks` (bool [n] or
+  None: all) marks, in increasing order."""
+  if mod_blocks is None:
+    return lax.fori_loop(lo, hi, step, carry)
+  index = jnp.arange(mod_blocks.shape[0], dtype=jnp.int32)
+  walked = mod_blocks & (index >= lo) & (index < hi)
+  order = jnp.argsort(~walked, stable=True).astype(jnp.int32)
+  return lax.fori_loop(0, walked.sum(dtype=jnp.int32), lambda n, c: step(order[n], c), carry)
 
 
 def _union_over_rows(lo, hi):
@@ -226,8 +292,9 @@ def _pad_pair_array(x, tp, sp, value):
   return x
 
 
-def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-             scale, spec, blocks, soft_cap=None):
+def _problem(q, k, v, bias, mask, scores_: Scores, blocks):
+  q_lengths, kv_lengths = scores_.q_lengths, scores_.kv_lengths
+  q_segment_ids, kv_segment_ids = scores_.q_segment_ids, scores_.kv_segment_ids
   b, t, n, d = q.shape
   s, num_kv_heads = k.shape[1], k.shape[2]
   blocks = (blocks or Blocks.default(b * n)).fit(t, s)
@@ -246,6 +313,10 @@ def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
     # Padded rows are sliced off and padded keys lie past kv_len: any id does.
     q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, tp)
     kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, sp)
+  mod_blocks = None
+  classes = scores_.mod_classes(b, n, t, s, blocks.block_q, blocks.block_k)
+  if classes is not None:
+    mod_blocks = (classes != scores.EMPTY).any(axis=(0, 1))
   return _Problem(
       q=_pad_axis(_group(q, num_kv_heads), 1, tp),
       k=_pad_axis(k, 1, sp),
@@ -254,7 +325,7 @@ def _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
       mask=_pad_pair_array(_group_pair_array(mask, num_kv_heads), tp, sp, False),
       q_len=q_len, kv_len=kv_len, q_segments=q_seg, kv_segments=kv_seg,
       q_block_segments=q_block_segments, k_block_segments=k_block_segments,
-      t=t, s=s, spec=spec, scale=scale, blocks=blocks, soft_cap=soft_cap)
+      mod_blocks=mod_blocks, t=t, s=s, scores=scores_, blocks=blocks)
 
 
 def _row_valid(p: _Problem, qb):
@@ -262,15 +333,12 @@ def _row_valid(p: _Problem, qb):
   return (p.q_rows(qb)[None, :] < p.q_len[:, None])[:, None, None, :]
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
-            kv_segment_ids=None, sinks=None, *, scale: float, spec: MaskSpec,
-            soft_cap: float | None = None, blocks: Blocks | None = None):
+def forward(q, k, v, bias, mask, scores_: Scores, *, blocks: Blocks | None = None):
   """Attention forward. Returns (out [B,T,N,D] in q.dtype, lse f32 [B,N,T]).
 
-  `sinks` [N] (or None) are added after the blocks (`scores.add_sinks`): the
-  lse includes them."""
-  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-               scale, spec, blocks, soft_cap)
+  The sinks of `scores_` are added after the blocks (`scores.add_sinks`):
+  the lse includes them."""
+  p = _problem(q, k, v, bias, mask, scores_, blocks)
   bsz, _, kh, g, d = p.q.shape
   bq = p.blocks.block_q
 
@@ -293,8 +361,7 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
     init = (jnp.full(stats_shape, -jnp.inf, jnp.float32),
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (d,), jnp.float32))
-    lo, hi = p.key_blocks_for(qb)
-    m, l, acc = lax.fori_loop(lo, hi, step, init)
+    m, l, acc = p.walk_key_blocks(qb, step, init)
     valid = (l > 0) & _row_valid(p, qb)
     out = jnp.where(valid[..., None], acc / jnp.where(valid, l, 1.0)[..., None], 0.0)
     lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
@@ -305,38 +372,44 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
   nq = p.num_q_blocks
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, d)[:, :p.t]
   lse = lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
-  if sinks is not None:
-    out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
+  if scores_.sinks is not None:
+    out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
   return out, lse
 
 
-def tangent(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-            sinks, out, lse, dq, dk, dv, dbias, dsinks, *, scale: float, spec: MaskSpec,
-            soft_cap: float | None = None, blocks: Blocks | None = None):
+def tangent(q, k, v, bias, mask, scores_: Scores, out, lse, dq, dk, dv, dbias, dsinks,
+            dcaptured=None, *, blocks: Blocks | None = None):
   """Forward-mode derivative (dout, dlse) of `forward`'s (out, lse) along the
-  tangents (dq, dk, dv, dbias or None, dsinks or None), from its out and lse.
+  tangents (dq, dk, dv, dbias or None, dsinks or None, and `dcaptured`: of
+  the score_mod's captured arrays, or None), from its out and lse.
 
   With P = exp(s - lse) and dS the logits' tangent (the scaled dq K^T +
-  Q dk^T plus dbias, times the soft-cap slope): dlse = rowsum(P * dS) (+ the
-  sink's share times dsinks) and dout = P dV + (P * dS) V - dlse * out. One
-  pass over the visible blocks, as in `forward`: memory linear in sequence
-  length.
+  Q dk^T plus dbias, through score_mod and the soft-cap): dlse = rowsum(P *
+  dS) (+ the sink's share times dsinks) and dout = P dV + (P * dS) V - dlse
+  * out. One pass over the visible blocks, as in `forward`: memory linear in
+  sequence length.
   """
-  sums = tangent_sums(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                      kv_segment_ids, lse, dq, dk, dv, dbias, scale=scale, spec=spec,
-                      soft_cap=soft_cap, blocks=blocks)
-  return finish_tangent(*sums, out, lse, sinks, dsinks)
+  sums = tangent_sums(q, k, v, bias, mask, scores_, lse, dq, dk, dv, dbias, dcaptured,
+                      blocks=blocks)
+  return finish_tangent(*sums, out, lse, scores_.sinks, dsinks)
 
 
-def tangent_sums(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-                 lse, dq, dk, dv, dbias, *, scale: float, spec: MaskSpec,
-                 soft_cap: float | None = None, blocks: Blocks | None = None):
+def _captured_tangents(scores_: Scores, dcaptured):
+  """The tangents of the score_mod's captured arrays, zeros where None."""
+  if dcaptured is None:
+    dcaptured = (None,) * len(scores_.score_captured)
+  return tuple(jnp.zeros(c.shape, c.dtype) if (t is None or t.dtype == jax.dtypes.float0)
+               and jnp.issubdtype(c.dtype, jnp.inexact) else t
+               for c, t in zip(scores_.score_captured, dcaptured))
+
+
+def tangent_sums(q, k, v, bias, mask, scores_: Scores, lse, dq, dk, dv, dbias, dcaptured=None,
+                 *, blocks: Blocks | None = None):
   """The key-block sums of `tangent`: (P dV + (P * dS) V f32 [B,T,N,D],
   rowsum(P * dS) f32 [B,N,T]). Both are sums over keys, with P from the
   final `lse`: the keys may be split into parts (the context-parallel ring)
   and the parts' sums added before `finish_tangent`."""
-  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-               scale, spec, blocks, soft_cap)
+  p = _problem(q, k, v, bias, mask, scores_, blocks)
   bsz, tp, kh, g, d = p.q.shape
   sp = p.k.shape[1]
   bq = p.blocks.block_q
@@ -344,6 +417,9 @@ def tangent_sums(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_s
   dk, dv = _pad_axis(dk, 1, sp), _pad_axis(dv, 1, sp)
   dbias = _pad_pair_array(_group_pair_array(dbias, kh), tp, sp, 0)
   lse_safe = _pad_axis(jnp.where(lse == -jnp.inf, 0.0, lse).reshape(bsz, kh, g, p.t), 3, tp)
+  captured = scores_.score_captured
+  dcaptured = _captured_tangents(scores_, dcaptured)
+  differentiable = [jnp.issubdtype(c.dtype, jnp.inexact) for c in captured]
 
   def one_query_block(qb):
     q_blk, dq_blk = p.q_block(p.q, qb), p.q_block(dq, qb)
@@ -352,14 +428,29 @@ def tangent_sums(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_s
     def step(kb, carry):
       d_out, d_lse = carry
       k_blk, v_blk = p.k_block(p.k, kb), p.k_block(p.v, kb)
-      s = p.logits(q_blk, k_blk, qb, kb)
-      probs = jnp.exp(s - row_lse)  # masked: exp(-inf) = 0
       ds = (jnp.einsum("bqkgd,bskd->bkgqs", dq_blk, k_blk, preferred_element_type=jnp.float32)
             + jnp.einsum("bqkgd,bskd->bkgqs", q_blk, p.k_block(dk, kb),
-                         preferred_element_type=jnp.float32)) * jnp.float32(scale)
+                         preferred_element_type=jnp.float32)) * jnp.float32(p.scale)
       if dbias is not None:
         ds = ds + p._slice_pair(dbias, qb, kb).astype(jnp.float32)
-      pds = probs * (ds * scores.soft_cap_grad(s, p.soft_cap))
+      s0 = p.scaled_logits(q_blk, k_blk, qb, kb)
+      if p.scores.score_mod is None:
+        s = p.masked(p.modified(s0, qb, kb), qb, kb)
+        ds = ds * scores.soft_cap_grad(s, p.soft_cap)
+      else:  # through score_mod (in the logits and its captured arrays) and the soft-cap
+        floats = [c for c, ok in zip(captured, differentiable) if ok]
+        float_ts = [t for t, ok in zip(dcaptured, differentiable) if ok]
+
+        def modified(s_, *floats_):
+          it = iter(floats_)
+          full = [next(it) if ok else c for c, ok in zip(captured, differentiable)]
+          return p.modified(s_, qb, kb, full)
+
+        s_mod, ds = jax.jvp(modified, (s0, *floats), (ds, *float_ts))
+        s = p.masked(s_mod, qb, kb)
+        ds = jnp.where(jnp.isfinite(s), ds, 0.0)
+      probs = jnp.exp(s - row_lse)  # masked: exp(-inf) = 0
+      pds = probs * ds
       d_out = d_out + jnp.einsum("bkgqs,bskd->bkgqd", pds.astype(p.v.dtype), v_blk,
                                  preferred_element_type=jnp.float32)
       d_out = d_out + jnp.einsum("bkgqs,bskd->bkgqd", probs.astype(p.v.dtype),
@@ -368,8 +459,7 @@ def tangent_sums(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_s
 
     stats_shape = (bsz, kh, g, bq)
     init = (jnp.zeros(stats_shape + (d,), jnp.float32), jnp.zeros(stats_shape, jnp.float32))
-    lo, hi = p.key_blocks_for(qb)
-    d_out, d_lse = lax.fori_loop(lo, hi, step, init)
+    d_out, d_lse = p.walk_key_blocks(qb, step, init)
     valid = _row_valid(p, qb)  # rows past the query length are zeros in `forward`
     return jnp.where(valid[..., None], d_out, 0.0), jnp.where(valid, d_lse, 0.0)
 
@@ -389,20 +479,23 @@ def finish_tangent(d_out, d_lse, out, lse, sinks, dsinks):
   return d_out.astype(out.dtype), d_lse
 
 
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-             out, lse, dout, *, scale: float, spec: MaskSpec, soft_cap: float | None = None,
-             blocks: Blocks | None = None, dlse=None):
-  """Gradients (dq, dk, dv, dbias) of `forward`'s output, given its lse.
+def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
+             blocks: Blocks | None = None, dlse=None, captured_grads: bool = True):
+  """Gradients (dq, dk, dv, dbias, dcaptured) of `forward`'s output, given
+  its lse.
 
   `lse` may come from any backend that follows the contract in
   `fa4_jax/kernels/__init__.py`. `dbias` is None when `bias` is None, else it
-  has the bias' own (broadcast) shape. `dlse` [B, N, T] (or None) is a
-  cotangent of the lse as well (only second-order reverse mode has one).
+  has the bias' own (broadcast) shape. `dcaptured`: the gradients of the
+  score_mod's captured arrays (a tuple like them, None for integer ones), or
+  None without a score_mod or with `captured_grads=False`. `dlse` [B, N, T]
+  (or None) is a cotangent of the lse as well (only second-order reverse
+  mode has one).
   """
-  p = _problem(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-               scale, spec, blocks, soft_cap)
+  p = _problem(q, k, v, bias, mask, scores_, blocks)
   bsz, tp, kh, g, d = p.q.shape
   nh = kh * g
+  scale = p.scale
   # Rows past the query length had their output forced to zero: no gradient.
   row_ok = jnp.arange(p.t)[None, :] < p.q_len[:, None]  # [B, T]
   dout = jnp.where(row_ok[:, :, None, None], dout, 0).astype(dout.dtype)
@@ -417,31 +510,53 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
   lse_safe = to_blocks(jnp.where(lse == -jnp.inf, 0.0, lse))
   delta = to_blocks(delta)
   bq, bk = p.blocks.block_q, p.blocks.block_k
+  captured = scores_.score_captured
+  with_mod = scores_.score_mod is not None
+  float_idx = [i for i, c in enumerate(captured) if jnp.issubdtype(c.dtype, jnp.inexact)]
+  if not captured_grads:
+    float_idx = []
 
   def stats(x, qb):
     return lax.dynamic_slice_in_dim(x, qb * bq, bq, axis=3)[..., None]
 
   def probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, v_blk):
-    s = p.logits(q_blk, k_blk, qb, kb)
-    probs = jnp.exp(s - stats(lse_safe, qb))  # masked: exp(-inf) = 0
+    """(P, dS with respect to scale * q.k + bias, the captured arrays'
+    gradients from this block pair or None)."""
     dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-    ds = probs * (dp - stats(delta, qb))
-    if p.soft_cap is not None:
-      ds = ds * scores.soft_cap_grad(s, p.soft_cap)  # through cap * tanh(. / cap)
-    return probs, ds
+    s0 = p.scaled_logits(q_blk, k_blk, qb, kb)
+    if not with_mod:
+      s = p.masked(p.modified(s0, qb, kb), qb, kb)
+      probs = jnp.exp(s - stats(lse_safe, qb))  # masked: exp(-inf) = 0
+      ds = probs * (dp - stats(delta, qb))
+      if p.soft_cap is not None:
+        ds = ds * scores.soft_cap_grad(s, p.soft_cap)  # through cap * tanh(. / cap)
+      return probs, ds, None
+
+    def modified(s_, *floats):
+      full = list(captured)
+      for i, c in zip(float_idx, floats):
+        full[i] = c
+      return p.modified(s_, qb, kb, full)
+
+    s_mod, pullback = jax.vjp(modified, s0, *(captured[i] for i in float_idx))
+    s = p.masked(s_mod, qb, kb)
+    probs = jnp.exp(s - stats(lse_safe, qb))
+    ds_mod = jnp.where(jnp.isfinite(s), probs * (dp - stats(delta, qb)), 0.0)
+    ds, *dfloats = pullback(ds_mod)
+    return probs, jnp.where(jnp.isfinite(s), ds, 0.0), tuple(dfloats)
 
   # One pass over key blocks; for each, the query blocks that see it. dK and
-  # dV of the block are summed in the loop (GQA groups included); dQ and the
-  # bias gradient are carried whole, in f32, and added to slice by slice in a
-  # fixed order, so the result is deterministic without a second pass that
-  # would recompute the probabilities.
+  # dV of the block are summed in the loop (GQA groups included); dQ, the
+  # bias gradient and the captured arrays' gradients are carried whole, in
+  # f32, and added to in a fixed order, so the result is deterministic
+  # without a second pass that would recompute the probabilities.
   def dkv_block(carry, kb):
     k_blk, v_blk = p.k_block(p.k, kb), p.k_block(p.v, kb)
 
     def step(qb, inner):
-      dk, dv, dq_acc, dbias_acc = inner
+      dk, dv, dq_acc, dbias_acc, dcap_acc = inner
       q_blk, do_blk = p.q_block(p.q, qb), p.q_block(do, qb)
-      probs, ds = probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, v_blk)
+      probs, ds, dcap = probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, v_blk)
       dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", probs.astype(do.dtype), do_blk,
                            preferred_element_type=jnp.float32)
       ds_in = ds.astype(p.q.dtype)
@@ -453,16 +568,19 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
           dq_acc, p.q_block(dq_acc, qb) + dq_blk, qb * bq, axis=1)
       if dbias_acc is not None:
         dbias_acc = _accumulate_pair(dbias_acc, ds, qb * bq, kb * bk)
-      return dk, dv, dq_acc, dbias_acc
+      if dcap:
+        dcap_acc = tuple(a + x.astype(jnp.float32) for a, x in zip(dcap_acc, dcap))
+      return dk, dv, dq_acc, dbias_acc, dcap_acc
 
-    lo, hi = p.query_blocks_for(kb)
     zeros = jnp.zeros((bsz, bk, kh, d), jnp.float32)
-    dk, dv, dq_acc, dbias_acc = lax.fori_loop(lo, hi, step, (zeros, zeros, *carry))
-    return (dq_acc, dbias_acc), ((dk * scale).astype(k.dtype), dv.astype(v.dtype))
+    dk, dv, *carry = p.walk_query_blocks(kb, step, (zeros, zeros, *carry))
+    return tuple(carry), ((dk * scale).astype(k.dtype), dv.astype(v.dtype))
 
   dq0 = jnp.zeros(p.q.shape, jnp.float32)
   dbias0 = None if p.bias is None else jnp.zeros(p.bias.shape, jnp.float32)
-  (dq, dbias), (dk, dv) = lax.scan(dkv_block, (dq0, dbias0), jnp.arange(p.num_k_blocks))
+  dcap0 = tuple(jnp.zeros(captured[i].shape, jnp.float32) for i in float_idx)
+  (dq, dbias, dcap), (dk, dv) = lax.scan(dkv_block, (dq0, dbias0, dcap0),
+                                         jnp.arange(p.num_k_blocks))
   dq = (dq * scale).astype(q.dtype).reshape(bsz, tp, nh, d)[:, :p.t]
   unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(bsz, -1, kh, d)[:, :p.s]
   dk, dv = unblock(dk), unblock(dv)
@@ -470,7 +588,13 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segme
   if dbias is not None:
     dbias = dbias[..., :bias.shape[-2], :bias.shape[-1]]
     dbias = dbias.reshape(bias.shape).astype(bias.dtype)
-  return dq, dk, dv, dbias
+  dcaptured = None
+  if with_mod and captured_grads:
+    dcaptured = [None] * len(captured)
+    for i, g_ in zip(float_idx, dcap):
+      dcaptured[i] = g_.astype(captured[i].dtype)
+    dcaptured = tuple(dcaptured)
+  return dq, dk, dv, dbias, dcaptured
 
 
 def _accumulate_pair(acc, ds, q_lo, k_lo):

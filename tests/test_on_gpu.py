@@ -13,7 +13,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax import backends, xla_attention
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, Scores
 from reference import relative_error
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
@@ -59,7 +59,8 @@ def backward_inputs(case, seed):
   q, k, v = inputs(b, tq, tk, nq, nkv, d, seed=seed)
   dout = jnp.asarray(np.random.default_rng(seed + 1).normal(size=q.shape), jnp.bfloat16)
   ql, kl = sequence_lengths(case)
-  out, lse = xla_attention.forward(q, k, v, None, None, ql, kl, scale=d**-0.5, spec=spec)
+  out, lse = xla_attention.forward(q, k, v, None, None,
+                                  Scores(mask=spec, scale=d**-0.5, q_lengths=ql, kv_lengths=kl))
   return (q, k, v, out.astype(q.dtype), lse, dout), ql, kl
 
 
@@ -71,8 +72,9 @@ def test_sm90_forward_matches_the_xla_path_including_lse(case):
   ql, kl = sequence_lengths(case)
   out, lse = sm90_forward.forward(q, k, v, ql, kl, scale=d**-0.5, mask=spec)
   f32 = lambda x: x.astype(jnp.float32)
-  ref_out, ref_lse = xla_attention.forward(f32(q), f32(k), f32(v), None, None, ql, kl,
-                                           scale=d**-0.5, spec=spec)
+  ref_out, ref_lse = xla_attention.forward(
+      f32(q), f32(k), f32(v), None, None,
+      Scores(mask=spec, scale=d**-0.5, q_lengths=ql, kv_lengths=kl))
   np.testing.assert_allclose(f32(out), ref_out, atol=2e-2)
   np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
   finite = ~np.isinf(np.asarray(ref_lse))
@@ -118,8 +120,8 @@ def test_conditional_rescale_is_bit_identical_to_always_rescaling(d, causal):
   np.testing.assert_array_equal(np.asarray(outs[0][0]), np.asarray(outs[1][0]))
   np.testing.assert_array_equal(np.asarray(outs[0][1]), np.asarray(outs[1][1]))
   f32 = lambda x: x.astype(jnp.float32)
-  ref_out, _ = xla_attention.forward(f32(q), f32(k), f32(v), None, None, None, None,
-                                     scale=0.5, spec=spec)
+  ref_out, _ = xla_attention.forward(f32(q), f32(k), f32(v), None, None,
+                                     Scores(mask=spec, scale=0.5))
   np.testing.assert_allclose(f32(outs[1][0]), ref_out, atol=3e-2)
 
 

@@ -32,7 +32,7 @@ import pytest
 from fa4_jax import scores, xla_attention
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_backward
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase, einsum_attention, packed_segment_ids, relative_error
 
@@ -45,7 +45,8 @@ class Case(KernelCase):
 def _forward(case: Case, q, k, v, scale):
   """(out, lse) from the XLA forward: what the backward receives."""
   q_len, kv_len = case.lengths()
-  return xla_attention.forward(q, k, v, None, None, q_len, kv_len, scale=scale, spec=case.mask)
+  return xla_attention.forward(q, k, v, None, None,
+                               Scores(mask=case.mask, scale=scale, q_lengths=q_len, kv_lengths=kv_len))
 
 
 def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale, config=None,
@@ -93,8 +94,9 @@ def _check_case(case: Case, run_interpreted, config=None):
     assert g.shape == x.shape and g.dtype == x.dtype
 
   q_len, kv_len = case.lengths()
-  xla = xla_attention.backward(q, k, v, None, None, q_len, kv_len, None, None, out, lse, dout,
-                               scale=scale, spec=case.mask)[:3]
+  xla = xla_attention.backward(
+      q, k, v, None, None, Scores(mask=case.mask, scale=scale, q_lengths=q_len, kv_lengths=kv_len),
+      out, lse, dout)[:3]
   exact = _jax_nn_grads(case, q, k, v, dout, scale)
   for name, got, same_formula, reference in zip(("dq", "dk", "dv"), grads, xla, exact):
     got = np.asarray(got, np.float32)

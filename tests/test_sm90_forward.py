@@ -30,7 +30,7 @@ import pytest
 from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward, sm90_tiles
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase, einsum_attention, packed_segment_ids, visible_mask
 
@@ -787,10 +787,11 @@ def test_kernels_lower_inside_the_sharding_wrapper_forward_and_backward(is_causa
 
   mask = MaskSpec.from_arguments(is_causal, None)
   assert sm90_forward.choose_config(128, mask, seq).persistent == (seq == 1000)
-  config = vjp.CoreConfig(backends._kernel_backend("sm90"), 0.125, mask)
+  config = vjp.CoreConfig(backends._kernel_backend("sm90"))
+  score_value = Scores(mask=mask, scale=0.125)
 
   def loss(q, k, v):
-    out, _ = vjp.attention_core(q, k, v, None, None, None, None, None, None, None, config)
+    out, _ = vjp.attention_core(q, k, v, None, None, score_value, config)
     return jnp.sum(out.astype(jnp.float32))
 
   spec = jax.ShapeDtypeStruct((1, seq, 2, 128), jnp.bfloat16)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fa4_jax import testing, xla_attention
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, Scores
 
 MASKS = {"dense": MaskSpec(), "causal": MaskSpec(right=0),
          "window": MaskSpec(left=256, right=0)}
@@ -79,20 +79,23 @@ def _backward(kernel, d, mask, seq, lengths, group=1, segments=False):
   return f, (q, kv, kv, q, lse, q, ln, ln, ids)
 
 
+def _scores(mask, ql, kl, lengths):
+  return Scores(mask=mask, scale=0.125, q_lengths=ql if lengths else None,
+                kv_lengths=kl if lengths else None)
+
+
 def _xla(mask, seq, lengths, backward):
   q = jax.ShapeDtypeStruct((2, seq, 4, 64), jnp.float32)
   kv = jax.ShapeDtypeStruct((2, seq, 2, 64), jnp.float32)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
 
   def fwd(q, k, v, ql, kl):
-    return xla_attention.forward(q, k, v, None, None, ql if lengths else None,
-                                 kl if lengths else None, scale=0.125, spec=mask)
+    return xla_attention.forward(q, k, v, None, None, _scores(mask, ql, kl, lengths))
 
   def bwd(q, k, v, ql, kl):
     out, lse = fwd(q, k, v, ql, kl)
-    return xla_attention.backward(q, k, v, None, None, ql if lengths else None,
-                                  kl if lengths else None, None, None, out, lse, out, scale=0.125,
-                                  spec=mask)
+    return xla_attention.backward(q, k, v, None, None, _scores(mask, ql, kl, lengths), out,
+                                  lse, out)
   return (bwd if backward else fwd), (q, kv, kv, ln, ln)
 
 

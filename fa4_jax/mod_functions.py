@@ -1,0 +1,379 @@
+"""User score and mask functions (`score_mod`, `mask_mod`), traced once.
+
+FlexAttention's contract, which `fa4_jax.attention` takes:
+
+    score_mod(score, batch, head, q_idx, kv_idx) -> score   (float32)
+    mask_mod(batch, head, q_idx, kv_idx) -> bool            (True: attend)
+
+Each is a JAX function of scalars: `score` float32, the indices int32. It
+may close over arrays (ALiBi slopes, a bias table, per-batch data).
+
+`trace` turns such a function into a `ModFunction`: its jaxpr over scalars,
+with every array it closed over made an explicit input (`captured`). The
+`ModFunction` is static (hashable by its jaxpr's text, so jit caches on it)
+and the captured arrays travel beside the inputs as ordinary operands, so
+every JAX transformation (`grad` to the captured arrays included) sees them.
+
+One traced function runs on every backend:
+* `evaluate` applies it elementwise to arrays (the XLA path), by `vmap`;
+* `evaluate_in_kernel` applies it to a kernel's tile, the captured arrays
+  being refs in GPU memory: a small interpreter of the jaxpr that binds each
+  elementwise op on whole tiles (scalars broadcast), reads a captured array
+  at indices that are the same for the whole tile (`slopes[head]`) with one
+  scalar load, and one that varies per element (`table[head, bucket]`) by a
+  chain of selects over the entries of that axis (at most
+  `MAX_SELECT_ENTRIES`); anything else is `Unsupported`, naming the op;
+* `value_and_slope` is the modified score with its derivative in the score,
+  which the backward needs (JAX differentiates the traced function).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+SCORE_MOD_ARGS = ("score", "batch", "head", "q_idx", "kv_idx")
+MASK_MOD_ARGS = ("batch", "head", "q_idx", "kv_idx")
+# An index into a captured array that varies per element is read by a chain
+# of selects over that axis: two ops per entry and element.
+MAX_SELECT_ENTRIES = 64
+
+_INT = jax.ShapeDtypeStruct((), jnp.int32)
+_F32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+class Unsupported(ValueError):
+  """A traced function uses an op a kernel cannot run."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModFunction:
+  """A `score_mod` or `mask_mod`, traced over scalars.
+
+  `jaxpr`'s inputs are the captured arrays (`captured_avals`) and then the
+  function's own arguments; it has one output. Equal (and hashed) by its
+  text, so the same function traced twice is one jit cache entry."""
+
+  kind: str  # "score_mod" or "mask_mod"
+  jaxpr: Any  # jax.extend.core.Jaxpr
+  captured_avals: tuple
+  text: str
+
+  def __eq__(self, other):
+    return isinstance(other, ModFunction) and (self.kind, self.text) == (other.kind, other.text)
+
+  def __hash__(self):
+    return hash((self.kind, self.text))
+
+  @property
+  def num_args(self) -> int:
+    return len(SCORE_MOD_ARGS if self.kind == "score_mod" else MASK_MOD_ARGS)
+
+  def primitives(self) -> set[str]:
+    """Names of every primitive the function uses (nested jaxprs included)."""
+    return _primitive_names(self.jaxpr)
+
+
+def trace(fn: Callable, kind: str) -> tuple[ModFunction, tuple]:
+  """(the traced function, the arrays it closed over) for a user's `fn`.
+
+  Raises a ValueError naming `kind` for a wrong arity, a non-scalar result
+  or a result of the wrong type."""
+  names = SCORE_MOD_ARGS if kind == "score_mod" else MASK_MOD_ARGS
+  if not callable(fn):
+    raise ValueError(f"`{kind}` must be a function; got {type(fn).__name__}")
+  _check_arity(fn, kind, names)
+  avals = ([_F32] if kind == "score_mod" else []) + [_INT] * 4
+  try:
+    closed = jax.make_jaxpr(fn)(*avals)
+  except Exception as e:  # noqa: BLE001  (the user's function failed to trace)
+    raise ValueError(
+        f"`{kind}` failed when called as {kind}({', '.join(names)}) with scalar arguments "
+        f"(score float32, indices int32): {type(e).__name__}: {e}") from e
+  out = closed.out_avals
+  want = "a float score" if kind == "score_mod" else "a bool"
+  if len(out) != 1 or out[0].shape != ():
+    shapes = [a.shape for a in out]
+    raise ValueError(
+        f"`{kind}` must return {want} per element: called with scalars it returned shapes "
+        f"{shapes}. It must be elementwise (no reductions, no output of its own shape).")
+  dtype = out[0].dtype
+  if kind == "mask_mod" and dtype != jnp.bool_:
+    raise ValueError(f"`mask_mod` must return a bool (True: attend); it returned {dtype}")
+  if kind == "score_mod" and not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"`score_mod` must return a float score; it returned {dtype}")
+  jaxpr = closed.jaxpr
+  captured = tuple(jnp.asarray(c) for c in closed.consts)
+  # The closed-over values become the first inputs.
+  open_jaxpr = jaxpr.replace(constvars=[], invars=list(jaxpr.constvars) + list(jaxpr.invars))
+  captured_avals = tuple(jax.typeof(c) for c in captured)
+  text = f"{captured_avals} {open_jaxpr}"
+  return ModFunction(kind, open_jaxpr, captured_avals, text), captured
+
+
+def _check_arity(fn, kind, names):
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return  # builtins and the like: tracing will tell
+  try:
+    signature.bind(*names)
+  except TypeError:
+    raise ValueError(
+        f"`{kind}` must take {len(names)} positional arguments ({', '.join(names)}); "
+        f"its signature is {fn.__name__ if hasattr(fn, '__name__') else fn}{signature}") from None
+
+
+def _primitive_names(jaxpr) -> set[str]:
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in _subjaxprs(eqn):
+      names |= _primitive_names(sub)
+  return names
+
+
+def _subjaxprs(eqn):
+  for value in eqn.params.values():
+    if isinstance(value, jex_core.ClosedJaxpr):
+      yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+      yield value
+
+
+def _call_jaxpr(eqn):
+  """The jaxpr of a call-like equation (jit, custom_jvp_call, ...), or None."""
+  for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    value = eqn.params.get(name)
+    if isinstance(value, jex_core.ClosedJaxpr):
+      return value
+    if isinstance(value, jex_core.Jaxpr):
+      return jex_core.ClosedJaxpr(value, ())
+  return None
+
+
+# --- On arrays (the XLA path) -------------------------------------------------
+
+
+def evaluate(mod: ModFunction, captured, *args):
+  """`mod` applied elementwise to `args` (arrays that broadcast together,
+  scalars included): the result has their broadcast shape."""
+  shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+  flat = [jnp.broadcast_to(a, shape).reshape(-1) for a in args]
+  run = lambda *xs: jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(mod.jaxpr, ()))(*captured, *xs)[0]
+  return jax.vmap(run)(*flat).reshape(shape)
+
+
+# --- In a kernel ----------------------------------------------------------------
+# Names of primitives bound on whole tiles as they are. Others need their
+# own rule below or are Unsupported. Mosaic GPU lowers these elementwise
+# (each cross-lowered for sm_90 on WGMMA-layout f32 and int32 tiles, jax
+# 0.11.2): except `rem` on floats (no lowering: `_DTYPE_PROBLEMS`), `not`
+# on bools and `floor` / `ceil` (no lowering: rewritten, `_REWRITES`).
+# `log1p`, `expm1`, `pow`, `erf`, `is_finite`, `population_count` and more
+# do not lower; `sin`, `cos`, `round` and `clz` do, but are left out until
+# checked on hardware (approx_math).
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log",
+    "tanh", "logistic", "sqrt", "rsqrt", "integer_pow", "square", "select_n",
+    "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "rem", "clamp", "shift_left", "shift_right_logical", "shift_right_arithmetic", "floor",
+    "ceil", "copy", "copy_p",
+})
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                   "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"})
+_VIEWS = frozenset({"dynamic_slice", "squeeze", "reshape", "expand_dims"})
+
+
+def kernel_problem(mod: ModFunction) -> str | None:
+  """Why a kernel cannot run `mod` (an op it cannot lower), or None."""
+  bad = sorted((mod.primitives() - ELEMENTWISE - CALLS - _VIEWS - {"broadcast_in_dim"})
+               | _dtype_problems(mod.jaxpr))
+  if bad:
+    return (f"`{mod.kind}` uses {', '.join(repr(b) for b in bad)}, which the kernels cannot "
+            "run on a tile; use implementation='xla' (or None, which falls back to it)")
+  return None
+
+
+# Allowed ops that Mosaic GPU does not lower for some operand types: the
+# primitive's name -> (a test of its first operand's dtype, what to call it).
+_DTYPE_PROBLEMS = {
+    "rem": (lambda dtype: jnp.issubdtype(dtype, jnp.floating), "rem on floats (fmod, %)"),
+}
+
+
+def _dtype_problems(jaxpr) -> set[str]:
+  found = set()
+  for eqn in jaxpr.eqns:
+    rule = _DTYPE_PROBLEMS.get(eqn.primitive.name)
+    if rule is not None and eqn.invars and rule[0](eqn.invars[0].aval.dtype):
+      found.add(rule[1])
+    for sub in _subjaxprs(eqn):
+      found |= _dtype_problems(sub)
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+  """A captured array in a kernel (a ref in GPU memory) being indexed: per
+  axis of the ref, None while the axis is whole, else the index (a scalar,
+  or a tile when it varies per element)."""
+
+  ref: Any
+  index: tuple
+
+  @property
+  def complete(self) -> bool:
+    return all(i is not None for i in self.index)
+
+
+def evaluate_in_kernel(mod: ModFunction, captured_refs, *args):
+  """`mod` on a kernel's tile. `args` are the function's arguments: tiles of
+  one shape (the score, q_idx, kv_idx) and scalars (batch, head: anything
+  the same for the whole tile). `captured_refs`: the captured arrays as
+  refs, in `mod.captured_avals`' order (a 0-d array as a ref of shape (1,))."""
+  views = []
+  for ref, aval in zip(captured_refs, mod.captured_avals):
+    views.append(ref[0] if aval.shape == () else _Captured(ref, (None,) * len(aval.shape)))
+  return _run(jex_core.ClosedJaxpr(mod.jaxpr, ()), views + list(args))[0]
+
+
+def value_and_slope(mod: ModFunction, captured_refs, score, *index_args):
+  """(score_mod(score, ...), its derivative in `score`) on a kernel's tile."""
+  fn = lambda s: evaluate_in_kernel(mod, captured_refs, s, *index_args)
+  return jax.jvp(fn, (score,), (jnp.ones_like(score),))
+
+
+def _run(closed, args):
+  env = {}
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+  for var, value in zip(closed.jaxpr.constvars, closed.consts):
+    env[var] = value
+  for var, value in zip(closed.jaxpr.invars, args):
+    env[var] = value
+  for eqn in closed.jaxpr.eqns:
+    outs = _bind(eqn, [read(v) for v in eqn.invars])
+    for var, value in zip(eqn.outvars, outs):
+      env[var] = value
+  return [read(v) for v in closed.jaxpr.outvars]
+
+
+# Ops that only reshape a one-element value: each value here stands for one
+# element, so they change nothing.
+_SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims"})
+
+
+def _bind(eqn, ins):
+  name = eqn.primitive.name
+  if isinstance(ins[0] if ins else None, _Captured):
+    return [_index_captured(eqn, ins)]
+  if any(isinstance(x, _Captured) for x in ins):
+    raise Unsupported(f"a captured array is used whole by {name!r}; the kernels read captured "
+                      "arrays only by indexing them (e.g. slopes[head]): use "
+                      "implementation='xla'")
+  if name in CALLS:
+    sub = _call_jaxpr(eqn)
+    if sub is None:
+      raise Unsupported(f"the kernels cannot run {name!r} in a `score_mod` or `mask_mod`; "
+                        "use implementation='xla'")
+    return _run(sub, ins)
+  if name in _SHAPE_ONLY and math.prod(eqn.outvars[0].aval.shape) == 1:
+    return [ins[0]]
+  if name not in ELEMENTWISE:
+    raise Unsupported(f"the kernels cannot run {name!r} in a `score_mod` or `mask_mod`; "
+                      "use implementation='xla'")
+  shape = max((jnp.shape(x) for x in ins), key=len, default=())
+  ins = [x if jnp.shape(x) == shape else jnp.broadcast_to(jnp.asarray(x), shape) for x in ins]
+  rewrite = _REWRITES.get(name)
+  if rewrite is not None and jnp.ndim(ins[0]) > 0:
+    out = rewrite(*ins)
+    if out is not None:
+      return [out]
+  out = eqn.primitive.bind(*ins, **eqn.params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _not(x):
+  """`not` of a bool tile as x == False: Mosaic GPU fails to lower a bool
+  `not` ("register bitwidth ... divisible by 8"); integers bind it as is."""
+  if x.dtype != jnp.bool_:
+    return None
+  return lax.eq(x, jnp.broadcast_to(jnp.asarray(False), x.shape))
+
+
+# Floats from 2**23 on (and inf, nan) are whole already; below, the int32
+# conversion truncates toward zero.
+_WHOLE_FROM = 2.0 ** 23
+
+
+def _rounded(x, up: bool):
+  """floor (ceil with `up`) of a float tile through an int32 conversion:
+  Mosaic GPU lowers no `floor` / `ceil`."""
+  t = x.astype(jnp.int32).astype(x.dtype)
+  one = jnp.broadcast_to(jnp.asarray(1.0, x.dtype), x.shape)
+  rounded = jnp.where(t < x, t + one, t) if up else jnp.where(t > x, t - one, t)
+  return jnp.where(jnp.abs(x) < _WHOLE_FROM, rounded, x)
+
+
+# Tile rules for allowed ops Mosaic GPU does not lower as they are; a rule
+# returning None binds the op itself.
+_REWRITES = {
+    "not": _not,
+    "floor": lambda x: _rounded(x, up=False),
+    "ceil": lambda x: _rounded(x, up=True),
+}
+
+
+def _index_captured(eqn, ins):
+  """An op on a captured array: `dynamic_slice` of single entries fixes
+  axes; once every axis is fixed the entry is read. A unit-axis reshape
+  changes nothing."""
+  x, name = ins[0], eqn.primitive.name
+  if name in _SHAPE_ONLY:
+    return x
+  if name != "dynamic_slice":
+    raise Unsupported(f"a captured array is used by {name!r}, which the kernels cannot run; "
+                      "index captured arrays by single entries (e.g. table[head, bucket]) or "
+                      "use implementation='xla'")
+  index = list(x.index)
+  for axis, (start, size) in enumerate(zip(ins[1:], eqn.params["slice_sizes"])):
+    if size != x.ref.shape[axis] or index[axis] is not None:
+      if size != 1:
+        raise Unsupported("the kernels read captured arrays an entry at a time; a slice of "
+                          f"{size} entries needs implementation='xla'")
+      index[axis] = start  # dynamic_slice clamps: so does the read below
+  view = _Captured(x.ref, tuple(index))
+  return _read(view) if view.complete else view
+
+
+def _read(view: _Captured):
+  """The entry of a fully indexed captured array: one scalar load where the
+  indices are the same for the whole tile; a chain of selects over the one
+  axis whose index varies per element."""
+  ref = view.ref
+  per_element = [a for a, i in enumerate(view.index) if jnp.ndim(i) > 0]
+  clamp = lambda i, a: jnp.clip(i, 0, ref.shape[a] - 1)
+  if not per_element:
+    return ref[tuple(clamp(i, a) for a, i in enumerate(view.index))]
+  if len(per_element) > 1:
+    raise Unsupported("a captured array indexed per element along two axes; the kernels "
+                      "take one such axis: use implementation='xla'")
+  axis = per_element[0]
+  entries = ref.shape[axis]
+  if entries > MAX_SELECT_ENTRIES:
+    raise Unsupported(f"a captured axis of {entries} entries indexed per element; the kernels "
+                      f"take at most {MAX_SELECT_ENTRIES}: use implementation='xla'")
+  tile_index = clamp(view.index[axis], axis)
+  at = lambda e: tuple(e if a == axis else clamp(i, a) for a, i in enumerate(view.index))
+  value = jnp.broadcast_to(ref[at(0)], tile_index.shape)
+  for e in range(1, entries):
+    value = jnp.where(tile_index == e, ref[at(e)], value)
+  return value
