@@ -242,104 +242,48 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   dK/dV: dK + dV = head_dim, S^T and dP^T = block_q / 2 each.
   dQ:    dQ = head_dim / 2, S and dP = dq_block_kv / 2 each.
 
-  Measured on an H100 (benchmarks/results/backward-*-configs-*.json): at
-  head_dim 128, dq_block_kv=128 gains 1-5% on dense shapes but loses 13% under
-  a 1024-key window, and 3 stages gain at most 2%; at head_dim 64, block_q=128
-  for dK/dV was 2-7% faster than 64 with two dK/dV consumers (and
-  dq_block_kv=128 was, with two dQ consumers); since then two consumers on
-  64-row query tiles that load lse and delta early beat both (below).
+  Every rule's measurements are in docs/performance-notes.md, "The backward
+  heuristic, rule by rule", one subsection per rule (named in quotes below).
+  Up to head dim 128: 64-key and 64-row tiles, three stages at 64 and two
+  at 128 ("Block sizes per head dim").
   """
   d = padded_head_dim(head_dim)
-  # dQ with three consumers (160 registers each: dQ 64 + S 32 + dP 32 at
-  # 128), measured on an H100 against two (B2 S8192, dQ kernel time): D128
-  # 2.03 vs 2.18 ms dense, 1.06 vs 1.09 causal; D64 2.46 vs 2.70 dense, 1.32
-  # vs 1.36 causal (backward-*-2026-11-23-dq-consumers-d*.json; there
-  # three consumers ran both kernels: dK/dV, with twice the accumulators,
-  # spills on 160 registers at 128 and at 64 loses 4 % dense, gains 4 %
-  # causal).
+  # dQ: three consumers of 64 rows on 160 registers (dQ 64 + S 32 + dP 32
+  # at 128), 64-key tiles ("dQ: three consumers").
   three_dq_consumers = dict(dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
                             dq_num_consumers=3, dq_producer_registers=24,
                             dq_consumer_registers=160)
   # dK/dV: two consumers of 64 keys on 240 registers, 64-row query tiles,
-  # lse and delta loaded before the S^T / dP^T wait (232 registers spill 92
-  # bytes with it). H100, same process: B2 S8192 H16 D128 dK/dV kernel 2.75
-  # vs 3.11 ms (572 vs 534 TFLOP/s), causal 544 vs 519, B1 S16384 causal 566
-  # vs 526 (backward-stats-first-3-...json). D = 64 with three stages: 454 /
-  # 444 TFLOP/s dense / causal against 439 / 436 for three consumers on 160
-  # registers (where loading early spills 240 bytes and loses 16 %), 417 /
-  # 401 with the loads after the wait (backward-d64-stats-first-2-...json).
+  # lse and delta loaded before the S^T / dP^T wait ("dK/dV: two consumers,
+  # 64-row query tiles, lse and delta first").
   #
-  # delta in the dQ kernel saves the XLA reduction (0.05 ms at B2 S8192 H16,
-  # 0.09 at H32) and costs the dQ kernel an O tile load per consumer:
-  # +0.01-0.02 ms dense or causal, but +0.06 ms under a 1024-key window,
-  # where each CTA walks only ~19 key blocks (H100, same process,
-  # backward-delta-in-dq-...-2026-11-24.json).
-  #
-  # Overlapping the kernels (PDL) needs the XLA delta but lets the dQ
-  # kernel's CTAs fill the SMs the dK/dV kernel's last wave leaves idle.
-  # H100, kernel span, three interleaved rounds in each of three runs
-  # (backward-pdl-*-2026-11-24.json), against delta in the dQ kernel: B2
-  # S8192 H16 D128 dense gains 1-2 % in each run (4.82 -> 4.76, 4.83 -> 4.72
-  # ms), D = 64 dense gained in two runs and lost 1.3 % in one, the 1024-key
-  # window gains 3.6 % (0.863 -> 0.832), the 4096-key window 0.6 %; causal
-  # rows without a window lose 0-3 % (their dK/dV tail is short: light key
-  # tiles run last), so they keep delta in the dQ kernel.
+  # Causal masks without a window compute delta in the dQ kernel and run
+  # the kernels apart; every other mask computes delta in XLA and overlaps
+  # the dQ kernel with the dK/dV kernel's last wave (PDL) ("Delta in the dQ
+  # kernel, or overlapped kernels").
   causal_without_window = mask.left is None and mask.right is not None
   delta_in_dq = causal_without_window
   #
-  # Register A operands (`operands_in_registers`, `dq_operands_in_registers`)
-  # at D = 64, H100, B2 S8192 H32, span, two runs of interleaved rounds
-  # (backward-regs-d64-...-2026-11-24.json): dense 5.72 vs 5.81 ms and 5.79
-  # vs 5.91, causal 3.00 vs 3.06 and 3.00 vs 3.09; the gradients are bit for
-  # bit those of SMEM operands. At D = 128 K and V in registers spill (360
-  # bytes) and the dK/dV kernel takes 4.60 instead of 2.79 ms (3.78 without
-  # `stats_first`); Q and dO in the dQ kernel leave room for two consumers
-  # only: 2.24 vs 2.03 ms for three with SMEM operands (backward-regs-d128-...).
+  # The resident tiles are register A operands at head dim 64 only
+  # ("Register A operands at D = 64").
   #
-  # lse and delta folded into the S^T / dP^T accumulators (`fold_stats`) at
-  # D = 128, H100, B2 S8192, span (backward-fold-*-2026-11-24.json): with GQA
-  # (H32/8) under a causal mask the dK/dV kernel spilled 348 bytes (ptxas)
-  # and Nsight Compute counted 53 M spill requests in it, where H16 dense has
-  # none; folded, 92 bytes, and the backward takes 5.00 vs 5.08 ms and 5.05
-  # vs 5.11 in two runs (H200: 5.02 vs 5.15). Elsewhere the loads before the
-  # wgmmas cost more than the spills save: 4.87 vs 4.73 ms H16 dense, 2.56 vs
-  # 2.53 causal, 10.24 vs 9.68 GQA dense. Under causal windows it does not
-  # pay either (five interleaved rounds each): 1024 keys (B1 S16384) 0.841 vs
-  # 0.849 ms on an H100 but 0.809 vs 0.809 on an H200; 4096 keys (B1 S32768)
-  # 5.010 vs 5.028 on the H100, 4.908 vs 4.834 on the H200, every folded
-  # round slower there (backward-fold-window-..., backward-h200-fold-window*).
+  # lse and delta start the S^T / dP^T accumulators (`fold_stats`) for GQA
+  # under a causal mask without a window above head dim 64, where they end
+  # the dK/dV kernel's spills ("lse and delta folded into the accumulators").
   fold_stats = causal_without_window and group > 1 and d > 64
   #
-  # Under soft-cap only delta can be folded (the tanh needs the raw S^T),
-  # and lse2 is loaded after the wait. At D128 that pays under causal masks,
-  # windows included, and removes most of the soft-capped dK/dV kernel's
-  # spills (ptxas, S1024, causal: 220 / 276 -> 28 / 84 bytes stored /
-  # loaded): H200, B2 S8192 H16, 5 rounds, span 2.986 -> 2.945 ms causal (also
-  # -1.4 % on an H100 and -2.1 % in a second H200 run), B1 S16384 causal
-  # windows of 1024 / 4096 keys 0.892 -> 0.863 / 2.619 -> 2.573 ms. Dense
-  # calls gain nothing (H16 5.733 -> 5.791 ms, GQA 32/8 tied, rounds spread
-  # 5-12 %) and keep the default (backward-soft-cap-fold-stats-*.json).
+  # Soft-capped: delta alone is folded, under causal masks, windows
+  # included, above head dim 64 ("Soft-cap: delta folded under causal
+  # masks").
   fold_stats = fold_stats or (soft_cap and mask.right == 0 and d > 64)
   #
-  # Packed causal rows (segment ids) at head dim 64: the dK/dV kernel's key
-  # tiles see few query blocks each (a 128-key tile of a 1k-token document
-  # about 8 per query head), so a CTA per tile spends a good part of its
-  # time starting (launch, K/V load) and finishing; a persistent grid with a
-  # work queue and two K/V copies per consumer hides that (`work_queue`).
-  # H100, bench_packed's rows (16k tokens, documents of mean 1k / 2k / 4k),
-  # backward span, three interleaved rounds against one CTA per key tile
-  # (packed-backward-ab-dkv-queue-d64-*.json): H32 D64 B1 -6.6 / -4.9 /
-  # -2.9 %, B8 -4.7 / +2.8 / -0.6 % (B8 rounds spread up to 7 %).
-  # At head dim 128 the queued consumer spills more (ptxas, whole call: 768
-  # -> 976 bytes, GQA 168 -> 720) and loses: B8 H16 +2.8 / +1.3 / +1.2 %,
-  # B8 GQA 32/8 +4.2 / +1.7 / +2.7 % (B1: -3.5 to +0.3 %).
+  # Packed causal rows (segment ids) without a window at head dim <= 64: the
+  # dK/dV kernel on a persistent grid with a work queue and two K/V copies
+  # per consumer ("Packed causal rows at D = 64: a work queue").
   work_queue = segment_ids and causal_without_window and d <= 64
   #
-  # Soft-cap at D128: its dK/dV kernel spills (ptxas, S1024: 40-276 bytes
-  # with the plain call's config); 32-row query tiles spill nothing
-  # but run 1.4-10 points slower (H200, B2 S8192: +25.2 /
-  # +18.5 / +20.1 % over the plain call against +15.0 / +17.1 / +14.7,
-  # dense / causal / GQA 32/8 causal; backward-soft-cap-block-q32-*.json).
+  # Soft-capped calls keep the plain call's tiles ("Soft-cap at D = 128:
+  # 32-row query tiles (lost)").
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
     return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
                           producer_registers=24, consumer_registers=240, stats_first=True,
@@ -350,19 +294,15 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
     # resident Q and dO tiles of dQ take 128 KiB, so its key tiles are 32
-    # rows. H100, B2 S8192 H8: 466 / 455 TFLOP/s dense / causal, where two
-    # passes reach 400 / 404; 240 consumer registers gain 1 %. Overlapped
-    # kernels: 5.86 -> 5.82 ms dense, 3.00 -> 2.98 causal (one run).
+    # rows. Kernels overlapped ("Head dim 256: the head-dim split").
     return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
                           dq_block_q=64, dq_block_kv=32, dq_num_stages=3,
                           producer_registers=24, consumer_registers=240,
                           dk_dv="head_dim_split", overlap_kernels=True)
   # 192 (and 144-176, padded): halves of 96 columns do not fall on the
-  # 64-column tiles of the swizzled layout, so dK and dV take two passes
-  # (at 256 two passes cost 14 % against the split). 64-row tiles and two
-  # stages fit the SMEM at 192 in every kernel (at most 192 KiB). With
-  # `overlap_kernels` the trace showed none of the three kernels start
-  # before the previous one ended (why was not found), and it ran 1 % slower.
+  # 64-column tiles of the swizzled layout, so dK and dV take two passes.
+  # 64-row tiles and two stages fit the SMEM at 192 in every kernel (at most
+  # 192 KiB). The kernels run one after another ("Head dim 192: two passes").
   return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
                         dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
                         dk_dv="two_passes")
