@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fa4_jax import scores
-from fa4_jax.kernels import default_device, sm90_forward
+from fa4_jax.kernels import default_device, device_tables, sm90_forward
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import current_target
 
@@ -73,7 +73,8 @@ class DecodePlan:
 
 def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
          ragged: bool = False, num_sms: int | None = None, streams: int | None = None,
-         granule: int = 1) -> DecodePlan | None:
+         granule: int = 1, choices: device_tables.DecodeChoices | None = None
+         ) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
   Splits: the largest power of two that keeps B x Hkv x splits x tiles CTAs
@@ -90,7 +91,9 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   the logical [B, pages * page_size, Hkv, D]). Counting the tiles: B8 T64
   S32k (256 rows) on 128 CTAs (1 chunk) 2.50 TB/s, on 256 (2) 2.43. The
   grid: `choose_config`.
-  `num_sms`, `streams`: None for the GPU's (tests name them).
+  `num_sms`, `streams`: None for the GPU's (tests name them). `choices`:
+  None for the default device's kind (`device_choices`). Full, equal key
+  lengths at D64 may take one consumer per CTA (`one_consumer_config`).
   """
   b, t, n, d = q_shape
   s, kv_heads = k_shape[1], k_shape[2]
@@ -99,8 +102,10 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
     return None
   if num_sms is None:
     num_sms = sm90_forward.sm_count()
+  if choices is None:
+    choices = device_choices()
   if streams is None:
-    streams = streaming_ctas(d, rows, num_sms)
+    streams = streaming_ctas(d, rows, num_sms, choices)
   # Query tiles of an item: 128 packed rows at D128 fill one CTA's consumers.
   tiles = -(-rows // sm90_forward.choose_config(d, mask).block_q_cta)
   splits = choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms, streams=streams,
@@ -108,35 +113,53 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   config = None if ragged else choose_config(d, mask, s // splits, rows,
                                              b * kv_heads * splits * tiles,
                                              num_sms=num_sms, streams=streams)
+  if config is None and not ragged:
+    config = one_consumer_config(d, mask, s // splits, rows, b * kv_heads * splits * tiles,
+                                 num_sms=num_sms, choices=choices)
   return DecodePlan(splits, config)
 
 
-# CTAs that read a cache fastest at once, per device kind, at head dims of
-# 128 and more and up to 64 packed rows, where fewer than the SM count win.
-# H100 SXM, one token, GQA 32/8 D128, TB/s of K/V read, 3 interleaved rounds
-# (decode-ctas-*.json): B32 S8k (256 items) on a persistent grid of 64 CTAs
-# 3.128, of 128 3.094, of 132 3.070, one CTA per item 3.039 (cuDNN 3.070);
-# B64 S4k 3.085 / 3.069 / 3.054 / 3.043 (cuDNN 3.057); B8 S32k one CTA per
-# item: 64 CTAs (1 chunk) 3.131, 128 (2 chunks) 3.067; B8 T16 3.087 vs
-# 3.006; B1 S131k 8 chunks 3.03 vs 16 chunks 2.99; D256 3.13 vs 3.08. A grid
-# whose CTAs share items unevenly loses (88 CTAs: 2.84). More CTAs win at
-# D64 (B8 S32k: 2 chunks 3.02, 1 chunk 2.36) and with 128 rows (B8 T32: 2.98
-# vs 2.85), and an H200 needs them all (B8 S32k: 4.48 on 128 CTAs, 3.41 on
-# 64).
-STREAMING_CTAS = {"NVIDIA H100 80GB HBM3": 64}
-
-
-def streaming_ctas(head_dim: int, rows: int, num_sms: int) -> int:
-  """CTAs that should read a cache at once: `STREAMING_CTAS` for the default
-  device's kind at head dims >= 128 and up to 64 packed rows (not under
-  `fa4_jax.gpu_target`, which names no kind), else `num_sms`."""
-  if head_dim < 128 or rows > 64 or current_target() is not None:
-    return num_sms
+def device_choices() -> device_tables.DecodeChoices:
+  """`device_tables.decode_choices` of the default device's kind; the
+  generic choices under `fa4_jax.gpu_target` (which names no kind: lowering
+  queries no device) and without a device."""
+  if current_target() is not None:
+    return device_tables.decode_choices(None)
   try:
     device = default_device()
   except RuntimeError:
+    return device_tables.decode_choices(None)
+  return device_tables.decode_choices(getattr(device, "device_kind", None))
+
+
+def streaming_ctas(head_dim: int, rows: int, num_sms: int,
+                   choices: device_tables.DecodeChoices | None = None) -> int:
+  """CTAs that should read a cache at once: the device kind's
+  `streaming_ctas` (`device_tables.DECODE`: 64 on an H100, 128 on an H200)
+  at head dims >= 128 and up to 64 packed rows, else `num_sms`. `choices`:
+  None for `device_choices()`."""
+  if head_dim < 128 or rows > 64:
     return num_sms
-  return min(num_sms, STREAMING_CTAS.get(getattr(device, "device_kind", ""), num_sms))
+  streams = (choices or device_choices()).streaming_ctas
+  return num_sms if streams is None else min(num_sms, streams)
+
+
+def one_consumer_config(head_dim: int, mask: MaskSpec, chunk: int, rows: int, ctas: int, *,
+                        num_sms: int, choices: device_tables.DecodeChoices
+                        ) -> sm90_forward.ForwardConfig | None:
+  """One CTA per item with one consumer warpgroup (64 rows, no ping-pong)
+  and `choices.one_consumer_stages` K/V slots, where the device kind measured
+  it faster: head dims <= 64, up to `choices.one_consumer_max_rows` packed
+  rows, `ctas` items within one wave of the SMs (H200 figures at
+  `device_tables.DECODE`); else None."""
+  d = sm90_forward.padded_head_dim(head_dim)
+  if d > 64 or rows > choices.one_consumer_max_rows or ctas > num_sms:
+    return None
+  config = dataclasses.replace(
+      sm90_forward.choose_config(head_dim, mask, kv_seq=chunk, q_seq=rows), persistent=False,
+      work_queue=False, q_buffers=1, num_sms=0, num_consumers=1, pingpong=False,
+      producer_registers=24, consumer_registers=224, num_kv_stages=choices.one_consumer_stages)
+  return config if config.fits_smem(d, 2) else None
 
 
 def choose_config(head_dim: int, mask: MaskSpec, chunk: int, rows: int, ctas: int, *,
@@ -149,7 +172,7 @@ def choose_config(head_dim: int, mask: MaskSpec, chunk: int, rows: int, ctas: in
   SMs, run on a persistent grid of that many CTAs with two Q tiles per
   consumer: a CTA starts its next item while the current one ends, where
   one CTA per item pays a launch and a pipeline fill each (figures at
-  `STREAMING_CTAS`). `plan` keeps one CTA per item for ragged key lengths
+  `device_tables.DECODE`). `plan` keeps one CTA per item for ragged key lengths
   (and paged caches), whose items differ in length: there the GPU's block
   scheduler balances them, where a persistent grid deals them out in a
   fixed order. Short chunks keep the heuristic's persistent grid of one CTA
