@@ -104,7 +104,8 @@ def segment_ids(query_segment_ids, key_value_segment_ids):
 def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                       implementation: api.Implementation = None,
                       ignore_precision: bool = False, logits_soft_cap: float | None = None,
-                      causal_alignment: str = "top_left"):
+                      causal_alignment: str = "top_left", score_mod=None, mask_mod=None,
+                      block_mask=None):
   """An `attention_fn` for Flax's attention modules with fixed fa4_jax options.
 
   Args:
@@ -122,13 +123,17 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
       `cap * tanh(logits / cap)`).
     causal_alignment: passed to `fa4_jax.attention` on every call
       (`"bottom_right"`: the queries are the last tokens of the context).
+    score_mod, mask_mod, block_mask: passed to `fa4_jax.attention` on every
+      call (programmable attention: ALiBi, prefix-LM, ...). With several
+      leading batch dims, `batch` is the index into them flattened.
 
   Returns:
     A function with Flax's `attention_fn` signature.
   """
   options = dict(always_causal=is_causal, local_window_size=local_window_size,
                  implementation=implementation, ignore_precision=ignore_precision,
-                 logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment)
+                 logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
+                 score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
 
   # Every argument is named, not swallowed by **kwargs: linen passes only the
   # keyword arguments that appear in the function's signature.
@@ -259,7 +264,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                is_causal=False, segment_ids=(None, None), sinks=None, unsupported=None,
                always_causal=False, logits_soft_cap=None,
                local_window_size=None, causal_alignment="top_left",
-               implementation=None, ignore_precision=False) -> _Call:
+               implementation=None, ignore_precision=False, score_mod=None, mask_mod=None,
+               block_mask=None) -> _Call:
   """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
   _check_supported(dropout_rate, deterministic, precision, module,
                    einsum_dot_general, qk_attn_weights_einsum,
@@ -308,7 +314,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                     implementation=implementation,
                     query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
                     sinks=sinks, logits_soft_cap=logits_soft_cap,
-                    causal_alignment=causal_alignment),
+                    causal_alignment=causal_alignment, score_mod=score_mod,
+                    mask_mod=mask_mod, block_mask=block_mask),
                batch_shape)
 
 

@@ -1,0 +1,418 @@
+"""Programmable attention: `score_mod`, `mask_mod`, `block_mask`.
+
+FlexAttention's contract: `score_mod(score, batch, head, q_idx, kv_idx)` on
+the scaled score, `mask_mod(batch, head, q_idx, kv_idx)` and-ed with every
+other mask. Each variant here is checked on the XLA path against
+`jax.nn.dot_product_attention(implementation="xla")` given the same variant
+as an explicit bias or boolean mask, forward and gradients, including the
+gradients of the arrays a score_mod closes over (the kernels' own checks are
+in tests/test_sm90_forward_mods.py and tests/test_sm90_backward_mods.py).
+
+Tolerances: float32 inputs at "highest" matmul precision (conftest) against
+the same math in another order: 2e-5 relative for outputs, 1e-4 for
+gradients summed over many keys.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fa4_jax
+from fa4_jax import scores
+
+B, T, S, N, K, D = 2, 384, 448, 4, 2, 32
+
+
+def inputs(b=B, t=T, s=S, n=N, k=K, d=D, dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  make = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+  return make(b, t, n, d), make(b, s, k, d), make(b, s, k, d)
+
+
+def positions(t=T, s=S):
+  return jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+
+
+def reference(q, k, v, bias=None, mask=None, **kw):
+  return jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla", **kw)
+
+
+def assert_close(got, want, tol=2e-5):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_allclose(g, w, atol=tol * max(1.0, np.abs(w).max()), rtol=tol)
+
+
+def loss_of(attend):
+  """A loss whose gradient weighs every output element differently."""
+  def loss(*args):
+    out = attend(*args)
+    return jnp.sum(out * jnp.cos(out))
+  return loss
+
+
+# --- The variants users write, each as a mod and as the explicit array --------
+
+SLOPES = jnp.asarray([2.0 ** -(i + 1) for i in range(N)], jnp.float32)
+
+
+def alibi(slopes):
+  return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * jnp.abs(q_idx - kv_idx)
+
+
+def alibi_bias(slopes, t=T, s=S):
+  qi, ki = positions(t, s)
+  return -slopes[None, :, None, None] * jnp.abs(qi - ki)[None, None]
+
+
+NUM_BUCKETS = 32
+
+
+def relative_bucket(q_idx, kv_idx):
+  """T5's bidirectional buckets: exact distances up to 8, log-spaced to 128."""
+  rel = kv_idx - q_idx
+  half = NUM_BUCKETS // 2
+  sign_part = jnp.where(rel > 0, half, 0)
+  dist = jnp.abs(rel)
+  exact = half // 2
+  big = exact + (jnp.log(jnp.maximum(dist, 1).astype(jnp.float32) / exact)
+                 / np.log(128 / exact) * (half - exact)).astype(jnp.int32)
+  return sign_part + jnp.where(dist < exact, dist, jnp.minimum(big, half - 1))
+
+
+def relative_table(table):
+  return lambda score, b, h, q_idx, kv_idx: score + table[h, relative_bucket(q_idx, kv_idx)]
+
+
+def relative_bias(table, t=T, s=S):
+  qi, ki = positions(t, s)
+  return table[:, relative_bucket(qi, ki)][None]
+
+
+PREFIX = 100
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+  return (kv_idx < PREFIX) | (kv_idx <= q_idx)
+
+
+CHUNK = 128
+
+
+def chunked_local(b, h, q_idx, kv_idx):
+  return (q_idx // CHUNK == kv_idx // CHUNK) & (kv_idx <= q_idx)
+
+
+WINDOW, GLOBAL = 64, 16
+
+
+def window_and_global(b, h, q_idx, kv_idx):
+  return (jnp.abs(q_idx - kv_idx) <= WINDOW) | (kv_idx < GLOBAL) | (q_idx < GLOBAL)
+
+
+def explicit(mask_mod, t=T, s=S):
+  qi, ki = positions(t, s)
+  return mask_mod(0, 0, qi, ki)[None, None]
+
+
+# --- Forward and gradients against the explicit arrays ------------------------
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["dense", "causal"])
+def test_alibi_matches_its_bias_and_its_slopes_get_gradients(is_causal):
+  q, k, v = inputs()
+  ours = lambda q, k, v, slopes: fa4_jax.attention(q, k, v, score_mod=alibi(slopes),
+                                                   is_causal=is_causal)
+  theirs = lambda q, k, v, slopes: reference(q, k, v, alibi_bias(slopes), is_causal=is_causal)
+  assert_close(ours(q, k, v, SLOPES), theirs(q, k, v, SLOPES))
+  grads = jax.jit(jax.grad(loss_of(ours), argnums=(0, 1, 2, 3)))(q, k, v, SLOPES)
+  assert_close(grads, jax.grad(loss_of(theirs), argnums=(0, 1, 2, 3))(q, k, v, SLOPES), 1e-4)
+
+
+def test_relative_position_table_matches_its_bias_and_the_table_gets_gradients():
+  q, k, v = inputs()
+  table = jnp.asarray(np.random.default_rng(1).normal(size=(N, NUM_BUCKETS)), jnp.float32)
+  ours = lambda q, table: fa4_jax.attention(q, k, v, score_mod=relative_table(table))
+  theirs = lambda q, table: reference(q, k, v, relative_bias(table))
+  assert_close(ours(q, table), theirs(q, table))
+  grads = jax.grad(loss_of(ours), argnums=(0, 1))(q, table)
+  assert_close(grads, jax.grad(loss_of(theirs), argnums=(0, 1))(q, table), 1e-4)
+
+
+@pytest.mark.parametrize("mask_mod", [prefix_lm, chunked_local, window_and_global],
+                         ids=["prefix_lm", "chunked_local", "window_and_global"])
+def test_mask_mods_match_their_boolean_masks(mask_mod):
+  q, k, v = inputs(seed=2)
+  mask = explicit(mask_mod)
+  ours = lambda q, k, v: fa4_jax.attention(q, k, v, mask_mod=mask_mod)
+  theirs = lambda q, k, v: reference(q, k, v, mask=mask)
+  assert_close(ours(q, k, v), theirs(q, k, v))
+  assert_close(jax.grad(loss_of(ours), argnums=(0, 1, 2))(q, k, v),
+               jax.grad(loss_of(theirs), argnums=(0, 1, 2))(q, k, v), 1e-4)
+
+
+def test_a_tree_mask_for_speculative_decoding():
+  # A cache of 200 keys, then 24 draft tokens laid out depth-first: token j
+  # is an ancestor of token i when j <= i < j + subtree_size[j]; a draft
+  # token sees the whole cache and its ancestors (itself included).
+  cache, draft = 200, 24
+  rng = np.random.default_rng(3)
+  parents = [-1] + [int(rng.integers(0, i)) for i in range(1, draft)]
+  children = {i: [j for j in range(draft) if parents[j] == i] for i in range(draft)}
+  order = []
+
+  def visit(i):
+    order.append(i)
+    for c in children[i]:
+      visit(c)
+
+  visit(0)
+  depth_first = {node: pos for pos, node in enumerate(order)}
+  size = np.zeros(draft, np.int32)
+  for node in reversed(order):
+    size[depth_first[node]] = 1 + sum(size[depth_first[c]] for c in children[node])
+  subtree_size = jnp.asarray(size)
+
+  def tree_mask(b, h, q_idx, kv_idx):
+    j = kv_idx - cache
+    return (kv_idx < cache) | ((j <= q_idx) & (q_idx < j + subtree_size[jnp.clip(j, 0, draft - 1)]))
+
+  q, k, v = inputs(t=draft, s=cache + draft, seed=4)
+  qi, ki = positions(draft, cache + draft)
+  ancestor = np.zeros((draft, draft), bool)
+  for node in range(draft):  # walk up from each token
+    a = node
+    while a != -1:
+      ancestor[depth_first[node], depth_first[a]] = True
+      a = parents[a]
+  mask = jnp.concatenate([jnp.ones((draft, cache), bool), jnp.asarray(ancestor)], axis=1)
+  assert_close(fa4_jax.attention(q, k, v, mask_mod=tree_mask),
+               reference(q, k, v, mask=mask[None, None]))
+
+
+def test_mods_combine_with_causal_lengths_gqa_segment_ids_sinks_and_soft_cap():
+  q, k, v = inputs(t=S, seed=5)
+  q_len, kv_len = jnp.asarray([S, 300]), jnp.asarray([S - 7, 250])
+  ids = jnp.asarray(np.repeat(np.arange(4), S // 4)[None].repeat(B, 0))
+  sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
+  cap = 5.0
+  kw = dict(is_causal=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+
+  def ours(q, k, v, slopes, sinks):
+    return fa4_jax.attention(q, k, v, score_mod=alibi(slopes), mask_mod=prefix_lm, sinks=sinks,
+                             logits_soft_cap=cap, query_segment_ids=ids,
+                             key_value_segment_ids=ids, **kw)
+
+  def theirs(q, k, v, slopes, sinks):
+    # The same in einsum form: score_mod, soft-cap, every mask, a sink column.
+    qi, ki = positions(S, S)
+    s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, S, K, N // K, D), k) * D ** -0.5
+    s = s.reshape(B, N, S, S) + alibi_bias(slopes, S, S)
+    s = cap * jnp.tanh(s / cap)
+    seen = ((ki <= qi) & prefix_lm(0, 0, qi, ki))[None, None]
+    seen = seen & (ki < kv_len[:, None, None, None]) & (ids[:, None, :, None] == ids[:, None, None, :])
+    s = jnp.where(seen, s, -jnp.inf)
+    sink = jnp.broadcast_to(sinks[None, :, None, None], (B, N, S, 1))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], -1), -1)[..., :-1]
+    out = jnp.einsum("bkgts,bskd->btkgd", p.reshape(B, K, N // K, S, S), v).reshape(B, S, N, D)
+    return jnp.where((jnp.arange(S)[None, :] < q_len[:, None])[..., None, None], out, 0.0)
+
+  args = (q, k, v, SLOPES, sinks)
+  assert_close(ours(*args), theirs(*args))
+  assert_close(jax.grad(loss_of(ours), argnums=(0, 1, 2, 3, 4))(*args),
+               jax.grad(loss_of(theirs), argnums=(0, 1, 2, 3, 4))(*args), 2e-4)
+
+
+def test_a_score_mod_may_read_per_batch_data():
+  q, k, v = inputs(seed=6)
+  temperature = jnp.asarray([1.0, 0.5])  # one per batch row
+  ours = fa4_jax.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s / temperature[b])
+  theirs = jnp.stack([reference(q[i:i + 1], k[i:i + 1], v[i:i + 1],
+                                scale=D ** -0.5 / float(temperature[i])) for i in range(B)])
+  assert_close(ours, theirs[:, 0])
+
+
+# --- Built-ins written as mods give the built-ins' results ---------------------
+
+
+def test_built_ins_written_as_mods_give_the_built_ins_results():
+  q, k, v = inputs(t=S, seed=7)
+  cases = [
+      (dict(mask_mod=lambda b, h, qi, ki: ki <= qi), dict(is_causal=True)),
+      (dict(mask_mod=lambda b, h, qi, ki: (ki <= qi) & (ki >= qi - 50)),
+       dict(is_causal=True, local_window_size=(50, 0))),
+      (dict(score_mod=lambda s, b, h, qi, ki: 7.0 * jnp.tanh(s / 7.0)), dict(logits_soft_cap=7.0)),
+  ]
+  for as_mod, built_in in cases:
+    assert_close(fa4_jax.attention(q, k, v, **as_mod), fa4_jax.attention(q, k, v, **built_in))
+  ids = jnp.asarray(np.random.default_rng(8).integers(0, 3, size=(B, S)))
+  by_mod = fa4_jax.attention(q, k, v, mask_mod=lambda b, h, qi, ki: ids[b, qi] == ids[b, ki])
+  by_ids = fa4_jax.attention(q, k, v, query_segment_ids=ids, key_value_segment_ids=ids)
+  assert_close(by_mod, by_ids)
+
+
+# --- Block masks ----------------------------------------------------------------
+
+
+def test_tile_classes_of_a_causal_mask_are_counted():
+  bm = fa4_jax.create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 512, 512)
+  assert bm.shape == (1, 1, 4, 4)
+  classes = np.asarray(bm.classes[0, 0])
+  assert (np.diag(classes) == scores.PARTIAL).all()
+  assert (classes[np.tril_indices(4, -1)] == scores.FULL).all()
+  assert (classes[np.triu_indices(4, 1)] == scores.EMPTY).all()
+  counts, order = scores.block_lists(bm.classes)
+  np.testing.assert_array_equal(counts[0, 0], [[1, 0], [1, 1], [1, 2], [1, 3]])
+  np.testing.assert_array_equal(order[0, 0, 3], [3, 0, 1, 2])  # partial first, then full
+
+
+def test_tile_classes_of_prefix_lm_and_of_odd_lengths():
+  bm = fa4_jax.create_block_mask(prefix_lm, 2, 3, 300, 260, q_block=64, kv_block=64)
+  assert bm.shape == (2, 3, 5, 5)
+  want = np.where(explicit(prefix_lm, 300, 260)[0, 0], 1, 0)
+  padded = np.zeros((320, 320), np.int32)
+  padded[:300, :260] = want
+  real = np.zeros((320, 320), bool)
+  real[:300, :260] = True
+  for i in range(5):
+    for j in range(5):
+      tile, ok = padded[64 * i:64 * i + 64, 64 * j:64 * j + 64], real[64 * i:64 * i + 64, 64 * j:64 * j + 64]
+      expected = (scores.EMPTY if not tile.any() else
+                  scores.FULL if tile[ok].all() else scores.PARTIAL)
+      assert int(bm.classes[1, 2, i, j]) == expected, (i, j)
+
+
+def test_a_block_mask_reused_gives_its_mask_mods_result_under_jit():
+  q, k, v = inputs(seed=9)
+  bm = fa4_jax.create_block_mask(chunked_local, None, None, T, S)
+
+  @jax.jit
+  def two_layers(q, k, v, bm):
+    x = fa4_jax.attention(q, k, v, block_mask=bm)
+    return fa4_jax.attention(x, k, v, block_mask=bm)
+
+  x = reference(q, k, v, mask=explicit(chunked_local))
+  assert_close(two_layers(q, k, v, bm), reference(x, k, v, mask=explicit(chunked_local)))
+
+
+def test_a_block_mask_at_other_tiles_is_regrouped():
+  q, k, v = inputs(seed=10)
+  for q_block, kv_block in ((64, 256), (256, 64), (96, 96)):
+    bm = fa4_jax.create_block_mask(window_and_global, None, None, T, S, q_block=q_block,
+                                   kv_block=kv_block)
+    assert_close(fa4_jax.attention(q, k, v, block_mask=bm),
+                 reference(q, k, v, mask=explicit(window_and_global)))
+
+
+def test_the_xla_path_skips_the_key_blocks_a_mask_mod_hides(small_xla_blocks):
+  # A mask_mod that would poison every pair it is evaluated on outside its
+  # chunk cannot show: hidden blocks are never computed, and inside visited
+  # blocks it is masked. (NaN scores in skipped blocks would leak otherwise.)
+  q, k, v = inputs(b=1, t=64, s=64, seed=11)
+  poisoned = lambda s, b, h, qi, ki: jnp.where(qi // 16 == ki // 16, s, jnp.nan)
+  same_chunk = lambda b, h, qi, ki: qi // 16 == ki // 16
+  out = fa4_jax.attention(q, k, v, score_mod=poisoned, mask_mod=same_chunk)
+  assert np.isfinite(np.asarray(out)).all()
+  assert_close(out, reference(q, k, v, mask=explicit(same_chunk, 64, 64)))
+
+
+# --- Transformations --------------------------------------------------------------
+
+
+def test_vmap_over_layers_with_their_own_slopes():
+  q, k, v = inputs(b=1, seed=12)
+  slopes = jnp.stack([SLOPES, 2 * SLOPES])
+  batched = jax.vmap(lambda s: fa4_jax.attention(q, k, v, score_mod=alibi(s)))(slopes)
+  for i in range(2):
+    assert_close(batched[i], reference(q, k, v, alibi_bias(slopes[i])))
+
+
+def test_jvp_along_the_captured_slopes():
+  q, k, v = inputs(seed=13)
+  ours = jax.jvp(lambda s: fa4_jax.attention(q, k, v, score_mod=alibi(s)), (SLOPES,), (SLOPES,))
+  theirs = jax.jvp(lambda s: reference(q, k, v, alibi_bias(s)), (SLOPES,), (SLOPES,))
+  assert_close(ours, theirs, 1e-4)
+
+
+def test_sharded_heads_and_batch_see_global_indices(host_devices):
+  # Heads sharded 2 ways: a device holding heads 2-3 must read slopes[2:4],
+  # and a block mask sharded with the batch must stay its shard's.
+  mesh = jax.make_mesh((2, 2), ("d", "m"))
+  q, k, v = inputs(seed=14)
+  per_batch = jnp.asarray([0.0, 3.0])
+  score_mod = lambda s, b, h, qi, ki: s - SLOPES[h] * jnp.abs(qi - ki) + per_batch[b]
+  bm = fa4_jax.create_block_mask(lambda b, h, qi, ki: (ki <= qi) | (b == 1), B, None, T, S)
+
+  def loss(q, k, v, slopes):
+    mod = lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki) + per_batch[b]
+    return loss_of(lambda q: fa4_jax.attention(q, k, v, score_mod=mod, block_mask=bm))(q)
+
+  put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  sharded = (put(q, "d", None, "m"), put(k, "d", None, "m"), put(v, "d", None, "m"))
+  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 3)))(*sharded, SLOPES)
+  want = jax.value_and_grad(loss, argnums=(0, 3))(q, k, v, SLOPES)
+  assert_close(got, want, 1e-4)
+  mask = jnp.stack([explicit(lambda b, h, qi, ki: ki <= qi)[0], jnp.ones((1, T, S), bool)])
+  bias = alibi_bias(SLOPES) + per_batch[:, None, None, None]
+  assert_close(jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, score_mod=score_mod,
+                                                         block_mask=bm))(*sharded),
+               reference(q, k, v, bias, mask))
+
+
+def test_flax_attention_fn_takes_the_mods():
+  nnx = pytest.importorskip("flax.nnx")
+  import fa4_jax.flax as fa4_flax
+  layer = nnx.MultiHeadAttention(num_heads=N, in_features=64, qkv_features=N * D,
+                                 decode=False, rngs=nnx.Rngs(0),
+                                 attention_fn=fa4_flax.make_attention_fn(score_mod=alibi(SLOPES)))
+  x = jnp.asarray(np.random.default_rng(15).normal(size=(B, 96, 64)), jnp.float32)
+  flax_bias = lambda q, k, v, **kw: jax.nn.dot_product_attention(
+      q, k, v, alibi_bias(SLOPES, 96, 96), implementation="xla")
+  expected = nnx.MultiHeadAttention(num_heads=N, in_features=64, qkv_features=N * D,
+                                    decode=False, rngs=nnx.Rngs(0), attention_fn=flax_bias)
+  assert_close(layer(x), expected(x))
+
+
+# --- Bad input ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(score_mod=lambda s, b, h: s), "must take 5 positional arguments"),
+    (dict(mask_mod=lambda b, h, qi: qi > 0), "must take 4 positional arguments"),
+    (dict(mask_mod=lambda b, h, qi, ki: qi - ki), "must return a bool"),
+    (dict(score_mod=lambda s, b, h, qi, ki: qi > ki), "must return a float score"),
+    (dict(score_mod=lambda s, b, h, qi, ki: jnp.stack([s, s])), "must be elementwise"),
+    (dict(score_mod="alibi"), "must be a function"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s + undefined_name), "failed when called"),  # noqa: F821
+    (dict(block_mask=np.ones((1, 1, 3, 4))), "must come from fa4_jax.create_block_mask"),
+])
+def test_bad_mods_raise_a_clear_value_error(kwargs, message):
+  q, k, v = inputs(t=64, s=64)
+  with pytest.raises(ValueError, match=message):
+    fa4_jax.attention(q, k, v, **kwargs)
+
+
+def test_a_block_mask_for_other_shapes_raises():
+  q, k, v = inputs(t=64, s=64)
+  bm = fa4_jax.create_block_mask(prefix_lm, None, None, 128, 64)
+  with pytest.raises(ValueError, match="block_mask` was made for"):
+    fa4_jax.attention(q, k, v, block_mask=bm)
+
+
+def test_cudnn_refuses_mods():
+  q, k, v = inputs(t=64, s=64)
+  with pytest.raises(ValueError, match="score_mod"):
+    fa4_jax.attention(q, k, v, score_mod=alibi(SLOPES), implementation="cudnn")
+
+
+def test_a_kernel_that_cannot_run_an_op_names_it(monkeypatch):
+  from fa4_jax import backends, interpret
+  monkeypatch.setattr(interpret, "is_interpreting", lambda: True)
+  q, k, v = inputs(t=64, s=64, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="'sin'.*implementation='xla'"):
+    fa4_jax.which_implementation(q, k, v, score_mod=lambda s, b, h, qi, ki: jnp.sin(s),
+                                 implementation="sm90")
+  assert backends.select(None, backends.CallInfo(
+      q.shape, k.shape, q.dtype, scores.MaskSpec(), False, False)).name in ("xla", "sm90")
