@@ -51,11 +51,9 @@ from fa4_jax.scores import MaskSpec
 from fa4_jax.target import current_target
 
 
-# Packed rows (T x G) up to which the decode path serves a call. H200, bf16,
-# D128, GQA 32/8, B8 S32k (benchmarks/results/decode-NVIDIA_H200-*.json, TB/s
-# of K/V read): T16 (64 rows) 4.42 vs 1.72 for the usual kernel, T32 (128)
-# 4.35 vs 1.72, T64 (256) 2.56 vs 1.71; at T128 (512 rows, B8 S8k) the usual
-# kernel wins, 1.35 vs 1.16 (2026-11-26; 1.33 vs 1.24 the day before).
+# Packed rows (T x G) up to which the decode path serves a call: at 256 rows
+# the decode arrangement still beats the usual kernel, at 512 it loses
+# (docs/performance-notes.md, "Decode heuristics: the constants in decode.py").
 MAX_PACKED_ROWS = 256
 # A chunk keeps at least this many keys: shorter ones spend more time in the
 # pipeline's fill and drain and in the combine than they save.
@@ -244,12 +242,10 @@ def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
 
 
 # Chunks up to which `combine` unrolls its merge into elementwise ops over
-# the chunks' slices. H100, bf16, T=1 (tools/ab_kernels.py decode, 3 rounds,
-# decode-ab-combine-*.json): MQA 8/1 D64 16 chunks, XLA makes two kernels
-# of it, 3.1 us against 3.3 for one variadic reduction and 4.2 for a
-# reduction of the weights then a weighted sum (25.9 us of attention
-# beside it); GQA 32/8 rows within 0.3 % of one another. More chunks would
-# grow the program with their count: those take the reduction.
+# the chunks' slices, the shortest of the three forms measured (XLA makes
+# two kernels of it; docs/performance-notes.md, "Decode heuristics: the
+# constants in decode.py"). More chunks would grow the program with their
+# count: those take the reduction.
 MAX_UNROLLED_CHUNKS = 16
 
 

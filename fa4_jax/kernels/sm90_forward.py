@@ -276,32 +276,29 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
   d = padded_head_dim(head_dim)
   short_causal = mask.right is not None and kv_seq is not None and kv_seq < 4096
   if d <= 64 and short_causal:
-    # Short causal rows: 256-key blocks waste half of each diagonal block
-    # (H100 sweep: 329 vs 343 TFLOP/s at S2048, 155 vs 171 at S512).
+    # Short causal rows: 128-key blocks, four stages; 256-key blocks waste
+    # half of each diagonal block ("Short causal rows at D = 64").
     config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=4)
   elif d <= 64:
     # Half the GEMM work per softmax element of D = 128, so the softmax
     # outlasts the other consumer's GEMMs: taking turns (ping-pong) would
-    # serialize the two softmaxes and idle the tensor core half the time
-    # (Nsight Compute, B2 S8192 H32, 2026-11-23). Three consumers that do not
-    # take turns keep the exp2 unit and the tensor core busy: 528 vs 504
-    # TFLOP/s dense, 478 vs 458 causal over two ping-pong consumers on
-    # 256-key blocks (the previous choice). 160 registers each hold S (64),
-    # P (32) and O (32) of a 128-key block without spills. With three
-    # consumers the conditional rescale pays at D = 64 too (it lost 3-4 %
-    # with two): 553 vs 530 dense, 490 vs 475 causal (cuDNN 498 / 465).
+    # serialize the two softmaxes and idle the tensor core half the time.
+    # Three consumers that do not take turns keep the exp2 unit and the
+    # tensor core busy; 160 registers each hold S (64), P (32) and O (32) of
+    # a 128-key block without spills. With three consumers the conditional
+    # rescale pays at D = 64 too ("D = 64: three consumers without turns").
     config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3,
                            pingpong=False, producer_registers=24, consumer_registers=160,
                            sum_before_handoff=True, conditional_rescale=True)
   elif d <= 128:
-    # Conditional rescale: +2-4 % on every D = 128 row (H100, B2 S8192 676 ->
-    # 695, B1 S16384 689 -> 707, causal 682 -> 705).
+    # Two ping-pong consumers, 128-key blocks, conditional rescale
+    # ("Conditional rescale at D = 128").
     config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, conditional_rescale=True)
   else:
     # 192 and 256: O alone takes up to 128 registers; keep S small. The
     # persistent grid's separate O tiles do not fit SMEM here. Skipping O's
-    # rescale saves 128 FMULs per thread and 64-key block at D = 256 (H100,
-    # B2 S8192 H8: 690 -> 740 dense, 687 -> 726 causal).
+    # rescale saves 128 FMULs per thread and 64-key block at D = 256
+    # ("Head dims 192 and 256").
     return ForwardConfig(block_q=64, block_kv=64, num_kv_stages=2, sum_before_handoff=True,
                          conditional_rescale=True)
   if kv_seq is not None:
@@ -313,10 +310,9 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     if queued or mean_blocks <= limit:
       config = dataclasses.replace(config, persistent=True, work_queue=queued)
       # A second Q tile per consumer fits next to the ring and the O tiles
-      # at D <= 128 (D = 128: 224.5 of 227 KiB, 225.5 with the keys' ids).
-      # H100, against one Q tile: B8 S2048 D128 663 vs 648 dense, 572 vs 553
-      # causal; the short sweep rows +2 to +7 % (forward-qbuf-*.json,
-      # forward-short-qbuf-*.json).
+      # at D <= 128 (D = 128: 224.5 of 227 KiB, 225.5 with the keys' ids);
+      # it loads the next tile's Q while the current one runs ("A second Q
+      # tile per consumer").
       double = dataclasses.replace(config, q_buffers=2)
       if double.fits_smem(d, 2, segment_ids):
         config = double
@@ -328,28 +324,12 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
 # and so each tile's cost, are run-time data. A persistent grid hides each
 # tile's Q load and O store behind its neighbours' work, but a fixed share
 # per CTA leaves CTAs that drew long tiles working while the others idle; the
-# work queue hands tiles out as CTAs free up. H100, bf16, causal, D128, rows
-# of 16,384 tokens, documents of mean 1k / 2k / 4k tokens, the queue with two
-# Q tiles against the grid used before (2026-11-27, 3 rounds, bitwise equal
-# outputs; packed-ab-work-queue-*.json):
-# - H16 (one CTA per tile before): B1 -11.7 / -7.0 / -7.7 %, B8 -8.1 / -6.4 /
-#   -5.4 %; the static persistent grid had lost on five of these rows.
-# - GQA 32/8 (static persistent grid before): B1 -3.9 / -10.0 / -4.8 %, B8
-#   -1.8 / +4.2 / -1.6 % (B8 rounds spread 5-12 %).
-# - GQA 32/16 (one CTA per tile before): B1 -12.7 / -7.1 / -5.2 %, B8 -6.6 /
-#   -2.2 / +2.4 %.
-# - D64 H32 (one CTA per tile before; 2026-11-27, fourth session,
-#   packed-ab-work-queue-d64-*.json): B1 -16.8 / -13.0 / -11.3 %, B8 -13.6 /
-#   -11.2 / -4.1 %; rows of 2,048 tokens (B8, documents of mean 256 / 512 /
-#   1k, the static pairs before) -7.3 / -4.0 / -7.3 %.
-# Rows of one long document pay for it (...-long-documents-*.json): mean 8k
-# -6.6 to +1.2 %, one 16k document per row -2.4 to +6.6 % (H16 B8 the most;
-# D64: B1 -8.2 / -4.1 %, B8 +1.1 / +5.2 %).
-# One Q tile per consumer lost everywhere (+6 to +24 %): the next tile's Q
-# must load while the current one runs.
+# work queue hands tiles out as CTAs free up. So causal packed rows at
+# D <= 128 take the persistent grid with a work queue and two Q tiles per
+# consumer at any length ("Packed rows: a work queue").
 def packed_rows_use_a_work_queue(head_dim: int, mask: MaskSpec, segment_ids: bool) -> bool:
   """Whether a causal call with segment ids takes the persistent grid with
-  a work queue regardless of its row length (measured above: D64, D128)."""
+  a work queue regardless of its row length (measured: D64, D128)."""
   return segment_ids and head_dim <= 128 and pairs_causal_tiles(mask)
 
 
@@ -362,32 +342,19 @@ def short_causal_rows_use_a_work_queue(mask: MaskSpec, mean_blocks: float, kv_se
   return pairs_causal_tiles(mask) and square and mean_blocks <= QUEUED_MAX_MEAN_BLOCKS
 
 
-# Causal rows without segment ids: the work queue (tiles unpaired, heavy
-# first, two Q tiles) against the grid chosen before (the static persistent
-# grid with paired tiles up to S2048, one CTA per tile beyond). H100, bf16,
-# 3 interleaved rounds, bitwise equal outputs (2026-11-27, fourth session;
-# forward-work-queue-causal-configs-*.json): S512 / S1024 / S2048 / S4096 with
-# B x S = 32k tokens, D64 H32 -0.6 / -2.0 / -2.7 / -4.5 %, D128 H16 -7.4 /
-# -2.3 / -3.6 / -3.5 %, D128 GQA 16/4 -0.5 / -0.4 / -1.9 / -5.8 %; B8 S2048
-# H16 D128 -2.1 %. At S8192 (32.5 blocks per tile) it is mixed: D128 H16
-# +0.7 %, D64 H32 -4.0 %, GQA 32/8 -2.1 %; B1 S16384 D128 +2.9 %. The
-# threshold sits between 16.5 (S4096) and 32.5. Through this heuristic,
-# before / after (forward-ab-work-queue-causal{-short,}-*.json): the short
-# rows -0.6 to -9.2 %, the forward table's longer rows within 0.4 %.
+# Causal rows without segment ids whose tiles walk at most this many key
+# blocks on average take the work queue (tiles unpaired, heavy first, two Q
+# tiles) instead of the static persistent grid with paired tiles or one CTA
+# per tile; the threshold sits between the measured 16.5 (S4096) and 32.5
+# (S8192) blocks ("Short causal rows: a work queue").
 QUEUED_MAX_MEAN_BLOCKS = 24
 
 
 # A persistent grid hides each work item's Q load and O store behind the
-# previous item's work, which pays when items are short. Measured on an H100
-# against one CTA per tile (2026-11-23; forward-short-*.json, sweep shapes):
-# - one tile per unit (dense masks): +16-20 % at S512, +6-11 % at S1024,
-#   +2-6 % at S2048 (a mean of 16 blocks per tile at D128), D64 S4096 (16)
-#   +2 %; at a mean of 32 it lost 1.5-2.5 % (D128 S4096, S8192).
-# - causal tile pairs: +20-30 % at S512, +13-22 % at S1024, +3-9 % at S2048
-#   (8.5), D64 S4096 (8.5) +1 %; at 16.5 it lost 2.5 % (D128 S4096) or tied
-#   (D64 S8192, GQA S4096).
-# Local windows keep items short at any length (B1 S16384, window 1024: 509
-# vs 475 on 2026-11-22). The thresholds sit between the measured points.
+# previous item's work, which pays when items are short: up to a mean of 24
+# key blocks per tile for one tile per unit (dense masks), 12 for causal
+# tile pairs. Local windows keep items short at any length. The thresholds
+# sit between the measured points ("The persistent grid's thresholds").
 PERSISTENT_MAX_MEAN_BLOCKS = 24
 PERSISTENT_MAX_MEAN_BLOCKS_PAIRED = 12
 
