@@ -140,3 +140,47 @@ def test_a_snippet_that_raises_fails_the_session_at_its_readme_line(tmp_path):
   # The traceback names the Markdown file and the line of the failing call.
   line = failing.splitlines().index("fa4_jax.attention(1, 2, 3)") + 1
   assert f'File "EXAMPLE.md", line {line}' in result.stderr, result.stderr
+
+
+# The front door's other promises: its links stay in the repository and
+# resolve, and it cites no issue numbers a reader cannot look up.
+FRONT_DOOR = ("README.md", "BENCHMARKS.md")
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def heading_anchors(markdown: str) -> set[str]:
+  """The anchors GitHub gives a Markdown text's headings."""
+  anchors, seen = set(), {}
+  in_code = False
+  for line in markdown.splitlines():
+    if line.startswith("```"):
+      in_code = not in_code
+    if in_code or not line.startswith("#"):
+      continue
+    text = line.lstrip("#").strip().lower()
+    slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    anchors.add(slug if count == 0 else f"{slug}-{count}")
+  return anchors
+
+
+def test_front_door_links_stay_in_the_repository_and_resolve():
+  for name in FRONT_DOOR:
+    page = REPO / name
+    for target in _LINK.findall(page.read_text()):
+      assert "://" not in target and not target.startswith("mailto:"), (
+          f"{name} links out of the repository: {target}")
+      path, _, anchor = target.partition("#")
+      resolved = (page.parent / path).resolve() if path else page
+      assert resolved.is_relative_to(REPO) and resolved.exists(), (
+          f"{name} links to {target}, which is not in the repository")
+      if anchor and resolved.suffix == ".md":
+        assert anchor in heading_anchors(resolved.read_text()), (
+            f"{name} links to {target}: no such heading")
+
+
+def test_front_door_cites_no_issue_numbers():
+  for name in FRONT_DOOR:
+    for number, line in enumerate((REPO / name).read_text().splitlines(), 1):
+      assert not re.search(r"(?<![\w/&])#\d+\b", line), f"{name}:{number} cites an issue: {line}"
