@@ -7,9 +7,10 @@ no kind in particular (every SM streams, the kernel's own consumers). Under
 callers ask for `None`, so lowering never queries a device and a module
 exported once runs the generic rules on every Hopper.
 
-Each entry says what it was measured with; the figures and what lost are in
-docs/performance-notes.md ("Decode choices per device kind") and the JSON
-under benchmarks/results/ named in the comments.
+Each entry says what it was measured with; the figures, what lost and the
+result files are in docs/performance-notes.md: "Decode choices per device
+kind" (H200) and, under "Decode: the arrangement, not a new kernel", the
+paragraph "Fewer CTAs read faster" (H100).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ GENERIC_DECODE = DecodeChoices()
 
 DECODE = {
     # H100 SXM, one token, GQA 32/8 D128, TB/s of K/V read, 3 interleaved
-    # rounds (decode-ctas-*.json): B32 S8k (256 items) on a persistent grid
+    # rounds (notes: "Fewer CTAs read faster"): B32 S8k (256 items) on a persistent grid
     # of 64 CTAs 3.128, of 128 3.094, of 132 3.070, one CTA per item 3.039
     # (cuDNN 3.070); B64 S4k 3.085 / 3.069 / 3.054 / 3.043 (cuDNN 3.057); B8
     # S32k one CTA per item: 64 CTAs (1 chunk) 3.131, 128 (2 chunks) 3.067;
@@ -54,7 +55,7 @@ DECODE = {
     "NVIDIA H100 80GB HBM3": DecodeChoices(streaming_ctas=64),
     # H200 (141 GB HBM3e), bf16, T1, TB/s of K/V read once, sum of kernel
     # durations in a profiler trace, 3 interleaved rounds, cuDNN in the same
-    # process (decode-sweep-NVIDIA_H200-2026-11-28.json):
+    # process (notes: "Decode choices per device kind"):
     # * 128 streams at D128, not 64 and not 132: B64 S4k (512 items) on a
     #   persistent grid of 128 CTAs 4.440, of 132 4.382, of 64 3.405, one CTA
     #   per item 4.310 (cuDNN 4.390); B32 S8k 4.465 / 4.385 / 3.435 / 4.341
