@@ -345,7 +345,7 @@ _ALL, _FIRST, _SECOND = "all", 0, 1  # rows of the local queries / of the held b
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
+class _BlockPairCall:
   """One backend call: some of the local query rows against some of the held
   key/value block's rows, with a static mask."""
 
@@ -354,29 +354,29 @@ class _Call:
   spec: MaskSpec
 
 
-def _first_step_plan(ring: _Ring, chunk: int) -> tuple[_Call, ...]:
+def _first_step_plan(ring: _Ring, chunk: int) -> tuple[_BlockPairCall, ...]:
   """Step 0: the device's queries against its own key/value block."""
   if not ring.causal:
-    return (_Call(_ALL, _ALL, MaskSpec()),)
+    return (_BlockPairCall(_ALL, _ALL, MaskSpec()),)
   if not ring.load_balanced:  # chunks 2a, 2a+1: one causal diagonal
-    return (_Call(_ALL, _ALL, MaskSpec(right=0)),)
+    return (_BlockPairCall(_ALL, _ALL, MaskSpec(right=0)),)
   # Chunks a and 2P-1-a: chunk a sees itself causally; chunk 2P-1-a sees all
   # of chunk a and itself causally, which is causal with the diagonal moved
   # one chunk to the right in the [a | 2P-1-a] key layout.
-  return (_Call(_FIRST, _FIRST, MaskSpec(right=0)),
-          _Call(_SECOND, _ALL, MaskSpec(right=0, q_offset=chunk)))
+  return (_BlockPairCall(_FIRST, _FIRST, MaskSpec(right=0)),
+          _BlockPairCall(_SECOND, _ALL, MaskSpec(right=0, q_offset=chunk)))
 
 
-def _later_step_plans(ring: _Ring) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
+def _later_step_plans(ring: _Ring) -> tuple[tuple[_BlockPairCall, ...], tuple[_BlockPairCall, ...]]:
   """Steps >= 1 (block from device d != a): (plan when d < a, plan when d > a)."""
   dense = MaskSpec()
   if not ring.causal:
-    return (_Call(_ALL, _ALL, dense),), (_Call(_ALL, _ALL, dense),)
+    return (_BlockPairCall(_ALL, _ALL, dense),), (_BlockPairCall(_ALL, _ALL, dense),)
   if not ring.load_balanced:  # an earlier block is all visible, a later one not at all
-    return (_Call(_ALL, _ALL, dense),), ()
+    return (_BlockPairCall(_ALL, _ALL, dense),), ()
   # Block chunks d and 2P-1-d. Query chunk a sees chunk d iff d < a and never
   # chunk 2P-1-d; query chunk 2P-1-a sees chunk d always, chunk 2P-1-d iff d > a.
-  return (_Call(_ALL, _FIRST, dense),), (_Call(_SECOND, _ALL, dense),)
+  return (_BlockPairCall(_ALL, _FIRST, dense),), (_BlockPairCall(_SECOND, _ALL, dense),)
 
 
 def _part(x, which, axis=1):
@@ -455,7 +455,7 @@ def _ring_steps(ring: _Ring, kv, state, work, after_work=lambda state: state):
   return state
 
 
-def _segment_parts(q_ids, block, call: _Call):
+def _segment_parts(q_ids, block, call: _BlockPairCall):
   """(query ids, key ids) of one call: the rows' ids and those of the held
   block's columns (they travel with it, last in the block), or (None, None)."""
   if q_ids is None:
@@ -463,7 +463,7 @@ def _segment_parts(q_ids, block, call: _Call):
   return _part(q_ids, call.rows), _part(block[-1], call.cols)
 
 
-def _block_scores(ring: _Ring, q_ids, block, call: _Call) -> Scores:
+def _block_scores(ring: _Ring, q_ids, block, call: _BlockPairCall) -> Scores:
   """The score value of one block pair's backend call (no sinks: they join
   the merged result once)."""
   q_seg, kv_seg = _segment_parts(q_ids, block, call)

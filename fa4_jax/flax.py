@@ -248,7 +248,7 @@ def _known_false(x) -> bool:
   return not isinstance(x, jax.core.Tracer) and not bool(x)
 
 
-class _Call:
+class _FlaxCall:
   """`fa4_jax.attention` arguments, with leading batch dims flattened to one."""
 
   def __init__(self, arrays, kwargs, batch_shape):
@@ -265,7 +265,7 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                always_causal=False, logits_soft_cap=None,
                local_window_size=None, causal_alignment="top_left",
                implementation=None, ignore_precision=False, score_mod=None, mask_mod=None,
-               block_mask=None) -> _Call:
+               block_mask=None) -> _FlaxCall:
   """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
   _check_supported(dropout_rate, deterministic, precision, module,
                    einsum_dot_general, qk_attn_weights_einsum,
@@ -308,7 +308,7 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
         "cached key; there, leave is_causal to the module (NNX: "
         "layer(x, is_causal=True)), pass a mask, or use "
         "make_attention_fn(causal_alignment='bottom_right')")
-  return _Call((query, key, value, bias, mask),
+  return _FlaxCall((query, key, value, bias, mask),
                dict(is_causal=bool(is_causal) or always_causal,
                     local_window_size=local_window_size,
                     implementation=implementation,

@@ -84,7 +84,7 @@ _REPLICATED_DIMS = "tshr"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
+class _PartitionedCall:
   """The static part of one partitioned call (hashable: a static argument).
 
   `operands` / `results` name the arrays actually passed and returned, in
@@ -130,7 +130,7 @@ def _named_call(config, given: dict, order, scores_, results, extra=()):
     if x is not None:
       names.append(name)
       arrays.append(x)
-  call = _Call(config, tuple(names) + score_names, tuple(results), treedef)
+  call = _PartitionedCall(config, tuple(names) + score_names, tuple(results), treedef)
   return call, arrays + score_arrays
 
 
@@ -191,7 +191,7 @@ def backward_tangent(config, q, k, v, bias, mask, scores_, out, lse, dout, q_t, 
 # The per-device computation: the backend on whatever shapes it is given.
 
 
-def _split_named(call: _Call, arrays):
+def _split_named(call: _PartitionedCall, arrays):
   """(the named arrays as a dict, the score value rebuilt)."""
   num_scores = call.scores.num_leaves
   named = dict(zip(call.operands[:len(arrays) - num_scores], arrays[:len(arrays) - num_scores]))
@@ -199,12 +199,12 @@ def _split_named(call: _Call, arrays):
   return named, scores_
 
 
-def _call_backend(call: _Call, *arrays):
+def _call_backend(call: _PartitionedCall, *arrays):
   """Runs the backend on `arrays` (named by `call.operands`); a flat tuple."""
   return _call_backend_at(call, arrays, None)
 
 
-def _call_backend_at(call: _Call, arrays, index_offsets):
+def _call_backend_at(call: _PartitionedCall, arrays, index_offsets):
   """`_call_backend` on one device's shard; `index_offsets`: its first
   (batch, head), which a score_mod or mask_mod must see as global indices."""
   a, scores_ = _split_named(call, arrays)
@@ -237,7 +237,7 @@ def _call_backend_at(call: _Call, arrays, index_offsets):
   return tuple(grads[n] for n in call.results)
 
 
-def _run(call: _Call, arrays):
+def _run(call: _PartitionedCall, arrays):
   """Runs `_call_backend` split across devices.
 
   Inputs typed with explicit shardings (a mesh with `AxisType.Explicit` axes,
@@ -280,7 +280,7 @@ def _full_spec(spec, ndim: int) -> tuple:
   return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
 
 
-def _result_specs(call: _Call, given_specs: dict) -> list[PartitionSpec]:
+def _result_specs(call: _PartitionedCall, given_specs: dict) -> list[PartitionSpec]:
   """Each result sharded like the operand it mirrors (lse like the query)."""
   q = given_specs["q"]
   like = {"out": q, "dq": q, "lse": (q[0], q[2], q[1]),
@@ -290,7 +290,7 @@ def _result_specs(call: _Call, given_specs: dict) -> list[PartitionSpec]:
           for n in call.results]
 
 
-def _shard_mapped(call: _Call, mesh, arrays):
+def _shard_mapped(call: _PartitionedCall, mesh, arrays):
   """Explicit shardings: one `shard_map` over the batch and head axes."""
   shapes = {n: a.shape for n, a in zip(call.operands, arrays)}
   given_specs = {n: _full_spec(jax.typeof(a).sharding.spec, a.ndim)
@@ -319,7 +319,7 @@ def _shard_mapped(call: _Call, mesh, arrays):
 # Partitioning rules.
 
 
-def _labels(call: _Call, name: str, shape) -> str:
+def _labels(call: _PartitionedCall, name: str, shape) -> str:
   """Dimension letters of array `name`; "1" marks a broadcast (size-1) dim of
   `bias`/`mask`/`dbias`/the block mask whose full size is larger."""
   base = _base(name)
@@ -332,7 +332,7 @@ def _labels(call: _Call, name: str, shape) -> str:
                  else letter for letter, size in zip(layout, shape))
 
 
-def _sharding_rule(call: _Call, mesh, operand_types, result_types):
+def _sharding_rule(call: _PartitionedCall, mesh, operand_types, result_types):
   """Shardy rule, e.g. "b t (k g) h, b s k h, b s k h -> b t (k g) h, b (k g) t".
 
   Query heads are the compound factor (k g): KV head major, group member
@@ -401,7 +401,7 @@ class _Plan:
       entries.append(None if not got else (got[0] if len(got) == 1 else got))
     return PartitionSpec(*entries)
 
-  def sharding(self, call: _Call, name: str, shape) -> NamedSharding:
+  def sharding(self, call: _PartitionedCall, name: str, shape) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(_labels(call, name, shape)))
 
 
@@ -427,7 +427,7 @@ def _plan_from_shapes(mesh, arg_shapes) -> _Plan:
   return _plan(mesh, q.shape, k.shape[2], getattr(q.sharding, "spec", ()))
 
 
-def _reduce_axes(call: _Call, plan: _Plan, result_shapes) -> tuple[tuple[str, ...], ...]:
+def _reduce_axes(call: _PartitionedCall, plan: _Plan, result_shapes) -> tuple[tuple[str, ...], ...]:
   """Per result, the mesh axes to sum it over: a bias broadcast over a
   sharded batch or head axis, and the captured arrays of a score_mod, get a
   partial gradient on each device."""
@@ -444,7 +444,7 @@ def _reduce_axes(call: _Call, plan: _Plan, result_shapes) -> tuple[tuple[str, ..
   return tuple(axes)
 
 
-def _index_offsets(call: _Call, plan: _Plan, arrays):
+def _index_offsets(call: _PartitionedCall, plan: _Plan, arrays):
   """int32 [2]: this device's first (batch, head) in the whole call, for a
   score_mod or mask_mod (which see global indices); None without them or
   when neither axis is sharded."""
@@ -465,7 +465,7 @@ def _index_offsets(call: _Call, plan: _Plan, arrays):
                           first(plan.heads, q.shape[2])]).astype(jax.numpy.int32)
 
 
-def _per_device(call: _Call, plan: _Plan, reduce_axes):
+def _per_device(call: _PartitionedCall, plan: _Plan, reduce_axes):
   """The backend on one device's shard, with partial gradients summed."""
 
   def run(*arrays):
@@ -475,7 +475,7 @@ def _per_device(call: _Call, plan: _Plan, reduce_axes):
   return run
 
 
-def _partition(call: _Call, mesh, arg_shapes, result_shapes):
+def _partition(call: _PartitionedCall, mesh, arg_shapes, result_shapes):
   """custom_partitioning callback: shardings wanted, and the per-device call."""
   plan = _plan_from_shapes(mesh, arg_shapes)
   arg_shardings = tuple(plan.sharding(call, n, a.shape)
@@ -486,7 +486,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shapes):
   return mesh, _per_device(call, plan, reduce_axes), result_shardings, arg_shardings
 
 
-def _infer_result_shardings(call: _Call, mesh, arg_shapes, result_shapes):
+def _infer_result_shardings(call: _PartitionedCall, mesh, arg_shapes, result_shapes):
   """Result shardings from the operands' (GSPMD partitioner only)."""
   plan = _plan_from_shapes(mesh, arg_shapes)
   return tuple(plan.sharding(call, n, r.shape)
