@@ -194,12 +194,23 @@ _VIEWS = frozenset({"dynamic_slice", "squeeze", "reshape", "expand_dims"})
 
 
 def kernel_problem(mod: ModFunction) -> str | None:
-  """Why a kernel cannot run `mod` (an op it cannot lower), or None."""
+  """Why a kernel cannot run `mod` (an op it cannot lower, or a captured
+  array read in a way it cannot), or None. Decided before any kernel is
+  traced: the function is also run abstractly on a tile, as a kernel runs it."""
   bad = sorted((mod.primitives() - ELEMENTWISE - CALLS - _VIEWS - {"broadcast_in_dim"})
                | _dtype_problems(mod.jaxpr))
   if bad:
     return (f"`{mod.kind}` uses {', '.join(repr(b) for b in bad)}, which the kernels cannot "
             "run on a tile; use implementation='xla' (or None, which falls back to it)")
+  tile = jax.ShapeDtypeStruct((64, 128), jnp.int32)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  args = [jax.ShapeDtypeStruct((64, 128), jnp.float32)] if mod.kind == "score_mod" else []
+  args += [scalar, scalar, tile, tile]
+  captured = [jax.ShapeDtypeStruct(a.shape or (1,), a.dtype) for a in mod.captured_avals]
+  try:
+    jax.eval_shape(lambda c, a: evaluate_in_kernel(mod, c, *a), captured, args)
+  except Unsupported as e:
+    return f"`{mod.kind}`: {e}"
   return None
 
 
@@ -338,6 +349,10 @@ def _index_captured(eqn, ins):
   changes nothing."""
   x, name = ins[0], eqn.primitive.name
   if name in _SHAPE_ONLY:
+    if eqn.outvars[0].aval.shape == () and not x.complete:
+      # A one-entry axis left whole and squeezed away (jnp indexes an axis of
+      # one entry, `slopes[head]` of one head, without a dynamic_slice).
+      return _read(_Captured(x.ref, tuple(0 if i is None else i for i in x.index)))
     return x
   if name != "dynamic_slice":
     raise Unsupported(f"a captured array is used by {name!r}, which the kernels cannot run; "

@@ -416,3 +416,15 @@ def test_a_kernel_that_cannot_run_an_op_names_it(monkeypatch):
                                  implementation="sm90")
   assert backends.select(None, backends.CallInfo(
       q.shape, k.shape, q.dtype, scores.MaskSpec(), False, False)).name in ("xla", "sm90")
+
+
+def test_a_captured_lookup_the_kernels_cannot_read_falls_back_to_xla(monkeypatch):
+  # Per element along two axes: found before any kernel is traced.
+  from fa4_jax import interpret
+  monkeypatch.setattr(interpret, "is_interpreting", lambda: True)
+  q, k, v = inputs(t=256, s=256, dtype=jnp.bfloat16)
+  keep = jnp.asarray(np.random.default_rng(16).random((2, 2)) < 0.5)
+  tiles = lambda b, h, qi, ki: keep[qi // 128, ki // 128]
+  assert fa4_jax.which_implementation(q, k, v, mask_mod=tiles) == "xla"
+  with pytest.raises(ValueError, match="two axes"):
+    fa4_jax.which_implementation(q, k, v, mask_mod=tiles, implementation="sm90")
