@@ -7,13 +7,17 @@ per-tile ranges.
 contribute, so that a kernel's exp2(c * s - lse2) is exactly 0 there and no
 kernel special-cases dead rows, and delta = rowsum(dO * O), both padded to
 whole tiles. `segment_operands` gives a kernel the ids and the block ranges
-of its own tiling (`scores.segment_tile_ranges`).
+of its own tiling (`scores.segment_tile_ranges`). With a `score_mod` or
+`mask_mod`, `fine_tile_classes` classifies every tile pair once and
+`mod_operands` gives each kernel the block lists of its own CTA tiles
+(`scores.block_lists`) and the mods' captured arrays.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.scores import LOG2_E, cdiv, pad_ids, tile_ranges_operand
 
@@ -71,3 +75,35 @@ def segment_operands(q_ids, kv_ids, *, keys_are_rows: bool, block_rows: int, con
   rows = pad_ids(rows, num_ctas * consumers * block_rows)
   cols = pad_ids(cols, cdiv(cols.shape[1], block_cols) * block_cols)
   return [*((cols, rows) if keys_are_rows else (rows, cols)), *ranges]
+
+
+def fine_tile_classes(mods, batch: int, heads: int, q_len: int, kv_len: int, q_block: int,
+                      kv_block: int):
+  """int8 [B, Hm, nq, nk]: every mask of the call (`scores.tile_classes`) at
+  tiles of `q_block` x `kv_block`, fine enough that each kernel's CTA tiles
+  are unions of them (`mod_operands`): mask_mod evaluated once for both."""
+  return scores.tile_classes(mods, batch, heads, q_len, kv_len, q_block, kv_block)
+
+
+def mod_operands(mods, fine, fine_blocks, *, q_block: int, kv_block: int, num_q: int,
+                 num_kv: int, keys_are_rows: bool):
+  """The mods' operands of one backward kernel (`sm90_backward_common.ModRefs`):
+  the block lists of its CTA tiles of `q_block` queries by `kv_block` keys
+  (`num_q` x `num_kv` of them: the kernels' padded counts), rows per query
+  tile, or per key tile when `keys_are_rows` (dK/dV), the (batch, head)
+  offsets if any, then the captured arrays of score_mod and of mask_mod (0-d
+  ones as shape (1,)). `fine`: `fine_tile_classes` at `fine_blocks`
+  (q_block, kv_block), which divide this kernel's."""
+  fq, fk = fine_blocks
+  classes = scores._regroup_axis(fine, 2, fq, q_block, num_q)  # noqa: SLF001
+  classes = scores._regroup_axis(classes, 3, fk, kv_block, num_kv)  # noqa: SLF001
+  if keys_are_rows:
+    classes = jnp.swapaxes(classes, -1, -2)
+  counts, order = scores.block_lists(classes)
+  operands = [counts, order]
+  if mods.index_offsets is not None:
+    operands.append(jnp.asarray(mods.index_offsets, jnp.int32).reshape(2))
+  for x in (*mods.score_captured, *mods.mask_captured):
+    x = jnp.asarray(x)
+    operands.append(x.reshape(1) if x.ndim == 0 else x)
+  return operands

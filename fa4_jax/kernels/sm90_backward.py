@@ -101,9 +101,11 @@ import functools
 import jax.numpy as jnp
 
 from fa4_jax.kernels import sm90_tiles
-from fa4_jax.kernels.backward_inputs import check_operands, preprocess, segment_operands
+from fa4_jax.kernels.backward_inputs import (check_operands, fine_tile_classes, mod_operands,
+                                             preprocess, segment_operands)
 from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
 from fa4_jax.kernels.schedule import fixed_shares_under_vmap, sm_count
+from fa4_jax.kernels.sm90_backward_common import ModStatics
 from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
 from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
@@ -111,7 +113,7 @@ from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
-FEATURES = frozenset({"soft_cap"})
+FEATURES = frozenset({"soft_cap", "mods"})
 
 # dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
 # above this head dim they do not fit beside S and dP, so dK and dV are
@@ -308,6 +310,35 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
                         dk_dv="two_passes")
 
 
+def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
+                       segment_ids: bool = False, soft_cap: bool = False) -> BackwardConfig:
+  """The config of a call with a `score_mod` or `mask_mod`: the plain call's
+  (`choose_config`) without the variants the block lists do not drive (the
+  work queue) or that need the raw S^T folded (`fold_stats`), and with two
+  dQ consumers at head dim <= 128, so that the dQ kernel's CTA tiles (128
+  rows) and the dK/dV kernel's (128 keys) nest with the 128 x 128 tiles of
+  a `create_block_mask` block mask (three consumers' 192 rows do not: the
+  mask_mod would be evaluated anew). Unmeasured on hardware."""
+  config = choose_config(head_dim, mask, group, segment_ids=segment_ids, soft_cap=soft_cap)
+  config = dataclasses.replace(config, work_queue=False, fold_stats=False)
+  if config.dq_num_consumers != 2:
+    config = dataclasses.replace(config, dq_num_consumers=2, dq_producer_registers=24,
+                                 dq_consumer_registers=240)
+  return config
+
+
+def mods_configs() -> list[tuple[int, BackwardConfig]]:
+  """Every (padded head dim, config) `choose_mods_config` can pick (for tests)."""
+  seen = {}
+  for d in (64, 128, 192, 256):
+    for mask in sm90_tiles.HEURISTIC_MASKS:
+      for group in (1, 4):
+        for soft_cap in (False, True):
+          for segment_ids in (False, True):
+            seen[(d, choose_mods_config(d, mask, group, segment_ids, soft_cap))] = None
+  return list(seen)
+
+
 def all_configs() -> list[tuple[int, BackwardConfig]]:
   """Every (padded head dim, config) the heuristic can pick (for tests)."""
   seen = {}
@@ -344,9 +375,34 @@ def _kernel_segments(segment_ids, config: BackwardConfig, q_pad: int, kv_pad: in
   return dkv, dq
 
 
+def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_seq: int,
+                 kv_seq: int, q_pad: int, kv_pad: int):
+  """(`ModStatics`, the dK/dV kernel's mods operands, the dQ kernel's) of a
+  call with a score_mod or mask_mod (`mods`, the call's `scores.Scores`):
+  the tile classes of every mask of the call evaluated once, at tiles that
+  divide both kernels' CTA tiles, and each kernel's block lists."""
+  dq_rows = config.dq_num_consumers * config.dq_block_q
+  dkv_keys = config.block_kv * (1 if config.dk_dv == "head_dim_split" else config.num_consumers)
+  fine = (min(config.block_q, dq_rows), min(config.dq_block_kv, dkv_keys))
+  assert dq_rows % fine[0] == 0 and config.block_q % fine[0] == 0, (config, fine)
+  assert dkv_keys % fine[1] == 0 and config.dq_block_kv % fine[1] == 0, (config, fine)
+  classes = fine_tile_classes(mods, batch, num_q_heads, q_seq, kv_seq, *fine)
+  operands = functools.partial(mod_operands, mods, classes, fine)
+  dkv = operands(q_block=config.block_q, kv_block=dkv_keys, num_q=cdiv(q_pad, config.block_q),
+                 num_kv=cdiv(kv_pad, dkv_keys), keys_are_rows=True)
+  dq = operands(q_block=dq_rows, kv_block=config.dq_block_kv, num_q=cdiv(q_pad, dq_rows),
+                num_kv=cdiv(kv_pad, config.dq_block_kv), keys_are_rows=False)
+  statics = ModStatics(score_mod=mods.score_mod, mask_mod=mods.mask_mod,
+                       per_head=classes.shape[1] > 1,
+                       has_offsets=mods.index_offsets is not None,
+                       num_score_captured=len(mods.score_captured),
+                       num_mask_captured=len(mods.mask_captured))
+  return statics, dkv, dq
+
+
 def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
              mask: MaskSpec, config: BackwardConfig | None = None, segment_ids=None,
-             soft_cap: float | None = None):
+             soft_cap: float | None = None, mods=None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
   q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
@@ -356,6 +412,11 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   soft_cap: None, or a Python float > 0: the forward's logits were
   cap * tanh(scale * q.k / cap) (`sm90_backward_common.tile_softmax`).
   Sinks need nothing here: the lse includes them.
+  mods: None, or the call's `scores.Scores` where it has a `score_mod` or
+  `mask_mod` (its mask, scale, soft-cap, lengths and segment ids are the
+  arguments above): the kernels recompute P with the modified score and
+  walk block lists (`sm90_backward_common`, "score_mod and mask_mod");
+  the captured arrays' gradients are the caller's (`backends`).
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
   soft_cap = check_operands(q, k, v, soft_cap)
@@ -367,9 +428,14 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   # and head dims to multiples of 64 (a copy only for unaligned shapes).
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
-  config = config or choose_config(d, mask, num_q_heads // num_kv_heads,
-                                   segment_ids=segment_ids is not None,
-                                   soft_cap=soft_cap is not None)
+  if mods is not None and not mods.has_mods:
+    mods = None
+  choose = choose_config if mods is None else choose_mods_config
+  config = config or choose(d, mask, num_q_heads // num_kv_heads,
+                            segment_ids=segment_ids is not None, soft_cap=soft_cap is not None)
+  if mods is not None and (config.work_queue or config.fold_stats):
+    raise ValueError("with a score_mod or mask_mod the config takes neither work_queue nor "
+                     f"fold_stats; got {config}")
   if config.work_queue and not config.num_sms:
     config = dataclasses.replace(config, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"]))
   lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
@@ -391,6 +457,10 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   if soft_cap is not None:
     common["soft_cap"] = soft_cap
   dkv_segments, dq_segments = _kernel_segments(segment_ids, config, q_pad, kv_pad)
+  dkv_mods = dq_mods = []
+  if mods is not None:
+    common["mods"], dkv_mods, dq_mods = _kernel_mods(mods, config, batch, num_q_heads, q_seq,
+                                                     kv_seq, q_pad, kv_pad)
   lengths = []
   if q_lengths is not None:
     lengths.append(jnp.asarray(q_lengths, jnp.int32))
@@ -398,7 +468,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     lengths.append(jnp.asarray(kv_lengths, jnp.int32))
   if config.delta_in_dq:  # the dQ kernel first: it computes delta for both
     o = pad(out.astype(dtype), q_pad)
-    dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths, *dq_segments)
+    dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths, *dq_segments,
+                                           *dq_mods)
   args = [q, k, v, dout, lse2, delta, *lengths]
   # With `overlap_kernels` (the dQ kernel last) each
   # kernel below launches while the one before it finishes: the dK/dV
@@ -408,7 +479,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   first_dkv = LaunchChain(releases_next=overlap)
   second_dkv = LaunchChain(releases_next=overlap, follows_previous=overlap)
   last_dq = LaunchChain(follows_previous=overlap)
-  dkv_args = [*args, *dkv_segments]
+  dkv_args = [*args, *dkv_segments, *dkv_mods]
   if config.dk_dv == "fused":
     build_dkv = functools.partial(_build_dkv_kernel, **common, outputs=("dk", "dv"),
                                   chain=first_dkv)
@@ -422,7 +493,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=first_dkv)(*dkv_args)
     (dv,) = _build_dkv_kernel(**common, outputs=("dv",), chain=second_dkv)(*dkv_args)
   if not config.delta_in_dq:
-    dq = _build_dq_kernel(**common, chain=last_dq)(*args, *dq_segments)
+    dq = _build_dq_kernel(**common, chain=last_dq)(*args, *dq_segments, *dq_mods)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
   if d != head_dim or kv_pad != kv_seq:

@@ -17,11 +17,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fa4_jax import scores
+from fa4_jax import mod_functions, scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
-from fa4_jax.kernels.sm90_tiles import where_visible
+from fa4_jax.kernels.sm90_tiles import mask_mod_hook, where_visible
 from fa4_jax.scores import MaskSpec, TileRanges
 
 
@@ -114,7 +114,11 @@ class KernelStatics:
   def c(self) -> float:
     """The folded softmax scale: exp(scale * s) = exp2(c * s), or with
     soft-cap exp(cap * tanh(scale * s / cap)) = exp2(c * t)
-    (`scores.softmax_scale`)."""
+    (`scores.softmax_scale`). With a `score_mod` the scale is applied before
+    it, so c is log2(e) (times the cap) on the modified score."""
+    mods = getattr(self, "mods", None)
+    if mods is not None and mods.score_mod is not None:
+      return scores.softmax_scale(1.0, self.soft_cap)
     return scores.softmax_scale(self.scale, self.soft_cap)
 
   def softmax(self, s, lse2, **kwargs) -> "TileSoftmax":
@@ -304,7 +308,8 @@ def per_query_tile(x, shape, keys_along_rows: bool):
 
 def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, mask: MaskSpec,
                  c: float, masked: bool, segments=None, scale: float = 1.0,
-                 cap: float | None = None, dp=None, delta=None) -> TileSoftmax:
+                 cap: float | None = None, dp=None, delta=None,
+                 mods: "TileMods | None" = None) -> TileSoftmax:
   """P = exp2(c * t - lse2) of one tile (S^T when `keys_along_rows`, as in
   the kernels that own keys; S in the dQ kernel) with t = s, or t =
   tanh(s * scale / cap) with soft-cap `cap` (`scores.softmax_logits`;
@@ -335,7 +340,15 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   recovered from P at dS (t = (log2 P + lse2) / c: a lg2 per element, lse2
   alive; ptxas, H200: D128 causal dK/dV 308 spill bytes). Masked elements
   have P = 0 and a finite slope, so dS = 0 there.
+
+  `mods`: the call's `score_mod` / `mask_mod` on this tile (`TileMods`;
+  `_tile_softmax_with_mods`).
   """
+  if mods is not None:
+    return _tile_softmax_with_mods(
+        s, lse2, q_lo=q_lo, k_lo=k_lo, keys_along_rows=keys_along_rows, kv_len=kv_len,
+        q_len=q_len, mask=mask, c=c, masked=masked, segments=segments, scale=scale, cap=cap,
+        dp=dp, delta=delta, mods=mods)
   t = scores.softmax_logits(s, scale, cap)
   if cap is not None and dp is not None:
     delta = per_query_tile(delta, s.shape, keys_along_rows)
@@ -353,6 +366,162 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   p = jnp.exp2(logits2)
   if cap is not None and dp is None:  # a caller that forms dS itself: w = P * slope
     return TileSoftmax(p, p * scores.soft_cap_slope(t))
+  return TileSoftmax(p, p, dp, delta, keys_along_rows)
+
+
+# --- score_mod and mask_mod (`BackwardConfig` with `mods`) -------------------
+# With a `score_mod` or `mask_mod` both kernels walk block lists instead of
+# tile ranges: per CTA tile, the other side's blocks in the order
+# `scores.block_lists` gives (PARTIAL ones, with the element mask, then FULL
+# ones, without it; EMPTY ones are never loaded). The lists are of the CTA's
+# tile as a whole (`backward_inputs.mod_operands`), and every consumer of the
+# CTA takes each listed block with the CTA's class: a block PARTIAL for the
+# CTA but empty for one consumer's rows costs that consumer a masked step
+# whose P is 0 (no per-step branch on a consumer's own class).
+
+
+@dataclasses.dataclass(frozen=True)
+class ModStatics:
+  """The static part of the mods of a kernel: the traced functions and how
+  their operands come (`ModRefs`)."""
+
+  score_mod: Any  # mod_functions.ModFunction or None
+  mask_mod: Any
+  per_head: bool  # one block list per query head (else one for every head)
+  has_offsets: bool  # a sharded call's (batch, head) offsets, int32 [2]
+  num_score_captured: int
+  num_mask_captured: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockList:
+  """One CTA tile's walk: `num_partial` PARTIAL blocks, then FULL ones up
+  to `total`; `block(n)` is the n-th block's index."""
+
+  order: Any  # GMEM ref [B, Hm, tiles, blocks]
+  at: tuple  # (batch, head, tile) into it
+  num_partial: Any
+  total: Any
+
+  def block(self, n):
+    return self.order[(*self.at, n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModRefs:
+  """The mods' inputs of a kernel, after its segment ids: the block lists
+  (`scores.block_lists` of its CTA tiles: counts int32 [B, Hm, tiles, 2],
+  order int32 [B, Hm, tiles, blocks]), the (batch, head) offsets if any, the
+  score_mod's captured arrays, the mask_mod's (0-d ones as shape (1,))."""
+
+  counts: Any
+  order: Any
+  offsets: Any  # None without offsets
+  score_captured: tuple
+  mask_captured: tuple
+
+  @classmethod
+  def split(cls, refs, statics: ModStatics | None):
+    """(the mods' refs, the rest); (None, refs) without mods."""
+    refs = list(refs)
+    if statics is None:
+      return None, refs
+    counts, order = refs.pop(0), refs.pop(0)
+    offsets = refs.pop(0) if statics.has_offsets else None
+    score_captured = tuple(refs.pop(0) for _ in range(statics.num_score_captured))
+    mask_captured = tuple(refs.pop(0) for _ in range(statics.num_mask_captured))
+    return cls(counts, order, offsets, score_captured, mask_captured), refs
+
+  def walk(self, statics: ModStatics, batch_idx, head, tile) -> BlockList:
+    """The block list of CTA tile `tile` of (`batch_idx`, query `head`)."""
+    at = (batch_idx, head if statics.per_head else 0, tile)
+    num_partial = self.counts[(*at, 0)]
+    return BlockList(self.order, at, num_partial, num_partial + self.counts[(*at, 1)])
+
+  def on_rows(self, statics: ModStatics, batch_idx, head) -> "TileMods":
+    """The mods of tiles of (`batch_idx`, query `head`), local indices."""
+    if self.offsets is not None:
+      batch_idx, head = batch_idx + self.offsets[0], head + self.offsets[1]
+    return TileMods(statics, self, batch_idx, head)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileMods:
+  """`score_mod` and `mask_mod` on the tiles of one (batch, query head), at
+  the indices they see (global ones in a sharded call)."""
+
+  statics: ModStatics
+  refs: ModRefs
+  batch: Any
+  head: Any
+
+  @property
+  def score_mod(self):
+    return self.statics.score_mod
+
+  @property
+  def mask_mod(self):
+    return self.statics.mask_mod
+
+  def score(self, x, q_idx, kv_idx):
+    """(score_mod(x), its derivative in x) on a tile."""
+    return mod_functions.value_and_slope(self.score_mod, self.refs.score_captured, x,
+                                         self.batch, self.head, q_idx, kv_idx)
+
+  def mask_hook(self):
+    """`where_visible`'s `mask_mod` hook (None without a mask_mod)."""
+    return mask_mod_hook(self.mask_mod, self.refs.mask_captured, self.batch, self.head)
+
+
+def walk_block_list(walk: BlockList, block_fn, carry, step0=0):
+  """`block_fn(step, j, carry, masked=...)` over `walk`'s blocks j at ring
+  positions step0, step0 + 1, ...: the PARTIAL ones masked, then the FULL
+  ones."""
+  partial = lambda n, c: block_fn(step0 + n, walk.block(n), c, masked=True)
+  full = lambda n, c: block_fn(step0 + n, walk.block(n), c, masked=False)
+  carry = lax.fori_loop(0, walk.num_partial, partial, carry)
+  return lax.fori_loop(walk.num_partial, walk.total, full, carry)
+
+
+def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len,
+                            mask: MaskSpec, c: float, masked: bool, segments, scale: float,
+                            cap, dp, delta, mods: TileMods) -> TileSoftmax:
+  """`tile_softmax` with a `score_mod` and/or `mask_mod`, in the forward's
+  order: x = scale * s, x = score_mod(x) (with its slope), t = tanh(x / cap)
+  with soft-cap (slope times 1 - t^2), then the element mask on masked tiles
+  (the built-ins, then mask_mod) and P = exp2(c * t - lse2), c = log2(e)
+  (times the cap; without a score_mod the scale stays folded into c as in
+  `tile_softmax`). dS is w.r.t. x: the slopes go onto dP - delta as
+  soft-cap's does, and the kernels' factor `scale` in dQ and dK stays."""
+  shape = s.shape
+  slope = None
+  if mods.score_mod is not None:
+    iota = lambda d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=plgpu.Layout.WGMMA)
+    row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
+    rows, cols = row_lo + iota(0), col_lo + iota(1)
+    q_idx, kv_idx = (cols, rows) if keys_along_rows else (rows, cols)
+    x, slope = mods.score(s * jnp.float32(scale), q_idx, kv_idx)
+    if cap is None:
+      t = x
+    else:
+      t = jnp.tanh(x * jnp.float32(1.0 / cap))
+      slope = slope * scores.soft_cap_slope(t)
+  else:
+    t = scores.softmax_logits(s, scale, cap)
+    if cap is not None:
+      slope = scores.soft_cap_slope(t)
+  if slope is not None and dp is not None:
+    delta = per_query_tile(delta, shape, keys_along_rows)
+    dp, delta = scores_grad(slope, dp, delta), None
+  logits2 = t * c - per_query_tile(lse2, shape, keys_along_rows)
+  if masked:
+    row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
+    logits2 = where_visible(logits2, -jnp.inf, mask=mask, row_lo=row_lo, col_lo=col_lo,
+                            keys_along_rows=keys_along_rows, kv_len=kv_len, q_len=q_len,
+                            segments=segments, mask_mod=mods.mask_hook())
+  p = jnp.exp2(logits2)
+  if slope is not None and dp is None:  # a caller that forms dS itself: w = P * slope
+    return TileSoftmax(p, p * slope)
   return TileSoftmax(p, p, dp, delta, keys_along_rows)
 
 

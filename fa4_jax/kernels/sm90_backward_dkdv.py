@@ -35,11 +35,11 @@ from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rende
                                      SlotRing)
 from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  KeyTileWork, SegmentRefs, launch,
+                                                  KeyTileWork, ModRefs, SegmentRefs, launch,
                                                   load_operand, mma_accumulate,
                                                   mma_accumulate_pair, narrow, scores_grad,
                                                   stats_of_slot, TileSoftmax, transposed_scores,
-                                                  zeros)
+                                                  walk_block_list, zeros)
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import cdiv, walk_blocks
 
@@ -81,6 +81,20 @@ class _DkvPass(KernelStatics):
   interpreting: bool
   has_segments: bool = False
   queued: bool = False  # a persistent grid fed by a work queue
+  mods: Any = None  # sm90_backward_common.ModStatics; None without mods
+
+  def head_walks(self, mod_refs: ModRefs, work: KeyTileWork):
+    """With mods: `walk(g)`, the block list of the CTA's keys for the
+    GQA group's g-th query head, and that head's index."""
+    def walk(g):
+      head = work.kv_head * self.group + g
+      return mod_refs.walk(self.mods, work.batch_idx, head, work.kv_tile), head
+    return walk
+
+  def total_steps(self, mod_refs: ModRefs, work: KeyTileWork):
+    """With mods: the ring steps of a CTA (every head's list)."""
+    walk = self.head_walks(mod_refs, work)
+    return lax.fori_loop(0, self.group, lambda g, n: n + walk(g)[0].total, jnp.int32(0))
 
   @property
   def resident_copies(self) -> int:
@@ -152,10 +166,11 @@ class _DkvSmem(NamedTuple):
 
 
 def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: BackwardBarriers,
-                  work: KeyTileWork, item=0, step0=0):
+                  work: KeyTileWork, item=0, step0=0, mod_refs: ModRefs | None = None):
   """Work item `item`'s K (and V) tile of each consumer once, then (Q, dO,
   lse2, delta, and the queries' segment ids) of every step through the
-  ring, from ring position `step0`; returns the position after the item."""
+  ring, from ring position `step0`; returns the position after the item.
+  With mods the steps are each query head's block list."""
   bk, bq = kp.cfg.block_kv, kp.cfg.block_q
   for i in range(kp.cfg.num_consumers):
     keys = (work.batch_idx, pl.ds(work.k_lo + i * bk, bk), work.kv_head)
@@ -164,10 +179,7 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
       resident.append((gmem.v.at[keys], smem.v))
     bars.producer_fill_resident(resident, item, i)
 
-  @pl.loop(0, work.num_steps)
-  def _(n):
-    step = step0 + n
-    head, qb = work.rows_of(n)
+  def load_block(step, head, qb):
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
     stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
     streamed = [(gmem.q.at[rows], smem.q_ring), (gmem.do.at[rows], smem.do_ring),
@@ -178,6 +190,22 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
       streamed.append(_query_ids(gmem, work.batch_idx, qb, bq, smem.q_ids))
     bars.stream.producer_acquire(step)
     bars.stream.producer_fill(streamed, step)
+
+  if kp.mods is not None:
+    head_walk = kp.head_walks(mod_refs, work)
+
+    def one_head(g, step):
+      walk, head = head_walk(g)
+      pl.loop(0, walk.total)(lambda n: load_block(step + n, head, walk.block(n)))
+      return step + walk.total
+
+    return lax.fori_loop(0, kp.group, one_head, jnp.asarray(step0, jnp.int32))
+
+  @pl.loop(0, work.num_steps)
+  def _(n):
+    step = step0 + n
+    head, qb = work.rows_of(n)
+    load_block(step, head, qb)
 
   return step0 + work.num_steps
 
@@ -200,19 +228,22 @@ def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, q
 
 
 def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
-                  work: KeyTileWork, segments: SegmentRefs | None, item=0, step0=0):
+                  work: KeyTileWork, segments: SegmentRefs | None, item=0, step0=0,
+                  mod_refs: ModRefs | None = None):
   """Consumer `wg`: the dK and/or dV of its `block_kv` keys over every step
   of work item `item` (steps its keys cannot see only keep the ring going),
   whose first step sits at ring position `step0`. Returns (accumulators by
   name, its first key). A queued consumer waited for its resident copy
   already (the item's unit rides with it); otherwise the wait is here,
-  after the ranges' reads."""
+  after the ranges' reads. With mods the consumer walks each query head's
+  block list of the CTA (`walk_block_list`), with the CTA's classes."""
   cfg, bk, bq, c, mask = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c, kp.mask
   lo, hi, blocks_per_head = work.lo, work.hi, work.blocks_per_head
   k_lo = work.k_lo + wg * bk
-  own = scores.q_tile_ranges(mask, k_lo, k_lo + bk, work.q_len, work.kv_len, bq)
-  own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.kv_tile, wg))
-  own = own.within(lo, hi)
+  if kp.mods is None:
+    own = scores.q_tile_ranges(mask, k_lo, k_lo + bk, work.q_len, work.kv_len, bq)
+    own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.kv_tile, wg))
+    own = own.within(lo, hi)
   block_segments = _key_tile_segments(segments, work.batch_idx, k_lo, bk, smem.q_ids)
   copy = bars.resident.buffer(item, wg)
   k_tile = smem.k.at[copy]
@@ -225,9 +256,9 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
     k_operand = load_operand(k_tile)
     v_operand = load_operand(v_tile) if kp.with_dk else None
 
-  def step_fn(qb, acc, *, masked, head_step0):
+  def block_fn(step, qb, acc, *, masked, tile_mods=None):
+    """Query block qb at ring position `step`."""
     acc = dict(acc)
-    step = head_step0 + (qb - lo)
     slot = bars.stream.slot(step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
     bars.stream.consumer_wait(step)
@@ -238,9 +269,10 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
         soft_cap=kp.soft_cap is not None)
     seg = block_segments(slot) if masked else None
+    mods = {} if tile_mods is None else dict(mods=tile_mods)
     softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                          kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
-                         dp=dp, delta=delta)
+                         dp=dp, delta=delta, **mods)
     if kp.with_dk and kp.with_dv:
       acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], softmax, q_tile, do_tile,
                                            stage)
@@ -250,6 +282,25 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
       acc["dv"] = mma_accumulate(acc["dv"], softmax.p.astype(kp.dtype), do_tile, stage)
     bars.stream.consumer_release(step)
     return acc
+
+  zero_acc = lambda: {g: zeros((bk, kp.head_dim)) for g in kp.outputs}
+  if kp.mods is not None:
+    head_walk = kp.head_walks(mod_refs, work)
+
+    def one_head_list(g, carry):
+      acc, step = carry
+      walk, head = head_walk(g)
+      tile_mods = mod_refs.on_rows(kp.mods, work.batch_idx, head)
+      acc = walk_block_list(walk, functools.partial(block_fn, tile_mods=tile_mods), acc, step)
+      return acc, step + walk.total
+
+    acc, _ = lax.fori_loop(0, kp.group, one_head_list,
+                           (zero_acc(), jnp.asarray(step0, jnp.int32)))
+    return acc, k_lo
+
+  def step_fn(qb, acc, *, masked, head_step0):
+    step = head_step0 + (qb - lo)
+    return block_fn(step, qb, acc, masked=masked)
 
   def skip_fn(qb, acc, *, head_step0):
     step = head_step0 + (qb - lo)
@@ -263,8 +314,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
                 functools.partial(step_fn, head_step0=head_step0),
                 functools.partial(skip_fn, head_step0=head_step0), acc)
 
-  acc = lax.fori_loop(0, kp.group, one_head,
-                      {g: zeros((bk, kp.head_dim)) for g in kp.outputs})
+  acc = lax.fori_loop(0, kp.group, one_head, zero_acc())
   return acc, k_lo
 
 
@@ -302,7 +352,7 @@ def dkv_persistent_work(cfg, batch: int, num_kv_heads: int, kv_seq: int) -> Pers
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                       head_dim, dtype, scale, mask, config, has_q_lengths,
                       has_kv_lengths, has_segments=False, outputs=("dk", "dv"),
-                      chain=NO_CHAIN, soft_cap=None, queue_counter=True):
+                      chain=NO_CHAIN, soft_cap=None, queue_counter=True, mods=None):
   """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
 
   A pass without dK needs neither V (for dP) nor delta: they are not loaded.
@@ -311,11 +361,15 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   With `config.work_queue` the grid is persistent (`dkv_persistent_work`);
   `queue_counter=False` hands its units out in fixed round robin (the
   interpreter, vmapped calls).
+  `mods` (`ModStatics`): the inputs end with `ModRefs` (block lists of the
+  CTAs' key tiles), and the CTAs walk those lists (not with a work queue).
   """
   cfg = config
   nc = cfg.num_consumers
   kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                tuple(outputs), is_interpreting(), has_segments, queued=cfg.work_queue)
+                tuple(outputs), is_interpreting(), has_segments, queued=cfg.work_queue,
+                mods=mods)
+  assert mods is None or not (kp.queued or cfg.fold_stats), "mods: no work queue, no fold_stats"
   statics = dict(num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, q_seq=q_seq,
                  kv_valid=kv_valid, group=kp.group)
   if kp.queued:
@@ -327,8 +381,9 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
   def kernel(*refs):
     chain.at_start()
-    gmem, (*grad_refs, smem, barrier_refs) = KernelRefs.split(
-        refs, has_q_lengths, has_kv_lengths, nc if has_segments else None)
+    gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
+                                  nc if has_segments else None)
+    mod_refs, (*grad_refs, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _DkvSmem.unpack(smem, kp.with_dk, has_segments)
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed,
                                       copies)
@@ -353,7 +408,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
             bars.resident, nc, prepare=work_of, stop_arrivals=kp.num_resident,
             produce=lambda i, work, step0: _dkv_producer(kp, gmem, smem, bars, work, i, step0))
       else:
-        num_steps = _dkv_producer(kp, gmem, smem, bars, work)
+        num_steps = _dkv_producer(kp, gmem, smem, bars, work, mod_refs=mod_refs)
       bars.stream.producer_drain(num_steps)
 
     @pl.when(wg < nc)
@@ -369,7 +424,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         queue.consumer_loop(bars.resident, wg, consume)
         plgpu.wait_smem_to_gmem(0)
       else:
-        acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, gmem.segments)
+        acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, gmem.segments, mod_refs=mod_refs)
         _dkv_epilogue(kp, wg, acc, k_lo, smem, bars, grad_refs, work)
 
     chain.at_exit(grid)
@@ -470,17 +525,17 @@ class _HeadSplitSmem(NamedTuple):
 
 
 def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
-                         bars: _HeadSplitBarriers, work: KeyTileWork, keys, num_steps):
+                         bars: _HeadSplitBarriers, work: KeyTileWork, keys, num_steps,
+                         head_walk=None, group: int = 1):
   """K and V once, then (Q, dO, lse2, delta, and the queries' segment ids)
-  of every step through the ring."""
+  of every step through the ring. With mods (`head_walk`:
+  `_DkvPass.head_walks`) the steps are each query head's block list."""
   bq = cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
   plgpu.copy_gmem_to_smem(gmem.k.at[keys], smem.k, bars.resident.full.at[0])
   plgpu.copy_gmem_to_smem(gmem.v.at[keys], smem.v, bars.resident.full.at[0])
 
-  @pl.loop(0, num_steps)
-  def _(step):
-    head, qb = work.rows_of(step)
+  def load_block(step, head, qb):
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
     stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
     streamed = [(gmem.q.at[rows], smem.q_ring), (gmem.do.at[rows], smem.do_ring),
@@ -490,15 +545,30 @@ def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
     bars.stream.producer_acquire(step)
     bars.stream.producer_fill(streamed, step)
 
+  if head_walk is not None:
+    def one_head(g, step):
+      walk, head = head_walk(g)
+      pl.loop(0, walk.total)(lambda n: load_block(step + n, head, walk.block(n)))
+      return step + walk.total
+
+    lax.fori_loop(0, group, one_head, jnp.int32(0))
+  else:
+    @pl.loop(0, num_steps)
+    def _(step):
+      head, qb = work.rows_of(step)
+      load_block(step, head, qb)
+
   bars.stream.producer_drain(num_steps)
 
 
 def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _HeadSplitBarriers,
                          work: KeyTileWork, blocks_per_head, num_steps,
-                         segments: SegmentRefs | None):
+                         segments: SegmentRefs | None, mod_refs: ModRefs | None = None):
   """Consumer `h`: columns [h * d/2, (h + 1) * d/2) of dK and dV of the CTA's
   keys. Warpgroup 0 computes P^T and dS^T of each step and hands them to
-  warpgroup 1 through the pds ring. Returns (dK half, dV half)."""
+  warpgroup 1 through the pds ring. Returns (dK half, dV half). With mods
+  warpgroup 0 walks each query head's block list; warpgroup 1 takes the
+  `num_steps` steps in order."""
   cfg, bk, bq, c = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c
   half = kp.head_dim // 2
   cols = pl.ds(h * half, half)
@@ -508,8 +578,8 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
   block_segments = _key_tile_segments(segments if h == 0 else None, work.batch_idx, work.k_lo,
                                       bk, smem.q_ids)
 
-  def step_fn(qb, acc, *, masked, head_step0):
-    step = head_step0 + (qb - lo)
+  def block_fn(step, qb, acc, *, masked, tile_mods=None):
+    """Query block qb (warpgroup 0's business) at ring position `step`."""
     slot = stream.slot(step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
     p_tile, ds_tile = smem.p.at[pds.slot(step)], smem.ds.at[pds.slot(step)]
@@ -519,8 +589,10 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=False, stats_first=False)
       seg = block_segments(slot) if masked else None
+      mods = {} if tile_mods is None else dict(mods=tile_mods)
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
-                           kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg)
+                           kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
+                           **mods)
       ds = scores_grad(softmax.w, dp, delta)
       pds.producer_acquire(step)
       p_tile[...] = softmax.p.astype(kp.dtype)
@@ -534,6 +606,17 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
     pds.consumer_release(step)
     return dk, dv
 
+  def step_fn(qb, acc, *, masked, head_step0):
+    step = head_step0 + (qb - lo)
+    return block_fn(step, qb, acc, masked=masked)
+
+  def one_head_list(g, carry):
+    acc, step = carry
+    walk, head = kp.head_walks(mod_refs, work)(g)
+    tile_mods = mod_refs.on_rows(kp.mods, work.batch_idx, head)
+    acc = walk_block_list(walk, functools.partial(block_fn, tile_mods=tile_mods), acc, step)
+    return acc, step + walk.total
+
   def one_head(g, acc):
     head_step0 = g * blocks_per_head
     # One consumer tile: the CTA's ranges are its own.
@@ -542,7 +625,14 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
 
   plgpu.set_max_registers(cfg.consumer_registers, action="increase")
   bars.resident.consumer_wait(0, 0)
-  dk, dv = lax.fori_loop(0, kp.group, one_head, (zeros((bk, half)), zeros((bk, half))))
+  if kp.mods is not None and h == 0:
+    (dk, dv), _ = lax.fori_loop(0, kp.group, one_head_list,
+                                ((zeros((bk, half)), zeros((bk, half))), jnp.int32(0)))
+  elif kp.mods is not None:  # warpgroup 1 needs no block index
+    dk, dv = lax.fori_loop(0, num_steps, lambda step, acc: block_fn(step, None, acc, masked=False),
+                           (zeros((bk, half)), zeros((bk, half))))
+  else:
+    dk, dv = lax.fori_loop(0, kp.group, one_head, (zeros((bk, half)), zeros((bk, half))))
   if h == 0:
     pds.producer_drain(num_steps)
   return dk, dv
@@ -570,7 +660,7 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
 def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                                  num_kv_heads, head_dim, dtype, scale, mask, config,
                                  has_q_lengths, has_kv_lengths, has_segments=False,
-                                 chain=NO_CHAIN, soft_cap=None):
+                                 chain=NO_CHAIN, soft_cap=None, mods=None):
   """dK and dV where they do not fit one warpgroup's registers (head dim 256).
 
   A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
@@ -589,17 +679,20 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   softmax of step n + 1. Barriers: `_HeadSplitBarriers`. With
   `has_segments` the inputs end with `SegmentRefs` of one consumer tile (the
   CTA's) per CTA, and the ring streams each query block's ids with it.
+  `mods` (`ModStatics`): the inputs end with `ModRefs` (block lists of the
+  CTAs' key tiles), and the CTAs walk those lists.
   """
   cfg = config
   kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                ("dk", "dv"), is_interpreting(), has_segments)
+                ("dk", "dv"), is_interpreting(), has_segments, mods=mods)
   bk = cfg.block_kv
   grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, bk), batch=batch)
 
   def kernel(*refs):
     chain.at_start()
-    gmem, (dk_ref, dv_ref, smem, barrier_refs) = KernelRefs.split(
-        refs, has_q_lengths, has_kv_lengths, 1 if has_segments else None)
+    gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
+                                  1 if has_segments else None)
+    mod_refs, (dk_ref, dv_ref, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _HeadSplitSmem.unpack(smem, has_segments)
     bars = _HeadSplitBarriers.from_refs(barrier_refs, cfg.num_stages, kp.num_streamed)
     work = KeyTileWork.of_this_cta(
@@ -607,15 +700,19 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
         kv_valid=kv_valid, group=kp.group)
     # Once per CTA, outside the roles (as the roles' loops use them).
     blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
+    head_walk = None
+    if mods is not None:
+      head_walk, num_steps = kp.head_walks(mod_refs, work), kp.total_steps(mod_refs, work)
     keys = (work.batch_idx, pl.ds(work.k_lo, bk), work.kv_head)
     wg = lax.axis_index("wg")
 
     pl.when(wg == 2)(
-        lambda: _head_split_producer(cfg, gmem, smem, bars, work, keys, num_steps))
+        lambda: _head_split_producer(cfg, gmem, smem, bars, work, keys, num_steps, head_walk,
+                                     kp.group))
 
     def consumer(h: int):
       dk, dv = _head_split_consumer(h, kp, smem, bars, work, blocks_per_head, num_steps,
-                                    gmem.segments)
+                                    gmem.segments, mod_refs)
       _head_split_epilogue(h, kp, dk, dv, smem, bars, dk_ref, dv_ref, keys)
 
     pl.when(wg == 0)(lambda: consumer(0))

@@ -27,9 +27,9 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  launch,
+                                                  ModRefs, launch,
                                                   load_operand, mma_accumulate, mma_pair,
-                                                  narrow, zeros)
+                                                  narrow, walk_block_list, zeros)
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
@@ -50,6 +50,7 @@ class _DqKernel(KernelStatics):
   num_q_tiles: int
   interpreting: bool
   has_segments: bool = False
+  mods: Any = None  # sm90_backward_common.ModStatics; None without mods
 
   @property
   def with_delta(self) -> bool:
@@ -144,10 +145,10 @@ class _QueryTileWork:
 
 
 def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardBarriers,
-                 work: _QueryTileWork):
+                 work: _QueryTileWork, mod_refs: ModRefs | None = None):
   """Each consumer's Q, dO, lse2 and delta (or O) once, then the (K, V)
   tiles of the CTA's key blocks (and their keys' segment ids) through the
-  ring."""
+  ring: blocks [lo, hi), or with mods the CTA's block list."""
   cfg, nc, bq, bk = kd.cfg, kd.cfg.dq_num_consumers, kd.cfg.dq_block_q, kd.cfg.dq_block_kv
   lo, hi = work.ranges.lo, work.ranges.hi
   plgpu.set_max_registers(cfg.dq_producer_registers, action="decrease")
@@ -160,9 +161,7 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
         [(gmem.q.at[rows], smem.q), (gmem.do.at[rows], smem.do),
          (gmem.lse.at[stats], smem.lse), fourth], 0, i)
 
-  @pl.loop(lo, hi)
-  def _(j):
-    step = j - lo
+  def load_block(step, j):
     keys = (work.batch_idx, pl.ds(j * bk, bk), work.kv_head)
     streamed = [(gmem.k.at[keys], smem.k_ring), (gmem.v.at[keys], smem.v_ring)]
     if kd.has_segments:
@@ -170,21 +169,34 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
     bars.stream.producer_acquire(step)
     bars.stream.producer_fill(streamed, step)
 
+  if kd.mods is not None:
+    walk = mod_refs.walk(kd.mods, work.batch_idx, work.head, work.q_tile)
+    pl.loop(0, walk.total)(lambda n: load_block(n, walk.block(n)))
+    bars.stream.producer_drain(walk.total)
+    return
+
+  @pl.loop(lo, hi)
+  def _(j):
+    step = j - lo
+    load_block(step, j)
+
   bars.stream.producer_drain(hi - lo)
 
 
 def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
-                 work: _QueryTileWork, delta_out, segments):
+                 work: _QueryTileWork, delta_out, segments, mod_refs: ModRefs | None = None):
   """Consumer `wg`: dQ of its `dq_block_q` rows over the CTA's key blocks
-  (blocks its rows cannot see only keep the ring going). Returns (dQ, its
-  first row)."""
+  (blocks its rows cannot see only keep the ring going; with mods, every
+  block of the CTA's list, with the CTA's class). Returns (dQ, its first
+  row)."""
   cfg, bq, bk, mask = kd.cfg, kd.cfg.dq_block_q, kd.cfg.dq_block_kv, kd.mask
   lo, hi = work.ranges.lo, work.ranges.hi
   plgpu.set_max_registers(cfg.dq_consumer_registers, action="increase")
   q_lo = work.q_lo + wg * bq
-  own = scores.kv_tile_ranges(mask, q_lo, q_lo + bq, work.q_len, work.kv_len, bk)
-  own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.q_tile, wg))
-  own = own.within(lo, hi)
+  if kd.mods is None:
+    own = scores.kv_tile_ranges(mask, q_lo, q_lo + bq, work.q_len, work.kv_len, bk)
+    own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.q_tile, wg))
+    own = own.within(lo, hi)
   if segments is not None:  # the rows' ids once; the keys' from the ring's slot
     q_seg = load_ids(segments.q_ids, work.batch_idx, q_lo, bq, along_rows=True)
     block_segments = lambda slot: (q_seg, smem.kv_ids.at[slot])  # read after the wait
@@ -210,20 +222,33 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
   else:
     delta = plgpu.load(smem.delta.at[wg], layout=row_layout)
 
-  def step_fn(j, dq, *, masked):
-    step = j - lo
+  tile_mods = None
+  if kd.mods is not None:
+    tile_mods = mod_refs.on_rows(kd.mods, work.batch_idx, work.head)
+
+  def block_fn(step, j, dq, *, masked):
+    """Key block j at ring position `step`."""
     slot = bars.stream.slot(step)
     k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
     bars.stream.consumer_wait(step)
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
     seg = block_segments(slot) if masked else None
+    mods = {} if tile_mods is None else dict(mods=tile_mods)
     ds = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
                     kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
-                    dp=dp, delta=delta).grad()
+                    dp=dp, delta=delta, **mods).grad()
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
     bars.stream.consumer_release(step)
     return dq
+
+  if kd.mods is not None:
+    walk = mod_refs.walk(kd.mods, work.batch_idx, work.head, work.q_tile)
+    return walk_block_list(walk, block_fn, zeros((bq, kd.head_dim))), q_lo
+
+  def step_fn(j, dq, *, masked):
+    step = j - lo
+    return block_fn(step, j, dq, masked=masked)
 
   def skip_fn(j, dq):
     bars.stream.consumer_wait(j - lo)
@@ -246,31 +271,35 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
 @cached_build
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                      head_dim, dtype, scale, mask, config, has_q_lengths,
-                     has_kv_lengths, has_segments=False, chain=NO_CHAIN, soft_cap=None):
+                     has_kv_lengths, has_segments=False, chain=NO_CHAIN, soft_cap=None,
+                     mods=None):
   """The dQ kernel: dq, and with `delta_in_dq` also delta [B, Nq, rows].
   With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
-  per consumer), and the ring streams each block's key ids with K and V."""
+  per consumer), and the ring streams each block's key ids with K and V.
+  `mods` (`ModStatics`): the inputs end with `ModRefs` (block lists of the
+  CTAs' query tiles), and the CTAs walk those lists."""
   cfg = config
   nc, bq = cfg.dq_num_consumers, cfg.dq_block_q
   num_q_tiles = cdiv(q_seq, nc * bq)
   kd = _DqKernel(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                 num_q_tiles, is_interpreting(), has_segments)
+                 num_q_tiles, is_interpreting(), has_segments, mods)
   grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
 
   def kernel(*refs):
     chain.at_start()
-    gmem, (dq_ref, *delta_out, smem, barrier_refs) = KernelRefs.split(
-        refs, has_q_lengths, has_kv_lengths, nc if has_segments else None)
+    gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
+                                  nc if has_segments else None)
+    mod_refs, (dq_ref, *delta_out, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _DqSmem.unpack(smem, kd.with_delta, has_segments)
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, kd.num_streamed)
     work = _QueryTileWork.of_this_cta(kd, gmem=gmem, q_seq=q_seq, kv_valid=kv_valid)
     wg = lax.axis_index("wg")
 
-    pl.when(wg == nc)(lambda: _dq_producer(kd, gmem, smem, bars, work))
+    pl.when(wg == nc)(lambda: _dq_producer(kd, gmem, smem, bars, work, mod_refs))
 
     @pl.when(wg < nc)
     def _consumers():
-      dq, q_lo = _dq_consumer(kd, wg, smem, bars, work, delta_out, gmem.segments)
+      dq, q_lo = _dq_consumer(kd, wg, smem, bars, work, delta_out, gmem.segments, mod_refs)
       _dq_epilogue(kd, wg, dq, q_lo, smem, dq_ref, work)
 
     chain.at_exit(grid)
