@@ -512,7 +512,7 @@ def test_the_backward_kernels_take_soft_cap():
   from fa4_jax import backends
 
   assert "soft_cap" in sm90_backward.FEATURES
-  assert backends._options(sm90_backward, soft_cap=2.0, sinks=None) == dict(soft_cap=2.0)
+  assert backends._options(sm90_backward, Scores(soft_cap=2.0)) == dict(soft_cap=2.0)
   q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   lse = jnp.zeros((1, 1, 64), jnp.float32)
   for bad in (0.0, -1.0, True, jnp.float32(2.0)):
