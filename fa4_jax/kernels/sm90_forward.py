@@ -1406,7 +1406,7 @@ def mods_operands(mods, config: ForwardConfig, q_shape, k_shape, q_lengths, kv_l
   CTA tiles (counts, order: `scores.block_lists` of `scores.tile_classes`
   of every mask of the call, at `block_q_cta` x `block_kv`), the (batch,
   head) offsets of a sharded call (zeros without), then the captured arrays
-  of `score_mod` and of `mask_mod` (0-d ones as shape (1,)).
+  of `score_mod` and of `mask_mod` (0-d ones as shape (1,), bool ones as int32).
 
   The classes take the call's arguments as the kernel masks them: the
   lengths clipped to the sequences (a length past them would make the last,
@@ -1425,8 +1425,16 @@ def mods_operands(mods, config: ForwardConfig, q_shape, k_shape, q_lengths, kv_l
              else jnp.asarray(mods.index_offsets, jnp.int32).reshape(2))
   captured = [*(mods.score_captured if mods.score_mod is not None else ()),
               *(mods.mask_captured if mods.mask_mod is not None else ())]
-  return [counts, order, offsets,
-          *(jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in captured)]
+  return [counts, order, offsets, *(_captured_operand(c) for c in captured)]
+
+
+def _captured_operand(x):
+  """A captured array as the kernel takes it in GMEM (`mod_functions`'
+  convention): a 0-d array as shape (1,), a bool array as int32."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.int32)
+  return x.reshape((1,)) if x.ndim == 0 else x
 
 
 def _q_options(heads_major, q_batch_divisor) -> dict:
