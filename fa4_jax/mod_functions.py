@@ -206,7 +206,7 @@ def kernel_problem(mod: ModFunction) -> str | None:
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   args = [jax.ShapeDtypeStruct((64, 128), jnp.float32)] if mod.kind == "score_mod" else []
   args += [scalar, scalar, tile, tile]
-  captured = [jax.ShapeDtypeStruct(a.shape or (1,), a.dtype) for a in mod.captured_avals]
+  captured = [jax.eval_shape(kernel_operand, a) for a in mod.captured_avals]
   try:
     jax.eval_shape(lambda c, a: evaluate_in_kernel(mod, c, *a), captured, args)
   except Unsupported as e:
@@ -240,6 +240,7 @@ class _Captured:
 
   ref: Any
   index: tuple
+  dtype: Any = None  # the captured array's own (a bool array is int32 in GPU memory)
 
   @property
   def complete(self) -> bool:
@@ -250,17 +251,137 @@ def evaluate_in_kernel(mod: ModFunction, captured_refs, *args):
   """`mod` on a kernel's tile. `args` are the function's arguments: tiles of
   one shape (the score, q_idx, kv_idx) and scalars (batch, head: anything
   the same for the whole tile). `captured_refs`: the captured arrays as
-  refs, in `mod.captured_avals`' order (a 0-d array as a ref of shape (1,))."""
-  views = []
-  for ref, aval in zip(captured_refs, mod.captured_avals):
-    views.append(ref[0] if aval.shape == () else _Captured(ref, (None,) * len(aval.shape)))
-  return _run(jex_core.ClosedJaxpr(mod.jaxpr, ()), views + list(args))[0]
+  refs, in `mod.captured_avals`' order (`kernel_operand`). A kernel that
+  calls it once per key block should `bind` the mod before its loop."""
+  tile_args = list(args)
+  batch, head = tile_args[-4], tile_args[-3]
+  del tile_args[-4:-2]
+  return bind(mod, captured_refs, batch, head)(*tile_args)
 
 
-def value_and_slope(mod: ModFunction, captured_refs, score, *index_args):
+@dataclasses.dataclass(frozen=True)
+class BoundMod:
+  """`mod` bound to one tile's batch and head, with all it computes from
+  them alone already done: the reads of captured arrays at those indices
+  (`slopes[head]`, the entries of `table[head, :]` a per-element lookup
+  chooses from) are loads from GPU memory, which a kernel does once before
+  its loop over key blocks instead of once per block (`bind`). Called on the
+  tile arguments: (score,) q_idx, kv_idx."""
+
+  mod: ModFunction
+  env: dict  # the values of the variables that do not vary per element
+  varying: frozenset  # the variables that do
+  rows: dict  # equation position -> (axis, entries) of a per-element lookup
+
+  def __call__(self, *tile_args):
+    jaxpr = self.mod.jaxpr
+    env = dict(self.env)
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    for var, value in zip(_tile_vars(self.mod), tile_args):
+      env[var] = value
+    for position, eqn in enumerate(jaxpr.eqns):
+      if eqn.outvars[0] not in self.varying:
+        continue  # done in `bind`
+      ins = [read(v) for v in eqn.invars]
+      if position in self.rows:
+        axis, entries, dtype = self.rows[position]
+        outs = [_select_entry(entries, ins[1 + axis], dtype)]
+      else:
+        outs = _bind(eqn, ins)
+      for var, value in zip(eqn.outvars, outs):
+        env[var] = value
+    return read(jaxpr.outvars[0])
+
+  def value_and_slope(self, score, q_idx, kv_idx):
+    """(score_mod(score, ...), its derivative in `score`) on a tile."""
+    return jax.jvp(lambda s: self(s, q_idx, kv_idx), (score,), (jnp.ones_like(score),))
+
+
+def _tile_vars(mod: ModFunction):
+  """The jaxpr's inputs that vary per element: (score,) q_idx, kv_idx."""
+  own = mod.jaxpr.invars[len(mod.captured_avals):]
+  return ([own[0]] if mod.kind == "score_mod" else []) + list(own[-2:])
+
+
+def bind(mod: ModFunction, captured_refs, batch, head) -> BoundMod:
+  """`mod` with its batch and head fixed (scalars), evaluated as far as they
+  alone allow; see `BoundMod`."""
+  jaxpr = mod.jaxpr
+  num_tile_args = 3 if mod.kind == "score_mod" else 2
+  captured_vars = jaxpr.invars[:len(mod.captured_avals)]
+  index_vars = jaxpr.invars[len(mod.captured_avals):]
+  env = {}
+  for var, ref, aval in zip(captured_vars, captured_refs, mod.captured_avals):
+    if aval.shape == ():
+      env[var] = _as_dtype(ref[0], aval.dtype)
+    else:
+      env[var] = _Captured(ref, (None,) * len(aval.shape), aval.dtype)
+  scalar_vars = index_vars[:-2] if num_tile_args == 2 else index_vars[1:-2]
+  for var, value in zip(scalar_vars, (batch, head)):
+    env[var] = value
+  varying = set(_tile_vars(mod))
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+  rows = {}
+  for position, eqn in enumerate(jaxpr.eqns):
+    inputs_vary = [not isinstance(v, jex_core.Literal) and v in varying for v in eqn.invars]
+    if any(inputs_vary):
+      varying.update(eqn.outvars)
+      row = _hoisted_row(eqn, [None if vary else read(v) for v, vary in
+                               zip(eqn.invars, inputs_vary)], inputs_vary)
+      if row is not None:
+        rows[position] = row
+      continue
+    for var, value in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
+      env[var] = value
+  return BoundMod(mod, env, frozenset(varying), rows)
+
+
+def _hoisted_row(eqn, ins, inputs_vary):
+  """For a per-element lookup `table[i, j(q_idx, kv_idx)]` (a dynamic_slice
+  of a captured array whose indices all but one are fixed per tile): (axis,
+  the entries along it at the fixed indices, dtype), loaded now; else None."""
+  if eqn.primitive.name != "dynamic_slice" or not isinstance(ins[0], _Captured):
+    return None
+  view = ins[0]
+  if inputs_vary[0] or sum(inputs_vary[1:]) != 1 or any(i is not None for i in view.index):
+    return None
+  axis = inputs_vary[1:].index(True)
+  entries = view.ref.shape[axis]
+  if entries > MAX_SELECT_ENTRIES or any(size != 1 for size in eqn.params["slice_sizes"]):
+    return None  # `_index_captured` says why, in the loop
+  clamp = lambda i, a: jnp.clip(i, 0, view.ref.shape[a] - 1)
+  fixed = [None if a == axis else clamp(i, a) for a, i in enumerate(ins[1:])]
+  at = lambda e: tuple(e if a == axis else i for a, i in enumerate(fixed))
+  return axis, [view.ref[at(e)] for e in range(entries)], view.dtype
+
+
+def _select_entry(entries, index, dtype):
+  """entries[index] per element of the tile `index` (clamped into range),
+  by a chain of selects."""
+  index = jnp.clip(index, 0, len(entries) - 1)
+  value = jnp.broadcast_to(entries[0], index.shape)
+  for e in range(1, len(entries)):
+    value = jnp.where(index == e, entries[e], value)
+  return _as_dtype(value, dtype)
+
+
+def kernel_operand(x):
+  """A captured array as the kernels take it in GPU memory: a 0-d array as
+  shape (1,), a bool array as int32 (`evaluate_in_kernel` reads it back as
+  bool)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.int32)
+  return x.reshape((1,)) if x.ndim == 0 else x
+
+
+def _as_dtype(value, dtype):
+  return value != 0 if dtype == jnp.bool_ and value.dtype != jnp.bool_ else value
+
+
+def value_and_slope(mod: ModFunction, captured_refs, score, batch, head, q_idx, kv_idx):
   """(score_mod(score, ...), its derivative in `score`) on a kernel's tile."""
-  fn = lambda s: evaluate_in_kernel(mod, captured_refs, s, *index_args)
-  return jax.jvp(fn, (score,), (jnp.ones_like(score),))
+  return bind(mod, captured_refs, batch, head).value_and_slope(score, q_idx, kv_idx)
 
 
 def _run(closed, args):
@@ -352,7 +473,7 @@ def _index_captured(eqn, ins):
     if eqn.outvars[0].aval.shape == () and not x.complete:
       # A one-entry axis left whole and squeezed away (jnp indexes an axis of
       # one entry, `slopes[head]` of one head, without a dynamic_slice).
-      return _read(_Captured(x.ref, tuple(0 if i is None else i for i in x.index)))
+      return _read(_Captured(x.ref, tuple(0 if i is None else i for i in x.index), x.dtype))
     return x
   if name != "dynamic_slice":
     raise Unsupported(f"a captured array is used by {name!r}, which the kernels cannot run; "
@@ -365,7 +486,7 @@ def _index_captured(eqn, ins):
         raise Unsupported("the kernels read captured arrays an entry at a time; a slice of "
                           f"{size} entries needs implementation='xla'")
       index[axis] = start  # dynamic_slice clamps: so does the read below
-  view = _Captured(x.ref, tuple(index))
+  view = _Captured(x.ref, tuple(index), x.dtype)
   return _read(view) if view.complete else view
 
 
@@ -377,7 +498,7 @@ def _read(view: _Captured):
   per_element = [a for a, i in enumerate(view.index) if jnp.ndim(i) > 0]
   clamp = lambda i, a: jnp.clip(i, 0, ref.shape[a] - 1)
   if not per_element:
-    return ref[tuple(clamp(i, a) for a, i in enumerate(view.index))]
+    return _as_dtype(ref[tuple(clamp(i, a) for a, i in enumerate(view.index))], view.dtype)
   if len(per_element) > 1:
     raise Unsupported("a captured array indexed per element along two axes; the kernels "
                       "take one such axis: use implementation='xla'")
@@ -391,4 +512,4 @@ def _read(view: _Captured):
   value = jnp.broadcast_to(ref[at(0)], tile_index.shape)
   for e in range(1, entries):
     value = jnp.where(tile_index == e, ref[at(e)], value)
-  return value
+  return _as_dtype(value, view.dtype)

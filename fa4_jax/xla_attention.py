@@ -133,11 +133,12 @@ class _Problem:
     mod_row = None if self.mod_blocks is None else self.mod_blocks[qb]
     return _walk(lo, hi, mod_row, step, carry)
 
-  def walk_query_blocks(self, kb, step, carry):
-    """`step(qb, carry)` over the query blocks that see key block `kb`."""
+  def query_block_walk(self, kb):
+    """`walk(step, carry)`: `step(qb, carry)` over the query blocks that see
+    key block `kb`."""
     lo, hi = self.query_blocks_for(kb)
     mod_col = None if self.mod_blocks is None else self.mod_blocks[:, kb]
-    return _walk(lo, hi, mod_col, step, carry)
+    return lambda step, carry: _walk(lo, hi, mod_col, step, carry)
 
   def _blocks_paired_with(self, b, size, own_len, other_len, own_segments, block_range):
     """The other side's blocks [lo, hi) that block `b` (of `size` rows or
@@ -187,6 +188,8 @@ class _Problem:
     (`Scores.modified`); `score_captured` replaces the captured arrays (to
     differentiate in them)."""
     scores_ = self.scores
+    if scores_.score_mod is None:
+      return scores.soft_cap(s, self.soft_cap)
     if score_captured is not None:
       scores_ = scores_.replace(score_captured=tuple(score_captured))
     return scores_.modified(s, *self._mod_indices(qb, kb))
@@ -522,12 +525,12 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
   def probs_and_dlogits(qb, kb, q_blk, do_blk, k_blk, v_blk):
     """(P, dS with respect to scale * q.k + bias, the captured arrays'
     gradients from this block pair or None)."""
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-    s0 = p.scaled_logits(q_blk, k_blk, qb, kb)
+    dp_of = lambda: jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk,
+                               preferred_element_type=jnp.float32)
     if not with_mod:
-      s = p.masked(p.modified(s0, qb, kb), qb, kb)
+      s = p.logits(q_blk, k_blk, qb, kb)
       probs = jnp.exp(s - stats(lse_safe, qb))  # masked: exp(-inf) = 0
-      ds = probs * (dp - stats(delta, qb))
+      ds = probs * (dp_of() - stats(delta, qb))
       if p.soft_cap is not None:
         ds = ds * scores.soft_cap_grad(s, p.soft_cap)  # through cap * tanh(. / cap)
       return probs, ds, None
@@ -538,6 +541,8 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
         full[i] = c
       return p.modified(s_, qb, kb, full)
 
+    dp = dp_of()
+    s0 = p.scaled_logits(q_blk, k_blk, qb, kb)
     s_mod, pullback = jax.vjp(modified, s0, *(captured[i] for i in float_idx))
     s = p.masked(s_mod, qb, kb)
     probs = jnp.exp(s - stats(lse_safe, qb))
@@ -572,8 +577,9 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
         dcap_acc = tuple(a + x.astype(jnp.float32) for a, x in zip(dcap_acc, dcap))
       return dk, dv, dq_acc, dbias_acc, dcap_acc
 
+    walk = p.query_block_walk(kb)
     zeros = jnp.zeros((bsz, bk, kh, d), jnp.float32)
-    dk, dv, *carry = p.walk_query_blocks(kb, step, (zeros, zeros, *carry))
+    dk, dv, *carry = walk(step, (zeros, zeros, *carry))
     return tuple(carry), ((dk * scale).astype(k.dtype), dv.astype(v.dtype))
 
   dq0 = jnp.zeros(p.q.shape, jnp.float32)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fa4_jax import scores
+from fa4_jax import mod_functions, scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.scores import LOG2_E, cdiv, pad_ids, tile_ranges_operand
 
@@ -103,7 +103,6 @@ def mod_operands(mods, fine, fine_blocks, *, q_block: int, kv_block: int, num_q:
   operands = [counts, order]
   if mods.index_offsets is not None:
     operands.append(jnp.asarray(mods.index_offsets, jnp.int32).reshape(2))
-  for x in (*mods.score_captured, *mods.mask_captured):
-    x = jnp.asarray(x)
-    operands.append(x.reshape(1) if x.ndim == 0 else x)
+  operands += [mod_functions.kernel_operand(x)
+               for x in (*mods.score_captured, *mods.mask_captured)]
   return operands

@@ -21,7 +21,7 @@ from fa4_jax import mod_functions, scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
-from fa4_jax.kernels.sm90_tiles import mask_mod_hook, where_visible
+from fa4_jax.kernels.sm90_tiles import bound_mask_hook, where_visible
 from fa4_jax.scores import MaskSpec, TileRanges
 
 
@@ -442,35 +442,37 @@ class ModRefs:
     """The mods of tiles of (`batch_idx`, query `head`), local indices."""
     if self.offsets is not None:
       batch_idx, head = batch_idx + self.offsets[0], head + self.offsets[1]
-    return TileMods(statics, self, batch_idx, head)
+    bound = lambda mod, refs: None if mod is None else mod_functions.bind(mod, refs, batch_idx,
+                                                                          head)
+    return TileMods(bound(statics.score_mod, self.score_captured),
+                    bound(statics.mask_mod, self.mask_captured))
 
 
 @dataclasses.dataclass(frozen=True)
 class TileMods:
-  """`score_mod` and `mask_mod` on the tiles of one (batch, query head), at
-  the indices they see (global ones in a sharded call)."""
+  """`score_mod` and `mask_mod` on the tiles of one (batch, query head),
+  bound to the indices they see (global ones in a sharded call) before the
+  walk over blocks, so that their reads of captured arrays happen once
+  (`mod_functions.bind`); None where the call has no such mod."""
 
-  statics: ModStatics
-  refs: ModRefs
-  batch: Any
-  head: Any
+  score_fn: Any  # mod_functions.BoundMod
+  mask_fn: Any
 
   @property
   def score_mod(self):
-    return self.statics.score_mod
+    return None if self.score_fn is None else self.score_fn.mod
 
   @property
   def mask_mod(self):
-    return self.statics.mask_mod
+    return None if self.mask_fn is None else self.mask_fn.mod
 
   def score(self, x, q_idx, kv_idx):
     """(score_mod(x), its derivative in x) on a tile."""
-    return mod_functions.value_and_slope(self.score_mod, self.refs.score_captured, x,
-                                         self.batch, self.head, q_idx, kv_idx)
+    return self.score_fn.value_and_slope(x, q_idx, kv_idx)
 
   def mask_hook(self):
     """`where_visible`'s `mask_mod` hook (None without a mask_mod)."""
-    return mask_mod_hook(self.mask_mod, self.refs.mask_captured, self.batch, self.head)
+    return bound_mask_hook(self.mask_fn)
 
 
 def walk_block_list(walk: BlockList, block_fn, carry, step0=0):

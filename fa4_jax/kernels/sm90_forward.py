@@ -148,7 +148,7 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
 from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
                                      heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
-from fa4_jax.kernels.sm90_tiles import (id_ring, load_ids, mask_mod_hook, padded_head_dim,
+from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, padded_head_dim,
                                        smem_tile, where_visible)
 from fa4_jax import scores as score_lib
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
@@ -856,9 +856,12 @@ class _ConsumerTile:
   q_segment: Any  # the rows' segment ids (`_ROW_LAYOUT`); None without segment ids
   sink: Any  # the head's sink logit (f32 scalar); None without sinks
   q_waited: bool = False  # the Q wait came before (a work queue's unit rides with it)
-  # Programmable scores: (batch, head) as the mods see them (the offsets of a
-  # sharded call added); None without mods.
-  mod_indices: Any = None
+  # Programmable scores: the score_mod and mask_mod bound to the tile's
+  # (batch, head) as they see them (a sharded call's offsets added), before
+  # the walk, so their reads of captured arrays happen once per tile
+  # (`mod_functions.bind`); None without them.
+  score_fn: Any = None
+  mask_fn: Any = None
 
   @classmethod
   def create(cls, ctx: _Context, i, step0, unit=None) -> "_ConsumerTile":
@@ -867,10 +870,14 @@ class _ConsumerTile:
     q_tile = ctx.refs.q_smem.at[ctx.bars.q.buffer(i, wg)]
     o_tile = ctx.refs.o_smem.at[wg] if cfg.persistent else q_tile
     q_lo = item.cta_q_lo + wg * cfg.block_q
-    own = mod_indices = None
+    own = score_fn = mask_fn = None
     if ctx.call.mods:  # both consumers walk the CTA's list (`walk_block_list`)
       offsets = ctx.refs.index_offsets
       mod_indices = (item.batch_idx + offsets[0], item.head + offsets[1])
+      if ctx.call.score_mod is not None:
+        score_fn = mod_functions.bind(ctx.call.score_mod, ctx.refs.score_captured, *mod_indices)
+      if ctx.call.mask_mod is not None:
+        mask_fn = mod_functions.bind(ctx.call.mask_mod, ctx.refs.mask_captured, *mod_indices)
     else:
       own = ctx.consumer_blocks(item.batch_idx, item.tile, wg, q_lo, item.q_len,
                                 item.kv_len).within(item.lo, item.hi)
@@ -881,7 +888,7 @@ class _ConsumerTile:
     # One scalar per tile from GMEM, loaded before the wait for Q hides its latency.
     sink = ctx.refs.sinks[item.head] if ctx.call.has_sinks else None
     return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink,
-               q_waited=unit is not None, mod_indices=mod_indices)
+               q_waited=unit is not None, score_fn=score_fn, mask_fn=mask_fn)
 
   def walk_kv_blocks(self):
     """(O, m, l) of the tile, unnormalised. Every consumer steps through all
@@ -1000,9 +1007,7 @@ class _ConsumerTile:
       kv_len = key_length_to_compare(self.item.kv_len, call.config.block_kv, call.mask,
                                      segment_ids=call.has_segment_ids)
       segments = None if key_ids is None else (self.q_segment, key_ids)
-      mask_mod = None
-      if call.mask_mod is not None:
-        mask_mod = mask_mod_hook(call.mask_mod, self.ctx.refs.mask_captured, *self.mod_indices)
+      mask_mod = bound_mask_hook(self.mask_fn)
       s = where_visible(s, call.masked_logit, mask=call.mask, row_lo=self.q_lo,
                         col_lo=block * call.config.block_kv, keys_along_rows=False,
                         kv_len=kv_len, q_len=self.item.q_len, segments=segments,
@@ -1022,9 +1027,7 @@ class _ConsumerTile:
                              layout=plgpu.Layout.WGMMA)
     q_idx = self.q_lo + iota(0)
     kv_idx = block * cfg.block_kv + iota(1)
-    s = mod_functions.evaluate_in_kernel(call.score_mod, self.ctx.refs.score_captured,
-                                         s * jnp.float32(call.scale), *self.mod_indices, q_idx,
-                                         kv_idx)
+    s = self.score_fn(s * jnp.float32(call.scale), q_idx, kv_idx)
     s = s.astype(jnp.float32)
     if s.shape != q_idx.shape:  # a score_mod that ignores the score
       s = jnp.broadcast_to(s, q_idx.shape)
