@@ -756,10 +756,14 @@ def evaluate_mask_mod(mask_mod, captured, batch_idx, head_idx, q_idx, kv_idx):
 
 def mask_mod_classes(mask_mod, captured, batch: int, heads: int, q_len: int, kv_len: int,
                      q_block: int, kv_block: int, *, first_batch=0, first_head=0):
-  """int8 [batch, heads, nq, nk]: `mask_mod` evaluated once, in XLA, one query
-  tile at a time (memory: batch x heads x q_block x kv_len), into classes.
-  Positions past the lengths count as not visible. `first_batch`,
-  `first_head`: the indices `mask_mod` sees for row 0 and head 0 (a shard's)."""
+  """int8 [batch, heads, nq, nk]: `mask_mod` evaluated once, in XLA, a few
+  query tiles at a time, into classes. Positions past the lengths count as
+  not visible. `first_batch`, `first_head`: the indices `mask_mod` sees for
+  row 0 and head 0 (a shard's).
+
+  Each step evaluates at most `MASK_MOD_STEP_ELEMENTS` pairs (and never less
+  than one query tile): one tile a step made a loop of q_len / q_block
+  small steps, whose per-step launches, not the mask, set the cost."""
   nq, nk = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
   b = first_batch + jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
   h = first_head + jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
@@ -775,7 +779,14 @@ def mask_mod_classes(mask_mod, captured, batch: int, heads: int, q_len: int, kv_
     all_ = jnp.where(real, tiles, True).all(axis=(2, 4))
     return jnp.where(all_ & any_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
 
-  return jnp.moveaxis(lax.map(one_tile, jnp.arange(nq, dtype=jnp.int32)), 0, 2)
+  tiles_per_step = max(1, MASK_MOD_STEP_ELEMENTS // (batch * heads * q_block * nk * kv_block))
+  classes = lax.map(one_tile, jnp.arange(nq, dtype=jnp.int32), batch_size=min(tiles_per_step, nq))
+  return jnp.moveaxis(classes, 0, 2)
+
+
+# Pairs one step of `mask_mod_classes` evaluates at most: 2**24 booleans (16
+# MiB, and a few times that in the mod's temporaries).
+MASK_MOD_STEP_ELEMENTS = 1 << 24
 
 
 def combine_classes(a, b):

@@ -268,7 +268,10 @@ def test_tile_classes_of_a_causal_mask_are_counted():
   np.testing.assert_array_equal(order[0, 0, 3], [3, 0, 1, 2])  # partial first, then full
 
 
-def test_tile_classes_of_prefix_lm_and_of_odd_lengths():
+@pytest.mark.parametrize("tiles_per_step", [None, 2])  # all five query tiles at once; 2 + 2 + 1
+def test_tile_classes_of_prefix_lm_and_of_odd_lengths(tiles_per_step, monkeypatch):
+  if tiles_per_step:
+    monkeypatch.setattr(scores, "MASK_MOD_STEP_ELEMENTS", tiles_per_step * 2 * 3 * 64 * 320)
   bm = fa4_jax.create_block_mask(prefix_lm, 2, 3, 300, 260, q_block=64, kv_block=64)
   assert bm.shape == (2, 3, 5, 5)
   want = np.where(explicit(prefix_lm, 300, 260)[0, 0], 1, 0)
