@@ -33,6 +33,15 @@ Optional arguments, taken by a module that names them in its `FEATURES`
     "soft_cap" (forward, backward): soft_cap=float > 0, logits ->
         cap * tanh(logits / cap) before masking (`scores.softmax_logits`,
         `softmax_scale`; the backward's dS times `scores.soft_cap_slope`).
+    "mods" (forward, backward): mods=the call's `scores.Scores` where it has
+        a `score_mod` and / or a `mask_mod` (None otherwise): `score_mod`
+        applied to the scaled score before the soft-cap, `mask_mod` and-ed
+        with the built-in masks, the tiles walked from `scores.block_lists`
+        (empty tiles never loaded, full ones unmasked), the mods evaluated on
+        a tile by `mod_functions` (`bind`, `evaluate_in_kernel`); the
+        backward's dS times the score_mod's slope (`value_and_slope`). The
+        gradients of the arrays the mods capture come from one XLA pass
+        after the kernel backward (`fa4_jax.backends`).
 """
 
 
