@@ -36,6 +36,10 @@ def attention(
     score_mod=None,
     mask_mod=None,
     block_mask=None,
+    query_descale=None,
+    key_descale=None,
+    value_descale=None,
+    output_dtype=None,
 ):
   """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
 
@@ -109,6 +113,16 @@ def attention(
     block_mask: optional, from `fa4_jax.create_block_mask`: the tile classes
       of a `mask_mod` computed once and reused across layers and calls (its
       `mask_mod` applies when `mask_mod` is not given).
+    query_descale, key_descale, value_descale: float8 inputs (`query`, `key`
+      and `value` all `float8_e4m3fn` or all `float8_e5m2`, or a bfloat16 /
+      float16 query with float8 keys and values: a float8 KV cache): the
+      real value is the stored one times its descale, a float32 scalar or
+      one factor per head (`[N]` for the query, `[K]` for keys and values);
+      None is 1. Only for float8 operands. Inference only: differentiating
+      a call with float8 operands raises a ValueError. Not part of `jax.nn`.
+    output_dtype: the output's dtype for float8 operands: bfloat16 (default
+      for a float8 query; a bfloat16 / float16 query's own dtype otherwise),
+      float16 or float32. Not part of `jax.nn`.
 
   Returns:
     The attention output, shaped like `query` (and the residual, if asked).
@@ -124,7 +138,9 @@ def attention(
     extras = dict(query_segment_ids=query_segment_ids,
                   key_value_segment_ids=key_value_segment_ids, sinks=sinks,
                   logits_soft_cap=logits_soft_cap, score_mod=score_mod, mask_mod=mask_mod,
-                  block_mask=block_mask,
+                  block_mask=block_mask, query_descale=query_descale,
+                  key_descale=key_descale, value_descale=value_descale,
+                  output_dtype=output_dtype,
                   causal_alignment=None if causal_alignment == "top_left" else causal_alignment)
     given = [name for name, x in extras.items() if x is not None]
     if given:
@@ -138,19 +154,24 @@ def attention(
         local_window_size=local_window_size, implementation="cudnn",
         return_residual=return_residual)
 
-  args, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
-                           query_seq_lengths, key_value_seq_lengths,
-                           local_window_size, implementation,
-                           query_segment_ids, key_value_segment_ids, sinks,
-                           logits_soft_cap, causal_alignment, score_mod, mask_mod, block_mask)
+  args, backend = _prepare(
+      query, key, value, bias, mask, implementation, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+      key_value_segment_ids=key_value_segment_ids, sinks=sinks,
+      logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
+      score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+      query_descale=query_descale, key_descale=key_descale, value_descale=value_descale,
+      output_dtype=output_dtype)
   config = CoreConfig(backend=backend, matmul_precision=current_matmul_precision())
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
                             args.scores, config)
   out = out.reshape(args.output_shape)
   if not return_residual:
     return out
-  # [B, N, T] -> [B, T, N], in the inputs' dtype as jax.nn returns it.
-  lse = lax.stop_gradient(lse).transpose(0, 2, 1).astype(args.key.dtype)
+  # [B, N, T] -> [B, T, N], in the inputs' dtype as jax.nn returns it (the
+  # output's, for float8 inputs).
+  lse = lax.stop_gradient(lse).transpose(0, 2, 1).astype(args.scores.out_dtype or args.key.dtype)
   return out, lse.reshape(args.output_shape[:-1])
 
 
@@ -160,6 +181,7 @@ def which_implementation(
     implementation: Implementation = None, query_segment_ids=None,
     key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
     causal_alignment="top_left", score_mod=None, mask_mod=None, block_mask=None,
+    query_descale=None, key_descale=None, value_descale=None, output_dtype=None,
     part: str = "forward",
 ) -> str:
   """The implementation `attention` would use for these arguments here (on
@@ -176,29 +198,25 @@ def which_implementation(
     raise ValueError(f"part must be 'forward' or 'backward'; got {part!r}")
   if implementation == "cudnn":
     return "cudnn"
-  args, backend = _prepare(query, key, value, bias, mask, scale, is_causal,
-                           query_seq_lengths, key_value_seq_lengths,
-                           local_window_size, implementation, query_segment_ids,
-                           key_value_segment_ids, sinks, logits_soft_cap, causal_alignment,
-                           score_mod, mask_mod, block_mask)
+  args, backend = _prepare(
+      query, key, value, bias, mask, implementation, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+      key_value_segment_ids=key_value_segment_ids, sinks=sinks,
+      logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
+      score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+      query_descale=query_descale, key_descale=key_descale, value_descale=value_descale,
+      output_dtype=output_dtype)
   if part == "backward":
     return backends.backward_name(backend, _call_info(args))
   return backend.name
 
 
-def _prepare(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-             key_value_seq_lengths, local_window_size, implementation,
-             query_segment_ids=None, key_value_segment_ids=None, sinks=None,
-             logits_soft_cap=None, causal_alignment="top_left", score_mod=None, mask_mod=None,
-             block_mask=None):
-  args: Arguments = validate(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, implementation=implementation,
-      query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
-      sinks=sinks, logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
-      score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+def _prepare(query, key, value, bias, mask, implementation, **named):
+  """The validated arguments (`named`: `validate`'s keyword arguments) and
+  the backend that serves them."""
+  args: Arguments = validate(query, key, value, bias, mask, implementation=implementation,
+                             **named)
   return args, backends.select(implementation, _call_info(args))
 
 

@@ -25,11 +25,12 @@ is the sm90 backward.
 
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional
-arguments it takes in `FEATURES` ("sinks", "soft_cap", "mods"): without
+arguments it takes in `FEATURES` ("sinks", "soft_cap", "mods", "fp8"): without
 "sinks" the sinks are added after its forward (`scores.add_sinks`); without
 "soft_cap" or "mods" the forward cannot serve a soft-capped call or one with
 a `score_mod` / `mask_mod`, and the backward leaves it to XLA. A module with
 "mods" is given the whole score value (`mods=`) where the call has them.
+Without "fp8" a call with float8 operands runs on the XLA path.
 The gradients of a score_mod's captured arrays come from the XLA backward
 where a kernel's backward does not compute them (`_captured_grads`).
 """
@@ -70,6 +71,7 @@ class CallInfo:
   has_segment_ids: bool = False
   score_mod: object = None  # mod_functions.ModFunction
   mask_mod: object = None
+  has_fp8: bool = False  # float8 operands (a float8 query, or a float8 K/V cache)
 
   @property
   def has_mods(self) -> bool:
@@ -80,7 +82,8 @@ class CallInfo:
     return cls(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=scores_.mask,
                has_bias=bias is not None, has_mask=mask is not None,
                soft_cap=scores_.soft_cap, has_segment_ids=scores_.q_segment_ids is not None,
-               score_mod=scores_.score_mod, mask_mod=scores_.mask_mod)
+               score_mod=scores_.score_mod, mask_mod=scores_.mask_mod,
+               has_fp8=scores_.has_fp8)
 
 
 XLA = Backend("xla", xla_attention.forward, xla_attention.backward)
@@ -244,6 +247,9 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
     return f"implementation={name!r}: this build of fa4_jax has no {name} kernel"
   if call.soft_cap is not None and "soft_cap" not in _features(module):
     return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
+            "implementation=None (which falls back to the XLA path) or 'xla'")
+  if call.has_fp8 and "fp8" not in _features(module):
+    return (f"implementation={name!r} does not take float8 operands yet; use "
             "implementation=None (which falls back to the XLA path) or 'xla'")
   if call.has_mods:
     if "mods" not in _features(module):

@@ -29,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import backends, interpret
-from fa4_jax.validation import (SUPPORTED_DTYPES, _as_array, _check_scale, _check_sinks,
-                                _check_soft_cap, _dtype_name, _is_concrete)
+from fa4_jax.scores import FP8_DTYPES
+from fa4_jax.validation import (_as_array, _check_descale, _check_output_dtype, _check_scale,
+                                _check_sinks, _check_soft_cap, _dtype_name, _is_concrete,
+                                check_dtypes)
 
 PagedImplementation = Literal["xla", "sm90"] | None
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90")
@@ -39,7 +41,8 @@ IMPLEMENTATION_CHOICES = (None, "xla", "sm90")
 def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_lengths, *,
                     scale: float | None = None, is_causal: bool = True, sinks=None,
                     logits_soft_cap: float | None = None,
-                    implementation: PagedImplementation = None):
+                    implementation: PagedImplementation = None, query_descale=None,
+                    key_descale=None, value_descale=None, output_dtype=None):
   """Attention of the newest tokens of each row against its paged KV cache.
 
   Args:
@@ -49,7 +52,8 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
       alignment). bfloat16, float16, float32 or float64.
     key_pages, value_pages: `[num_pages, page_size, Hkv, D]`, the page pool
       (vLLM / FlashInfer layout: page, token in page, head, head_dim), the
-      query's dtype; `Hq % Hkv == 0` (GQA; 1 is MQA).
+      query's dtype (or float8: see `key_descale`); `Hq % Hkv == 0` (GQA; 1
+      is MQA).
     page_table: integer `[B, max_pages]`: logical page `p` of row `b` (keys
       `p * page_size .. (p + 1) * page_size - 1`) is physical page
       `page_table[b, p]`. Entries past `ceil(length / page_size)` are
@@ -70,9 +74,16 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
       the call, else the XLA path), "xla", or "sm90" (a ValueError saying
       why when it cannot; without a Hopper GPU it runs only inside
       `fa4_jax.interpret_mode()`).
+    query_descale, key_descale, value_descale, output_dtype: float8 pages
+      (`float8_e4m3fn` or `float8_e5m2`, with a bfloat16 / float16 query or
+      a query of the pages' float8 dtype), as in `fa4_jax.attention`: the
+      real value is the stored one times its descale (a scalar or one per
+      head). Read by the XLA path for now (the pages gathered in float8 and
+      widened a block at a time).
 
   Returns:
-    `[B, T, Hq, D]` in the query's dtype; a query that sees no key gets zeros.
+    `[B, T, Hq, D]` in the query's dtype (float8: `output_dtype`, by
+    default bfloat16 or the query's); a query that sees no key gets zeros.
 
   The sm90 kernel serves: bfloat16 / float16, head_dim 64, 128, 192 or 256,
   page sizes that are powers of two >= 8 (16, 32, 64, 128, ...), at most 256
@@ -90,24 +101,29 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
   """
   args = _validate(query, key_pages, value_pages, page_table, key_value_seq_lengths,
                    scale=scale, is_causal=is_causal, sinks=sinks,
-                   logits_soft_cap=logits_soft_cap, implementation=implementation)
+                   logits_soft_cap=logits_soft_cap, implementation=implementation,
+                   descales=(query_descale, key_descale, value_descale),
+                   output_dtype=output_dtype)
   arrays = (args.query, args.key_pages, args.value_pages, args.page_table, args.lengths,
             args.sinks)
   if _select(implementation, args) == "xla":
-    return _xla_forward(*arrays, args.static)
+    return _xla_forward(*arrays, args.static, args.descales)
   return _kernel_forward(*arrays, args.static)
 
 
 def which_paged_implementation(query, key_pages, value_pages, page_table,
                                key_value_seq_lengths, *, scale=None, is_causal=True, sinks=None,
                                logits_soft_cap=None,
-                               implementation: PagedImplementation = None) -> str:
+                               implementation: PagedImplementation = None, query_descale=None,
+                               key_descale=None, value_descale=None, output_dtype=None) -> str:
   """What `paged_attention` runs for these arguments here: "sm90" (the
   Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
   would."""
   args = _validate(query, key_pages, value_pages, page_table, key_value_seq_lengths,
                    scale=scale, is_causal=is_causal, sinks=sinks,
-                   logits_soft_cap=logits_soft_cap, implementation=implementation)
+                   logits_soft_cap=logits_soft_cap, implementation=implementation,
+                   descales=(query_descale, key_descale, value_descale),
+                   output_dtype=output_dtype)
   return _select(implementation, args)
 
 
@@ -121,6 +137,7 @@ class _Static:
   scale: float
   is_causal: bool
   soft_cap: float | None
+  output_dtype: object = None  # float8 pages: the output's dtype (validation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +149,13 @@ class _Arguments:
   lengths: jax.Array  # int32
   sinks: jax.Array | None
   static: _Static
+  # float8: float32 descales of the query, keys and values (None: 1).
+  descales: tuple = (None, None, None)
 
 
 def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_causal, sinks,
-              logits_soft_cap, implementation) -> _Arguments:
+              logits_soft_cap, implementation, descales=(None, None, None),
+              output_dtype=None) -> _Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
@@ -161,9 +181,17 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
           f"`key_value_seq_lengths` values must lie in [0, {capacity}] (max_pages * "
           f"page_size); got min {values.min()}, max {values.max()}")
   static = _Static(scale=_check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
-                   soft_cap=_check_soft_cap(logits_soft_cap))
+                   soft_cap=_check_soft_cap(logits_soft_cap),
+                   output_dtype=_check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
+  heads, kv_heads = query.shape[2], key_pages.shape[2]
+  descales = tuple(
+      _check_descale(x, f"{name}_descale", operand, dtype, n, heads_name)
+      for x, name, operand, dtype, n, heads_name in zip(
+          descales, ("query", "key", "value"), ("query", "key_pages", "value_pages"),
+          (query.dtype, key_pages.dtype, value_pages.dtype), (heads, kv_heads, kv_heads),
+          ("query head", "key/value head", "key/value head")))
   return _Arguments(query, key_pages, value_pages, page_table, lengths,
-                    _check_sinks(sinks, query.shape[2]), static)
+                    _check_sinks(sinks, heads), static, descales)
 
 
 def _check_cache(query, key_pages, value_pages) -> None:
@@ -172,15 +200,9 @@ def _check_cache(query, key_pages, value_pages) -> None:
                           ("value_pages", value_pages, "[num_pages, page_size, heads, head_dim]")):
     if x.ndim != 4:
       raise ValueError(f"`{name}` must be rank 4, {layout}; got shape {x.shape}")
-    if x.dtype not in SUPPORTED_DTYPES:
-      raise ValueError(f"`{name}` dtype must be one of bfloat16, float16, float32, float64; "
-                       f"got {_dtype_name(x.dtype)}")
     if 0 in x.shape:
       raise ValueError(f"`{name}` must not be empty; got shape {x.shape}")
-  if not query.dtype == key_pages.dtype == value_pages.dtype:
-    raise ValueError(f"`query`, `key_pages` and `value_pages` must have the same dtype; got "
-                     f"{_dtype_name(query.dtype)}, {_dtype_name(key_pages.dtype)} and "
-                     f"{_dtype_name(value_pages.dtype)}")
+  check_dtypes(query, key_pages, value_pages, "key_pages", "value_pages")
   if value_pages.shape != key_pages.shape:
     raise ValueError(f"`value_pages` shape must equal `key_pages` shape {key_pages.shape}; "
                      f"got {value_pages.shape}")
@@ -226,6 +248,8 @@ def _kernel_problem(args: _Arguments) -> str | None:
   if not interpret.is_interpreting() and backends.device_arch_major() != 9:
     return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
             "fa4_jax.interpret_mode()")
+  if args.key_pages.dtype in FP8_DTYPES:
+    return "float8 pages are read by the XLA path for now; use implementation=None or 'xla'"
   q_shape = args.query.shape
   try:
     k_shape = sm90_forward.check_paged(q_shape, args.key_pages.shape, args.page_table.shape)
@@ -276,16 +300,20 @@ def gather_pages(pages, page_table):
   return rows.reshape(b, p * page_size, h, d)
 
 
-def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static):
+def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static,
+                 descales=(None, None, None)):
   """The pages gathered into contiguous rows, then the XLA attention with
   the bottom-right mask: exact, differentiable, and the reference."""
+  query_descale, key_descale, value_descale = descales
   from fa4_jax.api import attention
 
   k, v = gather_pages(key_pages, page_table), gather_pages(value_pages, page_table)
   # Causal: query t sits at position length - T + t and sees keys up to it.
   return attention(q, k, v, scale=static.scale, is_causal=static.is_causal,
                    causal_alignment="bottom_right", key_value_seq_lengths=lengths,
-                   sinks=sinks, logits_soft_cap=static.soft_cap, implementation="xla")
+                   sinks=sinks, logits_soft_cap=static.soft_cap, implementation="xla",
+                   query_descale=query_descale, key_descale=key_descale,
+                   value_descale=value_descale, output_dtype=static.output_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

@@ -846,6 +846,11 @@ def block_lists(classes):
 # --- Programmable scores: the score value -----------------------------------------
 
 
+# Stored inputs whose real value is the stored one times a descale factor
+# (`Scores.q_descale` ...).
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
 def _static(**kwargs):
   return dataclasses.field(metadata=dict(static=True), **kwargs)
 
@@ -865,6 +870,9 @@ class Scores:
     s = -inf where not visible: the band (causal, windows), the lengths,
         the segment ids, and mask_mod(batch, head, q_idx, kv_idx)
     softmax over the keys, with the sink's virtual key if given.
+  With float8 operands the real q, k, v are the stored ones times their
+  descales: `scale` above is then scale * q_descale[head] *
+  k_descale[kv head], and the output is multiplied by v_descale[kv head].
   `q_idx` / `kv_idx` are positions in the query and key sequences as passed
   (0-based; under bottom-right alignment too: alignment moves the causal
   diagonal, not the indices); `head` is the query head; `batch` the row.
@@ -886,10 +894,21 @@ class Scores:
   # int32 [2]: the global (batch, head) index of this shard's first row and
   # head, which a sharded call adds before calling the mods; None: 0, 0.
   index_offsets: Any = None
+  # float8 operands: float32 descales per query head [N] and per key/value
+  # head [K] (None: 1), and the output's dtype, set exactly when the call has
+  # float8 operands (None: the query's dtype).
+  q_descale: Any = None
+  k_descale: Any = None
+  v_descale: Any = None
+  out_dtype: Any = _static(default=None)
 
   @property
   def has_mods(self) -> bool:
     return self.score_mod is not None or self.mask_mod is not None
+
+  @property
+  def has_fp8(self) -> bool:
+    return self.out_dtype is not None
 
   @property
   def segment_pair(self):

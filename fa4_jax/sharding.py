@@ -62,7 +62,8 @@ from fa4_jax.batching import custom_vmap_call
 _LAYOUTS = {
     "q": "btnh", "k": "bskh", "v": "bskh", "bias": "bnts", "mask": "bnts",
     "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt", "kv_segment_ids": "bs",
-    "sinks": "n", "block_mask.classes": "bnrr", "out": "btnh", "lse": "bnt", "dout": "btnh",
+    "sinks": "n", "q_descale": "n", "k_descale": "k", "v_descale": "k",
+    "block_mask.classes": "bnrr", "out": "btnh", "lse": "bnt", "dout": "btnh",
     "dq": "btnh", "dk": "bskh", "dv": "bskh", "dbias": "bnts",
 }
 # Arrays whose size-1 dims broadcast (labelled "1").

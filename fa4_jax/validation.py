@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import mod_functions
-from fa4_jax.scores import BlockMask, MaskSpec, Scores, cdiv
+from fa4_jax.scores import FP8_DTYPES, BlockMask, MaskSpec, Scores, cdiv
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+# What a call with float8 operands may return (bfloat16 unless `output_dtype`).
+FP8_OUTPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90", "sm100", "cudnn")
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -90,16 +92,7 @@ def _check_qkv(query, key, value):
         "`query`, `key` and `value` must all be rank 4 (batch, seq, heads, "
         "head_dim) or all rank 3 (seq, heads, head_dim); got ranks "
         f"{ranks[0]}, {ranks[1]} and {ranks[2]}")
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if x.dtype not in SUPPORTED_DTYPES:
-      raise ValueError(
-          f"`{name}` dtype must be one of bfloat16, float16, float32, float64; "
-          f"got {_dtype_name(x.dtype)}")
-  if not (query.dtype == key.dtype == value.dtype):
-    raise ValueError(
-        "`query`, `key` and `value` must have the same dtype; got "
-        f"{_dtype_name(query.dtype)}, {_dtype_name(key.dtype)} and "
-        f"{_dtype_name(value.dtype)}")
+  check_dtypes(query, key, value)
   if key.shape != value.shape:
     raise ValueError(f"`value` shape must equal `key` shape {key.shape}; got {value.shape}")
   if query.shape[0] != key.shape[0]:
@@ -119,6 +112,29 @@ def _check_qkv(query, key, value):
     raise ValueError(
         f"`query` and `key` need at least one position and a non-empty head_dim; "
         f"got query shape {query.shape} and key shape {key.shape}")
+
+
+def check_dtypes(query, key, value, key_name: str = "key", value_name: str = "value"):
+  """One dtype for all three, or float8: all three of one float8 dtype, or a
+  bfloat16 / float16 query on float8 keys and values (a float8 KV cache)."""
+  names = ("query", key_name, value_name)
+  for name, x in zip(names, (query, key, value)):
+    if x.dtype not in SUPPORTED_DTYPES + FP8_DTYPES:
+      raise ValueError(
+          f"`{name}` dtype must be one of bfloat16, float16, float32, float64, "
+          f"float8_e4m3fn, float8_e5m2; got {_dtype_name(x.dtype)}")
+  got = (f"got {_dtype_name(query.dtype)}, {_dtype_name(key.dtype)} and "
+         f"{_dtype_name(value.dtype)}")
+  if key.dtype in FP8_DTYPES or query.dtype in FP8_DTYPES:
+    if key.dtype != value.dtype or key.dtype not in FP8_DTYPES or (
+        query.dtype != key.dtype and query.dtype not in (jnp.bfloat16, jnp.float16)):
+      raise ValueError(
+          f"float8 attention takes `query`, `{key_name}` and `{value_name}` all of one float8 "
+          f"dtype, or a bfloat16 / float16 `query` with float8 `{key_name}` and "
+          f"`{value_name}`; {got}")
+  elif not (query.dtype == key.dtype == value.dtype):
+    raise ValueError(
+        f"`query`, `{key_name}` and `{value_name}` must have the same dtype; {got}")
 
 
 def _check_pair_array(x, name: str, full_shape: tuple[int, ...], want_bool: bool):
@@ -199,6 +215,44 @@ def _check_sinks(sinks, num_heads: int):
     raise ValueError(f"`sinks` shape must be (query heads,) = ({num_heads},), one logit per "
                      f"query head (also under GQA); got {sinks.shape}")
   return sinks
+
+
+def _check_descale(x, name: str, operand: str, operand_dtype, heads: int, heads_name: str):
+  """A float8 operand's descale as float32 [heads] (a scalar broadcast), or
+  None (1) when not given."""
+  if x is None:
+    return None
+  if operand_dtype not in FP8_DTYPES:
+    raise ValueError(f"`{name}` applies to a float8 `{operand}`; `{operand}` is "
+                     f"{_dtype_name(operand_dtype)}, so leave `{name}` out")
+  x = _as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"`{name}` must be floating point (float32); got {_dtype_name(x.dtype)}")
+  if x.shape not in ((), (1,), (heads,)):
+    raise ValueError(f"`{name}` must be a scalar or one factor per {heads_name} "
+                     f"(shape ({heads},)); got shape {x.shape}")
+  return jnp.broadcast_to(x.astype(jnp.float32).reshape(-1), (heads,))
+
+
+def _check_output_dtype(output_dtype, query_dtype, key_dtype):
+  """The output dtype of a call with float8 operands (bfloat16 by default);
+  None for other calls, whose output has the query's dtype."""
+  if key_dtype not in FP8_DTYPES:
+    if output_dtype is not None and jnp.dtype(output_dtype) != query_dtype:
+      raise ValueError(
+          "`output_dtype` applies to calls with float8 operands; this call's output has the "
+          f"query's dtype {_dtype_name(query_dtype)}; got output_dtype={output_dtype!r}")
+    return None
+  if output_dtype is None:
+    return jnp.dtype(query_dtype if query_dtype not in FP8_DTYPES else jnp.bfloat16)
+  try:
+    dtype = jnp.dtype(output_dtype)
+  except TypeError as e:
+    raise ValueError(f"`output_dtype` must be a dtype; got {output_dtype!r}") from e
+  if dtype not in FP8_OUTPUT_DTYPES:
+    raise ValueError("`output_dtype` must be bfloat16, float16 or float32; got "
+                     f"{_dtype_name(dtype)}")
+  return dtype
 
 
 def _check_soft_cap(cap):
@@ -308,7 +362,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
              implementation, query_segment_ids=None,
              key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
              causal_alignment="top_left", score_mod=None, mask_mod=None,
-             block_mask=None) -> Arguments:
+             block_mask=None, query_descale=None, key_descale=None, value_descale=None,
+             output_dtype=None) -> Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
@@ -338,7 +393,14 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
       mask=spec, scale=_check_scale(scale, h), soft_cap=_check_soft_cap(logits_soft_cap),
       score_mod=score_fn, mask_mod=mask_fn, q_lengths=q_lengths, kv_lengths=kv_lengths,
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=_check_sinks(sinks, n),
-      score_captured=score_captured, mask_captured=mask_captured, block_mask=block_mask)
+      score_captured=score_captured, mask_captured=mask_captured, block_mask=block_mask,
+      q_descale=_check_descale(query_descale, "query_descale", "query", query.dtype, n,
+                               "query head"),
+      k_descale=_check_descale(key_descale, "key_descale", "key", key.dtype, key.shape[2],
+                               "key/value head"),
+      v_descale=_check_descale(value_descale, "value_descale", "value", value.dtype,
+                               key.shape[2], "key/value head"),
+      out_dtype=_check_output_dtype(output_dtype, query.dtype, key.dtype))
   return Arguments(
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),

@@ -116,8 +116,13 @@ def keeping_rule(rule_fn):
 def _core_jvp(config, primals, tangents):
   """(out, lse) from the backend's forward; their tangent from a linear map
   that evaluates with the XLA path and transposes to the fused backward."""
-  out, lse = attention_core(*primals, config)
   q, k, v, bias, mask, scores_ = primals
+  if scores_.has_fp8:
+    raise ValueError(
+        "fa4_jax.attention has no derivative with float8 operands (they serve inference "
+        "and prefill); to differentiate, dequantize first: "
+        "x.astype(jnp.bfloat16) * descale, and pass bfloat16 arrays")
+  out, lse = attention_core(*primals, config)
   dq, dk, dv, dbias, _, dscores = tangents
   # Of the score value only the sinks and the score_mod's float captured
   # arrays are differentiable (mask, lengths, segment ids, mask_mod's

@@ -100,6 +100,22 @@ class _Problem:
   def soft_cap(self) -> Optional[float]:
     return self.scores.soft_cap
 
+  def widened(self, x):
+    """A block of q, k or v as the matmuls take it: float8 widened (exactly)
+    to the query's dtype, or to bfloat16 when the query is float8 too."""
+    if x.dtype not in scores.FP8_DTYPES:
+      return x
+    return x.astype(self.q.dtype if self.q.dtype not in scores.FP8_DTYPES else jnp.bfloat16)
+
+  def descaled_logits(self, s):
+    """Logits [B, K, G, bq, bk] times the float8 descales of q and k."""
+    kh, g = self.q.shape[2], self.q.shape[3]
+    if self.scores.q_descale is not None:
+      s = s * self.scores.q_descale.reshape(1, kh, g, 1, 1)
+    if self.scores.k_descale is not None:
+      s = s * self.scores.k_descale.reshape(1, kh, 1, 1, 1)
+    return s
+
   @property
   def num_q_blocks(self) -> int:
     return self.q.shape[1] // self.blocks.block_q
@@ -166,9 +182,9 @@ class _Problem:
   def scaled_logits(self, q_blk, k_blk, qb, kb):
     """scale * q.k (+ bias) [B, K, G, bq, bk] in float32: what `score_mod`
     takes."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk,
+    s = jnp.einsum("bqkgd,bskd->bkgqs", self.widened(q_blk), self.widened(k_blk),
                    preferred_element_type=jnp.float32)
-    s = s * jnp.float32(self.scale)
+    s = self.descaled_logits(s * jnp.float32(self.scale))
     if self.bias is not None:
       s = s + self._slice_pair(self.bias, qb, kb).astype(jnp.float32)
     return s
@@ -356,8 +372,9 @@ def forward(q, k, v, bias, mask, scores_: Scores, *, blocks: Blocks | None = Non
       probs = jnp.exp(s - m_safe[..., None])
       alpha = jnp.exp(m - m_safe)
       l = alpha * l + probs.sum(axis=-1)
-      pv = jnp.einsum("bkgqs,bskd->bkgqd", probs.astype(p.v.dtype),
-                      p.k_block(p.v, kb), preferred_element_type=jnp.float32)
+      v_blk = p.widened(p.k_block(p.v, kb))
+      pv = jnp.einsum("bkgqs,bskd->bkgqd", probs.astype(v_blk.dtype), v_blk,
+                      preferred_element_type=jnp.float32)
       return m_new, l, alpha[..., None] * acc + pv
 
     stats_shape = (bsz, kh, g, bq)
@@ -367,8 +384,10 @@ def forward(q, k, v, bias, mask, scores_: Scores, *, blocks: Blocks | None = Non
     m, l, acc = p.walk_key_blocks(qb, step, init)
     valid = (l > 0) & _row_valid(p, qb)
     out = jnp.where(valid[..., None], acc / jnp.where(valid, l, 1.0)[..., None], 0.0)
+    if scores_.v_descale is not None:
+      out = out * scores_.v_descale.reshape(1, kh, 1, 1, 1)
     lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
-    return out.astype(q.dtype), lse
+    return out.astype(scores_.out_dtype or q.dtype), lse
 
   out, lse = lax.map(one_query_block, jnp.arange(p.num_q_blocks))
   # out: [nq, B, K, G, bq, D] -> [B, T, N, D];  lse: [nq, B, K, G, bq] -> [B, N, T]
