@@ -40,6 +40,7 @@ def attention(
     key_descale=None,
     value_descale=None,
     output_dtype=None,
+    value_head_dim=None,
 ):
   """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
 
@@ -48,7 +49,10 @@ def attention(
   Args:
     query: `[B, T, N, H]` or `[T, N, H]`; bfloat16, float16, float32 or float64.
     key, value: `[B, S, K, H]` or `[S, K, H]`, same dtype as `query`;
-      `N % K == 0` (GQA; `K == 1` is MQA).
+      `N % K == 0` (GQA; `K == 1` is MQA). The value's head dim may differ
+      from the query's and key's (`[B, S, K, Hv]`, e.g. 128 against 192):
+      the output's is the value's. `value=None` with `value_head_dim=Hv`:
+      the values are the keys' first `Hv` features (MLA's latent cache).
     bias: optional additive bias, rank <= 4, broadcastable to `[B, N, T, S]`.
       Differentiable.
     mask: optional boolean array (True = attend), broadcastable to `[B, N, T, S]`.
@@ -120,12 +124,16 @@ def attention(
       one factor per head (`[N]` for the query, `[K]` for keys and values);
       None is 1. Only for float8 operands. Inference only: differentiating
       a call with float8 operands raises a ValueError. Not part of `jax.nn`.
+    value_head_dim: with `value=None` (only then), how many of each key's
+      leading features are its value (float8 keys: dequantized by
+      `key_descale`, so `value_descale` stays out). Not part of `jax.nn`.
     output_dtype: the output's dtype for float8 operands: bfloat16 (default
       for a float8 query; a bfloat16 / float16 query's own dtype otherwise),
       float16 or float32. Not part of `jax.nn`.
 
   Returns:
-    The attention output, shaped like `query` (and the residual, if asked).
+    The attention output, shaped like `query` but for its head dim, the
+    value's (and the residual, if asked).
 
   One deliberate difference from `jax.nn`: a query row that may see no key at
   all (for example `key_value_seq_lengths == 0`) gets zeros and a residual of
@@ -140,7 +148,7 @@ def attention(
                   logits_soft_cap=logits_soft_cap, score_mod=score_mod, mask_mod=mask_mod,
                   block_mask=block_mask, query_descale=query_descale,
                   key_descale=key_descale, value_descale=value_descale,
-                  output_dtype=output_dtype,
+                  output_dtype=output_dtype, value_head_dim=value_head_dim,
                   causal_alignment=None if causal_alignment == "top_left" else causal_alignment)
     given = [name for name, x in extras.items() if x is not None]
     if given:
@@ -162,7 +170,7 @@ def attention(
       logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
       query_descale=query_descale, key_descale=key_descale, value_descale=value_descale,
-      output_dtype=output_dtype)
+      output_dtype=output_dtype, value_head_dim=value_head_dim)
   config = CoreConfig(backend=backend, matmul_precision=current_matmul_precision())
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
                             args.scores, config)
@@ -182,7 +190,7 @@ def which_implementation(
     key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
     causal_alignment="top_left", score_mod=None, mask_mod=None, block_mask=None,
     query_descale=None, key_descale=None, value_descale=None, output_dtype=None,
-    part: str = "forward",
+    value_head_dim=None, part: str = "forward",
 ) -> str:
   """The implementation `attention` would use for these arguments here (on
   the default device, or for the active `fa4_jax.gpu_target`):
@@ -206,7 +214,7 @@ def which_implementation(
       logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
       query_descale=query_descale, key_descale=key_descale, value_descale=value_descale,
-      output_dtype=output_dtype)
+      output_dtype=output_dtype, value_head_dim=value_head_dim)
   if part == "backward":
     return backends.backward_name(backend, _call_info(args))
   return backend.name
@@ -221,7 +229,8 @@ def _prepare(query, key, value, bias, mask, implementation, **named):
 
 
 def _call_info(args: Arguments) -> backends.CallInfo:
-  return backends.CallInfo.of(args.query, args.key, args.bias, args.mask, args.scores)
+  return backends.CallInfo.of(args.query, args.key, args.bias, args.mask, args.scores,
+                              args.value)
 
 
 def create_block_mask(mask_mod, batch: int | None, heads: int | None, q_len: int,

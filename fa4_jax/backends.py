@@ -72,14 +72,17 @@ class CallInfo:
   score_mod: object = None  # mod_functions.ModFunction
   mask_mod: object = None
   has_fp8: bool = False  # float8 operands (a float8 query, or a float8 K/V cache)
+  v_head_dim: int | None = None  # the value's head dim where it differs from q's and k's
 
   @property
   def has_mods(self) -> bool:
     return self.score_mod is not None or self.mask_mod is not None
 
   @classmethod
-  def of(cls, q, k, bias, mask, scores_: Scores) -> "CallInfo":
+  def of(cls, q, k, bias, mask, scores_: Scores, v=None) -> "CallInfo":
+    v_head_dim = None if v is None or v.shape[-1] == q.shape[-1] else v.shape[-1]
     return cls(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=scores_.mask,
+               v_head_dim=v_head_dim,
                has_bias=bias is not None, has_mask=mask is not None,
                soft_cap=scores_.soft_cap, has_segment_ids=scores_.q_segment_ids is not None,
                score_mod=scores_.score_mod, mask_mod=scores_.mask_mod,
@@ -117,7 +120,7 @@ def _kernel_backend(name: str) -> Backend:
   def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout):
     # The fused backward where it supports the call, else the XLA backward
     # (which takes the kernel's lse): decided here, at trace time.
-    bwd_module = fused_backward(name, CallInfo.of(q, k, bias, mask, scores_))
+    bwd_module = fused_backward(name, CallInfo.of(q, k, bias, mask, scores_, v))
     if bwd_module is None:
       return xla_attention.backward(q, k, v, bias, mask, scores_, out, lse, dout)
     options = _options(bwd_module, scores_)
@@ -247,6 +250,10 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
     return f"implementation={name!r}: this build of fa4_jax has no {name} kernel"
   if call.soft_cap is not None and "soft_cap" not in _features(module):
     return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
+            "implementation=None (which falls back to the XLA path) or 'xla'")
+  if call.v_head_dim is not None:
+    return (f"implementation={name!r} needs one head dim for query, key and value yet (got "
+            f"{call.q_shape[-1]} and a value head dim of {call.v_head_dim}); use "
             "implementation=None (which falls back to the XLA path) or 'xla'")
   if call.has_fp8 and "fp8" not in _features(module):
     return (f"implementation={name!r} does not take float8 operands yet; use "

@@ -42,7 +42,8 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
                     scale: float | None = None, is_causal: bool = True, sinks=None,
                     logits_soft_cap: float | None = None,
                     implementation: PagedImplementation = None, query_descale=None,
-                    key_descale=None, value_descale=None, output_dtype=None):
+                    key_descale=None, value_descale=None, output_dtype=None,
+                    value_head_dim=None):
   """Attention of the newest tokens of each row against its paged KV cache.
 
   Args:
@@ -53,7 +54,10 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
     key_pages, value_pages: `[num_pages, page_size, Hkv, D]`, the page pool
       (vLLM / FlashInfer layout: page, token in page, head, head_dim), the
       query's dtype (or float8: see `key_descale`); `Hq % Hkv == 0` (GQA; 1
-      is MQA).
+      is MQA). `value_pages` may have its own head dim `Dv` (the output's),
+      or be None with `value_head_dim=Dv`: the values are the first `Dv`
+      features of the key pages (MLA's latent cache: 576 features per token
+      of one head, the first 512 the values).
     page_table: integer `[B, max_pages]`: logical page `p` of row `b` (keys
       `p * page_size .. (p + 1) * page_size - 1`) is physical page
       `page_table[b, p]`. Entries past `ceil(length / page_size)` are
@@ -74,6 +78,8 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
       the call, else the XLA path), "xla", or "sm90" (a ValueError saying
       why when it cannot; without a Hopper GPU it runs only inside
       `fa4_jax.interpret_mode()`).
+    value_head_dim: with `value_pages=None` (only then): how many leading
+      features of each key are its value.
     query_descale, key_descale, value_descale, output_dtype: float8 pages
       (`float8_e4m3fn` or `float8_e5m2`, with a bfloat16 / float16 query or
       a query of the pages' float8 dtype), as in `fa4_jax.attention`: the
@@ -82,8 +88,9 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
       widened a block at a time).
 
   Returns:
-    `[B, T, Hq, D]` in the query's dtype (float8: `output_dtype`, by
-    default bfloat16 or the query's); a query that sees no key gets zeros.
+    `[B, T, Hq, Dv]` (Dv: the values' head dim) in the query's dtype
+    (float8: `output_dtype`, by default bfloat16 or the query's); a query
+    that sees no key gets zeros.
 
   The sm90 kernel serves: bfloat16 / float16, head_dim 64, 128, 192 or 256,
   page sizes that are powers of two >= 8 (16, 32, 64, 128, ...), at most 256
@@ -103,7 +110,7 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
                    scale=scale, is_causal=is_causal, sinks=sinks,
                    logits_soft_cap=logits_soft_cap, implementation=implementation,
                    descales=(query_descale, key_descale, value_descale),
-                   output_dtype=output_dtype)
+                   output_dtype=output_dtype, value_head_dim=value_head_dim)
   arrays = (args.query, args.key_pages, args.value_pages, args.page_table, args.lengths,
             args.sinks)
   if _select(implementation, args) == "xla":
@@ -115,7 +122,8 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
                                key_value_seq_lengths, *, scale=None, is_causal=True, sinks=None,
                                logits_soft_cap=None,
                                implementation: PagedImplementation = None, query_descale=None,
-                               key_descale=None, value_descale=None, output_dtype=None) -> str:
+                               key_descale=None, value_descale=None, output_dtype=None,
+                               value_head_dim=None) -> str:
   """What `paged_attention` runs for these arguments here: "sm90" (the
   Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
   would."""
@@ -123,7 +131,7 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
                    scale=scale, is_causal=is_causal, sinks=sinks,
                    logits_soft_cap=logits_soft_cap, implementation=implementation,
                    descales=(query_descale, key_descale, value_descale),
-                   output_dtype=output_dtype)
+                   output_dtype=output_dtype, value_head_dim=value_head_dim)
   return _select(implementation, args)
 
 
@@ -138,6 +146,7 @@ class _Static:
   is_causal: bool
   soft_cap: float | None
   output_dtype: object = None  # float8 pages: the output's dtype (validation)
+  value_head_dim: int | None = None  # `value_pages=None`: the values are the keys' first ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,14 +164,24 @@ class _Arguments:
 
 def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_causal, sinks,
               logits_soft_cap, implementation, descales=(None, None, None),
-              output_dtype=None) -> _Arguments:
+              output_dtype=None, value_head_dim=None) -> _Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"`is_causal` must be a bool; got {is_causal!r}")
-  query, key_pages, value_pages = (_as_array(x, n) for x, n in (
-      (query, "query"), (key_pages, "key_pages"), (value_pages, "value_pages")))
+  query, key_pages = _as_array(query, "query"), _as_array(key_pages, "key_pages")
+  if value_pages is None:  # MLA: the values are the keys' first value_head_dim features
+    value_head_dim = _check_value_head_dim(value_head_dim, key_pages)
+    if descales[2] is not None:
+      raise ValueError("`value_pages=None` takes the values from the key pages, dequantized "
+                       "by `key_descale`: leave `value_descale` out")
+    descales = (descales[0], descales[1], descales[1])
+  elif value_head_dim is not None:
+    raise ValueError("`value_head_dim` applies when `value_pages` is None (the values are "
+                     "the keys' first features); leave it out with `value_pages`")
+  else:
+    value_pages = _as_array(value_pages, "value_pages")
   _check_cache(query, key_pages, value_pages)
   b = query.shape[0]
   page_table = _check_integer(page_table, "page_table", 2, "[batch, max_pages]")
@@ -181,31 +200,47 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
           f"`key_value_seq_lengths` values must lie in [0, {capacity}] (max_pages * "
           f"page_size); got min {values.min()}, max {values.max()}")
   static = _Static(scale=_check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
-                   soft_cap=_check_soft_cap(logits_soft_cap),
+                   soft_cap=_check_soft_cap(logits_soft_cap), value_head_dim=value_head_dim,
                    output_dtype=_check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
   heads, kv_heads = query.shape[2], key_pages.shape[2]
   descales = tuple(
       _check_descale(x, f"{name}_descale", operand, dtype, n, heads_name)
       for x, name, operand, dtype, n, heads_name in zip(
           descales, ("query", "key", "value"), ("query", "key_pages", "value_pages"),
-          (query.dtype, key_pages.dtype, value_pages.dtype), (heads, kv_heads, kv_heads),
+          (query.dtype, key_pages.dtype, (key_pages if value_pages is None else value_pages).dtype),
+          (heads, kv_heads, kv_heads),
           ("query head", "key/value head", "key/value head")))
   return _Arguments(query, key_pages, value_pages, page_table, lengths,
                     _check_sinks(sinks, heads), static, descales)
 
 
+def _check_value_head_dim(value_head_dim, key_pages) -> int:
+  dim = key_pages.shape[-1] if key_pages.ndim == 4 else None
+  if (isinstance(value_head_dim, bool) or not isinstance(value_head_dim, (int, np.integer))
+      or dim is None or not 0 < value_head_dim <= dim):
+    raise ValueError(
+        "`value_pages=None` takes the values from the keys' first `value_head_dim` features: "
+        f"`value_head_dim` must be an int in [1, {dim}] (the key pages' head dim); got "
+        f"{value_head_dim!r}")
+  return int(value_head_dim)
+
+
 def _check_cache(query, key_pages, value_pages) -> None:
+  """`value_pages` None: the values are a prefix of the keys' features."""
   for name, x, layout in (("query", query, "[batch, tokens, heads, head_dim]"),
                           ("key_pages", key_pages, "[num_pages, page_size, heads, head_dim]"),
                           ("value_pages", value_pages, "[num_pages, page_size, heads, head_dim]")):
+    if x is None:
+      continue
     if x.ndim != 4:
       raise ValueError(f"`{name}` must be rank 4, {layout}; got shape {x.shape}")
     if 0 in x.shape:
       raise ValueError(f"`{name}` must not be empty; got shape {x.shape}")
-  check_dtypes(query, key_pages, value_pages, "key_pages", "value_pages")
-  if value_pages.shape != key_pages.shape:
-    raise ValueError(f"`value_pages` shape must equal `key_pages` shape {key_pages.shape}; "
-                     f"got {value_pages.shape}")
+  values = key_pages if value_pages is None else value_pages
+  check_dtypes(query, key_pages, values, "key_pages", "value_pages")
+  if values.shape[:-1] != key_pages.shape[:-1]:
+    raise ValueError(f"`value_pages` shape must equal `key_pages` shape {key_pages.shape} but "
+                     f"for its head dim, which may differ; got {value_pages.shape}")
   if query.shape[3] != key_pages.shape[3]:
     raise ValueError(f"`query` head_dim ({query.shape[3]}) must equal `key_pages` head_dim "
                      f"({key_pages.shape[3]})")
@@ -250,6 +285,9 @@ def _kernel_problem(args: _Arguments) -> str | None:
             "fa4_jax.interpret_mode()")
   if args.key_pages.dtype in FP8_DTYPES:
     return "float8 pages are read by the XLA path for now; use implementation=None or 'xla'"
+  if args.value_pages is None or args.value_pages.shape[-1] != args.key_pages.shape[-1]:
+    return ("a value head dim other than the keys' (MLA's latent pages, `value_pages=None`) "
+            "is read by the XLA path for now; use implementation=None or 'xla'")
   q_shape = args.query.shape
   try:
     k_shape = sm90_forward.check_paged(q_shape, args.key_pages.shape, args.page_table.shape)
@@ -307,7 +345,9 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
   query_descale, key_descale, value_descale = descales
   from fa4_jax.api import attention
 
-  k, v = gather_pages(key_pages, page_table), gather_pages(value_pages, page_table)
+  k = gather_pages(key_pages, page_table)
+  v = (k[..., :static.value_head_dim] if value_pages is None
+       else gather_pages(value_pages, page_table))
   # Causal: query t sits at position length - T + t and sees keys up to it.
   return attention(q, k, v, scale=static.scale, is_causal=static.is_causal,
                    causal_alignment="bottom_right", key_value_seq_lengths=lengths,

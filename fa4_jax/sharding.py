@@ -56,15 +56,16 @@ from fa4_jax.batching import custom_vmap_call
 
 # One letter per dimension of every array the backends see:
 #   b batch, t query position, s key position, n query head, k KV head,
-#   h head dim; r any dimension every device needs whole (the arrays a
+#   h head dim of q and k, e head dim of v (and of the output: it may differ
+#   from h); r any dimension every device needs whole (the arrays a
 #   score_mod or mask_mod captured, the block mask's tile axes).
 #   `bias`/`mask`/block-mask dims of size 1 are broadcast (see `_labels`).
 _LAYOUTS = {
-    "q": "btnh", "k": "bskh", "v": "bskh", "bias": "bnts", "mask": "bnts",
+    "q": "btnh", "k": "bskh", "v": "bske", "bias": "bnts", "mask": "bnts",
     "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt", "kv_segment_ids": "bs",
     "sinks": "n", "q_descale": "n", "k_descale": "k", "v_descale": "k",
-    "block_mask.classes": "bnrr", "out": "btnh", "lse": "bnt", "dout": "btnh",
-    "dq": "btnh", "dk": "bskh", "dv": "bskh", "dbias": "bnts",
+    "block_mask.classes": "bnrr", "out": "btne", "lse": "bnt", "dout": "btne",
+    "dq": "btnh", "dk": "bskh", "dv": "bske", "dbias": "bnts",
 }
 # Arrays whose size-1 dims broadcast (labelled "1").
 _BROADCASTING = ("bias", "mask", "dbias", "block_mask.classes")
@@ -81,7 +82,7 @@ def _base(name: str) -> str:
   """The array whose layout `name` has: itself, or what it is the tangent of."""
   return name.removesuffix("_t")
 # Dimensions every device needs whole (gathered when they arrive sharded).
-_REPLICATED_DIMS = "tshr"
+_REPLICATED_DIMS = "tsher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +347,7 @@ def _sharding_rule(call: _PartitionedCall, mesh, operand_types, result_types):
   q_heads = shapes[0][2]
   kv_heads = shapes[1][2]
   group = q_heads // kv_heads
-  factor = {"b": "b", "t": "t", "s": "s", "k": "k", "h": "h",
+  factor = {"b": "b", "t": "t", "s": "s", "k": "k", "h": "h", "e": "e",
             "n": "(k g)" if group > 1 else "k"}
   if kv_heads == 1:  # MQA: Shardy takes no size-1 factor inside a compound
     factor["n"] = "n"

@@ -93,8 +93,10 @@ def _check_qkv(query, key, value):
         "head_dim) or all rank 3 (seq, heads, head_dim); got ranks "
         f"{ranks[0]}, {ranks[1]} and {ranks[2]}")
   check_dtypes(query, key, value)
-  if key.shape != value.shape:
-    raise ValueError(f"`value` shape must equal `key` shape {key.shape}; got {value.shape}")
+  if key.shape[:-1] != value.shape[:-1] or value.shape[-1] == 0:
+    raise ValueError(
+        f"`value` shape must equal `key` shape {key.shape} but for its head dim, which may "
+        f"differ (the output's, e.g. 128 against 192); got {value.shape}")
   if query.shape[0] != key.shape[0]:
     raise ValueError(
         f"`query` batch size ({query.shape[0]}) must equal `key` batch size "
@@ -112,6 +114,24 @@ def _check_qkv(query, key, value):
     raise ValueError(
         f"`query` and `key` need at least one position and a non-empty head_dim; "
         f"got query shape {query.shape} and key shape {key.shape}")
+
+
+def _values_of(value, key, value_head_dim):
+  """`value`, or with `value=None` the first `value_head_dim` features of
+  each key (MLA's latent cache: keys of 576 features whose first 512 are the
+  values)."""
+  if value is not None:
+    if value_head_dim is not None:
+      raise ValueError("`value_head_dim` applies when `value` is None (the values are the "
+                       "keys' first `value_head_dim` features); leave it out with a `value`")
+    return _as_array(value, "value")
+  if (isinstance(value_head_dim, bool) or not isinstance(value_head_dim, (int, np.integer))
+      or not 0 < value_head_dim <= key.shape[-1]):
+    raise ValueError(
+        "`value=None` takes the values from the keys' first `value_head_dim` features: "
+        f"`value_head_dim` must be an int in [1, {key.shape[-1]}] (the key head dim); "
+        f"got {value_head_dim!r}")
+  return key[..., :int(value_head_dim)]
 
 
 def check_dtypes(query, key, value, key_name: str = "key", value_name: str = "value"):
@@ -363,16 +383,21 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
              key_value_segment_ids=None, sinks=None, logits_soft_cap=None,
              causal_alignment="top_left", score_mod=None, mask_mod=None,
              block_mask=None, query_descale=None, key_descale=None, value_descale=None,
-             output_dtype=None) -> Arguments:
+             output_dtype=None, value_head_dim=None) -> Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"`is_causal` must be a bool; got {is_causal!r}")
-  query, key, value = (_as_array(x, n) for x, n in
-                       ((query, "query"), (key, "key"), (value, "value")))
+  query, key = _as_array(query, "query"), _as_array(key, "key")
+  if value is None:  # the values are the keys' features: dequantized as the keys are
+    if value_descale is not None:
+      raise ValueError("`value=None` takes the values from the keys, dequantized by "
+                       "`key_descale`: leave `value_descale` out")
+    value_descale = key_descale
+  value = _values_of(value, key, value_head_dim)
   _check_qkv(query, key, value)
-  output_shape = query.shape
+  output_shape = query.shape[:-1] + value.shape[-1:]
   rank = query.ndim
   if query.ndim == 3:
     query, key, value = query[None], key[None], value[None]

@@ -358,7 +358,8 @@ def forward(q, k, v, bias, mask, scores_: Scores, *, blocks: Blocks | None = Non
   The sinks of `scores_` are added after the blocks (`scores.add_sinks`):
   the lse includes them."""
   p = _problem(q, k, v, bias, mask, scores_, blocks)
-  bsz, _, kh, g, d = p.q.shape
+  bsz, _, kh, g, _ = p.q.shape
+  dv = p.v.shape[-1]  # the output's head dim (the value's, which may differ from q's and k's)
   bq = p.blocks.block_q
 
   def one_query_block(qb):
@@ -380,7 +381,7 @@ def forward(q, k, v, bias, mask, scores_: Scores, *, blocks: Blocks | None = Non
     stats_shape = (bsz, kh, g, bq)
     init = (jnp.full(stats_shape, -jnp.inf, jnp.float32),
             jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (d,), jnp.float32))
+            jnp.zeros(stats_shape + (dv,), jnp.float32))
     m, l, acc = p.walk_key_blocks(qb, step, init)
     valid = (l > 0) & _row_valid(p, qb)
     out = jnp.where(valid[..., None], acc / jnp.where(valid, l, 1.0)[..., None], 0.0)
@@ -392,7 +393,7 @@ def forward(q, k, v, bias, mask, scores_: Scores, *, blocks: Blocks | None = Non
   out, lse = lax.map(one_query_block, jnp.arange(p.num_q_blocks))
   # out: [nq, B, K, G, bq, D] -> [B, T, N, D];  lse: [nq, B, K, G, bq] -> [B, N, T]
   nq = p.num_q_blocks
-  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, d)[:, :p.t]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, dv)[:, :p.t]
   lse = lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
   if scores_.sinks is not None:
     out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
@@ -432,7 +433,8 @@ def tangent_sums(q, k, v, bias, mask, scores_: Scores, lse, dq, dk, dv, dbias, d
   final `lse`: the keys may be split into parts (the context-parallel ring)
   and the parts' sums added before `finish_tangent`."""
   p = _problem(q, k, v, bias, mask, scores_, blocks)
-  bsz, tp, kh, g, d = p.q.shape
+  bsz, tp, kh, g, _ = p.q.shape
+  dv_dim = p.v.shape[-1]  # the output's head dim
   sp = p.k.shape[1]
   bq = p.blocks.block_q
   dq = _pad_axis(_group(dq, kh), 1, tp)
@@ -480,14 +482,15 @@ def tangent_sums(q, k, v, bias, mask, scores_: Scores, lse, dq, dk, dv, dbias, d
       return d_out, d_lse + pds.sum(axis=-1)
 
     stats_shape = (bsz, kh, g, bq)
-    init = (jnp.zeros(stats_shape + (d,), jnp.float32), jnp.zeros(stats_shape, jnp.float32))
+    init = (jnp.zeros(stats_shape + (dv_dim,), jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32))
     d_out, d_lse = p.walk_key_blocks(qb, step, init)
     valid = _row_valid(p, qb)  # rows past the query length are zeros in `forward`
     return jnp.where(valid[..., None], d_out, 0.0), jnp.where(valid, d_lse, 0.0)
 
   d_out, d_lse = lax.map(one_query_block, jnp.arange(p.num_q_blocks))
   nq = p.num_q_blocks
-  d_out = d_out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, d)[:, :p.t]
+  d_out = d_out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, dv_dim)[:, :p.t]
   d_lse = d_lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
   return d_out, d_lse
 
@@ -597,8 +600,8 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
       return dk, dv, dq_acc, dbias_acc, dcap_acc
 
     walk = p.query_block_walk(kb)
-    zeros = jnp.zeros((bsz, bk, kh, d), jnp.float32)
-    dk, dv, *carry = walk(step, (zeros, zeros, *carry))
+    zeros = lambda dim: jnp.zeros((bsz, bk, kh, dim), jnp.float32)
+    dk, dv, *carry = walk(step, (zeros(d), zeros(p.v.shape[-1]), *carry))
     return tuple(carry), ((dk * scale).astype(k.dtype), dv.astype(v.dtype))
 
   dq0 = jnp.zeros(p.q.shape, jnp.float32)
@@ -607,7 +610,7 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
   (dq, dbias, dcap), (dk, dv) = lax.scan(dkv_block, (dq0, dbias0, dcap0),
                                          jnp.arange(p.num_k_blocks))
   dq = (dq * scale).astype(q.dtype).reshape(bsz, tp, nh, d)[:, :p.t]
-  unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(bsz, -1, kh, d)[:, :p.s]
+  unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(bsz, -1, kh, x.shape[-1])[:, :p.s]
   dk, dv = unblock(dk), unblock(dv)
 
   if dbias is not None:
