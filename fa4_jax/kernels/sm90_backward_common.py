@@ -17,11 +17,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fa4_jax import mod_functions, scores
+from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing, sequence_lengths
-from fa4_jax.kernels.sm90_tiles import bound_mask_hook, where_visible
+from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics,  # noqa: F401 (shared)
+                                      TileMods, walk_block_list)
+from fa4_jax.kernels.sm90_tiles import where_visible
 from fa4_jax.scores import MaskSpec, TileRanges
 
 
@@ -378,111 +380,6 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
 # CTA takes each listed block with the CTA's class: a block PARTIAL for the
 # CTA but empty for one consumer's rows costs that consumer a masked step
 # whose P is 0 (no per-step branch on a consumer's own class).
-
-
-@dataclasses.dataclass(frozen=True)
-class ModStatics:
-  """The static part of the mods of a kernel: the traced functions and how
-  their operands come (`ModRefs`)."""
-
-  score_mod: Any  # mod_functions.ModFunction or None
-  mask_mod: Any
-  per_head: bool  # one block list per query head (else one for every head)
-  has_offsets: bool  # a sharded call's (batch, head) offsets, int32 [2]
-  num_score_captured: int
-  num_mask_captured: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockList:
-  """One CTA tile's walk: `num_partial` PARTIAL blocks, then FULL ones up
-  to `total`; `block(n)` is the n-th block's index."""
-
-  order: Any  # GMEM ref [B, Hm, tiles, blocks]
-  at: tuple  # (batch, head, tile) into it
-  num_partial: Any
-  total: Any
-
-  def block(self, n):
-    return self.order[(*self.at, n)]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModRefs:
-  """The mods' inputs of a kernel, after its segment ids: the block lists
-  (`scores.block_lists` of its CTA tiles: counts int32 [B, Hm, tiles, 2],
-  order int32 [B, Hm, tiles, blocks]), the (batch, head) offsets if any, the
-  score_mod's captured arrays, the mask_mod's (0-d ones as shape (1,))."""
-
-  counts: Any
-  order: Any
-  offsets: Any  # None without offsets
-  score_captured: tuple
-  mask_captured: tuple
-
-  @classmethod
-  def split(cls, refs, statics: ModStatics | None):
-    """(the mods' refs, the rest); (None, refs) without mods."""
-    refs = list(refs)
-    if statics is None:
-      return None, refs
-    counts, order = refs.pop(0), refs.pop(0)
-    offsets = refs.pop(0) if statics.has_offsets else None
-    score_captured = tuple(refs.pop(0) for _ in range(statics.num_score_captured))
-    mask_captured = tuple(refs.pop(0) for _ in range(statics.num_mask_captured))
-    return cls(counts, order, offsets, score_captured, mask_captured), refs
-
-  def walk(self, statics: ModStatics, batch_idx, head, tile) -> BlockList:
-    """The block list of CTA tile `tile` of (`batch_idx`, query `head`)."""
-    at = (batch_idx, head if statics.per_head else 0, tile)
-    num_partial = self.counts[(*at, 0)]
-    return BlockList(self.order, at, num_partial, num_partial + self.counts[(*at, 1)])
-
-  def on_rows(self, statics: ModStatics, batch_idx, head) -> "TileMods":
-    """The mods of tiles of (`batch_idx`, query `head`), local indices."""
-    if self.offsets is not None:
-      batch_idx, head = batch_idx + self.offsets[0], head + self.offsets[1]
-    bound = lambda mod, refs: None if mod is None else mod_functions.bind(mod, refs, batch_idx,
-                                                                          head)
-    return TileMods(bound(statics.score_mod, self.score_captured),
-                    bound(statics.mask_mod, self.mask_captured))
-
-
-@dataclasses.dataclass(frozen=True)
-class TileMods:
-  """`score_mod` and `mask_mod` on the tiles of one (batch, query head),
-  bound to the indices they see (global ones in a sharded call) before the
-  walk over blocks, so that their reads of captured arrays happen once
-  (`mod_functions.bind`); None where the call has no such mod."""
-
-  score_fn: Any  # mod_functions.BoundMod
-  mask_fn: Any
-
-  @property
-  def score_mod(self):
-    return None if self.score_fn is None else self.score_fn.mod
-
-  @property
-  def mask_mod(self):
-    return None if self.mask_fn is None else self.mask_fn.mod
-
-  def score(self, x, q_idx, kv_idx):
-    """(score_mod(x), its derivative in x) on a tile."""
-    return self.score_fn.value_and_slope(x, q_idx, kv_idx)
-
-  def mask_hook(self):
-    """`where_visible`'s `mask_mod` hook (None without a mask_mod)."""
-    return bound_mask_hook(self.mask_fn)
-
-
-def walk_block_list(walk: BlockList, block_fn, carry, step0=0):
-  """`block_fn(step, j, carry, masked=...)` over `walk`'s blocks j at ring
-  positions step0, step0 + 1, ...: the PARTIAL ones masked, then the FULL
-  ones."""
-  partial = lambda n, c: block_fn(step0 + n, walk.block(n), c, masked=True)
-  full = lambda n, c: block_fn(step0 + n, walk.block(n), c, masked=False)
-  carry = lax.fori_loop(0, walk.num_partial, partial, carry)
-  return lax.fori_loop(walk.num_partial, walk.total, full, carry)
 
 
 def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len,

@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.kernels import KernelUnsupported, check_common
+from fa4_jax.kernels.mod_tiles import bound_mask_hook  # noqa: F401 (sm90_forward's)
 from fa4_jax.scores import MaskSpec, cdiv, visible
 
 MAX_HEAD_DIM = 256
@@ -181,17 +182,3 @@ def mask_mod_hook(mask_mod, captured_refs, batch_idx, head_idx):
     return None
   from fa4_jax import mod_functions
   return bound_mask_hook(mod_functions.bind(mask_mod, captured_refs, batch_idx, head_idx))
-
-
-def bound_mask_hook(bound):
-  """`where_visible`'s `mask_mod` hook for a `mod_functions.BoundMod` (a
-  mask_mod bound to its tile's batch and head before the kernel's loop over
-  key blocks, so its reads of captured arrays happen once); None for None."""
-  if bound is None:
-    return None
-
-  def hook(q_idx, kv_idx):
-    keep = bound(q_idx, kv_idx)
-    return jnp.broadcast_to(keep, q_idx.shape) if jnp.shape(keep) != q_idx.shape else keep
-
-  return hook

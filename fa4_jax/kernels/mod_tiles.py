@@ -1,0 +1,198 @@
+"""What every kernel with programmable scores (`score_mod`, `mask_mod`, block
+masks) shares, whatever its architecture or register layout.
+
+With mods a kernel walks block lists instead of tile ranges: per CTA tile,
+the other side's blocks in the order `scores.block_lists` gives (PARTIAL
+ones, with the element mask, then FULL ones, without it; EMPTY ones are
+never loaded). The lists come as GMEM operands (`backward_inputs.mod_operands`:
+`ModRefs`), so do the mods' captured arrays; the traced functions are
+static (`ModStatics`). Before its walk a kernel binds the mods to the
+(batch, head) of its tile (`ModRefs.on_rows`: `TileMods`), so that their
+reads of captured arrays happen once per tile, not once per block.
+
+Layout-specific work (the iotas of a tile's positions, the element mask)
+stays in the kernels: `sm90_tiles.where_visible` (WGMMA layout),
+`sm100_tiles.element_mask` (TMEM rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from fa4_jax import mod_functions, scores
+
+
+def bound_mask_hook(bound):
+  """An element mask's `mask_mod` hook (q_idx, kv_idx) -> bool tile for a
+  `mod_functions.BoundMod` (a mask_mod bound to its tile's batch and head
+  before the kernel's loop over key blocks); None for None."""
+  if bound is None:
+    return None
+
+  def hook(q_idx, kv_idx):
+    keep = bound(q_idx, kv_idx)
+    return jnp.broadcast_to(keep, q_idx.shape) if jnp.shape(keep) != q_idx.shape else keep
+
+  return hook
+
+
+def check_mods(kernel: str, mods) -> None:
+  """Raises `mod_functions.Unsupported` (a ValueError) naming the op when a
+  kernel cannot run the mods of `mods` (a `scores.Scores`) on a tile
+  (`mod_functions.kernel_problem`)."""
+  for mod in (mods.score_mod, mods.mask_mod):
+    if mod is not None:
+      problem = mod_functions.kernel_problem(mod)
+      if problem is not None:
+        raise mod_functions.Unsupported(f"{kernel}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModStatics:
+  """The static part of the mods of a kernel: the traced functions and how
+  their operands come (`ModRefs`)."""
+
+  score_mod: Any  # mod_functions.ModFunction or None
+  mask_mod: Any
+  per_head: bool  # one block list per query head (else one for every head)
+  has_offsets: bool  # a sharded call's (batch, head) offsets, int32 [2]
+  num_score_captured: int
+  num_mask_captured: int
+
+  @classmethod
+  def of(cls, mods, classes) -> "ModStatics":
+    """The statics of `mods` (a `scores.Scores`) whose lists were made from
+    `classes` (int8 [B, Hm, ...]: `scores.tile_classes`)."""
+    return cls(score_mod=mods.score_mod, mask_mod=mods.mask_mod,
+               per_head=classes.shape[1] > 1, has_offsets=mods.index_offsets is not None,
+               num_score_captured=len(mods.score_captured),
+               num_mask_captured=len(mods.mask_captured))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockList:
+  """One CTA tile's walk: `num_partial` PARTIAL blocks, then FULL ones up
+  to `total`; `block(n)` is the n-th block's index."""
+
+  order: Any  # GMEM ref [B, Hm, tiles, blocks]
+  at: tuple  # (batch, head, tile) into it
+  num_partial: Any
+  total: Any
+
+  def block(self, n):
+    return self.order[(*self.at, n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModRefs:
+  """The mods' inputs of a kernel, after its segment ids: the block lists
+  (`scores.block_lists` of its CTA tiles: counts int32 [B, Hm, tiles, 2],
+  order int32 [B, Hm, tiles, blocks]), the (batch, head) offsets if any, the
+  score_mod's captured arrays, the mask_mod's (0-d ones as shape (1,))."""
+
+  counts: Any
+  order: Any
+  offsets: Any  # None without offsets
+  score_captured: tuple
+  mask_captured: tuple
+
+  @classmethod
+  def split(cls, refs, statics: ModStatics | None):
+    """(the mods' refs, the rest); (None, refs) without mods."""
+    refs = list(refs)
+    if statics is None:
+      return None, refs
+    counts, order = refs.pop(0), refs.pop(0)
+    offsets = refs.pop(0) if statics.has_offsets else None
+    score_captured = tuple(refs.pop(0) for _ in range(statics.num_score_captured))
+    mask_captured = tuple(refs.pop(0) for _ in range(statics.num_mask_captured))
+    return cls(counts, order, offsets, score_captured, mask_captured), refs
+
+  def walk(self, statics: ModStatics, batch_idx, head, tile) -> BlockList:
+    """The block list of CTA tile `tile` of (`batch_idx`, query `head`)."""
+    at = (batch_idx, head if statics.per_head else 0, tile)
+    num_partial = self.counts[(*at, 0)]
+    return BlockList(self.order, at, num_partial, num_partial + self.counts[(*at, 1)])
+
+  def on_rows(self, statics: ModStatics, batch_idx, head) -> "TileMods":
+    """The mods of tiles of (`batch_idx`, query `head`), local indices."""
+    if self.offsets is not None:
+      batch_idx, head = batch_idx + self.offsets[0], head + self.offsets[1]
+    bound = lambda mod, refs: None if mod is None else mod_functions.bind(mod, refs, batch_idx,
+                                                                          head)
+    return TileMods(bound(statics.score_mod, self.score_captured),
+                    bound(statics.mask_mod, self.mask_captured))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileMods:
+  """`score_mod` and `mask_mod` on the tiles of one (batch, query head),
+  bound to the indices they see (global ones in a sharded call) before the
+  walk over blocks, so that their reads of captured arrays happen once
+  (`mod_functions.bind`); None where the call has no such mod."""
+
+  score_fn: Any  # mod_functions.BoundMod
+  mask_fn: Any
+
+  @property
+  def score_mod(self):
+    return None if self.score_fn is None else self.score_fn.mod
+
+  @property
+  def mask_mod(self):
+    return None if self.mask_fn is None else self.mask_fn.mod
+
+  def score(self, x, q_idx, kv_idx):
+    """(score_mod(x), its derivative in x) on a tile."""
+    return self.score_fn.value_and_slope(x, q_idx, kv_idx)
+
+  def mask_hook(self):
+    """The element mask's `mask_mod` hook (None without a mask_mod)."""
+    return bound_mask_hook(self.mask_fn)
+
+  def logits(self, s, q_idx, kv_idx, *, scale: float, cap: float | None, with_slope: bool):
+    """Raw Q K^T scores `s` (f32 tile) in the order of `scores.Scores`:
+    x = scale * s, x = score_mod(x), t = tanh(x / cap) with soft-cap.
+    Returns (t, dt/dx or None): the slope (`with_slope`, for dS) is the
+    score_mod's times soft-cap's 1 - t^2, None where it is 1. `q_idx`,
+    `kv_idx`: the tile's positions (int32 tiles of its layout). Without a
+    score_mod the scale stays folded into the caller's exp2 constant
+    (`scores.softmax_scale(scale, cap)`), as in the plain kernels; with one
+    that constant is `scores.softmax_scale(1.0, cap)`."""
+    if self.score_fn is None:
+      t = scores.softmax_logits(s, scale, cap)
+      slope = scores.soft_cap_slope(t) if with_slope and cap is not None else None
+      return t, slope
+    x = s * jnp.float32(scale)
+    if with_slope:
+      x, slope = self.score(x, q_idx, kv_idx)
+    else:
+      x, slope = self.score_fn(x, q_idx, kv_idx), None
+    x = x.astype(jnp.float32)
+    if x.shape != q_idx.shape:  # a score_mod that ignores the score
+      x = jnp.broadcast_to(x, q_idx.shape)
+      slope = None if slope is None else jnp.broadcast_to(slope, q_idx.shape)
+    t = scores.softmax_logits(x, 1.0, cap)
+    if with_slope and cap is not None:
+      slope = slope * scores.soft_cap_slope(t)
+    return t, slope
+
+
+def exp2_constant(scale: float, soft_cap: float | None, has_score_mod: bool) -> float:
+  """c in P = exp2(c t - m) of a kernel with mods: a score_mod takes the
+  scaled scores, so the scale leaves c (`TileMods.logits`)."""
+  return scores.softmax_scale(1.0 if has_score_mod else scale, soft_cap)
+
+
+def walk_block_list(walk: BlockList, block_fn, carry, step0=0):
+  """`block_fn(step, j, carry, masked=...)` over `walk`'s blocks j at ring
+  positions step0, step0 + 1, ...: the PARTIAL ones masked, then the FULL
+  ones."""
+  partial = lambda n, c: block_fn(step0 + n, walk.block(n), c, masked=True)
+  full = lambda n, c: block_fn(step0 + n, walk.block(n), c, masked=False)
+  carry = lax.fori_loop(0, walk.num_partial, partial, carry)
+  return lax.fori_loop(walk.num_partial, walk.total, full, carry)
