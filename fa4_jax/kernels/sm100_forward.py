@@ -113,17 +113,20 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels import compile_ahead
+from fa4_jax.kernels.backward_inputs import mod_operands
 from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, check_mods,
+                                       exp2_constant, walk_block_list)
 from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_causal_tiles,
                                       sm_count)
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
                                          SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
-                                         element_mask, rem, smem_transforms)
+                                         element_mask, rem, smem_transforms, tile_positions)
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # Optional arguments of `forward` (see fa4_jax/kernels/__init__.py).
-FEATURES = frozenset({"sinks", "soft_cap"})
+FEATURES = frozenset({"sinks", "soft_cap", "mods"})
 
 BLOCK_Q = 128  # rows of one Q tile = TMEM lanes = threads of a warpgroup
 # Columns of O handled at once by the correction warpgroup (rescale) and by
@@ -457,6 +460,9 @@ class KernelStatics:
   # One CTA per tile: walk the grid's q chunks heaviest first (causal-like).
   heavy_first: bool = False
   work: PersistentWork | None = None  # the persistent grid's work items
+  # Programmable scores (`forward(..., mods=)`): the traced score_mod /
+  # mask_mod and how their operands come; None without them.
+  mods: ModStatics | None = None
 
   @property
   def persistent(self) -> bool:
@@ -469,7 +475,10 @@ class KernelStatics:
   @property
   def exp2_scale(self) -> float:
     """c in P = exp2(c t - m): scale * log2(e), or cap * log2(e) with
-    soft-cap (`scores.softmax_scale`)."""
+    soft-cap (`scores.softmax_scale`); a score_mod takes the scaled scores,
+    so with one the scale leaves c (`mod_tiles.exp2_constant`)."""
+    if self.mods is not None:
+      return exp2_constant(self.scale, self.soft_cap, self.mods.score_mod is not None)
     return scores.softmax_scale(self.scale, self.soft_cap)
 
   # Warpgroups (the "wg" threads of plgpu.kernel), as in the module docstring.
@@ -513,6 +522,8 @@ class ForwardRefs:
   seg_ranges_ref: Any = None
   # With sinks only: f32 [Nq], each query head's sink logit.
   sinks_ref: Any = None
+  # With programmable scores only: the block lists, offsets and captured arrays.
+  mod_refs: ModRefs | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,6 +551,10 @@ class ForwardContext:
   index: Any = 0
   step0: Any = 0
   num_items: Any = 1
+  # Programmable scores: the CTA tile's block list (`scores.block_lists`),
+  # walked instead of [blk_lo, blk_lo + num_steps): its PARTIAL blocks, then
+  # its FULL ones; EMPTY blocks are not in it. None without mods.
+  block_list: BlockList | None = None
 
   @classmethod
   def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers, b, h,
@@ -550,6 +565,12 @@ class ForwardContext:
     # Run-time lengths, clamped to the array extents.
     q_len = jnp.minimum(refs.q_len_ref[b], statics.tq)
     kv_len = jnp.minimum(refs.kv_len_ref[b], statics.tk)
+    if statics.mods is not None:
+      # Every role walks the list; it holds the band, lengths and segment ids too.
+      block_list = refs.mod_refs.walk(statics.mods, b, h, cta_tile)
+      return cls(statics, refs, bars, b=b, h=h, kv_h=kv_h, row0=row0, q_len=q_len,
+                 kv_len=kv_len, blk_lo=0, num_steps=block_list.total, block_list=block_list,
+                 **position)
     seg_tiles = None
     if statics.segments:
       seg_tiles = tuple(
@@ -567,6 +588,13 @@ class ForwardContext:
   def tile_rows(self, i):
     """First query row of Q tile i."""
     return self.row0 + i * BLOCK_Q
+
+  def key_block(self, n):
+    """The key block of the item's walk position n: blk_lo + n, or with
+    programmable scores the block list's n-th entry (a scalar GMEM load)."""
+    if self.block_list is not None:
+      return self.block_list.block(n)
+    return self.blk_lo + n
 
   def s_tmem(self, i):
     return self.refs.sp_tmem[i][0]
@@ -689,7 +717,7 @@ def _load_item(ctx: ForwardContext) -> None:
   def _(n):
     step = ctx.steps_before(n)
     slot = rem(step, stages)
-    keys = pl.ds((ctx.blk_lo + n) * bn, bn)
+    keys = pl.ds(ctx.key_block(n) * bn, bn)
 
     @pl.when(step >= stages)
     def _():
@@ -789,11 +817,11 @@ def _mma_item(ctx: ForwardContext) -> None:
 # ----------------------------- softmax warpgroups ----------------------------
 
 
-def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo, row_ids):
+def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo, row_ids, mask_mod=None):
   segments = None if row_ids is None else (row_ids, ctx.refs.kv_seg_ref, ctx.b)
   ok = element_mask(ctx.statics.mask, s.shape, row_lo=r_lo, col_lo=k_lo, keys_along_rows=False,
                     kv_len=ctx.kv_len, q_len=ctx.q_len, segments=segments,
-                    hide_rows_past_q_len=True)
+                    hide_rows_past_q_len=True, mask_mod=mask_mod)
   return jnp.where(ok, s, -jnp.inf)
 
 
@@ -802,7 +830,6 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   None): S_i -> P_i, the running statistics, and the rescale factors for the
   correction warpgroup."""
   bars, bn = ctx.bars, ctx.cfg.block_kv
-  m_run, l_run = carry  # log2-scaled running max, running sum
   k_lo = (ctx.blk_lo + n) * bn
   bars.consumer_s(i).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=ROW_LAYOUT)
@@ -822,6 +849,38 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
     needs_no_mask = needs_no_mask & (seg.full_lo <= blk) & (blk < seg.full_hi)
   s = lax.cond(needs_no_mask, lambda s: s,
                lambda s: _masked_scores(ctx, s, r_lo, k_lo, row_ids), s)
+  return _softmax_update(ctx, i, n, s, carry)
+
+
+def _softmax_step_with_mods(ctx: ForwardContext, i, r_lo, row_ids, tile_mods: TileMods, n,
+                            block, carry, *, masked: bool):
+  """`_softmax_step` for programmable scores: walk position n holds key
+  block `block` of the CTA tile's list, PARTIAL (`masked`: the built-in
+  element mask and mask_mod) or FULL for the whole CTA tile (no mask_mod;
+  only a Q tile straddling q_len hides its rows past it, as every forward
+  tile does). score_mod runs on every walked block, after the scale and
+  before the soft-cap (`TileMods.logits`)."""
+  bn = ctx.cfg.block_kv
+  k_lo = block * bn
+  ctx.bars.consumer_s(i).wait()
+  s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=ROW_LAYOUT)
+  q_idx, kv_idx = tile_positions(s.shape, row_lo=r_lo, col_lo=k_lo, keys_along_rows=False)
+  s, _ = tile_mods.logits(s, q_idx, kv_idx, scale=ctx.statics.scale,
+                          cap=ctx.statics.soft_cap, with_slope=False)
+  if masked:
+    s = _masked_scores(ctx, s, r_lo, k_lo, row_ids, mask_mod=tile_mods.mask_hook())
+  else:
+    s = lax.cond(r_lo + BLOCK_Q <= ctx.q_len, lambda s: s,
+                 lambda s: _masked_scores(ctx, s, r_lo, k_lo, row_ids), s)
+  return _softmax_update(ctx, i, n, s, carry)
+
+
+def _softmax_update(ctx: ForwardContext, i, n, s, carry):
+  """The online softmax of the masked logits `s` of walk position n: P_i
+  into TMEM, the running statistics, and the row factors handed to the
+  correction warpgroup."""
+  bars = ctx.bars
+  m_run, l_run = carry  # log2-scaled running max, running sum
   if ctx.statics.fixed_max:
     # Bounded logits against a fixed max: P only, nothing to rescale.
     p = scores.fixed_max_softmax(s, m_run, ctx.statics.exp2_scale)
@@ -880,8 +939,14 @@ def _softmax_item(ctx: ForwardContext, i) -> None:
     if ctx.statics.segments:
       row_ids = plgpu.load(refs.q_seg_ref.at[ctx.b, pl.ds(r_lo, BLOCK_Q)],
                            layout=ROW_VECTOR_LAYOUT, optimized=False)
-    step = functools.partial(_softmax_step, ctx, i, r_lo, row_ids)
-    m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
+    if ctx.block_list is None:
+      step = functools.partial(_softmax_step, ctx, i, r_lo, row_ids)
+      m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
+    else:
+      # The mods bound to the tile's (batch, head) once, before the walk.
+      tile_mods = refs.mod_refs.on_rows(ctx.statics.mods, ctx.b, ctx.h)
+      step = functools.partial(_softmax_step_with_mods, ctx, i, r_lo, row_ids, tile_mods)
+      m_run, l_run = walk_block_list(ctx.block_list, step, init)
     # Final statistics for the epilogue, through the same hand-off. With a
     # fixed max no block handed factors over: the hand-off is free unless an
     # earlier item of this CTA handed its statistics over.
@@ -1097,15 +1162,17 @@ def _scratch_types(cfg: TileConfig) -> dict:
 def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
                   num_kv_heads, scale: float, mask: MaskSpec, segments: bool = False,
                   soft_cap: float | None = None, sinks: bool = False,
-                  fixed_max: bool = False):
+                  fixed_max: bool = False, mods: ModStatics | None = None):
   """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
   whose true extents are tq, tk (rows/keys past them are padding). With
-  `segments`, three more operands follow the lengths (`segment_operands`);
-  with `sinks`, then the f32 [num_q_heads] sinks."""
+  `segments`, three more operands follow the lengths (`segment_operands`;
+  two with `mods`, whose block lists hold the ids' ranges); with `sinks`,
+  then the f32 [num_q_heads] sinks; with `mods`, then `ModRefs`' operands
+  (`mods_operands`)."""
   num_cta_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta)
   statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
                           scale=scale, segments=segments, soft_cap=soft_cap, sinks=sinks,
-                          fixed_max=fixed_max,
+                          fixed_max=fixed_max, mods=mods,
                           num_cta_tiles=num_cta_tiles, heavy_first=pairs_causal_tiles(mask),
                           work=persistent_work(cfg, mask, batch, num_q_heads, tq_pad))
 
@@ -1113,13 +1180,17 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
              q_smem, k_smem, v_smem, alpha_smem, m_smem, l_smem, lse_smem,
              sp_tmem, o_tmem, barrier_refs):
     *optional_refs, out_ref, lse_ref = optional_and_out_refs
-    segment_refs = optional_refs[:3] if segments else ()
-    sinks_ref = optional_refs[-1] if sinks else None
+    num_segment_refs = (2 if mods is not None else 3) if segments else 0
+    segment_refs = optional_refs[:num_segment_refs]
+    del optional_refs[:num_segment_refs]
+    sinks_ref = optional_refs.pop(0) if sinks else None
+    mod_refs, unused = ModRefs.split(optional_refs, mods)
+    assert not unused, unused
     refs = ForwardRefs(
         q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, q_len_ref=q_len_ref, kv_len_ref=kv_len_ref,
         out_ref=out_ref, lse_ref=lse_ref, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
         alpha_smem=alpha_smem, m_smem=m_smem, l_smem=l_smem, lse_smem=lse_smem,
-        sp_tmem=sp_tmem, o_tmem=o_tmem, sinks_ref=sinks_ref,
+        sp_tmem=sp_tmem, o_tmem=o_tmem, sinks_ref=sinks_ref, mod_refs=mod_refs,
         **dict(zip(("q_seg_ref", "kv_seg_ref", "seg_ranges_ref"), segment_refs)))
     bars = ForwardBarriers(cfg, barrier_refs)
     wg = lax.axis_index("wg")
@@ -1182,13 +1253,26 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             segment_ids=None, sinks=None, soft_cap: float | None = None,
-            config: TileConfig | None = None):
+            config: TileConfig | None = None, mods=None):
   """See fa4_jax/kernels/__init__.py; `segment_ids`: None or (q_ids int32
   [B, Tq], kv_ids int32 [B, Tk]): a query sees only keys of its own id;
   `sinks`: None or f32 [Nq]; `soft_cap`: None or a float > 0. `config`:
   None for `tile_config(head_dim, dtype)`, or that config with other grid
   fields (`persistent`, `num_sms`); its tiling must be the one the head dim
-  gets."""
+  gets.
+
+  `mods`: None, or the call's `scores.Scores` with a `score_mod` and / or a
+  `mask_mod` (its lengths, segment ids, band, scale and soft-cap are the
+  arguments above; it adds the mods, their captured arrays, the block mask
+  and the index offsets). Every role then walks per CTA tile the block list
+  of every mask (`mods_operands`, computed here in XLA): PARTIAL blocks with
+  the element mask and mask_mod, FULL ones without, EMPTY ones neither
+  loaded nor computed; score_mod runs on every walked block. An op the
+  kernel cannot run is a ValueError naming it (`mod_tiles.check_mods`)."""
+  if mods is not None and not mods.has_mods:
+    mods = None
+  if mods is not None:
+    check_mods("sm100 forward", mods)
   check_supported(q.shape, k.shape, q.dtype, mask)
   if k.dtype != q.dtype or v.dtype != q.dtype or v.shape != k.shape:
     raise KernelUnsupported(
@@ -1223,25 +1307,54 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if tk_pad != tk:
     k = jnp.pad(k, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
+  num_cta_tiles = cta_tile_slots(cfg, mask, tq_pad)
   segments = ()
   if segment_ids is not None:
     segments = segment_operands(cfg, segment_ids, b, tq, tk, tq_pad,
-                                num_cta_tiles=cta_tile_slots(cfg, mask, tq_pad))
+                                num_cta_tiles=num_cta_tiles)
+    if mods is not None:
+      segments = segments[:2]  # the block lists hold the ids' tile ranges
   sink_operand = ()
   if sinks is not None:
     if jnp.shape(sinks) != (nq,):
       raise KernelUnsupported(
           f"sm100 forward: sinks must be [query heads] = ({nq},); got {jnp.shape(sinks)}")
     sink_operand = (jnp.asarray(sinks, jnp.float32),)
+  mod_options, mod_args = {}, ()
+  if mods is not None:
+    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+    mods = mods.replace(mask=mask, scale=float(scale), soft_cap=soft_cap, q_lengths=q_lengths,
+                        kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    mod_statics, mod_args = mods_operands(mods, cfg, b, nq, tq, tk, num_cta_tiles)
+    mod_options = dict(mods=mod_statics)
   call = _build_kernel(
       cfg, batch=b, tq=tq, tk=tk, tq_pad=tq_pad, tk_pad=tk_pad, num_q_heads=nq,
       num_kv_heads=nkv, scale=float(scale), mask=mask, segments=bool(segments),
       soft_cap=None if soft_cap is None else float(soft_cap), sinks=bool(sink_operand),
       # Soft-capped logits are bounded: where that bounds P, no running max.
-      fixed_max=scores.fixed_max_is_exact(q.dtype, soft_cap, tk))
+      fixed_max=scores.fixed_max_is_exact(q.dtype, soft_cap, tk), **mod_options)
   out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32),
-                  *segments, *sink_operand)
+                  *segments, *sink_operand, *mod_args)
   return out[:, :tq], lse[:, :, :tq]
+
+
+def mods_operands(mods, cfg: TileConfig, b: int, nq: int, tq: int, tk: int,
+                  num_cta_tiles: int):
+  """(`ModStatics`, the kernel's mods operands) of `mods` (the call's
+  `scores.Scores`, holding the kernel's own lengths and segment ids): the
+  classes of every mask at CTA tiles of `rows_per_cta` x `block_kv`
+  (`scores.tile_classes`; the lengths clipped to the sequences, as the
+  kernel masks them: a length past them would make the last, padded, block
+  look full), their block lists for the `num_cta_tiles` tiles the grid
+  names, the offsets and the captured arrays (`backward_inputs.mod_operands`)."""
+  clip = lambda x, n: jnp.clip(jnp.asarray(x, jnp.int32), 0, n)
+  mods = mods.replace(q_lengths=clip(mods.q_lengths, tq), kv_lengths=clip(mods.kv_lengths, tk))
+  tiles = (cfg.rows_per_cta, cfg.block_kv)
+  classes = scores.tile_classes(mods, b, nq, tq, tk, *tiles)
+  operands = mod_operands(mods, classes, tiles, q_block=tiles[0], kv_block=tiles[1],
+                          num_q=num_cta_tiles, num_kv=pl.cdiv(tk, cfg.block_kv),
+                          keys_are_rows=False)
+  return ModStatics.of(mods, classes), operands
 
 
 def segment_operands(cfg: TileConfig, segment_ids, b, tq, tk, tq_pad, num_cta_tiles=None):

@@ -31,7 +31,7 @@ EPILOGUE_LAYOUT = plgpu.Layout.TCGEN05
 
 
 def element_mask(mask: scores.MaskSpec, shape, *, row_lo, col_lo, keys_along_rows: bool, kv_len,
-                 q_len, segments=None, hide_rows_past_q_len: bool = False):
+                 q_len, segments=None, hide_rows_past_q_len: bool = False, mask_mod=None):
   """`scores.visible` over a `ROW_LAYOUT` tile of `shape` whose rows start
   at `row_lo` and hold queries (keys when `keys_along_rows`, as in the
   dK/dV kernel), its columns at `col_lo`: the element mask of every sm100
@@ -41,7 +41,9 @@ def element_mask(mask: scores.MaskSpec, shape, *, row_lo, col_lo, keys_along_row
   pay, one 4-byte id per column and thread (Mosaic GPU lowers GMEM loads
   into these layouts only unoptimized: per-thread loads, no SMEM plan).
   `hide_rows_past_q_len`: also hide rows at or past `q_len` (the forward,
-  whose rows are queries)."""
+  whose rows are queries). `mask_mod`: None, or a hook (q_idx, kv_idx) ->
+  bool tile and-ed with the built-ins (`mod_tiles.TileMods.mask_hook`);
+  without it the traced program is the one built before it existed."""
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW_LAYOUT) + row_lo
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW_LAYOUT) + col_lo
   row_seg = col_seg = None
@@ -54,7 +56,18 @@ def element_mask(mask: scores.MaskSpec, shape, *, row_lo, col_lo, keys_along_row
   k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
   kv_seg, q_seg = (row_seg, col_seg) if keys_along_rows else (col_seg, row_seg)
   ok = scores.visible(mask, q_idx, k_idx, kv_len, q_seg, kv_seg, q_len=q_len)
+  if mask_mod is not None:
+    ok = ok & mask_mod(q_idx, k_idx)
   return ok & (rows < q_len) if hide_rows_past_q_len else ok
+
+
+def tile_positions(shape, *, row_lo, col_lo, keys_along_rows: bool):
+  """(q_idx, kv_idx): int32 `ROW_LAYOUT` tiles of `shape` of the query and
+  key positions of a tile whose rows start at `row_lo` (keys when
+  `keys_along_rows`) and columns at `col_lo`: what a `score_mod` sees."""
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW_LAYOUT) + row_lo
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW_LAYOUT) + col_lo
+  return (cols, rows) if keys_along_rows else (rows, cols)
 
 
 def smem_transforms(dtype, minor_dim: int):
