@@ -30,9 +30,9 @@ import numpy as np
 
 from fa4_jax import backends, interpret
 from fa4_jax.scores import FP8_DTYPES
-from fa4_jax.validation import (_as_array, _check_descale, _check_output_dtype, _check_scale,
-                                _check_sinks, _check_soft_cap, _dtype_name, _is_concrete,
-                                check_dtypes)
+from fa4_jax.validation import (as_array, check_descale, check_dtypes, check_output_dtype,
+                                check_scale, check_sinks, check_soft_cap, dtype_name,
+                                is_concrete)
 
 PagedImplementation = Literal["xla", "sm90"] | None
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90")
@@ -170,7 +170,7 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"`is_causal` must be a bool; got {is_causal!r}")
-  query, key_pages = _as_array(query, "query"), _as_array(key_pages, "key_pages")
+  query, key_pages = as_array(query, "query"), as_array(key_pages, "key_pages")
   if value_pages is None:  # MLA: the values are the keys' first value_head_dim features
     value_head_dim = _check_value_head_dim(value_head_dim, key_pages)
     if descales[2] is not None:
@@ -181,7 +181,7 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
     raise ValueError("`value_head_dim` applies when `value_pages` is None (the values are "
                      "the keys' first features); leave it out with `value_pages`")
   else:
-    value_pages = _as_array(value_pages, "value_pages")
+    value_pages = as_array(value_pages, "value_pages")
   _check_cache(query, key_pages, value_pages)
   b = query.shape[0]
   page_table = _check_integer(page_table, "page_table", 2, "[batch, max_pages]")
@@ -193,25 +193,25 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
     raise ValueError(f"`key_value_seq_lengths` shape must be (batch,) = ({b},); "
                      f"got {lengths.shape}")
   capacity = page_table.shape[1] * key_pages.shape[1]
-  if _is_concrete(lengths):
+  if is_concrete(lengths):
     values = np.asarray(lengths)
     if values.min() < 0 or values.max() > capacity:
       raise ValueError(
           f"`key_value_seq_lengths` values must lie in [0, {capacity}] (max_pages * "
           f"page_size); got min {values.min()}, max {values.max()}")
-  static = _Static(scale=_check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
-                   soft_cap=_check_soft_cap(logits_soft_cap), value_head_dim=value_head_dim,
-                   output_dtype=_check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
+  static = _Static(scale=check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
+                   soft_cap=check_soft_cap(logits_soft_cap), value_head_dim=value_head_dim,
+                   output_dtype=check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
   heads, kv_heads = query.shape[2], key_pages.shape[2]
   descales = tuple(
-      _check_descale(x, f"{name}_descale", operand, dtype, n, heads_name)
+      check_descale(x, f"{name}_descale", operand, dtype, n, heads_name)
       for x, name, operand, dtype, n, heads_name in zip(
           descales, ("query", "key", "value"), ("query", "key_pages", "value_pages"),
           (query.dtype, key_pages.dtype, (key_pages if value_pages is None else value_pages).dtype),
           (heads, kv_heads, kv_heads),
           ("query head", "key/value head", "key/value head")))
   return _Arguments(query, key_pages, value_pages, page_table, lengths,
-                    _check_sinks(sinks, heads), static, descales)
+                    check_sinks(sinks, heads), static, descales)
 
 
 def _check_value_head_dim(value_head_dim, key_pages) -> int:
@@ -250,9 +250,9 @@ def _check_cache(query, key_pages, value_pages) -> None:
 
 
 def _check_integer(x, name: str, rank: int, layout: str) -> jax.Array:
-  x = _as_array(x, name)
+  x = as_array(x, name)
   if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"`{name}` must be an integer array (int32); got {_dtype_name(x.dtype)}")
+    raise ValueError(f"`{name}` must be an integer array (int32); got {dtype_name(x.dtype)}")
   if x.ndim != rank:
     raise ValueError(f"`{name}` must be rank {rank}, {layout}; got shape {x.shape}")
   return x.astype(jnp.int32)

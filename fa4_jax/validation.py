@@ -70,18 +70,18 @@ class Arguments:
     return self.scores.sinks
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
   return np.dtype(dtype).name
 
 
-def _as_array(x, name: str) -> jax.Array:
+def as_array(x, name: str) -> jax.Array:
   try:
     return jnp.asarray(x)
   except TypeError as e:
     raise TypeError(f"`{name}` must be an array, got {type(x).__name__}") from e
 
 
-def _is_concrete(x) -> bool:
+def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
@@ -124,7 +124,7 @@ def _values_of(value, key, value_head_dim):
     if value_head_dim is not None:
       raise ValueError("`value_head_dim` applies when `value` is None (the values are the "
                        "keys' first `value_head_dim` features); leave it out with a `value`")
-    return _as_array(value, "value")
+    return as_array(value, "value")
   if (isinstance(value_head_dim, bool) or not isinstance(value_head_dim, (int, np.integer))
       or not 0 < value_head_dim <= key.shape[-1]):
     raise ValueError(
@@ -142,9 +142,9 @@ def check_dtypes(query, key, value, key_name: str = "key", value_name: str = "va
     if x.dtype not in SUPPORTED_DTYPES + FP8_DTYPES:
       raise ValueError(
           f"`{name}` dtype must be one of bfloat16, float16, float32, float64, "
-          f"float8_e4m3fn, float8_e5m2; got {_dtype_name(x.dtype)}")
-  got = (f"got {_dtype_name(query.dtype)}, {_dtype_name(key.dtype)} and "
-         f"{_dtype_name(value.dtype)}")
+          f"float8_e4m3fn, float8_e5m2; got {dtype_name(x.dtype)}")
+  got = (f"got {dtype_name(query.dtype)}, {dtype_name(key.dtype)} and "
+         f"{dtype_name(value.dtype)}")
   if key.dtype in FP8_DTYPES or query.dtype in FP8_DTYPES:
     if key.dtype != value.dtype or key.dtype not in FP8_DTYPES or (
         query.dtype != key.dtype and query.dtype not in (jnp.bfloat16, jnp.float16)):
@@ -161,13 +161,13 @@ def _check_pair_array(x, name: str, full_shape: tuple[int, ...], want_bool: bool
   """`bias` / `mask`: rank <= 4, broadcastable to [B, N, T, S] dim by dim."""
   if x is None:
     return None
-  x = _as_array(x, name)
+  x = as_array(x, name)
   if want_bool and x.dtype != jnp.bool_:
     raise ValueError(
-        f"`mask` must be a boolean array (True = attend); got {_dtype_name(x.dtype)}. "
+        f"`mask` must be a boolean array (True = attend); got {dtype_name(x.dtype)}. "
         "Pass an additive mask as `bias`")
   if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"`bias` must be a floating-point array; got {_dtype_name(x.dtype)}")
+    raise ValueError(f"`bias` must be a floating-point array; got {dtype_name(x.dtype)}")
   if x.ndim > 4:
     raise ValueError(f"`{name}` must have rank <= 4 (batch, heads, q_seq, kv_seq); "
                      f"got rank {x.ndim}")
@@ -182,12 +182,12 @@ def _check_pair_array(x, name: str, full_shape: tuple[int, ...], want_bool: bool
 def _check_lengths(x, name: str, batch: int, limit: int, limit_name: str):
   if x is None:
     return None
-  x = _as_array(x, name)
+  x = as_array(x, name)
   if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"`{name}` must be an integer array (int32); got {_dtype_name(x.dtype)}")
+    raise ValueError(f"`{name}` must be an integer array (int32); got {dtype_name(x.dtype)}")
   if x.shape != (batch,):
     raise ValueError(f"`{name}` shape must be (batch,) = ({batch},); got {x.shape}")
-  if _is_concrete(x):
+  if is_concrete(x):
     values = np.asarray(x)
     if values.size and (values.min() < 0 or values.max() > limit):
       raise ValueError(
@@ -211,9 +211,9 @@ def _check_segment_ids(query_ids, key_value_ids, shape_q, shape_k, rank: int):
   for name, ids, (b, length), axis in (("query_segment_ids", query_ids, shape_q, "query"),
                                        ("key_value_segment_ids", key_value_ids, shape_k,
                                         "key/value")):
-    ids = _as_array(ids, name)
+    ids = as_array(ids, name)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-      raise ValueError(f"`{name}` must be an integer array (int32); got {_dtype_name(ids.dtype)}")
+      raise ValueError(f"`{name}` must be an integer array (int32); got {dtype_name(ids.dtype)}")
     want = (length,) if rank == 3 else (b, length)
     if ids.shape != want:
       described = "(seq,)" if rank == 3 else "(batch, seq)"
@@ -224,44 +224,44 @@ def _check_segment_ids(query_ids, key_value_ids, shape_q, shape_k, rank: int):
   return tuple(checked)
 
 
-def _check_sinks(sinks, num_heads: int):
+def check_sinks(sinks, num_heads: int):
   if sinks is None:
     return None
-  sinks = _as_array(sinks, "sinks")
+  sinks = as_array(sinks, "sinks")
   if not jnp.issubdtype(sinks.dtype, jnp.floating):
     raise ValueError(f"`sinks` must be a floating-point array (one logit per query head); "
-                     f"got {_dtype_name(sinks.dtype)}")
+                     f"got {dtype_name(sinks.dtype)}")
   if sinks.shape != (num_heads,):
     raise ValueError(f"`sinks` shape must be (query heads,) = ({num_heads},), one logit per "
                      f"query head (also under GQA); got {sinks.shape}")
   return sinks
 
 
-def _check_descale(x, name: str, operand: str, operand_dtype, heads: int, heads_name: str):
+def check_descale(x, name: str, operand: str, operand_dtype, heads: int, heads_name: str):
   """A float8 operand's descale as float32 [heads] (a scalar broadcast), or
   None (1) when not given."""
   if x is None:
     return None
   if operand_dtype not in FP8_DTYPES:
     raise ValueError(f"`{name}` applies to a float8 `{operand}`; `{operand}` is "
-                     f"{_dtype_name(operand_dtype)}, so leave `{name}` out")
-  x = _as_array(x, name)
+                     f"{dtype_name(operand_dtype)}, so leave `{name}` out")
+  x = as_array(x, name)
   if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"`{name}` must be floating point (float32); got {_dtype_name(x.dtype)}")
+    raise ValueError(f"`{name}` must be floating point (float32); got {dtype_name(x.dtype)}")
   if x.shape not in ((), (1,), (heads,)):
     raise ValueError(f"`{name}` must be a scalar or one factor per {heads_name} "
                      f"(shape ({heads},)); got shape {x.shape}")
   return jnp.broadcast_to(x.astype(jnp.float32).reshape(-1), (heads,))
 
 
-def _check_output_dtype(output_dtype, query_dtype, key_dtype):
+def check_output_dtype(output_dtype, query_dtype, key_dtype):
   """The output dtype of a call with float8 operands (bfloat16 by default);
   None for other calls, whose output has the query's dtype."""
   if key_dtype not in FP8_DTYPES:
     if output_dtype is not None and jnp.dtype(output_dtype) != query_dtype:
       raise ValueError(
           "`output_dtype` applies to calls with float8 operands; this call's output has the "
-          f"query's dtype {_dtype_name(query_dtype)}; got output_dtype={output_dtype!r}")
+          f"query's dtype {dtype_name(query_dtype)}; got output_dtype={output_dtype!r}")
     return None
   if output_dtype is None:
     return jnp.dtype(query_dtype if query_dtype not in FP8_DTYPES else jnp.bfloat16)
@@ -271,11 +271,11 @@ def _check_output_dtype(output_dtype, query_dtype, key_dtype):
     raise ValueError(f"`output_dtype` must be a dtype; got {output_dtype!r}") from e
   if dtype not in FP8_OUTPUT_DTYPES:
     raise ValueError("`output_dtype` must be bfloat16, float16 or float32; got "
-                     f"{_dtype_name(dtype)}")
+                     f"{dtype_name(dtype)}")
   return dtype
 
 
-def _check_soft_cap(cap):
+def check_soft_cap(cap):
   if cap is None:
     return None
   if isinstance(cap, jax.core.Tracer):
@@ -307,7 +307,7 @@ def _check_window(local_window_size):
   return left, right
 
 
-def _check_scale(scale, head_dim: int) -> float:
+def check_scale(scale, head_dim: int) -> float:
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
   if isinstance(scale, jax.core.Tracer):
@@ -389,7 +389,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"`is_causal` must be a bool; got {is_causal!r}")
-  query, key = _as_array(query, "query"), _as_array(key, "key")
+  query, key = as_array(query, "query"), as_array(key, "key")
   if value is None:  # the values are the keys' features: dequantized as the keys are
     if value_descale is not None:
       raise ValueError("`value=None` takes the values from the keys, dequantized by "
@@ -415,17 +415,17 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
   score_fn, score_captured, mask_fn, mask_captured, block_mask = _check_mods(
       score_mod, mask_mod, block_mask, (b, t, n), (b, s))
   scores = Scores(
-      mask=spec, scale=_check_scale(scale, h), soft_cap=_check_soft_cap(logits_soft_cap),
+      mask=spec, scale=check_scale(scale, h), soft_cap=check_soft_cap(logits_soft_cap),
       score_mod=score_fn, mask_mod=mask_fn, q_lengths=q_lengths, kv_lengths=kv_lengths,
-      q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=_check_sinks(sinks, n),
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=check_sinks(sinks, n),
       score_captured=score_captured, mask_captured=mask_captured, block_mask=block_mask,
-      q_descale=_check_descale(query_descale, "query_descale", "query", query.dtype, n,
+      q_descale=check_descale(query_descale, "query_descale", "query", query.dtype, n,
                                "query head"),
-      k_descale=_check_descale(key_descale, "key_descale", "key", key.dtype, key.shape[2],
+      k_descale=check_descale(key_descale, "key_descale", "key", key.dtype, key.shape[2],
                                "key/value head"),
-      v_descale=_check_descale(value_descale, "value_descale", "value", value.dtype,
+      v_descale=check_descale(value_descale, "value_descale", "value", value.dtype,
                                key.shape[2], "key/value head"),
-      out_dtype=_check_output_dtype(output_dtype, query.dtype, key.dtype))
+      out_dtype=check_output_dtype(output_dtype, query.dtype, key.dtype))
   return Arguments(
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),
