@@ -331,3 +331,135 @@ def test_an_op_the_kernel_cannot_lower_is_a_value_error_naming_it(score_mod, op)
   with fa4_jax.gpu_target("sm100"):
     assert fa4_jax.which_implementation(q, q, q, score_mod=score_mod) == "xla"
     assert fa4_jax.which_implementation(q, q, q, score_mod=alibi) == "sm100"
+
+
+# --- the backward kernels, interpreted (through the public path) ---------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+  batch: int = 1
+  q_seq: int = 130
+  kv_seq: int = 200
+  kv_heads: int = 2
+  head_dim: int = 64
+  dtype: str = "bfloat16"
+  causal: bool = False
+  score: str | None = None  # "alibi" | "table": the table's gradient is checked too
+  keep: str | None = None  # "prefix" (as a reused block mask) | "chunked"
+  q_lengths: tuple | None = None
+  kv_lengths: tuple | None = None
+  soft_cap: float | None = None
+
+
+BACKWARD_CASES = {
+    # ALiBi, causal, GQA (dK/dV summed over the group's block lists), odd lengths.
+    "alibi_causal_gqa": BackwardCase(score="alibi", causal=True),
+    # A table score_mod with chunked local attention, soft-cap, lengths, two
+    # batch rows: the table's gradient comes from backends' XLA pass.
+    "table_chunked_soft_cap_lengths": BackwardCase(
+        score="table", keep="chunked", batch=2, soft_cap=5.0, q_lengths=(130, 70),
+        kv_lengths=(180, 200)),
+    # Prefix-LM from a create_block_mask block mask (per batch row), fp16, D128.
+    "prefix_block_mask_fp16_d128": BackwardCase(keep="prefix", batch=2, head_dim=128,
+                                                dtype="float16", q_seq=256, kv_seq=256),
+}
+
+
+def _backward_grads(case: BackwardCase, implementation: str, run=lambda f, *a: f(*a)):
+  """(dq, dk, dv, d table) of sum(out * dout): `fa4_jax.attention` for a
+  kernel, the f32 einsum attention with the explicit bias and mask for
+  "reference"."""
+  dtype = jnp.dtype(case.dtype)
+  q, k, v = inputs(case.batch, case.q_seq, case.kv_seq, HEADS, case.kv_heads, case.head_dim,
+                   dtype)
+  dout = jax.random.normal(jax.random.key(9), q.shape, dtype)
+  t, s = case.q_seq, case.kv_seq
+  keep_fn, keep = {"prefix": prefix_lm([37, 150][:case.batch]), "chunked": chunked(64),
+                   None: (None, lambda t, s: np.ones((1, 1, t, s), bool))}[case.keep]
+  as_array = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+
+  def loss_kernel(q, k, v, table):
+    kwargs = dict(is_causal=case.causal, scale=SCALE, logits_soft_cap=case.soft_cap,
+                  query_seq_lengths=as_array(case.q_lengths),
+                  key_value_seq_lengths=as_array(case.kv_lengths))
+    if case.score == "alibi":
+      kwargs["score_mod"] = lambda x, b, h, qi, ki: alibi(x, b, h, qi, ki) + 0 * table[h, 0]
+    elif case.score == "table":
+      kwargs["score_mod"] = lambda x, b, h, qi, ki: x + table[h, bucket(qi, ki)]
+    if case.keep == "prefix":
+      kwargs["block_mask"] = fa4_jax.create_block_mask(keep_fn, case.batch, None, t, s)
+    elif case.keep is not None:
+      kwargs["mask_mod"] = keep_fn
+    out = fa4_jax.attention(q, k, v, implementation=implementation, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+  def loss_reference(q, k, v, table):
+    rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+    visible = np.ones((case.batch, 1, t, s), bool) & keep(t, s)
+    if case.causal:
+      visible &= cols <= rows
+    if case.q_lengths is not None:
+      visible &= rows < np.asarray(case.q_lengths)[:, None, None, None]
+    if case.kv_lengths is not None:
+      visible &= cols < np.asarray(case.kv_lengths)[:, None, None, None]
+    bias = {"alibi": lambda: jnp.asarray(alibi_bias(t, s)),
+            "table": lambda: table[:, np.clip(cols - rows + NUM_BUCKETS // 2, 0,
+                                              NUM_BUCKETS - 1)][None],
+            None: lambda: None}[case.score]()
+    out, _ = einsum_attention(q, k, v, visible, bias, SCALE, soft_cap=case.soft_cap)
+    return jnp.sum(out * dout.astype(jnp.float32))
+
+  grad = jax.grad(loss_reference if implementation == "reference" else loss_kernel,
+                  argnums=(0, 1, 2, 3))
+  if implementation == "reference":
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  return run(grad, q, k, v, jnp.asarray(TABLE))
+
+
+@pytest.mark.parametrize("name", list(BACKWARD_CASES))
+def test_backward_with_mods_matches_the_einsum_reference_without_races(name, run_interpreted):
+  case = BACKWARD_CASES[name]
+  with fa4_jax.interpret_mode():
+    kernel_grads = _backward_grads(case, "sm100", run_interpreted)
+  want = _backward_grads(case, "reference")
+  names = ("dq", "dk", "dv", "dtable") if case.score == "table" else ("dq", "dk", "dv")
+  for name, got, ref in zip(names, kernel_grads, want):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(got).all(), name
+    error = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert error < 2e-2, (name, error)
+
+
+def test_the_backward_of_a_call_with_mods_is_the_sm100_kernel_pair():
+  q = jnp.zeros((1, 128, HEADS, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  mask_fn, _ = chunked(64)
+  with fa4_jax.interpret_mode():
+    for kwargs in (dict(score_mod=alibi), dict(mask_mod=mask_fn)):
+      assert fa4_jax.which_implementation(q, k, k, implementation="sm100", part="backward",
+                                          **kwargs) == "sm100"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_with_mods_cross_lowers_for_sm100(head_dim, cross_lower):
+  """Both backward kernels with a table score_mod (its slope in dS) and a
+  per-batch prefix mask_mod, beside lengths and GQA, lower for sm_100
+  (tcgen05, TMEM) within SMEM."""
+  from fa4_jax.kernels import sm100_backward
+  table = jnp.asarray(TABLE)
+  prefix_fn, _ = prefix_lm([100, 300])
+  mods = scores_value(lambda x, b, h, qi, ki: x + table[h, bucket(qi, ki)], prefix_fn)
+  q = jax.ShapeDtypeStruct((2, 1000, HEADS, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1030, 2, head_dim), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, HEADS, 1000), jnp.float32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  lowered = cross_lower(
+      lambda q, k, v, o, lse, do, a, b: sm100_backward.backward(
+          q, k, v, o, lse, do, a, b, scale=SCALE, mask=MaskSpec(right=0), mods=mods),
+      q, kv, kv, q, lse, q, lengths, lengths, arch="sm_100")
+  assert len(lowered.modules) == 2  # dK/dV and dQ
+  for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st",
+                      "cp.async.bulk.tensor"):
+    assert lowered.has(instruction), instruction
+  assert 0 < lowered.max_smem_bytes <= sm100_tiles.SMEM_BYTES

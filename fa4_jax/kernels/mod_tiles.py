@@ -118,6 +118,19 @@ class ModRefs:
     num_partial = self.counts[(*at, 0)]
     return BlockList(self.order, at, num_partial, num_partial + self.counts[(*at, 1)])
 
+  def group_walk(self, statics: ModStatics, batch_idx, kv_head, kv_tile, group: int, g):
+    """(the block list, the query head) of the g-th query head of `kv_head`'s
+    GQA group for key tile `kv_tile`: a kernel that owns keys (dK/dV) walks
+    its group's heads one after the other."""
+    head = kv_head * group + g
+    return self.walk(statics, batch_idx, head, kv_tile), head
+
+  def group_steps(self, statics: ModStatics, batch_idx, kv_head, kv_tile, group: int):
+    """The blocks of every head's list of `group_walk`, in all."""
+    total = lambda g, n: n + self.group_walk(statics, batch_idx, kv_head, kv_tile, group,
+                                             g)[0].total
+    return lax.fori_loop(0, group, total, jnp.int32(0))
+
   def on_rows(self, statics: ModStatics, batch_idx, head) -> "TileMods":
     """The mods of tiles of (`batch_idx`, query `head`), local indices."""
     if self.offsets is not None:

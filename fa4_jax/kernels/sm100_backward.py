@@ -38,7 +38,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fa4_jax.kernels import KernelUnsupported, check_common
-from fa4_jax.kernels.backward_inputs import check_operands, preprocess
+from fa4_jax.kernels.backward_inputs import (check_operands, fine_tile_classes, mod_operands,
+                                             preprocess)
+from fa4_jax.kernels.mod_tiles import ModStatics, check_mods
+from fa4_jax.kernels.sm100_forward import kernel_scores
 from fa4_jax.kernels.sm100_backward_dkdv import (BLOCK_KV, build_dkv_kernel,
                                                 dkv_segment_operands, dkv_tiles)
 from fa4_jax.kernels.sm100_backward_dq import (BLOCK_Q, build_dq_kernel, dq_segment_operands,
@@ -46,7 +49,7 @@ from fa4_jax.kernels.sm100_backward_dq import (BLOCK_Q, build_dq_kernel, dq_segm
 from fa4_jax.scores import MaskSpec, cdiv
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
-FEATURES = frozenset({"soft_cap"})
+FEATURES = frozenset({"soft_cap", "mods"})
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -60,8 +63,27 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
         f"dK and dV of a 128-key tile fill the 512 TMEM columns; the XLA backward runs instead)")
 
 
+def _kernel_mods(mods, dkv, dq_plan, batch: int, num_q_heads: int, q_seq: int, kv_seq: int,
+                 q_pad: int, kv_pad: int):
+  """(`ModStatics`, the dK/dV kernel's mods operands, the dQ kernel's) of a
+  call with programmable scores (`mods`: `sm100_forward.kernel_scores`): the
+  classes of every mask evaluated once, at tiles that divide both kernels'
+  CTA tiles (dK/dV: 128 keys by `dkv.block_q` queries; dQ: 128 rows by
+  `dq_plan.block_kv` keys), and each kernel's block lists
+  (`backward_inputs.mod_operands`)."""
+  fine = (min(dkv.block_q, BLOCK_Q), min(dq_plan.block_kv, BLOCK_KV))
+  classes = fine_tile_classes(mods, batch, num_q_heads, q_seq, kv_seq, *fine)
+  dkv_operands = mod_operands(mods, classes, fine, q_block=dkv.block_q, kv_block=BLOCK_KV,
+                              num_q=cdiv(q_pad, dkv.block_q), num_kv=cdiv(kv_pad, BLOCK_KV),
+                              keys_are_rows=True)
+  dq_operands = mod_operands(mods, classes, fine, q_block=BLOCK_Q, kv_block=dq_plan.block_kv,
+                             num_q=cdiv(q_pad, BLOCK_Q), num_kv=cdiv(kv_pad, dq_plan.block_kv),
+                             keys_are_rows=False)
+  return ModStatics.of(mods, classes), dkv_operands, dq_operands
+
+
 def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-             segment_ids=None, soft_cap: float | None = None):
+             segment_ids=None, soft_cap: float | None = None, mods=None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
   q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
@@ -69,7 +91,18 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
   segment_ids: None, or (q ids int32 [B, Tq], kv ids int32 [B, Tk]).
   soft_cap: None, or a Python float > 0: the forward's logits were
   cap * tanh(scale * q.k / cap).
+  mods: None, or the call's `scores.Scores` where it has a `score_mod` or
+  `mask_mod` (its mask, scale, soft-cap, lengths and segment ids are the
+  arguments above): both kernels then walk block lists (PARTIAL blocks with
+  the element mask and mask_mod, FULL ones without, EMPTY ones never
+  loaded) and recompute P with the modified score; dS carries score_mod's
+  slope (`mod_tiles.TileMods.logits`). The captured arrays' gradients are
+  the caller's (`backends._captured_grads`).
   """
+  if mods is not None and not mods.has_mods:
+    mods = None
+  if mods is not None:
+    check_mods("sm100 backward", mods)
   check_supported(q.shape, k.shape, q.dtype, mask)
   soft_cap = check_operands(q, k, v, soft_cap)
   batch, q_seq, num_q_heads, head_dim = q.shape
@@ -98,11 +131,18 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
     q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
     dkv_segments = dkv_segment_operands(q_ids, kv_ids, dkv, kv_pad)
     dq_segments = dq_segment_operands(q_ids, kv_ids, dq_plan, q_pad)
+  dkv_mods, dq_mods = [], []
+  if mods is not None:
+    mods = kernel_scores(mods, mask=mask, scale=scale, soft_cap=soft_cap, q_lengths=q_lengths,
+                         kv_lengths=kv_lengths, segment_ids=segment_ids, q_seq=q_seq,
+                         kv_seq=kv_seq)
+    common["mods"], dkv_mods, dq_mods = _kernel_mods(mods, dkv, dq_plan, batch, num_q_heads,
+                                                     q_seq, kv_seq, q_pad, kv_pad)
   args = [q, k, v, dout, lse2, delta, *lengths]
   dk, dv = build_dkv_kernel(**common, block_kv=BLOCK_KV, block_q=dkv.block_q,
-                            num_stages=dkv.num_stages)(*args, *dkv_segments)
+                            num_stages=dkv.num_stages)(*args, *dkv_segments, *dkv_mods)
   dq = build_dq_kernel(**common, block_kv=dq_plan.block_kv, block_q=BLOCK_Q,
-                       num_stages=dq_plan.num_stages)(*args, *dq_segments)
+                       num_stages=dq_plan.num_stages)(*args, *dq_segments, *dq_mods)
   if q_pad != q_seq:
     dq = dq[:, :q_seq]
   if kv_pad != kv_seq:

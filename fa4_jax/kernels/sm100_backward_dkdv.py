@@ -87,7 +87,6 @@ who waits); the roles use its accessors only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -101,9 +100,11 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.mod_tiles import ModRefs, ModStatics, TileMods, exp2_constant, walk_block_list
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
-                                         BarrierTable, Waiter, element_mask, rem)
+                                         BarrierTable, Waiter, element_mask, rem,
+                                         tile_positions)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
 from fa4_jax.kernels.sm90_tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks
@@ -386,10 +387,14 @@ class KernelStatics:
   mask: MaskSpec
   scale: float
   soft_cap: float | None
+  mods: ModStatics | None = None  # programmable scores; None without them
 
   @property
   def c(self) -> float:
-    """c in P = exp2(c t - lse2) (`scores.softmax_scale`)."""
+    """c in P = exp2(c t - lse2) (`scores.softmax_scale`; with a score_mod
+    the scale leaves it, `mod_tiles.exp2_constant`)."""
+    if self.mods is not None:
+      return exp2_constant(self.scale, self.soft_cap, self.mods.score_mod is not None)
     return scores.softmax_scale(self.scale, self.soft_cap)
 
 
@@ -418,8 +423,16 @@ class DkvContext:
   refs: DkvRefs
   bars: DkvBarriers
   work: KeyTileWork
-  num_steps: Any  # group * query blocks per head (traced)
+  num_steps: Any  # group * query blocks per head, or every head's list (traced)
   out: tuple  # (dk_ref, dv_ref) in GMEM
+  mod_refs: ModRefs | None = None  # programmable scores: block lists per query head
+
+  def head_walk(self, g):
+    """With mods: (the block list of the CTA's keys for the GQA group's g-th
+    query head, that head)."""
+    w = self.work
+    return self.mod_refs.group_walk(self.statics.mods, w.batch_idx, w.kv_head, w.kv_tile,
+                                    w.group, g)
 
   @property
   def tiles(self) -> DkvTiles:
@@ -463,10 +476,8 @@ def load_warp(ctx: DkvContext) -> None:
     plgpu.copy_gmem_to_smem(gmem.k.at[ctx.keys()], refs.k_smem, bars.producer_kv())
     plgpu.copy_gmem_to_smem(gmem.v.at[ctx.keys()], refs.v_smem, bars.producer_kv())
 
-  @pl.loop(0, ctx.num_steps)
-  def _(step):
+  def load_block(step, head, qb):
     slot = ctx.slot(step)
-    head, qb = work.rows_of(step)
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
     stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
 
@@ -486,6 +497,15 @@ def load_warp(ctx: DkvContext) -> None:
     plgpu.copy_gmem_to_smem(gmem.delta.at[stats], refs.delta_smem.at[slot],
                             bars.producer_stats(slot))
 
+  if ctx.mod_refs is None:
+    pl.loop(0, ctx.num_steps)(lambda step: load_block(step, *work.rows_of(step)))
+  else:  # each query head's block list, one after the other
+    def one_head(g, step0):
+      walk, head = ctx.head_walk(g)
+      pl.loop(0, walk.total)(lambda n: load_block(step0 + n, head, walk.block(n)))
+      return step0 + walk.total
+
+    lax.fori_loop(0, work.group, one_head, jnp.int32(0))
   bars.drain_ring(ctx.num_steps)
 
 
@@ -547,33 +567,43 @@ def mma_warp(ctx: DkvContext) -> None:
 # ----------------------------- compute warpgroup -----------------------------
 
 
-def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids):
+def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids,
+                   tile_mods: TileMods | None = None):
   """(P^T, w) of one chunk of S^T (keys along rows, queries [q_lo, q_lo +
   CHUNK) along columns): P^T = exp2(c t - lse2), 0 where the element mask
   hides a pair (`masked` blocks only); w = P^T, or P^T (1 - t^2) with
-  soft-cap, the factor of dS^T (as `sm90_backward_common.tile_softmax`)."""
+  soft-cap, the factor of dS^T (as `sm90_backward_common.tile_softmax`).
+  With `tile_mods` (programmable scores) t and its slope come from
+  `TileMods.logits` and a masked block's element mask includes mask_mod."""
   st, work = ctx.statics, ctx.work
-  t = scores.softmax_logits(s, st.scale, st.soft_cap)
+  if tile_mods is None:
+    t, slope = scores.softmax_logits(s, st.scale, st.soft_cap), None
+  else:
+    q_idx, kv_idx = tile_positions(s.shape, row_lo=k_lo, col_lo=q_lo, keys_along_rows=True)
+    t, slope = tile_mods.logits(s, q_idx, kv_idx, scale=st.scale, cap=st.soft_cap,
+                                with_slope=True)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [1])
   if masked:
     segments = (None if key_ids is None
                 else (key_ids, ctx.gmem.segments.q_ids, work.batch_idx))
     ok = element_mask(st.mask, s.shape, row_lo=k_lo, col_lo=q_lo, keys_along_rows=True,
-                      kv_len=work.kv_len, q_len=work.q_len, segments=segments)
+                      kv_len=work.kv_len, q_len=work.q_len, segments=segments,
+                      mask_mod=None if tile_mods is None else tile_mods.mask_hook())
     logits2 = jnp.where(ok, logits2, -jnp.inf)
   p = jnp.exp2(logits2)
+  if tile_mods is not None:
+    return p, (p if slope is None else p * slope)
   return p, (p if st.soft_cap is None else p * scores.soft_cap_slope(t))
 
 
-def _compute_step(ctx: DkvContext, key_ids, qb, carry, *, masked, head_step0):
-  """Query block qb of one head (step head_step0 + qb - lo): S^T -> P^T,
+def _compute_step(ctx: DkvContext, key_ids, step, qb, carry, *, masked, tile_mods=None):
+  """Query block qb of one head at ring step `step`: S^T -> P^T,
   then dP^T -> dS^T, in TMEM. Scores are read column chunk by chunk; every
   chunk of a tile is read before the first 16-bit chunk is written over the
   tile's columns (the packed layout puts a 16-bit chunk over f32 columns of
   other chunks, and the interpreter aliases the two views by bytes, not by
   lane and column as the hardware does)."""
   bars, refs, tiles = ctx.bars, ctx.refs, ctx.tiles
-  step = head_step0 + (qb - ctx.work.lo)
   slot = ctx.slot(step)
   q_lo, k_lo = qb * tiles.block_q, ctx.work.k_lo
   chunks = [pl.ds(c, CHUNK) for c in range(0, tiles.block_q, CHUNK)]
@@ -584,7 +614,7 @@ def _compute_step(ctx: DkvContext, key_ids, qb, carry, *, masked, head_step0):
     s = plgpu.async_load_tmem(ctx.s_tmem.at[:, cols], layout=ROW_LAYOUT)
     lse2 = plgpu.load(refs.lse_smem.at[slot, cols], layout=COL_VECTOR_LAYOUT)
     p, w = _chunk_softmax(ctx, s, lse2, k_lo=k_lo, q_lo=q_lo + cols.start, masked=masked,
-                          key_ids=key_ids)
+                          key_ids=key_ids, tile_mods=tile_mods)
     probs.append(p.astype(tiles.dtype))
     weights.append(w)
   _store_chunks(ctx.p_tmem, chunks, probs)
@@ -623,11 +653,25 @@ def compute_wg(ctx: DkvContext) -> None:
                            layout=ROW_VECTOR_LAYOUT, optimized=False)
 
     def one_head(g, carry):
-      step = functools.partial(_compute_step, ctx, key_ids, head_step0=g * work.blocks_per_head)
+      head_step0 = g * work.blocks_per_head
+      step = lambda qb, carry, *, masked: _compute_step(
+          ctx, key_ids, head_step0 + (qb - work.lo), qb, carry, masked=masked)
       # One consumer per CTA: its own blocks are the CTA's, nothing to skip.
       return walk_blocks(work.lo, work.hi, work.ranges, step, lambda qb, carry: carry, carry)
 
-    lax.fori_loop(0, work.group, one_head, 0)
+    def one_head_list(g, step0):
+      """Programmable scores: the head's block list, PARTIAL blocks masked."""
+      walk, head = ctx.head_walk(g)
+      tile_mods = ctx.mod_refs.on_rows(ctx.statics.mods, work.batch_idx, head)
+      step = lambda n, qb, carry, *, masked: _compute_step(
+          ctx, key_ids, n, qb, carry, masked=masked, tile_mods=tile_mods)
+      walk_block_list(walk, step, 0, step0)
+      return step0 + walk.total
+
+    if ctx.mod_refs is None:
+      lax.fori_loop(0, work.group, one_head, 0)
+    else:
+      lax.fori_loop(0, work.group, one_head_list, jnp.int32(0))
     epilogue(ctx)
 
   @pl.when(ctx.num_steps == 0)
@@ -714,7 +758,8 @@ def _scratch_types(tiles: DkvTiles) -> dict:
 @cached_build
 def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
                      dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
-                     has_kv_lengths, has_segments=False, soft_cap=None):
+                     has_kv_lengths, has_segments=False, soft_cap=None,
+                     mods: ModStatics | None = None):
   """The dK/dV kernel: `(q, k, v, dout, lse2, delta, *lengths, *segments)
   -> (dk, dv)`.
 
@@ -723,26 +768,32 @@ def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
   [B, Nq, >= q_seq rounded up to block_q] (`backward_inputs.preprocess`:
   lse2 = +inf on rows that must not contribute); lengths: [q_lengths] if
   `has_q_lengths`, then [kv_lengths] if `has_kv_lengths` (int32 [B]); with
-  `has_segments` the three operands of `dkv_segment_operands`.
+  `has_segments` the three operands of `dkv_segment_operands`; with `mods`,
+  then `ModRefs`' operands (block lists of the 128-key tiles by `block_q`
+  queries, one per key tile and query head or for every head).
   dk, dv [B, kv_seq, Nkv, D] in `dtype`, summed over each GQA group.
   """
   tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=block_q, num_stages=num_stages,
                    block_kv=block_kv)
   tiles.check_budgets()
-  statics = KernelStatics(tiles, mask, float(scale), soft_cap)
+  statics = KernelStatics(tiles, mask, float(scale), soft_cap, mods=mods)
   group = num_q_heads // num_kv_heads
 
   def kernel(*refs, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, st_tmem, dpt_tmem,
              dk_tmem, dv_tmem, barrier_refs):
-    gmem, (dk_ref, dv_ref) = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
-                                               1 if has_segments else None)
+    gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
+                                  1 if has_segments else None)
+    mod_refs, (dk_ref, dv_ref) = ModRefs.split(rest, mods)
     work = KeyTileWork.of_this_cta(num_keys=BLOCK_KV, block_q=block_q, mask=mask, gmem=gmem,
                                    q_seq=q_seq, kv_valid=kv_valid, group=group)
     scratch = DkvRefs(k_smem=k_smem, v_smem=v_smem, q_smem=q_smem, do_smem=do_smem,
                       lse_smem=lse_smem, delta_smem=delta_smem, st_tmem=st_tmem,
                       dpt_tmem=dpt_tmem, dk_tmem=dk_tmem, dv_tmem=dv_tmem)
+    num_steps = work.num_steps
+    if mods is not None:  # every query head's block list of these keys
+      num_steps = mod_refs.group_steps(mods, work.batch_idx, work.kv_head, work.kv_tile, group)
     ctx = DkvContext(statics, gmem, scratch, DkvBarriers(tiles, barrier_refs), work,
-                     num_steps=work.num_steps, out=(dk_ref, dv_ref))
+                     num_steps=num_steps, out=(dk_ref, dv_ref), mod_refs=mod_refs)
     dispatch_roles(ctx, lax.axis_index("wg"))
 
   out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), jnp.dtype(dtype)),) * 2

@@ -80,6 +80,7 @@ with chunked TMEM loads, a persistent grid, register counts from ptxas.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -93,11 +94,13 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, exp2_constant,
+                                       walk_block_list)
 from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
                                          SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
-                                         element_mask, rem, smem_transforms)
+                                         element_mask, rem, smem_transforms, tile_positions)
 from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
@@ -352,9 +355,12 @@ class DqStatics:
   kv_valid: int
   soft_cap: float | None = None
   has_segments: bool = False
+  mods: ModStatics | None = None  # programmable scores; None without them
 
   @property
   def c(self) -> float:
+    if self.mods is not None:  # a score_mod takes the scaled scores
+      return exp2_constant(self.scale, self.soft_cap, self.mods.score_mod is not None)
     return scores.softmax_scale(self.scale, self.soft_cap)
 
 
@@ -374,10 +380,14 @@ class DqContext:
   q_lo: Any
   q_len: Any
   kv_len: Any
-  ranges: TileRanges  # the key blocks the tile walks, and the full ones
+  ranges: TileRanges | None  # the key blocks the tile walks, and the full ones
+  # Programmable scores: the tile's block list (walked instead of `ranges`:
+  # its PARTIAL blocks, then its FULL ones) and the mods' refs; None without.
+  block_list: BlockList | None = None
+  mod_refs: ModRefs | None = None
 
   @classmethod
-  def create(cls, statics: DqStatics, gmem, dq_ref, smem, tmem, bars):
+  def create(cls, statics: DqStatics, gmem, dq_ref, smem, tmem, bars, mod_refs=None):
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     tile = lax.axis_index("q_tiles")
@@ -387,10 +397,15 @@ class DqContext:
     kv_h = lax.div(h, jnp.int32(statics.group))
     q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, b, statics.q_seq, statics.kv_valid)
     q_lo = tile * BLOCK_Q
-    segment_ranges = None if gmem.segments is None else gmem.segments.of_cta(b, tile)
-    ranges = tile_key_blocks(mask, statics.tiles, q_lo, q_len, kv_len, segment_ranges)
+    ranges = block_list = None
+    if statics.mods is None:
+      segment_ranges = None if gmem.segments is None else gmem.segments.of_cta(b, tile)
+      ranges = tile_key_blocks(mask, statics.tiles, q_lo, q_len, kv_len, segment_ranges)
+    else:  # the list holds the band, the lengths and the segment ids too
+      block_list = mod_refs.walk(statics.mods, b, h, tile)
     return cls(statics, gmem, dq_ref, smem, tmem, bars, b=b, h=h, kv_h=kv_h, q_lo=q_lo,
-               q_len=q_len, kv_len=kv_len, ranges=ranges)
+               q_len=q_len, kv_len=kv_len, ranges=ranges, block_list=block_list,
+               mod_refs=mod_refs)
 
   @property
   def tiles(self) -> DqTiles:
@@ -398,7 +413,15 @@ class DqContext:
 
   @property
   def num_steps(self):
+    if self.block_list is not None:
+      return self.block_list.total
     return jnp.maximum(self.ranges.hi - self.ranges.lo, 0)
+
+  def key_block(self, n):
+    """The key block of walk position n (a block-list entry with mods)."""
+    if self.block_list is not None:
+      return self.block_list.block(n)
+    return self.ranges.lo + n
 
   def s_tmem(self, b):
     return self.tmem["s"][b][0]
@@ -427,7 +450,6 @@ def load_warp(ctx: DqContext) -> None:
   """Q, dO, lse2, delta once; then K_j and V_j of every walked block."""
   g, smem, bars = ctx.gmem, ctx.smem, ctx.bars
   bk, stages = ctx.tiles.block_kv, ctx.tiles.num_stages
-  lo = ctx.ranges.lo
 
   @pl.when(ctx.num_steps > 0)
   def _():
@@ -441,7 +463,7 @@ def load_warp(ctx: DqContext) -> None:
   @pl.loop(0, ctx.num_steps)
   def _(n):
     slot = rem(n, stages)
-    keys = (ctx.b, pl.ds((lo + n) * bk, bk), ctx.kv_h)
+    keys = (ctx.b, pl.ds(ctx.key_block(n) * bk, bk), ctx.kv_h)
 
     @pl.when(n >= stages)
     def _():
@@ -524,22 +546,35 @@ def mma_warp(ctx: DqContext) -> None:
 # ----------------------------- compute warpgroup -----------------------------
 
 
-def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool) -> None:
-  """dS of key block j (score buffer b) into TMEM over S."""
+def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool,
+                tile_mods: TileMods | None = None) -> None:
+  """dS of key block j (score buffer b) into TMEM over S. With `tile_mods`
+  (programmable scores) t and its slope come from `TileMods.logits` (dS is
+  w.r.t. the scaled score, as without mods), and a masked block's element
+  mask includes mask_mod."""
   st, bars = ctx.statics, ctx.bars
   bars.consumer_s(b).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(b), layout=ROW_LAYOUT)
-  t = scores.softmax_logits(s, st.scale, st.soft_cap)
+  k_lo = j * ctx.tiles.block_kv
+  if tile_mods is None:
+    t, slope = scores.softmax_logits(s, st.scale, st.soft_cap), None
+  else:
+    q_idx, kv_idx = tile_positions(s.shape, row_lo=ctx.q_lo, col_lo=k_lo, keys_along_rows=False)
+    t, slope = tile_mods.logits(s, q_idx, kv_idx, scale=st.scale, cap=st.soft_cap,
+                                with_slope=True)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [0])
   if masked:
     segments = None if row_ids is None else (row_ids, ctx.gmem.segments.kv_ids, ctx.b)
-    ok = element_mask(st.mask, s.shape, row_lo=ctx.q_lo, col_lo=j * ctx.tiles.block_kv,
+    ok = element_mask(st.mask, s.shape, row_lo=ctx.q_lo, col_lo=k_lo,
                       keys_along_rows=False, kv_len=ctx.kv_len, q_len=ctx.q_len,
-                      segments=segments)
+                      segments=segments,
+                      mask_mod=None if tile_mods is None else tile_mods.mask_hook())
     logits2 = jnp.where(ok, logits2, -jnp.inf)
   w = jnp.exp2(logits2)  # P
-  if st.soft_cap is not None:
-    w = w * scores.soft_cap_slope(t)
+  if tile_mods is None and st.soft_cap is not None:
+    slope = scores.soft_cap_slope(t)  # after the exp2, as t's last use
+  if slope is not None:
+    w = w * slope
   bars.consumer_dp(b).wait()
   dp = plgpu.async_load_tmem(ctx.dp_tmem(b), layout=ROW_LAYOUT)
   ds = w * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
@@ -569,7 +604,19 @@ def compute_wg(ctx: DqContext, i: int) -> None:
       pl.when(mine)(lambda: _grad_block(ctx, lse2, delta, row_ids, j, i, masked=masked))
       return carry
 
-    walk_blocks(ranges.lo, ranges.hi, ranges, step, lambda j, carry: carry, 0)
+    def list_step(n, j, carry, *, masked, tile_mods):
+      """Walk position n of the block list holds key block j."""
+      mine = rem(n, ctx.tiles.score_buffers) == i
+      pl.when(mine)(lambda: _grad_block(ctx, lse2, delta, row_ids, j, i, masked=masked,
+                                        tile_mods=tile_mods))
+      return carry
+
+    if ctx.block_list is None:
+      walk_blocks(ranges.lo, ranges.hi, ranges, step, lambda j, carry: carry, 0)
+    else:
+      # The mods bound to the tile's (batch, head) once, before the walk.
+      tile_mods = ctx.mod_refs.on_rows(ctx.statics.mods, ctx.b, ctx.h)
+      walk_block_list(ctx.block_list, functools.partial(list_step, tile_mods=tile_mods), 0)
     if i == 0:
       epilogue(ctx)
 
@@ -671,7 +718,8 @@ def dq_segment_operands(q_ids, kv_ids, tiles: DqTiles, q_seq: int):
 @cached_build
 def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
                     dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
-                    has_kv_lengths, has_segments=False, soft_cap=None):
+                    has_kv_lengths, has_segments=False, soft_cap=None,
+                    mods: ModStatics | None = None):
   """(q, k, v, dout, lse2, delta, *lengths, *segment_operands) -> dq.
 
   q, dout [B, q_seq, Nq, D]; k, v [B, kv_seq, Nkv, D] (sequences padded to
@@ -681,7 +729,9 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
   operands: `dq_segment_operands(q_ids, kv_ids, tiles, q_seq)`, i.e.
   `backward_inputs.segment_operands(q_ids, kv_ids, keys_are_rows=False,
   block_rows=128, consumers=1, num_ctas=cdiv(q_seq, 128),
-  block_cols=block_kv)`. Returns dq [B, q_seq, Nq, D] in dtype."""
+  block_cols=block_kv)`; with `mods`, then `ModRefs`' operands (block lists
+  of the 128-row tiles by `block_kv` keys). Returns dq [B, q_seq, Nq, D] in
+  dtype."""
   tiles = dataclasses.replace(dq_tiles(head_dim, dtype), block_kv=block_kv, block_q=block_q,
                               num_stages=num_stages)
   tiles.check_budgets()
@@ -689,14 +739,14 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
   num_q_tiles = cdiv(q_seq, BLOCK_Q)
   statics = DqStatics(tiles, mask, float(scale), num_q_heads // num_kv_heads, num_q_tiles,
                       q_seq, kv_valid, soft_cap=None if soft_cap is None else float(soft_cap),
-                      has_segments=has_segments)
+                      has_segments=has_segments, mods=mods)
 
   def kernel(*refs, smem, tmem, barrier_refs):
     gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
                                   1 if has_segments else None)
-    (dq_ref,) = rest
+    mod_refs, (dq_ref,) = ModRefs.split(rest, mods)
     bars = DqBarriers(tiles, barrier_refs)
-    ctx = DqContext.create(statics, gmem, dq_ref, smem, tmem, bars)
+    ctx = DqContext.create(statics, gmem, dq_ref, smem, tmem, bars, mod_refs)
     dispatch_roles(ctx, lax.axis_index("wg"))
 
   call = plgpu.kernel(

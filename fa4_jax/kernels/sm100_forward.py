@@ -94,6 +94,29 @@ rows keep a fixed max (`KernelStatics.fixed_max`): the softmax takes no row
 max and hands no row factors over (c_full / c_free carry only the final
 statistics), and the correction leaves O alone, only keeping its turn in
 po_ready. Without them the kernel is unchanged.
+
+Programmable scores (`forward(..., mods=)`, a `scores.Scores` with a
+`score_mod` and / or a `mask_mod`): before the kernel XLA classifies every
+(CTA tile, key block) pair by every mask of the call, the built-ins and
+`mask_mod` (`scores.tile_classes`: EMPTY, PARTIAL, FULL; from the block
+mask where its tiles nest with the CTA's 256 x 128, or 128 x 64 at head
+dim 256) and turns the classes into per-CTA lists (`scores.block_lists`:
+the PARTIAL blocks, then the FULL ones; `mods_operands`). Every role walks
+the list instead of [blk_lo, blk_lo + num_steps) (`ForwardContext.key_block`:
+one scalar GMEM load per block), so the load warp loads only listed
+blocks and the barrier protocol is the plain one, block for block. The
+softmax warpgroups bind the mods to their tile's (batch, head) once before
+the walk (`mod_tiles.ModRefs.on_rows`: captured arrays read once per
+tile), then run `score_mod` on every walked block after the scale and
+before the soft-cap (`mod_tiles.TileMods.logits`; the exp2 constant is then
+log2(e), or cap * log2(e)), and the element mask with `mask_mod` on
+PARTIAL blocks only (`_softmax_step_with_mods`); FULL blocks evaluate no
+mask_mod. The mods see the global (batch, head) (`Scores.index_offsets`)
+and the query and key positions; their captured arrays are GMEM operands.
+With segment ids the lists hold the ids' tile ranges (the ids' range
+operand is dropped). Both grids take mods: the lists are per CTA tile, and
+a persistent CTA reads each item's. No new barrier, role or TMEM column;
+without mods the kernel is unchanged (`tools/kernel_fingerprints.py`).
 """
 
 from __future__ import annotations
@@ -1322,9 +1345,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     sink_operand = (jnp.asarray(sinks, jnp.float32),)
   mod_options, mod_args = {}, ()
   if mods is not None:
-    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
-    mods = mods.replace(mask=mask, scale=float(scale), soft_cap=soft_cap, q_lengths=q_lengths,
-                        kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    mods = kernel_scores(mods, mask=mask, scale=scale, soft_cap=soft_cap, q_lengths=q_lengths,
+                         kv_lengths=kv_lengths, segment_ids=segment_ids, q_seq=tq, kv_seq=tk)
     mod_statics, mod_args = mods_operands(mods, cfg, b, nq, tq, tk, num_cta_tiles)
     mod_options = dict(mods=mod_statics)
   call = _build_kernel(
@@ -1338,17 +1360,26 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   return out[:, :tq], lse[:, :, :tq]
 
 
+def kernel_scores(mods, *, mask: MaskSpec, scale: float, soft_cap, q_lengths, kv_lengths,
+                  segment_ids, q_seq: int, kv_seq: int):
+  """`mods` (the call's `scores.Scores`) with the kernel call's own mask,
+  scale, soft-cap, lengths and segment ids: what its tile classes are of
+  (`scores.tile_classes`), for the forward and the backward kernels. The
+  lengths are clipped to the sequences, as the kernels mask them (a length
+  past them would make the last, padded, block look full)."""
+  clip = lambda x, n: None if x is None else jnp.clip(jnp.asarray(x, jnp.int32), 0, n)
+  q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+  return mods.replace(mask=mask, scale=float(scale), soft_cap=soft_cap,
+                      q_lengths=clip(q_lengths, q_seq), kv_lengths=clip(kv_lengths, kv_seq),
+                      q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+
 def mods_operands(mods, cfg: TileConfig, b: int, nq: int, tq: int, tk: int,
                   num_cta_tiles: int):
-  """(`ModStatics`, the kernel's mods operands) of `mods` (the call's
-  `scores.Scores`, holding the kernel's own lengths and segment ids): the
-  classes of every mask at CTA tiles of `rows_per_cta` x `block_kv`
-  (`scores.tile_classes`; the lengths clipped to the sequences, as the
-  kernel masks them: a length past them would make the last, padded, block
-  look full), their block lists for the `num_cta_tiles` tiles the grid
-  names, the offsets and the captured arrays (`backward_inputs.mod_operands`)."""
-  clip = lambda x, n: jnp.clip(jnp.asarray(x, jnp.int32), 0, n)
-  mods = mods.replace(q_lengths=clip(mods.q_lengths, tq), kv_lengths=clip(mods.kv_lengths, tk))
+  """(`ModStatics`, the kernel's mods operands) of `mods` (`kernel_scores`):
+  the classes of every mask at CTA tiles of `rows_per_cta` x `block_kv`,
+  their block lists for the `num_cta_tiles` tiles the grid names, the
+  offsets and the captured arrays (`backward_inputs.mod_operands`)."""
   tiles = (cfg.rows_per_cta, cfg.block_kv)
   classes = scores.tile_classes(mods, b, nq, tq, tk, *tiles)
   operands = mod_operands(mods, classes, tiles, q_block=tiles[0], kv_block=tiles[1],
