@@ -42,7 +42,9 @@ How each Flax argument is handled:
   (custom/quantized einsums): a `ValueError` unless None.
 * Leading batch dimensions: none, one or several (they are flattened).
 * `sinks` ([heads], a parameter the model holds itself) is an argument of
-  `attention_fn`; `make_attention_fn(logits_soft_cap=cap)` soft-caps every
+  `attention_fn`, and so are `query_descale`, `key_descale` and
+  `value_descale` (float8 inputs, as in `fa4_jax.attention`: a float8 key
+  and value keep their dtype unless `dtype` is given); `make_attention_fn(logits_soft_cap=cap)` soft-caps every
   call.
 * Segment ids (packed sequences): Flax's modules pass no such argument to
   their `attention_fn`, so there are two routes. Code that calls
@@ -80,6 +82,7 @@ import jax
 import jax.numpy as jnp
 
 from fa4_jax import api
+from fa4_jax.scores import FP8_DTYPES
 
 _PREFIX = "fa4_jax.flax.attention_fn"
 _context = threading.local()
@@ -143,7 +146,8 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                    force_fp32_for_softmax=False, einsum_dot_general=None,
                    qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                    promote_dtype=None, is_causal=False, query_segment_ids=None,
-                   key_value_segment_ids=None, sinks=None, **unsupported):
+                   key_value_segment_ids=None, sinks=None, query_descale=None,
+                   key_descale=None, value_descale=None, **unsupported):
     """Flax `attention_fn` computed by `fa4_jax.attention`.
 
     Takes Flax's `dot_product_attention` arguments (see `fa4_jax.flax`).
@@ -157,7 +161,8 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
         attn_weights_value_einsum=attn_weights_value_einsum,
         promote_dtype=promote_dtype, is_causal=is_causal,
         segment_ids=_segment_ids_of_call(query, query_segment_ids, key_value_segment_ids),
-        sinks=sinks, unsupported=unsupported, **options)
+        sinks=sinks, descales=(query_descale, key_descale, value_descale),
+        unsupported=unsupported, **options)
     out = _attend(call)
     return out.reshape(call.batch_shape + out.shape[-3:])
 
@@ -261,7 +266,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                deterministic=True, dtype=None, precision=None, module=None,
                einsum_dot_general=None, qk_attn_weights_einsum=None,
                attn_weights_value_einsum=None, promote_dtype=None,
-               is_causal=False, segment_ids=(None, None), sinks=None, unsupported=None,
+               is_causal=False, segment_ids=(None, None), sinks=None,
+               descales=(None, None, None), unsupported=None,
                always_causal=False, logits_soft_cap=None,
                local_window_size=None, causal_alignment="top_left",
                implementation=None, ignore_precision=False, score_mod=None, mask_mod=None,
@@ -271,8 +277,12 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                    einsum_dot_general, qk_attn_weights_einsum,
                    attn_weights_value_einsum, unsupported, ignore_precision)
 
-  # dtype: Flax casts query, key and value to `dtype` (or to their common one).
-  if promote_dtype is not None:  # NNX's hook, called the way NNX calls it
+  # dtype: Flax casts query, key and value to `dtype` (or to their common one);
+  # a float8 key and value (a float8 KV cache) stay float8 unless `dtype` is
+  # given (`fa4_jax.attention` checks the pairs it takes).
+  if dtype is None and jnp.dtype(key.dtype) in FP8_DTYPES:
+    pass
+  elif promote_dtype is not None:  # NNX's hook, called the way NNX calls it
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
   else:
     if dtype is None:
@@ -314,6 +324,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                     implementation=implementation,
                     query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
                     sinks=sinks, logits_soft_cap=logits_soft_cap,
+                    query_descale=descales[0], key_descale=descales[1],
+                    value_descale=descales[2],
                     causal_alignment=causal_alignment, score_mod=score_mod,
                     mask_mod=mask_mod, block_mask=block_mask),
                batch_shape)

@@ -195,3 +195,12 @@ def test_mixed_dtypes_outside_the_float8_pairs_raise(dtypes):
   q, k, v = (x.astype(jnp.float32).astype(d) for x, d in zip(fp8_inputs(), dtypes))
   with pytest.raises(ValueError, match="float8 attention takes"):
     fa4_jax.attention(q, k, v)
+
+
+def test_flax_attention_fn_keeps_a_float8_cache_and_takes_its_descales():
+  import fa4_jax.flax
+  q, k, v = fp8_inputs(q_dtype=jnp.bfloat16)
+  out = fa4_jax.flax.attention_fn(q[None], k[None], v[None], key_descale=KV_DESCALE,
+                                  value_descale=KV_DESCALE)  # two leading batch dims
+  assert out.shape == (1,) + q.shape[:-1] + (D,) and out.dtype == jnp.bfloat16
+  assert_close(out[0], reference(q, k, v, None, KV_DESCALE, KV_DESCALE))
