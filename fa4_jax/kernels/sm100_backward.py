@@ -27,6 +27,25 @@ columns, leaving none for S^T and dP^T (`sm100_backward_dkdv.dkv_tiles`),
 so `check_supported` refuses it and `fa4_jax.backends` runs the XLA
 backward there.
 
+Programmable scores (`backward(..., mods=)`, the call's `scores.Scores`
+with a `score_mod` and / or a `mask_mod`): the classes of every mask (the
+built-ins, mask_mod, a block mask where its tiles nest) are evaluated once
+in XLA at tiles dividing both kernels' CTA tiles (`_kernel_mods`) and
+turned into block lists (`backward_inputs.mod_operands`): per 128-row Q
+tile the key blocks of the dQ kernel, per 128-key tile and query head the
+query blocks of the dK/dV kernel (the transposed classes; a GQA CTA walks
+its group's heads' lists one after the other). Every role of a kernel
+walks the same list (PARTIAL blocks, then FULL ones; EMPTY ones are never
+loaded), so the barrier protocol is the plain one block for block. The
+compute warpgroups bind the mods to the (batch, query head) once per walk
+(`mod_tiles.ModRefs.on_rows`), recompute t from score_mod(scale * s) and
+its slope (`mod_tiles.TileMods.logits`: dS is then the gradient w.r.t. the
+scaled score, so the kernels' final factor `scale` in dQ and dK stays, as
+with soft-cap), and evaluate mask_mod in the element mask of PARTIAL
+blocks only. The gradients of score_mod's captured arrays come from one XLA
+pass in `backends._captured_grads`. No new barrier, role or TMEM column;
+without mods the kernels are unchanged (`tools/kernel_fingerprints.py`).
+
 Never run on Blackwell hardware: verified in Pallas' GPU interpreter with
 race detection against an f32 reference, and cross-lowered for sm_100 (TMEM
 and SMEM plans, tcgen05 instructions present, no wgmma). The static cost

@@ -70,6 +70,13 @@ instruction per product, M x N x K with K the contraction):
         D = 64, bq = 128, 3 stages: 32 KiB + 99 KiB = 131 KiB;
         D = 192, bq = 64, 2 stages: 96 KiB + 97 KiB = 193 KiB.
 
+Programmable scores (`build_dkv_kernel(mods=)`): the load warp and the
+compute warpgroup walk, head after head of the GQA group, each query
+head's block list of the CTA's keys (`DkvContext.head_walk`; the MMA warp
+only counts their steps), PARTIAL blocks with the element mask and
+mask_mod, FULL ones without; `_chunk_softmax` takes t and its slope from
+`mod_tiles.TileMods.logits` (`sm100_backward`).
+
 Interpreter notes (Pallas' GPU interpreter, jax 0.11.2): it aliases the two
 views of a TMEM `RefUnion` by bytes, row-major, where the hardware packs two
 16-bit values per 32-bit column of the same lane: a 16-bit chunk written over
@@ -476,8 +483,10 @@ def load_warp(ctx: DkvContext) -> None:
     plgpu.copy_gmem_to_smem(gmem.k.at[ctx.keys()], refs.k_smem, bars.producer_kv())
     plgpu.copy_gmem_to_smem(gmem.v.at[ctx.keys()], refs.v_smem, bars.producer_kv())
 
-  def load_block(step, head, qb):
+  def load_block(step, rows_of):
+    """Ring step `step`: query block qb of query `head`, (head, qb) = rows_of()."""
     slot = ctx.slot(step)
+    head, qb = rows_of()
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
     stats = (work.batch_idx, head, pl.ds(qb * bq, bq))
 
@@ -498,11 +507,11 @@ def load_warp(ctx: DkvContext) -> None:
                             bars.producer_stats(slot))
 
   if ctx.mod_refs is None:
-    pl.loop(0, ctx.num_steps)(lambda step: load_block(step, *work.rows_of(step)))
+    pl.loop(0, ctx.num_steps)(lambda step: load_block(step, lambda: work.rows_of(step)))
   else:  # each query head's block list, one after the other
     def one_head(g, step0):
       walk, head = ctx.head_walk(g)
-      pl.loop(0, walk.total)(lambda n: load_block(step0 + n, head, walk.block(n)))
+      pl.loop(0, walk.total)(lambda n: load_block(step0 + n, lambda: (head, walk.block(n))))
       return step0 + walk.total
 
     lax.fori_loop(0, work.group, one_head, jnp.int32(0))

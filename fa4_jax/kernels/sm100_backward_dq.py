@@ -73,6 +73,11 @@ keys' ids from GMEM (as the forward does). Soft-cap: the compute warpgroup
 recomputes t = tanh(scale s / cap) (`scores.softmax_logits`) and multiplies
 dS by `scores.soft_cap_slope(t)`.
 
+Programmable scores (`build_dq_kernel(mods=)`): the CTA walks its tile's
+block list instead of its key range (`DqContext.key_block`), PARTIAL blocks
+with the element mask and mask_mod, FULL ones without; `_grad_block` takes
+t and its slope from `mod_tiles.TileMods.logits` (`sm100_backward`).
+
 What is not here yet (measured nowhere: no Blackwell GPU): 128-key blocks
 with chunked TMEM loads, a persistent grid, register counts from ptxas.
 """
@@ -555,17 +560,17 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool,
   st, bars = ctx.statics, ctx.bars
   bars.consumer_s(b).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(b), layout=ROW_LAYOUT)
-  k_lo = j * ctx.tiles.block_kv
   if tile_mods is None:
     t, slope = scores.softmax_logits(s, st.scale, st.soft_cap), None
   else:
-    q_idx, kv_idx = tile_positions(s.shape, row_lo=ctx.q_lo, col_lo=k_lo, keys_along_rows=False)
+    q_idx, kv_idx = tile_positions(s.shape, row_lo=ctx.q_lo, col_lo=j * ctx.tiles.block_kv,
+                                   keys_along_rows=False)
     t, slope = tile_mods.logits(s, q_idx, kv_idx, scale=st.scale, cap=st.soft_cap,
                                 with_slope=True)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [0])
   if masked:
     segments = None if row_ids is None else (row_ids, ctx.gmem.segments.kv_ids, ctx.b)
-    ok = element_mask(st.mask, s.shape, row_lo=ctx.q_lo, col_lo=k_lo,
+    ok = element_mask(st.mask, s.shape, row_lo=ctx.q_lo, col_lo=j * ctx.tiles.block_kv,
                       keys_along_rows=False, kv_len=ctx.kv_len, q_len=ctx.q_len,
                       segments=segments,
                       mask_mod=None if tile_mods is None else tile_mods.mask_hook())
