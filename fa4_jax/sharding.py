@@ -456,15 +456,23 @@ def _index_offsets(call: _PartitionedCall, plan: _Plan, arrays):
   if not scores_.has_mods:
     return None
   q = arrays[call.operands.index("q")]
+  return index_offsets(plan.mesh.shape, plan.batch, q.shape[0], plan.heads, q.shape[2])
+
+
+def index_offsets(axis_sizes, batch_axes, local_batch: int, head_axes, local_heads: int):
+  """int32 [2] (`Scores.index_offsets`): the global (batch, head) of this
+  device's first row and head, inside a `shard_map` or a partitioned call
+  whose batch and heads are sharded over `batch_axes` and `head_axes`
+  (`axis_sizes`: mesh axis name -> size). The context-parallel ring uses it too."""
 
   def first(axes, local_size):
     index = 0
     for axis in axes:  # row-major over the axes, as PartitionSpec lays them out
-      index = index * plan.mesh.shape[axis] + jax.lax.axis_index(axis)
+      index = index * axis_sizes[axis] + jax.lax.axis_index(axis)
     return index * local_size
 
-  return jax.numpy.stack([first(plan.batch, q.shape[0]),
-                          first(plan.heads, q.shape[2])]).astype(jax.numpy.int32)
+  return jax.numpy.stack([first(batch_axes, local_batch),
+                          first(head_axes, local_heads)]).astype(jax.numpy.int32)
 
 
 def _per_device(call: _PartitionedCall, plan: _Plan, reduce_axes):
