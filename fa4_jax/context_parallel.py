@@ -72,6 +72,32 @@ device the key/value block came from:
 The choice between the two later cases depends on the device, so it is a
 `lax.cond` at run time. The backend is the one `fa4_jax.attention` would pick
 (`implementation=`), the XLA path on a CPU.
+
+score_mod, mask_mod and block masks
+-----------------------------------
+The mods see global indices, as in one `fa4_jax.attention` call on the
+unsharded sequence in its natural order. The global batch row and head of a
+device's first ones come from `Scores.index_offsets` (`sharding.index_offsets`,
+as a sharded `fa4_jax.attention` computes them). Positions need more: a call's
+rows (or keys) may be two chunks that are not neighbours (chunks `a` and
+`2P-1-a`), which no single offset describes, and the kernels read exactly a
+(batch, head) offset. So each mod is traced once more, into a function of the
+call's local positions (`_at_global_positions`): position `i` of the call is
+`i + start_0` in its first chunk and `i - c + start_1` in its second, the
+starts four int32 scalars captured by the mod (they change per device and
+ring step; the traced function does not). Every backend runs it as it runs
+any mod, kernels included.
+
+A global `block_mask` gives each block pair its slice of tile classes (the
+tiles of the pair's chunks, a dynamic slice per chunk: no `mask_mod` is
+evaluated per step) when its tiles do not straddle chunk boundaries (`c`
+divisible by its `q_block` and `kv_block`); a pair with no visible tile is
+skipped, by a `lax.cond`, like the pairs a causal mask hides. Otherwise, or
+without a block mask, each backend call classifies its own tiles from
+`mask_mod`, as `fa4_jax.attention` does without one. The gradients of the
+arrays a `score_mod` closes over are partial on every device (its queries, the
+blocks it saw, its batch rows and heads) and summed over the ring, batch and
+head axes (`psum`), as `sharding.py` sums them over the batch and head axes.
 """
 
 from __future__ import annotations
@@ -83,9 +109,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from fa4_jax import backends, scores, vjp, xla_attention
+from fa4_jax import backends, mod_functions, scores, sharding, vjp, xla_attention
 from fa4_jax.scores import MaskSpec, Scores
 from fa4_jax.validation import validate
 
@@ -167,6 +194,9 @@ def context_parallel_attention(
     key_value_segment_ids=None,
     sinks=None,
     logits_soft_cap: float | None = None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
 ):
   """Attention with the sequence sharded over mesh axis `axis_name` (ring).
 
@@ -195,6 +225,15 @@ def context_parallel_attention(
       to the ring's merged result.
     logits_soft_cap: optional positive Python number, as in
       `fa4_jax.attention`: every ring step soft-caps its logits before its mask.
+    score_mod, mask_mod, block_mask: as in `fa4_jax.attention`, with the
+      indices of the whole call: `q_idx` / `kv_idx` are positions in the
+      natural order (not in the load-balanced layout), `batch` / `head` the
+      global ones under `batch_axis` / `head_axis`. `block_mask` is made for
+      the whole sequence (`create_block_mask(mask_mod, B, N, T, T)`); its
+      tiles should divide the chunk length `T / (2P)` (then each ring step
+      reads its slice and skips block pairs with no visible tile), else each
+      step classifies its tiles from `mask_mod`. Gradients reach the arrays
+      a `score_mod` closes over.
     bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size:
       not supported yet; passing one raises a `ValueError`.
 
@@ -223,7 +262,8 @@ def context_parallel_attention(
                   local_window_size=None, implementation=implementation,
                   query_segment_ids=query_segment_ids,
                   key_value_segment_ids=key_value_segment_ids, sinks=sinks,
-                  logits_soft_cap=logits_soft_cap)
+                  logits_soft_cap=logits_soft_cap, score_mod=score_mod, mask_mod=mask_mod,
+                  block_mask=block_mask)
   q, k, v = args.query, args.key, args.value
   if q.ndim != 4 or len(args.output_shape) != 4:
     raise ValueError("context_parallel_attention needs rank-4 [B, T, N, H] inputs; "
@@ -252,19 +292,24 @@ def context_parallel_attention(
 
   local = t // p  # positions per device: two chunks
   spec = args.spec  # causal or dense, q_offset 0
+  mods, mod_arrays = _ring_mods(args.scores, local // 2, mesh, batch_axis, head_axis)
   block_call = backends.CallInfo(
       q_shape=(b // batch_shards, local, n // head_shards, h),
       k_shape=(b // batch_shards, local, kh // head_shards, h),
       dtype=q.dtype, spec=spec, has_bias=False, has_mask=False,
-      soft_cap=args.logits_soft_cap, has_segment_ids=args.query_segment_ids is not None)
+      soft_cap=args.logits_soft_cap, has_segment_ids=args.query_segment_ids is not None,
+      score_mod=None if mods is None else mods.score_mod,
+      mask_mod=None if mods is None else mods.mask_mod)
   ring = _Ring(axis_name=axis_name, size=p, causal=is_causal,
                matmul_precision=vjp.current_matmul_precision(),
                load_balanced=load_balanced, scale=args.scale,
                backend=backends.select(implementation, block_call),
-               soft_cap=args.logits_soft_cap)
+               soft_cap=args.logits_soft_cap, mods=mods)
   plan = _Sharded(ring=ring, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
-  out, _ = _ring_core(plan, (q, k, v, args.query_segment_ids, args.key_value_segment_ids),
-                      args.sinks)
+  mod_arrays = plan.laid_out_mods(mod_arrays)
+  out, _ = _ring_core(
+      plan, (q, k, v, args.query_segment_ids, args.key_value_segment_ids, mod_arrays),
+      args.sinks)
   return out
 
 
@@ -308,6 +353,100 @@ def _check_mesh(mesh, axis_name, batch_axis, head_axis):
 
 
 # ---------------------------------------------------------------------------
+# score_mod, mask_mod and block masks on the ring (the module docstring says
+# how the mods see global indices).
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingMods:
+  """The static part of a ring call's mods (hashable, part of `_Ring`)."""
+
+  chunk: int  # c: positions per chunk
+  score_mod: object  # mod_functions.ModFunction of local positions, or None
+  mask_mod: object
+  # (q_block, kv_block) of the global block mask, sliced per block pair; None:
+  # no block mask, or one whose tiles straddle chunks (mask_mod classifies).
+  mask_blocks: tuple[int, int] | None
+  axis_sizes: tuple  # (mesh axis name, size) pairs
+  batch_axes: tuple  # mesh axes sharding the batch / the heads (index offsets)
+  head_axes: tuple
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _ModArrays:
+  """The arrays of a ring call's mods: what a `shard_map` operand holds."""
+
+  score_captured: tuple = ()  # the user's score_mod's, replicated
+  mask_captured: tuple = ()
+  classes: object = None  # the global block mask's [Bm, Hm, nq, nk], or None
+
+
+def _ring_mods(scores_: Scores, chunk: int, mesh, batch_axis, head_axis):
+  """(_RingMods, _ModArrays) of the call's mods; (None, None) without any."""
+  if not scores_.has_mods:
+    return None, None
+  bm = scores_.block_mask
+  # Slicing the global classes costs a few int8 tiles per step; classifying
+  # from mask_mod would evaluate it on every pair of every step. Slices must
+  # not cut tiles: a tile across two chunks would belong to two pairs.
+  sliced = bm is not None and chunk % bm.q_block == 0 and chunk % bm.kv_block == 0
+  local = lambda mod: None if mod is None else _at_global_positions(mod, chunk)
+  mods = _RingMods(chunk=chunk, score_mod=local(scores_.score_mod),
+                   mask_mod=local(scores_.mask_mod),
+                   mask_blocks=(bm.q_block, bm.kv_block) if sliced else None,
+                   axis_sizes=tuple(mesh.shape.items()), batch_axes=_as_axes(batch_axis),
+                   head_axes=_as_axes(head_axis))
+  arrays = _ModArrays(tuple(scores_.score_captured), tuple(scores_.mask_captured),
+                      bm.classes if sliced else None)
+  return mods, arrays
+
+
+# The starts `_at_global_positions` adds: (first rows chunk, second rows
+# chunk, first keys chunk, second keys chunk), int32 scalars captured last.
+_NUM_POSITION_STARTS = 4
+
+
+def _at_global_positions(mod, chunk: int):
+  """`mod` (a traced score_mod or mask_mod) as a function of one block
+  pair's local positions: its last captured inputs are the global starts of
+  the pair's row chunks and key chunks, and local position `i` is global
+  `i + start_0` below `chunk`, `i - chunk + start_1` from it on. Only
+  scalar, elementwise ops are added, so a kernel runs it as it runs `mod`."""
+  num_captured = len(mod.captured_avals)
+  original = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(mod.jaxpr, ()))
+
+  def global_position(i, first, second):
+    return i + lax.select(i < chunk, first, second - chunk)
+
+  def at_local_positions(*inputs):
+    captured = inputs[:num_captured]
+    q_first, q_second, kv_first, kv_second = inputs[num_captured:num_captured + 4]
+    *score_batch_head, q_idx, kv_idx = inputs[num_captured + 4:]
+    return original(*captured, *score_batch_head, global_position(q_idx, q_first, q_second),
+                    global_position(kv_idx, kv_first, kv_second))
+
+  int32 = jax.ShapeDtypeStruct((), jnp.int32)
+  own_args = ([jax.ShapeDtypeStruct((), jnp.float32)] if mod.kind == "score_mod" else []
+              ) + [int32] * len(mod_functions.MASK_MOD_ARGS)
+  captured = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in mod.captured_avals]
+  closed = jax.make_jaxpr(at_local_positions)(
+      *captured, *[int32] * _NUM_POSITION_STARTS, *own_args)
+  assert not closed.consts, closed.consts
+  avals = tuple(mod.captured_avals) + (jax.typeof(jnp.int32(0)),) * _NUM_POSITION_STARTS
+  return mod_functions.ModFunction(mod.kind, closed.jaxpr, avals,
+                                   f"{avals} {closed.jaxpr}")
+
+
+def _position_starts(chunks, chunk: int):
+  """(start of the first chunk, of the second) of a call's rows or keys,
+  given their global chunk indices; one chunk: the second would follow it."""
+  first = chunks[0] * chunk
+  second = chunks[1] * chunk if len(chunks) == 2 else first + chunk
+  return first, second
+
+
+# ---------------------------------------------------------------------------
 # The ring, on one device's shard (inside shard_map).
 
 
@@ -325,6 +464,7 @@ class _Ring:
   # (`vjp.CoreConfig.matmul_precision`).
   matmul_precision: str | None = None
   soft_cap: float | None = None  # every backend call soft-caps its own logits
+  mods: "_RingMods | None" = None  # score_mod / mask_mod / block mask, if any
 
   def chunks(self, device):
     """Global chunk indices (of 2P) of the two halves device `device` holds."""
@@ -420,38 +560,41 @@ def _run_plan(plan, fn, state):
   return state
 
 
-def _by_source(ring: _Ring, step, plans, fn, state):
+def _by_source(ring: _Ring, step, plans, work, block, state):
   """Runs the plan for a block that came from device me - step (step >= 1)."""
   earlier, later = plans
-  if earlier == later:
-    return _run_plan(earlier, fn, state)
   me = lax.axis_index(ring.axis_name)
   source = (me - step) % ring.size
+  fn = work(block, source)
+  if earlier == later:
+    return _run_plan(earlier, fn, state)
   return lax.cond(source < me, lambda s: _run_plan(earlier, fn, s),
                   lambda s: _run_plan(later, fn, s), state)
 
 
 def _ring_steps(ring: _Ring, kv, state, work, after_work=lambda state: state):
-  """Runs the ring: at step s the block that started on device me - s is
-  held and `work(block)(call, state)` applied for each call of the step's
-  plan, while the block travels on to the next device (sent before the work,
-  so that the transfer overlaps it; the last step sends nothing). Then
-  `after_work(state)` (the backward sends the block's gradients on there)."""
+  """Runs the ring: at step s the block that started on device
+  `source = me - s` is held and `work(block, source)(call, state)` applied
+  for each call of the step's plan, while the block travels on to the next
+  device (sent before the work, so that the transfer overlaps it; the last
+  step sends nothing). Then `after_work(state)` (the backward sends the
+  block's gradients on there)."""
   chunk = kv[0].shape[1] // 2
   incoming = ring.shift(kv) if ring.size > 1 else None
-  state = after_work(_run_plan(_first_step_plan(ring, chunk), work(kv), state))
+  me = lax.axis_index(ring.axis_name)
+  state = after_work(_run_plan(_first_step_plan(ring, chunk), work(kv, me), state))
   plans = _later_step_plans(ring)
 
   def step(carry, step_index):
     held, state = carry
     incoming = ring.shift(held)
-    state = _by_source(ring, step_index, plans, work(held), state)
+    state = _by_source(ring, step_index, plans, work, held, state)
     return (incoming, after_work(state)), None
 
   if ring.size > 2:
     (incoming, state), _ = lax.scan(step, (incoming, state), jnp.arange(1, ring.size - 1))
   if ring.size > 1:
-    state = after_work(_by_source(ring, ring.size - 1, plans, work(incoming), state))
+    state = after_work(_by_source(ring, ring.size - 1, plans, work, incoming, state))
   return state
 
 
@@ -463,24 +606,96 @@ def _segment_parts(q_ids, block, call: _BlockPairCall):
   return _part(q_ids, call.rows), _part(block[-1], call.cols)
 
 
-def _block_scores(ring: _Ring, q_ids, block, call: _BlockPairCall) -> Scores:
-  """The score value of one block pair's backend call (no sinks: they join
-  the merged result once)."""
-  q_seg, kv_seg = _segment_parts(q_ids, block, call)
-  return Scores(mask=call.spec, scale=ring.scale, soft_cap=ring.soft_cap, q_segment_ids=q_seg,
-                kv_segment_ids=kv_seg)
+@dataclasses.dataclass(frozen=True)
+class _PairScores:
+  """The score values of one device's backend calls (`of`): built once per
+  ring pass on the device, from what is the same for all its calls."""
+
+  ring: _Ring
+  q_ids: object  # the local queries' segment ids, or None
+  mod_arrays: _ModArrays | None
+  index_offsets: object  # int32 [2] (global batch, head of this shard), or None
+
+  @classmethod
+  def on_this_device(cls, ring: _Ring, q, q_ids, mod_arrays):
+    mods, offsets = ring.mods, None
+    if mods is not None and (mods.batch_axes or mods.head_axes):
+      offsets = sharding.index_offsets(dict(mods.axis_sizes), mods.batch_axes, q.shape[0],
+                                       mods.head_axes, q.shape[2])
+    return cls(ring, q_ids, mod_arrays, offsets)
+
+  def of(self, block, call: _BlockPairCall, source) -> Scores:
+    """The score value of one block pair's call: the local queries `call.rows`
+    against the block from device `source`, columns `call.cols` (no sinks:
+    they join the merged result once)."""
+    ring = self.ring
+    q_seg, kv_seg = _segment_parts(self.q_ids, block, call)
+    pair = Scores(mask=call.spec, scale=ring.scale, soft_cap=ring.soft_cap,
+                  q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    mods = ring.mods
+    if mods is None:
+      return pair
+    rows = _part_chunks(ring, lax.axis_index(ring.axis_name), call.rows)
+    cols = _part_chunks(ring, source, call.cols)
+    starts = [jnp.asarray(x, jnp.int32) for x in (*_position_starts(rows, mods.chunk),
+                                                  *_position_starts(cols, mods.chunk))]
+    arrays = self.mod_arrays
+    with_starts = lambda mod, captured: (*captured, *starts) if mod is not None else ()
+    pair = pair.replace(score_mod=mods.score_mod, mask_mod=mods.mask_mod,
+                        score_captured=with_starts(mods.score_mod, arrays.score_captured),
+                        mask_captured=with_starts(mods.mask_mod, arrays.mask_captured),
+                        index_offsets=self.index_offsets)
+    if mods.mask_blocks is None:
+      return pair
+    q_block, kv_block = mods.mask_blocks
+    classes = _chunk_tiles(arrays.classes, rows, 2, mods.chunk // q_block)
+    classes = _chunk_tiles(classes, cols, 3, mods.chunk // kv_block)
+    return pair.replace(block_mask=scores.BlockMask(
+        classes=classes, mask_captured=pair.mask_captured, q_block=q_block, kv_block=kv_block,
+        q_len=len(rows) * mods.chunk, kv_len=len(cols) * mods.chunk, mask_mod=mods.mask_mod))
 
 
-def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None):
+def _part_chunks(ring: _Ring, device, which) -> tuple:
+  """Global chunk indices of part `which` (_ALL, _FIRST, _SECOND) of what
+  device `device` holds (its queries, or its key/value block)."""
+  first, second = ring.chunks(device)
+  return {_ALL: (first, second), _FIRST: (first,), _SECOND: (second,)}[which]
+
+
+def _chunk_tiles(classes, chunks, axis: int, tiles_per_chunk: int):
+  """The tiles of global chunks `chunks` along `axis` of block classes, in
+  that order (a dynamic slice each: the chunks depend on the device)."""
+  return jnp.concatenate([lax.dynamic_slice_in_dim(classes, c * tiles_per_chunk,
+                                                   tiles_per_chunk, axis)
+                          for c in chunks], axis=axis)
+
+
+def _unless_all_empty(pair_scores: Scores, run, state):
+  """`run(state)`, or `state` unchanged when the pair's block mask has no
+  visible tile: such a pair is skipped as the plans skip the pairs a causal
+  mask hides (at run time here, since the classes are data)."""
+  if pair_scores.block_mask is None:
+    return run(state)
+  visible = jnp.any(pair_scores.block_mask.classes != scores.EMPTY)
+  return lax.cond(visible, run, lambda s: s, state)
+
+
+def _forward(ring: _Ring, q, k, v, q_ids=None, kv_ids=None, mod_arrays=None):
   """Ring forward on one device: (out [B,2c,N,H], lse f32 [B,N,2c]), no sinks."""
   b, t, n, h = q.shape
+  pair_scores = _PairScores.on_this_device(ring, q, q_ids, mod_arrays)
 
-  def attend(block):
+  def attend(block, source):
     def fn(call, acc):
-      out, lse = ring.backend.forward(
-          _part(q, call.rows), _part(block[0], call.cols), _part(block[1], call.cols),
-          None, None, _block_scores(ring, q_ids, block, call))
-      return _merge(acc, (out, lse), call.rows)
+      scores_ = pair_scores.of(block, call, source)
+
+      def run(acc):
+        out, lse = ring.backend.forward(
+            _part(q, call.rows), _part(block[0], call.cols), _part(block[1], call.cols),
+            None, None, scores_)
+        return _merge(acc, (out, lse), call.rows)
+
+      return _unless_all_empty(scores_, run, acc)
     return fn
 
   empty = (jnp.zeros((b, t, n, h), jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32))
@@ -494,52 +709,82 @@ def _block(kv_ids, *arrays):
   return arrays if kv_ids is None else (*arrays, kv_ids)
 
 
-def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, dout):
-  """Ring backward on one device: (dq, dk, dv) of its own shards.
+def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, mod_arrays, out, lse, dout):
+  """Ring backward on one device: (dq, dk, dv) of its own shards, and the
+  gradients of the score_mod's captured arrays (a tuple like them, None for
+  integer ones; summed over all devices).
 
-  The state is (dq of the local queries, dk and dv of the held block): the
-  block's gradients travel the ring with it, each device adding its part,
-  and are back on the block's owner after the last step's send.
+  The state is (dq of the local queries, dk and dv of the held block, the
+  captured arrays' gradients): the block's gradients travel the ring with
+  it, each device adding its part, and are back on the block's owner after
+  the last step's send.
   """
   f32_zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)
+  captured = () if mod_arrays is None else mod_arrays.score_captured
+  is_float = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)
+  pair_scores = _PairScores.on_this_device(ring, q, q_ids, mod_arrays)
 
-  def grads(block):
+  def grads(block, source):
     def fn(call, state):
-      dq, dk, dv = state
       rows, cols = call.rows, call.cols
-      dq_c, dk_c, dv_c, _, _ = ring.backend.backward(
-          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None,
-          _block_scores(ring, q_ids, block, call),
-          _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows))
-      f32 = lambda x: x.astype(jnp.float32)
-      return (_add_rows(dq, rows, f32(dq_c)), _add_rows(dk, cols, f32(dk_c)),
-              _add_rows(dv, cols, f32(dv_c)))
+      scores_ = pair_scores.of(block, call, source)
+
+      def run(state):
+        dq, dk, dv, dcaptured = state
+        dq_c, dk_c, dv_c, _, dcaptured_c = ring.backend.backward(
+            _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None,
+            scores_, _part(out, rows), _part(lse, rows, axis=2), _part(dout, rows))
+        # The pair's score_mod captures the user's arrays, then the position
+        # starts (integers: no gradient); zip stops at the user's.
+        dcaptured = tuple(None if total is None else total + f32(part)
+                          for total, part in zip(dcaptured, dcaptured_c or ()))
+        return (_add_rows(dq, rows, f32(dq_c)), _add_rows(dk, cols, f32(dk_c)),
+                _add_rows(dv, cols, f32(dv_c)), dcaptured)
+
+      return _unless_all_empty(scores_, run, state)
     return fn
 
   def send_block_grads(state):
-    dq, dk, dv = state
-    return (dq, *ring.shift((dk, dv)))
+    dq, dk, dv, dcaptured = state
+    return (dq, *ring.shift((dk, dv)), dcaptured)
 
-  dq, dk, dv = _ring_steps(ring, _block(kv_ids, k, v),
-                           (f32_zeros(q), f32_zeros(k), f32_zeros(v)), grads, send_block_grads)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  zeros = (f32_zeros(q), f32_zeros(k), f32_zeros(v),
+           tuple(f32_zeros(c) if is_float(c) else None for c in captured))
+  dq, dk, dv, dcaptured = _ring_steps(ring, _block(kv_ids, k, v), zeros, grads,
+                                      send_block_grads)
+  if ring.mods is not None:  # every device saw its own queries, blocks, rows and heads
+    axes = (ring.axis_name, *ring.mods.batch_axes, *ring.mods.head_axes)
+    dcaptured = tuple(None if g is None else lax.psum(g, axes).astype(c.dtype)
+                      for g, c in zip(dcaptured, captured))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dcaptured
 
 
-def _tangent_sums(ring: _Ring, q, k, v, q_ids, kv_ids, lse, dq, dk, dv):
+def _tangent_sums(ring: _Ring, q, k, v, q_ids, kv_ids, mod_arrays, lse, dq, dk, dv,
+                  dcaptured=()):
   """Ring tangent on one device: the key sums of the XLA path's tangent
   (`xla_attention.tangent_sums`) over every block, f32 ([B,2c,N,H],
   [B,N,2c]). P = exp(s - lse) is exact per block with the final lse, so the
-  blocks' sums add up; the key/value tangents travel with their block."""
+  blocks' sums add up; the key/value tangents travel with their block.
+  `dcaptured`: the tangents of the score_mod's captured arrays (None: zero)."""
   b, t, n, h = q.shape
+  pair_scores = _PairScores.on_this_device(ring, q, q_ids, mod_arrays)
+  # The position starts the pair's score_mod captures last have no tangent.
+  pair_dcaptured = (*dcaptured, *[None] * _NUM_POSITION_STARTS) if dcaptured else None
 
-  def sums(block):
+  def sums(block, source):
     def fn(call, acc):
       rows, cols = call.rows, call.cols
-      d_out, d_lse = xla_attention.tangent_sums(
-          _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None,
-          _block_scores(ring, q_ids, block, call), _part(lse, rows, axis=2),
-          _part(dq, rows), _part(block[2], cols), _part(block[3], cols), None)
-      return _add_rows(acc[0], rows, d_out), _add_rows(acc[1], rows, d_lse, axis=2)
+      scores_ = pair_scores.of(block, call, source)
+
+      def run(acc):
+        d_out, d_lse = xla_attention.tangent_sums(
+            _part(q, rows), _part(block[0], cols), _part(block[1], cols), None, None,
+            scores_, _part(lse, rows, axis=2), _part(dq, rows), _part(block[2], cols),
+            _part(block[3], cols), None, pair_dcaptured)
+        return _add_rows(acc[0], rows, d_out), _add_rows(acc[1], rows, d_lse, axis=2)
+
+      return _unless_all_empty(scores_, run, acc)
     return fn
 
   zeros = (jnp.zeros((b, t, n, h), jnp.float32), jnp.zeros((b, n, t), jnp.float32))
@@ -581,24 +826,41 @@ class _Sharded:
   def stats_spec(self):  # lse, [B, N, T]
     return PartitionSpec(self.batch_axis, self.head_axis, self.ring.axis_name)
 
+  def mods_spec(self, mod_arrays):
+    """Specs of a `_ModArrays`: captured arrays replicated; the block mask's
+    classes sharded like the batch and heads where they do not broadcast."""
+    if mod_arrays is None:
+      return None
+    spec = jax.tree.map(lambda _: PartitionSpec(), mod_arrays)
+    if mod_arrays.classes is None:
+      return spec
+    bm, hm = mod_arrays.classes.shape[:2]
+    return dataclasses.replace(spec, classes=PartitionSpec(
+        self.batch_axis if bm > 1 else None, self.head_axis if hm > 1 else None))
+
+  def laid_out_mods(self, mod_arrays):
+    return None if mod_arrays is None else jax.tree.map(self.laid_out, mod_arrays,
+                                                        self.mods_spec(mod_arrays))
+
   def run(self, fn, operands, specs, out_specs):
-    """`fn(*operands)` on every device's shards (shard_map); the None
-    operands (no segment ids) reach `fn` as None."""
-    given = [i for i, x in enumerate(operands) if x is not None]
+    """`fn(*operands)` on every device's shards (shard_map). `operands` are
+    pytrees (None: absent, e.g. no segment ids) and `specs` give each of
+    their leaves a spec (a spec for a subtree holds for all its leaves)."""
+    leaves, tree = jax.tree.flatten(tuple(operands))
+    # Each spec once per leaf of its operand subtree, in the leaves' order.
+    per_subtree = jax.tree.map(lambda spec, subtree: [spec] * len(jax.tree.leaves(subtree)),
+                               tuple(specs), tuple(operands))
+    leaf_specs = jax.tree.leaves(per_subtree)
+    local = lambda *leaves: fn(*jax.tree.unflatten(tree, leaves))
+    return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(leaf_specs),
+                         out_specs=out_specs, check_vma=False)(*leaves)
 
-    def local(*arrays):
-      full = [None] * len(operands)
-      for i, x in zip(given, arrays):
-        full[i] = x
-      return fn(*full)
-
-    return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(specs[i] for i in given),
-                         out_specs=out_specs, check_vma=False)(*(operands[i] for i in given))
-
-  def operand_specs(self, extra_sequence=0, extra_stats=0):
-    """Specs of (q, k, v, q_ids, kv_ids) followed by stats and sequence arrays."""
+  def operand_specs(self, operands, extra_sequence=0, extra_stats=0):
+    """Specs of `operands` (q, k, v, q_ids, kv_ids, mod_arrays) followed by
+    stats and sequence arrays."""
     seq, ids = self.sequence_spec, self.ids_spec
-    return [seq, seq, seq, ids, ids] + [self.stats_spec] * extra_stats + [seq] * extra_sequence
+    return ([seq, seq, seq, ids, ids, self.mods_spec(operands[5])]
+            + [self.stats_spec] * extra_stats + [seq] * extra_sequence)
 
   def laid_out(self, x, spec):
     """`x` with the sharding `spec` where the mesh's axes are Explicit
@@ -614,8 +876,8 @@ class _Sharded:
 
 def _sharded_forward(plan: _Sharded, operands, sinks):
   """(out [B,T,N,H], lse f32 [B,N,T]) of the ring, sinks included."""
-  out, lse = plan.run(functools.partial(_forward, plan.ring), operands, plan.operand_specs(),
-                      (plan.sequence_spec, plan.stats_spec))
+  out, lse = plan.run(functools.partial(_forward, plan.ring), operands,
+                      plan.operand_specs(operands), (plan.sequence_spec, plan.stats_spec))
   if sinks is not None:
     out, lse = scores.add_sinks(out, lse, sinks)
   return out, lse
@@ -623,7 +885,8 @@ def _sharded_forward(plan: _Sharded, operands, sinks):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ring_core(plan: _Sharded, operands, sinks):
-  """(out, lse) of ring attention; operands = (q, k, v, q_ids, kv_ids)."""
+  """(out, lse) of ring attention; operands = (q, k, v, q_ids, kv_ids,
+  mod_arrays), the last three None where absent."""
   shielded = functools.partial(_ring_core_shielded, plan)
   return vjp.keeping_rule(shielded)(operands, sinks)
 
@@ -641,28 +904,35 @@ def _ring_core_jvp(plan, primals, tangents):
   out, lse = _ring_core(plan, operands, sinks)
   dq, dk, dv = tangents[0][:3]  # segment ids are not differentiable
   dsinks = tangents[1] if sinks is not None else None
-  tangent = vjp.linear_map("ring", plan, (operands, sinks, out, lse), (dq, dk, dv, dsinks))
+  # Of the mods' arrays only the score_mod's float captured ones are.
+  mod_arrays, mod_tangents = operands[5], tangents[0][5]
+  dcaptured = (() if mod_arrays is None else
+               vjp.inexact_tangents(mod_arrays.score_captured, mod_tangents.score_captured))
+  tangent = vjp.linear_map("ring", plan, (operands, sinks, out, lse),
+                           (dq, dk, dv, dsinks, dcaptured))
   return (out, lse), tangent
 
 
 def _ring_tangent(plan: _Sharded, residuals, linear, partitioned=True):
-  """(dout, dlse) along (dq, dk, dv, dsinks): the tangent ring's key sums,
-  finished as the XLA path finishes them (sinks, normalization)."""
+  """(dout, dlse) along (dq, dk, dv, dsinks, dcaptured): the tangent ring's
+  key sums, finished as the XLA path finishes them (sinks, normalization)."""
   del partitioned  # the ring is always partitioned, and plain jnp
   operands, sinks, out, lse = residuals
   dq, dk, dv = (plan.laid_out(x, plan.sequence_spec) for x in linear[:3])
-  dsinks = linear[3]
+  dsinks, dcaptured = linear[3], linear[4]
+  dcaptured = tuple(plan.laid_out(t, PartitionSpec()) for t in dcaptured)
   with vjp.precision_scope(plan.ring.matmul_precision):
     sums = plan.run(functools.partial(_tangent_sums, plan.ring),
-                    (*operands, lse, dq, dk, dv),
-                    plan.operand_specs(extra_stats=1, extra_sequence=3),
+                    (*operands, lse, dq, dk, dv, dcaptured),
+                    plan.operand_specs(operands, extra_stats=1, extra_sequence=3)
+                    + [PartitionSpec()],
                     (plan.sequence_spec, plan.stats_spec))
     return xla_attention.finish_tangent(*sums, out, lse, sinks, dsinks)
 
 
 def _ring_transpose(plan: _Sharded, residuals, cotangents):
-  """(dq, dk, dv, dsinks) from the cotangent of the output: the ring
-  backward, and the sinks' gradient."""
+  """(dq, dk, dv, dsinks, dcaptured) from the cotangent of the output: the
+  ring backward, the sinks' gradient and the score_mod's captured arrays'."""
   operands, sinks, out, lse = residuals
   dout, dlse = cotangents  # None: zero
   if dlse is not None:
@@ -673,19 +943,21 @@ def _ring_transpose(plan: _Sharded, residuals, cotangents):
   if dout is None:
     dout = jnp.zeros_like(out)
   with vjp.precision_scope(plan.ring.matmul_precision):
-    dq, dk, dv = _ring_backward(plan, operands, out, lse, dout)
+    dq, dk, dv, dcaptured = _ring_backward(plan, operands, out, lse, dout)
   dsinks = None
   if sinks is not None:
     delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
     dsinks = scores.sink_grad(sinks, lse, delta)
-  return dq, dk, dv, dsinks
+  return dq, dk, dv, dsinks, dcaptured
 
 
 def _sharded_backward(plan: _Sharded, operands, out, lse, dout):
-  """(dq, dk, dv) of the ring backward, on every device."""
+  """(dq, dk, dv, dcaptured) of the ring backward, on every device
+  (dcaptured replicated: summed over the devices)."""
   return plan.run(functools.partial(_backward, plan.ring), (*operands, out, lse, dout),
-                  plan.operand_specs(extra_sequence=1) + [plan.stats_spec, plan.sequence_spec],
-                  (plan.sequence_spec,) * 3)
+                  plan.operand_specs(operands, extra_sequence=1)
+                  + [plan.stats_spec, plan.sequence_spec],
+                  (plan.sequence_spec,) * 3 + (PartitionSpec(),))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
