@@ -14,7 +14,8 @@ with the mods written out as an explicit bias or mask):
   with one whose tiles straddle them (each pair classifies its own tiles);
 * a block pair whose tiles the block mask marks all empty costs no backend
   call (as the pairs a causal mask hides);
-* the position-shifted mods stay runnable by the kernels;
+* the position-shifted mods stay runnable by the kernels, and the sm90
+  forward (in the interpreter) runs them and the sliced block mask;
 * bad mods raise `fa4_jax.attention`'s ValueError, which names the argument.
 """
 
@@ -219,3 +220,32 @@ def test_bad_mods_raise_what_attention_raises(host_devices, kwargs):
   with pytest.raises(ValueError) as from_ring:
     fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq", **kwargs)
   assert str(from_ring.value) == str(from_attention.value)
+
+
+def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices):
+  """The ring's mods through a kernel (the tests above take the XLA path):
+  the sm90 forward in Pallas' interpreter, on one device (the interpreter
+  keeps one GPU's state). Its second query chunk sits at positions 128-255
+  and its block mask is the global one's slice: ALiBi and a sliding window
+  at those positions equal the reference's."""
+  mesh = jax.make_mesh((1,), ("seq",))
+  t, n, window = 256, 2, 96
+  rng = np.random.default_rng(6)
+  q, k, v = (normal(rng, (1, t, heads, 64)).astype(jnp.bfloat16) for heads in (n, 1, 1))
+  slopes = jnp.asarray([0.25, 0.0625], jnp.float32)
+  sliding = lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= window
+  block_mask = fa4_jax.create_block_mask(sliding, None, None, t, t)  # 128-tiles: one a chunk
+  ring = lambda q, k, v: fa4_jax.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=True, implementation="sm90",
+      score_mod=alibi_of(slopes), block_mask=block_mask)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  distance = jnp.asarray(np.abs(i - j), jnp.float32)
+  want = einsum_attention(q, k, v, (j <= i) & (i - j <= window),
+                          bias=-slopes[None, :, None, None] * distance)[0]
+  put, _ = on_ring(mesh, 1, P(None, "seq"))
+  with fa4_jax.interpret_mode():
+    got = jax.jit(ring)(put(q), put(k), put(v))
+  # bf16: one rounding of P and of the output, against an f32 einsum of
+  # the same bf16 inputs.
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2,
+                             rtol=2e-2)
