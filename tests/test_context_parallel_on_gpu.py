@@ -1,5 +1,5 @@
-"""Context-parallel attention with sinks and soft-cap, and with segment ids,
-on Hopper GPUs (skipped without two).
+"""Context-parallel attention with sinks and soft-cap, with segment ids, and
+with a score_mod and a block mask, on Hopper GPUs (skipped without two).
 
 The CPU tests (test_context_parallel.py, test_segment_ids.py) check the
 ring's algebra on host devices through the XLA path, and the ring with ids
@@ -122,3 +122,49 @@ def test_ring_with_segment_ids_matches_an_f32_einsum():
     assert np.all(np.isfinite(g)), label
     assert relative_error(g, w) < 1e-2, label
     assert np.all(g[padding] == 0), label  # padding queries and keys meet nothing
+
+
+def test_ring_with_alibi_and_a_sliding_window_block_mask_matches_an_f32_einsum():
+  """The mods at global positions through the sm90 kernels on every ring
+  step: ALiBi (a score_mod over per-head slopes) and a 512-token sliding
+  window (a global block mask of 128-tiles, sliced per block pair: chunks
+  of 1024 tokens, so many pairs are skipped). Output, the gradients of q,
+  k, v and the slopes' (summed over the ring)."""
+  b, t, n, kv_heads, d, window, devices = 1, 4096, 8, 2, 128, 512, 2
+  keys = jax.random.split(jax.random.key(2), 4)
+  draw = lambda key, heads: jax.random.normal(key, (b, t, heads, d)).astype(jnp.bfloat16)
+  q, k, v, dout = draw(keys[0], n), draw(keys[1], kv_heads), draw(keys[2], kv_heads), draw(
+      keys[3], n)
+  slopes = 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)
+  sliding = lambda b, h, q_idx, kv_idx: q_idx - kv_idx < window
+  block_mask = fa4_jax.create_block_mask(sliding, None, None, t, t)
+  mesh, put, restore = _load_balanced_ring(devices)
+
+  def ring(q, k, v, slopes):
+    alibi = lambda score, b, h, q_idx, kv_idx: score - slopes[h] * jnp.abs(q_idx - kv_idx)
+    return fa4_jax.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq",
+                                              is_causal=True, score_mod=alibi,
+                                              block_mask=block_mask, implementation="sm90")
+
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  # Arguments of the jitted reference, not constants XLA would fold.
+  visible = jnp.asarray((j <= i) & (i - j < window))
+  distance = jnp.asarray(np.abs(i - j), jnp.float32)
+
+  def reference(q, k, v, slopes, visible, distance):
+    bias = -slopes[None, :, None, None] * distance
+    return einsum_attention(q, k, v, visible, bias=bias)[0]
+
+  out = restore(jax.jit(ring)(put(q), put(k), put(v), slopes))
+  want = jax.jit(reference)(q, k, v, slopes, visible, distance)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2,
+                             rtol=2e-2)
+
+  got = jax.jit(jax.grad(_dot_loss(ring, put(dout)), argnums=(0, 1, 2, 3)))(
+      put(q), put(k), put(v), slopes)
+  want = jax.jit(jax.grad(_dot_loss(reference, dout), argnums=(0, 1, 2, 3)))(
+      q, k, v, slopes, visible, distance)
+  for g, w, label in zip(got, want, ["q", "k", "v", "slopes"]):
+    g = np.asarray(restore(g) if g.ndim == 4 else g, np.float32)
+    assert np.all(np.isfinite(g)), label
+    assert relative_error(g, w) < 2e-2, label
