@@ -387,9 +387,12 @@ def _ring_mods(scores_: Scores, chunk: int, mesh, batch_axis, head_axis):
   if not scores_.has_mods:
     return None, None
   bm = scores_.block_mask
-  # Slicing the global classes costs a few int8 tiles per step; classifying
-  # from mask_mod would evaluate it on every pair of every step. Slices must
-  # not cut tiles: a tile across two chunks would belong to two pairs.
+  # Why slice the global classes rather than classify each pair's tiles from
+  # mask_mod: a slice is a few int8 tiles per step, and it tells before the
+  # backend call whether the pair has any visible tile (then it is skipped);
+  # classifying evaluates mask_mod on all c x c pairs of every block pair of
+  # every step (and of the backward again). A slice must not cut tiles: a
+  # tile across two chunks would belong to two block pairs.
   sliced = bm is not None and chunk % bm.q_block == 0 and chunk % bm.kv_block == 0
   local = lambda mod: None if mod is None else _at_global_positions(mod, chunk)
   mods = _RingMods(chunk=chunk, score_mod=local(scores_.score_mod),
@@ -420,9 +423,10 @@ def _at_global_positions(mod, chunk: int):
     return i + lax.select(i < chunk, first, second - chunk)
 
   def at_local_positions(*inputs):
+    own_from = num_captured + _NUM_POSITION_STARTS
     captured = inputs[:num_captured]
-    q_first, q_second, kv_first, kv_second = inputs[num_captured:num_captured + 4]
-    *score_batch_head, q_idx, kv_idx = inputs[num_captured + 4:]
+    q_first, q_second, kv_first, kv_second = inputs[num_captured:own_from]
+    *score_batch_head, q_idx, kv_idx = inputs[own_from:]
     return original(*captured, *score_batch_head, global_position(q_idx, q_first, q_second),
                     global_position(kv_idx, kv_first, kv_second))
 
