@@ -265,6 +265,11 @@ def context_parallel_attention(
                   logits_soft_cap=logits_soft_cap, score_mod=score_mod, mask_mod=mask_mod,
                   block_mask=block_mask)
   q, k, v = args.query, args.key, args.value
+  if args.scores.has_fp8 or v.shape[-1] != q.shape[-1]:
+    raise ValueError(
+        "context_parallel_attention takes neither float8 inputs nor a value head dim other "
+        f"than the query's yet (got {q.dtype.name}, {k.dtype.name} and {v.dtype.name}, head "
+        f"dims {q.shape[-1]} and {v.shape[-1]}); use fa4_jax.attention under sharded jit")
   if q.ndim != 4 or len(args.output_shape) != 4:
     raise ValueError("context_parallel_attention needs rank-4 [B, T, N, H] inputs; "
                      f"got query shape {args.output_shape}")

@@ -207,3 +207,13 @@ def test_bad_value_head_dims_raise(call, message):
   q, k = jnp.ones((2, 3, 4, 64)), jnp.ones((2, 16, 2, 64))
   with pytest.raises(ValueError, match=message):
     call(q, k)
+
+
+def test_the_ring_refuses_unequal_head_dims_and_float8(host_devices):
+  mesh = jax.make_mesh((2,), ("seq",))
+  q = jnp.ones((1, 64, 2, 32))
+  ring = lambda *a: fa4_jax.context_parallel_attention(*a, mesh=mesh, axis_name="seq")
+  with pytest.raises(ValueError, match="head dims 32 and 16"):
+    ring(q, q, q[..., :16])
+  with pytest.raises(ValueError, match="float8"):
+    ring(*(q.astype(jnp.float8_e4m3fn),) * 3)
