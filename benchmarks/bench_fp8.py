@@ -1,0 +1,136 @@
+"""float8 attention beside bfloat16, one process, on whatever GPU runs it.
+
+Rows (issue targets in brackets):
+* `prefill ...`: all-float8 forward (e4m3, per-head descales) against our
+  bfloat16 forward of the same shape, D128 and D256, S 8k and 16k, dense and
+  causal, GQA 32/8 [float8 >= 1.5x bfloat16];
+* `decode ...`: a bfloat16 query on a float8 KV cache against the bfloat16
+  cache, the decode table's shapes [float8 reads >= 90 % of the bfloat16
+  call's bytes per second, i.e. about 1.8x its tokens per second];
+* `paged ...`: float8 pages (page 64) against the same float8 cache laid
+  out contiguously [within 5 %].
+
+Columns: `bf16`, `fp8`, `fp8 paged` (fa4_jax.attention / paged_attention
+as they pick, `which_implementation` in the row) and `xla` (our XLA path on
+the bf16 inputs, the reference of `max_abs_diff`). Time: the sum of a call's
+kernel durations in a profiler trace, medians of interleaved rounds
+(`bench_common.bandwidth_columns`). `tb_per_s` divides the bytes the
+bfloat16 call reads (K and V once) by each column's time, so a float8 cache
+read at the same bytes per second shows 2x; prefill rows print TFLOP/s.
+
+Until the kernels take float8 (README: float8 runs on the XLA path) the
+float8 columns time the XLA path.
+
+  python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--tag NAME]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_common  # noqa: E402
+import fa4_jax  # noqa: E402
+
+F8 = jnp.float8_e4m3fn
+
+# (name, kind, B, T, S, Hq, Hkv, D, causal)
+CASES = [
+    *[(f"prefill B{b} S{s} H32/8 D{d}{' causal' if c else ''}", "prefill", b, s, s, 32, 8, d, c)
+      for d in (128, 256) for b, s in ((2, 8192), (1, 16384)) for c in (False, True)],
+    ("decode B8 T1 S32768 H32/8 D128", "decode", 8, 1, 32768, 32, 8, 128, False),
+    ("decode B64 T1 S4096 H32/8 D128", "decode", 64, 1, 4096, 32, 8, 128, False),
+    ("decode B1 T1 S131072 H32/8 D128", "decode", 1, 1, 131072, 32, 8, 128, False),
+    ("decode B8 T1 S32768 H32/8 D64", "decode", 8, 1, 32768, 32, 8, 64, False),
+    ("decode B16 T1 S16384 H8/1 D64", "decode", 16, 1, 16384, 8, 1, 64, False),
+    ("paged B8 T1 S32768 H32/8 D128 page 64", "paged", 8, 1, 32768, 32, 8, 128, False),
+    ("paged B8 T16 S32768 H32/8 D128 page 64", "paged", 8, 16, 32768, 32, 8, 128, True),
+]
+PAGE = 64
+
+
+def quantized(x, axis_heads=2):
+  """(float8 array, float32 per-head descale) with each head's largest
+  magnitude mapped to 448 (e4m3's largest finite value)."""
+  amax = jnp.abs(x.astype(jnp.float32)).max(axis=tuple(i for i in range(x.ndim)
+                                                       if i != axis_heads))
+  descale = jnp.maximum(amax, 1e-6) / 448.0
+  shape = [1] * x.ndim
+  shape[axis_heads] = -1
+  return (x.astype(jnp.float32) / descale.reshape(shape)).astype(F8), descale
+
+
+def run_case(case, rounds):
+  name, kind, b, t, s, hq, hkv, d, causal = case
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, t, hq, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
+  k8, kd = quantized(k)
+  v8, vd = quantized(v)
+  alignment = dict(causal_alignment="bottom_right") if causal and t < s else {}
+  bf16 = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, **alignment)
+  xla = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, implementation="xla",
+                                         **alignment)
+  calls = {"bf16": (bf16, (q, k, v)), "xla": (xla, (q, k, v))}
+  descales = dict(key_descale=kd, value_descale=vd)
+  if kind == "prefill":
+    q8, qd = quantized(q)
+    fp8 = lambda q, k, v, qd, kd, vd: fa4_jax.attention(
+        q, k, v, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd)
+    calls["fp8"] = (fp8, (q8, k8, v8, qd, kd, vd))
+    served = fa4_jax.which_implementation(q8, k8, v8, is_causal=causal, query_descale=qd,
+                                          **descales)
+  else:
+    fp8 = lambda q, k, v, kd, vd: fa4_jax.attention(q, k, v, is_causal=causal, key_descale=kd,
+                                                    value_descale=vd, **alignment)
+    calls["fp8"] = (fp8, (q, k8, v8, kd, vd))
+    served = fa4_jax.which_implementation(q, k8, v8, is_causal=causal, **descales, **alignment)
+  if kind == "paged":
+    pages = b * s // PAGE
+    order = jnp.asarray(np.random.default_rng(0).permutation(pages), jnp.int32)
+    table = order.reshape(b, s // PAGE)
+    to_pages = lambda x: jnp.zeros((pages, PAGE) + x.shape[2:], x.dtype).at[table.reshape(-1)].set(
+        x.reshape((pages, PAGE) + x.shape[2:]))
+    lengths = jnp.full((b,), s, jnp.int32)
+    paged = lambda q, kp, vp, kd, vd: fa4_jax.paged_attention(
+        q, kp, vp, table, lengths, is_causal=causal, key_descale=kd, value_descale=vd)
+    calls["fp8 paged"] = (paged, (q, to_pages(k8), to_pages(v8), kd, vd))
+  bf16_bytes = 2 * k.size * k.dtype.itemsize
+  row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
+             flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))
+  row.update(bench_common.bandwidth_columns(calls, rounds, bf16_bytes, "xla"))
+  return [row]
+
+
+def markdown(rows):
+  cols = ["bf16", "fp8", "fp8 paged", "xla"]
+  lines = ["| case | served | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+  for r in rows:
+    if r["kind"] == "prefill":
+      fmt = lambda c, r=r: f"{r['flops'] / c['ms'] / 1e9:.0f} TFLOP/s"
+    else:
+      fmt = lambda c: f"{c['tb_per_s']:.2f} TB/s (bf16 bytes)"
+    cells = [bench_common.table_cell(r.get(c), fmt) for c in cols]
+    lines.append(f"| {r['case']} | {r['served_by']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def main():
+  bench_common.table_main(
+      "fp8", CASES, lambda case, args: run_case(case, args.rounds), markdown,
+      lambda a: ("e4m3 with per-head descales (amax / 448); kernel-duration sums in profiler "
+                 f"traces, medians of {a.rounds} interleaved rounds; decode and paged TB/s: the "
+                 "bf16 cache's K and V bytes over each column's time"),
+      default_rounds=3)
+
+
+if __name__ == "__main__":
+  main()
