@@ -129,6 +129,13 @@ class ForwardCase:
   kv_lengths: tuple | None = None
   soft_cap: float | None = None
   persistent: bool = False
+  documents: tuple | None = None  # packed documents' lengths (segment ids), T == S
+
+  def segment_ids(self):
+    """int32 [B, T]: each position's document, or None."""
+    if self.documents is None:
+      return None
+    return np.repeat(np.arange(len(self.documents)), self.documents)[None].repeat(self.batch, 0)
 
 
 FORWARD_CASES = {
@@ -146,6 +153,9 @@ FORWARD_CASES = {
     # The persistent grid walks the same lists per work item.
     "persistent_chunked_table": ForwardCase(score="table", keep="chunked", q_seq=384,
                                             kv_seq=384, causal=True, persistent=True),
+    # Packed documents: the lists hold the ids' tile ranges, the element mask the ids.
+    "segment_ids_alibi_causal": ForwardCase(score="alibi", causal=True, q_seq=256, kv_seq=256,
+                                            documents=(100, 90, 66)),
 }
 
 
@@ -179,9 +189,11 @@ def test_forward_with_mods_matches_the_einsum_reference_without_races(name, run_
   if case.persistent:
     config = dataclasses.replace(sm100_forward.tile_config(case.head_dim, jnp.bfloat16),
                                  persistent=True, num_sms=3)
+  ids = case.segment_ids()
+  segment_ids = None if ids is None else (jnp.asarray(ids), jnp.asarray(ids))
   out, lse = run_interpreted(lambda q, k, v: sm100_forward.forward(
       q, k, v, q_len, kv_len, scale=SCALE, mask=mask, soft_cap=case.soft_cap, config=config,
-      mods=mods), q, k, v)
+      segment_ids=segment_ids, mods=mods), q, k, v)
 
   t, s = case.q_seq, case.kv_seq
   rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
@@ -194,6 +206,8 @@ def test_forward_with_mods_matches_the_einsum_reference_without_races(name, run_
     visible &= cols < np.asarray(case.kv_lengths)[:, None, None, None]
   if keep is not None:
     visible &= keep
+  if ids is not None:
+    visible &= (ids[:, :, None] == ids[:, None, :])[:, None]
   ref_out, ref_lse = einsum_attention(q, k, v, visible, scale=SCALE, soft_cap=case.soft_cap,
                                       bias=None if bias is None else jnp.asarray(bias))
   assert_matches(out, lse, ref_out, ref_lse, visible)
@@ -406,7 +420,7 @@ def test_calls_with_mods_are_served_by_the_sm100_kernels_forward_and_backward():
 @pytest.mark.parametrize("head_dim", [128])  # 64 takes the same blocks
 def test_backward_with_mods_cross_lowers_for_sm100(head_dim, cross_lower):
   """Both backward kernels with a table score_mod (its slope in dS) and a
-  per-batch prefix mask_mod, beside lengths and GQA, lower for sm_100
+  per-batch prefix mask_mod, beside lengths, segment ids and GQA, lower for sm_100
   (tcgen05, TMEM) within SMEM."""
   from fa4_jax.kernels import sm100_backward
   table = jnp.asarray(TABLE)
@@ -416,10 +430,12 @@ def test_backward_with_mods_cross_lowers_for_sm100(head_dim, cross_lower):
   kv = jax.ShapeDtypeStruct((2, 1030, 2, head_dim), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((2, HEADS, 1000), jnp.float32)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  ids = (jax.ShapeDtypeStruct((2, 1000), jnp.int32), jax.ShapeDtypeStruct((2, 1030), jnp.int32))
   lowered = cross_lower(
-      lambda q, k, v, o, lse, do, a, b: sm100_backward.backward(
-          q, k, v, o, lse, do, a, b, scale=SCALE, mask=MaskSpec(right=0), mods=mods),
-      q, kv, kv, q, lse, q, lengths, lengths, arch="sm_100")
+      lambda q, k, v, o, lse, do, a, b, qi, ki: sm100_backward.backward(
+          q, k, v, o, lse, do, a, b, scale=SCALE, mask=MaskSpec(right=0), segment_ids=(qi, ki),
+          mods=mods),
+      q, kv, kv, q, lse, q, lengths, lengths, *ids, arch="sm_100")
   assert len(lowered.modules) == 2  # dK/dV and dQ
   for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st",
                       "cp.async.bulk.tensor"):
