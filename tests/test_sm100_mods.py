@@ -139,10 +139,6 @@ class ForwardCase:
 
 
 FORWARD_CASES = {
-    # ALiBi, causal, GQA, odd lengths: every block of the causal band listed.
-    "alibi_causal_gqa": ForwardCase(score="alibi", causal=True),
-    # A per-element lookup in a captured [H, 8] table (a chain of selects), D128.
-    "table_d128": ForwardCase(score="table", head_dim=128, q_seq=130, kv_seq=190),
     # Prefix-LM per batch row with key and query lengths: lists per batch row.
     "prefix_lm_lengths": ForwardCase(keep="prefix", batch=2, q_seq=130, kv_seq=200,
                                      q_lengths=(130, 77), kv_lengths=(150, 200)),
@@ -150,12 +146,15 @@ FORWARD_CASES = {
     # D256 (64-key blocks, one Q tile per CTA): off-chunk tiles EMPTY.
     "chunked_alibi_soft_cap_d256": ForwardCase(score="alibi", keep="chunked", head_dim=256,
                                                q_seq=256, kv_seq=320, soft_cap=20.0),
-    # The persistent grid walks the same lists per work item.
-    "persistent_chunked_table": ForwardCase(score="table", keep="chunked", q_seq=384,
-                                            kv_seq=384, causal=True, persistent=True),
-    # Packed documents: the lists hold the ids' tile ranges, the element mask the ids.
-    "segment_ids_alibi_causal": ForwardCase(score="alibi", causal=True, q_seq=256, kv_seq=256,
-                                            documents=(100, 90, 66)),
+    # A per-element lookup in a captured [H, 8] table (a chain of selects),
+    # D128, odd lengths, on the persistent grid (each work item's list).
+    "persistent_chunked_table_d128": ForwardCase(score="table", keep="chunked", head_dim=128,
+                                                 q_seq=300, kv_seq=350, causal=True,
+                                                 persistent=True),
+    # ALiBi, causal, GQA, packed documents: the lists hold the ids' tile
+    # ranges, the element mask the ids.
+    "segment_ids_alibi_causal_gqa": ForwardCase(score="alibi", causal=True, q_seq=256,
+                                                kv_seq=256, documents=(100, 90, 66)),
 }
 
 
