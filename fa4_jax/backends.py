@@ -25,12 +25,15 @@ is the sm90 backward.
 
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional
-arguments it takes in `FEATURES` ("sinks", "soft_cap", "mods", "fp8"): without
+arguments it takes in `FEATURES` ("sinks", "soft_cap", "mods", "fp8",
+"value_head_dim"): without
 "sinks" the sinks are added after its forward (`scores.add_sinks`); without
 "soft_cap" or "mods" the forward cannot serve a soft-capped call or one with
 a `score_mod` / `mask_mod`, and the backward leaves it to XLA. A module with
 "mods" is given the whole score value (`mods=`) where the call has them.
-Without "fp8" a call with float8 operands runs on the XLA path.
+Without "fp8" a call with float8 operands runs on the XLA path; without
+"value_head_dim" one whose value head dim differs from the query's does
+(a backward without it: the XLA backward on the kernel's lse).
 The gradients of a score_mod's captured arrays come from the XLA backward
 where a kernel's backward does not compute them (`_captured_grads`).
 """
@@ -154,6 +157,8 @@ def fused_backward(name: str, call: CallInfo):
     return None
   if call.has_mods and ("mods" not in _features(module) or _mods_problem(call) is not None):
     return None
+  if call.v_head_dim is not None and "value_head_dim" not in _features(module):
+    return None
   try:
     module.check_supported(call.q_shape, call.k_shape, call.dtype, call.spec)
   except KernelUnsupported:
@@ -251,10 +256,11 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
   if call.soft_cap is not None and "soft_cap" not in _features(module):
     return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
             "implementation=None (which falls back to the XLA path) or 'xla'")
-  if call.v_head_dim is not None:
-    return (f"implementation={name!r} needs one head dim for query, key and value yet (got "
-            f"{call.q_shape[-1]} and a value head dim of {call.v_head_dim}); use "
-            "implementation=None (which falls back to the XLA path) or 'xla'")
+  if call.v_head_dim is not None and ("value_head_dim" not in _features(module)
+                                      or call.v_head_dim > 256 or call.v_head_dim % 16):
+    return (f"implementation={name!r} takes no value head dim of {call.v_head_dim} with a "
+            f"query head dim of {call.q_shape[-1]} (value head dims of their own: sm90, multiples "
+            "of 16 up to 256); use implementation=None (which falls back to the XLA path) or 'xla'")
   if call.has_fp8 and "fp8" not in _features(module):
     return (f"implementation={name!r} does not take float8 operands yet; use "
             "implementation=None (which falls back to the XLA path) or 'xla'")
@@ -356,7 +362,7 @@ def _untargeted_host() -> bool:
 def _arrangement(name: str, call: CallInfo) -> Backend:
   """Kernel family `name`'s backend for this call: the sm90 decode
   arrangement for short band-free queries, else the kernels as they are."""
-  if name == "sm90" and not call.has_mods:
+  if name == "sm90" and not call.has_mods and call.v_head_dim is None:
     from fa4_jax import decode
     if decode.plan(call.q_shape, call.k_shape, call.spec,
                    has_segment_ids=call.has_segment_ids) is not None:

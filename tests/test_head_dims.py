@@ -4,9 +4,10 @@
 192 against 128); the output is `[B, T, N, Dv]`. With `value=None` and
 `value_head_dim=Dv`, the values are the keys' first `Dv` features (MLA's
 absorbed form: one latent head of 576 features, the first 512 the values),
-in `attention` and in `paged_attention`. These run on the XLA path (the
-kernels refuse them for now). Every result is checked against an f32 einsum
-with an explicit mask; float32 inputs, so tolerances are float32 rounding.
+in `attention` and in `paged_attention`. These tests run the XLA path (the
+sm90 forward kernel's own tests: tests/test_sm90_value_head_dim.py). Every
+result is checked against an f32 einsum with an explicit mask; float32
+inputs, so tolerances are float32 rounding.
 """
 
 import jax
@@ -174,15 +175,19 @@ def test_mla_paged_float8_latent_cache():
 # --- What the kernels do with them, and bad input --------------------------------
 
 
-def test_kernels_leave_unequal_head_dims_to_the_xla_path():
-  q, key, v = jnp.ones((1, 128, 2, 192), jnp.bfloat16), jnp.ones((1, 128, 2, 192),
-                                                                 jnp.bfloat16), None
+def test_which_backend_serves_a_value_head_dim_of_its_own():
+  q = key = jnp.ones((1, 128, 2, 192), jnp.bfloat16)
   v = jnp.ones((1, 128, 2, 128), jnp.bfloat16)
-  with fa4_jax.gpu_target("sm90"):
-    assert fa4_jax.which_implementation(q, key, v, is_causal=True) == "xla"
+  with fa4_jax.gpu_target("sm90"):  # the Hopper forward kernel, the XLA backward on its lse
+    assert fa4_jax.which_implementation(q, key, v, is_causal=True) == "sm90"
     assert fa4_jax.which_implementation(q, key, v, part="backward") == "xla"
+    latent = jnp.ones((1, 128, 1, 576), jnp.bfloat16)  # MLA's 576 / 512: the XLA path
+    assert fa4_jax.which_implementation(latent[:, :1].repeat(16, 2), latent, None,
+                                        value_head_dim=512) == "xla"
+  with fa4_jax.gpu_target("sm100"):
+    assert fa4_jax.which_implementation(q, key, v) == "xla"
   with fa4_jax.interpret_mode(), pytest.raises(ValueError, match="value head dim of 128"):
-    fa4_jax.which_implementation(q, key, v, implementation="sm90")
+    fa4_jax.which_implementation(q, key, v, implementation="sm100")
 
 
 @pytest.mark.parametrize("call, message", [

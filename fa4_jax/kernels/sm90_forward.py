@@ -115,6 +115,13 @@ their captured arrays are GMEM operands (`mod_functions.evaluate_in_kernel`).
 Such calls take one CTA per tile (`mods_config`). Without mods the kernel is
 unchanged (`tools/kernel_fingerprints.py`).
 
+A value head dim of its own (`v` [B, S, Nkv, Dv], out [..., Dv]; 192 / 128
+and others, `check_value_head_dim`): the V ring and the accumulator take Dv,
+and O gets SMEM tiles of its own (`_Call.separate_o_tiles`; without one it
+is staged in the consumer's Q tile). The configuration is the larger head
+dim's. Not with a page table or heads-major Q. Equal head dims build the
+kernel as before (`tools/kernel_fingerprints.py`).
+
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
 (`_ConsumerTile.p_times_v`, `SlotRing.producer_drain` /
@@ -158,7 +165,7 @@ from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixe
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
-FEATURES = frozenset({"sinks", "soft_cap", "mods"})
+FEATURES = frozenset({"sinks", "soft_cap", "mods", "value_head_dim"})
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -240,25 +247,29 @@ class ForwardConfig:
   def block_q_cta(self) -> int:
     return self.num_consumers * self.block_q
 
-  def smem_bytes(self, head_dim: int, itemsize: int, segment_ids: bool = False) -> int:
+  def smem_bytes(self, head_dim: int, itemsize: int, segment_ids: bool = False,
+                 value_head_dim: int | None = None) -> int:
     """SMEM the kernel allocates (without barriers and alignment padding);
     `segment_ids` adds the ring of the keys' ids (4 bytes a key and slot,
-    `sm90_tiles.id_ring`)."""
+    `sm90_tiles.id_ring`); `value_head_dim` (V's and O's, None: head_dim)."""
+    value_head_dim = value_head_dim or head_dim
     tile = self.num_consumers * self.block_q * head_dim * itemsize
     q_tiles = self.q_depth * tile
-    kv_ring = 2 * self.num_kv_stages * self.block_kv * head_dim * itemsize
+    kv_ring = self.num_kv_stages * self.block_kv * (head_dim + value_head_dim) * itemsize
     # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`).
     lse = (self.num_consumers + self.work_queue) * self.block_q * 4
-    o_tiles = tile if self.persistent else 0
+    separate_o_tiles = self.persistent or value_head_dim != head_dim
+    o_tiles = (tile * value_head_dim // head_dim) if separate_o_tiles else 0
     # Mosaic GPU starts every scratch buffer at a multiple of 1 KiB: the
     # small ring takes a whole one at block_kv 64 (the LSE rows' padding is
     # in SMEM_RESERVE_BYTES).
     key_ids = cdiv(self.num_kv_stages * self.block_kv * 4, 1024) * 1024 if segment_ids else 0
     return q_tiles + kv_ring + lse + o_tiles + key_ids
 
-  def fits_smem(self, head_dim: int, itemsize: int, segment_ids: bool = False) -> bool:
+  def fits_smem(self, head_dim: int, itemsize: int, segment_ids: bool = False,
+                value_head_dim: int | None = None) -> bool:
     """Whether `smem_bytes` leaves the barriers and padding their reserve."""
-    return (self.smem_bytes(head_dim, itemsize, segment_ids)
+    return (self.smem_bytes(head_dim, itemsize, segment_ids, value_head_dim)
             <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES)
 
 
@@ -467,7 +478,7 @@ class _Call:
   mask: MaskSpec
   q_seq: int  # padded query length (the arrays' extent)
   kv_valid: int  # the true key length; keys past it are TMA padding
-  head_dim: int  # padded
+  head_dim: int  # padded, of Q and K
   dtype: Any
   group: int  # q heads per kv head
   num_q_tiles: int  # CTA tiles of `config.block_q_cta` rows
@@ -501,6 +512,21 @@ class _Call:
   mods: bool = False
   score_mod: Any = None
   mask_mod: Any = None
+  # V's and O's head dim (padded) where it differs from Q's and K's (192 /
+  # 128 ...); None: head_dim. O then has SMEM tiles of its own.
+  value_head_dim: int | None = None
+
+  @property
+  def out_dim(self) -> int:
+    """The head dim of V, of the accumulator and of the output."""
+    return self.value_head_dim or self.head_dim
+
+  @property
+  def separate_o_tiles(self) -> bool:
+    """O is staged in tiles of its own (else in the consumer's Q tile): on a
+    persistent grid (the next item's Q lands during the epilogue) and when
+    O's head dim is not Q's."""
+    return self.config.persistent or self.out_dim != self.head_dim
 
   @property
   def masked_logit(self) -> float:
@@ -530,7 +556,7 @@ class _Refs:
   k_smem: Any  # K ring
   v_smem: Any  # V ring
   lse_smem: Any  # LSE rows
-  o_smem: Any  # O tiles (persistent grid only)
+  o_smem: Any  # O tiles (`_Call.separate_o_tiles` only)
   p_smem: Any  # P staging (interpreter only)
   kv_ids_smem: Any  # the keys' segment ids, a ring beside K's; None without segment ids
   # Programmable scores only (`_Call.mods`), in GMEM: the block lists
@@ -569,7 +595,7 @@ class _Refs:
         del refs[:count]
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
-    o_smem = optional_smem.pop(0) if call.config.persistent else None
+    o_smem = optional_smem.pop(0) if call.separate_o_tiles else None
     p_smem = optional_smem.pop(0) if call.interpreting else None
     kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
     return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table, out,
@@ -584,13 +610,14 @@ def _scratch_smem(call: _Call) -> list:
   smem = [
       smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles (then O)
       smem_tile((cfg.num_kv_stages, bk, d), dtype),  # K ring
-      smem_tile((cfg.num_kv_stages, bk, d), dtype),  # V ring
+      smem_tile((cfg.num_kv_stages, bk, call.out_dim), dtype),  # V ring
       # LSE rows (then, with a work queue, a row of its cells)
       plgpu.SMEM((cfg.num_consumers + cfg.work_queue, bq), jnp.float32),
   ]
-  if cfg.persistent:
-    # O tiles of their own, so the next work item's Q can land during the epilogue.
-    smem.append(smem_tile((cfg.num_consumers, bq, d), dtype))
+  if call.separate_o_tiles:
+    # O tiles of their own, so the next work item's Q can land during the
+    # epilogue (or because O's head dim is not Q's).
+    smem.append(smem_tile((cfg.num_consumers, bq, call.out_dim), dtype))
   if call.interpreting:
     smem.append(smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   if call.has_segment_ids:
@@ -868,7 +895,7 @@ class _ConsumerTile:
     cfg, wg = ctx.call.config, ctx.wg
     item = ctx.item(i, unit)
     q_tile = ctx.refs.q_smem.at[ctx.bars.q.buffer(i, wg)]
-    o_tile = ctx.refs.o_smem.at[wg] if cfg.persistent else q_tile
+    o_tile = ctx.refs.o_smem.at[wg] if ctx.call.separate_o_tiles else q_tile
     q_lo = item.cta_q_lo + wg * cfg.block_q
     own = score_fn = mask_fn = None
     if ctx.call.mods:  # both consumers walk the CTA's list (`walk_block_list`)
@@ -903,7 +930,7 @@ class _ConsumerTile:
     # only m and l start from a run-time scalar; nothing more lives in the loop.
     m, l = initial_row_stats(bq, place=lambda x: plgpu.layout_cast(x, _ROW_LAYOUT),
                              sink=self.sink, fixed_max=self.ctx.call.fixed_max)
-    acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.head_dim), 0.0, jnp.float32),
+    acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.out_dim), 0.0, jnp.float32),
                             plgpu.Layout.WGMMA)
 
     @pl.when(hi > lo)
@@ -1082,7 +1109,7 @@ class _ConsumerTile:
         return delta_ref[...]
 
       return acc + pl.run_scoped(pv_delta,
-                                 plgpu.ACC((call.config.block_q, call.head_dim), jnp.float32))
+                                 plgpu.ACC((call.config.block_q, call.out_dim), jnp.float32))
 
     def pv(acc_ref):
       plgpu.wgmma(acc_ref, p, v_tile)
@@ -1160,6 +1187,7 @@ def _build_kernel(
     mods: bool = False,
     score_mod=None,
     mask_mod=None,
+    value_head_dim: int | None = None,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -1176,7 +1204,8 @@ def _build_kernel(
                has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size,
                fixed_max=fixed_max, heads_major=heads_major,
                q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
-               score_mod=score_mod, mask_mod=mask_mod)
+               score_mod=score_mod, mask_mod=mask_mod,
+               value_head_dim=None if value_head_dim == head_dim else value_head_dim)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1187,8 +1216,8 @@ def _build_kernel(
   # correctly), so the LSE output covers whole tiles and `forward` slices it.
   lse_seq = _tile_slots(cfg, mask, q_seq) * cfg.block_q_cta
   out_type = (
-      jax.ShapeDtypeStruct((batch, num_q_heads, q_seq, head_dim) if heads_major
-                           else (batch, q_seq, num_q_heads, head_dim), dtype),
+      jax.ShapeDtypeStruct((batch, num_q_heads, q_seq, call.out_dim) if heads_major
+                           else (batch, q_seq, num_q_heads, call.out_dim), dtype),
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
@@ -1301,8 +1330,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if page_table is not None:
     logical_k_shape = check_paged(q_shape, k.shape, jnp.shape(page_table), segment_ids)
   check_supported(q_shape, logical_k_shape, q.dtype, mask)
-  if v.shape != k.shape:
-    raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
+  check_value_head_dim(k.shape, v.shape, page_table, heads_major)
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
   batch, q_seq, num_q_heads, head_dim = q_shape
@@ -1326,13 +1354,24 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     q_pad = q_seq  # read as it lies (`check_heads_major`)
   if d != head_dim or q_pad != q_seq:
     q = jnp.pad(q, [(0, 0), (0, q_pad - q_seq), (0, 0), (0, d - head_dim)])
+  value_dim = v.shape[-1]  # O's too
+  dv = padded_head_dim(value_dim)
   if d != head_dim or kv_pad != kv_seq:  # never for a paged K/V (`check_paged`)
-    k, v = (jnp.pad(x, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
-            for x in (k, v))
+    k = jnp.pad(k, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, d - head_dim)])
+  if dv != value_dim or kv_pad != kv_seq:
+    v = jnp.pad(v, [(0, 0), (0, kv_pad - kv_seq), (0, 0), (0, dv - value_dim)])
   if config is None:
-    config = choose_config(d, mask, kv_seq, q_seq, segment_ids=segment_ids is not None)
+    # Unequal head dims take the larger one's configuration (registers: O
+    # grows with V's, S and the SMEM rings with both).
+    config = choose_config(max(d, dv), mask, kv_seq, q_seq,
+                           segment_ids=segment_ids is not None)
     if mods is not None:
       config = mods_config(config)
+    if dv != d and not config.fits_smem(d, 2, segment_ids is not None, dv):
+      config = dataclasses.replace(config, q_buffers=1)
+  if dv != d and not config.fits_smem(d, 2, segment_ids is not None, dv):
+    raise KernelUnsupported(f"sm90 forward: head dims {d} (q, k) and {dv} (v) do not fit SMEM "
+                            f"with this configuration")
   if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
     raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
                             f"{k.shape[1]} must divide one another")
@@ -1341,7 +1380,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   build = functools.partial(
       _build_kernel,
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
-      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
+      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=dv,
       dtype=q.dtype, scale=float(scale), mask=mask,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
       has_segment_ids=segment_ids is not None, has_sinks=sinks is not None,
@@ -1373,9 +1412,22 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     args.extend(mods_operands(mods, config, q_shape, logical_k_shape, q_lengths, kv_lengths,
                               segment_ids, scale=scale, mask=mask, soft_cap=soft_cap))
   out, lse = call(*args)
-  if d != head_dim or q_pad != q_seq:
-    out = out[:, :q_seq, :, :head_dim]
+  if dv != value_dim or q_pad != q_seq:
+    out = out[:, :q_seq, :, :value_dim]
   return out, lse[..., :q_seq]
+
+
+def check_value_head_dim(k_shape, v_shape, page_table, heads_major: bool) -> None:
+  """V may have a head dim of its own (O has it too), a multiple of 16 up to
+  256, with K's other dims; not with a page table or heads-major Q (the decode
+  arrangements)."""
+  if (tuple(v_shape[:-1]) != tuple(k_shape[:-1]) or v_shape[-1] % 16
+      or not 0 < v_shape[-1] <= 256):
+    raise KernelUnsupported(f"sm90 forward: v must be k's shape {tuple(k_shape)} but for its "
+                            f"head dim, a multiple of 16 up to 256; got {tuple(v_shape)}")
+  if v_shape[-1] != k_shape[-1] and (page_table is not None or heads_major):
+    raise KernelUnsupported("sm90 forward: a value head dim of its own is not supported with "
+                            "a page table or heads-major Q")
 
 
 def mods_config(config: ForwardConfig) -> ForwardConfig:
