@@ -209,3 +209,61 @@ def test_interpret_mode_stages_the_kernel_itself():
     assert backends.select("sm90", call) is backends._arrangement("sm90", call)
     assert fa4_jax.which_implementation(q, q, q, is_causal=True,
                                         implementation="sm90") == "sm90"
+
+
+SLOPES = jnp.asarray([0.25, 0.5])
+
+
+def chunked(b, h, q_idx, kv_idx):
+  return q_idx // 64 == kv_idx // 64
+
+
+def test_mods_export_with_the_kernels_and_run_on_the_cpu():
+  """score_mod and a block mask, exported for ("cuda", "cpu") under the sm90
+  target: the kernels for CUDA (forward and fused backward), the XLA path on
+  the CPU, gradients to the slopes too. The block mask is closed over (an
+  exported function's arguments are arrays and registered pytrees; a
+  BlockMask carries its Python mask_mod)."""
+  block_mask = fa4_jax.create_block_mask(chunked, None, None, SHAPE[1], SHAPE[1])
+
+  def loss(q, k, v, slopes, bm=block_mask):
+    mod = lambda s, b, h, i, j: s - slopes[h] * (i - j).astype(jnp.float32)
+    return fa4_jax.attention(q, k, v, is_causal=True, score_mod=mod,
+                             block_mask=bm).astype(jnp.float32).sum()
+
+  grads = jax.grad(loss, argnums=(0, 3))
+  with fa4_jax.gpu_target("sm90"):
+    exp = export.export(jax.jit(grads), platforms=("cuda", "cpu"))(
+        SPEC, SPEC, SPEC, jax.ShapeDtypeStruct((2,), jnp.float32))
+  assert kernel_calls(exp) >= 2
+  q, k, v = inputs()
+  got = round_trip(exp).call(q, k, v, SLOPES)
+  i, j = jnp.arange(SHAPE[1])[:, None], jnp.arange(SHAPE[1])[None, :]
+
+  def reference_loss(q, k, v, slopes):
+    bias = (-slopes[:, None, None] * (i - j))[None]
+    mask = ((j <= i) & (i // 64 == j // 64))[None, None]
+    return jax.nn.dot_product_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), bias, mask,
+        implementation="xla").sum()
+
+  want = jax.grad(reference_loss, argnums=(0, 3))(q, k, v, SLOPES)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=ATOL,
+                               rtol=ATOL)
+
+
+def test_a_value_head_dim_of_its_own_exports_with_the_forward_kernel():
+  v_spec = jax.ShapeDtypeStruct(SHAPE[:-1] + (128,), jnp.bfloat16)
+  with fa4_jax.gpu_target("sm90"):
+    exp = export.export(jax.jit(attention), platforms=("cuda", "cpu"))(SPEC, SPEC, v_spec)
+  assert kernel_calls(exp) == 1
+  q, k, _ = inputs()
+  v = jax.random.normal(jax.random.key(5), v_spec.shape, jnp.bfloat16)
+  out = round_trip(exp).call(q, k, v)
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  logits = jnp.einsum("btnd,bsnd->bnts", q, k) / np.sqrt(SHAPE[-1])
+  causal = jnp.tril(jnp.ones((SHAPE[1], SHAPE[1]), bool))
+  want = jnp.einsum("bnts,bsnd->btnd", jax.nn.softmax(jnp.where(causal, logits, -jnp.inf)), v)
+  assert out.shape == v.shape
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=ATOL)
