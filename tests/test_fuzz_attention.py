@@ -22,6 +22,9 @@ def test_draws_cover_the_options_each_call_can_combine():
   assert any(c["window"] is not None for c in calls)
   assert any(c["q_heads"] > c["kv_heads"] for c in calls)
   assert {c["dtype"] for c in calls} == {"bfloat16", "float16"}
+  assert {c["score_mod"] for c in calls} == {None, "alibi", "table"}
+  assert {c["mask_mod"] for c in calls} == {None, "prefix", "chunked", "window_global"}
+  assert any(c["value_head_dim"] != c["head_dim"] for c in calls)
 
 
 def test_the_xla_path_passes_and_a_wrong_mask_fails(monkeypatch, capsys):

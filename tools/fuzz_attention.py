@@ -4,10 +4,14 @@ The tests check chosen cases; this draws calls the tests did not think of:
 batch 1-3, odd lengths (queries and keys differ), GQA, head dims the
 kernels take, causal or windowed masks, per-row lengths, segment ids
 (sorted documents or interleaved ids, so rows may see no key), sinks (also
-large ones) and soft-cap, bf16 / fp16 (f32 on the XLA path), each combined
-at random. Every call's output and gradients (q, k, v and sinks) are
-compared with `tests/reference.py`'s einsum attention under the explicit
-mask: outputs on the rows that see a key, gradients as relative errors.
+large ones) and soft-cap, a `score_mod` (ALiBi slopes or a relative-position
+table, captured arrays whose gradients are checked too), a `mask_mod`
+(prefix-LM per batch row, chunked local, a window plus global tokens), a
+value head dim of its own, bf16 / fp16 (f32 on the XLA path), each combined
+at random. Every call's output and gradients (q, k, v, sinks and the
+score_mod's array) are compared with `tests/reference.py`'s einsum
+attention under the explicit mask and bias: outputs on the rows that see a
+key, gradients as relative errors.
 
     python3 tools/fuzz_attention.py --implementation sm90 --interpret [--trials 40]
     python3 tools/fuzz_attention.py --implementation sm90 --max-seq 2048   # on a GPU
@@ -79,7 +83,41 @@ def draw_call(rng: np.random.Generator, implementation: str, max_seq: int) -> di
       # then dominates every gradient (delta is formed from the output).
       sinks=(rng.normal(size=1) * (30 if rng.random() < 0.25 and dtype != "float16" else 1)).item()
       if rng.random() < 0.4 else None,
-      soft_cap=float(rng.choice([5.0, 30.0])) if rng.random() < 0.4 else None)
+      soft_cap=float(rng.choice([5.0, 30.0])) if rng.random() < 0.4 else None,
+      score_mod=str(rng.choice(["alibi", "table"])) if rng.random() < 0.3 else None,
+      mask_mod=str(rng.choice(["prefix", "chunked", "window_global"]))
+      if rng.random() < 0.3 else None,
+      # A value head dim of its own (the output's): the sm90 forward takes it.
+      value_head_dim=int(rng.choice([64, 128])) if implementation in ("xla", "sm90", "default")
+      and rng.random() < 0.2 else head_dim)
+
+
+# --- the mods a call may draw: each a function for fa4_jax and the same thing
+# as an explicit numpy bias / mask for the reference.
+
+TABLE_BUCKETS = 16
+
+
+def score_mod_of(kind: str):
+  """(score_mod(captured) -> the mod, bias(captured, t, s) -> [1, N, T, S])."""
+  if kind == "alibi":
+    mod = lambda c: lambda x, b, h, i, j: x - c[h] * (i - j).astype(jnp.float32)
+    bias = lambda c, t, s: (-c[:, None, None] * (np.arange(t)[:, None]
+                                                  - np.arange(s)[None, :]))[None]
+  else:  # a relative-position table [N, buckets], the distance clipped
+    bucket = lambda i, j: jnp.clip(j - i + TABLE_BUCKETS // 2, 0, TABLE_BUCKETS - 1)
+    mod = lambda c: lambda x, b, h, i, j: x + c[h, bucket(i, j)]
+    bias = lambda c, t, s: c[:, bucket(jnp.arange(t)[:, None], jnp.arange(s)[None, :])][None]
+  return mod, bias
+
+
+def mask_mod_of(kind: str, prefix):
+  """mask_mod(b, h, i, j) -> bool; `prefix` int32 [B] (per batch row)."""
+  if kind == "prefix":
+    return lambda b, h, i, j: (j < prefix[b]) | (j <= i)
+  if kind == "chunked":
+    return lambda b, h, i, j: (i // 32) == (j // 32)
+  return lambda b, h, i, j: (jnp.abs(i - j) <= 24) | (j < 4) | (i < 4)
 
 
 def check_call(call: dict, implementation: str | None, seed: int):
@@ -87,10 +125,11 @@ def check_call(call: dict, implementation: str | None, seed: int):
   b, t, s, n, kh, d = (call[x] for x in ("batch", "q_seq", "kv_seq", "q_heads", "kv_heads", "head_dim"))
   dtype = jnp.dtype(call["dtype"])
   keys = jax.random.split(jax.random.key(seed), 4)
+  dv = call.get("value_head_dim", d)
   q = (2 * jax.random.normal(keys[0], (b, t, n, d))).astype(dtype)
   k = jax.random.normal(keys[1], (b, s, kh, d)).astype(dtype)
-  v = (1.0 + jax.random.normal(keys[2], (b, s, kh, d))).astype(dtype)
-  dout = jax.random.normal(keys[3], (b, t, n, d), jnp.float32)
+  v = (1.0 + jax.random.normal(keys[2], (b, s, kh, dv))).astype(dtype)
+  dout = jax.random.normal(keys[3], (b, t, n, dv), jnp.float32)
   as_int = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
   ids = call["segment_ids"] or (None, None)
   options = dict(is_causal=call["is_causal"], local_window_size=call["window"],
@@ -101,26 +140,48 @@ def check_call(call: dict, implementation: str | None, seed: int):
   visible = visible_mask(t, s, is_causal=call["is_causal"], window=call["window"],
                          q_lengths=call["q_lengths"], kv_lengths=call["kv_lengths"], batch=b,
                          q_segment_ids=ids[0], kv_segment_ids=ids[1])
+  if call.get("mask_mod"):
+    prefix = jnp.asarray(np.random.default_rng(seed).integers(0, s + 1, size=b), jnp.int32)
+    options["mask_mod"] = mask_mod_of(call["mask_mod"], prefix)
+    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    keep = np.asarray(jax.vmap(lambda bb: options["mask_mod"](bb, 0, i, j))(jnp.arange(b)))
+    visible = visible & keep[:, None]
   # Rows past the query length hold anything; compare the others.
   valid_rows = np.ones((b, t), bool)
   if call["q_lengths"] is not None:
     valid_rows = np.arange(t)[None] < np.asarray(call["q_lengths"])[:, None]
   weights = jnp.asarray(valid_rows, jnp.float32)[:, :, None, None] * dout
   args = [q, k, v]
+  # Optional arguments after q, k, v, by name: the score_mod's array, then
+  # the sinks (last: `gradient_error` measures the sinks' gradient apart).
+  extra = []
+  score_mod = bias_of = None
+  if call.get("score_mod"):
+    score_mod, bias_of = score_mod_of(call["score_mod"])
+    captured = (jnp.linspace(0.05, 0.5, n) if call["score_mod"] == "alibi" else
+                jax.random.normal(jax.random.key(seed + 1), (n, TABLE_BUCKETS)))
+    args.append(captured.astype(jnp.float32))
+    extra.append("captured")
   if call["sinks"] is not None:
     args.append(jnp.full((n,), call["sinks"], jnp.float32) + jnp.arange(n, dtype=jnp.float32))
+    extra.append("sinks")
+  named = lambda a: dict(zip(extra, a[3:]))
 
   # The mask and the weights go in as arguments: closed over, they are
   # constants, and XLA's GPU compiler once spent over a second folding them.
   def ours(visible, *a):
     del visible
-    sinks = a[3] if len(a) > 3 else None
-    return fa4_jax.attention(*a[:3], sinks=sinks, implementation=implementation, **options)
+    more = named(a)
+    mod = {} if score_mod is None else dict(score_mod=score_mod(more["captured"]))
+    return fa4_jax.attention(*a[:3], sinks=more.get("sinks"), implementation=implementation,
+                             **options, **mod)
 
   @jax.jit
   def reference_with_lse(visible, *a):
-    sinks = a[3] if len(a) > 3 else None
-    return einsum_attention(*a[:3], visible, sinks=sinks, soft_cap=call["soft_cap"])
+    more = named(a)
+    bias = None if bias_of is None else bias_of(more["captured"], t, s)
+    return einsum_attention(*a[:3], visible, bias=bias, sinks=more.get("sinks"),
+                            soft_cap=call["soft_cap"])
 
   reference = lambda visible, *a: reference_with_lse(visible, *a)[0]
 
@@ -134,7 +195,7 @@ def check_call(call: dict, implementation: str | None, seed: int):
                            initial=0.0))
   sink_terms = None
   if call["sinks"] is not None:
-    sink_terms = sink_gradient_terms(want, want_lse, args[3], weights)
+    sink_terms = sink_gradient_terms(want, want_lse, args[-1], weights)
   grad_error = gradient_error(grads, want_grads, sink_terms)
   finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in (out, *grads))
   return out_error, grad_error, finite
