@@ -43,7 +43,7 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
                     logits_soft_cap: float | None = None,
                     implementation: PagedImplementation = None, query_descale=None,
                     key_descale=None, value_descale=None, output_dtype=None,
-                    value_head_dim=None):
+                    value_head_dim=None, score_mod=None, mask_mod=None):
   """Attention of the newest tokens of each row against its paged KV cache.
 
   Args:
@@ -80,6 +80,10 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
       `fa4_jax.interpret_mode()`).
     value_head_dim: with `value_pages=None` (only then): how many leading
       features of each key are its value.
+    score_mod, mask_mod: as in `fa4_jax.attention` (FlexAttention's
+      contract): `q_idx` is the query's index in `query` (0 .. T-1),
+      `kv_idx` the key's position in its row's cache (a tree of draft
+      tokens against the cache, ALiBi, ...). Read by the XLA path for now.
     query_descale, key_descale, value_descale, output_dtype: float8 pages
       (`float8_e4m3fn` or `float8_e5m2`, with a bfloat16 / float16 query or
       a query of the pages' float8 dtype), as in `fa4_jax.attention`: the
@@ -110,11 +114,12 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
                    scale=scale, is_causal=is_causal, sinks=sinks,
                    logits_soft_cap=logits_soft_cap, implementation=implementation,
                    descales=(query_descale, key_descale, value_descale),
-                   output_dtype=output_dtype, value_head_dim=value_head_dim)
+                   output_dtype=output_dtype, value_head_dim=value_head_dim,
+                   mods=dict(score_mod=score_mod, mask_mod=mask_mod))
   arrays = (args.query, args.key_pages, args.value_pages, args.page_table, args.lengths,
             args.sinks)
   if _select(implementation, args) == "xla":
-    return _xla_forward(*arrays, args.static, args.descales)
+    return _xla_forward(*arrays, args.static, args.descales, args.mods)
   return _kernel_forward(*arrays, args.static)
 
 
@@ -123,7 +128,7 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
                                logits_soft_cap=None,
                                implementation: PagedImplementation = None, query_descale=None,
                                key_descale=None, value_descale=None, output_dtype=None,
-                               value_head_dim=None) -> str:
+                               value_head_dim=None, score_mod=None, mask_mod=None) -> str:
   """What `paged_attention` runs for these arguments here: "sm90" (the
   Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
   would."""
@@ -131,7 +136,8 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
                    scale=scale, is_causal=is_causal, sinks=sinks,
                    logits_soft_cap=logits_soft_cap, implementation=implementation,
                    descales=(query_descale, key_descale, value_descale),
-                   output_dtype=output_dtype, value_head_dim=value_head_dim)
+                   output_dtype=output_dtype, value_head_dim=value_head_dim,
+                   mods=dict(score_mod=score_mod, mask_mod=mask_mod))
   return _select(implementation, args)
 
 
@@ -160,11 +166,13 @@ class _Arguments:
   static: _Static
   # float8: float32 descales of the query, keys and values (None: 1).
   descales: tuple = (None, None, None)
+  # score_mod / mask_mod (None where not given), passed on to the XLA path.
+  mods: dict = dataclasses.field(default_factory=dict)
 
 
 def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_causal, sinks,
               logits_soft_cap, implementation, descales=(None, None, None),
-              output_dtype=None, value_head_dim=None) -> _Arguments:
+              output_dtype=None, value_head_dim=None, mods=None) -> _Arguments:
   if implementation not in IMPLEMENTATION_CHOICES:
     raise ValueError(
         f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
@@ -211,7 +219,8 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
           (heads, kv_heads, kv_heads),
           ("query head", "key/value head", "key/value head")))
   return _Arguments(query, key_pages, value_pages, page_table, lengths,
-                    check_sinks(sinks, heads), static, descales)
+                    check_sinks(sinks, heads), static, descales,
+                    {k: v for k, v in (mods or {}).items() if v is not None})
 
 
 def _check_value_head_dim(value_head_dim, key_pages) -> int:
@@ -285,6 +294,9 @@ def _kernel_problem(args: _Arguments) -> str | None:
             "fa4_jax.interpret_mode()")
   if args.key_pages.dtype in FP8_DTYPES:
     return "float8 pages are read by the XLA path for now; use implementation=None or 'xla'"
+  if args.mods:
+    return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
+            "implementation=None or 'xla'")
   if args.value_pages is None or args.value_pages.shape[-1] != args.key_pages.shape[-1]:
     return ("a value head dim other than the keys' (MLA's latent pages, `value_pages=None`) "
             "is read by the XLA path for now; use implementation=None or 'xla'")
@@ -339,7 +351,7 @@ def gather_pages(pages, page_table):
 
 
 def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static,
-                 descales=(None, None, None)):
+                 descales=(None, None, None), mods=None):
   """The pages gathered into contiguous rows, then the XLA attention with
   the bottom-right mask: exact, differentiable, and the reference."""
   query_descale, key_descale, value_descale = descales
@@ -353,7 +365,8 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
                    causal_alignment="bottom_right", key_value_seq_lengths=lengths,
                    sinks=sinks, logits_soft_cap=static.soft_cap, implementation="xla",
                    query_descale=query_descale, key_descale=key_descale,
-                   value_descale=value_descale, output_dtype=static.output_dtype)
+                   value_descale=value_descale, output_dtype=static.output_dtype,
+                   **(mods or {}))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

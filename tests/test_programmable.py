@@ -431,3 +431,42 @@ def test_a_captured_lookup_the_kernels_cannot_read_falls_back_to_xla(monkeypatch
   assert fa4_jax.which_implementation(q, k, v, mask_mod=tiles) == "xla"
   with pytest.raises(ValueError, match="two axes"):
     fa4_jax.which_implementation(q, k, v, mask_mod=tiles, implementation="sm90")
+
+
+def test_paged_attention_takes_the_mods_on_the_xla_path():
+  # A tree of 4 draft tokens after each row's cache: draft j sees the cache,
+  # itself and its ancestors (parent[j]), through a page table.
+  rng = np.random.default_rng(21)
+  page, pages, heads = 16, 12, 4
+  q = jnp.asarray(rng.normal(size=(2, 4, heads, D)), jnp.float32)
+  key_pages, value_pages = (jnp.asarray(rng.normal(size=(pages, page, 2, D)), jnp.float32)
+                            for _ in range(2))
+  table = jnp.asarray(rng.permutation(pages)[:8].reshape(2, 4))
+  lengths = jnp.asarray([50, 37])  # the drafts are each row's last 4 keys
+  ancestor = jnp.asarray([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+  slopes = jnp.asarray([0.1, 0.2, 0.3, 0.4])
+
+  def loss(q, slopes):
+    tree = lambda b, h, i, j: ((j < lengths[b] - 4)
+                               | ancestor[i, jnp.clip(j - (lengths[b] - 4), 0, 3)])
+    alibi = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)
+    out = fa4_jax.paged_attention(q, key_pages, value_pages, table, lengths, is_causal=False,
+                                  score_mod=alibi, mask_mod=tree)
+    return jnp.sum(out * jnp.cos(out))
+
+  from fa4_jax.paged import gather_pages
+  k, v = gather_pages(key_pages, table), gather_pages(value_pages, table)
+  j = jnp.arange(64)[None, None, :]
+  start = (lengths - 4)[:, None, None]
+  keep = (j < start) | ((j < lengths[:, None, None])
+                        & ancestor[jnp.arange(4)[None, :, None], jnp.clip(j - start, 0, 3)])
+
+  def reference_loss(q, slopes):
+    bias = -slopes[None, :, None, None] * jnp.abs(jnp.arange(4)[:, None] - jnp.arange(64))
+    out = reference(q, k, v, bias, keep[:, None])
+    return jnp.sum(out * jnp.cos(out))
+
+  assert fa4_jax.which_paged_implementation(q, key_pages, value_pages, table, lengths,
+                                            mask_mod=lambda b, h, i, j: j >= 0) == "xla"
+  assert_close(jax.value_and_grad(loss, argnums=(0, 1))(q, slopes),
+               jax.value_and_grad(reference_loss, argnums=(0, 1))(q, slopes), 1e-4)
