@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fa4_jax import scores
-from fa4_jax.kernels import default_device, device_tables, sm90_forward
+from fa4_jax.kernels import autotune, default_device, device_tables, sm90_forward
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import current_target
 
@@ -100,8 +100,9 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
     return None
   if num_sms is None:
     num_sms = sm90_forward.sm_count()
-  if choices is None:
-    choices = device_choices()
+  if choices is None:  # the device kind's table, unless the autotuner is switched on
+    choices = autotune.decode_choices(device_choices(), q_shape=q_shape, k_shape=k_shape,
+                                      mask=mask, tunable=not ragged and granule == 1)
   if streams is None:
     streams = streaming_ctas(d, rows, num_sms, choices)
   # Query tiles of an item: 128 packed rows at D128 fill one CTA's consumers.

@@ -100,7 +100,7 @@ import functools
 
 import jax.numpy as jnp
 
-from fa4_jax.kernels import sm90_tiles
+from fa4_jax.kernels import autotune, sm90_tiles
 from fa4_jax.kernels.backward_inputs import (check_operands, fine_tile_classes, mod_operands,
                                              preprocess, segment_operands)
 from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
@@ -431,8 +431,12 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   if mods is not None and not mods.has_mods:
     mods = None
   choose = choose_config if mods is None else choose_mods_config
-  config = config or choose(d, mask, num_q_heads // num_kv_heads,
-                            segment_ids=segment_ids is not None, soft_cap=soft_cap is not None)
+  config = config or autotune.sm90_backward_config(  # the heuristic's, unless switched on
+      choose(d, mask, num_q_heads // num_kv_heads, segment_ids=segment_ids is not None,
+             soft_cap=soft_cap is not None),
+      q_shape=q.shape, k_shape=k.shape, dtype=dtype, mask=mask, scale=scale,
+      has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
+      soft_cap=soft_cap, tunable=mods is None and segment_ids is None)
   if mods is not None and (config.work_queue or config.fold_stats):
     raise ValueError("with a score_mod or mask_mod the config takes neither work_queue nor "
                      f"fold_stats; got {config}")

@@ -155,6 +155,7 @@ from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check
 from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
                                      heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
+from fa4_jax.kernels import autotune
 from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, padded_head_dim,
                                        smem_tile, where_visible)
 from fa4_jax import scores as score_lib
@@ -1365,6 +1366,12 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     # grows with V's, S and the SMEM rings with both).
     config = choose_config(max(d, dv), mask, kv_seq, q_seq,
                            segment_ids=segment_ids is not None)
+    config = autotune.sm90_forward_config(  # the heuristic's, unless switched on
+        config, q_shape=q_shape, k_shape=logical_k_shape, v_shape=v.shape, dtype=q.dtype,
+        mask=mask, scale=scale, has_q_lengths=q_lengths is not None,
+        has_kv_lengths=kv_lengths is not None, has_sinks=sinks is not None, soft_cap=soft_cap,
+        tunable=(mods is None and segment_ids is None and page_table is None and dv == d
+                 and not heads_major and q_batch_divisor == 1))
     if mods is not None:
       config = mods_config(config)
     if dv != d and not config.fits_smem(d, 2, segment_ids is not None, dv):
