@@ -51,7 +51,7 @@ def forward_config(q_shape=(2, 8192, 4, 128), k_shape=(2, 8192, 4, 128), mask=Ma
                    soft_cap=None):
   default = sm90_forward.choose_config(q_shape[-1], mask, k_shape[1], q_shape[1])
   return default, autotune.sm90_forward_config(
-      default, q_shape=q_shape, k_shape=k_shape, v_shape=k_shape, dtype=jnp.bfloat16,
+      default, q_shape=q_shape, k_shape=k_shape, dtype=jnp.bfloat16,
       mask=mask, scale=0.1, has_q_lengths=False, has_kv_lengths=False, has_sinks=False,
       soft_cap=soft_cap, tunable=True)
 
@@ -175,7 +175,7 @@ def test_under_jit_the_candidates_run_on_concrete_arrays():
   def traced(q):
     default = sm90_forward.choose_config(128, MaskSpec())
     config = autotune.sm90_forward_config(
-        default, q_shape=q.shape, k_shape=q.shape, v_shape=q.shape, dtype=q.dtype,
+        default, q_shape=q.shape, k_shape=q.shape, dtype=q.dtype,
         mask=MaskSpec(), scale=0.1, has_q_lengths=False, has_kv_lengths=False,
         has_sinks=False, soft_cap=None, tunable=True)
     return q * config.persistent

@@ -271,12 +271,13 @@ def _mask_key(mask) -> str:
 # --- sm90 forward ----------------------------------------------------------
 
 
-def sm90_forward_config(default, *, q_shape, k_shape, v_shape, dtype, mask, scale: float,
+def sm90_forward_config(default, *, q_shape, k_shape, dtype, mask, scale: float,
                         has_q_lengths: bool, has_kv_lengths: bool, has_sinks: bool,
                         soft_cap: float | None, tunable: bool):
   """The forward kernel's config: `default` (the heuristic's) unless the
   autotuner is on and the call is `tunable` (a plain layout: no page
-  table, heads-major Q, segment ids or mods, equal head dims)."""
+  table, heads-major Q, segment ids or mods, equal head dims: V's shape is
+  K's). The shapes are the call's, before the kernel's padding."""
   if not tunable:
     return default
   from fa4_jax.kernels import sm90_forward
@@ -296,7 +297,7 @@ def sm90_forward_config(default, *, q_shape, k_shape, v_shape, dtype, mask, scal
 
   @functools.cache  # one set of arrays for every candidate
   def arrays():
-    return tuple(_random(i, s, dtype) for i, s in enumerate((q_shape, k_shape, v_shape)))
+    return tuple(_random(i, s, dtype) for i, s in enumerate((q_shape, k_shape, k_shape)))
 
   def run_candidate(config):
     q_lengths = jnp.full((batch,), q_seq, jnp.int32) if has_q_lengths else None

@@ -1367,11 +1367,11 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     config = choose_config(max(d, dv), mask, kv_seq, q_seq,
                            segment_ids=segment_ids is not None)
     config = autotune.sm90_forward_config(  # the heuristic's, unless switched on
-        config, q_shape=q_shape, k_shape=logical_k_shape, v_shape=v.shape, dtype=q.dtype,
+        config, q_shape=q_shape, k_shape=logical_k_shape, dtype=q.dtype,
         mask=mask, scale=scale, has_q_lengths=q_lengths is not None,
         has_kv_lengths=kv_lengths is not None, has_sinks=sinks is not None, soft_cap=soft_cap,
-        tunable=(mods is None and segment_ids is None and page_table is None and dv == d
-                 and not heads_major and q_batch_divisor == 1))
+        tunable=(mods is None and segment_ids is None and page_table is None
+                 and value_dim == head_dim and not heads_major and q_batch_divisor == 1))
     if mods is not None:
       config = mods_config(config)
     if dv != d and not config.fits_smem(d, 2, segment_ids is not None, dv):
