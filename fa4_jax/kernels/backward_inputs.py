@@ -87,7 +87,7 @@ def fine_tile_classes(mods, batch: int, heads: int, q_len: int, kv_len: int, q_b
 
 def mod_operands(mods, fine, fine_blocks, *, q_block: int, kv_block: int, num_q: int,
                  num_kv: int, keys_are_rows: bool):
-  """The mods' operands of one backward kernel (`sm90_backward_common.ModRefs`):
+  """The mods' operands of one backward kernel (`mod_tiles.ModRefs`):
   the block lists of its CTA tiles of `q_block` queries by `kv_block` keys
   (`num_q` x `num_kv` of them: the kernels' padded counts), rows per query
   tile, or per key tile when `keys_are_rows` (dK/dV), the (batch, head)

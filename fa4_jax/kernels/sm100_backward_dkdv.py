@@ -2,8 +2,8 @@
 
 One CTA per (kv head, tile of `BLOCK_KV` = 128 keys, batch) walks every
 query block of every query head of the GQA group that the mask lets its keys
-be seen by (`sm90_backward_common.KeyTileWork`, the walk of the sm90 dK/dV
-kernel), and accumulates dK and dV of its keys in tensor memory (TMEM): the
+be seen by (`backward_walk.KeyTileWork`, the walk the sm90 dK/dV kernel
+takes too), and accumulates dK and dV of its keys in tensor memory (TMEM): the
 group sum happens in the accumulators. Scores are computed transposed, keys
 along the TMEM lanes (one key per thread of the compute warpgroup):
 
@@ -112,8 +112,8 @@ from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
                                          BarrierTable, Waiter, element_mask, rem,
                                          tile_positions)
-from fa4_jax.kernels.sm90_backward_common import KernelRefs, KeyTileWork
-from fa4_jax.kernels.sm90_tiles import smem_tile
+from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork
+from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks
 
 

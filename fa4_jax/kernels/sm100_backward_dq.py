@@ -105,8 +105,9 @@ from fa4_jax.kernels.pipeline import sequence_lengths
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
                                          SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
-                                         element_mask, rem, smem_transforms, tile_positions)
-from fa4_jax.kernels.sm90_backward_common import KernelRefs, narrow
+                                         element_mask, rem, tile_positions)
+from fa4_jax.kernels.backward_walk import KernelRefs, narrow
+from fa4_jax.kernels.tiles import smem_transforms
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
 
 BLOCK_Q = 128  # rows of the Q tile = TMEM lanes = threads of the compute warpgroup

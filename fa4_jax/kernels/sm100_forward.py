@@ -144,7 +144,8 @@ from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_ca
                                       sm_count)
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
                                          SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
-                                         element_mask, rem, smem_transforms, tile_positions)
+                                         element_mask, rem, tile_positions)
+from fa4_jax.kernels.tiles import smem_transforms
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import DEFAULT_NUM_SMS
 

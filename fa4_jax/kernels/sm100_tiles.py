@@ -1,5 +1,5 @@
 """What the sm_100 kernels (forward, dK/dV, dQ) share: the SM's budgets, the
-TMEM register layouts, swizzled SMEM tiles, the mechanics of a barrier table.
+TMEM register layouts, the mechanics of a barrier table.
 """
 
 from __future__ import annotations
@@ -68,13 +68,6 @@ def tile_positions(shape, *, row_lo, col_lo, keys_along_rows: bool):
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW_LAYOUT) + row_lo
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW_LAYOUT) + col_lo
   return (cols, rows) if keys_along_rows else (rows, cols)
-
-
-def smem_transforms(dtype, minor_dim: int):
-  """Tiling and swizzle of an SMEM tile whose rows hold `minor_dim` elements."""
-  swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
-  elems = swizzle // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
 def rem(x, n: int):

@@ -34,13 +34,14 @@ from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
                                      SlotRing)
 from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  KeyTileWork, ModRefs, SegmentRefs, launch,
+from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork, SegmentRefs, narrow
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate,
-                                                  mma_accumulate_pair, narrow, scores_grad,
+                                                  mma_accumulate_pair, scores_grad,
                                                   stats_of_slot, TileSoftmax, transposed_scores,
                                                   walk_block_list, zeros)
-from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
+from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import cdiv, walk_blocks
 
 

@@ -26,11 +26,12 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelRefs, KernelStatics,
-                                                  ModRefs, launch,
+from fa4_jax.kernels.backward_walk import KernelRefs, narrow
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate, mma_pair,
-                                                  narrow, walk_block_list, zeros)
-from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, smem_tile, swizzle_bytes
+                                                  walk_block_list, zeros)
+from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
+from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
 

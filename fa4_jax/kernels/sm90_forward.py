@@ -157,7 +157,8 @@ from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_un
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels import autotune
 from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, padded_head_dim,
-                                       smem_tile, where_visible)
+                                       where_visible)
+from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax import scores as score_lib
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
                             initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,

@@ -1,5 +1,6 @@
-"""What the sm90 kernels share about their tiles: padded head dims and the
-SMEM layout that both TMA and `wgmma` read."""
+"""What the sm90 kernels share about their tiles: padded head dims, the
+swizzle their `wgmma`s need, segment ids and the element mask in the WGMMA
+layout. The SMEM tiles themselves are `tiles.smem_tile` (both families)."""
 
 from __future__ import annotations
 
@@ -43,15 +44,6 @@ def swizzle_bytes(dtype, *block_rows: int) -> int:
   the swizzle span (in elements) to divide the contraction: 128 bytes for
   blocks of 64 rows or more, 64 bytes when a block has 32 rows."""
   return min(128, min(block_rows) * jnp.dtype(dtype).itemsize)
-
-
-def smem_tile(shape, dtype, swizzle: int = 128):
-  """SMEM layout wgmma and TMA use directly: (8, swizzle span) tiles, swizzled."""
-  tile_cols = swizzle // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(
-      shape, dtype,
-      transforms=(plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swizzle)),
-  )
 
 
 def _ids_layout(along_rows: bool):
