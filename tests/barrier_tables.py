@@ -1,10 +1,13 @@
 """The check every sm100 kernel's barrier table gets (test support).
 
-A kernel's `*Barriers` class lists each barrier in its docstring table (name,
-count, who arrives, who waits) and gives the roles accessors as the only way
-to touch a barrier. `check_table` calls every accessor on fake barriers and
-checks that it appears in the row of each barrier it arrives on or waits on,
-and that every barrier has both an arriving and a waiting side.
+A kernel's `*BarrierTable` class declares each barrier once (`BARRIERS`,
+with the accessors of the roles that arrive on it and wait on it, generated
+from that declaration: `sm100_tiles.BarrierTable`) and lists it in its
+docstring table (name, count, who arrives, who waits, why). `check_table` calls every
+accessor, generated or hand-written (the drains), on fake barriers and checks
+that it touches its barrier on the side it is declared for, that it appears
+in the docstring row of each barrier it arrives on or waits on, and that
+every barrier has both an arriving and a waiting side.
 """
 
 import inspect
@@ -19,7 +22,7 @@ def table_rows(bars_cls, indent: int) -> dict[str, str]:
   rows, current = {}, None
   for line in bars_cls.__doc__.splitlines():
     first = line.split()[0] if line.strip() else None
-    if first in bars_cls.SPECS:
+    if first in bars_cls.BARRIERS:
       current = first
       rows[current] = line
     elif first is None:
@@ -35,7 +38,7 @@ def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
   in `skip` are not called (loops over others), those in `named_only` only
   have to appear in the table (e.g. interpreter-only drains)."""
   rows = table_rows(bars_cls, indent)
-  assert sorted(rows) == sorted(bars_cls.SPECS)
+  assert sorted(rows) == sorted(bars_cls.BARRIERS)
   log = []
 
   class FakeBarrierArray:
@@ -45,16 +48,17 @@ def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
   fake_plgpu = types.SimpleNamespace(
       barrier_wait=lambda ref: log.append(("wait", ref)),
       barrier_arrive=lambda ref: log.append(("arrive", ref)),
-      tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)))
+      tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)),
+      commit_smem=lambda: None)  # a fence, touching no barrier
   monkeypatch.setattr(kernel_module, "plgpu", fake_plgpu)
-  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # Waiter.wait, KvRingAccessors
-  bars = make_bars({name: FakeBarrierArray(name) for name in bars_cls.SPECS})
+  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # the generated accessors, Waiter.wait
+  bars = make_bars({name: FakeBarrierArray(name) for name in bars_cls.BARRIERS})
   table = " ".join(rows.values())
   for method in named_only:
     assert method in table, f"{method} is missing from the barrier table"
   accessors = [m for m in dir(bars_cls) if m.startswith(("producer_", "consumer_", "drain_"))
                and m not in named_only]
-  sides = {name: set() for name in bars_cls.SPECS}
+  sides = {name: set() for name in bars_cls.BARRIERS}
   for method in accessors:
     assert method in table, f"{method} is missing from the barrier table"
     if method in skip:
@@ -70,5 +74,10 @@ def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
     for side, name in log:
       assert method in rows[name], f"{method} ({side} on {name}) is not in the {name} row"
       sides[name].add(side)
+    declared = [(side, name) for name, spec in bars_cls.BARRIERS.items()
+                for side, accessors in (("arrive", spec.arrive), ("wait", spec.wait))
+                if method in accessors]
+    if declared:  # a generated accessor touches its barrier once, on its declared side
+      assert log == declared, f"{method}: touched {log}, declared {declared}"
   for name, seen in sides.items():
     assert seen == {"arrive", "wait"}, f"{name}: only {seen}"

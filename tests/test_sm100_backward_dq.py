@@ -10,7 +10,7 @@
 * Cross-lowering for sm_100: every tiling `dq_tiles` picks, under every mask
   kind, lowers with tcgen05 MMAs and TMEM loads, without wgmma, within the
   SMEM and TMEM budgets.
-* The barrier table: every `DqBarriers` accessor is named in its docstring's
+* The barrier table: every `DqBarrierTable` accessor is named in its docstring's
   table, and every barrier is both arrived on and waited on.
 """
 
@@ -330,10 +330,11 @@ def test_stats_must_cover_whole_tiles():
 
 
 def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
-  """Every DqBarriers accessor (the only way the roles touch a barrier)
+  """Every DqBarrierTable accessor (the only way the roles touch a barrier)
   appears in the row of the barrier it arrives on or waits on, and every
   barrier has both an arriving and a waiting side; the interpreter-only
   drains are named where they wait."""
   barrier_tables.check_table(
-      dq_kernel.DqBarriers, lambda refs: dq_kernel.DqBarriers(dq_kernel.dq_tiles(64, jnp.bfloat16), refs),
+      dq_kernel.DqBarrierTable,
+      lambda refs: dq_kernel.DqBarrierTable(dq_kernel.dq_tiles(64, jnp.bfloat16), refs),
       dq_kernel, monkeypatch, indent=12, named_only=("drain_kv_rings", "drain_dq"))

@@ -9,7 +9,7 @@
 * Cross-lowering: the kernel is lowered for sm_100 on the CPU; the module must
   use tcgen05 MMAs (P read from TMEM), TMEM loads/stores/allocation, and fit
   the shared-memory and tensor-memory budgets.
-* The barrier table: every `ForwardBarriers` accessor is listed in the row of
+* The barrier table: every `ForwardBarrierTable` accessor is listed in the row of
   the barrier it arrives on or waits on, and every barrier has both sides.
 """
 
@@ -669,13 +669,13 @@ def test_bad_grid_configs_are_rejected():
 
 
 def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
-  """Every accessor of ForwardBarriers (the only way the roles touch a
+  """Every accessor of ForwardBarrierTable (the only way the roles touch a
   barrier) appears in the row of the barrier it arrives on or waits on, and
   every barrier has both an arriving and a waiting side."""
   def make_bars(refs):
-    bars = sm100_forward.ForwardBarriers(sm100_forward.tile_config(64, jnp.bfloat16), refs)
+    bars = sm100_forward.ForwardBarrierTable(sm100_forward.tile_config(64, jnp.bfloat16), refs)
     bars._interpreting = True  # the interpreter's drains wait too
     return bars
 
-  barrier_tables.check_table(sm100_forward.ForwardBarriers, make_bars, sm100_forward, monkeypatch,
-                             indent=10, skip=("drain_kv_rings",))  # a loop over the acquires
+  barrier_tables.check_table(sm100_forward.ForwardBarrierTable, make_bars, sm100_forward,
+                             monkeypatch, indent=10, skip=("drain_kv_rings",))  # a loop over the acquires

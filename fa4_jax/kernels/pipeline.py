@@ -26,8 +26,21 @@ every phase before the kernel ends, so a producer must wait out the last lap
 of `consumed` phases (`producer_drain`). Hardware does not need that, so the
 drain only runs while interpreting (`fa4_jax.interpret.is_interpreting`).
 
-The helpers are generic (any number of slots and consumers, any operand), so
-the Hopper and Blackwell kernels can share them.
+The helpers are generic (any number of slots and consumers, any operand).
+The sm90 kernels build their barrier tables from these rings (a dataclass
+of rings each: `sm90_forward.ForwardBarriers`,
+`sm90_backward_common.BackwardBarriers`). The sm100 kernels take only `rem`
+and `sequence_lengths` from here: each of their barriers is declared once
+in a `sm100_tiles.BarrierTable` (a `Barrier`: count, arrivals, the
+accessors of the roles that arrive on it and wait on it), and the accessors
+are generated from that declaration. Both say the same thing (full / free
+pairs, producer_* and consumer_* sides) in two forms: a ring here keeps its
+own phase arithmetic (which lap, which first-lap waits to skip), while an
+sm100 role counts its own steps and skips its first waits itself (phases
+run on across a persistent CTA's work items), and an sm100 barrier may be
+arrived on by a tcgen05 MMA's completion rather than by threads. So far the
+two share the vocabulary, not the classes; moving the sm100 kernels onto
+these rings must keep their traced op order (`tools/kernel_fingerprints.py`).
 """
 
 from __future__ import annotations
@@ -45,10 +58,11 @@ from fa4_jax.interpret import is_interpreting
 Ref = Any
 
 
-def _rem(step, n: int):
-  if isinstance(step, int):
-    return step % n
-  return lax.rem(step, jnp.asarray(n, step.dtype))
+def rem(x, n: int):
+  """x mod n for a loop index (traced or a Python int): a ring's slot."""
+  if isinstance(x, int):
+    return x % n
+  return lax.rem(x, jnp.asarray(n, x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +104,7 @@ class SlotRing:
     )
 
   def slot(self, step):
-    return _rem(step, self.num_slots)
+    return rem(step, self.num_slots)
 
   # --- producer side -------------------------------------------------------
 
@@ -227,7 +241,7 @@ class OneShotBuffer:
     """Which copy work item `item` of buffer index `index` uses."""
     if self.depth == 1:
       return index
-    return index * self.depth + _rem(item, self.depth)
+    return index * self.depth + rem(item, self.depth)
 
   # --- producer side -------------------------------------------------------
 

@@ -84,11 +84,12 @@ S^T lands on f32 columns of *other* chunks there. `_compute_step` therefore
 reads every chunk of a tile before it writes the first 16-bit chunk, which is
 also correct on hardware. Its race detector wants a proxy fence between the
 compute warpgroup's SMEM reads of a ring slot and the TMA that rewrites it,
-and every waiter to observe every barrier phase: `DkvBarriers` adds both only
-when interpreting.
+and every waiter to observe every barrier phase: `DkvBarrierTable` adds both
+only when interpreting.
 
-Every barrier is declared once in `DkvBarriers` (name, count, who arrives,
-who waits); the roles use its accessors only.
+Every barrier is declared once in `DkvBarrierTable` (name, count, who arrives,
+who waits); the roles use its accessors (generated from that declaration)
+only.
 """
 
 from __future__ import annotations
@@ -107,11 +108,13 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.pipeline import rem
 from fa4_jax.kernels.mod_tiles import ModRefs, ModStatics, TileMods, exp2_constant, walk_block_list
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
-                                         BarrierTable, Waiter, element_mask, rem,
-                                         tile_positions)
+                                         element_mask, tile_positions)
+from fa4_jax.kernels.sm100_tiles import (ARRIVE, COMMIT, MMA, RELEASE_TO_TMA, TMA, WAIT, WAITER,
+                                         Barrier, BarrierTable)
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork
 from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks
@@ -219,8 +222,8 @@ def dkv_segment_operands(q_ids, kv_ids, tiles: DkvTiles, kv_pad: int):
 # ---------------------------------------------------------------------------
 
 
-class DkvBarriers(BarrierTable):
-  """Every mbarrier of the dK/dV kernel (cf. the forward's `ForwardBarriers`).
+class DkvBarrierTable(BarrierTable):
+  """Every mbarrier of the dK/dV kernel (cf. the forward's `ForwardBarrierTable`).
 
   name        count   arrivals     t-core  arrived on by                     waited on by
   kv_full     1       2 (TMA)      no      load: producer_kv (K, V bytes)    MMA: consumer_kv
@@ -254,120 +257,38 @@ class DkvBarriers(BarrierTable):
   dV += P^T dO (which reads P^T from S^T's columns).
   """
 
-  SPECS = {
-      # name: (arrivals, orders_tensor_core, per "stage" or "one")
-      "kv_full": (2, False, "one"),
-      "qdo_full": (2, False, "stage"),
-      "qdo_free": (1, True, "stage"),
-      "stats_full": (2, False, "stage"),
-      "stats_free": (1, False, "stage"),
-      "s_full": (1, True, "one"),
-      "p_full": (1, True, "one"),
-      "p_free": (1, True, "one"),
-      "dp_full": (1, True, "one"),
-      "ds_full": (1, True, "one"),
-      "ds_free": (1, True, "one"),
-      "acc_full": (1, True, "one"),
+  BARRIERS = {
+      # name: Barrier(per "one" or "stage", arrivals, orders tensor core,
+      #               arrived on by {accessor: how}, waited on by {accessor: how})
+      "kv_full": Barrier("one", 2, False, arrive={"producer_kv": TMA},
+                         wait={"consumer_kv": WAITER}),
+      "qdo_full": Barrier("stage", 2, False, arrive={"producer_qdo": TMA},
+                          wait={"consumer_qdo": WAITER}),
+      "qdo_free": Barrier("stage", 1, True, arrive={"consumer_qdo_release": COMMIT},
+                          wait={"producer_qdo_acquire": WAIT}),
+      "stats_full": Barrier("stage", 2, False, arrive={"producer_stats": TMA},
+                            wait={"consumer_stats": WAITER}),
+      "stats_free": Barrier("stage", 1, False, arrive={"consumer_stats_release": RELEASE_TO_TMA},
+                            wait={"producer_stats_acquire": WAIT}),
+      "s_full": Barrier("one", 1, True, arrive={"producer_s": MMA},
+                        wait={"consumer_s": WAITER}),
+      "p_full": Barrier("one", 1, True, arrive={"producer_p_commit": ARRIVE},
+                        wait={"consumer_p": WAITER}),
+      "p_free": Barrier("one", 1, True, arrive={"consumer_p_release": MMA},
+                        wait={"producer_s_acquire": WAIT}),
+      "dp_full": Barrier("one", 1, True, arrive={"producer_dp": MMA},
+                         wait={"consumer_dp": WAITER}),
+      "ds_full": Barrier("one", 1, True, arrive={"producer_ds_commit": ARRIVE},
+                         wait={"consumer_ds": WAITER}),
+      "ds_free": Barrier("one", 1, True, arrive={"consumer_ds_release": MMA},
+                         wait={"producer_dp_acquire": WAIT}),
+      "acc_full": Barrier("one", 1, True, arrive={"producer_acc": COMMIT},
+                          wait={"consumer_acc": WAITER}),
   }
 
   @staticmethod
   def barrier_counts(tiles: DkvTiles) -> dict:
     return {"one": 1, "stage": tiles.num_stages}
-
-  # K and V (load warp -> MMA warp), once per CTA.
-  def producer_kv(self):
-    """TMA barrier of the K and V tiles (pass to both copies)."""
-    return self._at("kv_full")
-
-  def consumer_kv(self) -> Waiter:
-    return Waiter(self._at("kv_full"))
-
-  # Q and dO ring (load warp <-> MMA warp).
-  def producer_qdo_acquire(self, slot) -> None:
-    """Load warp: wait until the MMAs that read this slot's Q and dO completed."""
-    plgpu.barrier_wait(self._at("qdo_free", slot))
-
-  def producer_qdo(self, slot):
-    """TMA barrier of a slot's Q and dO (pass to both copies)."""
-    return self._at("qdo_full", slot)
-
-  def consumer_qdo(self, slot) -> Waiter:
-    return Waiter(self._at("qdo_full", slot))
-
-  def consumer_qdo_release(self, slot) -> None:
-    """MMA warp: the slot is free once every MMA issued so far completed."""
-    plgpu.tcgen05_commit_arrive(self._at("qdo_free", slot))
-
-  # lse2 and delta ring (load warp <-> compute warpgroup).
-  def producer_stats_acquire(self, slot) -> None:
-    plgpu.barrier_wait(self._at("stats_free", slot))
-
-  def producer_stats(self, slot):
-    """TMA barrier of a slot's lse2 and delta (pass to both copies)."""
-    return self._at("stats_full", slot)
-
-  def consumer_stats(self, slot) -> Waiter:
-    return Waiter(self._at("stats_full", slot))
-
-  def consumer_stats_release(self, slot) -> None:
-    if self._interpreting:
-      # The interpreter wants a proxy fence between the compute warpgroup's
-      # SMEM reads and the TMA that rewrites the slot; hardware does not (a
-      # TMA ring's consumer releases its slot with a plain arrive).
-      plgpu.commit_smem()
-    plgpu.barrier_arrive(self._at("stats_free", slot))
-
-  # S^T / P^T (MMA warp <-> compute warpgroup).
-  def producer_s_acquire(self) -> None:
-    """MMA warp: the dV MMA that read P^T (over S^T's columns) completed."""
-    plgpu.barrier_wait(self._at("p_free"))
-
-  def producer_s(self):
-    """Barrier the S^T MMA arrives on when it completes."""
-    return self._at("s_full")
-
-  def consumer_s(self) -> Waiter:
-    return Waiter(self._at("s_full"))
-
-  def producer_p_commit(self) -> None:
-    """Compute: P^T is in TMEM (after commit_tmem)."""
-    plgpu.barrier_arrive(self._at("p_full"))
-
-  def consumer_p(self) -> Waiter:
-    return Waiter(self._at("p_full"))
-
-  def consumer_p_release(self):
-    """Barrier the dV MMA arrives on when it completes (P^T read)."""
-    return self._at("p_free")
-
-  # dP^T / dS^T (MMA warp <-> compute warpgroup).
-  def producer_dp_acquire(self) -> None:
-    """MMA warp: the dK MMA that read dS^T (over dP^T's columns) completed."""
-    plgpu.barrier_wait(self._at("ds_free"))
-
-  def producer_dp(self):
-    return self._at("dp_full")
-
-  def consumer_dp(self) -> Waiter:
-    return Waiter(self._at("dp_full"))
-
-  def producer_ds_commit(self) -> None:
-    plgpu.barrier_arrive(self._at("ds_full"))
-
-  def consumer_ds(self) -> Waiter:
-    return Waiter(self._at("ds_full"))
-
-  def consumer_ds_release(self):
-    """Barrier the dK MMA arrives on when it completes (dS^T read)."""
-    return self._at("ds_free")
-
-  # dK, dV (MMA warp -> epilogue).
-  def producer_acc(self) -> None:
-    """MMA warp: after the last MMA, dK and dV are final once it completes."""
-    plgpu.tcgen05_commit_arrive(self._at("acc_full"))
-
-  def consumer_acc(self) -> Waiter:
-    return Waiter(self._at("acc_full"))
 
   # Interpreter-only drains of the last phases (see `BarrierTable`).
   def drain_ring(self, num_steps) -> None:
@@ -428,7 +349,7 @@ class DkvContext:
   statics: KernelStatics
   gmem: KernelRefs
   refs: DkvRefs
-  bars: DkvBarriers
+  bars: DkvBarrierTable
   work: KeyTileWork
   num_steps: Any  # group * query blocks per head, or every head's list (traced)
   out: tuple  # (dk_ref, dv_ref) in GMEM
@@ -760,7 +681,7 @@ def _scratch_types(tiles: DkvTiles) -> dict:
                               plgpu.TMEM((bk, bq), dtype, packed=True)),
       dk_tmem=plgpu.TMEM((bk, d), jnp.float32),
       dv_tmem=plgpu.TMEM((bk, d), jnp.float32),
-      barrier_refs=DkvBarriers.scratch_types(tiles),
+      barrier_refs=DkvBarrierTable.scratch_types(tiles),
   )
 
 
@@ -801,7 +722,7 @@ def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
     num_steps = work.num_steps
     if mods is not None:  # every query head's block list of these keys
       num_steps = mod_refs.group_steps(mods, work.batch_idx, work.kv_head, work.kv_tile, group)
-    ctx = DkvContext(statics, gmem, scratch, DkvBarriers(tiles, barrier_refs), work,
+    ctx = DkvContext(statics, gmem, scratch, DkvBarrierTable(tiles, barrier_refs), work,
                      num_steps=num_steps, out=(dk_ref, dv_ref), mod_refs=mod_refs)
     dispatch_roles(ctx, lax.axis_index("wg"))
 

@@ -101,11 +101,12 @@ from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, exp2_constant,
                                        walk_block_list)
-from fa4_jax.kernels.pipeline import sequence_lengths
+from fa4_jax.kernels.pipeline import rem, sequence_lengths
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
-                                         SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
-                                         element_mask, rem, tile_positions)
+                                         SMEM_BYTES, TMEM_COLUMNS, element_mask, tile_positions)
+from fa4_jax.kernels.sm100_tiles import (ARRIVE, COMMIT, KV_RINGS, MMA, TMA, WAIT, WAITER, Barrier,
+                                         KvRingBarrierTable)
 from fa4_jax.kernels.backward_walk import KernelRefs, narrow
 from fa4_jax.kernels.tiles import smem_transforms
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks
@@ -215,8 +216,8 @@ def dq_tiles(head_dim: int, dtype) -> DqTiles:
 # ---------------------------------------------------------------------------
 
 
-class DqBarriers(KvRingAccessors):
-  """Every mbarrier of the dQ kernel (cf. `sm100_forward.ForwardBarriers`).
+class DqBarrierTable(KvRingBarrierTable):
+  """Every mbarrier of the dQ kernel (cf. `sm100_forward.ForwardBarrierTable`).
 
   name        count    arrivals  t-core  arrived on by                     waited on by
   q_full      1        2 (TMA)   no      load: producer_q (Q, dO bytes)    MMA: consumer_q
@@ -250,19 +251,23 @@ class DqBarriers(KvRingAccessors):
   themselves only when they share the accumulator, as in the forward).
   """
 
-  SPECS = {
-      # name: (arrivals, orders_tensor_core, per "one" / "stage" / "buffer")
-      "q_full": (2, False, "one"),
-      "stats_full": (2, False, "one"),
-      "k_full": (1, False, "stage"),
-      "k_free": (1, True, "stage"),
-      "v_full": (1, False, "stage"),
-      "v_free": (1, True, "stage"),
-      "s_full": (1, True, "buffer"),
-      "dp_full": (1, True, "buffer"),
-      "ds_full": (1, True, "buffer"),
-      "dq_done": (1, True, "buffer"),
-      "dq_final": (1, True, "one"),
+  BARRIERS = {
+      # name: Barrier(per "one", "stage" or "buffer", arrivals, orders tensor core,
+      #               arrived on by {accessor: how}, waited on by {accessor: how})
+      "q_full": Barrier("one", 2, False, arrive={"producer_q": TMA}, wait={"consumer_q": WAITER}),
+      "stats_full": Barrier("one", 2, False, arrive={"producer_stats": TMA},
+                            wait={"consumer_stats": WAITER}),
+      **KV_RINGS,
+      "s_full": Barrier("buffer", 1, True, arrive={"producer_s": MMA},
+                        wait={"consumer_s": WAITER}),
+      "dp_full": Barrier("buffer", 1, True, arrive={"producer_dp": MMA},
+                         wait={"consumer_dp": WAITER}),
+      "ds_full": Barrier("buffer", 1, True, arrive={"producer_ds_commit": ARRIVE},
+                         wait={"consumer_ds": WAITER}),
+      "dq_done": Barrier("buffer", 1, True, arrive={"producer_dq": MMA},
+                         wait={"producer_s_acquire": WAIT}),
+      "dq_final": Barrier("one", 1, True, arrive={"producer_dq_final": COMMIT},
+                          wait={"consumer_dq_final": WAITER}),
   }
 
   @staticmethod
@@ -272,53 +277,6 @@ class DqBarriers(KvRingAccessors):
   def __init__(self, tiles: DqTiles, refs: dict):
     super().__init__(tiles, refs)
     self.tiles = tiles  # for for_each_buffer
-
-  # Q and dO, lse2 and delta (load warp -> MMA warp, compute), once per CTA.
-  def producer_q(self):
-    return self._at("q_full")
-
-  def consumer_q(self) -> Waiter:
-    return Waiter(self._at("q_full"))
-
-  def producer_stats(self):
-    return self._at("stats_full")
-
-  def consumer_stats(self) -> Waiter:
-    return Waiter(self._at("stats_full"))
-
-  # S_n, dP_n (MMA warp -> compute), dS_n (compute -> MMA warp).
-  def producer_s_acquire(self, buf) -> None:
-    """MMA warp: the dQ MMA that read dS of this buffer completed."""
-    plgpu.barrier_wait(self._at("dq_done", buf))
-
-  def producer_s(self, buf):
-    return self._at("s_full", buf)
-
-  def consumer_s(self, buf) -> Waiter:
-    return Waiter(self._at("s_full", buf))
-
-  def producer_dp(self, buf):
-    return self._at("dp_full", buf)
-
-  def consumer_dp(self, buf) -> Waiter:
-    return Waiter(self._at("dp_full", buf))
-
-  def producer_ds_commit(self, buf) -> None:
-    """Compute: dS_n is in TMEM (after commit_tmem); S_n and dP_n were read."""
-    plgpu.barrier_arrive(self._at("ds_full", buf))
-
-  def consumer_ds(self, buf) -> Waiter:
-    return Waiter(self._at("ds_full", buf))
-
-  # dQ (MMA warp -> MMA warp, epilogue).
-  def producer_dq(self, buf):
-    return self._at("dq_done", buf)
-
-  def producer_dq_final(self) -> None:
-    plgpu.tcgen05_commit_arrive(self._at("dq_final"))
-
-  def consumer_dq_final(self) -> Waiter:
-    return Waiter(self._at("dq_final"))
 
   # Interpreter-only drains of the last phases (see `BarrierTable`), with
   # the K/V rings' drain_kv_rings.
@@ -379,7 +337,7 @@ class DqContext:
   dq_ref: Any
   smem: dict
   tmem: dict
-  bars: DqBarriers
+  bars: DqBarrierTable
   b: Any
   h: Any
   kv_h: Any
@@ -709,7 +667,7 @@ def _scratch_types(tiles: DqTiles) -> dict:
          for _ in range(tiles.score_buffers)],
       dp=[plgpu.TMEM((BLOCK_Q, bk), jnp.float32) for _ in range(tiles.score_buffers)],
   )
-  return dict(smem=smem, tmem=tmem, barrier_refs=DqBarriers.scratch_types(tiles))
+  return dict(smem=smem, tmem=tmem, barrier_refs=DqBarrierTable.scratch_types(tiles))
 
 
 def dq_segment_operands(q_ids, kv_ids, tiles: DqTiles, q_seq: int):
@@ -751,7 +709,7 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
     gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
                                   1 if has_segments else None)
     mod_refs, (dq_ref,) = ModRefs.split(rest, mods)
-    bars = DqBarriers(tiles, barrier_refs)
+    bars = DqBarrierTable(tiles, barrier_refs)
     ctx = DqContext.create(statics, gmem, dq_ref, smem, tmem, bars, mod_refs)
     dispatch_roles(ctx, lax.axis_index("wg"))
 

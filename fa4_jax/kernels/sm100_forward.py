@@ -22,9 +22,10 @@ so two MMAs separate the production of S_i from the consumption of P_i and
 the softmax of one tile overlaps the tensor core's work on the other. K is
 fed k-major (K^T of a row-major tile), V mn-major, P straight from TMEM.
 
-Every barrier is declared once in `ForwardBarriers` with its arrival count,
-the role that arrives on it and the roles that wait on it; the roles use its
-producer_* / consumer_* accessors, never a raw barrier.
+Every barrier is declared once in `ForwardBarrierTable` with its arrival
+count, the role that arrives on it and the roles that wait on it; the roles
+use its producer_* / consumer_* accessors (generated from that
+declaration), never a raw barrier.
 
 Grid (`fa4_jax.kernels.schedule`), two of them:
 
@@ -37,7 +38,7 @@ Grid (`fa4_jax.kernels.schedule`), two of them:
   share of the work items (`PersistentWork`: the launch order of the other
   grid, causal tiles paired heavy with light). TMEM is allocated once;
   every role walks the same items in the same order (`CtaWork.walk`), the
-  barriers' phases run on across items (`ForwardBarriers`, "Phases"), O
+  barriers' phases run on across items (`ForwardBarrierTable`, "Phases"), O
   and the row statistics start afresh with each item, and Q's SMEM, which
   the epilogue reuses for O on its way out, goes back to the load warp
   through one more barrier (q_free).
@@ -140,11 +141,13 @@ from fa4_jax.kernels.backward_inputs import mod_operands
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, check_mods,
                                        exp2_constant, walk_block_list)
+from fa4_jax.kernels.pipeline import rem
 from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_causal_tiles,
                                       sm_count)
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
-                                         SMEM_BYTES, TMEM_COLUMNS, KvRingAccessors, Waiter,
-                                         element_mask, rem, tile_positions)
+                                         SMEM_BYTES, TMEM_COLUMNS, element_mask, tile_positions)
+from fa4_jax.kernels.sm100_tiles import (ARRIVE, KV_RINGS, MMA, TMA, WAIT, WAITER, Barrier,
+                                         KvRingBarrierTable)
 from fa4_jax.kernels.tiles import smem_transforms
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import DEFAULT_NUM_SMS
@@ -268,7 +271,7 @@ for _nq, _roles in REGISTERS.items():
 # ---------------------------------------------------------------------------
 
 
-class ForwardBarriers(KvRingAccessors):
+class ForwardBarrierTable(KvRingBarrierTable):
   """Every mbarrier of the forward kernel (cf. the reference `Depth512MBars`).
 
   Who arrives on each barrier and who waits on it, by role and accessor
@@ -347,19 +350,27 @@ class ForwardBarriers(KvRingAccessors):
   accumulator, and S_i = Q K^T and O_i += P_i V do not.
   """
 
-  SPECS = {
-      # name: (arrivals, orders_tensor_core, per "tile", "persistent tile" or "stage")
-      "q_full": (1, False, "tile"),
-      "q_free": (2, False, "persistent tile"),
-      "k_full": (1, False, "stage"),
-      "k_free": (1, True, "stage"),
-      "v_full": (1, False, "stage"),
-      "v_free": (1, True, "stage"),
-      "s_full": (1, True, "tile"),
-      "po_ready": (2, True, "tile"),
-      "o_done": (1, True, "tile"),
-      "c_full": (1, False, "tile"),
-      "c_free": (1, False, "tile"),
+  BARRIERS = {
+      # name: Barrier(per "tile", "persistent tile" or "stage", arrivals, orders tensor
+      #               core, arrived on by {accessor: how}, waited on by {accessor: how})
+      "q_full": Barrier("tile", 1, False,
+                        arrive={"producer_q": TMA, "producer_q_no_keys": ARRIVE},
+                        wait={"consumer_q": WAITER}),
+      "q_free": Barrier("persistent tile", 2, False,
+                        arrive={"consumer_q_release": ARRIVE, "consumer_q_seen": ARRIVE},
+                        wait={"producer_q_acquire": WAIT}),
+      **KV_RINGS,
+      "s_full": Barrier("tile", 1, True, arrive={"producer_s": MMA},
+                        wait={"consumer_s": WAITER}),
+      "po_ready": Barrier("tile", 2, True,
+                          arrive={"producer_p_commit": ARRIVE, "consumer_o_release": ARRIVE},
+                          wait={"producer_o_acquire": WAIT}),
+      "o_done": Barrier("tile", 1, True, arrive={"producer_o": MMA},
+                        wait={"consumer_o": WAITER, "producer_s_acquire": WAIT}),
+      "c_full": Barrier("tile", 1, False, arrive={"producer_c_commit": ARRIVE},
+                        wait={"consumer_c": WAITER}),
+      "c_free": Barrier("tile", 1, False, arrive={"consumer_c_release": ARRIVE},
+                        wait={"producer_c_acquire": WAIT}),
   }
 
   @staticmethod
@@ -368,66 +379,6 @@ class ForwardBarriers(KvRingAccessors):
     persistent_tiles = cfg.num_q_tiles if cfg.persistent else 0
     return {"tile": cfg.num_q_tiles, "persistent tile": persistent_tiles,
             "stage": cfg.num_kv_stages}
-
-  # Q (load warp -> MMA warp), loaded once per work item.
-  def producer_q_acquire(self, i) -> None:
-    """Load warp: the previous item's epilogue stored O_i out of Q_i's SMEM."""
-    plgpu.barrier_wait(self._at("q_free", i))
-
-  def producer_q(self, i):
-    """TMA barrier of Q tile i (pass to copy_gmem_to_smem)."""
-    return self._at("q_full", i)
-
-  def producer_q_no_keys(self, i) -> None:
-    """Load warp, persistent grid: an item that walks no key block loads no
-    Q; it arrives instead, so the phases stay one per item."""
-    plgpu.barrier_arrive(self._at("q_full", i))
-
-  def consumer_q(self, i) -> Waiter:
-    return Waiter(self._at("q_full", i))
-
-  def consumer_q_release(self, i) -> None:
-    """Correction: the item's O_i left Q_i's SMEM (its TMA store read it)."""
-    plgpu.barrier_arrive(self._at("q_free", i))
-
-  def consumer_q_seen(self, i) -> None:
-    """MMA warp, persistent grid: its wait on this item's q_full passed, so
-    the next item's Q may complete q_full's next phase."""
-    plgpu.barrier_arrive(self._at("q_free", i))
-
-  # S_i (MMA warp -> softmax_i).
-  def producer_s_acquire(self, i) -> None:
-    """MMA warp: the previous O_i += P_i V completed, so P_i (in S_i's
-    columns) has been read and S_i may be overwritten."""
-    plgpu.barrier_wait(self._at("o_done", i))
-
-  def producer_s(self, i):
-    """Barrier the S_i MMA arrives on when it completes."""
-    return self._at("s_full", i)
-
-  def consumer_s(self, i) -> Waiter:
-    return Waiter(self._at("s_full", i))
-
-  # P_i and O_i: the P_i V MMA needs P_i written *and* O_i rescaled.
-  def producer_p_commit(self, i) -> None:
-    """Softmax_i: P_i is in TMEM (after commit_tmem). One of two arrivals."""
-    plgpu.barrier_arrive(self._at("po_ready", i))
-
-  def producer_o_acquire(self, i) -> None:
-    """MMA warp: wait for P_i and for the correction of O_i."""
-    plgpu.barrier_wait(self._at("po_ready", i))
-
-  def producer_o(self, i):
-    """Barrier the O_i += P_i V MMA arrives on when it completes."""
-    return self._at("o_done", i)
-
-  def consumer_o(self, i) -> Waiter:
-    """Correction: O_i holds every P V product issued so far."""
-    return Waiter(self._at("o_done", i))
-
-  def consumer_o_release(self, i) -> None:
-    """Correction: O_i rescaled (or left alone). One of two arrivals."""
-    plgpu.barrier_arrive(self._at("po_ready", i))
 
   # Interpreter-only drains of the last phases (see `BarrierTable`), with
   # the K/V rings' drain_kv_rings.
@@ -440,19 +391,6 @@ class ForwardBarriers(KvRingAccessors):
     """Softmax_i: observe the correction's release of the final statistics."""
     if self._interpreting:
       self.producer_c_acquire(i)
-
-  # Row factors (softmax_i -> correction) through SMEM.
-  def producer_c_acquire(self, i) -> None:
-    plgpu.barrier_wait(self._at("c_free", i))
-
-  def producer_c_commit(self, i) -> None:
-    plgpu.barrier_arrive(self._at("c_full", i))
-
-  def consumer_c(self, i) -> Waiter:
-    return Waiter(self._at("c_full", i))
-
-  def consumer_c_release(self, i) -> None:
-    plgpu.barrier_arrive(self._at("c_free", i))
 
 
 # ---------------------------------------------------------------------------
@@ -558,7 +496,7 @@ class ForwardContext:
 
   statics: KernelStatics
   refs: ForwardRefs
-  bars: ForwardBarriers
+  bars: ForwardBarrierTable
   b: Any  # batch
   h: Any  # query head
   kv_h: Any  # its key/value head
@@ -581,7 +519,7 @@ class ForwardContext:
   block_list: BlockList | None = None
 
   @classmethod
-  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers, b, h,
+  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarrierTable, b, h,
              kv_h, cta_tile, **position):
     cfg = statics.cfg
     row0 = cta_tile * cfg.rows_per_cta
@@ -629,7 +567,7 @@ class ForwardContext:
   def steps_before(self, n):
     """Key blocks this CTA walked before block n of this item, over all its
     items: the K/V ring position, and the phases every per-block barrier
-    has completed (ForwardBarriers: "Phases")."""
+    has completed (ForwardBarrierTable: "Phases")."""
     if isinstance(self.step0, int) and self.step0 == 0:
       return n
     return self.step0 + n
@@ -646,13 +584,13 @@ class CtaWork:
 
   statics: KernelStatics
   refs: ForwardRefs
-  bars: ForwardBarriers
+  bars: ForwardBarrierTable
   num_items: Any  # 1 (a Python int) for one CTA per tile
   coords: Callable  # item index -> (batch, head, CTA tile)
   only_item: ForwardContext | None = None  # one CTA per tile: its item
 
   @classmethod
-  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarriers):
+  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarrierTable):
     if statics.persistent:
       cta = lax.axis_index("ctas")
       return cls(statics, refs, bars, statics.work.count(cta),
@@ -1178,7 +1116,7 @@ def _scratch_types(cfg: TileConfig) -> dict:
           for _ in range(nq)
       ],
       o_tmem=[plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32) for _ in range(nq)],
-      barrier_refs=ForwardBarriers.scratch_types(cfg),
+      barrier_refs=ForwardBarrierTable.scratch_types(cfg),
   )
 
 
@@ -1216,7 +1154,7 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
         alpha_smem=alpha_smem, m_smem=m_smem, l_smem=l_smem, lse_smem=lse_smem,
         sp_tmem=sp_tmem, o_tmem=o_tmem, sinks_ref=sinks_ref, mod_refs=mod_refs,
         **dict(zip(("q_seg_ref", "kv_seg_ref", "seg_ranges_ref"), segment_refs)))
-    bars = ForwardBarriers(cfg, barrier_refs)
+    bars = ForwardBarrierTable(cfg, barrier_refs)
     wg = lax.axis_index("wg")
     dispatch_roles(CtaWork.create(statics, refs, bars), wg)
 

@@ -1,10 +1,14 @@
 """What the sm_100 kernels (forward, dK/dV, dQ) share: the SM's budgets, the
-TMEM register layouts, the mechanics of a barrier table.
+TMEM register layouts, the element mask, and the barrier table: each barrier
+declared once (`Barrier`: count, arrivals, the accessors of the roles that
+arrive and wait), its accessors generated from that declaration
+(`BarrierTable`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax.numpy as jnp
 from jax import lax
@@ -13,6 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels.pipeline import rem
 
 # Hardware limits of one sm_100 SM.
 TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
@@ -70,13 +75,6 @@ def tile_positions(shape, *, row_lo, col_lo, keys_along_rows: bool):
   return (cols, rows) if keys_along_rows else (rows, cols)
 
 
-def rem(x, n: int):
-  """x mod n for a loop index (traced or a Python int)."""
-  if isinstance(x, int):
-    return x % n
-  return lax.rem(x, jnp.asarray(n, x.dtype))
-
-
 @dataclasses.dataclass(frozen=True)
 class Waiter:
   """The waiting side of a barrier (one phase per call)."""
@@ -87,19 +85,78 @@ class Waiter:
     plgpu.barrier_wait(self.ref)
 
 
+class Touch(enum.Enum):
+  """How an accessor touches its barrier: one phase per call."""
+
+  # The arriving side.
+  TMA = "returns the barrier, for the TMA copies whose bytes complete its phase"
+  MMA = "returns the barrier, for the tcgen05 MMA that arrives on it once it completed"
+  COMMIT = "arrives once every tcgen05 op the calling thread issued completed"
+  ARRIVE = "one arrival of the calling threads"
+  RELEASE_TO_TMA = ("one arrival of the calling threads, done reading SMEM that a TMA "
+                    "rewrites next")
+  # The waiting side.
+  WAIT = "waits for its next phase"
+  WAITER = "returns a Waiter, to wait for its next phase where the caller chooses"
+
+
+# The touches by name alone, for the kernels' tables.
+TMA, MMA, COMMIT, ARRIVE, RELEASE_TO_TMA = (Touch.TMA, Touch.MMA, Touch.COMMIT, Touch.ARRIVE,
+                                            Touch.RELEASE_TO_TMA)
+WAIT, WAITER = Touch.WAIT, Touch.WAITER
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+  """One barrier (an array of them) of a kernel's `BarrierTable`.
+
+  `per`: how many, a key of the dict the table's `barrier_counts(plan)`
+  returns (one per ring stage, per Q tile, ...; a count of 0 declares
+  none); `arrivals`: the arrivals that complete one phase;
+  `orders_tensor_core`: tcgen05 commits arrive on it, or it hands TMEM that
+  threads wrote to an MMA. `arrive` and `wait`: its two sides, the
+  accessors of the roles that arrive on it and of those that wait on it,
+  accessor name -> `Touch`."""
+
+  per: str
+  arrivals: int
+  orders_tensor_core: bool
+  arrive: dict
+  wait: dict
+
+
+def _accessor(name: str, barrier: str, touch: Touch):
+  """The method `name` of a `BarrierTable`: `touch` on barrier[index]."""
+  def accessor(self, index=0):
+    return self._touch(touch, self._refs[barrier].at[index])
+
+  accessor.__name__ = accessor.__qualname__ = name
+  accessor.__doc__ = f"{barrier}[index]: {touch.value}."
+  return accessor
+
+
 class BarrierTable:
   """Every mbarrier of one kernel, declared in one table.
 
-  A kernel's subclass (`ForwardBarriers`, `DkvBarriers`, `DqBarriers`) keeps
-  only its table: SPECS, name -> (arrivals, orders_tensor_core, per), where
-  `per` is a key of the dict `barrier_counts(plan)` returns for the kernel's
-  tile plan (how many barriers of that name: one per stage of a ring, per Q
-  tile, ...; a count of 0 declares none); its docstring, which names who
-  arrives on and who waits on every barrier; and its accessors (producer_*,
-  consumer_*, drain_*), the only way the roles touch a barrier (`_at`).
+  A kernel's subclass (`sm100_forward.ForwardBarrierTable`,
+  `DkvBarrierTable`, `DqBarrierTable`) declares BARRIERS, name -> `Barrier`:
+  how many, the arrivals of a phase and the accessors of the roles that
+  arrive on it and wait on it. Those accessors (producer_*, consumer_*) are
+  generated from the declaration and are the only way the roles touch a
+  barrier; the subclass writes by hand only its interpreter-only drains
+  (drain_*), which call them. Its docstring's table names who arrives on
+  and who waits on every barrier, and why (`tests/barrier_tables.py` checks
+  it against the declaration).
   """
 
-  SPECS: dict[str, tuple[int, bool, str]] = {}
+  BARRIERS: dict[str, Barrier] = {}
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    for barrier, spec in vars(cls).get("BARRIERS", {}).items():
+      for name, touch in {**spec.arrive, **spec.wait}.items():
+        assert name not in vars(cls), f"{cls.__name__}.{name} is declared twice"
+        setattr(cls, name, _accessor(name, barrier, touch))
 
   @staticmethod
   def barrier_counts(plan) -> dict[str, int]:
@@ -110,9 +167,9 @@ class BarrierTable:
     """The kernel's barrier scratch: one plgpu.Barrier array per name."""
     counts = cls.barrier_counts(plan)
     return {
-        name: plgpu.Barrier(num_arrivals=arrivals, num_barriers=counts[per],
-                            orders_tensor_core=orders_tc)
-        for name, (arrivals, orders_tc, per) in cls.SPECS.items() if counts[per]
+        name: plgpu.Barrier(num_arrivals=spec.arrivals, num_barriers=counts[spec.per],
+                            orders_tensor_core=spec.orders_tensor_core)
+        for name, spec in cls.BARRIERS.items() if counts[spec.per]
     }
 
   def __init__(self, plan, refs: dict):
@@ -124,8 +181,23 @@ class BarrierTable:
     # kernel decides that).
     self._interpreting = is_interpreting()
 
-  def _at(self, name, index=0):
-    return self._refs[name].at[index]
+  def _touch(self, touch: Touch, barrier):
+    if touch in (Touch.TMA, Touch.MMA):
+      return barrier
+    if touch is Touch.WAITER:
+      return Waiter(barrier)
+    if touch is Touch.WAIT:
+      plgpu.barrier_wait(barrier)
+    elif touch is Touch.COMMIT:
+      plgpu.tcgen05_commit_arrive(barrier)
+    else:
+      if touch is Touch.RELEASE_TO_TMA and self._interpreting:
+        # The interpreter wants a proxy fence between the threads' SMEM
+        # reads and the TMA that rewrites them; hardware does not (a TMA
+        # ring's consumer releases its slot with a plain arrive).
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(barrier)
+    return None
 
   def _drain_last_lap(self, num_steps, *acquires) -> None:
     """Interpreter only: the producer of a ring of `counts["stage"]` slots
@@ -142,38 +214,22 @@ class BarrierTable:
         acquire(slot)
 
 
-class KvRingAccessors(BarrierTable):
-  """The barrier table of a kernel whose load warp streams K and V blocks
-  through ring slots that its MMA warp frees (the forward and the dQ
-  kernel), with the rings' accessors: k_full / v_full (TMA, one arrival per
-  slot), k_free / v_free (tcgen05 commit, one per slot), one of each per
-  "stage". The subclass lists these in its table."""
-  def producer_k_acquire(self, slot) -> None:
-    """Load warp: wait until the MMAs that read this K slot completed."""
-    plgpu.barrier_wait(self._at("k_free", slot))
+# The K and V rings of a kernel whose load warp streams K and V blocks
+# through ring slots that its MMA warp frees (the forward and the dQ kernel),
+# one barrier of each per "stage"; the table splices them into its BARRIERS
+# and derives from `KvRingBarrierTable`.
+KV_RINGS = {
+    "k_full": Barrier("stage", 1, False, arrive={"producer_k": TMA}, wait={"consumer_k": WAITER}),
+    "k_free": Barrier("stage", 1, True, arrive={"consumer_k_release": COMMIT},
+                      wait={"producer_k_acquire": WAIT}),
+    "v_full": Barrier("stage", 1, False, arrive={"producer_v": TMA}, wait={"consumer_v": WAITER}),
+    "v_free": Barrier("stage", 1, True, arrive={"consumer_v_release": COMMIT},
+                      wait={"producer_v_acquire": WAIT}),
+}
 
-  def producer_k(self, slot):
-    """TMA barrier of a K slot."""
-    return self._at("k_full", slot)
 
-  def consumer_k(self, slot) -> Waiter:
-    return Waiter(self._at("k_full", slot))
-
-  def consumer_k_release(self, slot) -> None:
-    """MMA warp: the slot is free once every MMA issued so far completed."""
-    plgpu.tcgen05_commit_arrive(self._at("k_free", slot))
-
-  def producer_v_acquire(self, slot) -> None:
-    plgpu.barrier_wait(self._at("v_free", slot))
-
-  def producer_v(self, slot):
-    return self._at("v_full", slot)
-
-  def consumer_v(self, slot) -> Waiter:
-    return Waiter(self._at("v_full", slot))
-
-  def consumer_v_release(self, slot) -> None:
-    plgpu.tcgen05_commit_arrive(self._at("v_free", slot))
+class KvRingBarrierTable(BarrierTable):
+  """A `BarrierTable` with the `KV_RINGS`, and their drain."""
 
   def drain_kv_rings(self, num_steps) -> None:
     """Load warp, interpreter only: observe the k_free / v_free phases of the
