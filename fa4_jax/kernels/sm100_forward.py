@@ -94,7 +94,7 @@ the element mask and folds cap into the exp2 constant
 rows keep a fixed max (`KernelStatics.fixed_max`): the softmax takes no row
 max and hands no row factors over (c_full / c_free carry only the final
 statistics), and the correction leaves O alone, only keeping its turn in
-po_ready. Without them the kernel is unchanged.
+p_full_o_rescaled. Without them the kernel is unchanged.
 
 Programmable scores (`forward(..., mods=)`, a `scores.Scores` with a
 `score_mod` and / or a `mask_mod`): before the kernel XLA classifies every
@@ -297,13 +297,14 @@ class ForwardBarrierTable(KvRingBarrierTable):
   v_free    stages  1 (MMA)   yes     MMA: consumer_v_release         load: producer_v_acquire,
                                                                             drain_kv_rings*
   s_full    tiles   1 (MMA)   yes     MMA: producer_s (S_i = Q_i K^T) softmax_i: consumer_s
-  po_ready  tiles   2         yes     softmax_i: producer_p_commit    MMA: producer_o_acquire
+  p_full_o_rescaled
+            tiles   2         yes     softmax_i: producer_p_commit    MMA: producer_o_acquire
                                         (P_i in TMEM) and
                                       correction: consumer_o_release
                                         (O_i rescaled; at an item's
                                         first block: the previous
                                         item's epilogue has read O_i)
-  o_done    tiles   1 (MMA)   yes     MMA: producer_o (O_i += P_i V)  correction: consumer_o;
+  o_full    tiles   1 (MMA)   yes     MMA: producer_o (O_i += P_i V)  correction: consumer_o;
                                                                       MMA: producer_s_acquire
                                                                         (before S_i is
                                                                         rewritten), drain_o*
@@ -322,7 +323,7 @@ class ForwardBarrierTable(KvRingBarrierTable):
   CTA's roles walk the same work items, one after the other, and the
   phases simply run on across items. What changes with items is only which
   waits have a previous phase to wait for: the per-block waits (k_free /
-  v_free, o_done before an S MMA, c_free before a hand-off) are skipped
+  v_free, o_full before an S MMA, c_free before a hand-off) are skipped
   while the CTA's *running* block count (`ForwardContext.steps_before`,
   over all items so far, not the item's block index) says no phase exists
   yet, and the wait on q_free is skipped for the CTA's first item. A
@@ -339,13 +340,14 @@ class ForwardBarrierTable(KvRingBarrierTable):
   interpreter caught it as a first wait at phase 2, at random).
 
   An item's epilogue (correction) reads O_i from TMEM before the next
-  item's first O_i = P_i V MMA overwrites it: that MMA waits on po_ready,
-  which the correction arrives on for the new item's first block only after
-  its epilogue of the previous item, and after `wait_load_tmem`.
+  item's first O_i = P_i V MMA overwrites it: that MMA waits on
+  p_full_o_rescaled, which the correction arrives on for the new item's
+  first block only after its epilogue of the previous item, and after
+  `wait_load_tmem`.
 
   S_i needs no "free" barrier of its own: P_i overwrites S_i (same TMEM
   columns), and the MMA warp issues the next S_i MMA only after the P_i V MMA
-  completed (it waits on o_done too). That wait is needed: tcgen05 MMAs of
+  completed (it waits on o_full too). That wait is needed: tcgen05 MMAs of
   one thread are only ordered among themselves when they share the
   accumulator, and S_i = Q K^T and O_i += P_i V do not.
   """
@@ -362,10 +364,11 @@ class ForwardBarrierTable(KvRingBarrierTable):
       **KV_RINGS,
       "s_full": Barrier("tile", 1, True, arrive={"producer_s": MMA},
                         wait={"consumer_s": WAITER}),
-      "po_ready": Barrier("tile", 2, True,
-                          arrive={"producer_p_commit": ARRIVE, "consumer_o_release": ARRIVE},
-                          wait={"producer_o_acquire": WAIT}),
-      "o_done": Barrier("tile", 1, True, arrive={"producer_o": MMA},
+      "p_full_o_rescaled": Barrier("tile", 2, True,
+                                   arrive={"producer_p_commit": ARRIVE,
+                                           "consumer_o_release": ARRIVE},
+                                   wait={"producer_o_acquire": WAIT}),
+      "o_full": Barrier("tile", 1, True, arrive={"producer_o": MMA},
                         wait={"consumer_o": WAITER, "producer_s_acquire": WAIT}),
       "c_full": Barrier("tile", 1, False, arrive={"producer_c_commit": ARRIVE},
                         wait={"consumer_c": WAITER}),
@@ -383,7 +386,7 @@ class ForwardBarrierTable(KvRingBarrierTable):
   # Interpreter-only drains of the last phases (see `BarrierTable`), with
   # the K/V rings' drain_kv_rings.
   def drain_o(self, i) -> None:
-    """MMA warp: observe the o_done phase of the last P_i V MMA."""
+    """MMA warp: observe the o_full phase of the last P_i V MMA."""
     if self._interpreting:
       self.producer_s_acquire(i)
 
@@ -946,7 +949,8 @@ def correction_wg(work: CtaWork) -> None:
 def _correct_item(ctx: ForwardContext) -> None:
   """Per key block, rescale O_i where a row's max moved; then the epilogue.
   With a fixed max no row factors come and O_i is left alone: the
-  correction only keeps its turn in po_ready, after each P_i V completed.
+  correction only keeps its turn in p_full_o_rescaled, after each P_i V
+  completed.
   In a persistent CTA the epilogue then hands Q_i's SMEM back to the load
   warp for the next item."""
   bars, fixed_max = ctx.bars, ctx.statics.fixed_max
@@ -1027,7 +1031,7 @@ def epilogue(ctx: ForwardContext) -> None:
     _store_tile(ctx, i, normalized, lse)
   if ctx.statics.persistent:
     # O_i read out of TMEM before the next item's first P_i V MMA (which
-    # waits on po_ready, arrived on after this) overwrites it.
+    # waits on p_full_o_rescaled, arrived on after this) overwrites it.
     plgpu.wait_load_tmem()
   plgpu.wait_smem_to_gmem(0)
 
