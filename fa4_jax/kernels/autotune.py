@@ -268,6 +268,16 @@ def _mask_key(mask) -> str:
   return repr(mask)
 
 
+def _kernel_problem(q_shape, k_shape, dtype, mask, **flags) -> dict:
+  """The cache key's problem of a forward or backward call: lengths and
+  batch bucketed, heads, head dim, dtype, mask, and the call's `flags`
+  (which optional operands it has)."""
+  batch, q_seq, heads, head_dim = q_shape
+  return dict(batch=bucket(batch), q_seq=bucket(q_seq), kv_seq=bucket(k_shape[1]), heads=heads,
+              kv_heads=k_shape[2], head_dim=head_dim, dtype=jnp.dtype(dtype).name,
+              mask=_mask_key(mask), **flags)
+
+
 # --- sm90 forward ----------------------------------------------------------
 
 
@@ -284,11 +294,10 @@ def sm90_forward_config(default, *, q_shape, k_shape, dtype, mask, scale: float,
 
   d = sm90_forward.padded_head_dim(q_shape[-1])
   batch, q_seq, heads, _ = q_shape
-  kv_seq, kv_heads = k_shape[1], k_shape[2]
-  problem = dict(batch=bucket(batch), q_seq=bucket(q_seq), kv_seq=bucket(kv_seq), heads=heads,
-                 kv_heads=kv_heads, head_dim=q_shape[-1], dtype=jnp.dtype(dtype).name,
-                 mask=_mask_key(mask), q_lengths=has_q_lengths, kv_lengths=has_kv_lengths,
-                 sinks=has_sinks, soft_cap=soft_cap is not None)
+  kv_seq = k_shape[1]
+  problem = _kernel_problem(q_shape, k_shape, dtype, mask, q_lengths=has_q_lengths,
+                            kv_lengths=has_kv_lengths, sinks=has_sinks,
+                            soft_cap=soft_cap is not None)
 
   def candidates():
     lengths = (256, 1024, 4096, 8192, 32768, kv_seq)
@@ -331,10 +340,8 @@ def sm90_backward_config(default, *, q_shape, k_shape, dtype, mask, scale: float
   d = sm90_backward.padded_head_dim(q_shape[-1])
   batch, q_seq, heads, _ = q_shape
   kv_seq, kv_heads = k_shape[1], k_shape[2]
-  problem = dict(batch=bucket(batch), q_seq=bucket(q_seq), kv_seq=bucket(kv_seq), heads=heads,
-                 kv_heads=kv_heads, head_dim=q_shape[-1], dtype=jnp.dtype(dtype).name,
-                 mask=_mask_key(mask), q_lengths=has_q_lengths, kv_lengths=has_kv_lengths,
-                 soft_cap=soft_cap is not None)
+  problem = _kernel_problem(q_shape, k_shape, dtype, mask, q_lengths=has_q_lengths,
+                            kv_lengths=has_kv_lengths, soft_cap=soft_cap is not None)
   group = heads // kv_heads
 
   def candidates():
