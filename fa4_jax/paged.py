@@ -32,7 +32,7 @@ from fa4_jax import backends, interpret
 from fa4_jax.scores import FP8_DTYPES
 from fa4_jax.validation import (as_array, check_descale, check_dtypes, check_output_dtype,
                                 check_scale, check_sinks, check_soft_cap, dtype_name,
-                                is_concrete)
+                                is_concrete, values_from_keys)
 
 PagedImplementation = Literal["xla", "sm90"] | None
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90")
@@ -179,18 +179,14 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"`is_causal` must be a bool; got {is_causal!r}")
   query, key_pages = as_array(query, "query"), as_array(key_pages, "key_pages")
-  if value_pages is None:  # MLA: the values are the keys' first value_head_dim features
-    value_head_dim = _check_value_head_dim(value_head_dim, key_pages)
-    if descales[2] is not None:
-      raise ValueError("`value_pages=None` takes the values from the key pages, dequantized "
-                       "by `key_descale`: leave `value_descale` out")
-    descales = (descales[0], descales[1], descales[1])
-  elif value_head_dim is not None:
-    raise ValueError("`value_head_dim` applies when `value_pages` is None (the values are "
-                     "the keys' first features); leave it out with `value_pages`")
-  else:
+  if value_pages is not None:
     value_pages = as_array(value_pages, "value_pages")
   _check_cache(query, key_pages, value_pages)
+  # MLA (`value_pages=None`): the values are the keys' first value_head_dim features.
+  value_head_dim, value_descale = values_from_keys(
+      value_pages, value_head_dim, key_pages.shape[-1], descales[1], descales[2],
+      value_name="value_pages", keys_name="key pages'")
+  descales = (descales[0], descales[1], value_descale)
   b = query.shape[0]
   page_table = _check_integer(page_table, "page_table", 2, "[batch, max_pages]")
   if page_table.shape[0] != b or page_table.shape[1] == 0:
@@ -221,17 +217,6 @@ def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_c
   return _Arguments(query, key_pages, value_pages, page_table, lengths,
                     check_sinks(sinks, heads), static, descales,
                     {k: v for k, v in (mods or {}).items() if v is not None})
-
-
-def _check_value_head_dim(value_head_dim, key_pages) -> int:
-  dim = key_pages.shape[-1] if key_pages.ndim == 4 else None
-  if (isinstance(value_head_dim, bool) or not isinstance(value_head_dim, (int, np.integer))
-      or dim is None or not 0 < value_head_dim <= dim):
-    raise ValueError(
-        "`value_pages=None` takes the values from the keys' first `value_head_dim` features: "
-        f"`value_head_dim` must be an int in [1, {dim}] (the key pages' head dim); got "
-        f"{value_head_dim!r}")
-  return int(value_head_dim)
 
 
 def _check_cache(query, key_pages, value_pages) -> None:

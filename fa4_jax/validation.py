@@ -116,22 +116,29 @@ def _check_qkv(query, key, value):
         f"got query shape {query.shape} and key shape {key.shape}")
 
 
-def _values_of(value, key, value_head_dim):
-  """`value`, or with `value=None` the first `value_head_dim` features of
-  each key (MLA's latent cache: keys of 576 features whose first 512 are the
-  values)."""
+def values_from_keys(value, value_head_dim, key_head_dim: int, key_descale, value_descale, *,
+                     value_name: str = "value", keys_name: str = "key"):
+  """(value_head_dim, value_descale) where `value` is None: the values are
+  the first `value_head_dim` features of each key (MLA's latent cache: keys
+  of 576 features whose first 512 are the values), dequantized as the keys
+  are. With a `value`: (None, value_descale), and `value_head_dim` must be
+  left out. `key_head_dim`: the keys' feature count, the largest allowed."""
   if value is not None:
     if value_head_dim is not None:
-      raise ValueError("`value_head_dim` applies when `value` is None (the values are the "
-                       "keys' first `value_head_dim` features); leave it out with a `value`")
-    return as_array(value, "value")
+      raise ValueError(f"`value_head_dim` applies when `{value_name}` is None (the values are "
+                       f"the keys' first `value_head_dim` features); leave it out with a "
+                       f"`{value_name}`")
+    return None, value_descale
   if (isinstance(value_head_dim, bool) or not isinstance(value_head_dim, (int, np.integer))
-      or not 0 < value_head_dim <= key.shape[-1]):
+      or not 0 < value_head_dim <= key_head_dim):
     raise ValueError(
-        "`value=None` takes the values from the keys' first `value_head_dim` features: "
-        f"`value_head_dim` must be an int in [1, {key.shape[-1]}] (the key head dim); "
+        f"`{value_name}=None` takes the values from the keys' first `value_head_dim` features: "
+        f"`value_head_dim` must be an int in [1, {key_head_dim}] (the {keys_name} head dim); "
         f"got {value_head_dim!r}")
-  return key[..., :int(value_head_dim)]
+  if value_descale is not None:
+    raise ValueError(f"`{value_name}=None` takes the values from the keys, dequantized by "
+                     "`key_descale`: leave `value_descale` out")
+  return int(value_head_dim), key_descale
 
 
 def check_dtypes(query, key, value, key_name: str = "key", value_name: str = "value"):
@@ -390,12 +397,9 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"`is_causal` must be a bool; got {is_causal!r}")
   query, key = as_array(query, "query"), as_array(key, "key")
-  if value is None:  # the values are the keys' features: dequantized as the keys are
-    if value_descale is not None:
-      raise ValueError("`value=None` takes the values from the keys, dequantized by "
-                       "`key_descale`: leave `value_descale` out")
-    value_descale = key_descale
-  value = _values_of(value, key, value_head_dim)
+  value_head_dim, value_descale = values_from_keys(value, value_head_dim, key.shape[-1],
+                                                   key_descale, value_descale)
+  value = as_array(value, "value") if value_head_dim is None else key[..., :value_head_dim]
   _check_qkv(query, key, value)
   output_shape = query.shape[:-1] + value.shape[-1:]
   rank = query.ndim
