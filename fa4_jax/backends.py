@@ -204,7 +204,29 @@ def _options(module, scores_: Scores):
   (so that a module without a feature is called as before)."""
   options = dict(soft_cap=scores_.soft_cap, sinks=scores_.sinks,
                  mods=scores_ if scores_.has_mods else None)
-  return {k: v for k, v in options.items() if v is not None and k in _features(module)}
+  if scores_.has_fp8:
+    options.update(descales=(scores_.q_descale, scores_.k_descale, scores_.v_descale),
+                   out_dtype=scores_.out_dtype)
+  wanted = _features(module) | ({"descales", "out_dtype"} if "fp8" in _features(module) else set())
+  return {k: v for k, v in options.items() if v is not None and k in wanted}
+
+
+def _fp8_problem(name: str, module, call: CallInfo) -> str | None:
+  """Why kernel `name` cannot take the call's float8 operands, or None: the
+  kernels take q, k and v all in float8 (a 16-bit query on a float8 cache
+  runs on the XLA path), and not yet in the decode arrangement."""
+  fallback = "use implementation=None (which falls back to the XLA path) or 'xla'"
+  if "fp8" not in _features(module):
+    return f"implementation={name!r} does not take float8 operands yet; {fallback}"
+  if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+    return (f"implementation={name!r} takes float8 keys and values only with a float8 query "
+            f"(this query is {jnp.dtype(call.dtype)}); {fallback}")
+  from fa4_jax import decode
+  if decode.plan(call.q_shape, call.k_shape, call.spec,
+                 has_segment_ids=call.has_segment_ids) is not None:
+    return (f"implementation={name!r} has no float8 decode kernel yet (a short query against "
+            f"a long cache); {fallback}")
+  return None
 
 
 def _mods_problem(call: CallInfo) -> str | None:
@@ -261,9 +283,10 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
     return (f"implementation={name!r} takes no value head dim of {call.v_head_dim} with a "
             f"query head dim of {call.q_shape[-1]} (value head dims of their own: sm90, multiples "
             "of 16 up to 256); use implementation=None (which falls back to the XLA path) or 'xla'")
-  if call.has_fp8 and "fp8" not in _features(module):
-    return (f"implementation={name!r} does not take float8 operands yet; use "
-            "implementation=None (which falls back to the XLA path) or 'xla'")
+  if call.has_fp8:
+    problem = _fp8_problem(name, module, call)
+    if problem is not None:
+      return problem
   if call.has_mods:
     if "mods" not in _features(module):
       return (f"implementation={name!r} does not support `score_mod` / `mask_mod` yet; use "

@@ -537,14 +537,18 @@ def exact_alpha(m_old, m_new):
   return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))
 
 
-def online_softmax(s, m, c: float):
+def online_softmax(s, m, c: float, descale=None):
   """One tile's step of the online softmax: (P, new running max, alpha).
 
   `s`: raw logits [rows, keys] (masked ones at -inf, or +inf when c < 0);
   `m`: the running max of the rows in scaled log2 units. P = exp2(c s - m')
   and the caller rescales its sum and O by `alpha` = exp2(m - m').
+  `descale`: None, or a run-time factor >= 0 of c (float8 operands' q and k
+  descales): c's sign, static, still picks max or min.
   """
   row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
+  if descale is not None:
+    c = c * descale
   m_grown = jnp.maximum(m, row_best * c)
   # Keep the stale max unless it grew enough to risk overflow.
   m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)

@@ -42,6 +42,13 @@ Optional arguments, taken by a module that names them in its `FEATURES`
         backward's dS times the score_mod's slope (`value_and_slope`). The
         gradients of the arrays the mods capture come from one XLA pass
         after the kernel backward (`fa4_jax.backends`).
+    "value_head_dim" (forward): v (and the output) may have a head dim of
+        their own, up to 256.
+    "fp8" (forward): q, k and v may be float8 (all three), with
+        descales=(q_descale f32 [Nq] or None, k_descale [Nkv] or None,
+        v_descale [Nkv] or None), each operand's real value being the stored
+        one times its descale, and out_dtype (the output's dtype). The
+        module's `check_fp8` says which float8 calls it takes.
 """
 
 

@@ -158,7 +158,7 @@ from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels import autotune
 from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, padded_head_dim,
                                        where_visible)
-from fa4_jax.kernels.tiles import smem_tile
+from fa4_jax.kernels.tiles import smem_tile, smem_transforms
 from fa4_jax import scores as score_lib
 from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
                             initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,
@@ -167,7 +167,11 @@ from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixe
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
-FEATURES = frozenset({"sinks", "soft_cap", "mods", "value_head_dim"})
+FEATURES = frozenset({"sinks", "soft_cap", "mods", "value_head_dim", "fp8"})
+
+# P of a float8 call, whatever V's float8 type: e4m3 keeps a mantissa bit
+# more than e5m2, and P in [0, 1] needs no range (wgmma mixes the two).
+FP8_P_DTYPE = jnp.float8_e4m3fn
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -250,18 +254,23 @@ class ForwardConfig:
     return self.num_consumers * self.block_q
 
   def smem_bytes(self, head_dim: int, itemsize: int, segment_ids: bool = False,
-                 value_head_dim: int | None = None) -> int:
+                 value_head_dim: int | None = None, *, fp8: bool = False) -> int:
     """SMEM the kernel allocates (without barriers and alignment padding);
     `segment_ids` adds the ring of the keys' ids (4 bytes a key and slot,
-    `sm90_tiles.id_ring`); `value_head_dim` (V's and O's, None: head_dim)."""
+    `sm90_tiles.id_ring`); `value_head_dim` (V's and O's, None: head_dim).
+    `fp8`: 8-bit Q, K and V, O tiles of `itemsize` and a P tile per consumer."""
     value_head_dim = value_head_dim or head_dim
+    o_itemsize, itemsize = itemsize, (1 if fp8 else itemsize)
     tile = self.num_consumers * self.block_q * head_dim * itemsize
     q_tiles = self.q_depth * tile
     kv_ring = self.num_kv_stages * self.block_kv * (head_dim + value_head_dim) * itemsize
     # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`).
     lse = (self.num_consumers + self.work_queue) * self.block_q * 4
-    separate_o_tiles = self.persistent or value_head_dim != head_dim
-    o_tiles = (tile * value_head_dim // head_dim) if separate_o_tiles else 0
+    separate_o_tiles = self.persistent or value_head_dim != head_dim or fp8
+    o_tiles = (self.num_consumers * self.block_q * value_head_dim * o_itemsize
+               if separate_o_tiles else 0)
+    if fp8:
+      o_tiles += self.num_consumers * self.block_q * self.block_kv  # P tiles
     # Mosaic GPU starts every scratch buffer at a multiple of 1 KiB: the
     # small ring takes a whole one at block_kv 64 (the LSE rows' padding is
     # in SMEM_RESERVE_BYTES).
@@ -269,9 +278,9 @@ class ForwardConfig:
     return q_tiles + kv_ring + lse + o_tiles + key_ids
 
   def fits_smem(self, head_dim: int, itemsize: int, segment_ids: bool = False,
-                value_head_dim: int | None = None) -> bool:
+                value_head_dim: int | None = None, *, fp8: bool = False) -> bool:
     """Whether `smem_bytes` leaves the barriers and padding their reserve."""
-    return (self.smem_bytes(head_dim, itemsize, segment_ids, value_head_dim)
+    return (self.smem_bytes(head_dim, itemsize, segment_ids, value_head_dim, fp8=fp8)
             <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES)
 
 
@@ -395,9 +404,34 @@ def all_configs() -> list[tuple[int, ForwardConfig]]:
   return list(seen)
 
 
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
-  """Raises KernelUnsupported when this kernel cannot serve the call."""
+  """Raises KernelUnsupported when this kernel cannot serve the call (float8
+  operands: `check_fp8` too)."""
+  if jnp.dtype(dtype) in FP8_DTYPES:
+    dtype = jnp.bfloat16  # the 16-bit checks, on the shapes
   sm90_tiles.check_supported("sm90 forward", q_shape, k_shape, dtype, mask)
+
+
+def check_fp8(q_dtype, k_dtype, v_dtype, *, page_table, heads_major: bool,
+              q_batch_divisor: int) -> bool:
+  """Whether the call has float8 operands (then all three, e4m3 or e5m2, in
+  the usual arrangement); raises KernelUnsupported for a mix with 16-bit
+  ones (a bfloat16 query on a float8 cache: the XLA path) or float8 with a
+  page table or the decode arrangement."""
+  dtypes = [jnp.dtype(x) for x in (q_dtype, k_dtype, v_dtype)]
+  is_fp8 = [x in FP8_DTYPES for x in dtypes]
+  if not any(is_fp8):
+    return False
+  if not all(is_fp8):
+    raise KernelUnsupported("sm90 forward: float8 needs q, k and v all in float8; got "
+                            f"{', '.join(map(str, dtypes))}")
+  if page_table is not None or heads_major or q_batch_divisor != 1:
+    raise KernelUnsupported("sm90 forward: float8 operands with a page table or in the decode "
+                            "arrangement are not supported")
+  return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,6 +551,12 @@ class _Call:
   # V's and O's head dim (padded) where it differs from Q's and K's (192 /
   # 128 ...); None: head_dim. O then has SMEM tiles of its own.
   value_head_dim: int | None = None
+  # float8 Q, K and V (`forward(..., descales=)`): V comes transposed ([B,
+  # Nkv, Dv, Tk]: wgmma reads an 8-bit B operand only K-major), P is staged
+  # through SMEM in e4m3, the logits are scaled by the head's q and k
+  # descales and O by its v descale, and O is written in `out_dtype`.
+  fp8: bool = False
+  out_dtype: Any = None
 
   @property
   def out_dim(self) -> int:
@@ -524,11 +564,22 @@ class _Call:
     return self.value_head_dim or self.head_dim
 
   @property
+  def output_dtype(self):
+    return self.out_dtype if self.fp8 else self.dtype
+
+  @property
   def separate_o_tiles(self) -> bool:
     """O is staged in tiles of its own (else in the consumer's Q tile): on a
     persistent grid (the next item's Q lands during the epilogue) and when
-    O's head dim is not Q's."""
-    return self.config.persistent or self.out_dim != self.head_dim
+    O's head dim or dtype is not Q's."""
+    return self.config.persistent or self.out_dim != self.head_dim or self.fp8
+
+  @property
+  def stages_p(self) -> bool:
+    """P goes through SMEM for the P V wgmma: in the interpreter (which takes
+    no A operand in registers) and with float8 P (whose register layout is
+    not the one an 8-bit A operand needs)."""
+    return self.interpreting or self.fp8
 
   @property
   def masked_logit(self) -> float:
@@ -552,6 +603,7 @@ class _Refs:
   segment_ranges: Any  # [B, consumer tiles, 4]: `tile_ranges_operand` of the ids
   sinks: Any  # f32 [Nq] in GMEM; None without sinks
   page_table: Any  # int32 [B, pages] in GMEM; None without a paged K/V
+  descales: Any  # f32 [2, Nq] in GMEM (q*k descale, v descale per q head); float8 only
   out: Any
   lse: Any
   q_smem: Any  # Q tiles (and O, without a persistent grid)
@@ -559,7 +611,7 @@ class _Refs:
   v_smem: Any  # V ring
   lse_smem: Any  # LSE rows
   o_smem: Any  # O tiles (`_Call.separate_o_tiles` only)
-  p_smem: Any  # P staging (interpreter only)
+  p_smem: Any  # P staging (`_Call.stages_p` only)
   kv_ids_smem: Any  # the keys' segment ids, a ring beside K's; None without segment ids
   # Programmable scores only (`_Call.mods`), in GMEM: the block lists
   # (`scores.block_lists`: counts int32 [B, Hm, tiles, 2], order int32
@@ -587,6 +639,7 @@ class _Refs:
       del refs[:2 if call.mods else 3]
     sinks = refs.pop(0) if call.has_sinks else None
     page_table = refs.pop(0) if call.page_size is not None else None
+    descales = refs.pop(0) if call.fp8 else None
     mod_refs = {}
     if call.mods:
       mod_refs = dict(block_counts=refs.pop(0), block_order=refs.pop(0),
@@ -598,10 +651,10 @@ class _Refs:
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.separate_o_tiles else None
-    p_smem = optional_smem.pop(0) if call.interpreting else None
+    p_smem = optional_smem.pop(0) if call.stages_p else None
     kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
-    return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table, out,
-               lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem,
+    return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table,
+               descales, out, lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem,
                kv_ids_smem, **mod_refs), barrier_refs
 
 
@@ -609,6 +662,8 @@ def _scratch_smem(call: _Call) -> list:
   """The SMEM buffers, in the order `_Refs.unpack` reads them."""
   cfg, d, dtype = call.config, call.head_dim, call.dtype
   bq, bk = cfg.block_q, cfg.block_kv
+  if call.fp8:
+    return _fp8_scratch_smem(call)
   smem = [
       smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles (then O)
       smem_tile((cfg.num_kv_stages, bk, d), dtype),  # K ring
@@ -620,10 +675,32 @@ def _scratch_smem(call: _Call) -> list:
     # O tiles of their own, so the next work item's Q can land during the
     # epilogue (or because O's head dim is not Q's).
     smem.append(smem_tile((cfg.num_consumers, bq, call.out_dim), dtype))
-  if call.interpreting:
+  if call.stages_p:
     smem.append(smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   if call.has_segment_ids:
     smem.append(id_ring(cfg.num_kv_stages, bk))  # the keys' segment ids
+  return smem
+
+
+def _fp8_scratch_smem(call: _Call) -> list:
+  """`_scratch_smem` of a float8 call: 8-bit tiles swizzled as wide as their
+  rows allow (a 64-wide head dim: 64 bytes; Q and K, P and V^T share their
+  rows' length, so each GEMM's operands share a swizzle), the V ring
+  transposed (Dv rows of block_kv keys), O in tiles of its own in the output
+  dtype, and a P tile per consumer."""
+  cfg, d, dtype = call.config, call.head_dim, call.dtype
+  bq, bk = cfg.block_q, cfg.block_kv
+  tile = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
+  smem = [
+      tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles
+      tile((cfg.num_kv_stages, bk, d), dtype),  # K ring
+      tile((cfg.num_kv_stages, call.out_dim, bk), dtype),  # V^T ring
+      plgpu.SMEM((cfg.num_consumers + cfg.work_queue, bq), jnp.float32),  # LSE rows
+      smem_tile((cfg.num_consumers, bq, call.out_dim), call.output_dtype),  # O tiles
+      tile((cfg.num_consumers, bq, bk), FP8_P_DTYPE),  # P staging
+  ]
+  if call.has_segment_ids:
+    smem.append(id_ring(cfg.num_kv_stages, bk))
   return smem
 
 
@@ -775,7 +852,12 @@ def _producer(ctx: _Context) -> None:
         bars.k.producer_fill(refs.kv_ids.at[item.batch_idx, pl.ds(j * cfg.block_kv, cfg.block_kv)],
                              refs.kv_ids_smem, step)
       bars.v.producer_acquire(step)
-      fill(bars.v, refs.v, refs.v_smem, step)
+      if ctx.call.fp8:  # V^T [B, Nkv, Dv, Tk]: the block's columns
+        bars.v.producer_fill(refs.v.at[item.batch_idx, kv_head, :,
+                                       pl.ds(j * cfg.block_kv, cfg.block_kv)],
+                             refs.v_smem, step)
+      else:
+        fill(bars.v, refs.v, refs.v_smem, step)
 
     return step0 + (item.hi - item.lo)
 
@@ -891,6 +973,10 @@ class _ConsumerTile:
   # (`mod_functions.bind`); None without them.
   score_fn: Any = None
   mask_fn: Any = None
+  # float8 operands: the head's q*k descale (scales the logits) and v
+  # descale (scales O), f32 scalars; None otherwise.
+  qk_descale: Any = None
+  v_descale: Any = None
 
   @classmethod
   def create(cls, ctx: _Context, i, step0, unit=None) -> "_ConsumerTile":
@@ -916,8 +1002,12 @@ class _ConsumerTile:
       q_segment = load_ids(ctx.refs.q_ids, item.batch_idx, q_lo, cfg.block_q, along_rows=True)
     # One scalar per tile from GMEM, loaded before the wait for Q hides its latency.
     sink = ctx.refs.sinks[item.head] if ctx.call.has_sinks else None
+    descales = {}
+    if ctx.call.fp8:
+      descales = dict(qk_descale=ctx.refs.descales[0, item.head],
+                      v_descale=ctx.refs.descales[1, item.head])
     return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink,
-               q_waited=unit is not None, score_fn=score_fn, mask_fn=mask_fn)
+               q_waited=unit is not None, score_fn=score_fn, mask_fn=mask_fn, **descales)
 
   def walk_kv_blocks(self):
     """(O, m, l) of the tile, unnormalised. Every consumer steps through all
@@ -1029,7 +1119,9 @@ class _ConsumerTile:
     call = self.ctx.call
     block = j if block is None else block
     if call.score_mod is None:
-      s = softmax_logits(s, call.scale, call.soft_cap)
+      # (float8 with soft-cap: the descale scales the tanh's argument; without
+      # it, c, below.)
+      s = softmax_logits(s, self.logit_scale(), call.soft_cap)
     else:
       s = self.modified_logits(s, block)
     if masked:
@@ -1045,7 +1137,16 @@ class _ConsumerTile:
         self.release_k_after_reading_ids(j)
     if call.fixed_max:
       return fixed_max_softmax(s, m, call.c), m, None
-    return online_softmax(s, m, call.c)
+    descale = None
+    if self.qk_descale is not None and call.soft_cap is None and call.score_mod is None:
+      descale = self.qk_descale  # folded into c: no multiply per score
+    return online_softmax(s, m, call.c, descale)
+
+  def logit_scale(self):
+    """The factor of the raw logits before a score_mod or soft-cap: the
+    softmax scale, times the head's q and k descales with float8 operands."""
+    scale = self.ctx.call.scale
+    return scale if self.qk_descale is None else scale * self.qk_descale
 
   def modified_logits(self, s, block):
     """A tile of raw Q K^T logits of key block `block` through the scale and
@@ -1056,7 +1157,7 @@ class _ConsumerTile:
                              layout=plgpu.Layout.WGMMA)
     q_idx = self.q_lo + iota(0)
     kv_idx = block * cfg.block_kv + iota(1)
-    s = self.score_fn(s * jnp.float32(call.scale), q_idx, kv_idx)
+    s = self.score_fn(s * jnp.float32(self.logit_scale()), q_idx, kv_idx)
     s = s.astype(jnp.float32)
     if s.shape != q_idx.shape:  # a score_mod that ignores the score
       s = jnp.broadcast_to(s, q_idx.shape)
@@ -1078,11 +1179,19 @@ class _ConsumerTile:
     p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
     if alpha is not None:
       acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-    p16 = p.astype(self.ctx.call.dtype)
+    if self.ctx.call.fp8:
+      # P to SMEM inside this consumer's softmax turn (no 8-bit array can
+      # pass an optimization barrier): p16 is then its SMEM tile.
+      p16 = self.stage_p(p.astype(FP8_P_DTYPE))
+    else:
+      p16 = p.astype(self.ctx.call.dtype)
     if cfg.sum_before_handoff:
       l = _add_row_sums(l, alpha, p)
       # Pin the order: the softmax must be done before the hand-off.
-      acc, l, m_new, alpha, p16 = lax.optimization_barrier((acc, l, m_new, alpha, p16))
+      if self.ctx.call.fp8:
+        acc, l, m_new, alpha = lax.optimization_barrier((acc, l, m_new, alpha))
+      else:
+        acc, l, m_new, alpha, p16 = lax.optimization_barrier((acc, l, m_new, alpha, p16))
       self.hand_off(self.ring_step(j))
     else:
       self.hand_off(self.ring_step(j))
@@ -1098,15 +1207,15 @@ class _ConsumerTile:
   def p_times_v(self, acc, p, v_tile, while_running):
     """O += P V, with `while_running()` issued while the wgmma runs."""
     call = self.ctx.call
+    if call.fp8:
+      v_tile = v_tile.transpose((1, 0))  # the V^T slot as the [keys, Dv] operand
+    elif call.interpreting:
+      p = self.stage_p(p)
     if call.interpreting:
-      # The interpreter rejects wgmma with A in registers and run_state:
-      # stage P through SMEM and add a fresh accumulator.
-      p_operand = self.ctx.refs.p_smem.at[self.ctx.wg]
-      p_operand[...] = p
-      plgpu.commit_smem()
+      # The interpreter rejects wgmma with run_state: add a fresh accumulator.
 
       def pv_delta(delta_ref):
-        plgpu.wgmma(delta_ref, p_operand, v_tile)
+        plgpu.wgmma(delta_ref, p, v_tile)
         while_running()
         return delta_ref[...]
 
@@ -1118,6 +1227,15 @@ class _ConsumerTile:
       while_running()
 
     return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+  def stage_p(self, p):
+    """P into the consumer's SMEM tile for the P V wgmma (`_Call.stages_p`);
+    returns the tile. Its previous P V wgmma has completed (its accumulator
+    was read)."""
+    p_tile = self.ctx.refs.p_smem.at[self.ctx.wg]
+    p_tile[...] = p
+    plgpu.commit_smem()
+    return p_tile
 
   def wait_next_k(self, j):
     @pl.when(j + 1 < self.item.hi)
@@ -1142,10 +1260,12 @@ def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
     # Rows past the length: zeros and lse -inf, also when a sink started their sum at 1.
     l = jnp.where(rows < tile.item.q_len, l, 0.0)
   out, lse = normalize(acc, m, l)
+  if tile.v_descale is not None:
+    out = out * tile.v_descale
   if call.config.persistent:
     # The previous tile's stores must have read o_tile and the LSE row.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  tile.o_tile[...] = out.astype(call.dtype)
+  tile.o_tile[...] = out.astype(call.output_dtype)
   refs.lse_smem.at[wg][...] = lse
   plgpu.commit_smem()
   b_i, h_i = tile.item.batch_idx, tile.item.head
@@ -1190,6 +1310,8 @@ def _build_kernel(
     score_mod=None,
     mask_mod=None,
     value_head_dim: int | None = None,
+    fp8: bool = False,
+    out_dtype=None,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -1207,7 +1329,8 @@ def _build_kernel(
                fixed_max=fixed_max, heads_major=heads_major,
                q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
                score_mod=score_mod, mask_mod=mask_mod,
-               value_head_dim=None if value_head_dim == head_dim else value_head_dim)
+               value_head_dim=None if value_head_dim == head_dim else value_head_dim,
+               fp8=fp8, out_dtype=out_dtype)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1219,7 +1342,7 @@ def _build_kernel(
   lse_seq = _tile_slots(cfg, mask, q_seq) * cfg.block_q_cta
   out_type = (
       jax.ShapeDtypeStruct((batch, num_q_heads, q_seq, call.out_dim) if heads_major
-                           else (batch, q_seq, num_q_heads, call.out_dim), dtype),
+                           else (batch, q_seq, num_q_heads, call.out_dim), call.output_dtype),
       jax.ShapeDtypeStruct((batch, num_q_heads, lse_seq), jnp.float32),
   )
   return plgpu.kernel(
@@ -1286,7 +1409,8 @@ def sm_count(default: int = H100_SMS) -> int:
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
             config: ForwardConfig | None = None, segment_ids=None, sinks=None,
             soft_cap: float | None = None, page_table=None,
-            heads_major: bool = False, q_batch_divisor: int = 1, mods=None):
+            heads_major: bool = False, q_batch_divisor: int = 1, mods=None,
+            descales=None, out_dtype=None):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
@@ -1315,6 +1439,12 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   without, empty ones neither loaded nor computed; `score_mod` runs on every
   walked block. One CTA per tile (no persistent grid), no page table or
   heads-major Q.
+
+  float8 q, k and v (`check_fp8`): `descales` = (q_descale f32 [Nq] or None,
+  k_descale [Nkv] or None, v_descale [Nkv] or None), the stored values'
+  factors (`scores.Scores`); out in `out_dtype` (None: bfloat16). They must
+  be >= 0 (quantization scales): a negative one makes the output NaN. V is
+  transposed here (an XLA copy of V) for the kernel's P V^T operand.
   """
   if mods is not None and not mods.has_mods:
     mods = None
@@ -1333,7 +1463,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     logical_k_shape = check_paged(q_shape, k.shape, jnp.shape(page_table), segment_ids)
   check_supported(q_shape, logical_k_shape, q.dtype, mask)
   check_value_head_dim(k.shape, v.shape, page_table, heads_major)
-  if k.dtype != q.dtype or v.dtype != q.dtype:
+  fp8 = check_fp8(q.dtype, k.dtype, v.dtype, page_table=page_table, heads_major=heads_major,
+                  q_batch_divisor=q_batch_divisor)
+  if not fp8 and (k.dtype != q.dtype or v.dtype != q.dtype):
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
   batch, q_seq, num_q_heads, head_dim = q_shape
   _, kv_seq, num_kv_heads, _ = logical_k_shape
@@ -1352,6 +1484,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   # masked in the kernel, padded rows and columns are sliced off.
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
+  if fp8:  # V^T's rows are keys: TMA wants their bytes a multiple of 16
+    kv_pad = cdiv(kv_seq, 16) * 16
   if heads_major:
     q_pad = q_seq  # read as it lies (`check_heads_major`)
   if d != head_dim or q_pad != q_seq:
@@ -1375,11 +1509,11 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
                  and value_dim == head_dim and not heads_major and q_batch_divisor == 1))
     if mods is not None:
       config = mods_config(config)
-    if dv != d and not config.fits_smem(d, 2, segment_ids is not None, dv):
+    if (dv != d or fp8) and not config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8):
       config = dataclasses.replace(config, q_buffers=1)
-  if dv != d and not config.fits_smem(d, 2, segment_ids is not None, dv):
+  if (dv != d or fp8) and not config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8):
     raise KernelUnsupported(f"sm90 forward: head dims {d} (q, k) and {dv} (v) do not fit SMEM "
-                            f"with this configuration")
+                            f"with this configuration{' in float8' if fp8 else ''}")
   if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
     raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
                             f"{k.shape[1]} must divide one another")
@@ -1395,14 +1529,17 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       soft_cap=None if soft_cap is None else float(soft_cap),
       page_size=None if page_table is None else k.shape[1],
       # Soft-capped logits are bounded: where that bounds P, no running max.
-      fixed_max=fixed_max_is_exact(q.dtype, soft_cap, kv_seq),
+      fixed_max=fixed_max_is_exact(FP8_P_DTYPE if fp8 else q.dtype, soft_cap, kv_seq),
       **_q_options(heads_major, q_batch_divisor),
       **({} if mods is None else dict(mods=True, score_mod=mods.score_mod,
                                       mask_mod=mods.mask_mod)),
+      **({} if not fp8 else dict(fp8=True, out_dtype=jnp.dtype(out_dtype or jnp.bfloat16))),
   )
   call = build(config=config)
   if config.work_queue:
     call = fixed_shares_under_vmap(call, lambda: build(config=config, queue_counter=False))
+  if fp8:
+    v = jnp.transpose(v, (0, 2, 3, 1))  # [B, Nkv, Dv, Tk]
   args = [q, k, v]
   if q_lengths is not None:
     args.append(jnp.asarray(q_lengths, jnp.int32))
@@ -1416,6 +1553,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     args.append(jnp.asarray(sinks, jnp.float32))
   if page_table is not None:
     args.append(page_table_operand(page_table, config.block_kv, k.shape[1], k.shape[0]))
+  if fp8:
+    args.append(_descale_operand(descales, num_q_heads, num_kv_heads))
   if mods is not None:
     args.extend(mods_operands(mods, config, q_shape, logical_k_shape, q_lengths, kv_lengths,
                               segment_ids, scale=scale, mask=mask, soft_cap=soft_cap))
@@ -1423,6 +1562,18 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if dv != value_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :value_dim]
   return out, lse[..., :q_seq]
+
+
+def _descale_operand(descales, num_q_heads: int, num_kv_heads: int):
+  """f32 [2, Nq]: per query head, q_descale * k_descale (the logits' factor)
+  and v_descale (O's), a missing one 1. Negative ones become NaN: the kernel
+  folds the logits' factor into the softmax's, whose sign must be known."""
+  q_descale, k_descale, v_descale = descales if descales is not None else (None,) * 3
+  per_q_head = lambda x, n: (jnp.ones((num_q_heads,), jnp.float32) if x is None else
+                             jnp.repeat(jnp.asarray(x, jnp.float32).reshape(n), num_q_heads // n))
+  qk = per_q_head(q_descale, num_q_heads) * per_q_head(k_descale, num_kv_heads)
+  both = jnp.stack([qk, per_q_head(v_descale, num_kv_heads)])
+  return jnp.where(both >= 0, both, jnp.nan)
 
 
 def check_value_head_dim(k_shape, v_shape, page_table, heads_major: bool) -> None:

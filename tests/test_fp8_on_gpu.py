@@ -1,0 +1,87 @@
+"""The float8 sm90 forward on real hardware (skipped without a Hopper GPU):
+training and prefill sizes, odd lengths, GQA, against an f32 einsum on the
+dequantized operands, with the tolerance argued in tests/test_sm90_fp8.py
+(P in e4m3: up to 2^-4 max|v|); then what ptxas makes of the float8
+kernels (no wgmma serialized; spill bytes printed with `pytest -s`).
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fa4_jax
+from fa4_jax import backends
+from test_sm90_fp8 import E4M3, E5M2, assert_close_to_p_rounding, dequantized_reference, fp8_inputs
+
+pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
+                                reason="needs a Hopper GPU")
+
+
+@pytest.mark.parametrize("b, t, n, kv_heads, d, causal, dtype", [
+    (2, 4096, 8, 2, 128, True, E4M3),
+    (1, 3001, 4, 4, 64, False, E4M3),
+    (1, 2053, 4, 1, 256, True, E4M3),
+    (1, 2048, 4, 2, 128, False, E5M2),
+])
+def test_fp8_forward_at_scale(b, t, n, kv_heads, d, causal, dtype):
+  (q8, k8, v8), descales = fp8_inputs(b, t, t, n, kv_heads, d, dtype, seed=d)
+  assert fa4_jax.which_implementation(q8, k8, v8, is_causal=causal, **descales) == "sm90"
+  got = fa4_jax.attention(q8, k8, v8, is_causal=causal, **descales)
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
+  assert_close_to_p_rounding(got, want, v)
+  # The bound is a worst case; on the whole the error is at most that of one
+  # e4m3 rounding (relative error uniform in +-2^-4: standard deviation
+  # 2^-4 / sqrt(3), 3.6 %; P rounded in numpy on these inputs: 2 %).
+  rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
+  assert rms(np.asarray(got, np.float32) - want) < 2.0 ** -4 / np.sqrt(3) * rms(want)
+
+
+_COMPILE_FP8_KERNELS = r"""
+import os
+import jax, jax.numpy as jnp
+import fa4_jax
+
+items = {}
+for d in (64, 128, 256):
+  for causal in (False, True):
+    def run(d=d, causal=causal):
+      q = jnp.ones((1, 4096, 4, d), jnp.float8_e4m3fn)
+      return fa4_jax.attention(q, q, q, is_causal=causal, implementation="sm90")
+    items[f"fp8 d={d} causal={causal}"] = run
+dump = os.environ["MOSAIC_GPU_DUMP_TO"]
+print("ITEMS", len(items), flush=True)
+for index, (name, run) in enumerate(items.items()):
+  jax.block_until_ready(jax.jit(run)())
+  new = []
+  for f in sorted(os.listdir(dump)):
+    if f.endswith(".ptxas") and not f.startswith("call"):
+      new.append(f"call{index}-{f}")
+      os.rename(os.path.join(dump, f), os.path.join(dump, new[-1]))
+  print("CALL", "|".join([name, *new]), flush=True)
+"""
+
+
+def test_no_fp8_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(tmp_path),
+             PYTHONPATH=str(repo), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_KERNELS], env=env,
+                        capture_output=True, text=True, timeout=400)
+  assert done.returncode == 0, done.stderr[-3000:]
+  calls = [line[len("CALL "):].split("|") for line in done.stdout.splitlines()
+           if line.startswith("CALL ")]
+  assert calls and all(len(c) > 1 for c in calls), done.stdout
+  bad = []
+  for name, *dumps in calls:
+    text = "\n".join((tmp_path / f).read_text() for f in dumps)
+    bad += [f"{name}: {line.strip()}" for line in text.splitlines()
+            if re.search(r"\(C75(0[7-9]|1\d)\)", line)]
+    spills = sum(int(a) + int(b) for a, b in re.findall(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", text))
+    print(f"spill bytes {spills:5d}  {name}")
+  assert not bad, "\n".join(bad)

@@ -1,0 +1,150 @@
+"""The sm90 forward kernel on float8 operands (e4m3 / e5m2 q, k and v with
+their descales), against an f32 einsum on the dequantized values.
+
+How the kernel differs from its 16-bit self (`sm90_forward`, `_Call.fp8`):
+8-bit Q, K and V tiles, V transposed (an 8-bit wgmma reads its B operand
+only K-major), P rounded to e4m3 and staged through SMEM, the head's q and
+k descales folded into the softmax's scale and its v descale into O.
+
+Tolerance: P = exp2(...) in e4m3 has a relative rounding error up to 2^-4
+per element, so an output row sum_i p_i v_i / sum_i p_i can move by up to
+2^-4 max|v| (the bound, whatever the signs; random errors stay far below
+it); the bfloat16 output adds 2^-8 of |out|. A kernel that read V
+untransposed, dropped a descale or mixed up heads is off by O(max|v|).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from fa4_jax import gpu_target, which_implementation
+from fa4_jax.kernels import sm90_forward
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def quantized(x, dtype, axis_heads=2):
+  """(x in dtype with one scale per head, the per-head descales f32)."""
+  other = tuple(a for a in range(x.ndim) if a != axis_heads)
+  descale = np.abs(x).max(axis=other) / FP8_MAX[dtype]
+  shape = [1] * x.ndim
+  shape[axis_heads] = -1
+  return jnp.asarray(x / descale.reshape(shape), dtype), jnp.asarray(descale, jnp.float32)
+
+
+def fp8_inputs(b, t, s, n, kv_heads, d, dtype=E4M3, seed=0):
+  rng = np.random.default_rng(seed)
+  q8, qd = quantized(rng.normal(size=(b, t, n, d)), dtype)
+  k8, kd = quantized(rng.normal(size=(b, s, kv_heads, d)), dtype)
+  v8, vd = quantized(rng.normal(size=(b, s, kv_heads, d)), dtype)
+  return (q8, k8, v8), dict(query_descale=qd, key_descale=kd, value_descale=vd)
+
+
+def dequantized_reference(q8, k8, v8, descales, *, causal, scale=None, score_mod=None,
+                          soft_cap=None):
+  """f32 attention of the dequantized operands (bottom... top-left causal)."""
+  f32 = lambda x, d: np.asarray(x, np.float32) * np.asarray(d)[None, None, :, None]
+  q = f32(q8, descales["query_descale"])
+  k = f32(k8, descales["key_descale"])
+  v = f32(v8, descales["value_descale"])
+  group = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  logits = jnp.einsum("btnd,bsnd->bnts", q, k) * (scale or q.shape[-1] ** -0.5)
+  t, s = q.shape[1], k.shape[1]
+  if score_mod is not None:
+    qi, ki = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    heads = jnp.arange(q.shape[2])[None, :, None, None]
+    logits = score_mod(logits, 0, heads, qi, ki)
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  if causal:
+    logits = jnp.where(jnp.tril(jnp.ones((t, s), bool)), logits, -jnp.inf)
+  return np.asarray(jnp.einsum("bnts,bsnd->btnd", jax.nn.softmax(logits, axis=-1), v)), v
+
+
+def assert_close_to_p_rounding(got, want, v):
+  got = np.asarray(got, np.float32)
+  bound = 2.0 ** -4 * np.abs(v).max() + 2.0 ** -8 * np.abs(want)
+  excess = np.abs(got - want) - bound
+  assert (excess <= 0).all(), f"off by {excess.max():.4g} beyond the bound"
+
+
+@pytest.mark.parametrize("b, t, s, n, kv_heads, d, causal, dtype", [
+    (1, 100, 100, 2, 1, 64, True, E4M3),      # GQA, odd length, causal
+    (1, 300, 150, 2, 2, 128, False, E4M3),   # dense: 300 rows (past the decode arrangement)
+    (1, 90, 90, 2, 2, 64, True, E5M2),       # e5m2 operands (P stays e4m3)
+])
+def test_fp8_forward_matches_the_dequantized_reference(run_interpreted, b, t, s, n, kv_heads,
+                                                       d, causal, dtype):
+  (q8, k8, v8), descales = fp8_inputs(b, t, s, n, kv_heads, d, dtype)
+  call = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, implementation="sm90",
+                                           **descales)
+  got = run_interpreted(call, q8, k8, v8)
+  assert got.dtype == jnp.bfloat16
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
+  assert_close_to_p_rounding(got, want, v)
+
+
+def test_fp8_with_soft_cap_score_mod_and_f32_output(run_interpreted):
+  """The descales scale the logits before a score_mod and soft-cap (the
+  kernel folds them into the tanh's argument and the score_mod's input)."""
+  (q8, k8, v8), descales = fp8_inputs(1, 80, 80, 2, 1, 64, seed=1)
+  slopes = jnp.asarray([0.25, 0.5], jnp.float32)
+  alibi = lambda sc, b, h, qi, ki: sc - slopes[h] * (qi - ki).astype(jnp.float32)
+  call = lambda q, k, v: fa4_jax.attention(
+      q, k, v, is_causal=True, implementation="sm90", score_mod=alibi, logits_soft_cap=5.0,
+      output_dtype=jnp.float32, **descales)
+  got = run_interpreted(call, q8, k8, v8)
+  assert got.dtype == jnp.float32
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=True, soft_cap=5.0,
+                                  score_mod=lambda sc, b, h, qi, ki: sc - slopes[h] * (qi - ki))
+  assert_close_to_p_rounding(got, want, v)
+
+
+def test_a_negative_descale_gives_nan_not_a_silent_answer(run_interpreted):
+  """The kernel folds the q*k descale into the softmax's scale, whose sign
+  it must know: descales are quantization scales (>= 0), and a head with a
+  negative one gets NaN rather than a wrong softmax."""
+  (q8, k8, v8), descales = fp8_inputs(1, 64, 64, 2, 2, 64, seed=2)
+  descales["query_descale"] = descales["query_descale"].at[1].multiply(-1.0)
+  call = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=True, implementation="sm90",
+                                           **descales)
+  got = np.asarray(run_interpreted(call, q8, k8, v8), np.float32)
+  assert np.isnan(got[:, :, 1]).all() and np.isfinite(got[:, :, 0]).all()
+
+
+def test_which_calls_the_fp8_kernel_takes():
+  """All-float8 calls of training and prefill shapes; the XLA path for a
+  16-bit query on a float8 cache and for decode-like short queries."""
+  f8 = lambda *shape: jnp.zeros(shape, E4M3)
+  bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  with gpu_target("sm90"):
+    assert which_implementation(f8(1, 1024, 8, 128), f8(1, 1024, 8, 128), f8(1, 1024, 8, 128),
+                                is_causal=True) == "sm90"
+    assert which_implementation(bf(1, 1024, 8, 128), f8(1, 1024, 8, 128), f8(1, 1024, 8, 128),
+                                is_causal=True) == "xla"
+    assert which_implementation(f8(4, 1, 32, 128), f8(4, 4096, 8, 128),
+                                f8(4, 4096, 8, 128)) == "xla"
+    with pytest.raises(ValueError, match="float8 decode"):
+      fa4_jax.attention(jnp.zeros((4, 1, 32, 128), E4M3), jnp.zeros((4, 256, 8, 128), E4M3),
+                        jnp.zeros((4, 256, 8, 128), E4M3), implementation="sm90")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_heuristic_fp8_configs_cross_lower_to_fp8_wgmma(cross_lower, d):
+  """The heuristics' configs at each head dim lower for sm_90a with e4m3
+  wgmmas for both GEMMs (no 16-bit one left) within SMEM."""
+  spec = jax.ShapeDtypeStruct((2, 4096, 8, d), E4M3)
+
+  def call(q, k, v):
+    with gpu_target("sm90"):
+      return fa4_jax.attention(q, k, v, is_causal=True, implementation="sm90")
+
+  lowered = cross_lower(call, spec, spec, spec)
+  text = "\n".join(lowered.modules)
+  assert "e4m3.e4m3" in text
+  assert ".bf16.bf16" not in text
+  assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
