@@ -148,3 +148,18 @@ def test_heuristic_fp8_configs_cross_lower_to_fp8_wgmma(cross_lower, d):
   assert "e4m3.e4m3" in text
   assert ".bf16.bf16" not in text
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
+
+
+def test_fp8_under_vmap_with_descales_of_each_call(run_interpreted):
+  """vmap over calls that each bring their own query descales (the kernel's
+  descale operand is built per call)."""
+  (q8, k8, v8), descales = fp8_inputs(2, 64, 64, 2, 1, 64, seed=3)
+  query_descales = jnp.stack([descales["query_descale"], 2 * descales["query_descale"]])
+  one = lambda q, k, v, qd: fa4_jax.attention(
+      q[None], k[None], v[None], is_causal=True, implementation="sm90", query_descale=qd,
+      key_descale=descales["key_descale"], value_descale=descales["value_descale"])[0]
+  got = run_interpreted(jax.vmap(one), q8, k8, v8, query_descales)
+  for i in range(2):
+    want, v = dequantized_reference(q8[i:i + 1], k8[i:i + 1], v8[i:i + 1],
+                                    dict(descales, query_descale=query_descales[i]), causal=True)
+    assert_close_to_p_rounding(got[i:i + 1], want, v)
