@@ -142,15 +142,11 @@ def attention(
   New keyword-only arguments will be added after these, so positional and
   keyword callers keep working.
   """
+  named = _validated_arguments(locals())
   if implementation == "cudnn":
-    extras = dict(query_segment_ids=query_segment_ids,
-                  key_value_segment_ids=key_value_segment_ids, sinks=sinks,
-                  logits_soft_cap=logits_soft_cap, score_mod=score_mod, mask_mod=mask_mod,
-                  block_mask=block_mask, query_descale=query_descale,
-                  key_descale=key_descale, value_descale=value_descale,
-                  output_dtype=output_dtype, value_head_dim=value_head_dim,
-                  causal_alignment=None if causal_alignment == "top_left" else causal_alignment)
-    given = [name for name, x in extras.items() if x is not None]
+    given = [name for name in _NOT_IN_JAX_NN if named[name] is not None]
+    if causal_alignment != "top_left":
+      given.append("causal_alignment")
     if given:
       raise ValueError(
           "implementation='cudnn' forwards to jax.nn.dot_product_attention, which has no "
@@ -162,15 +158,7 @@ def attention(
         local_window_size=local_window_size, implementation="cudnn",
         return_residual=return_residual)
 
-  args, backend = _prepare(
-      query, key, value, bias, mask, implementation, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-      key_value_segment_ids=key_value_segment_ids, sinks=sinks,
-      logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
-      score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-      query_descale=query_descale, key_descale=key_descale, value_descale=value_descale,
-      output_dtype=output_dtype, value_head_dim=value_head_dim)
+  args, backend = _prepare(query, key, value, bias, mask, implementation, **named)
   config = CoreConfig(backend=backend, matmul_precision=current_matmul_precision())
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
                             args.scores, config)
@@ -202,22 +190,33 @@ def which_implementation(
   fused backward (`"sm90"`, `"sm100"`), or `"xla"` where the kernel has none
   for these arguments (then the XLA backward runs on the kernel's
   log-sum-exp), or `"cudnn"`."""
+  named = _validated_arguments(locals())
   if part not in ("forward", "backward"):
     raise ValueError(f"part must be 'forward' or 'backward'; got {part!r}")
   if implementation == "cudnn":
     return "cudnn"
-  args, backend = _prepare(
-      query, key, value, bias, mask, implementation, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-      key_value_segment_ids=key_value_segment_ids, sinks=sinks,
-      logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
-      score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-      query_descale=query_descale, key_descale=key_descale, value_descale=value_descale,
-      output_dtype=output_dtype, value_head_dim=value_head_dim)
+  args, backend = _prepare(query, key, value, bias, mask, implementation, **named)
   if part == "backward":
     return backends.backward_name(backend, _call_info(args))
   return backend.name
+
+
+# The keyword arguments of `attention` and `which_implementation` that
+# `validate` takes, by name (`tests/test_api_surface.py` checks both
+# signatures against this list), and those jax.nn has no counterpart of.
+_VALIDATED = ("scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths",
+              "local_window_size", "query_segment_ids", "key_value_segment_ids", "sinks",
+              "logits_soft_cap", "causal_alignment", "score_mod", "mask_mod", "block_mask",
+              "query_descale", "key_descale", "value_descale", "output_dtype",
+              "value_head_dim")
+_NOT_IN_JAX_NN = ("query_segment_ids", "key_value_segment_ids", "sinks", "logits_soft_cap",
+                  "score_mod", "mask_mod", "block_mask", "query_descale", "key_descale",
+                  "value_descale", "output_dtype", "value_head_dim")
+
+
+def _validated_arguments(local_vars) -> dict:
+  """`validate`'s keyword arguments from a public function's `locals()`."""
+  return {name: local_vars[name] for name in _VALIDATED}
 
 
 def _prepare(query, key, value, bias, mask, implementation, **named):
