@@ -6,7 +6,7 @@
   mask the kernel walks (causal, windows, lengths, bottom-right alignment,
   segment ids), GQA / MQA (dK, dV summed over the group), soft-cap, fp16;
   keys no query sees get exact zeros; two runs are bit-identical.
-* Cross-lowering for sm_100 of every tiling `dkv_tiles` picks, under each
+* Cross-lowering for sm_100 of every tiling `choose_config` picks, under each
   kind of mask: tcgen05 MMAs and TMEM loads / stores, no wgmma, within the
   SMEM budget; the TMEM plan is checked in code.
 """
@@ -83,7 +83,7 @@ def _kernel_dk_dv(case: DkvCase, q, k, v, do, out, lse, scale):
   """dK, dV from the kernel, with its operands prepared as the backward's
   entry point prepares them (sequences padded to multiples of 8, lse2 and
   delta from `backward_inputs.preprocess`, segment operands of this tiling)."""
-  tiles = dkdv.dkv_tiles(case.head_dim, case.dtype)
+  tiles = dkdv.choose_config(case.head_dim, case.dtype)
   b, t, n, d = q.shape
   s, nkv = k.shape[1], k.shape[2]
   q_pad, kv_pad = cdiv(t, 8) * 8, cdiv(s, 8) * 8
@@ -196,7 +196,7 @@ def test_two_runs_are_bit_identical(run_interpreted):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 192])
 def test_tmem_plan_is_dk_dv_and_two_score_tiles(head_dim):
-  tiles = dkdv.dkv_tiles(head_dim, jnp.bfloat16)
+  tiles = dkdv.choose_config(head_dim, jnp.bfloat16)
   assert tiles.tmem_columns() == 2 * head_dim + 2 * tiles.block_q <= dkdv.TMEM_COLUMNS
   assert tiles.smem_bytes() <= dkdv.SMEM_BYTES
   assert tiles.mma_issues_per_block() == 4
@@ -204,7 +204,7 @@ def test_tmem_plan_is_dk_dv_and_two_score_tiles(head_dim):
 
 def test_head_dim_256_is_refused_because_dk_and_dv_fill_tmem():
   with pytest.raises(KernelUnsupported, match="does not fit TMEM"):
-    dkdv.dkv_tiles(256, jnp.bfloat16)
+    dkdv.choose_config(256, jnp.bfloat16)
 
 
 def test_budgets_are_asserted():
@@ -219,7 +219,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
   appears in the row of the barrier it arrives on or waits on, on its
   declared side, and every barrier has both an arriving and a waiting side."""
   def make_bars(refs):
-    bars = dkdv.DkvBarrierTable(dkdv.dkv_tiles(64, jnp.bfloat16), refs)
+    bars = dkdv.DkvBarrierTable(dkdv.choose_config(64, jnp.bfloat16), refs)
     bars._interpreting = True  # the interpreter's drains wait too
     return bars
 
@@ -243,7 +243,7 @@ _MASKS = {
 def test_every_tiling_lowers_for_sm100_with_tcgen05_and_fits_smem(head_dim, mask_name,
                                                                    cross_lower):
   options = _MASKS[mask_name]
-  tiles = dkdv.dkv_tiles(head_dim, jnp.bfloat16)
+  tiles = dkdv.choose_config(head_dim, jnp.bfloat16)
   b, t, s, n, nkv = 2, 304, 1032, 4, 2
   kernel = dkdv.build_dkv_kernel(
       batch=b, q_seq=t, kv_seq=s, kv_valid=1030, num_q_heads=n, num_kv_heads=nkv,

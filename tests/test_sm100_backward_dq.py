@@ -7,7 +7,7 @@
   makes from that reference's out and lse, as the backward will. Rows that
   see no key get exactly zero, finite gradients.
 * Determinism: two runs are bit-identical (every dQ element has one writer).
-* Cross-lowering for sm_100: every tiling `dq_tiles` picks, under every mask
+* Cross-lowering for sm_100: every tiling `choose_config` picks, under every mask
   kind, lowers with tcgen05 MMAs and TMEM loads, without wgmma, within the
   SMEM and TMEM budgets.
 * The barrier table: every `DqBarrierTable` accessor is named in its docstring's
@@ -78,7 +78,7 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run, runs: int = 1):
   b, tq, nq, d = q.shape
   tk, nkv = k.shape[1], k.shape[2]
   q_pad, kv_pad = cdiv(tq, 8) * 8, cdiv(tk, 8) * 8
-  tiles = dq_kernel.dq_tiles(d, q.dtype)
+  tiles = dq_kernel.choose_config(d, q.dtype)
   lse2, delta = preprocess(out, lse, dout, q_len, q_pad)
   pad = lambda x, t: jnp.pad(x, [(0, 0), (0, t - x.shape[1]), (0, 0), (0, 0)])
   lengths = [x for x in (q_len, kv_len) if x is not None]
@@ -183,7 +183,7 @@ def test_a_sliding_window_walks_only_the_blocks_of_its_band():
   blocks 11-17 of 64 keys; the blocks before and after are never loaded.
   Blocks 14 and 15 (keys 896-1023) are seen whole by every row (the last
   row sees keys >= 851, the first keys <= 1024): no element mask there."""
-  tiles = dq_kernel.dq_tiles(128, jnp.bfloat16)
+  tiles = dq_kernel.choose_config(128, jnp.bfloat16)
   mask = MaskSpec(left=300, right=0)
   r = dq_kernel.tile_key_blocks(mask, tiles, 1024, 4096, 4096)
   assert (int(r.lo), int(r.hi), int(r.full_lo), int(r.full_hi)) == (11, 18, 14, 16)
@@ -205,7 +205,7 @@ def test_segment_ids_narrow_the_walk():
   both ids) instead of 0-7. Blocks 5 on hold only its id; of them only
   block 5 (keys 320-383) is seen whole by the tile's first row: the one
   block without an element mask."""
-  tiles = dq_kernel.dq_tiles(64, jnp.bfloat16)
+  tiles = dq_kernel.choose_config(64, jnp.bfloat16)
   ids = jnp.asarray(_DOCS([300, 724], 1024))[None]
   ops = dq_kernel.dq_segment_operands(ids, ids, tiles, 1024)
   seg = scores_read(ops[2], 3)
@@ -219,7 +219,7 @@ def test_segment_ids_narrow_the_walk():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_tiles_fit_tmem_and_smem(head_dim, dtype):
-  tiles = dq_kernel.dq_tiles(head_dim, dtype)
+  tiles = dq_kernel.choose_config(head_dim, dtype)
   plan = tiles.tmem_plan()
   assert plan["dQ"] == head_dim  # the accumulator lives in TMEM for the whole walk
   assert tiles.tmem_columns() == head_dim + 2 * tiles.score_buffers * tiles.block_kv
@@ -244,12 +244,12 @@ def test_plans_beyond_the_budgets_are_refused():
   with pytest.raises(KernelUnsupported, match="multiple of 64"):
     dq_kernel.DqTiles(256, jnp.dtype(jnp.bfloat16), block_kv=32, num_stages=2).check_budgets()
   with pytest.raises(KernelUnsupported, match="head_dim must be one of"):
-    dq_kernel.dq_tiles(96, jnp.bfloat16)
+    dq_kernel.choose_config(96, jnp.bfloat16)
 
 
 def _lower(cross_lower, head_dim, *, mask=MaskSpec(), lengths=False, segments=False,
            soft_cap=None, b=2, tq=1024, tk=1024, nq=4, nkv=2):
-  tiles = dq_kernel.dq_tiles(head_dim, jnp.bfloat16)
+  tiles = dq_kernel.choose_config(head_dim, jnp.bfloat16)
   q = jax.ShapeDtypeStruct((b, tq, nq, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, tk, nkv, head_dim), jnp.bfloat16)
   stats = jax.ShapeDtypeStruct((b, nq, tq), jnp.float32)
@@ -336,5 +336,5 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
   drains are named where they wait."""
   barrier_tables.check_table(
       dq_kernel.DqBarrierTable,
-      lambda refs: dq_kernel.DqBarrierTable(dq_kernel.dq_tiles(64, jnp.bfloat16), refs),
+      lambda refs: dq_kernel.DqBarrierTable(dq_kernel.choose_config(64, jnp.bfloat16), refs),
       dq_kernel, monkeypatch, indent=12, named_only=("drain_kv_rings", "drain_dq"))

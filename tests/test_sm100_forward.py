@@ -195,7 +195,7 @@ def test_interpreted_kernel_with_segment_ids_matches_the_explicit_mask(name, run
 
 def _walked_blocks(case: SegmentCase, segments: bool):
   """[B, CTAs] key blocks each CTA walks, from the kernel's own helpers."""
-  cfg = sm100_forward.tile_config(case.head_dim, jnp.dtype(case.dtype))
+  cfg = sm100_forward.choose_config(case.head_dim, jnp.dtype(case.dtype))
   b, tq, tk = case.batch, case.q_seq, case.kv_seq
   num_ctas = -(-tq // cfg.rows_per_cta)
   row0 = jnp.arange(num_ctas)[None, :] * cfg.rows_per_cta
@@ -381,7 +381,7 @@ def test_cross_lowers_for_sm100_with_sinks_and_soft_cap(head_dim, cross_lower):
   assert len(lowered.modules) == 1
   for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st"):
     assert lowered.has(instruction), instruction
-  cfg = sm100_forward.tile_config(head_dim, jnp.bfloat16)
+  cfg = sm100_forward.choose_config(head_dim, jnp.bfloat16)
   assert lowered.modules[0].count("tanh.approx.f32") == cfg.num_q_tiles * cfg.block_kv
   assert 0 < lowered.max_smem_bytes <= sm100_tiles.SMEM_BYTES
 
@@ -399,7 +399,7 @@ def test_bad_sinks_and_soft_caps_are_rejected(options, match):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_tmem_plan_fits_512_columns(head_dim):
-  cfg = sm100_forward.tile_config(head_dim, jnp.bfloat16)
+  cfg = sm100_forward.choose_config(head_dim, jnp.bfloat16)
   # S_i/P_i share columns; O_i has head_dim columns.
   assert cfg.tmem_columns() == cfg.num_q_tiles * (cfg.block_kv + head_dim)
   assert cfg.tmem_columns() <= sm100_tiles.TMEM_COLUMNS
@@ -574,7 +574,7 @@ PERSISTENT_CASES = {
 
 
 def _persistent_config(case: PersistentCase):
-  cfg = sm100_forward.tile_config(case.head_dim, jnp.dtype(case.dtype))
+  cfg = sm100_forward.choose_config(case.head_dim, jnp.dtype(case.dtype))
   return dataclasses.replace(cfg, persistent=True, num_sms=case.num_sms)
 
 
@@ -607,7 +607,7 @@ def test_cross_lowers_persistent_grid_for_sm100(head_dim, causal, options, cross
   """The persistent configs lower with tcgen05 MMAs and TMEM (no wgmma),
   one TMEM allocation of at most 512 columns, within SMEM; with segment
   ids, sinks and soft-cap too. num_sms 0: a B200's 148 without a GPU."""
-  cfg = dataclasses.replace(sm100_forward.tile_config(head_dim, jnp.bfloat16), persistent=True)
+  cfg = dataclasses.replace(sm100_forward.choose_config(head_dim, jnp.bfloat16), persistent=True)
   q_spec = jax.ShapeDtypeStruct((2, 1300, 4, head_dim), jnp.bfloat16)
   kv_spec = jax.ShapeDtypeStruct((2, 1030, 2, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -645,7 +645,7 @@ def test_persistent_grid_takes_one_cta_per_sm_of_the_target(target_sms, expected
     raise StopIteration
 
   monkeypatch.setattr(sm100_forward, "_build_kernel", fake_build)
-  cfg = dataclasses.replace(sm100_forward.tile_config(128, jnp.bfloat16), persistent=True)
+  cfg = dataclasses.replace(sm100_forward.choose_config(128, jnp.bfloat16), persistent=True)
   q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
   call = lambda q: sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(),
                                          config=cfg)
@@ -661,8 +661,8 @@ def test_persistent_grid_takes_one_cta_per_sm_of_the_target(target_sms, expected
 
 def test_bad_grid_configs_are_rejected():
   with pytest.raises(ValueError, match="num_sms must be >= 0"):
-    dataclasses.replace(sm100_forward.tile_config(64, jnp.bfloat16), num_sms=-1)
-  other_tiling = dataclasses.replace(sm100_forward.tile_config(64, jnp.bfloat16), num_kv_stages=2)
+    dataclasses.replace(sm100_forward.choose_config(64, jnp.bfloat16), num_sms=-1)
+  other_tiling = dataclasses.replace(sm100_forward.choose_config(64, jnp.bfloat16), num_kv_stages=2)
   q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
   with pytest.raises(KernelUnsupported, match="config must tile head_dim 64"):
     sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(), config=other_tiling)
@@ -673,7 +673,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
   barrier) appears in the row of the barrier it arrives on or waits on, and
   every barrier has both an arriving and a waiting side."""
   def make_bars(refs):
-    bars = sm100_forward.ForwardBarrierTable(sm100_forward.tile_config(64, jnp.bfloat16), refs)
+    bars = sm100_forward.ForwardBarrierTable(sm100_forward.choose_config(64, jnp.bfloat16), refs)
     bars._interpreting = True  # the interpreter's drains wait too
     return bars
 

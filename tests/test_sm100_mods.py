@@ -186,7 +186,7 @@ def test_forward_with_mods_matches_the_einsum_reference_without_races(name, run_
   mask = MaskSpec.from_arguments(case.causal, None)
   config = None
   if case.persistent:
-    config = dataclasses.replace(sm100_forward.tile_config(case.head_dim, jnp.bfloat16),
+    config = dataclasses.replace(sm100_forward.choose_config(case.head_dim, jnp.bfloat16),
                                  persistent=True, num_sms=3)
   ids = case.segment_ids()
   segment_ids = None if ids is None else (jnp.asarray(ids), jnp.asarray(ids))

@@ -1,7 +1,7 @@
 """The sm90 forward kernel on float8 operands (e4m3 / e5m2 q, k and v with
 their descales), against an f32 einsum on the dequantized values.
 
-How the kernel differs from its 16-bit self (`sm90_forward`, `_Call.fp8`):
+How the kernel differs from its 16-bit self (`sm90_forward`, `ForwardStatics.fp8`):
 8-bit Q, K and V tiles, V transposed (an 8-bit wgmma reads its B operand
 only K-major), P rounded to e4m3 and staged through SMEM, the head's q and
 k descales folded into the softmax's scale and its v descale into O.

@@ -23,7 +23,7 @@ boundary tiles; soft-cap multiplies dS by `scores.soft_cap_slope`; sinks
 need nothing (the lse includes them).
 
 Head dims 64 and 128. At 256 dK and dV of a 128-key tile take all 512 TMEM
-columns, leaving none for S^T and dP^T (`sm100_backward_dkdv.dkv_tiles`),
+columns, leaving none for S^T and dP^T (`sm100_backward_dkdv.choose_config`),
 so `check_supported` refuses it and `fa4_jax.backends` runs the XLA
 backward there.
 
@@ -61,10 +61,9 @@ from fa4_jax.kernels.backward_inputs import (check_operands, fine_tile_classes, 
                                              preprocess)
 from fa4_jax.kernels.mod_tiles import ModStatics, check_mods
 from fa4_jax.kernels.sm100_forward import kernel_scores
-from fa4_jax.kernels.sm100_backward_dkdv import (BLOCK_KV, build_dkv_kernel,
-                                                dkv_segment_operands, dkv_tiles)
-from fa4_jax.kernels.sm100_backward_dq import (BLOCK_Q, build_dq_kernel, dq_segment_operands,
-                                              dq_tiles)
+from fa4_jax.kernels import sm100_backward_dkdv, sm100_backward_dq
+from fa4_jax.kernels.sm100_backward_dkdv import BLOCK_KV, build_dkv_kernel, dkv_segment_operands
+from fa4_jax.kernels.sm100_backward_dq import BLOCK_Q, build_dq_kernel, dq_segment_operands
 from fa4_jax.scores import MaskSpec, cdiv
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
@@ -127,7 +126,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
   batch, q_seq, num_q_heads, head_dim = q.shape
   _, kv_seq, num_kv_heads, _ = k.shape
   dtype = q.dtype
-  dkv, dq_plan = dkv_tiles(head_dim, dtype), dq_tiles(head_dim, dtype)
+  dkv = sm100_backward_dkdv.choose_config(head_dim, dtype)
+  dq_plan = sm100_backward_dq.choose_config(head_dim, dtype)
   # TMA tiles (sequence, head_dim) by (8, 64): sequences padded to multiples
   # of 8 (a copy only for unaligned lengths).
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8

@@ -59,9 +59,9 @@ instruction per product, M x N x K with K the contraction):
     TMEM (columns of 32 bits, all 128 lanes; `DkvTiles.tmem_plan`):
         dK: D, dV: D, S^T/P^T: bq, dP^T/dS^T: bq
         D = 128, bq = 128: 512 of 512;  D = 64, bq = 128: 384;
-        D = 192, bq = 64: 512 (`dkv_tiles` takes bq = 128 where it fits).
+        D = 192, bq = 64: 512 (`choose_config` takes bq = 128 where it fits).
         D = 256 does not fit: dK and dV alone take all 512 columns
-        (`dkv_tiles` raises KernelUnsupported; the caller falls back).
+        (`choose_config` raises KernelUnsupported; the caller falls back).
         So one CTA per SM at either head dim.
     SMEM (bytes, 16-bit inputs; `DkvTiles.smem_bytes`):
         K, V: 2 * 128 * D * 2   (then dK, dV on their way out)
@@ -187,7 +187,7 @@ class DkvTiles:
         f" (head_dim={self.head_dim}, block_q={self.block_q}, num_stages={self.num_stages})")
 
 
-def dkv_tiles(head_dim: int, dtype) -> DkvTiles:
+def choose_config(head_dim: int, dtype) -> DkvTiles:
   """The tiling for a head dimension, checked against TMEM and SMEM: the
   largest query block (128, else 64) whose S^T and dP^T fit beside dK and
   dV in TMEM, and as many ring stages as the SMEM holds, up to 3."""
@@ -308,7 +308,7 @@ class DkvBarrierTable(BarrierTable):
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelStatics:
+class DkvStatics:
   """What `build_dkv_kernel` fixes at trace time, the same for every CTA."""
 
   tiles: DkvTiles
@@ -318,7 +318,7 @@ class KernelStatics:
   mods: ModStatics | None = None  # programmable scores; None without them
 
   @property
-  def c(self) -> float:
+  def exp2_scale(self) -> float:
     """c in P = exp2(c t - lse2) (`scores.softmax_scale`; with a score_mod
     the scale leaves it, `mod_tiles.exp2_constant`)."""
     if self.mods is not None:
@@ -346,7 +346,7 @@ class DkvRefs:
 class DkvContext:
   """What every role reads: statics, refs, barriers and this CTA's walk."""
 
-  statics: KernelStatics
+  statics: DkvStatics
   gmem: KernelRefs
   refs: DkvRefs
   bars: DkvBarrierTable
@@ -512,7 +512,7 @@ def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids,
     q_idx, kv_idx = tile_positions(s.shape, row_lo=k_lo, col_lo=q_lo, keys_along_rows=True)
     t, slope = tile_mods.logits(s, q_idx, kv_idx, scale=st.scale, cap=st.soft_cap,
                                 with_slope=True)
-  logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [1])
+  logits2 = t * st.exp2_scale - lax.broadcast_in_dim(lse2, s.shape, [1])
   if masked:
     segments = (None if key_ids is None
                 else (key_ids, ctx.gmem.segments.q_ids, work.batch_idx))
@@ -706,7 +706,7 @@ def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
   tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=block_q, num_stages=num_stages,
                    block_kv=block_kv)
   tiles.check_budgets()
-  statics = KernelStatics(tiles, mask, float(scale), soft_cap, mods=mods)
+  statics = DkvStatics(tiles, mask, float(scale), soft_cap, mods=mods)
   group = num_q_heads // num_kv_heads
 
   def kernel(*refs, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, st_tmem, dpt_tmem,

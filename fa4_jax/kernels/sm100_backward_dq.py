@@ -195,7 +195,7 @@ class DqTiles:
           f" num_stages={self.num_stages})")
 
 
-def dq_tiles(head_dim: int, dtype) -> DqTiles:
+def choose_config(head_dim: int, dtype) -> DqTiles:
   """The tiling for a head dimension, checked against TMEM and SMEM (see the
   module docstring for why these sizes)."""
   if head_dim == 64:
@@ -696,7 +696,7 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
   block_cols=block_kv)`; with `mods`, then `ModRefs`' operands (block lists
   of the 128-row tiles by `block_kv` keys). Returns dq [B, q_seq, Nq, D] in
   dtype."""
-  tiles = dataclasses.replace(dq_tiles(head_dim, dtype), block_kv=block_kv, block_q=block_q,
+  tiles = dataclasses.replace(choose_config(head_dim, dtype), block_kv=block_kv, block_q=block_q,
                               num_stages=num_stages)
   tiles.check_budgets()
   del kv_seq  # the K/V extents come with the arrays

@@ -91,7 +91,7 @@ key block lse = sink for its valid rows. Logit soft-capping
 the element mask and folds cap into the exp2 constant
 (`scores.softmax_scale`). Where the capped logits bound P
 (`scores.fixed_max_is_exact`: bf16, cap * log2(e) + log2(keys) <= 96) the
-rows keep a fixed max (`KernelStatics.fixed_max`): the softmax takes no row
+rows keep a fixed max (`ForwardStatics.fixed_max`): the softmax takes no row
 max and hands no row factors over (c_full / c_free carry only the final
 statistics), and the correction leaves O alone, only keeping its turn in
 p_full_o_rescaled. Without them the kernel is unchanged.
@@ -235,7 +235,7 @@ class TileConfig:
     )
 
 
-def tile_config(head_dim: int, dtype) -> TileConfig:
+def choose_config(head_dim: int, dtype) -> TileConfig:
   """The tiling for a head dimension (checked against TMEM and SMEM)."""
   if head_dim == 64:
     cfg = TileConfig(head_dim, jnp.dtype(dtype), block_kv=128, num_q_tiles=2, num_kv_stages=3)
@@ -406,7 +406,7 @@ LOAD_WARP, MMA_WARP = 0, 1
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelStatics:
+class ForwardStatics:
   """What `_build_kernel` fixes at trace time, the same for every CTA."""
 
   cfg: TileConfig
@@ -497,7 +497,7 @@ class ForwardContext:
   one (batch, head)): the static configuration, the refs, the barriers and
   the item's geometry (traced scalars)."""
 
-  statics: KernelStatics
+  statics: ForwardStatics
   refs: ForwardRefs
   bars: ForwardBarrierTable
   b: Any  # batch
@@ -522,7 +522,7 @@ class ForwardContext:
   block_list: BlockList | None = None
 
   @classmethod
-  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarrierTable, b, h,
+  def create(cls, statics: ForwardStatics, refs: ForwardRefs, bars: ForwardBarrierTable, b, h,
              kv_h, cta_tile, **position):
     cfg = statics.cfg
     row0 = cta_tile * cfg.rows_per_cta
@@ -585,7 +585,7 @@ class CtaWork:
   one (batch, head, CTA tile) per CTA, or a persistent CTA's share
   (`schedule.PersistentWork`)."""
 
-  statics: KernelStatics
+  statics: ForwardStatics
   refs: ForwardRefs
   bars: ForwardBarrierTable
   num_items: Any  # 1 (a Python int) for one CTA per tile
@@ -593,7 +593,7 @@ class CtaWork:
   only_item: ForwardContext | None = None  # one CTA per tile: its item
 
   @classmethod
-  def create(cls, statics: KernelStatics, refs: ForwardRefs, bars: ForwardBarrierTable):
+  def create(cls, statics: ForwardStatics, refs: ForwardRefs, bars: ForwardBarrierTable):
     if statics.persistent:
       cta = lax.axis_index("ctas")
       return cls(statics, refs, bars, statics.work.count(cta),
@@ -1136,7 +1136,7 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
   then the f32 [num_q_heads] sinks; with `mods`, then `ModRefs`' operands
   (`mods_operands`)."""
   num_cta_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta)
-  statics = KernelStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
+  statics = ForwardStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
                           scale=scale, segments=segments, soft_cap=soft_cap, sinks=sinks,
                           fixed_max=fixed_max, mods=mods,
                           num_cta_tiles=num_cta_tiles, heavy_first=pairs_causal_tiles(mask),
@@ -1214,7 +1214,7 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
         f"sm100 forward: head_dim must be one of {_SUPPORTED_HEAD_DIMS}, got {d}")
   if b > 65535:
     raise KernelUnsupported(f"sm100 forward: batch {b} exceeds the grid limit 65535")
-  tile_config(d, dtype)
+  choose_config(d, dtype)
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
@@ -1223,7 +1223,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   """See fa4_jax/kernels/__init__.py; `segment_ids`: None or (q_ids int32
   [B, Tq], kv_ids int32 [B, Tk]): a query sees only keys of its own id;
   `sinks`: None or f32 [Nq]; `soft_cap`: None or a float > 0. `config`:
-  None for `tile_config(head_dim, dtype)`, or that config with other grid
+  None for `choose_config(head_dim, dtype)`, or that config with other grid
   fields (`persistent`, `num_sms`); its tiling must be the one the head dim
   gets.
 
@@ -1254,11 +1254,11 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     q_lengths = jnp.full((b,), tq, jnp.int32)
   if kv_lengths is None:
     kv_lengths = jnp.full((b,), tk, jnp.int32)
-  cfg = tile_config(d, q.dtype)
+  cfg = choose_config(d, q.dtype)
   if config is not None:
     if dataclasses.replace(config, persistent=False, num_sms=0) != cfg:
       raise KernelUnsupported(
-          f"sm100 forward: config must tile head_dim {d} as tile_config does ({cfg}), "
+          f"sm100 forward: config must tile head_dim {d} as choose_config does ({cfg}), "
           f"up to persistent and num_sms; got {config}")
     cfg = config
   if cfg.persistent and not cfg.num_sms:

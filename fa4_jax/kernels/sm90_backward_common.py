@@ -101,7 +101,7 @@ class BackwardBarriers:
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelStatics:
+class BackwardStatics:
   """What every backward kernel knows about its call before tracing."""
 
   cfg: Any  # BackwardConfig

@@ -35,7 +35,7 @@ from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rende
                                      SlotRing)
 from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork, SegmentRefs, narrow
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelStatics, ModRefs, launch,
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate,
                                                   mma_accumulate_pair, scores_grad,
                                                   stats_of_slot, TileSoftmax, transposed_scores,
@@ -75,7 +75,7 @@ QUEUED_RESIDENT_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class _DkvPass(KernelStatics):
+class _DkvPass(BackwardStatics):
   """The static description of one dK/dV kernel (or pass)."""
 
   outputs: tuple[str, ...]

@@ -27,7 +27,7 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
 from fa4_jax.kernels.backward_walk import KernelRefs, narrow
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, KernelStatics, ModRefs, launch,
+from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate, mma_pair,
                                                   walk_block_list, zeros)
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
@@ -45,7 +45,7 @@ def _row_delta(o_tile, do_tile, lse2):
 
 
 @dataclasses.dataclass(frozen=True)
-class _DqKernel(KernelStatics):
+class _DqKernel(BackwardStatics):
   """The static description of the dQ kernel."""
 
   num_q_tiles: int

@@ -81,7 +81,7 @@ c = cap * log2(e) into the exp2 (`scores.softmax_logits`, `softmax_scale`):
 one multiply and one tanh.approx per element, in the softmax turn of the
 ping-pong. Capped logits are bounded, so where that bounds P
 (`scores.fixed_max_is_exact`: bf16, cap * log2(e) + log2(keys) <= 96) the
-rows keep a fixed max (`_Call.fixed_max`): no row max, no rescale factor,
+rows keep a fixed max (`ForwardStatics.fixed_max`): no row max, no rescale factor,
 no rescale of O, and the turn is tanh, FMA, exp2, row sum. Without them the
 kernel is unchanged.
 
@@ -117,7 +117,7 @@ unchanged (`tools/kernel_fingerprints.py`).
 
 A value head dim of its own (`v` [B, S, Nkv, Dv], out [..., Dv]; 192 / 128
 and others, `check_value_head_dim`): the V ring and the accumulator take Dv,
-and O gets SMEM tiles of its own (`_Call.separate_o_tiles`; without one it
+and O gets SMEM tiles of its own (`ForwardStatics.separate_o_tiles`; without one it
 is staged in the consumer's Q tile). The configuration is the larger head
 dim's. Not with a page table or heads-major Q. Equal head dims build the
 kernel as before (`tools/kernel_fingerprints.py`).
@@ -495,7 +495,7 @@ class ForwardBarriers:
 
 
 # --- The kernel: one context, three roles -----------------------------------
-# `_build_kernel` fixes the call's static facts (`_Call`); inside the kernel
+# `_build_kernel` fixes the call's static facts (`ForwardStatics`); inside the kernel
 # `_Context` adds the refs, the barriers and the CTA's work items, and the
 # roles read it: `_producer` (TMA loads), `_consumer` with `_ConsumerTile`
 # (Q K^T, online softmax, P V, the hand-off of the tensor core) and
@@ -507,7 +507,7 @@ _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
+class ForwardStatics:
   """What one call fixes before tracing, read by every role."""
 
   config: ForwardConfig
@@ -518,7 +518,7 @@ class _Call:
   dtype: Any
   group: int  # q heads per kv head
   num_q_tiles: int  # CTA tiles of `config.block_q_cta` rows
-  c: float  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2) (`scores.softmax_scale`)
+  exp2_scale: float  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2) (`scores.softmax_scale`)
   # Causal-like masks: later query tiles see more keys; they run first
   # (`schedule.heavy_first_tile`) and a persistent grid pairs them.
   heavy_first: bool
@@ -586,7 +586,7 @@ class _Call:
     """The logit of a masked key: it loses every max (min when c < 0). With
     soft-cap c = cap * log2(e) > 0 whatever the scale's sign (the sign is
     inside the tanh), so -inf."""
-    return -jnp.inf if self.c >= 0 else jnp.inf
+    return -jnp.inf if self.exp2_scale >= 0 else jnp.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -610,10 +610,10 @@ class _Refs:
   k_smem: Any  # K ring
   v_smem: Any  # V ring
   lse_smem: Any  # LSE rows
-  o_smem: Any  # O tiles (`_Call.separate_o_tiles` only)
-  p_smem: Any  # P staging (`_Call.stages_p` only)
+  o_smem: Any  # O tiles (`ForwardStatics.separate_o_tiles` only)
+  p_smem: Any  # P staging (`ForwardStatics.stages_p` only)
   kv_ids_smem: Any  # the keys' segment ids, a ring beside K's; None without segment ids
-  # Programmable scores only (`_Call.mods`), in GMEM: the block lists
+  # Programmable scores only (`ForwardStatics.mods`), in GMEM: the block lists
   # (`scores.block_lists`: counts int32 [B, Hm, tiles, 2], order int32
   # [B, Hm, tiles, nk]), the (batch, head) offsets the mods add (int32 [2]),
   # and the captured arrays of score_mod and mask_mod.
@@ -624,7 +624,7 @@ class _Refs:
   mask_captured: tuple = ()
 
   @classmethod
-  def unpack(cls, call: _Call, refs) -> tuple["_Refs", Any]:
+  def unpack(cls, call: ForwardStatics, refs) -> tuple["_Refs", Any]:
     """(refs, barrier refs) from the kernel's arguments."""
     refs = list(refs)
     q, k, v = refs[:3]
@@ -658,7 +658,7 @@ class _Refs:
                kv_ids_smem, **mod_refs), barrier_refs
 
 
-def _scratch_smem(call: _Call) -> list:
+def _scratch_smem(call: ForwardStatics) -> list:
   """The SMEM buffers, in the order `_Refs.unpack` reads them."""
   cfg, d, dtype = call.config, call.head_dim, call.dtype
   bq, bk = cfg.block_q, cfg.block_kv
@@ -682,7 +682,7 @@ def _scratch_smem(call: _Call) -> list:
   return smem
 
 
-def _fp8_scratch_smem(call: _Call) -> list:
+def _fp8_scratch_smem(call: ForwardStatics) -> list:
   """`_scratch_smem` of a float8 call: 8-bit tiles swizzled as wide as their
   rows allow (a 64-wide head dim: 64 bytes; Q and K, P and V^T share their
   rows' length, so each GEMM's operands share a swizzle), the V ring
@@ -716,7 +716,7 @@ class _WorkItem:
   lo: Any  # the producer loads KV blocks [lo, hi) for the whole CTA tile
   hi: Any
   tile: Any  # the CTA tile's index; consumer c's rows are tile `tile * num_consumers + c`
-  # Programmable scores (`_Call.mods`): [lo, hi) are positions in the CTA's
+  # Programmable scores (`ForwardStatics.mods`): [lo, hi) are positions in the CTA's
   # block list, [lo, partial) its partial blocks, [partial, hi) its full ones.
   partial: Any = None
 
@@ -726,7 +726,7 @@ class _Context:
   """What the roles of one CTA share: the call, the refs, the barriers, the
   warpgroup's index and the CTA's work items."""
 
-  call: _Call
+  call: ForwardStatics
   refs: _Refs
   bars: ForwardBarriers
   wg: Any  # this warpgroup's index
@@ -735,7 +735,7 @@ class _Context:
   queue: WorkQueue | None = None  # the persistent grid's work queue, if it has one
 
   @classmethod
-  def create(cls, call: _Call, refs: _Refs, barrier_refs) -> "_Context":
+  def create(cls, call: ForwardStatics, refs: _Refs, barrier_refs) -> "_Context":
     cfg = call.config
     bars = ForwardBarriers.from_refs(cfg, barrier_refs)
     wg = lax.axis_index("wg")
@@ -1099,7 +1099,7 @@ class _ConsumerTile:
 
   def block_softmax(self, s, m, j, *, masked: bool, key_ids=None, block=None):
     """(P, new running max, alpha) for the logits of KV block j; with a
-    fixed max (`_Call.fixed_max`) (P, m, None): nothing to rescale.
+    fixed max (`ForwardStatics.fixed_max`) (P, m, None): nothing to rescale.
 
     Soft-cap's tanh runs here, after `qk`'s rendezvous and before
     `hand_off`: inside this consumer's softmax turn, whose MUFU work (tanh,
@@ -1136,11 +1136,11 @@ class _ConsumerTile:
       if key_ids is not None:
         self.release_k_after_reading_ids(j)
     if call.fixed_max:
-      return fixed_max_softmax(s, m, call.c), m, None
+      return fixed_max_softmax(s, m, call.exp2_scale), m, None
     descale = None
     if self.qk_descale is not None and call.soft_cap is None and call.score_mod is None:
-      descale = self.qk_descale  # folded into c: no multiply per score
-    return online_softmax(s, m, call.c, descale)
+      descale = self.qk_descale  # folded into exp2_scale: no multiply per score
+    return online_softmax(s, m, call.exp2_scale, descale)
 
   def logit_scale(self):
     """The factor of the raw logits before a score_mod or soft-cap: the
@@ -1151,7 +1151,7 @@ class _ConsumerTile:
   def modified_logits(self, s, block):
     """A tile of raw Q K^T logits of key block `block` through the scale and
     `score_mod`, then soft-capped (t = tanh(s / cap)) if the call is: in the
-    units of `_Call.c` = softmax_scale(1, cap) (`scores.Scores` has the order)."""
+    units of `ForwardStatics.exp2_scale` = softmax_scale(1, cap) (`scores.Scores` has the order)."""
     call, cfg = self.ctx.call, self.ctx.call.config
     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
                              layout=plgpu.Layout.WGMMA)
@@ -1229,7 +1229,7 @@ class _ConsumerTile:
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
   def stage_p(self, p):
-    """P into the consumer's SMEM tile for the P V wgmma (`_Call.stages_p`);
+    """P into the consumer's SMEM tile for the P V wgmma (`ForwardStatics.stages_p`);
     returns the tile. Its previous P V wgmma has completed (its accumulator
     was read)."""
     p_tile = self.ctx.refs.p_smem.at[self.ctx.wg]
@@ -1275,7 +1275,7 @@ def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
   plgpu.copy_smem_to_gmem(refs.lse_smem.at[wg], refs.lse.at[b_i, h_i, pl.ds(tile.q_lo, bq)])
 
 
-def _kernel(call: _Call, *refs) -> None:
+def _kernel(call: ForwardStatics, *refs) -> None:
   refs, barrier_refs = _Refs.unpack(call, refs)
   ctx = _Context.create(call, refs, barrier_refs)
   pl.when(ctx.wg == call.config.num_consumers)(functools.partial(_producer, ctx))
@@ -1317,11 +1317,11 @@ def _build_kernel(
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
   heavy_first = pairs_causal_tiles(mask)
   work = _persistent_work(cfg, mask, batch, num_q_heads, q_seq)
-  call = _Call(config=cfg, mask=mask, q_seq=q_seq, kv_valid=kv_valid, head_dim=head_dim,
+  call = ForwardStatics(config=cfg, mask=mask, q_seq=q_seq, kv_valid=kv_valid, head_dim=head_dim,
                dtype=dtype, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles,
                # A score_mod takes the scaled scores: the softmax's constant is
                # then log2(e) (cap * log2(e) with soft-cap).
-               c=softmax_scale(scale if score_mod is None else 1.0, soft_cap),
+               exp2_scale=softmax_scale(scale if score_mod is None else 1.0, soft_cap),
                heavy_first=heavy_first, work=work,
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
