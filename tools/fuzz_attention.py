@@ -7,11 +7,14 @@ kernels take, causal or windowed masks, per-row lengths, segment ids
 large ones) and soft-cap, a `score_mod` (ALiBi slopes or a relative-position
 table, captured arrays whose gradients are checked too), a `mask_mod`
 (prefix-LM per batch row, chunked local, a window plus global tokens), a
-value head dim of its own, bf16 / fp16 (f32 on the XLA path), each combined
-at random. Every call's output and gradients (q, k, v, sinks and the
+value head dim of its own, bf16 / fp16 (f32 on the XLA path) or all three
+operands in float8 e4m3 with per-head descales, each combined at random. Every call's output and gradients (q, k, v, sinks and the
 score_mod's array) are compared with `tests/reference.py`'s einsum
 attention under the explicit mask and bias: outputs on the rows that see a
-key, gradients as relative errors.
+key, gradients as relative errors. float8 calls (no gradient) are compared
+with the einsum on the dequantized operands, within the kernel's P
+rounding: 2^-4 max|v| + 2^-8 |out| (`tests/test_sm90_fp8.py`); their output
+error is printed in units of that bound.
 
     python3 tools/fuzz_attention.py --implementation sm90 --interpret [--trials 40]
     python3 tools/fuzz_attention.py --implementation sm90 --max-seq 2048   # on a GPU
@@ -51,7 +54,8 @@ from reference import einsum_attention, random_packing, relative_error, visible_
 # of magnitude up to ~4 differ by up to ~3e-2; the gradients' relative
 # (Frobenius) errors sit near 5e-3 (tests/test_on_gpu.py). f32 (XLA path):
 # float32 rounding only.
-TOLERANCES = {"bfloat16": (6e-2, 2e-2), "float16": (2e-2, 1e-2), "float32": (1e-4, 1e-4)}
+TOLERANCES = {"bfloat16": (6e-2, 2e-2), "float16": (2e-2, 1e-2), "float32": (1e-4, 1e-4),
+              "float8_e4m3fn": (1.0, 0.0)}  # float8: the output error in units of its bound
 
 
 def draw_call(rng: np.random.Generator, implementation: str, max_seq: int) -> dict:
@@ -72,6 +76,8 @@ def draw_call(rng: np.random.Generator, implementation: str, max_seq: int) -> di
       count = int(rng.integers(1, 5))
       segments = [rng.integers(0, count, size=(b, n)) for n in (t, s)]
   dtype = "float32" if implementation == "xla" else str(rng.choice(["bfloat16", "bfloat16", "float16"]))
+  if implementation in ("xla", "sm90", "default") and rng.random() < 0.15:
+    dtype = "float8_e4m3fn"
   return dict(
       batch=b, q_seq=t, kv_seq=s, q_heads=kv_heads * int(rng.choice([1, 2, 4])), kv_heads=kv_heads,
       head_dim=head_dim, dtype=dtype, is_causal=causal, window=window,
@@ -129,6 +135,11 @@ def check_call(call: dict, implementation: str | None, seed: int):
   q = (2 * jax.random.normal(keys[0], (b, t, n, d))).astype(dtype)
   k = jax.random.normal(keys[1], (b, s, kh, d)).astype(dtype)
   v = (1.0 + jax.random.normal(keys[2], (b, s, kh, dv))).astype(dtype)
+  fp8 = dtype == jnp.dtype(jnp.float8_e4m3fn)
+  if fp8:  # per-head scales: each head's largest magnitude at e4m3's 448
+    q, k, v, descales = float8_operands(2 * jax.random.normal(keys[0], (b, t, n, d)),
+                                        jax.random.normal(keys[1], (b, s, kh, d)),
+                                        1.0 + jax.random.normal(keys[2], (b, s, kh, dv)))
   dout = jax.random.normal(keys[3], (b, t, n, dv), jnp.float32)
   as_int = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
   ids = call["segment_ids"] or (None, None)
@@ -137,6 +148,9 @@ def check_call(call: dict, implementation: str | None, seed: int):
                  key_value_seq_lengths=as_int(call["kv_lengths"]),
                  query_segment_ids=as_int(ids[0]), key_value_segment_ids=as_int(ids[1]),
                  logits_soft_cap=call["soft_cap"])
+  if fp8:
+    options.update(query_descale=descales[0], key_descale=descales[1],
+                   value_descale=descales[2])
   visible = visible_mask(t, s, is_causal=call["is_causal"], window=call["window"],
                          q_lengths=call["q_lengths"], kv_lengths=call["kv_lengths"], batch=b,
                          q_segment_ids=ids[0], kv_segment_ids=ids[1])
@@ -180,7 +194,11 @@ def check_call(call: dict, implementation: str | None, seed: int):
   def reference_with_lse(visible, *a):
     more = named(a)
     bias = None if bias_of is None else bias_of(more["captured"], t, s)
-    return einsum_attention(*a[:3], visible, bias=bias, sinks=more.get("sinks"),
+    qkv = a[:3]
+    if fp8:  # the dequantized operands
+      qkv = [x.astype(jnp.float32) * scale[None, None, :, None]
+             for x, scale in zip(qkv, descales)]
+    return einsum_attention(*qkv, visible, bias=bias, sinks=more.get("sinks"),
                             soft_cap=call["soft_cap"])
 
   reference = lambda visible, *a: reference_with_lse(visible, *a)[0]
@@ -189,16 +207,36 @@ def check_call(call: dict, implementation: str | None, seed: int):
   wrt = tuple(range(2, len(args) + 2))
   visible = jnp.asarray(visible)
   out, (want, want_lse) = jax.jit(ours)(visible, *args), reference_with_lse(visible, *args)
+  if fp8:  # no gradient; the error in units of the P rounding's bound
+    v_max = float(np.max(np.abs(np.asarray(v, np.float32) * np.asarray(descales[2])[:, None])))
+    bound = 2.0 ** -4 * v_max + 2.0 ** -8 * np.abs(np.asarray(want))
+    error = np.abs(np.asarray(out, np.float32) - np.asarray(want)) / bound
+    finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
+    return float(np.max(error[valid_rows], initial=0.0)), 0.0, finite
   grads = jax.jit(jax.grad(loss(ours), wrt))(weights, visible, *args)
   want_grads = jax.jit(jax.grad(loss(reference), wrt))(weights, visible, *args)
   out_error = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want))[valid_rows],
                            initial=0.0))
-  sink_terms = None
+  sink_terms = captured_terms = None
   if call["sinks"] is not None:
     sink_terms = sink_gradient_terms(want, want_lse, args[-1], weights)
-  grad_error = gradient_error(grads, want_grads, sink_terms)
+  if score_mod is not None:
+    captured_terms = captured_gradient_terms(
+        lambda captured: reference_with_lse(visible, *args[:3], captured, *args[4:])[1],
+        args[3], want, weights)
+  grad_error = gradient_error(grads, want_grads, sink_terms, captured_terms)
   finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in (out, *grads))
   return out_error, grad_error, finite
+
+
+def float8_operands(q, k, v):
+  """(q, k, v in e4m3, (q, k, v descales f32 per head)) of f32 arrays."""
+  quantized, descales = [], []
+  for x in (q, k, v):
+    descale = jnp.maximum(jnp.abs(x).max(axis=(0, 1, 3)), 1e-6) / 448.0
+    quantized.append((x / descale[None, None, :, None]).astype(jnp.float8_e4m3fn))
+    descales.append(descale.astype(jnp.float32))
+  return (*quantized, descales)
 
 
 def sink_gradient_terms(out, lse, sinks, weights):
@@ -215,22 +253,48 @@ def sink_gradient_terms(out, lse, sinks, weights):
   return jnp.sqrt(jnp.sum((p_sink * delta) ** 2, axis=(0, 2)))
 
 
-def gradient_error(grads, want_grads, sink_terms=None) -> float:
+def captured_gradient_terms(lse_of, captured, out, weights):
+  """The L2 norm of the row terms that the delta part of a captured array's
+  gradient sums: delta_i d lse_i / d captured (delta: the row's sum of
+  weights * output), one forward-mode derivative per element of the array.
+  As for the sinks (`sink_gradient_terms`), a 16-bit kernel forms delta
+  from its rounded output, so this part carries an error of about one
+  rounding of each term, of random sign, which where the terms cancel
+  exceeds the gradient itself (bf16 inputs on our XLA path show the same:
+  a relative error of 0.4 on a soft-capped ALiBi call with packed rows)."""
+  delta = jnp.sum(weights * out, axis=-1).transpose(0, 2, 1)  # [B, N, T]
+
+  def norm_along(e):
+    lse_tangent = jax.jvp(lse_of, (captured,), (e.reshape(captured.shape),))[1]
+    return jnp.sum(jnp.where(jnp.isfinite(lse_tangent), delta * lse_tangent, 0.0) ** 2)
+
+  basis = jnp.eye(captured.size, dtype=captured.dtype)
+  return jnp.sqrt(jnp.sum(jax.lax.map(norm_along, basis)))
+
+
+def gradient_error(grads, want_grads, sink_terms=None, captured_terms=None) -> float:
   """The largest error among the gradients: each relative to its exact
   value, or, where that nearly vanishes, against the call's largest
   gradient scaled to its size. Rows that see exactly one key have dq = dk =
   0 exactly, and a 16-bit kernel leaves rounding noise there (delta comes
   from the rounded output), small beside dv but infinite relative to 0.
-  The sinks' gradient (fourth, where given) is measured against
-  `sink_terms` (the L2 norm of the terms it sums) where that is larger."""
+  The sinks' gradient (last, where given) is measured against `sink_terms`
+  (the L2 norm of the terms it sums) where that is larger, and a score_mod's
+  array's (fourth, where given) against `captured_terms` likewise."""
+  def against_terms(got, want, terms):
+    scale = max(float(np.linalg.norm(np.asarray(want, np.float64))),
+                float(np.linalg.norm(np.asarray(terms, np.float64))), 1e-6)
+    return float(np.linalg.norm(np.asarray(got, np.float64)
+                                - np.asarray(want, np.float64))) / scale
+
   if sink_terms is not None:
     *grads, got_sinks = grads
     *want_grads, want_sinks = want_grads
-    scale = max(float(np.linalg.norm(np.asarray(want_sinks, np.float64))),
-                float(np.linalg.norm(np.asarray(sink_terms, np.float64))), 1e-6)
-    sinks_error = float(np.linalg.norm(np.asarray(got_sinks, np.float64)
-                                       - np.asarray(want_sinks, np.float64))) / scale
-    return max(sinks_error, gradient_error(grads, want_grads))
+    return max(against_terms(got_sinks, want_sinks, sink_terms),
+               gradient_error(grads, want_grads, captured_terms=captured_terms))
+  if captured_terms is not None:
+    captured_error = against_terms(grads[3], want_grads[3], captured_terms)
+    return max(captured_error, gradient_error(grads[:3], want_grads[:3]))
   wants = [np.asarray(w, np.float64) for w in want_grads]
   norms = [float(np.linalg.norm(w)) for w in wants]
   largest = int(np.argmax(norms))
