@@ -21,7 +21,7 @@ def test_draws_cover_the_options_each_call_can_combine():
   assert any(c["q_lengths"] is not None for c in calls)
   assert any(c["window"] is not None for c in calls)
   assert any(c["q_heads"] > c["kv_heads"] for c in calls)
-  assert {c["dtype"] for c in calls} == {"bfloat16", "float16"}
+  assert {c["dtype"] for c in calls} == {"bfloat16", "float16", "float8_e4m3fn"}
   assert {c["score_mod"] for c in calls} == {None, "alibi", "table"}
   assert {c["mask_mod"] for c in calls} == {None, "prefix", "chunked", "window_global"}
   assert any(c["value_head_dim"] != c["head_dim"] for c in calls)
@@ -54,3 +54,17 @@ def test_the_sinks_gradient_is_measured_against_its_terms_and_a_wrong_one_fails(
   assert error(-0.3) == pytest.approx(0.4)
   # Without the terms, the error is relative to the sum.
   assert fuzz_attention.gradient_error(qkv + [np.array([0.315])], want) == pytest.approx(0.05)
+
+
+def test_a_captured_arrays_gradient_is_measured_against_its_row_terms():
+  """As the sinks': a score_mod's array's gradient (fourth) against the L2
+  norm of the delta-weighted row terms it sums, where that is larger; a
+  gradient wrong by its own size still fails."""
+  qkv = [np.ones((2, 3))] * 3
+  want = qkv + [np.array([0.3, -0.1])]
+  terms = np.float64(2.0)
+  error = lambda got: fuzz_attention.gradient_error(qkv + [np.array(got)], want,
+                                                    captured_terms=terms)
+  assert error([0.32, -0.1]) == pytest.approx(0.01)  # 0.02 off: 1 % of the terms
+  assert error([0.0, 0.0]) > 2e-2 * 7  # a lost gradient: far past bf16's 2e-2
+  assert error([-0.3, 0.1]) > 2e-2 * 15
