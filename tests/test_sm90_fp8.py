@@ -150,6 +150,22 @@ def test_heuristic_fp8_configs_cross_lower_to_fp8_wgmma(cross_lower, d):
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
 
 
+@pytest.mark.parametrize("t, s, d", [(300, 150, 128), (2053, 3001, 64)])
+def test_fp8_at_key_counts_off_the_tile_lowers(cross_lower, t, s, d):
+  """Key counts that are no multiple of the V^T tile's 128-key swizzle lower
+  (the TMA of a transposed V needs its key axis in whole tiles; the
+  interpreter cannot see this, an H200 run found it)."""
+  q_spec = jax.ShapeDtypeStruct((1, t, 4, d), E4M3)
+  kv_spec = jax.ShapeDtypeStruct((1, s, 2, d), E4M3)
+
+  def call(q, k, v):
+    with gpu_target("sm90"):
+      return fa4_jax.attention(q, k, v, implementation="sm90")
+
+  lowered = cross_lower(call, q_spec, kv_spec, kv_spec)
+  assert "e4m3.e4m3" in "\n".join(lowered.modules)
+
+
 def test_fp8_under_vmap_with_descales_of_each_call(run_interpreted):
   """vmap over calls that each bring their own query descales (the kernel's
   descale operand is built per call)."""

@@ -1539,7 +1539,13 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if config.work_queue:
     call = fixed_shares_under_vmap(call, lambda: build(config=config, queue_counter=False))
   if fp8:
-    v = jnp.transpose(v, (0, 2, 3, 1))  # [B, Nkv, Dv, Tk]
+    # V^T [B, Nkv, Dv, Tk]. Its TMA tiles the key axis by the swizzle width
+    # (up to 128 one-byte keys), so that axis holds whole tiles: zero keys,
+    # masked like the other padded ones (one XLA copy with the transpose).
+    vt_keys = cdiv(kv_pad, 128) * 128
+    if vt_keys != v.shape[1]:
+      v = jnp.pad(v, [(0, 0), (0, vt_keys - v.shape[1]), (0, 0), (0, 0)])
+    v = jnp.transpose(v, (0, 2, 3, 1))
   args = [q, k, v]
   if q_lengths is not None:
     args.append(jnp.asarray(q_lengths, jnp.int32))
