@@ -107,21 +107,23 @@ def kernel_sum_ms(f, *args) -> float:
   return statistics.median(sum(d for _, _, d in kernels) for _, kernels in calls)
 
 
-def prepare_traced(fwd, q, k, v, do):
-  """(time the forward, time the backward) of `fwd(q, k, v)`, compiled and
-  run once: the forward's kernel-duration sum and the VJP's kernel span in
-  profiler traces, in milliseconds."""
+def prepare_traced(fwd, q, k, v, do, operands=()):
+  """(time the forward, time the backward) of `fwd(q, k, v, *operands)`,
+  compiled and run once: the forward's kernel-duration sum and the VJP's
+  kernel span in profiler traces, in milliseconds. `operands` (a bias, a
+  mask, a block mask) are arguments of the jitted call, not constants in its
+  program: a closure over an S x S bias would embed gigabytes in the HLO."""
   fwd = jax.jit(fwd)
-  jax.block_until_ready(fwd(q, k, v))
-  _, vjp = jax.vjp(fwd, q, k, v)
+  jax.block_until_ready(fwd(q, k, v, *operands))
+  _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, *operands), q, k, v)
   bwd = jax.jit(lambda vjp, do: vjp(do))
   jax.block_until_ready(bwd(vjp, do))
-  return (lambda: kernel_sum_ms(fwd, q, k, v)), (lambda: span_ms(bwd, vjp, do))
+  return (lambda: kernel_sum_ms(fwd, q, k, v, *operands)), (lambda: span_ms(bwd, vjp, do))
 
 
-def forward_backward_columns(impls, q, k, v, do, rounds: int, flops):
+def forward_backward_columns(impls, q, k, v, do, rounds: int, flops, operands=()):
   """Training columns side by side: `impls` maps a column to forward(q, k,
-  v); `flops(column)` is its forward's FLOP count.
+  v, *operands); `flops(column)` is its forward's FLOP count.
 
   Each is compiled with its VJP (`prepare_traced`; a failure is recorded,
   not raised), then timed in `rounds` interleaved rounds (A B C A B C ...:
@@ -131,7 +133,7 @@ def forward_backward_columns(impls, q, k, v, do, rounds: int, flops):
   timers, results = {}, {}
   for column, fwd in impls.items():
     try:
-      timers[column] = prepare_traced(fwd, q, k, v, do)
+      timers[column] = prepare_traced(fwd, q, k, v, do, operands)
     except Exception as e:  # one failure should not hide the rest
       results[column] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
   times = {column: [] for column in timers}
@@ -149,11 +151,13 @@ def forward_backward_columns(impls, q, k, v, do, rounds: int, flops):
   return results
 
 
-def bandwidth_columns(calls, rounds: int, nbytes: int, reference: str):
+def bandwidth_columns(calls, rounds: int, nbytes: int, reference: str, timer=None):
   """Memory-bound columns side by side: `calls` maps a column to (f, args).
 
   Each is jitted and run once (a failure is recorded, not raised), then
-  timed in `rounds` interleaved rounds (`kernel_sum_ms`). Returns column ->
+  timed in `rounds` interleaved rounds (`timer`, default `kernel_sum_ms`:
+  profiler traces; `kernel_ms` is CUPTI's own sum, which cannot share a
+  process with traces: its activity records are dropped). Returns column ->
   dict(ms, tb_per_s = nbytes / time, max_abs_diff from the `reference`
   column's output, ms_rounds) or dict(error=...)."""
   import jax.numpy as jnp
@@ -169,7 +173,7 @@ def bandwidth_columns(calls, rounds: int, nbytes: int, reference: str):
   times = {column: [] for column in compiled}
   for _ in range(rounds):
     for column, (f, args) in compiled.items():
-      times[column].append(kernel_sum_ms(f, *args))
+      times[column].append((timer or kernel_sum_ms)(f, *args))
   want = outs.get(reference)
   for column, out in outs.items():
     ms = statistics.median(times[column])

@@ -12,6 +12,9 @@ interleaved rounds):
   (`fa4_jax.attention`), cuDNN and XLA. The winners become rules in
   `fa4_jax/kernels/device_tables.py`.
 * `--mode final`: `default`, `plan`, cuDNN and XLA on the same rows.
+  `--timer cupti` times with CUPTI's own sum (`profiler.measure`, as issue
+  #54 quoted) instead of traces; the two cannot share a process (CUPTI then
+  reports dropped activity records), so each is its own run.
 
 Usage (GPU machine, repository root):
     python3 benchmarks/bench_decode_tuning.py --mode sweep [--rounds 3] [--budget-s 420]
@@ -124,6 +127,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--budget-s", type=float, default=420.0,
                   help="skip the rows left once this many seconds have passed")
+  ap.add_argument("--timer", choices=("trace", "cupti"), default="trace")
   ap.add_argument("--tag", default="")
   ap.add_argument("--only", action="append", default=None)
   args = ap.parse_args()
@@ -131,7 +135,11 @@ def main():
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
   out = []
-  path = bench_common.result_path(f"decode-{args.mode}", device.device_kind, args.tag)
+  tag = args.tag + ("-cupti" if args.timer == "cupti" else "")
+  timer = bench_common.kernel_ms if args.timer == "cupti" else bench_common.kernel_sum_ms
+  method = ("CUPTI kernel time (profiler.measure), median of" if args.timer == "cupti" else
+            "sum of kernel durations in a profiler trace (CUPTI), median of")
+  path = bench_common.result_path(f"decode-{args.mode}", device.device_kind, tag)
   for row in ROWS:
     name, B, S, Hq, Hkv, D, _ = row
     if args.only and not any(o in name for o in args.only):
@@ -151,22 +159,14 @@ def main():
                                                    else dataclasses.asdict(p.config)))
     cols = columns_of(row, args.mode)
     result.update(bench_common.bandwidth_columns(
-        {c: (f, (q, k, v)) for c, f in cols.items()}, args.rounds, nbytes, "xla"))
-    if args.mode == "final":  # CUPTI's own sum (`profiler.measure`), as issue #54 quoted
-      for c in ("default", "before", "cudnn", "xla"):
-        if "ms" in result.get(c, {}):
-          f = jax.jit(cols[c])
-          times = [bench_common.kernel_ms(f, q, k, v) for _ in range(args.rounds)]
-          ms = sorted(times)[len(times) // 2]
-          result[c].update(measure_ms=ms, measure_tb_per_s=nbytes / ms / 1e9)
+        {c: (f, (q, k, v)) for c, f in cols.items()}, args.rounds, nbytes, "xla", timer))
     out.append(result)
     summary = {c: (round(r["tb_per_s"], 3) if "tb_per_s" in r else r.get("error", "?")[:80])
                for c, r in result.items() if isinstance(r, dict) and c != "planned"}
     print(json.dumps(dict(case=name, splits=result["planned"] and result["planned"]["splits"],
                           **summary)), flush=True)
-    bench_common.write_results(f"decode-{args.mode}", device.device_kind, args.tag,
-                               "sum of kernel durations in a profiler trace (CUPTI), median of "
-                               f"{bench_common.ITERATIONS}, median of {args.rounds} interleaved "
+    bench_common.write_results(f"decode-{args.mode}", device.device_kind, tag,
+                               f"{method} {bench_common.ITERATIONS} calls, median of {args.rounds} interleaved "
                                "rounds; TB/s = K and V bytes read once / time; bf16, T=1",
                                out, path=path)
     del q, k, v
@@ -180,10 +180,6 @@ def main():
           f"default {r.get('default', {}).get('tb_per_s', float('nan')):.3f} "
           f"cudnn {cudnn:.3f} xla {r['xla'].get('tb_per_s', float('nan')):.3f} "
           f"best {best[0]} {best[1]:.3f}", flush=True)
-    if "measure_tb_per_s" in r.get("default", {}):
-      print(" " * 24 + " profiler.measure: " + " ".join(
-          f"{c} {r[c]['measure_tb_per_s']:.3f}" for c in ("default", "before", "cudnn", "xla")
-          if "measure_tb_per_s" in r.get(c, {})), flush=True)
 
 
 if __name__ == "__main__":

@@ -112,25 +112,31 @@ def rows_of(case, args):
   else:
     visible = 0.5 if causal else 1.0
   bias, mask = explicit()
-  mods = dict(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+  # The bias / mask (up to H x S x S) and the block mask are call operands,
+  # not closure constants (`bench_common.prepare_traced`).
+  operands = (bias, mask, block_mask)
+  mods = lambda block_mask: dict(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
   impls = {
-      "fa4 plain": lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal),
-      "fa4 mod": lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, **mods),
-      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+      "fa4 plain": lambda q, k, v, bias, mask, bm: fa4_jax.attention(q, k, v, is_causal=causal),
+      "fa4 mod": lambda q, k, v, bias, mask, bm: fa4_jax.attention(
+          q, k, v, is_causal=causal, **mods(bm)),
+      "cudnn": lambda q, k, v, bias, mask, bm: jax.nn.dot_product_attention(
           q, k, v, bias, mask, is_causal=causal, implementation="cudnn"),
-      "xla path": lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal,
-                                                    implementation="xla", **mods),
+      "xla path": lambda q, k, v, bias, mask, bm: fa4_jax.attention(
+          q, k, v, is_causal=causal, implementation="xla", **mods(bm)),
   }
   try:
     import tokamax
-    impls["tokamax"] = lambda q, k, v: tokamax.dot_product_attention(
+    impls["tokamax"] = lambda q, k, v, bias, mask, bm: tokamax.dot_product_attention(
         q, k, v, bias=bias, mask=mask, is_causal=causal, implementation="mosaic")
   except ImportError:
     pass
   flops = 4 * B * num_heads * S * S * D * (0.5 if causal else 1.0)
-  which = fa4_jax.which_implementation(q, k, v, is_causal=causal, **mods)
-  which_bwd = fa4_jax.which_implementation(q, k, v, is_causal=causal, part="backward", **mods)
-  results = bench_common.forward_backward_columns(impls, q, k, v, do, rounds, lambda _: flops)
+  which = fa4_jax.which_implementation(q, k, v, is_causal=causal, **mods(block_mask))
+  which_bwd = fa4_jax.which_implementation(q, k, v, is_causal=causal, part="backward",
+                                           **mods(block_mask))
+  results = bench_common.forward_backward_columns(impls, q, k, v, do, rounds, lambda _: flops,
+                                                  operands)
   return [dict(case=name, shape=f"B{B} S{S} H{num_heads}/{kv_heads} D{D}", causal_base=causal,
                visible=visible, served_by=[which, which_bwd], **results)]
 

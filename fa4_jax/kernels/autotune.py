@@ -55,7 +55,9 @@ choice.
 Test seam: `autotune(timer=..., device_kind=...)`. A timer is
 `timer(fn, args, candidate) -> milliseconds`: `fn(*args)` runs the call
 with `candidate` (a `ForwardConfig`, `BackwardConfig` or `DecodeChoices`);
-an exception skips the candidate. An injected timer also allows tuning
+an exception skips the candidate; when every candidate raises, the default
+stands and a warning names the first error (CUPTI, for one, cannot time
+in a process that has run a `jax.profiler` trace). An injected timer also allows tuning
 without a GPU, under `device_kind` (default: the default device's).
 """
 
@@ -69,6 +71,7 @@ import math
 import os
 import tempfile
 import threading
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -241,16 +244,20 @@ def _tune(key_problem: dict, kernel: str, default, candidates, run_candidate, to
 
 def _time_candidates(settings: _Settings, candidates, run_candidate, to_json) -> dict | None:
   timer = settings.timer or measure_kernel_ms
-  times = []
+  times, errors = [], []
   # Eagerly, even while a jit traces the call: fresh concrete arrays.
   with jax.ensure_compile_time_eval():
     for candidate in candidates:
       try:
         fn, args = run_candidate(candidate)
         times.append((float(timer(fn, args, candidate)), candidate))
-      except Exception:  # noqa: BLE001 - a candidate that does not compile or run
-        continue
+      except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run
+        errors.append(e)
   if not times:
+    if errors:  # silence here would look like a tuned call
+      warnings.warn(f"fa4_jax.autotune: none of {len(errors)} candidates could be timed, the "
+                    f"default configuration stands; the first error: "
+                    f"{type(errors[0]).__name__}: {str(errors[0])[:300]}", stacklevel=2)
     return None
   best_ms, best = min(times, key=lambda t: t[0])
   return dict(choice=to_json(best), ms=best_ms, candidates_timed=len(times))
