@@ -18,10 +18,15 @@ kernel durations in a profiler trace, medians of interleaved rounds
 bfloat16 call reads (K and V once) by each column's time, so a float8 cache
 read at the same bytes per second shows 2x; prefill rows print TFLOP/s.
 
-Until the kernels take float8 (README: float8 runs on the XLA path) the
-float8 columns time the XLA path.
+The sm90 kernel serves the all-float8 prefill rows; a 16-bit query on a
+float8 cache (decode, paged) runs on the XLA path until a kernel takes it
+(`served` in the row says which).
 
-  python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--tag NAME]
+`--configs` adds, on prefill rows, the float8 kernel under each of
+`CONFIG_CANDIDATES` (columns `fp8 <label>`): the sweep behind the float8
+rules of `sm90_forward.choose_config`.
+
+  python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -56,6 +61,57 @@ CASES = [
 PAGE = 64
 
 
+# label -> changes to the heuristic's config (`--configs`). float8 halves the
+# GEMM time per score and leaves the softmax's, so D = 128 in float8 has the
+# balance of D = 64 in bfloat16 (three consumers without turns there) and
+# D = 256 that of D = 128.
+CONFIG_CANDIDATES = {
+    128: {
+        "kv128 s3": dict(num_kv_stages=3),
+        "kv128 s4": dict(num_kv_stages=4),
+        "sum before": dict(sum_before_handoff=True),
+        "kv192": dict(block_kv=192),
+        "kv256": dict(block_kv=256),
+        "3 consumers": dict(num_consumers=3, pingpong=False, producer_registers=24,
+                            consumer_registers=160, sum_before_handoff=True,
+                            conditional_rescale=True),
+        "3 consumers s3": dict(num_consumers=3, pingpong=False, producer_registers=24,
+                               consumer_registers=160, sum_before_handoff=True,
+                               conditional_rescale=True, num_kv_stages=3),
+    },
+    # 128-key blocks do not fit SMEM at D = 256 in float8 (240 KiB with the
+    # O tiles and the P staging), nor do four stages of 64 keys.
+    256: {
+        "kv64 s3": dict(num_kv_stages=3),
+        "kv64 after": dict(sum_before_handoff=False),
+    },
+}
+
+
+def config_columns(q8, k8, v8, descales, d, causal):
+  """`fp8 <label>` columns: the sm90 kernel under each candidate config."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+
+  mask, _ = bench_common.case_mask(causal, None)
+  base = sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1])
+  columns = {}
+  for label, changes in CONFIG_CANDIDATES.get(d, {}).items():
+    try:
+      config = dataclasses.replace(base, **changes)
+    except ValueError as e:
+      print("skip", label, e, flush=True)
+      continue
+    if not config.fits_smem(d, 2, False, d, fp8=True):
+      config = dataclasses.replace(config, q_buffers=1)
+    call = lambda q, k, v, qd, kd, vd, config=config: sm90_forward.forward(
+        q, k, v, None, None, scale=d ** -0.5, mask=mask, config=config,
+        descales=(qd, kd, vd))[0]
+    columns[f"fp8 {label}"] = (call, (q8, k8, v8, *descales))
+  return columns
+
+
 def quantized(x, axis_heads=2):
   """(float8 array, float32 per-head descale) with each head's largest
   magnitude mapped to 448 (e4m3's largest finite value)."""
@@ -67,7 +123,7 @@ def quantized(x, axis_heads=2):
   return (x.astype(jnp.float32) / descale.reshape(shape)).astype(F8), descale
 
 
-def run_case(case, rounds):
+def run_case(case, rounds, configs=False):
   name, kind, b, t, s, hq, hkv, d, causal = case
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (b, t, hq, d), jnp.bfloat16)
@@ -86,6 +142,8 @@ def run_case(case, rounds):
     fp8 = lambda q, k, v, qd, kd, vd: fa4_jax.attention(
         q, k, v, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd)
     calls["fp8"] = (fp8, (q8, k8, v8, qd, kd, vd))
+    if configs:
+      calls.update(config_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     served = fa4_jax.which_implementation(q8, k8, v8, is_causal=causal, query_descale=qd,
                                           **descales)
   else:
@@ -112,6 +170,7 @@ def run_case(case, rounds):
 
 def markdown(rows):
   cols = ["bf16", "fp8", "fp8 paged", "xla"]
+  cols += sorted({c for r in rows for c in r if c.startswith("fp8 ") and c != "fp8 paged"})
   lines = ["| case | served | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
   for r in rows:
     if r["kind"] == "prefill":
@@ -125,11 +184,14 @@ def markdown(rows):
 
 def main():
   bench_common.table_main(
-      "fp8", CASES, lambda case, args: run_case(case, args.rounds), markdown,
+      "fp8", CASES, lambda case, args: run_case(case, args.rounds, args.configs), markdown,
       lambda a: ("e4m3 with per-head descales (amax / 448); kernel-duration sums in profiler "
                  f"traces, medians of {a.rounds} interleaved rounds; decode and paged TB/s: the "
                  "bf16 cache's K and V bytes over each column's time"),
-      default_rounds=3)
+      default_rounds=3,
+      add_arguments=lambda ap: ap.add_argument(
+          "--configs", action="store_true",
+          help="prefill rows: also the float8 kernel under each of CONFIG_CANDIDATES"))
 
 
 if __name__ == "__main__":
