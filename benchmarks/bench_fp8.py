@@ -64,9 +64,13 @@ PAGE = 64
 # label -> changes to the heuristic's config (`--configs`). float8 halves the
 # GEMM time per score and leaves the softmax's, so D = 128 in float8 has the
 # balance of D = 64 in bfloat16 (three consumers without turns there) and
-# D = 256 that of D = 128.
+# D = 256 that of D = 128. "P regs": P the P V wgmma's A operand in
+# registers (`ForwardConfig.fp8_p_in_registers`) instead of an SMEM round trip.
 CONFIG_CANDIDATES = {
     128: {
+        "P regs": dict(fp8_p_in_registers=True),
+        "P regs s3": dict(fp8_p_in_registers=True, num_kv_stages=3),
+        "P regs kv192": dict(fp8_p_in_registers=True, block_kv=192),
         "kv128 s3": dict(num_kv_stages=3),
         "kv128 s4": dict(num_kv_stages=4),
         "sum before": dict(sum_before_handoff=True),
@@ -84,6 +88,7 @@ CONFIG_CANDIDATES = {
     256: {
         "kv64 s3": dict(num_kv_stages=3),
         "kv64 after": dict(sum_before_handoff=False),
+        "kv64 after P regs": dict(sum_before_handoff=False, fp8_p_in_registers=True),
     },
 }
 

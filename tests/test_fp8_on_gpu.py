@@ -41,6 +41,29 @@ def test_fp8_forward_at_scale(b, t, n, kv_heads, d, causal, dtype):
   assert rms(np.asarray(got, np.float32) - want) < 2.0 ** -4 / np.sqrt(3) * rms(want)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_p_in_registers_at_scale(causal):
+  """`ForwardConfig.fp8_p_in_registers`: the register layout that lets P's
+  bytes serve as the wgmma's A operand with V^T's keys reordered (the
+  interpreter cannot check it)."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.scores import MaskSpec
+
+  (q8, k8, v8), descales = fp8_inputs(2, 2050, 2050, 8, 2, 128, E4M3, seed=3)
+  mask = MaskSpec(right=0) if causal else MaskSpec()
+  config = dataclasses.replace(sm90_forward.choose_config(128, mask, 2050, 2050),
+                               fp8_p_in_registers=True)
+  got, _ = sm90_forward.forward(
+      q8, k8, v8, None, None, scale=128 ** -0.5, mask=mask, config=config,
+      descales=tuple(descales[x] for x in ("query_descale", "key_descale", "value_descale")))
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
+  assert_close_to_p_rounding(got, want, v)
+  rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
+  assert rms(np.asarray(got, np.float32) - want) < 2.0 ** -4 / np.sqrt(3) * rms(want)
+
+
 _COMPILE_FP8_KERNELS = r"""
 import os
 import jax, jax.numpy as jnp

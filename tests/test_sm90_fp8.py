@@ -88,6 +88,27 @@ def test_fp8_forward_matches_the_dequantized_reference(run_interpreted, b, t, s,
   assert_close_to_p_rounding(got, want, v)
 
 
+def test_fp8_p_in_registers_takes_v_in_its_key_order(run_interpreted):
+  """With `fp8_p_in_registers` P's keys are reordered within 16-key chunks
+  and V^T's alike: the output is the same attention (odd key count, GQA,
+  causal). The interpreter checks the two orders agree; the register
+  layout that makes the reordering free is hardware's (GPU tests)."""
+  import dataclasses
+
+  from fa4_jax.scores import MaskSpec
+
+  (q8, k8, v8), descales = fp8_inputs(1, 150, 150, 4, 2, 128, seed=2)
+  mask = MaskSpec(right=0)
+  config = dataclasses.replace(sm90_forward.choose_config(128, mask, 150, 150),
+                               persistent=False, work_queue=False, fp8_p_in_registers=True)
+  call = lambda q, k, v: sm90_forward.forward(
+      q, k, v, None, None, scale=128 ** -0.5, mask=mask, config=config,
+      descales=tuple(descales[x] for x in ("query_descale", "key_descale", "value_descale")))[0]
+  got = run_interpreted(call, q8, k8, v8)
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=True)
+  assert_close_to_p_rounding(got, want, v)
+
+
 def test_fp8_with_soft_cap_score_mod_and_f32_output(run_interpreted):
   """The descales scale the logits before a score_mod and soft-cap (the
   kernel folds them into the tanh's argument and the score_mod's input)."""
@@ -148,6 +169,37 @@ def test_heuristic_fp8_configs_cross_lower_to_fp8_wgmma(cross_lower, d):
   assert "e4m3.e4m3" in text
   assert ".bf16.bf16" not in text
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
+
+
+def test_fp8_p_can_be_the_pv_operand_in_registers_where_the_sums_follow_the_hand_off(
+    cross_lower):
+  """`fp8_p_in_registers` at D = 128 (row sums after the hand-off): the P V
+  wgmma reads the e4m3 P from registers (V^T's keys in the operand's
+  order), no SMEM round trip; at D = 256 (sums before, an optimization
+  barrier no 8-bit array passes) P is staged in SMEM all the same."""
+  import dataclasses
+  import re
+
+  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.scores import MaskSpec
+
+  def pv_operands(d):
+    q_spec = jax.ShapeDtypeStruct((1, 1024, 4, d), E4M3)
+    kv_spec = jax.ShapeDtypeStruct((1, 1024, 2, d), E4M3)
+    config = dataclasses.replace(sm90_forward.choose_config(d, MaskSpec(), 1024, 1024),
+                                 fp8_p_in_registers=True)
+
+    def call(q, k, v):
+      with gpu_target("sm90"):
+        return sm90_forward.forward(q, k, v, None, None, scale=d ** -0.5, mask=MaskSpec(),
+                                    config=config)[0]
+
+    text = "\n".join(cross_lower(call, q_spec, kv_spec, kv_spec).modules)
+    # After the accumulator's registers: "{" for A in registers, "$" for a descriptor.
+    return {m.group(1) for m in re.finditer(r"e4m3\.e4m3 \{[$\d,]+\}, (\S)", text)}
+
+  assert pv_operands(128) == {"{", "$"}  # P V from registers, Q K^T from SMEM
+  assert pv_operands(256) == {"$"}
 
 
 @pytest.mark.parametrize("t, s, d", [(300, 150, 128), (2053, 3001, 64)])

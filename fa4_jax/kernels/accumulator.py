@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 import jax.experimental.mosaic.gpu as mgpu
+import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, nvvm, scf, vector
@@ -75,3 +76,48 @@ def _rescale_where_any_row_changed(acc, alpha):
 
   return rescale(acc, alpha)
 
+
+
+# A float8 P as the register A operand of the P V wgmma. The accumulator
+# layout gives a thread, in each 16-key chunk of a row, keys 2t, 2t + 1 (its
+# 8-key tile) and 8 + 2t, 9 + 2t (the next one); the 8-bit A layout wants
+# keys 4t .. 4t + 3 in one 32-bit register. Rather than exchanging bytes
+# between threads, the thread's four keys are declared to be positions
+# 4t .. 4t + 3, and V^T's keys are put in that order outside the kernel
+# (`in_p_key_order`): the sum over keys is the same, with no shuffle.
+# Key 8a + 2t + b of a chunk (a, b in {0, 1}, t < 4) sits at 4t + 2a + b.
+
+
+def in_p_key_order(x, axis: int):
+  """`x` with its `axis` (a multiple of 16 long) in the float8 P operand's
+  key order within each 16-key chunk."""
+  shape = x.shape
+  x = x.reshape(shape[:axis] + (shape[axis] // 16, 2, 4, 2) + shape[axis + 1:])
+  x = jnp.swapaxes(x, axis + 1, axis + 2)
+  return x.reshape(shape)
+
+
+def fp8_p_operand(p, dtype):
+  """`p` (f32 [64, keys], WGMMA layout) as `dtype` (float8) in the 8-bit
+  wgmma A layout, its keys in the order of `in_p_key_order`. The
+  interpreter cannot run `inline_mgpu`: there the cast and the reordering
+  are plain array operations (same values)."""
+  if is_interpreting():
+    return in_p_key_order(p, 1).astype(dtype)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(p.shape, dtype, layout=plgpu.Layout.WGMMA_8BIT),
+  )
+  def as_operand(_, p_fa: mgpu.FragmentedArray):
+    p8 = p_fa.astype(mgpu.utils.dtype_to_ir_type(dtype))
+    old = p8.registers  # [1, keys / 8, 1, 1, 2, 1, 1, 1, 1] of 2 keys
+    new_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(p.shape)  # [1, keys / 16, ...] of 4
+    new = np.empty(new_shape, dtype=object)
+    for idx in np.ndindex(new_shape):
+      lo = (idx[0], 2 * idx[1], *idx[2:])
+      hi = (idx[0], 2 * idx[1] + 1, *idx[2:])
+      new[idx] = mgpu.utils.vector_concat([old[lo], old[hi]])
+    return mgpu.FragmentedArray(_registers=new, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+  return as_operand(p)

@@ -149,7 +149,7 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, sm90_tiles
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.accumulator import rescale_rows
+from fa4_jax.kernels.accumulator import fp8_p_operand, in_p_key_order, rescale_rows
 from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
@@ -228,6 +228,10 @@ class ForwardConfig:
   # a softmax takes longer than the other consumer's GEMMs (D = 64), taking
   # turns serializes the softmaxes and leaves the tensor core idle.
   pingpong: bool = True
+  # float8 only: P is the P V wgmma's A operand in registers (no SMEM round
+  # trip), where the row sums follow the hand-off (`ForwardStatics.
+  # fp8_p_in_registers`). Off by default until measured on hardware.
+  fp8_p_in_registers: bool = False
 
   def __post_init__(self):
     if self.pingpong and self.num_consumers != 2:
@@ -258,7 +262,9 @@ class ForwardConfig:
     """SMEM the kernel allocates (without barriers and alignment padding);
     `segment_ids` adds the ring of the keys' ids (4 bytes a key and slot,
     `sm90_tiles.id_ring`); `value_head_dim` (V's and O's, None: head_dim).
-    `fp8`: 8-bit Q, K and V, O tiles of `itemsize` and a P tile per consumer."""
+    `fp8`: 8-bit Q, K and V, O tiles of `itemsize`, and a P tile per
+    consumer where P is staged (`ForwardStatics.stages_p`: the sum before
+    the hand-off)."""
     value_head_dim = value_head_dim or head_dim
     o_itemsize, itemsize = itemsize, (1 if fp8 else itemsize)
     tile = self.num_consumers * self.block_q * head_dim * itemsize
@@ -269,7 +275,7 @@ class ForwardConfig:
     separate_o_tiles = self.persistent or value_head_dim != head_dim or fp8
     o_tiles = (self.num_consumers * self.block_q * value_head_dim * o_itemsize
                if separate_o_tiles else 0)
-    if fp8:
+    if fp8 and (self.sum_before_handoff or not self.fp8_p_in_registers):
       o_tiles += self.num_consumers * self.block_q * self.block_kv  # P tiles
     # Mosaic GPU starts every scratch buffer at a multiple of 1 KiB: the
     # small ring takes a whole one at block_kv 64 (the LSE rows' padding is
@@ -552,8 +558,8 @@ class ForwardStatics:
   # 128 ...); None: head_dim. O then has SMEM tiles of its own.
   value_head_dim: int | None = None
   # float8 Q, K and V (`forward(..., descales=)`): V comes transposed ([B,
-  # Nkv, Dv, Tk]: wgmma reads an 8-bit B operand only K-major), P is staged
-  # through SMEM in e4m3, the logits are scaled by the head's q and k
+  # Nkv, Dv, Tk]: wgmma reads an 8-bit B operand only K-major), P is e4m3
+  # (`fp8_p_in_registers`, else staged in SMEM), the logits are scaled by the head's q and k
   # descales and O by its v descale, and O is written in `out_dtype`.
   fp8: bool = False
   out_dtype: Any = None
@@ -575,11 +581,19 @@ class ForwardStatics:
     return self.config.persistent or self.out_dim != self.head_dim or self.fp8
 
   @property
+  def fp8_p_in_registers(self) -> bool:
+    """A float8 P is the P V wgmma's A operand in registers, its keys in
+    `accumulator.in_p_key_order` within 16-key chunks, as are V^T's
+    (`forward`). Not where the row sums come before the hand-off: there the
+    order is pinned by an optimization barrier, which no 8-bit array
+    passes, so P is staged in SMEM before it."""
+    return self.fp8 and self.config.fp8_p_in_registers and not self.config.sum_before_handoff
+
+  @property
   def stages_p(self) -> bool:
     """P goes through SMEM for the P V wgmma: in the interpreter (which takes
-    no A operand in registers) and with float8 P (whose register layout is
-    not the one an 8-bit A operand needs)."""
-    return self.interpreting or self.fp8
+    no A operand in registers) and a float8 P not in registers."""
+    return self.interpreting or (self.fp8 and not self.fp8_p_in_registers)
 
   @property
   def masked_logit(self) -> float:
@@ -697,8 +711,9 @@ def _fp8_scratch_smem(call: ForwardStatics) -> list:
       tile((cfg.num_kv_stages, call.out_dim, bk), dtype),  # V^T ring
       plgpu.SMEM((cfg.num_consumers + cfg.work_queue, bq), jnp.float32),  # LSE rows
       smem_tile((cfg.num_consumers, bq, call.out_dim), call.output_dtype),  # O tiles
-      tile((cfg.num_consumers, bq, bk), FP8_P_DTYPE),  # P staging
   ]
+  if call.stages_p:
+    smem.append(tile((cfg.num_consumers, bq, bk), FP8_P_DTYPE))  # P staging
   if call.has_segment_ids:
     smem.append(id_ring(cfg.num_kv_stages, bk))
   return smem
@@ -1179,7 +1194,9 @@ class _ConsumerTile:
     p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
     if alpha is not None:
       acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-    if self.ctx.call.fp8:
+    if self.ctx.call.fp8_p_in_registers:
+      p16 = fp8_p_operand(p, FP8_P_DTYPE)
+    elif self.ctx.call.fp8:
       # P to SMEM inside this consumer's softmax turn (no 8-bit array can
       # pass an optimization barrier): p16 is then its SMEM tile.
       p16 = self.stage_p(p.astype(FP8_P_DTYPE))
@@ -1209,7 +1226,7 @@ class _ConsumerTile:
     call = self.ctx.call
     if call.fp8:
       v_tile = v_tile.transpose((1, 0))  # the V^T slot as the [keys, Dv] operand
-    elif call.interpreting:
+    if call.interpreting and (call.fp8_p_in_registers or not call.fp8):
       p = self.stage_p(p)
     if call.interpreting:
       # The interpreter rejects wgmma with run_state: add a fresh accumulator.
@@ -1545,6 +1562,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     vt_keys = cdiv(kv_pad, 128) * 128
     if vt_keys != v.shape[1]:
       v = jnp.pad(v, [(0, 0), (0, vt_keys - v.shape[1]), (0, 0), (0, 0)])
+    if config.fp8_p_in_registers and not config.sum_before_handoff:  # as the kernel's P
+      v = in_p_key_order(v, 1)
     v = jnp.transpose(v, (0, 2, 3, 1))
   args = [q, k, v]
   if q_lengths is not None:
