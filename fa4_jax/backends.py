@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from fa4_jax import interpret, mod_functions, per_platform, scores, target, xla_attention
 from fa4_jax.kernels import KernelUnsupported, default_device
 from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax.validation import PagedArguments
 from fa4_jax.vjp import Backend
 
 KERNEL_IMPLEMENTATIONS = ("sm90", "sm100")
@@ -200,7 +201,6 @@ def backward_name(backend: Backend, call: CallInfo) -> str:
 def _decode_backend() -> Backend:
   """The sm90 forward kernel in the decode arrangement, the sm90 backward."""
   from fa4_jax import decode
-  from fa4_jax.kernels import sm90_forward
 
   def forward(q, k, v, bias, mask, scores_: Scores):
     del bias, mask  # never selected with them (see _kernel_problem)
@@ -412,3 +412,61 @@ def _arrangement(name: str, call: CallInfo) -> Backend:
                    has_segment_ids=call.has_segment_ids) is not None:
       return _decode_backend()
   return _kernel_backend(name)
+
+
+# --- paged_attention -----------------------------------------------------------
+
+
+def select_paged(implementation, args: PagedArguments) -> str:
+  """What `paged_attention` runs: "xla" or "sm90"; raises ValueError when "sm90" was asked for and cannot
+  serve. None takes the kernel only on a Hopper GPU (as `fa4_jax.attention`
+  does: inside `interpret_mode()` the kernel runs when asked for by name)."""
+  if implementation == "xla":
+    return "xla"
+  problem = _paged_kernel_problem(args)
+  if implementation == "sm90":
+    if problem is not None:
+      raise ValueError(f"implementation='sm90': {problem}")
+    return "sm90"
+  return "sm90" if problem is None and device_arch_major() == 9 else "xla"
+
+
+def _paged_kernel_problem(args: PagedArguments) -> str | None:
+  """Why the sm90 kernel cannot serve the paged call here, or None if it can."""
+  from fa4_jax import decode
+  from fa4_jax.kernels import sm90_forward
+
+  if not interpret.is_interpreting() and device_arch_major() != 9:
+    return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
+            "fa4_jax.interpret_mode()")
+  if args.key_pages.dtype in scores.FP8_DTYPES:
+    return "float8 pages are read by the XLA path for now; use implementation=None or 'xla'"
+  if args.mods:
+    return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
+            "implementation=None or 'xla'")
+  if args.value_pages is None or args.value_pages.shape[-1] != args.key_pages.shape[-1]:
+    return ("a value head dim other than the keys' (MLA's latent pages, `value_pages=None`) "
+            "is read by the XLA path for now; use implementation=None or 'xla'")
+  q_shape = args.query.shape
+  try:
+    k_shape = sm90_forward.check_paged(q_shape, args.key_pages.shape, args.page_table.shape)
+    sm90_forward.check_supported(q_shape, k_shape, args.query.dtype, args.static.kernel_mask(q_shape))
+  except KernelUnsupported as e:
+    return str(e)
+  if args.static.is_prefill(q_shape):
+    return None  # the forward kernel as it is: any number of query rows
+  if paged_decode_plan(args) is None:
+    return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
+            f"the decode arrangement packs at most {decode.MAX_PACKED_ROWS}")
+  return None
+
+
+def paged_decode_plan(args: PagedArguments):
+  """The decode plan of a paged call: chunks of whole pages, balanced for
+  ragged lengths."""
+  from fa4_jax import decode
+
+  b, _, _, d = args.query.shape
+  page_size, kv_heads = args.key_pages.shape[1], args.key_pages.shape[2]
+  k_shape = (b, args.page_table.shape[1] * page_size, kv_heads, d)
+  return decode.plan(args.query.shape, k_shape, MaskSpec(), ragged=True, granule=page_size)

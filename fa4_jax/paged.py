@@ -16,26 +16,24 @@ What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
 * Everywhere else, and for what the kernel cannot serve: the XLA path, which
   gathers each row's pages into a contiguous cache and calls the XLA
   attention with an explicit mask. It is also the reference.
+
+As for `fa4_jax.attention`, the arguments are checked in `fa4_jax.validation`
+(`validate_paged`) and the path is chosen in `fa4_jax.backends`
+(`select_paged`); this module holds the API and the two paths.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fa4_jax import backends, interpret
-from fa4_jax.scores import FP8_DTYPES
-from fa4_jax.validation import (as_array, check_descale, check_dtypes, check_output_dtype,
-                                check_scale, check_sinks, check_soft_cap, dtype_name,
-                                is_concrete, values_from_keys)
+from fa4_jax.backends import paged_decode_plan, select_paged
+from fa4_jax.validation import PagedArguments, PagedStatic, validate_paged
 
 PagedImplementation = Literal["xla", "sm90"] | None
-IMPLEMENTATION_CHOICES = (None, "xla", "sm90")
 
 
 def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_lengths, *,
@@ -110,15 +108,15 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
   Gradients: this is a serving op. Where asked for, they are the XLA path's
   (it gathers the pages), also when the forward ran the kernel.
   """
-  args = _validate(query, key_pages, value_pages, page_table, key_value_seq_lengths,
-                   scale=scale, is_causal=is_causal, sinks=sinks,
-                   logits_soft_cap=logits_soft_cap, implementation=implementation,
-                   descales=(query_descale, key_descale, value_descale),
-                   output_dtype=output_dtype, value_head_dim=value_head_dim,
-                   mods=dict(score_mod=score_mod, mask_mod=mask_mod))
+  args = validate_paged(query, key_pages, value_pages, page_table, key_value_seq_lengths,
+                        scale=scale, is_causal=is_causal, sinks=sinks,
+                        logits_soft_cap=logits_soft_cap, implementation=implementation,
+                        descales=(query_descale, key_descale, value_descale),
+                        output_dtype=output_dtype, value_head_dim=value_head_dim,
+                        mods=dict(score_mod=score_mod, mask_mod=mask_mod))
   arrays = (args.query, args.key_pages, args.value_pages, args.page_table, args.lengths,
             args.sinks)
-  if _select(implementation, args) == "xla":
+  if select_paged(implementation, args) == "xla":
     return _xla_forward(*arrays, args.static, args.descales, args.mods)
   return _kernel_forward(*arrays, args.static)
 
@@ -132,196 +130,13 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
   """What `paged_attention` runs for these arguments here: "sm90" (the
   Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
   would."""
-  args = _validate(query, key_pages, value_pages, page_table, key_value_seq_lengths,
-                   scale=scale, is_causal=is_causal, sinks=sinks,
-                   logits_soft_cap=logits_soft_cap, implementation=implementation,
-                   descales=(query_descale, key_descale, value_descale),
-                   output_dtype=output_dtype, value_head_dim=value_head_dim,
-                   mods=dict(score_mod=score_mod, mask_mod=mask_mod))
-  return _select(implementation, args)
-
-
-# --- arguments ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  """The call's compile-time constants."""
-
-  scale: float
-  is_causal: bool
-  soft_cap: float | None
-  output_dtype: object = None  # float8 pages: the output's dtype (validation)
-  value_head_dim: int | None = None  # `value_pages=None`: the values are the keys' first ones
-
-
-@dataclasses.dataclass(frozen=True)
-class _Arguments:
-  query: jax.Array
-  key_pages: jax.Array
-  value_pages: jax.Array
-  page_table: jax.Array  # int32
-  lengths: jax.Array  # int32
-  sinks: jax.Array | None
-  static: _Static
-  # float8: float32 descales of the query, keys and values (None: 1).
-  descales: tuple = (None, None, None)
-  # score_mod / mask_mod (None where not given), passed on to the XLA path.
-  mods: dict = dataclasses.field(default_factory=dict)
-
-
-def _validate(query, key_pages, value_pages, page_table, lengths, *, scale, is_causal, sinks,
-              logits_soft_cap, implementation, descales=(None, None, None),
-              output_dtype=None, value_head_dim=None, mods=None) -> _Arguments:
-  if implementation not in IMPLEMENTATION_CHOICES:
-    raise ValueError(
-        f"`implementation` must be one of {IMPLEMENTATION_CHOICES}; got {implementation!r}")
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise ValueError(f"`is_causal` must be a bool; got {is_causal!r}")
-  query, key_pages = as_array(query, "query"), as_array(key_pages, "key_pages")
-  if value_pages is not None:
-    value_pages = as_array(value_pages, "value_pages")
-  _check_cache(query, key_pages, value_pages)
-  # MLA (`value_pages=None`): the values are the keys' first value_head_dim features.
-  value_head_dim, value_descale = values_from_keys(
-      value_pages, value_head_dim, key_pages.shape[-1], descales[1], descales[2],
-      value_name="value_pages", keys_name="key pages'")
-  descales = (descales[0], descales[1], value_descale)
-  b = query.shape[0]
-  page_table = _check_integer(page_table, "page_table", 2, "[batch, max_pages]")
-  if page_table.shape[0] != b or page_table.shape[1] == 0:
-    raise ValueError(f"`page_table` shape must be (batch, max_pages >= 1) with batch {b}; "
-                     f"got {page_table.shape}")
-  lengths = _check_integer(lengths, "key_value_seq_lengths", 1, "[batch]")
-  if lengths.shape != (b,):
-    raise ValueError(f"`key_value_seq_lengths` shape must be (batch,) = ({b},); "
-                     f"got {lengths.shape}")
-  capacity = page_table.shape[1] * key_pages.shape[1]
-  if is_concrete(lengths):
-    values = np.asarray(lengths)
-    if values.min() < 0 or values.max() > capacity:
-      raise ValueError(
-          f"`key_value_seq_lengths` values must lie in [0, {capacity}] (max_pages * "
-          f"page_size); got min {values.min()}, max {values.max()}")
-  static = _Static(scale=check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
-                   soft_cap=check_soft_cap(logits_soft_cap), value_head_dim=value_head_dim,
-                   output_dtype=check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
-  heads, kv_heads = query.shape[2], key_pages.shape[2]
-  descales = tuple(
-      check_descale(x, f"{name}_descale", operand, dtype, n, heads_name)
-      for x, name, operand, dtype, n, heads_name in zip(
-          descales, ("query", "key", "value"), ("query", "key_pages", "value_pages"),
-          (query.dtype, key_pages.dtype, (key_pages if value_pages is None else value_pages).dtype),
-          (heads, kv_heads, kv_heads),
-          ("query head", "key/value head", "key/value head")))
-  return _Arguments(query, key_pages, value_pages, page_table, lengths,
-                    check_sinks(sinks, heads), static, descales,
-                    {k: v for k, v in (mods or {}).items() if v is not None})
-
-
-def _check_cache(query, key_pages, value_pages) -> None:
-  """`value_pages` None: the values are a prefix of the keys' features."""
-  for name, x, layout in (("query", query, "[batch, tokens, heads, head_dim]"),
-                          ("key_pages", key_pages, "[num_pages, page_size, heads, head_dim]"),
-                          ("value_pages", value_pages, "[num_pages, page_size, heads, head_dim]")):
-    if x is None:
-      continue
-    if x.ndim != 4:
-      raise ValueError(f"`{name}` must be rank 4, {layout}; got shape {x.shape}")
-    if 0 in x.shape:
-      raise ValueError(f"`{name}` must not be empty; got shape {x.shape}")
-  values = key_pages if value_pages is None else value_pages
-  check_dtypes(query, key_pages, values, "key_pages", "value_pages")
-  if values.shape[:-1] != key_pages.shape[:-1]:
-    raise ValueError(f"`value_pages` shape must equal `key_pages` shape {key_pages.shape} but "
-                     f"for its head dim, which may differ; got {value_pages.shape}")
-  if query.shape[3] != key_pages.shape[3]:
-    raise ValueError(f"`query` head_dim ({query.shape[3]}) must equal `key_pages` head_dim "
-                     f"({key_pages.shape[3]})")
-  if query.shape[2] % key_pages.shape[2]:
-    raise ValueError(f"`query` heads ({query.shape[2]}) must be a multiple of `key_pages` "
-                     f"heads ({key_pages.shape[2]})")
-
-
-def _check_integer(x, name: str, rank: int, layout: str) -> jax.Array:
-  x = as_array(x, name)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"`{name}` must be an integer array (int32); got {dtype_name(x.dtype)}")
-  if x.ndim != rank:
-    raise ValueError(f"`{name}` must be rank {rank}, {layout}; got shape {x.shape}")
-  return x.astype(jnp.int32)
-
-
-# --- selection ---------------------------------------------------------------
-
-
-def _select(implementation, args: _Arguments) -> str:
-  """"xla" or "sm90"; raises ValueError when "sm90" was asked for and cannot
-  serve. None takes the kernel only on a Hopper GPU (as `fa4_jax.attention`
-  does: inside `interpret_mode()` the kernel runs when asked for by name)."""
-  if implementation == "xla":
-    return "xla"
-  problem = _kernel_problem(args)
-  if implementation == "sm90":
-    if problem is not None:
-      raise ValueError(f"implementation='sm90': {problem}")
-    return "sm90"
-  return "sm90" if problem is None and backends.device_arch_major() == 9 else "xla"
-
-
-def _kernel_problem(args: _Arguments) -> str | None:
-  """Why the sm90 kernel cannot serve the call here, or None if it can."""
-  from fa4_jax import decode
-  from fa4_jax.kernels import KernelUnsupported, sm90_forward
-
-  if not interpret.is_interpreting() and backends.device_arch_major() != 9:
-    return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
-            "fa4_jax.interpret_mode()")
-  if args.key_pages.dtype in FP8_DTYPES:
-    return "float8 pages are read by the XLA path for now; use implementation=None or 'xla'"
-  if args.mods:
-    return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
-            "implementation=None or 'xla'")
-  if args.value_pages is None or args.value_pages.shape[-1] != args.key_pages.shape[-1]:
-    return ("a value head dim other than the keys' (MLA's latent pages, `value_pages=None`) "
-            "is read by the XLA path for now; use implementation=None or 'xla'")
-  q_shape = args.query.shape
-  try:
-    k_shape = sm90_forward.check_paged(q_shape, args.key_pages.shape, args.page_table.shape)
-    sm90_forward.check_supported(q_shape, k_shape, args.query.dtype, _mask(args.static, q_shape))
-  except KernelUnsupported as e:
-    return str(e)
-  if _is_prefill(args.static, q_shape):
-    return None  # the forward kernel as it is: any number of query rows
-  if _plan(args) is None:
-    return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
-            f"the decode arrangement packs at most {decode.MAX_PACKED_ROWS}")
-  return None
-
-
-def _is_prefill(static: _Static, q_shape) -> bool:
-  """Causal with several query tokens: each row's band sits at its length."""
-  return static.is_causal and q_shape[1] > 1
-
-
-def _mask(static: _Static, q_shape):
-  """The kernels' mask: bottom-right causal aligned per row by the lengths
-  (the queries' lengths are T) for chunked prefill, else no band."""
-  from fa4_jax.scores import MaskSpec
-
-  return (MaskSpec(right=0, offset_from_lengths=True) if _is_prefill(static, q_shape)
-          else MaskSpec())
-
-
-def _plan(args: _Arguments):
-  """The decode plan: chunks of whole pages, balanced for ragged lengths."""
-  from fa4_jax import decode
-  from fa4_jax.scores import MaskSpec
-
-  b, _, _, d = args.query.shape
-  page_size, kv_heads = args.key_pages.shape[1], args.key_pages.shape[2]
-  k_shape = (b, args.page_table.shape[1] * page_size, kv_heads, d)
-  return decode.plan(args.query.shape, k_shape, MaskSpec(), ragged=True, granule=page_size)
+  args = validate_paged(query, key_pages, value_pages, page_table, key_value_seq_lengths,
+                        scale=scale, is_causal=is_causal, sinks=sinks,
+                        logits_soft_cap=logits_soft_cap, implementation=implementation,
+                        descales=(query_descale, key_descale, value_descale),
+                        output_dtype=output_dtype, value_head_dim=value_head_dim,
+                        mods=dict(score_mod=score_mod, mask_mod=mask_mod))
+  return select_paged(implementation, args)
 
 
 # --- the two paths -----------------------------------------------------------
@@ -335,7 +150,7 @@ def gather_pages(pages, page_table):
   return rows.reshape(b, p * page_size, h, d)
 
 
-def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static,
+def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: PagedStatic,
                  descales=(None, None, None), mods=None):
   """The pages gathered into contiguous rows, then the XLA attention with
   the bottom-right mask: exact, differentiable, and the reference."""
@@ -355,25 +170,25 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: _Static):
+def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: PagedStatic):
   """The sm90 kernel reading through the table: the forward kernel itself
   for chunked prefill, else in the decode arrangement."""
   from fa4_jax import decode
   from fa4_jax.kernels import sm90_forward
   from fa4_jax.scores import MaskSpec
 
-  if _is_prefill(static, q.shape):
+  if static.is_prefill(q.shape):
     options = {} if static.soft_cap is None else dict(soft_cap=static.soft_cap)
     if sinks is not None:
       options["sinks"] = sinks
     q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
     out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
-                                  scale=static.scale, mask=_mask(static, q.shape),
+                                  scale=static.scale, mask=static.kernel_mask(q.shape),
                                   page_table=page_table, **options)
     return out
-  args = _Arguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
+  args = PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
   out, _ = decode.forward(q, key_pages, value_pages, None, lengths, scale=static.scale,
-                          mask=MaskSpec(), plan=_plan(args), sinks=sinks,
+                          mask=MaskSpec(), plan=paged_decode_plan(args), sinks=sinks,
                           soft_cap=static.soft_cap, page_table=page_table)
   return out
 

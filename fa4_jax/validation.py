@@ -21,6 +21,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 # What a call with float8 operands may return (bfloat16 unless `output_dtype`).
 FP8_OUTPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 IMPLEMENTATION_CHOICES = (None, "xla", "sm90", "sm100", "cudnn")
+PAGED_IMPLEMENTATION_CHOICES = (None, "xla", "sm90")
 ALIGNMENTS = ("top_left", "bottom_right")
 
 
@@ -434,3 +435,127 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),
       mask=mask, scores=scores, output_shape=output_shape)
+
+
+# --- paged_attention ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedStatic:
+  """A `paged_attention` call's compile-time constants."""
+
+  scale: float
+  is_causal: bool
+  soft_cap: float | None
+  output_dtype: object = None  # float8 pages: the output's dtype (validation)
+  value_head_dim: int | None = None  # `value_pages=None`: the values are the keys' first ones
+
+  def is_prefill(self, q_shape) -> bool:
+    """Causal with several query tokens (chunked prefill): each row's band
+    sits at its length."""
+    return self.is_causal and q_shape[1] > 1
+
+  def kernel_mask(self, q_shape) -> MaskSpec:
+    """The kernels' mask: bottom-right causal aligned per row by the lengths
+    (the queries' lengths are T) for chunked prefill, else no band."""
+    return MaskSpec(right=0, offset_from_lengths=True) if self.is_prefill(q_shape) else MaskSpec()
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedArguments:
+  """Validated `paged_attention` arguments."""
+
+  query: jax.Array
+  key_pages: jax.Array
+  value_pages: jax.Array
+  page_table: jax.Array  # int32
+  lengths: jax.Array  # int32
+  sinks: jax.Array | None
+  static: PagedStatic
+  # float8: float32 descales of the query, keys and values (None: 1).
+  descales: tuple = (None, None, None)
+  # score_mod / mask_mod (None where not given), passed on to the XLA path.
+  mods: dict = dataclasses.field(default_factory=dict)
+
+
+def validate_paged(query, key_pages, value_pages, page_table, lengths, *, scale, is_causal,
+                   sinks, logits_soft_cap, implementation, descales=(None, None, None),
+                   output_dtype=None, value_head_dim=None, mods=None) -> PagedArguments:
+  """Checks every argument of `fa4_jax.paged_attention` (the same names)."""
+  if implementation not in PAGED_IMPLEMENTATION_CHOICES:
+    raise ValueError(f"`implementation` must be one of {PAGED_IMPLEMENTATION_CHOICES}; "
+                     f"got {implementation!r}")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise ValueError(f"`is_causal` must be a bool; got {is_causal!r}")
+  query, key_pages = as_array(query, "query"), as_array(key_pages, "key_pages")
+  if value_pages is not None:
+    value_pages = as_array(value_pages, "value_pages")
+  _check_page_pool(query, key_pages, value_pages)
+  # MLA (`value_pages=None`): the values are the keys' first value_head_dim features.
+  value_head_dim, value_descale = values_from_keys(
+      value_pages, value_head_dim, key_pages.shape[-1], descales[1], descales[2],
+      value_name="value_pages", keys_name="key pages'")
+  descales = (descales[0], descales[1], value_descale)
+  b = query.shape[0]
+  page_table = _check_integer(page_table, "page_table", 2, "[batch, max_pages]")
+  if page_table.shape[0] != b or page_table.shape[1] == 0:
+    raise ValueError(f"`page_table` shape must be (batch, max_pages >= 1) with batch {b}; "
+                     f"got {page_table.shape}")
+  lengths = _check_integer(lengths, "key_value_seq_lengths", 1, "[batch]")
+  if lengths.shape != (b,):
+    raise ValueError(f"`key_value_seq_lengths` shape must be (batch,) = ({b},); "
+                     f"got {lengths.shape}")
+  capacity = page_table.shape[1] * key_pages.shape[1]
+  if is_concrete(lengths):
+    values = np.asarray(lengths)
+    if values.min() < 0 or values.max() > capacity:
+      raise ValueError(
+          f"`key_value_seq_lengths` values must lie in [0, {capacity}] (max_pages * "
+          f"page_size); got min {values.min()}, max {values.max()}")
+  static = PagedStatic(scale=check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
+                   soft_cap=check_soft_cap(logits_soft_cap), value_head_dim=value_head_dim,
+                   output_dtype=check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
+  heads, kv_heads = query.shape[2], key_pages.shape[2]
+  descales = tuple(
+      check_descale(x, f"{name}_descale", operand, dtype, n, heads_name)
+      for x, name, operand, dtype, n, heads_name in zip(
+          descales, ("query", "key", "value"), ("query", "key_pages", "value_pages"),
+          (query.dtype, key_pages.dtype, (key_pages if value_pages is None else value_pages).dtype),
+          (heads, kv_heads, kv_heads),
+          ("query head", "key/value head", "key/value head")))
+  return PagedArguments(query, key_pages, value_pages, page_table, lengths,
+                    check_sinks(sinks, heads), static, descales,
+                    {k: v for k, v in (mods or {}).items() if v is not None})
+
+
+def _check_page_pool(query, key_pages, value_pages) -> None:
+  """`value_pages` None: the values are a prefix of the keys' features."""
+  for name, x, layout in (("query", query, "[batch, tokens, heads, head_dim]"),
+                          ("key_pages", key_pages, "[num_pages, page_size, heads, head_dim]"),
+                          ("value_pages", value_pages, "[num_pages, page_size, heads, head_dim]")):
+    if x is None:
+      continue
+    if x.ndim != 4:
+      raise ValueError(f"`{name}` must be rank 4, {layout}; got shape {x.shape}")
+    if 0 in x.shape:
+      raise ValueError(f"`{name}` must not be empty; got shape {x.shape}")
+  values = key_pages if value_pages is None else value_pages
+  check_dtypes(query, key_pages, values, "key_pages", "value_pages")
+  if values.shape[:-1] != key_pages.shape[:-1]:
+    raise ValueError(f"`value_pages` shape must equal `key_pages` shape {key_pages.shape} but "
+                     f"for its head dim, which may differ; got {value_pages.shape}")
+  if query.shape[3] != key_pages.shape[3]:
+    raise ValueError(f"`query` head_dim ({query.shape[3]}) must equal `key_pages` head_dim "
+                     f"({key_pages.shape[3]})")
+  if query.shape[2] % key_pages.shape[2]:
+    raise ValueError(f"`query` heads ({query.shape[2]}) must be a multiple of `key_pages` "
+                     f"heads ({key_pages.shape[2]})")
+
+
+def _check_integer(x, name: str, rank: int, layout: str) -> jax.Array:
+  x = as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array (int32); got {dtype_name(x.dtype)}")
+  if x.ndim != rank:
+    raise ValueError(f"`{name}` must be rank {rank}, {layout}; got shape {x.shape}")
+  return x.astype(jnp.int32)
