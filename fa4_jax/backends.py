@@ -210,6 +210,9 @@ def _decode_backend() -> Backend:
     if plan is None:  # other shapes per device (e.g. a sharded call): the usual kernel
       return _kernel_backend("sm90").forward(q, k, v, None, None, scores_)
     options = {} if scores_.soft_cap is None else dict(soft_cap=scores_.soft_cap)
+    if scores_.has_fp8:  # a float8 cache (`_fp8_problem`)
+      options.update(descales=(scores_.q_descale, scores_.k_descale, scores_.v_descale),
+                     out_dtype=scores_.out_dtype)
     return decode.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths, scale=scores_.scale,
                           mask=scores_.mask, plan=plan, sinks=scores_.sinks, **options)
 
@@ -234,14 +237,17 @@ def _options(module, scores_: Scores):
 
 def _fp8_problem(name: str, module, call: CallInfo) -> str | None:
   """Why kernel `name` cannot take the call's float8 operands, or None: the
-  kernels take q, k and v all in float8 (a 16-bit query on a float8 cache
-  runs on the XLA path), and not yet in the decode arrangement."""
+  kernels take q, k and v all in float8 (not in the decode arrangement), or
+  a 16-bit query on a float8 cache (decode and the forward, without
+  segment ids or mods)."""
   fallback = "use implementation=None (which falls back to the XLA path) or 'xla'"
   if "fp8" not in _features(module):
     return f"implementation={name!r} does not take float8 operands yet; {fallback}"
   if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
-    return (f"implementation={name!r} takes float8 keys and values only with a float8 query "
-            f"(this query is {jnp.dtype(call.dtype)}); {fallback}")
+    if call.has_segment_ids or call.has_mods:
+      return (f"implementation={name!r} reads a float8 cache without segment ids, score_mod "
+              f"or mask_mod; {fallback}")
+    return None
   from fa4_jax import decode
   if decode.plan(call.q_shape, call.k_shape, call.spec,
                  has_segment_ids=call.has_segment_ids) is not None:
@@ -440,7 +446,9 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
     return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
             "fa4_jax.interpret_mode()")
   if args.key_pages.dtype in scores.FP8_DTYPES:
-    return "float8 pages are read by the XLA path for now; use implementation=None or 'xla'"
+    if args.query.dtype in scores.FP8_DTYPES:
+      return ("float8 pages under a float8 query are read by the XLA path; use a 16-bit "
+              "query, implementation=None or 'xla'")
   if args.mods:
     return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
             "implementation=None or 'xla'")

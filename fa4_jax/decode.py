@@ -299,11 +299,14 @@ def combine(out, lse, splits: int, t: int):
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            plan: DecodePlan, sinks=None, soft_cap: float | None = None, page_table=None):
+            plan: DecodePlan, sinks=None, soft_cap: float | None = None, page_table=None,
+            descales=None, out_dtype=None):
   """(out [B, T, Hq, D], lse [B, Hq, T]) of a band-free mask, by packing and
   splitting (see the module docstring). The lse is the whole row's, so any
   backward that takes (out, lse) works with it. `page_table`: None, or int32
-  [B, P] with k, v pages [num_pages, page_size, Hkv, D] (`sm90_forward.forward`)."""
+  [B, P] with k, v pages [num_pages, page_size, Hkv, D] (`sm90_forward.forward`).
+  A float8 cache under a 16-bit query: `descales` (q, k, v; q's None) and
+  `out_dtype` (None: the query's) as `sm90_forward.forward` takes them."""
   if not mask.is_dense:
     raise ValueError("the decode path serves masks without a band (no is_causal, no window)")
   b, t, n, d = q.shape
@@ -337,6 +340,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       None if kv_lengths is None else split_lengths(kv_lengths, b, s, p))
   if soft_cap is not None:
     options["soft_cap"] = soft_cap
+  if descales is not None:
+    options.update(descales=descales, out_dtype=out_dtype)
   out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, scale=scale, mask=mask,
                                   config=plan.config, **options)
   if in_place:  # out [B * P, Hkv, G, D], lse [B * P, Hkv, G]
@@ -348,7 +353,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     out, lse = unpack_rows(out, lse, t)
   if p > 1:
     merged, lse = combine(out, lse, p, t)
-    out = merged.astype(q.dtype)
+    out = merged.astype(out_dtype or q.dtype)
   if sinks is not None:
     out, lse = scores.add_sinks(out, lse, sinks, q_lengths)
   return out, lse

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from fa4_jax.backends import paged_decode_plan, select_paged
+from fa4_jax.scores import FP8_DTYPES
 from fa4_jax.validation import PagedArguments, PagedStatic, validate_paged
 
 PagedImplementation = Literal["xla", "sm90"] | None
@@ -118,7 +119,7 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
             args.sinks)
   if select_paged(implementation, args) == "xla":
     return _xla_forward(*arrays, args.static, args.descales, args.mods)
-  return _kernel_forward(*arrays, args.static)
+  return _kernel_forward(*arrays, args.descales, args.static)
 
 
 def which_paged_implementation(query, key_pages, value_pages, page_table,
@@ -169,14 +170,19 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
                    **(mods or {}))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: PagedStatic):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales,
+                    static: PagedStatic):
   """The sm90 kernel reading through the table: the forward kernel itself
-  for chunked prefill, else in the decode arrangement."""
+  for chunked prefill, else in the decode arrangement. `descales`: float8
+  pages' (q, k, v) descales, (None, None, None) otherwise."""
   from fa4_jax import decode
   from fa4_jax.kernels import sm90_forward
   from fa4_jax.scores import MaskSpec
 
+  fp8 = {}
+  if key_pages.dtype in FP8_DTYPES:  # a 16-bit query on float8 pages
+    fp8 = dict(descales=descales, out_dtype=static.output_dtype)
   if static.is_prefill(q.shape):
     options = {} if static.soft_cap is None else dict(soft_cap=static.soft_cap)
     if sinks is not None:
@@ -184,27 +190,29 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, stati
     q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
     out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
                                   scale=static.scale, mask=static.kernel_mask(q.shape),
-                                  page_table=page_table, **options)
+                                  page_table=page_table, **options, **fp8)
     return out
   args = PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
   out, _ = decode.forward(q, key_pages, value_pages, None, lengths, scale=static.scale,
                           mask=MaskSpec(), plan=paged_decode_plan(args), sinks=sinks,
-                          soft_cap=static.soft_cap, page_table=page_table)
+                          soft_cap=static.soft_cap, page_table=page_table, **fp8)
   return out
 
 
-def _kernel_forward_fwd(q, key_pages, value_pages, page_table, lengths, sinks, static):
-  out = _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, static)
-  return out, (q, key_pages, value_pages, page_table, lengths, sinks)
+def _kernel_forward_fwd(q, key_pages, value_pages, page_table, lengths, sinks, descales, static):
+  out = _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales, static)
+  return out, (q, key_pages, value_pages, page_table, lengths, sinks, descales)
 
 
 def _kernel_forward_bwd(static, residuals, dout):
-  """The XLA path's gradient (a serving op: no kernel backward)."""
-  q, key_pages, value_pages, page_table, lengths, sinks = residuals
-  _, vjp = jax.vjp(lambda q, kp, vp, s: _xla_forward(q, kp, vp, page_table, lengths, s, static),
+  """The XLA path's gradient (a serving op: no kernel backward; float8
+  pages raise there, as every float8 call does)."""
+  q, key_pages, value_pages, page_table, lengths, sinks, descales = residuals
+  _, vjp = jax.vjp(lambda q, kp, vp, s: _xla_forward(q, kp, vp, page_table, lengths, s, static,
+                                                     descales),
                    q, key_pages, value_pages, sinks)
   dq, dk, dv, dsinks = vjp(dout)
-  return dq, dk, dv, None, None, dsinks
+  return dq, dk, dv, None, None, dsinks, jax.tree.map(jnp.zeros_like, descales)
 
 
 _kernel_forward.defvjp(_kernel_forward_fwd, _kernel_forward_bwd)

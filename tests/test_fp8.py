@@ -150,12 +150,14 @@ def test_paged_float8_pages_through_a_shuffled_table():
   assert_close(out, reference(q, k, v, None, KV_DESCALE, 0.5, mask=mask[:, None]))
 
 
-def test_kernels_leave_a_16_bit_query_on_a_float8_cache_to_the_xla_path():
+def test_a_16_bit_query_on_a_float8_cache_runs_the_hopper_kernel_not_the_blackwell_one():
   q, k, v = fp8_inputs(q_dtype=jnp.bfloat16)
   with fa4_jax.gpu_target("sm90"):
+    assert fa4_jax.which_implementation(q, k, v, is_causal=True) == "sm90"
+  with fa4_jax.gpu_target("sm100"):
     assert fa4_jax.which_implementation(q, k, v, is_causal=True) == "xla"
   with fa4_jax.interpret_mode(), pytest.raises(ValueError, match="float8"):
-    fa4_jax.which_implementation(q, k, v, implementation="sm90")
+    fa4_jax.which_implementation(q, k, v, implementation="sm100")
 
 
 def test_differentiating_a_float8_call_names_the_way_out():

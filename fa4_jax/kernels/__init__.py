@@ -48,7 +48,7 @@ Optional arguments, taken by a module that names them in its `FEATURES`
         descales=(q_descale f32 [Nq] or None, k_descale [Nkv] or None,
         v_descale [Nkv] or None), each operand's real value being the stored
         one times its descale, and out_dtype (the output's dtype). The
-        module's `check_fp8` says which float8 calls it takes.
+        module's `fp8_mode` says which float8 calls it takes.
 """
 
 

@@ -258,21 +258,26 @@ class ForwardConfig:
     return self.num_consumers * self.block_q
 
   def smem_bytes(self, head_dim: int, itemsize: int, segment_ids: bool = False,
-                 value_head_dim: int | None = None, *, fp8: bool = False) -> int:
+                 value_head_dim: int | None = None, *, fp8: bool = False,
+                 fp8_cache: bool = False) -> int:
     """SMEM the kernel allocates (without barriers and alignment padding);
     `segment_ids` adds the ring of the keys' ids (4 bytes a key and slot,
     `sm90_tiles.id_ring`); `value_head_dim` (V's and O's, None: head_dim).
     `fp8`: 8-bit Q, K and V, O tiles of `itemsize`, and a P tile per
     consumer where P is staged (`ForwardStatics.stages_p`: the sum before
-    the hand-off)."""
+    the hand-off). `fp8_cache`: 8-bit K and V rings, O tiles of `itemsize`
+    and a 16-bit K and V tile per consumer (`ForwardStatics.fp8_cache`)."""
     value_head_dim = value_head_dim or head_dim
     o_itemsize, itemsize = itemsize, (1 if fp8 else itemsize)
-    tile = self.num_consumers * self.block_q * head_dim * itemsize
+    tile = self.num_consumers * self.block_q * head_dim * (2 if fp8_cache else itemsize)
     q_tiles = self.q_depth * tile
-    kv_ring = self.num_kv_stages * self.block_kv * (head_dim + value_head_dim) * itemsize
+    kv_ring = self.num_kv_stages * self.block_kv * (head_dim + value_head_dim) * (
+        1 if fp8_cache else itemsize)
+    if fp8_cache:  # the widened K and V tiles
+      kv_ring += self.num_consumers * self.block_kv * (head_dim + value_head_dim) * 2
     # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`).
     lse = (self.num_consumers + self.work_queue) * self.block_q * 4
-    separate_o_tiles = self.persistent or value_head_dim != head_dim or fp8
+    separate_o_tiles = self.persistent or value_head_dim != head_dim or fp8 or fp8_cache
     o_tiles = (self.num_consumers * self.block_q * value_head_dim * o_itemsize
                if separate_o_tiles else 0)
     if fp8 and (self.sum_before_handoff or not self.fp8_p_in_registers):
@@ -284,9 +289,11 @@ class ForwardConfig:
     return q_tiles + kv_ring + lse + o_tiles + key_ids
 
   def fits_smem(self, head_dim: int, itemsize: int, segment_ids: bool = False,
-                value_head_dim: int | None = None, *, fp8: bool = False) -> bool:
+                value_head_dim: int | None = None, *, fp8: bool = False,
+                fp8_cache: bool = False) -> bool:
     """Whether `smem_bytes` leaves the barriers and padding their reserve."""
-    return (self.smem_bytes(head_dim, itemsize, segment_ids, value_head_dim, fp8=fp8)
+    return (self.smem_bytes(head_dim, itemsize, segment_ids, value_head_dim, fp8=fp8,
+                            fp8_cache=fp8_cache)
             <= SMEM_LIMIT_BYTES - SMEM_RESERVE_BYTES)
 
 
@@ -415,29 +422,34 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   """Raises KernelUnsupported when this kernel cannot serve the call (float8
-  operands: `check_fp8` too)."""
+  operands: `fp8_mode` too)."""
   if jnp.dtype(dtype) in FP8_DTYPES:
     dtype = jnp.bfloat16  # the 16-bit checks, on the shapes
   sm90_tiles.check_supported("sm90 forward", q_shape, k_shape, dtype, mask)
 
 
-def check_fp8(q_dtype, k_dtype, v_dtype, *, page_table, heads_major: bool,
-              q_batch_divisor: int) -> bool:
-  """Whether the call has float8 operands (then all three, e4m3 or e5m2, in
-  the usual arrangement); raises KernelUnsupported for a mix with 16-bit
-  ones (a bfloat16 query on a float8 cache: the XLA path) or float8 with a
-  page table or the decode arrangement."""
+def fp8_mode(q_dtype, k_dtype, v_dtype, *, page_table, heads_major: bool,
+             q_batch_divisor: int) -> str | None:
+  """The call's float8 operands: None (none), "all" (q, k and v, e4m3 or
+  e5m2, in the usual arrangement) or "cache" (a bfloat16 or float16 query
+  on float8 keys and values, in any arrangement, pages included); raises
+  KernelUnsupported for other mixes, or all-float8 with a page table or in
+  the decode arrangement."""
   dtypes = [jnp.dtype(x) for x in (q_dtype, k_dtype, v_dtype)]
   is_fp8 = [x in FP8_DTYPES for x in dtypes]
   if not any(is_fp8):
-    return False
+    return None
+  if is_fp8 == [False, True, True] and dtypes[0] in (jnp.dtype(jnp.bfloat16),
+                                                     jnp.dtype(jnp.float16)):
+    return "cache"
   if not all(is_fp8):
-    raise KernelUnsupported("sm90 forward: float8 needs q, k and v all in float8; got "
-                            f"{', '.join(map(str, dtypes))}")
+    raise KernelUnsupported("sm90 forward: float8 needs k and v in float8, and q in float8, "
+                            f"bfloat16 or float16; got {', '.join(map(str, dtypes))}")
   if page_table is not None or heads_major or q_batch_divisor != 1:
-    raise KernelUnsupported("sm90 forward: float8 operands with a page table or in the decode "
-                            "arrangement are not supported")
-  return True
+    raise KernelUnsupported("sm90 forward: an all-float8 call with a page table or in the "
+                            "decode arrangement is not supported (a 16-bit query on float8 "
+                            "pages is)")
+  return "all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,6 +575,13 @@ class ForwardStatics:
   # descales and O by its v descale, and O is written in `out_dtype`.
   fp8: bool = False
   out_dtype: Any = None
+  # A float8 cache under a 16-bit query (`forward(..., descales=)`): K and V
+  # arrive in `kv_dtype` (e4m3 or e5m2) and each consumer widens every block
+  # into float16 tiles of its own (exact: float16 holds every float8 value)
+  # for float16 GEMMs (`dtype` is float16, the query converted); the logits
+  # are scaled by the k descale and O by the v descale, written in `out_dtype`.
+  fp8_cache: bool = False
+  kv_dtype: Any = None
 
   @property
   def out_dim(self) -> int:
@@ -571,14 +590,20 @@ class ForwardStatics:
 
   @property
   def output_dtype(self):
-    return self.out_dtype if self.fp8 else self.dtype
+    return self.out_dtype if self.fp8 or self.fp8_cache else self.dtype
+
+  @property
+  def has_descales(self) -> bool:
+    """A descale operand (`_descale_operand`): float8 operands."""
+    return self.fp8 or self.fp8_cache
 
   @property
   def separate_o_tiles(self) -> bool:
     """O is staged in tiles of its own (else in the consumer's Q tile): on a
     persistent grid (the next item's Q lands during the epilogue) and when
     O's head dim or dtype is not Q's."""
-    return self.config.persistent or self.out_dim != self.head_dim or self.fp8
+    return (self.config.persistent or self.out_dim != self.head_dim or self.fp8
+            or self.fp8_cache)
 
   @property
   def fp8_p_in_registers(self) -> bool:
@@ -627,6 +652,10 @@ class _Refs:
   o_smem: Any  # O tiles (`ForwardStatics.separate_o_tiles` only)
   p_smem: Any  # P staging (`ForwardStatics.stages_p` only)
   kv_ids_smem: Any  # the keys' segment ids, a ring beside K's; None without segment ids
+  # A float8 cache (`ForwardStatics.fp8_cache`): each consumer's float16 K
+  # and V tiles, widened from the rings; None otherwise.
+  k16_smem: Any = None
+  v16_smem: Any = None
   # Programmable scores only (`ForwardStatics.mods`), in GMEM: the block lists
   # (`scores.block_lists`: counts int32 [B, Hm, tiles, 2], order int32
   # [B, Hm, tiles, nk]), the (batch, head) offsets the mods add (int32 [2]),
@@ -653,7 +682,7 @@ class _Refs:
       del refs[:2 if call.mods else 3]
     sinks = refs.pop(0) if call.has_sinks else None
     page_table = refs.pop(0) if call.page_size is not None else None
-    descales = refs.pop(0) if call.fp8 else None
+    descales = refs.pop(0) if call.has_descales else None
     mod_refs = {}
     if call.mods:
       mod_refs = dict(block_counts=refs.pop(0), block_order=refs.pop(0),
@@ -667,9 +696,10 @@ class _Refs:
     o_smem = optional_smem.pop(0) if call.separate_o_tiles else None
     p_smem = optional_smem.pop(0) if call.stages_p else None
     kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
+    k16_smem, v16_smem = optional_smem if call.fp8_cache else (None, None)
     return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table,
                descales, out, lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem,
-               kv_ids_smem, **mod_refs), barrier_refs
+               kv_ids_smem, k16_smem, v16_smem, **mod_refs), barrier_refs
 
 
 def _scratch_smem(call: ForwardStatics) -> list:
@@ -678,21 +708,28 @@ def _scratch_smem(call: ForwardStatics) -> list:
   bq, bk = cfg.block_q, cfg.block_kv
   if call.fp8:
     return _fp8_scratch_smem(call)
+  # (A float8 cache's rings: 8-bit tiles swizzled as wide as their rows allow.)
+  ring = smem_tile if not call.fp8_cache else (
+      lambda shape, _: plgpu.SMEM(shape, call.kv_dtype,
+                                  transforms=smem_transforms(call.kv_dtype, shape[-1])))
   smem = [
       smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles (then O)
-      smem_tile((cfg.num_kv_stages, bk, d), dtype),  # K ring
-      smem_tile((cfg.num_kv_stages, bk, call.out_dim), dtype),  # V ring
+      ring((cfg.num_kv_stages, bk, d), dtype),  # K ring
+      ring((cfg.num_kv_stages, bk, call.out_dim), dtype),  # V ring
       # LSE rows (then, with a work queue, a row of its cells)
       plgpu.SMEM((cfg.num_consumers + cfg.work_queue, bq), jnp.float32),
   ]
   if call.separate_o_tiles:
     # O tiles of their own, so the next work item's Q can land during the
     # epilogue (or because O's head dim is not Q's).
-    smem.append(smem_tile((cfg.num_consumers, bq, call.out_dim), dtype))
+    smem.append(smem_tile((cfg.num_consumers, bq, call.out_dim), call.output_dtype))
   if call.stages_p:
     smem.append(smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   if call.has_segment_ids:
     smem.append(id_ring(cfg.num_kv_stages, bk))  # the keys' segment ids
+  if call.fp8_cache:  # each consumer's widened K and V
+    smem.append(smem_tile((cfg.num_consumers, bk, d), dtype))
+    smem.append(smem_tile((cfg.num_consumers, bk, call.out_dim), dtype))
   return smem
 
 
@@ -1018,7 +1055,7 @@ class _ConsumerTile:
     # One scalar per tile from GMEM, loaded before the wait for Q hides its latency.
     sink = ctx.refs.sinks[item.head] if ctx.call.has_sinks else None
     descales = {}
-    if ctx.call.fp8:
+    if ctx.call.has_descales:
       descales = dict(qk_descale=ctx.refs.descales[0, item.head],
                       v_descale=ctx.refs.descales[1, item.head])
     return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink,
@@ -1074,7 +1111,8 @@ class _ConsumerTile:
     # The key block at walk position j (j itself without programmable
     # scores), read before Q K^T so that its GMEM latency hides behind it.
     block = self.ctx.kv_block(self.item, j)
-    s = pl.run_scoped(functools.partial(self.qk, k_tile=self.ctx.refs.k_smem.at[bars.k.slot(step)]),
+    k_tile = self.widened(self.ctx.refs.k_smem.at[bars.k.slot(step)], self.ctx.refs.k16_smem)
+    s = pl.run_scoped(functools.partial(self.qk, k_tile=k_tile),
                       plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
     key_ids = self.key_ids(step) if masked else None
     if key_ids is None:
@@ -1082,8 +1120,8 @@ class _ConsumerTile:
     # else: released once the mask has read the keys' ids (`block_softmax`)
     p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked,
                                                    key_ids=key_ids, block=block)
-    acc = self.p_times_v(acc, p16, self.ctx.refs.v_smem.at[bars.v.slot(step)],
-                         lambda: self.wait_next_k(j))
+    v_tile = self.widened(self.ctx.refs.v_smem.at[bars.v.slot(step)], self.ctx.refs.v16_smem)
+    acc = self.p_times_v(acc, p16, v_tile, lambda: self.wait_next_k(j))
     bars.v.consumer_release(step)
     return acc, m_new, l
 
@@ -1245,6 +1283,24 @@ class _ConsumerTile:
 
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
+  def widened(self, slot, tiles16):
+    """A float8 cache's ring slot widened into this consumer's float16 tile
+    (`ForwardStatics.fp8_cache`), for the GEMM that follows; else the slot.
+    The tile's previous GEMM has completed: its result was read (S) or its
+    accumulator is waited for here (O)."""
+    if not self.ctx.call.fp8_cache:
+      return slot
+    tile = tiles16.at[self.ctx.wg]
+    if self.ctx.call.interpreting:
+      x = slot[...]
+    else:
+      plgpu.wgmma_wait(0)
+      # The 8-bit wgmma operand layout: 32-bit SMEM loads of 4 keys' bytes.
+      x = plgpu.load(slot, layout=plgpu.Layout.WGMMA_8BIT)
+    tile[...] = x.astype(tile.dtype)
+    plgpu.commit_smem()
+    return tile
+
   def stage_p(self, p):
     """P into the consumer's SMEM tile for the P V wgmma (`ForwardStatics.stages_p`);
     returns the tile. Its previous P V wgmma has completed (its accumulator
@@ -1329,6 +1385,7 @@ def _build_kernel(
     value_head_dim: int | None = None,
     fp8: bool = False,
     out_dtype=None,
+    kv_dtype=None,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -1347,7 +1404,7 @@ def _build_kernel(
                q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
                score_mod=score_mod, mask_mod=mask_mod,
                value_head_dim=None if value_head_dim == head_dim else value_head_dim,
-               fp8=fp8, out_dtype=out_dtype)
+               fp8=fp8, out_dtype=out_dtype, fp8_cache=kv_dtype is not None, kv_dtype=kv_dtype)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1457,11 +1514,15 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   walked block. One CTA per tile (no persistent grid), no page table or
   heads-major Q.
 
-  float8 q, k and v (`check_fp8`): `descales` = (q_descale f32 [Nq] or None,
-  k_descale [Nkv] or None, v_descale [Nkv] or None), the stored values'
-  factors (`scores.Scores`); out in `out_dtype` (None: bfloat16). They must
-  be >= 0 (quantization scales): a negative one makes the output NaN. V is
-  transposed here (an XLA copy of V) for the kernel's P V^T operand.
+  float8 q, k and v (`fp8_mode` "all"): `descales` = (q_descale f32 [Nq] or
+  None, k_descale [Nkv] or None, v_descale [Nkv] or None), the stored
+  values' factors (`scores.Scores`); out in `out_dtype` (None: bfloat16).
+  They must be >= 0 (quantization scales): a negative one makes the output
+  NaN. V is transposed here (an XLA copy of V) for the kernel's P V^T
+  operand. A bfloat16 or float16 query on float8 k and v (`fp8_mode`
+  "cache": decode, pages, chunked prefill): the same descales (q_descale
+  None), out in `out_dtype` (None: the query's dtype); the kernel widens
+  each K and V block to float16 in SMEM (`ForwardStatics.fp8_cache`).
   """
   if mods is not None and not mods.has_mods:
     mods = None
@@ -1480,10 +1541,22 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     logical_k_shape = check_paged(q_shape, k.shape, jnp.shape(page_table), segment_ids)
   check_supported(q_shape, logical_k_shape, q.dtype, mask)
   check_value_head_dim(k.shape, v.shape, page_table, heads_major)
-  fp8 = check_fp8(q.dtype, k.dtype, v.dtype, page_table=page_table, heads_major=heads_major,
+  mode = fp8_mode(q.dtype, k.dtype, v.dtype, page_table=page_table, heads_major=heads_major,
                   q_batch_divisor=q_batch_divisor)
-  if not fp8 and (k.dtype != q.dtype or v.dtype != q.dtype):
+  fp8, fp8_cache = mode == "all", mode == "cache"
+  if mode is None and (k.dtype != q.dtype or v.dtype != q.dtype):
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  if fp8_cache:
+    if k.dtype != v.dtype:
+      raise KernelUnsupported(f"sm90 forward: a float8 cache needs k and v of one float8 type; "
+                              f"got {k.dtype}, {v.dtype}")
+    if segment_ids is not None or mods is not None:
+      raise KernelUnsupported("sm90 forward: a float8 cache with segment ids or "
+                              "score_mod / mask_mod is not supported")
+    # float16 GEMMs against the widened cache: the query converted (exact
+    # for |q| in float16's normal range, 2^-14 .. 65504), O in its dtype.
+    out_dtype = out_dtype or q.dtype
+    q = q.astype(jnp.float16)
   batch, q_seq, num_q_heads, head_dim = q_shape
   _, kv_seq, num_kv_heads, _ = logical_k_shape
   if segment_ids is not None:
@@ -1522,15 +1595,18 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
         config, q_shape=q_shape, k_shape=logical_k_shape, dtype=q.dtype,
         mask=mask, scale=scale, has_q_lengths=q_lengths is not None,
         has_kv_lengths=kv_lengths is not None, has_sinks=sinks is not None, soft_cap=soft_cap,
-        tunable=(mods is None and segment_ids is None and page_table is None
+        tunable=(mods is None and segment_ids is None and page_table is None and mode is None
                  and value_dim == head_dim and not heads_major and q_batch_divisor == 1))
     if mods is not None:
       config = mods_config(config)
+    if fp8_cache:
+      config = fp8_cache_config(config, d, dv)
     if (dv != d or fp8) and not config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8):
       config = dataclasses.replace(config, q_buffers=1)
-  if (dv != d or fp8) and not config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8):
+  fits = config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8, fp8_cache=fp8_cache)
+  if (dv != d or mode is not None) and not fits:
     raise KernelUnsupported(f"sm90 forward: head dims {d} (q, k) and {dv} (v) do not fit SMEM "
-                            f"with this configuration{' in float8' if fp8 else ''}")
+                            f"with this configuration{' in float8' if mode else ''}")
   if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
     raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
                             f"{k.shape[1]} must divide one another")
@@ -1551,6 +1627,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       **({} if mods is None else dict(mods=True, score_mod=mods.score_mod,
                                       mask_mod=mods.mask_mod)),
       **({} if not fp8 else dict(fp8=True, out_dtype=jnp.dtype(out_dtype or jnp.bfloat16))),
+      **({} if not fp8_cache else dict(out_dtype=jnp.dtype(out_dtype), kv_dtype=k.dtype)),
   )
   call = build(config=config)
   if config.work_queue:
@@ -1578,7 +1655,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     args.append(jnp.asarray(sinks, jnp.float32))
   if page_table is not None:
     args.append(page_table_operand(page_table, config.block_kv, k.shape[1], k.shape[0]))
-  if fp8:
+  if mode is not None:
     args.append(_descale_operand(descales, num_q_heads, num_kv_heads))
   if mods is not None:
     args.extend(mods_operands(mods, config, q_shape, logical_k_shape, q_lengths, kv_lengths,
@@ -1587,6 +1664,20 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   if dv != value_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :value_dim]
   return out, lse[..., :q_seq]
+
+
+def fp8_cache_config(config: ForwardConfig, d: int, dv: int) -> ForwardConfig:
+  """A config whose SMEM holds a float8 cache's rings and each consumer's
+  widened float16 K and V tiles: the heuristic's, else with one Q tile per
+  consumer, else 64-key blocks, else one consumer (D = 256)."""
+  one_consumer = dict(num_consumers=1, pingpong=False, producer_registers=24,
+                      consumer_registers=224)
+  for changes in ({}, dict(q_buffers=1), dict(q_buffers=1, block_kv=64),
+                  dict(q_buffers=1, block_kv=64, **one_consumer)):
+    candidate = dataclasses.replace(config, **changes)
+    if candidate.fits_smem(d, 2, False, dv, fp8_cache=True):
+      return candidate
+  return candidate
 
 
 def _descale_operand(descales, num_q_heads: int, num_kv_heads: int):

@@ -1,0 +1,171 @@
+"""A bfloat16 or float16 query on a float8 KV cache in the sm90 kernel:
+decode (the decode arrangement: packed GQA rows, split-K, ragged lengths),
+the forward kernel itself, and float8 pages (decode and chunked prefill).
+
+How the kernel differs from its 16-bit self (`ForwardStatics.fp8_cache`):
+K and V arrive in float8 (half the bytes), each consumer widens every block
+into float16 SMEM tiles of its own, and both GEMMs run in float16 (the query
+converted; float16 holds every float8 value exactly). The k descale scales
+the logits, the v descale O.
+
+Reference: an f32 einsum on the dequantized cache and the query as given
+(decode, forward), or our XLA path on the same pages (paged). Tolerance:
+the cache is exact after widening, so the error is that of 16-bit GEMM
+operands and a 16-bit output: P in float16 (2^-11 relative) and the output's
+rounding (bfloat16 2^-8 of |out|), well inside 2^-7 max|v| + 2^-7 |out|. A
+dropped descale, an unwidened or misread tile, or mixed-up heads are off by
+O(max|v|).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from fa4_jax import decode, gpu_target, which_implementation, which_paged_implementation
+from fa4_jax.kernels import sm90_forward
+from fa4_jax.scores import MaskSpec
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def float8_cache(rng, shape, dtype=E4M3):
+  """(the cache in `dtype`, one scale per head mapping its largest value to
+  the type's largest, f32 [heads])."""
+  x = rng.normal(size=shape)
+  descale = np.abs(x).max(axis=(0, 1, 3)) / FP8_MAX[dtype]
+  return jnp.asarray(x / descale[None, None, :, None], dtype), jnp.asarray(descale, jnp.float32)
+
+
+def dequantized_reference(q, k8, k_descale, v8, v_descale, *, kv_lengths=None,
+                          bottom_right_causal=False):
+  """f32 attention of the query as given on the dequantized cache."""
+  widen = lambda x, d: np.asarray(x, np.float32) * np.asarray(d)[None, None, :, None]
+  k, v = widen(k8, k_descale), widen(v8, v_descale)
+  group = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  logits = np.einsum("btnd,bsnd->bnts", np.asarray(q, np.float32), k) * q.shape[-1] ** -0.5
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  lengths = np.full((b,), s) if kv_lengths is None else np.asarray(kv_lengths)
+  keys = np.arange(s)[None, None, None, :]
+  visible = keys < lengths[:, None, None, None]
+  if bottom_right_causal:
+    position = lengths[:, None] - t + np.arange(t)[None, :]  # [B, T]
+    visible = visible & (keys <= position[:, None, :, None])
+  logits = np.where(visible, logits, -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  return np.einsum("bnts,bsnd->btnd", p / p.sum(-1, keepdims=True), v), v
+
+
+def assert_close(got, want, v):
+  got = np.asarray(got, np.float32)
+  bound = 2.0 ** -7 * np.abs(v).max() + 2.0 ** -7 * np.abs(want)
+  excess = np.abs(got - want) - bound
+  assert (excess <= 0).all(), f"off by {excess.max():.4g} beyond the bound"
+
+
+@pytest.mark.parametrize("b, s, n, kv_heads, d, q_dtype, cache_dtype, splits", [
+    (2, 256, 8, 2, 64, jnp.bfloat16, E4M3, 2),   # GQA 4, ragged, the cache split in two
+    (1, 200, 2, 1, 128, jnp.float16, E5M2, 1),   # MQA, odd length, e5m2, float16 query
+])
+def test_decode_on_a_float8_cache_matches_the_dequantized_reference(
+    run_interpreted, b, s, n, kv_heads, d, q_dtype, cache_dtype, splits):
+  rng = np.random.default_rng(d)
+  q = jnp.asarray(rng.normal(size=(b, 1, n, d)), q_dtype)
+  k8, k_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
+  v8, v_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
+  lengths = jnp.asarray([s, 1 + s // 3][:b], jnp.int32)
+  plan = decode.plan(q.shape, k8.shape, MaskSpec(), ragged=True)
+  plan = decode.DecodePlan(splits, plan.config)
+
+  def call(q, k, v):
+    out, _ = decode.forward(q, k, v, None, lengths, scale=d ** -0.5, mask=MaskSpec(), plan=plan,
+                            descales=(None, k_descale, v_descale))
+    return out
+
+  got = run_interpreted(call, q, k8, v8)
+  assert got.dtype == q_dtype
+  want, v = dequantized_reference(q, k8, k_descale, v8, v_descale, kv_lengths=lengths)
+  assert_close(got, want, v)
+
+
+def test_the_forward_kernel_on_a_float8_cache_with_bottom_right_causal_rows(run_interpreted):
+  """Chunked prefill's shape through `fa4_jax.attention`: 40 new tokens
+  against a 150-key cache, causal aligned at the end, GQA, an f32 output."""
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.normal(size=(1, 40, 4, 64)), jnp.bfloat16)
+  k8, k_descale = float8_cache(rng, (1, 150, 2, 64))
+  v8, v_descale = float8_cache(rng, (1, 150, 2, 64))
+  call = lambda q, k, v: fa4_jax.attention(
+      q, k, v, is_causal=True, causal_alignment="bottom_right", key_descale=k_descale,
+      value_descale=v_descale, output_dtype=jnp.float32, implementation="sm90")
+  got = run_interpreted(call, q, k8, v8)
+  assert got.dtype == jnp.float32
+  want, v = dequantized_reference(q, k8, k_descale, v8, v_descale, bottom_right_causal=True)
+  assert_close(got, want, v)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_float8_pages_match_the_xla_path_through_a_shuffled_table(run_interpreted, t):
+  """T = 1: the decode arrangement reading pages; T = 5 causal: chunked
+  prefill, the forward kernel reading pages."""
+  rng = np.random.default_rng(t)
+  b, n, kv_heads, d, page, max_pages = 2, 8, 2, 64, 16, 8
+  pool = b * max_pages + 3
+  key_pages, k_descale = float8_cache(rng, (pool, page, kv_heads, d))
+  value_pages, v_descale = float8_cache(rng, (pool, page, kv_heads, d))
+  table = jnp.asarray(rng.permutation(pool)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+  lengths = jnp.asarray([100, 37], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  attend = lambda implementation, **kw: lambda q, kp, vp: fa4_jax.paged_attention(
+      q, kp, vp, table, lengths, key_descale=k_descale, value_descale=v_descale,
+      implementation=implementation, **kw)
+  with gpu_target("sm90"):
+    assert which_paged_implementation(q, key_pages, value_pages, table, lengths,
+                                      key_descale=k_descale, value_descale=v_descale) == "sm90"
+  got = run_interpreted(attend("sm90"), q, key_pages, value_pages)
+  want = attend("xla", output_dtype=jnp.float32)(q, key_pages, value_pages)
+  v = np.asarray(value_pages, np.float32) * np.asarray(v_descale)[None, None, :, None]
+  assert_close(got, np.asarray(want), v)
+
+
+def test_which_float8_cache_calls_the_kernel_takes():
+  bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  f8 = lambda *shape: jnp.zeros(shape, E4M3)
+  cache = f8(4, 4096, 8, 128)
+  with gpu_target("sm90"):
+    assert which_implementation(bf(4, 1, 32, 128), cache, cache) == "sm90_decode"
+    assert which_implementation(bf(1, 1024, 8, 128), f8(1, 1024, 8, 128), f8(1, 1024, 8, 128),
+                                is_causal=True) == "sm90"
+    # Segment ids: the XLA path.
+    ids = jnp.zeros((1, 1024), jnp.int32)
+    assert which_implementation(bf(1, 1024, 8, 128), f8(1, 1024, 8, 128), f8(1, 1024, 8, 128),
+                                query_segment_ids=ids, key_value_segment_ids=ids) == "xla"
+    with pytest.raises(ValueError, match="float8 cache without segment ids"):
+      which_implementation(bf(1, 1024, 8, 128), f8(1, 1024, 8, 128), f8(1, 1024, 8, 128),
+                           query_segment_ids=ids, key_value_segment_ids=ids,
+                           implementation="sm90")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_float8_cache_kernels_cross_lower_to_widening_and_float16_wgmmas(cross_lower, d):
+  """Decode (the arrangement, split) and prefill shapes at each head dim:
+  the e4m3 -> f16 conversions and f16 wgmmas are there, no 8-bit or bf16
+  wgmma, within SMEM."""
+  for q_len, s in ((1, 8192), (512, 2048)):
+    q_spec = jax.ShapeDtypeStruct((2, q_len, 8, d), jnp.bfloat16)
+    kv_spec = jax.ShapeDtypeStruct((2, s, 2, d), E4M3)
+    descale = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+    def call(q, k, v, kd, vd):
+      with gpu_target("sm90"):
+        return fa4_jax.attention(q, k, v, key_descale=kd, value_descale=vd,
+                                 implementation="sm90")
+
+    lowered = cross_lower(call, q_spec, kv_spec, kv_spec, descale, descale)
+    text = "\n".join(lowered.modules)
+    assert "cvt.rn.f16x2.e4m3x2" in text and "f32.f16.f16" in text
+    assert "e4m3.e4m3" not in text and "bf16.bf16" not in text
+    assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
