@@ -23,7 +23,8 @@ error and relative L2 error.
 
 Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_backward.py [--quick] [--only SUBSTRING (repeatable)]
-        [--config key=value,... (repeatable: one column per config)] [--tag NAME]
+        [--config key=value,... (repeatable: one column per config; a kernel's
+         fields as dkv.KEY=... or dq.KEY=...)] [--tag NAME]
         [--rounds N (measure the columns N times, interleaved)] [--no-check | --check-all]
         [--timing span|cupti]
 Writes benchmarks/results/backward[-NAME]-<device>-<date>.json (or $OUT/ when
@@ -121,16 +122,21 @@ def errors(grads, ref):
 
 def config_for(text, head_dim, mask, group=1):
   """The heuristic's config for (head dim, mask, GQA group), with the
-  `key=value,...` overrides of `text`."""
+  `key=value,...` overrides of `text`: a `BackwardConfig` field
+  (`delta_in_dq=False`) or one of a kernel's, prefixed with its name
+  (`dkv.stats_first=False`, `dq.num_consumers=2`)."""
   config = sm90_backward.choose_config(head_dim, mask, group)
-  changes = {}
+  changes = {"": {}, "dkv": {}, "dq": {}}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")
+    kernel, _, field = key.rpartition(".")
     if value in ("True", "False"):
-      changes[key] = value == "True"
+      changes[kernel][field] = value == "True"
     else:
-      changes[key] = int(value) if value.lstrip("-").isdigit() else value
-  return dataclasses.replace(config, **changes)
+      changes[kernel][field] = int(value) if value.lstrip("-").isdigit() else value
+  return dataclasses.replace(
+      config, dkv=dataclasses.replace(config.dkv, **changes["dkv"]),
+      dq=dataclasses.replace(config.dq, **changes["dq"]), **changes[""])
 
 
 class CaseSetup:

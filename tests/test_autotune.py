@@ -187,18 +187,37 @@ def test_under_jit_the_candidates_run_on_concrete_arrays():
   assert float(out[0, 0, 0, 0]) == 1.0
 
 
+def backward_config(default):
+  return autotune.sm90_backward_config(
+      default, q_shape=(2, 1024, 4, 128), k_shape=(2, 1024, 4, 128), dtype=jnp.bfloat16,
+      mask=CAUSAL, scale=0.1, has_q_lengths=False, has_kv_lengths=False, soft_cap=None,
+      tunable=True)
+
+
 def test_backward_candidates_are_the_heuristics_configs_for_the_head_dim_and_mask():
-  timer = FakeTimer(lambda config: 1.0 if config.fold_stats else 2.0)
+  timer = FakeTimer(lambda config: 1.0 if config.dkv.fold_stats else 2.0)
   default = sm90_backward.choose_config(128, CAUSAL, 1)
   with fa4_jax.autotune(timer=timer, device_kind=KIND):
-    chosen = autotune.sm90_backward_config(
-        default, q_shape=(2, 1024, 4, 128), k_shape=(2, 1024, 4, 128), dtype=jnp.bfloat16,
-        mask=CAUSAL, scale=0.1, has_q_lengths=False, has_kv_lengths=False, soft_cap=None,
-        tunable=True)
-  assert not default.fold_stats and chosen.fold_stats  # the GQA rule's choice
+    chosen = backward_config(default)
+  assert not default.dkv.fold_stats and chosen.dkv.fold_stats  # the GQA rule's choice
   assert chosen == sm90_backward.choose_config(128, CAUSAL, 4)
   assert set(timer.timed) <= {sm90_backward.choose_config(128, CAUSAL, g, soft_cap=c)
                               for g in (1, 4) for c in (False, True)}
+
+
+def test_a_new_process_reads_the_backward_winner_with_both_kernels_configs(tmp_path):
+  """The file holds the dK/dV and the dQ kernel's configs of the winner
+  apart (`dkv`, `dq`), and they come back as they went in."""
+  default = sm90_backward.choose_config(128, CAUSAL, 1)
+  with fa4_jax.autotune(timer=FakeTimer(lambda c: 1.0 if c.dkv.fold_stats else 2.0),
+                        device_kind=KIND):
+    first = backward_config(default)
+  (entry,) = cache_entries(tmp_path).values()
+  assert entry["choice"]["dkv"]["fold_stats"] and entry["choice"]["dq"]["num_consumers"] == 3
+  autotune.clear_memory()  # as a new process: only the file remembers
+  with fa4_jax.autotune(timer=never_called, device_kind=KIND):
+    again = backward_config(default)
+  assert again == first and isinstance(again.dkv, sm90_backward.DkvConfig)
 
 
 def test_decode_plan_takes_the_tuned_choices():

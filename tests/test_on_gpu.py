@@ -179,9 +179,10 @@ def test_register_operands_give_the_gradients_of_smem_operands_bit_for_bit(case)
   *_, d, spec, _ = case
   args, ql, kl = backward_inputs(case, seed=8)
   in_registers = sm90_backward.choose_config(d, spec)
-  assert in_registers.operands_in_registers and in_registers.dq_operands_in_registers
-  in_smem = dataclasses.replace(in_registers, operands_in_registers=False,
-                                dq_operands_in_registers=False)
+  assert in_registers.dkv.operands_in_registers and in_registers.dq.operands_in_registers
+  in_smem = dataclasses.replace(
+      in_registers, dkv=dataclasses.replace(in_registers.dkv, operands_in_registers=False),
+      dq=dataclasses.replace(in_registers.dq, operands_in_registers=False))
 
   def run(config):
     return jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,

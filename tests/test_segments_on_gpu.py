@@ -144,9 +144,9 @@ def test_the_dk_dv_work_queue_gives_the_gradients_of_one_cta_per_key_tile(n, kv_
   out, lse = jax.jit(lambda q, k, v: sm90_forward.forward(
       q, k, v, None, None, scale=d ** -0.5, mask=mask, segment_ids=(ids, ids)))(q, k, v)
   # (The heuristic takes the queue at head dim 64 only; it must be right at 128 too.)
-  queued = dataclasses.replace(
-      sm90_backward.choose_config(d, mask, n // kv_heads, segment_ids=True), work_queue=True)
-  per_tile = dataclasses.replace(queued, work_queue=False)
+  config = sm90_backward.choose_config(d, mask, n // kv_heads, segment_ids=True)
+  queued = dataclasses.replace(config, dkv=dataclasses.replace(config.dkv, work_queue=True))
+  per_tile = dataclasses.replace(config, dkv=dataclasses.replace(config.dkv, work_queue=False))
 
   def grads(config):
     return jax.jit(lambda *args: sm90_backward.backward(

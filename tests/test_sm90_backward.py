@@ -155,8 +155,9 @@ STATS_PLACEMENTS = {  # where the dK/dV kernel brings in lse and delta
 
 def _placement_config(name, placement):
   case = FEATURE_CASES[name]
-  return dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
-                             **STATS_PLACEMENTS[placement])
+  config = sm90_backward.choose_config(case.head_dim, case.mask)
+  return dataclasses.replace(config, dkv=dataclasses.replace(config.dkv,
+                                                             **STATS_PLACEMENTS[placement]))
 
 
 # Each case with each placement the heuristic does not already pick for it
@@ -206,7 +207,7 @@ def test_lse_and_delta_are_folded_into_the_accumulators_only_for_causal_gqa_at_1
   """Measured (H100, H200): folding removes the causal GQA dK/dV kernel's
   spills and gains 1-2 %; elsewhere (windows included) loading lse and delta
   before the wgmmas costs as much as or more than it saves."""
-  folds = lambda mask, group: sm90_backward.choose_config(head_dim, mask, group).fold_stats
+  folds = lambda mask, group: sm90_backward.choose_config(head_dim, mask, group).dkv.fold_stats
   causal = MaskSpec(right=0)
   assert folds(causal, 4) == (head_dim == 128)
   assert not folds(causal, 1)
@@ -221,7 +222,7 @@ def test_soft_cap_folds_delta_under_causal_masks_at_128(head_dim):
   folding gains 1.4-3.3 % with causal masks and windows, and removes most of
   the dK/dV kernel's spills; dense calls gain nothing."""
   folds = lambda mask, group: sm90_backward.choose_config(head_dim, mask, group,
-                                                          soft_cap=True).fold_stats
+                                                          soft_cap=True).dkv.fold_stats
   for mask in (MaskSpec(right=0), MaskSpec(left=256, right=0)):
     for group in (1, 4):
       assert folds(mask, group) == (head_dim == 128)
@@ -235,7 +236,7 @@ def test_dk_dv_register_options_need_a_kernel_that_has_them():
                          ("operands_in_registers", [dict(dk_dv="head_dim_split")])):
     for other in others:
       with pytest.raises(ValueError, match=option):
-        sm90_backward.BackwardConfig(**{option: True}, **other)
+        sm90_backward.DkvConfig(**{option: True}, **other)
 
 
 def test_overlapped_kernels_must_not_read_each_others_outputs():
@@ -246,7 +247,8 @@ def test_overlapped_kernels_must_not_read_each_others_outputs():
 
 def test_delta_in_dq_kernel_needs_whole_blocks():
   with pytest.raises(ValueError, match="block_q"):  # 2 x 64 dQ rows, 96-row dK/dV blocks
-    sm90_backward.BackwardConfig(block_q=96, dq_num_consumers=2, dq_block_q=64,
+    sm90_backward.BackwardConfig(sm90_backward.DkvConfig(block_q=96),
+                                 sm90_backward.DqConfig(num_consumers=2, block_q=64),
                                  delta_in_dq=True)
 
 
@@ -256,8 +258,9 @@ def test_three_dk_dv_consumers_match_xla_backward_without_races(name, run_interp
   """Three dK/dV consumers on 160 registers (the D = 64 choice before
   `stats_first`): each owns 64 of the CTA's 192 keys."""
   case = FEATURE_CASES[name]
-  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
-                               num_consumers=3, consumer_registers=160, stats_first=False)
+  config = sm90_backward.choose_config(case.head_dim, case.mask)
+  config = dataclasses.replace(config, dkv=dataclasses.replace(
+      config.dkv, num_consumers=3, consumer_registers=160, stats_first=False))
   _check_case(case, run_interpreted, config=config)
 
 
@@ -279,8 +282,11 @@ def test_three_warpgroups_share_the_registers_they_launch_with():
   forever in `set_max_registers` (seen on an H100); four warpgroups launch
   with 128 each, 65536 in all."""
   with pytest.raises(ValueError, match="65536 registers exceeds the 64512"):
-    sm90_backward.BackwardConfig(producer_registers=64, consumer_registers=224)
-  sm90_backward.BackwardConfig(producer_registers=56, consumer_registers=224)
+    sm90_backward.DkvConfig(producer_registers=64, consumer_registers=224)
+  with pytest.raises(ValueError, match="65536 registers exceeds the 64512"):
+    sm90_backward.DqConfig(producer_registers=64, consumer_registers=224)
+  sm90_backward.DkvConfig(producer_registers=56, consumer_registers=224)
+  sm90_backward.DqConfig(producer_registers=56, consumer_registers=224)
 
 
 # --- segment ids (packed sequences) ------------------------------------------
@@ -372,9 +378,11 @@ def test_segment_ids_with_xla_delta_and_loads_after_the_wait(run_interpreted):
   from XLA instead of the dQ kernel, lse and delta loaded after the wgmmas;
   and the dQ kernel with two consumers (another CTA tile)."""
   case = SEGMENT_CASES["packed_documents_causal_with_a_one_token_document"]
-  config = dataclasses.replace(sm90_backward.choose_config(case.head_dim, case.mask),
-                               delta_in_dq=False, stats_first=False, dq_num_consumers=2,
-                               dq_producer_registers=40, dq_consumer_registers=232)
+  config = sm90_backward.choose_config(case.head_dim, case.mask)
+  config = dataclasses.replace(
+      config, delta_in_dq=False, dkv=dataclasses.replace(config.dkv, stats_first=False),
+      dq=dataclasses.replace(config.dq, num_consumers=2, producer_registers=40,
+                             consumer_registers=232))
   _check_einsum_case(case, run_interpreted, config=config)
 
 
@@ -390,8 +398,8 @@ def test_a_work_queue_hands_every_key_tile_to_some_cta_once(run_interpreted):
   case = Case(batch=2, q_heads=4, kv_heads=2, head_dim=64, is_causal=True, q_seq=300,
               kv_seq=300, q_lengths=(300, 260), q_segment_ids=rows, kv_segment_ids=rows)
   config = sm90_backward.choose_config(64, case.mask, 2, segment_ids=True)
-  assert config.work_queue
-  config = dataclasses.replace(config, num_sms=3)
+  assert config.dkv.work_queue
+  config = dataclasses.replace(config, dkv=dataclasses.replace(config.dkv, num_sms=3))
   _check_einsum_case(case, run_interpreted, config=config)
 
 
@@ -400,15 +408,15 @@ def test_only_packed_causal_rows_at_head_dim_64_take_the_dk_dv_work_queue():
   consumer spills more (choose_config); dense packed rows, windows and calls
   without segment ids keep one CTA per key tile."""
   causal = MaskSpec(right=0)
+  queued = lambda *args, **kwargs: sm90_backward.choose_config(*args, **kwargs).dkv.work_queue
   for group in (1, 4):
-    assert sm90_backward.choose_config(64, causal, group, segment_ids=True).work_queue
-    assert not sm90_backward.choose_config(128, causal, group, segment_ids=True).work_queue
-  assert not sm90_backward.choose_config(64, causal).work_queue
-  assert not sm90_backward.choose_config(64, MaskSpec(), segment_ids=True).work_queue
-  assert not sm90_backward.choose_config(64, MaskSpec(left=255, right=0),
-                                         segment_ids=True).work_queue
+    assert queued(64, causal, group, segment_ids=True)
+    assert not queued(128, causal, group, segment_ids=True)
+  assert not queued(64, causal)
+  assert not queued(64, MaskSpec(), segment_ids=True)
+  assert not queued(64, MaskSpec(left=255, right=0), segment_ids=True)
   with pytest.raises(ValueError, match="work_queue is a choice of the 'fused'"):
-    sm90_backward.BackwardConfig(dk_dv="two_passes", work_queue=True)
+    sm90_backward.DkvConfig(dk_dv="two_passes", work_queue=True)
 
 
 def _walked(operands, band, cta: int, consumer: int | None = None, consumers: int = 1):
@@ -432,8 +440,8 @@ def test_segment_ids_skip_the_blocks_of_other_documents():
   total, mask = 576, MaskSpec()
   ids = jnp.asarray(packed_segment_ids([192, 192, 192], total))[None]
   config = sm90_backward.choose_config(64, mask)
-  assert (config.dq_num_consumers, config.dq_block_q, config.dq_block_kv) == (3, 64, 64)
-  assert (config.num_consumers, config.block_kv, config.block_q) == (2, 64, 64)
+  assert (config.dq.num_consumers, config.dq.block_q, config.dq.block_kv) == (3, 64, 64)
+  assert (config.dkv.num_consumers, config.dkv.block_kv, config.dkv.block_q) == (2, 64, 64)
   dkv, dq = sm90_backward._kernel_segments((ids, ids), config, total, total)
   for cta in range(3):
     band = scores.kv_tile_ranges(mask, cta * 192, (cta + 1) * 192, total, total, 64)
@@ -569,7 +577,7 @@ def test_dk_dv_scheme_keeps_accumulators_within_a_warpgroups_registers(head_dim,
   # 64 x head_dim fp32 for dK plus as much for dV fit one warpgroup up to
   # head dim 128; above, the head dim is split across the two consumers where
   # its halves fall on 64-column tiles, else dK and dV take separate passes.
-  assert sm90_backward.choose_config(head_dim, MaskSpec()).dk_dv == scheme
+  assert sm90_backward.choose_config(head_dim, MaskSpec()).dkv.dk_dv == scheme
 
 
 def test_float32_is_refused():
@@ -597,7 +605,7 @@ def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, 
 
   lowered = cross_lower(fn, q, kv, kv, q, lse, q, lengths, lengths)
   # dK/dV (one kernel, or a dK pass and a dV pass) and dQ
-  assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
+  assert len(lowered.smem_bytes) == (3 if config.dkv.dk_dv == "two_passes" else 2)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")
@@ -621,7 +629,7 @@ def test_every_config_with_segment_ids_fits_smem_and_uses_wgmma_and_tma(
   lowered = cross_lower(fn, q, kv, kv, q, spec((b, nq, t), jnp.float32), q,
                         spec((b,), jnp.int32), spec((b,), jnp.int32),
                         spec((b, t), jnp.int32), spec((b, s), jnp.int32))
-  assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
+  assert len(lowered.smem_bytes) == (3 if config.dkv.dk_dv == "two_passes" else 2)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")
@@ -638,8 +646,8 @@ def test_the_dk_dv_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without(
   round-robin shares, the protocol the interpreter tests)."""
   mask = MaskSpec(right=0)
   # (At 128 the heuristic keeps one CTA per key tile; the queue must still fit.)
-  config = dataclasses.replace(sm90_backward.choose_config(head_dim, mask, 4, segment_ids=True),
-                               work_queue=True)
+  config = sm90_backward.choose_config(head_dim, mask, 4, segment_ids=True)
+  config = dataclasses.replace(config, dkv=dataclasses.replace(config.dkv, work_queue=True))
   b, t, nq, nkv = 2, 1024, 8, 2
   spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
 
@@ -676,7 +684,7 @@ def test_every_config_with_soft_cap_fits_smem_and_uses_the_fast_tanh(
 
   lowered = cross_lower(fn, q, kv, kv, q, spec((b, nq, t), jnp.float32), q,
                         spec((b,), jnp.int32), spec((b,), jnp.int32))
-  assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
+  assert len(lowered.smem_bytes) == (3 if config.dkv.dk_dv == "two_passes" else 2)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert all("tanh.approx.f32" in module for module in lowered.modules)
@@ -731,7 +739,7 @@ def test_head_dim_64_keeps_the_resident_tiles_in_registers_as_wgmma_operands(
   spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   q, kv = spec((1, 256, 4, head_dim)), spec((1, 256, 2, head_dim))
   config = sm90_backward.choose_config(head_dim, MaskSpec())
-  assert config.operands_in_registers == config.dq_operands_in_registers == (head_dim == 64)
+  assert config.dkv.operands_in_registers == config.dq.operands_in_registers == (head_dim == 64)
 
   def fn(q, k, v, out, lse, dout):
     return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,

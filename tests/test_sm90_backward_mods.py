@@ -241,10 +241,10 @@ def test_block_lists_skip_empty_tiles_and_reuse_the_block_mask():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   visible = np.asarray(_block_sparse(0, jnp.arange(n)[:, None, None], jnp.arange(t)[:, None],
                                      jnp.arange(s)))
-  dkv_keys = config.num_consumers * config.block_kv
-  dq_rows = config.dq_num_consumers * config.dq_block_q
+  dkv_keys = config.dkv.num_consumers * config.dkv.block_kv
+  dq_rows = config.dq.num_consumers * config.dq.block_q
   for (counts, order), rows, cols, keys_are_rows in (
-      (a[0], config.block_q, dkv_keys, True), (a[1], dq_rows, config.dq_block_kv, False)):
+      (a[0], config.dkv.block_q, dkv_keys, True), (a[1], dq_rows, config.dq.block_kv, False)):
     counts, order = np.asarray(counts)[0], np.asarray(order)[0]
     assert counts.shape[0] == n  # per-head lists
     seen_empty = False
@@ -291,7 +291,7 @@ def _cross_lower_mods(cross_lower, d, config, mask, group, packed: bool):
 def test_mods_configs_fit_smem_and_use_wgmma_and_tma(d, config, packed, cross_lower):
   mask = MaskSpec(right=0) if config.delta_in_dq else MaskSpec()
   lowered = _cross_lower_mods(cross_lower, d, config, mask, 2, packed)
-  assert len(lowered.smem_bytes) == (3 if config.dk_dv == "two_passes" else 2)
+  assert len(lowered.smem_bytes) == (3 if config.dkv.dk_dv == "two_passes" else 2)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")

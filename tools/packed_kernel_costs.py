@@ -51,8 +51,8 @@ def kernel_walks(ids) -> dict[str, int]:
   fwd = sm90_forward.choose_config(HEAD_DIM, causal, ROW, ROW, segment_ids=True)
   bwd = sm90_backward.choose_config(HEAD_DIM, causal, segment_ids=True)
   tiles = {"forward": (fwd.block_q_cta, fwd.block_kv, False),
-           "dq": (bwd.dq_num_consumers * bwd.dq_block_q, bwd.dq_block_kv, False),
-           "dkdv": (bwd.num_consumers * bwd.block_kv, bwd.block_q, True)}
+           "dq": (bwd.dq.num_consumers * bwd.dq.block_q, bwd.dq.block_kv, False),
+           "dkdv": (bwd.dkv.num_consumers * bwd.dkv.block_kv, bwd.dkv.block_q, True)}
   return {name: HEADS * int(walked_blocks(ids, *tile).sum()) for name, tile in tiles.items()}
 
 

@@ -63,8 +63,8 @@ def main() -> int:
   fwd = sm90_forward.choose_config(128, CAUSAL, bench_packed.ROW, bench_packed.ROW)
   bwd = sm90_backward.choose_config(128, CAUSAL)
   kernels = [("forward", fwd.block_q, fwd.block_kv, False),
-             ("dK/dV", bwd.block_kv, bwd.block_q, True),
-             ("dQ", bwd.dq_block_q, bwd.dq_block_kv, False)]
+             ("dK/dV", bwd.dkv.block_kv, bwd.dkv.block_q, True),
+             ("dQ", bwd.dq.block_q, bwd.dq.block_kv, False)]
   dense_ids = np.zeros((1, bench_packed.ROW), np.int32)
   dense_useful = bench_packed.visible_pairs(dense_ids)
   print("| mean document | " + " | ".join(f"{k} ({r}x{c})" for k, r, c, _ in kernels) + " |")

@@ -79,7 +79,7 @@ import jax.numpy as jnp
 
 from fa4_jax.kernels import default_device, device_tables
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a backward entry holds the dK/dV and dQ kernels' configs apart
 CACHE_FILE = "autotune.json"
 ITERATIONS = 10  # calls per CUPTI measurement
 # Device kinds whose choices were measured (docs/performance-notes.md).
@@ -375,7 +375,16 @@ def sm90_backward_config(default, *, q_shape, k_shape, dtype, mask, scale: float
     return fn, arrays()
 
   return _tune(problem, "sm90_backward", default, candidates, run_candidate,
-               dataclasses.asdict, lambda c: sm90_backward.BackwardConfig(**c))
+               dataclasses.asdict, _backward_config_from_json)
+
+
+def _backward_config_from_json(c: dict):
+  """The `BackwardConfig` of its `dataclasses.asdict` (nested: `dkv`, `dq`)."""
+  from fa4_jax.kernels import sm90_backward
+
+  c = dict(c)
+  return sm90_backward.BackwardConfig(dkv=sm90_backward.DkvConfig(**c.pop("dkv")),
+                                      dq=sm90_backward.DqConfig(**c.pop("dq")), **c)
 
 
 # --- decode ----------------------------------------------------------------

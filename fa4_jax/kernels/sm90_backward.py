@@ -18,22 +18,24 @@ atomics):
    choice at head dim <= 128 for causal masks without a window): then the
    dQ kernel runs first, and the reduction's 0.05 ms (B2 S8192 H16 D128,
    H100) is saved.
-2. the dK/dV kernel (`sm90_backward_dkdv`): one CTA per (kv head, KV tile of `2 * block_kv` keys,
-   batch). Two consumer warpgroups each own `block_kv` keys and keep their dK
-   and dV in registers; a producer warpgroup streams (Q, dO, lse, delta) tiles
-   of every query head of the GQA group and every query block the mask lets
-   these keys be seen by, through a ring of `num_stages` SMEM slots. The group
-   sum of dK/dV happens in the accumulators, not in a later pass. Above head
-   dim 128 dK + dV do not fit one warpgroup: at 256 the consumers share the
-   keys and split the head dim (`_build_dkv_head_split_kernel`), at 192 the
-   kernel runs once for dK and once for dV (`BackwardConfig.dk_dv`).
+2. the dK/dV kernel (`sm90_backward_dkdv`, configured by `BackwardConfig.dkv`):
+   one CTA per (kv head, KV tile of `2 * block_kv` keys, batch). Two consumer
+   warpgroups each own `block_kv` keys and keep their dK and dV in registers;
+   a producer warpgroup streams (Q, dO, lse, delta) tiles of every query head
+   of the GQA group and every query block the mask lets these keys be seen
+   by, through a ring of `num_stages` SMEM slots. The group sum of dK/dV
+   happens in the accumulators, not in a later pass. Above head dim 128
+   dK + dV do not fit one warpgroup: at 256 the consumers share the keys and
+   split the head dim (`_build_dkv_head_split_kernel`), at 192 the kernel
+   runs once for dK and once for dV (`DkvConfig.dk_dv`).
    Packed causal rows at head dim 64 run it as a persistent grid whose CTAs
-   take key tiles from a work queue (`BackwardConfig.work_queue`).
-3. the dQ kernel (`sm90_backward_dq`): one CTA per (q head, Q tile of `dq_num_consumers *
-   dq_block_q` rows, batch), the mirror image: consumers own query rows and
-   their dQ, the producer streams (K, V) tiles of the key blocks those rows
-   see. With `delta_in_dq` each consumer also loads its rows' O tile, computes
-   their delta before its first block and writes it out for the dK/dV kernel.
+   take key tiles from a work queue (`DkvConfig.work_queue`).
+3. the dQ kernel (`sm90_backward_dq`, configured by `BackwardConfig.dq`): one
+   CTA per (q head, Q tile of `num_consumers * block_q` rows, batch), the
+   mirror image: consumers own query rows and their dQ, the producer streams
+   (K, V) tiles of the key blocks those rows see. With `delta_in_dq` each
+   consumer also loads its rows' O tile, computes their delta before its
+   first block and writes it out for the dK/dV kernel.
 
 Without `delta_in_dq` the kernels read none of each other's outputs, and
 with `BackwardConfig.overlap_kernels` (the heuristic's choice there) each
@@ -51,11 +53,12 @@ dim 128 (B2 S8192 H16: 5.14 against 4.69 ms; 2-15 % behind without a
 window, 32 % under a 1024-key one): it left the package, its code is at
 commit `dcef065` and the measurements in docs/performance-notes.md.
 
-This module holds the configuration, the heuristic and the entry point;
-what the kernels share (barrier table, block walk, one tile's softmax and
-gradient, wgmma helpers) is in `sm90_backward_common`. Each kernel reads as
-its roles: a producer, the consumers and their epilogue, functions that take
-the kernel's barrier table.
+This module holds the configuration (`BackwardConfig`; each kernel's own,
+`DkvConfig` and `DqConfig`, is in that kernel's module), the heuristic and
+the entry point; what the kernels share (barrier table, block walk, one
+tile's softmax and gradient, wgmma helpers) is in `sm90_backward_common`.
+Each kernel reads as its roles: a producer, the consumers and their
+epilogue, functions that take the kernel's barrier table.
 
 Barrier protocol (see `sm90_backward_common.BackwardBarriers`): per CTA one "resident" operand pair
 loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
@@ -103,11 +106,12 @@ import jax.numpy as jnp
 from fa4_jax.kernels import autotune, sm90_tiles
 from fa4_jax.kernels.backward_inputs import (check_operands, fine_tile_classes, mod_operands,
                                              preprocess, segment_operands)
-from fa4_jax.kernels.pipeline import LaunchChain, check_register_split
+from fa4_jax.kernels.pipeline import LaunchChain
 from fa4_jax.kernels.schedule import fixed_shares_under_vmap, sm_count
 from fa4_jax.kernels.sm90_backward_common import ModStatics
-from fa4_jax.kernels.sm90_backward_dkdv import _build_dkv_head_split_kernel, _build_dkv_kernel
-from fa4_jax.kernels.sm90_backward_dq import _build_dq_kernel
+from fa4_jax.kernels.sm90_backward_dkdv import (DkvConfig, _build_dkv_head_split_kernel,
+                                                _build_dkv_kernel)
+from fa4_jax.kernels.sm90_backward_dq import DqConfig, _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
 from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.target import DEFAULT_NUM_SMS
@@ -119,7 +123,6 @@ FEATURES = frozenset({"soft_cap", "mods"})
 # above this head dim they do not fit beside S and dP, so dK and dV are
 # computed by two passes of the dK/dV kernel, one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
-DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
 
 
 # --- configuration -------------------------------------------------------------
@@ -127,18 +130,9 @@ DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-  """Static tiling of both kernels.
-
-  dK/dV kernel, by `dk_dv` scheme:
-  - "fused": a CTA owns `2 * block_kv` keys (one `block_kv` tile per consumer
-    warpgroup, the wgmma M dimension), each warpgroup keeps dK and dV of its
-    keys, and `block_q`-row query tiles stream through `num_stages` slots.
-  - "head_dim_split": a CTA owns `block_kv` keys and each consumer keeps half
-    the head dim of their dK and dV (`_build_dkv_head_split_kernel`).
-  - "two_passes": the fused kernel runs twice, accumulating dK only, then dV
-    only (S^T is computed twice: 5 tile GEMMs per query block instead of 4).
-  dQ kernel: a CTA owns `dq_num_consumers * dq_block_q` rows and streams
-  `dq_block_kv`-key tiles through `dq_num_stages` slots.
+  """Static configuration of both kernels: each kernel's own (`dkv`: the
+  dK/dV kernel's `DkvConfig`, its `dk_dv` schemes there; `dq`: the dQ
+  kernel's `DqConfig`) and how the two run together.
 
   dQ inside the dK/dV kernel (one kernel, five tile GEMMs instead of seven,
   dQ summed in int32 fixed point) was measured slower on an H100 (B2 S8192
@@ -146,26 +140,8 @@ class BackwardConfig:
   its code is at commit `dcef065`, the measurements in docs/performance-notes.md.
   """
 
-  block_kv: int = 64
-  block_q: int = 64
-  num_stages: int = 2
-  dq_block_q: int = 64
-  dq_block_kv: int = 64
-  dq_num_stages: int = 2
-  num_consumers: int = 2
-  producer_registers: int = 40
-  consumer_registers: int = 232
-  dk_dv: str = "fused"
-  # The dQ kernel's warpgroups: its accumulators are half the dK/dV kernel's,
-  # so at head dim <= 128 it runs three consumers on fewer registers each.
-  dq_num_consumers: int = 2
-  dq_producer_registers: int = 40
-  dq_consumer_registers: int = 232
-  # dK/dV kernel ("fused" scheme): load a block's lse and delta from SMEM
-  # before waiting for its S^T and dP^T GEMMs rather than after (Nsight
-  # Compute: the first FFMA of P^T waited on those loads). Holds them in
-  # registers across the wait: 32 more per thread at block_q 64.
-  stats_first: bool = False
+  dkv: DkvConfig = dataclasses.field(default_factory=DkvConfig)
+  dq: DqConfig = dataclasses.field(default_factory=DqConfig)
   # delta = rowsum(dO * O) computed by the dQ kernel (which then runs first,
   # loads each consumer's O tile beside its dO tile and hands delta to the
   # dK/dV kernel) instead of by an XLA reduction before both kernels. Needs
@@ -178,60 +154,16 @@ class BackwardConfig:
   # 10.4). The kernels must not read each other's outputs, so delta comes
   # from XLA (not with `delta_in_dq`).
   overlap_kernels: bool = False
-  # Keep the tiles a consumer holds for its whole loop in registers, as the A
-  # operands of its first two GEMMs, instead of having every wgmma read them
-  # from SMEM again: Q and dO in the dQ kernel (S = Q K^T, dP = dO V^T), K and
-  # V in the dK/dV kernel (S^T = K Q^T, dP^T = V dO^T; not "head_dim_split").
-  # With both operands in SMEM, an N = 64 wgmma reads SMEM as fast as the
-  # tensor core multiplies (4 KB per m64n64k16: 32 clocks at 128 B per clock,
-  # 32 at ~4096 bf16 FLOP per clock and SM). Costs head_dim / 4 registers per
-  # tile and thread, so it pays at head dim 64 only (choose_config). The
-  # interpreter, which has no register A operands, keeps the tiles in SMEM.
-  dq_operands_in_registers: bool = False
-  operands_in_registers: bool = False
-  # dK/dV kernel, passes with dK: start the S^T accumulator at -lse2 / c and
-  # the dP^T one at -delta (broadcast along the keys) instead of 0, so that
-  # the wgmmas leave c * S^T - lse2 (up to the factor c) and dP^T - delta.
-  # lse2 and delta then die before the wait for the wgmmas instead of living
-  # across it (`stats_first`: 32 registers per thread at block_q 64), and the
-  # subtractions leave the softmax. Rows with lse2 = +inf start at -inf and
-  # keep P = 0.
-  fold_stats: bool = False
-  # The dK/dV kernel as a persistent grid: one CTA per SM (`num_sms`; 0: the
-  # device's, filled in by `backward`) takes key tiles from a work queue
-  # (`schedule.WorkQueue`), with two copies of each consumer's K and V tiles
-  # so that the next tile's K and V load while the current one runs. For
-  # packed rows, whose key tiles' costs are run-time data and often short
-  # (no CTA launch, no K/V load latency between tiles).
-  work_queue: bool = False
-  num_sms: int = 0
 
   def __post_init__(self):
-    if self.dk_dv not in DK_DV_SCHEMES:
-      raise ValueError(f"dk_dv must be one of {DK_DV_SCHEMES}; got {self.dk_dv!r}")
-    if self.work_queue and self.dk_dv != "fused":
-      raise ValueError(f"work_queue is a choice of the 'fused' dK/dV kernel; got "
-                       f"dk_dv={self.dk_dv!r}: set work_queue=False")
     if self.overlap_kernels and self.delta_in_dq:
       raise ValueError(f"overlap_kernels needs independent kernels: delta_in_dq=False; "
                        f"got delta_in_dq={self.delta_in_dq}: set overlap_kernels=False")
-    dq_rows = self.dq_num_consumers * self.dq_block_q
-    if self.delta_in_dq and dq_rows % self.block_q:  # (the dV pass reads no delta)
+    dq_rows = self.dq.num_consumers * self.dq.block_q
+    if self.delta_in_dq and dq_rows % self.dkv.block_q:  # (the dV pass reads no delta)
       # The dK/dV kernel must not read delta rows the dQ kernel never wrote.
-      raise ValueError(f"delta_in_dq needs block_q to divide the dQ kernel's "
-                       f"{dq_rows} rows per CTA; got block_q={self.block_q}")
-    if self.fold_stats and self.dk_dv == "head_dim_split":
-      raise ValueError(f"fold_stats is a choice of the dK/dV kernels whose consumers own whole "
-                       f"key tiles ('fused' and 'two_passes'); got dk_dv={self.dk_dv!r}: "
-                       f"set fold_stats=False")
-    if self.operands_in_registers and self.dk_dv == "head_dim_split":
-      raise ValueError(f"operands_in_registers is a choice of the dK/dV kernel of the 'fused' "
-                       f"and 'two_passes' schemes; got dk_dv={self.dk_dv!r}: "
-                       f"set operands_in_registers=False")
-    check_register_split("BackwardConfig (dK/dV kernel)", self.producer_registers,
-                         self.num_consumers, self.consumer_registers)
-    check_register_split("BackwardConfig (dQ kernel)", self.dq_producer_registers,
-                         self.dq_num_consumers, self.dq_consumer_registers)
+      raise ValueError(f"delta_in_dq needs dkv.block_q to divide the dQ kernel's "
+                       f"{dq_rows} rows per CTA; got dkv.block_q={self.dkv.block_q}")
 
 def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
                   segment_ids: bool = False, soft_cap: bool = False) -> BackwardConfig:
@@ -241,8 +173,8 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   head), the mask and whether the logits are soft-capped (below).
 
   Registers per consumer thread (64 rows per warpgroup, fp32):
-  dK/dV: dK + dV = head_dim, S^T and dP^T = block_q / 2 each.
-  dQ:    dQ = head_dim / 2, S and dP = dq_block_kv / 2 each.
+  dK/dV: dK + dV = head_dim, S^T and dP^T = dkv.block_q / 2 each.
+  dQ:    dQ = head_dim / 2, S and dP = dq.block_kv / 2 each.
 
   Every rule's measurements are in docs/performance-notes.md, "The backward
   heuristic, rule by rule", one subsection per rule (named in quotes below).
@@ -252,9 +184,8 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   d = padded_head_dim(head_dim)
   # dQ: three consumers of 64 rows on 160 registers (dQ 64 + S 32 + dP 32
   # at 128), 64-key tiles ("dQ: three consumers").
-  three_dq_consumers = dict(dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
-                            dq_num_consumers=3, dq_producer_registers=24,
-                            dq_consumer_registers=160)
+  three_dq_consumers = DqConfig(block_q=64, block_kv=64, num_stages=2, num_consumers=3,
+                                producer_registers=24, consumer_registers=160)
   # dK/dV: two consumers of 64 keys on 240 registers, 64-row query tiles,
   # lse and delta loaded before the S^T / dP^T wait ("dK/dV: two consumers,
   # 64-row query tiles, lse and delta first").
@@ -287,27 +218,27 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # Soft-capped calls keep the plain call's tiles ("Soft-cap at D = 128:
   # 32-row query tiles (lost)").
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
-    return BackwardConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
-                          producer_registers=24, consumer_registers=240, stats_first=True,
-                          delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq,
-                          operands_in_registers=d <= 64, dq_operands_in_registers=d <= 64,
-                          fold_stats=fold_stats, work_queue=work_queue, **three_dq_consumers)
+    dkv = DkvConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
+                    producer_registers=24, consumer_registers=240, stats_first=True,
+                    operands_in_registers=d <= 64, fold_stats=fold_stats,
+                    work_queue=work_queue)
+    dq = dataclasses.replace(three_dq_consumers, operands_in_registers=d <= 64)
+    return BackwardConfig(dkv, dq, delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
     # resident Q and dO tiles of dQ take 128 KiB, so its key tiles are 32
     # rows. Kernels overlapped ("Head dim 256: the head-dim split").
-    return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
-                          dq_block_q=64, dq_block_kv=32, dq_num_stages=3,
-                          producer_registers=24, consumer_registers=240,
-                          dk_dv="head_dim_split", overlap_kernels=True)
+    return BackwardConfig(
+        DkvConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
+                  consumer_registers=240, dk_dv="head_dim_split"),
+        DqConfig(block_q=64, block_kv=32, num_stages=3), overlap_kernels=True)
   # 192 (and 144-176, padded): halves of 96 columns do not fall on the
   # 64-column tiles of the swizzled layout, so dK and dV take two passes.
   # 64-row tiles and two stages fit the SMEM at 192 in every kernel (at most
   # 192 KiB). The kernels run one after another ("Head dim 192: two passes").
-  return BackwardConfig(block_kv=64, block_q=64, num_stages=2,
-                        dq_block_q=64, dq_block_kv=64, dq_num_stages=2,
-                        dk_dv="two_passes")
+  return BackwardConfig(DkvConfig(block_kv=64, block_q=64, num_stages=2, dk_dv="two_passes"),
+                        DqConfig(block_q=64, block_kv=64, num_stages=2))
 
 
 def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
@@ -320,11 +251,11 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   a `create_block_mask` block mask (three consumers' 192 rows do not: the
   mask_mod would be evaluated anew). Unmeasured on hardware."""
   config = choose_config(head_dim, mask, group, segment_ids=segment_ids, soft_cap=soft_cap)
-  config = dataclasses.replace(config, work_queue=False, fold_stats=False)
-  if config.dq_num_consumers != 2:
-    config = dataclasses.replace(config, dq_num_consumers=2, dq_producer_registers=24,
-                                 dq_consumer_registers=240)
-  return config
+  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=False)
+  dq = config.dq
+  if dq.num_consumers != 2:
+    dq = dataclasses.replace(dq, num_consumers=2, producer_registers=24, consumer_registers=240)
+  return dataclasses.replace(config, dkv=dkv, dq=dq)
 
 
 def mods_configs() -> list[tuple[int, BackwardConfig]]:
@@ -364,14 +295,15 @@ def _kernel_segments(segment_ids, config: BackwardConfig, q_pad: int, kv_pad: in
   if segment_ids is None:
     return [], []
   q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
-  nc = 1 if config.dk_dv == "head_dim_split" else config.num_consumers
-  dkv = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=config.block_kv,
-                         consumers=nc, num_ctas=cdiv(kv_pad, nc * config.block_kv),
-                         block_cols=config.block_q)
-  dq_nc = config.dq_num_consumers
-  dq = segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=config.dq_block_q,
-                        consumers=dq_nc, num_ctas=cdiv(q_pad, dq_nc * config.dq_block_q),
-                        block_cols=config.dq_block_kv)
+  dkv_config, dq_config = config.dkv, config.dq
+  nc = 1 if dkv_config.dk_dv == "head_dim_split" else dkv_config.num_consumers
+  dkv = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=dkv_config.block_kv,
+                         consumers=nc, num_ctas=cdiv(kv_pad, nc * dkv_config.block_kv),
+                         block_cols=dkv_config.block_q)
+  dq_nc = dq_config.num_consumers
+  dq = segment_operands(q_ids, kv_ids, keys_are_rows=False, block_rows=dq_config.block_q,
+                        consumers=dq_nc, num_ctas=cdiv(q_pad, dq_nc * dq_config.block_q),
+                        block_cols=dq_config.block_kv)
   return dkv, dq
 
 
@@ -381,17 +313,20 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
   call with a score_mod or mask_mod (`mods`, the call's `scores.Scores`):
   the tile classes of every mask of the call evaluated once, at tiles that
   divide both kernels' CTA tiles, and each kernel's block lists."""
-  dq_rows = config.dq_num_consumers * config.dq_block_q
-  dkv_keys = config.block_kv * (1 if config.dk_dv == "head_dim_split" else config.num_consumers)
-  fine = (min(config.block_q, dq_rows), min(config.dq_block_kv, dkv_keys))
-  assert dq_rows % fine[0] == 0 and config.block_q % fine[0] == 0, (config, fine)
-  assert dkv_keys % fine[1] == 0 and config.dq_block_kv % fine[1] == 0, (config, fine)
+  dkv_config, dq_config = config.dkv, config.dq
+  dq_rows = dq_config.num_consumers * dq_config.block_q
+  dkv_keys = dkv_config.block_kv * (1 if dkv_config.dk_dv == "head_dim_split"
+                                    else dkv_config.num_consumers)
+  fine = (min(dkv_config.block_q, dq_rows), min(dq_config.block_kv, dkv_keys))
+  assert dq_rows % fine[0] == 0 and dkv_config.block_q % fine[0] == 0, (config, fine)
+  assert dkv_keys % fine[1] == 0 and dq_config.block_kv % fine[1] == 0, (config, fine)
   classes = fine_tile_classes(mods, batch, num_q_heads, q_seq, kv_seq, *fine)
   operands = functools.partial(mod_operands, mods, classes, fine)
-  dkv = operands(q_block=config.block_q, kv_block=dkv_keys, num_q=cdiv(q_pad, config.block_q),
-                 num_kv=cdiv(kv_pad, dkv_keys), keys_are_rows=True)
-  dq = operands(q_block=dq_rows, kv_block=config.dq_block_kv, num_q=cdiv(q_pad, dq_rows),
-                num_kv=cdiv(kv_pad, config.dq_block_kv), keys_are_rows=False)
+  dkv = operands(q_block=dkv_config.block_q, kv_block=dkv_keys,
+                 num_q=cdiv(q_pad, dkv_config.block_q), num_kv=cdiv(kv_pad, dkv_keys),
+                 keys_are_rows=True)
+  dq = operands(q_block=dq_rows, kv_block=dq_config.block_kv, num_q=cdiv(q_pad, dq_rows),
+                num_kv=cdiv(kv_pad, dq_config.block_kv), keys_are_rows=False)
   statics = ModStatics(score_mod=mods.score_mod, mask_mod=mods.mask_mod,
                        per_head=classes.shape[1] > 1,
                        has_offsets=mods.index_offsets is not None,
@@ -437,11 +372,12 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
       q_shape=q.shape, k_shape=k.shape, dtype=dtype, mask=mask, scale=scale,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
       soft_cap=soft_cap, tunable=mods is None and segment_ids is None)
-  if mods is not None and (config.work_queue or config.fold_stats):
-    raise ValueError("with a score_mod or mask_mod the config takes neither work_queue nor "
-                     f"fold_stats; got {config}")
-  if config.work_queue and not config.num_sms:
-    config = dataclasses.replace(config, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"]))
+  if mods is not None and (config.dkv.work_queue or config.dkv.fold_stats):
+    raise ValueError("with a score_mod or mask_mod the dK/dV kernel's config takes neither "
+                     f"work_queue nor fold_stats; got {config.dkv}")
+  if config.dkv.work_queue and not config.dkv.num_sms:
+    config = dataclasses.replace(config, dkv=dataclasses.replace(
+        config.dkv, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"])))
   lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
 
   def pad(x, t_pad):
@@ -454,7 +390,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   common = dict(
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
-      dtype=dtype, scale=float(scale), mask=mask, config=config,
+      dtype=dtype, scale=float(scale), mask=mask,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
   if segment_ids is not None:
     common["has_segments"] = True
@@ -470,10 +406,12 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
     lengths.append(jnp.asarray(q_lengths, jnp.int32))
   if kv_lengths is not None:
     lengths.append(jnp.asarray(kv_lengths, jnp.int32))
+  dkv_common = dict(common, config=config.dkv)
+  dq_common = dict(common, config=config.dq, with_delta=config.delta_in_dq)
   if config.delta_in_dq:  # the dQ kernel first: it computes delta for both
     o = pad(out.astype(dtype), q_pad)
-    dq, delta = _build_dq_kernel(**common)(q, k, v, dout, lse2, o, *lengths, *dq_segments,
-                                           *dq_mods)
+    dq, delta = _build_dq_kernel(**dq_common)(q, k, v, dout, lse2, o, *lengths, *dq_segments,
+                                              *dq_mods)
   args = [q, k, v, dout, lse2, delta, *lengths]
   # With `overlap_kernels` (the dQ kernel last) each
   # kernel below launches while the one before it finishes: the dK/dV
@@ -484,20 +422,20 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   second_dkv = LaunchChain(releases_next=overlap, follows_previous=overlap)
   last_dq = LaunchChain(follows_previous=overlap)
   dkv_args = [*args, *dkv_segments, *dkv_mods]
-  if config.dk_dv == "fused":
-    build_dkv = functools.partial(_build_dkv_kernel, **common, outputs=("dk", "dv"),
+  if config.dkv.dk_dv == "fused":
+    build_dkv = functools.partial(_build_dkv_kernel, **dkv_common, outputs=("dk", "dv"),
                                   chain=first_dkv)
     dkv_call = build_dkv()
-    if config.work_queue:
+    if config.dkv.work_queue:
       dkv_call = fixed_shares_under_vmap(dkv_call, lambda: build_dkv(queue_counter=False))
     dk, dv = dkv_call(*dkv_args)
-  elif config.dk_dv == "head_dim_split":
-    dk, dv = _build_dkv_head_split_kernel(**common, chain=first_dkv)(*dkv_args)
+  elif config.dkv.dk_dv == "head_dim_split":
+    dk, dv = _build_dkv_head_split_kernel(**dkv_common, chain=first_dkv)(*dkv_args)
   else:
-    (dk,) = _build_dkv_kernel(**common, outputs=("dk",), chain=first_dkv)(*dkv_args)
-    (dv,) = _build_dkv_kernel(**common, outputs=("dv",), chain=second_dkv)(*dkv_args)
+    (dk,) = _build_dkv_kernel(**dkv_common, outputs=("dk",), chain=first_dkv)(*dkv_args)
+    (dv,) = _build_dkv_kernel(**dkv_common, outputs=("dv",), chain=second_dkv)(*dkv_args)
   if not config.delta_in_dq:
-    dq = _build_dq_kernel(**common, chain=last_dq)(*args, *dq_segments, *dq_mods)
+    dq = _build_dq_kernel(**dq_common, chain=last_dq)(*args, *dq_segments, *dq_mods)
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
   if d != head_dim or kv_pad != kv_seq:

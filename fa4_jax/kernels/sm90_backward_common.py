@@ -104,7 +104,7 @@ class BackwardBarriers:
 class BackwardStatics:
   """What every backward kernel knows about its call before tracing."""
 
-  cfg: Any  # BackwardConfig
+  cfg: Any  # the kernel's own: a DkvConfig (dK/dV kernels) or a DqConfig
   mask: MaskSpec
   dtype: Any
   head_dim: int

@@ -6,7 +6,7 @@ their dK and dV in registers; a producer warpgroup streams (Q, dO, lse2,
 delta) tiles of every query head of the GQA group and every query block the
 mask lets these keys be seen by (`BackwardBarriers`). With `outputs` naming
 one gradient it is one pass of the "two_passes" scheme (head dim 192).
-With `BackwardConfig.work_queue` the same roles run as a persistent grid:
+With `DkvConfig.work_queue` the same roles run as a persistent grid:
 one CTA per SM takes key tiles from a work queue (`schedule.WorkQueue`),
 and the next tile's K and V load while the current one runs.
 
@@ -14,6 +14,7 @@ and the next tile's K and V load while the current one runs.
 key tile and split the head dim of dK and dV (`_HeadSplitBarriers`).
 
 Each kernel reads as its roles: a producer, the consumers, their epilogue.
+Their configuration is a `DkvConfig`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
-                                     SlotRing)
+                                     SlotRing, check_register_split)
 from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork, SegmentRefs, narrow
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStatics, ModRefs, launch,
@@ -43,6 +44,83 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStat
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
 from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import cdiv, walk_blocks
+
+
+DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
+
+
+@dataclasses.dataclass(frozen=True)
+class DkvConfig:
+  """Static configuration of the dK/dV kernel, by `dk_dv` scheme:
+
+  - "fused": a CTA owns `num_consumers * block_kv` keys (one `block_kv`
+    tile per consumer warpgroup, the wgmma M dimension), each warpgroup
+    keeps dK and dV of its keys, and `block_q`-row query tiles stream
+    through `num_stages` slots.
+  - "head_dim_split": a CTA owns `block_kv` keys and each consumer keeps half
+    the head dim of their dK and dV (`_build_dkv_head_split_kernel`).
+  - "two_passes": the fused kernel runs twice, accumulating dK only, then dV
+    only (S^T is computed twice: 5 tile GEMMs per query block instead of 4).
+  """
+
+  # --- tiles, stages and warpgroups (the heuristic's choice by shape) ---
+  block_kv: int = 64
+  block_q: int = 64
+  num_stages: int = 2
+  num_consumers: int = 2
+  producer_registers: int = 40
+  consumer_registers: int = 232
+  # --- which algorithm runs ---
+  dk_dv: str = "fused"
+  # "fused" scheme: load a block's lse and delta from SMEM before waiting for
+  # its S^T and dP^T GEMMs rather than after (Nsight Compute: the first FFMA
+  # of P^T waited on those loads). Holds them in registers across the wait:
+  # 32 more per thread at block_q 64.
+  stats_first: bool = False
+  # Passes with dK: start the S^T accumulator at -lse2 / c and the dP^T one
+  # at -delta (broadcast along the keys) instead of 0, so that the wgmmas
+  # leave c * S^T - lse2 (up to the factor c) and dP^T - delta. lse2 and
+  # delta then die before the wait for the wgmmas instead of living across
+  # it (`stats_first`: 32 registers per thread at block_q 64), and the
+  # subtractions leave the softmax. Rows with lse2 = +inf start at -inf and
+  # keep P = 0.
+  fold_stats: bool = False
+  # Keep the tiles a consumer holds for its whole loop, K and V, in
+  # registers, as the A operands of its first two GEMMs (S^T = K Q^T,
+  # dP^T = V dO^T; not "head_dim_split"), instead of having every wgmma read
+  # them from SMEM again (the dQ kernel's counterpart:
+  # `DqConfig.operands_in_registers`). With both operands in SMEM, an N = 64
+  # wgmma reads SMEM as fast as the tensor core multiplies (4 KB per
+  # m64n64k16: 32 clocks at 128 B per clock, 32 at ~4096 bf16 FLOP per clock
+  # and SM). Costs head_dim / 4 registers per tile and thread, so it pays at
+  # head dim 64 only (choose_config). The interpreter, which has no register
+  # A operands, keeps the tiles in SMEM.
+  operands_in_registers: bool = False
+  # A persistent grid: one CTA per SM (`num_sms`; 0: the device's, filled in
+  # by `sm90_backward.backward`) takes key tiles from a work queue
+  # (`schedule.WorkQueue`), with two copies of each consumer's K and V tiles
+  # so that the next tile's K and V load while the current one runs. For
+  # packed rows, whose key tiles' costs are run-time data and often short
+  # (no CTA launch, no K/V load latency between tiles).
+  work_queue: bool = False
+  num_sms: int = 0
+
+  def __post_init__(self):
+    if self.dk_dv not in DK_DV_SCHEMES:
+      raise ValueError(f"dk_dv must be one of {DK_DV_SCHEMES}; got {self.dk_dv!r}")
+    if self.work_queue and self.dk_dv != "fused":
+      raise ValueError(f"work_queue is a choice of the 'fused' dK/dV kernel; got "
+                       f"dk_dv={self.dk_dv!r}: set work_queue=False")
+    if self.fold_stats and self.dk_dv == "head_dim_split":
+      raise ValueError(f"fold_stats is a choice of the dK/dV kernels whose consumers own whole "
+                       f"key tiles ('fused' and 'two_passes'); got dk_dv={self.dk_dv!r}: "
+                       f"set fold_stats=False")
+    if self.operands_in_registers and self.dk_dv == "head_dim_split":
+      raise ValueError(f"operands_in_registers is a choice of the dK/dV kernel of the 'fused' "
+                       f"and 'two_passes' schemes; got dk_dv={self.dk_dv!r}: "
+                       f"set operands_in_registers=False")
+    check_register_split("DkvConfig", self.producer_registers, self.num_consumers,
+                         self.consumer_registers)
 
 
 def _dk_dv_update(dk, dv, softmax: TileSoftmax, q_tile, do_tile, staging):

@@ -1,8 +1,9 @@
 """The dQ kernel of the sm90 backward: CTAs that own query rows.
 
-One CTA per (q head, Q tile of `dq_num_consumers * dq_block_q` rows, batch):
-each consumer warpgroup owns `dq_block_q` rows and their dQ, and the producer
-streams (K, V) tiles of the key blocks those rows see (`BackwardBarriers`).
+One CTA per (q head, Q tile of `num_consumers * block_q` rows, batch) of its
+`DqConfig`: each consumer warpgroup owns `block_q` rows and their dQ, and the
+producer streams (K, V) tiles of the key blocks those rows see
+(`BackwardBarriers`).
 With `BackwardConfig.delta_in_dq` each consumer also loads its rows' O tile,
 computes their delta before its first block and writes it out for the dK/dV
 kernel, which then runs after this one.
@@ -25,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.pipeline import NO_CHAIN, sequence_lengths
+from fa4_jax.kernels.pipeline import NO_CHAIN, check_register_split, sequence_lengths
 from fa4_jax.kernels.backward_walk import KernelRefs, narrow
 from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate, mma_pair,
@@ -33,6 +34,34 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStat
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
 from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class DqConfig:
+  """Static configuration of the dQ kernel: a CTA owns `num_consumers *
+  block_q` query rows (one `block_q` tile per consumer warpgroup) and streams
+  `block_kv`-key tiles through `num_stages` slots."""
+
+  # --- tiles, stages and warpgroups (the heuristic's choice by shape) ---
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+  # The dQ kernel's warpgroups: its accumulators are half the dK/dV kernel's,
+  # so at head dim <= 128 it runs three consumers on fewer registers each.
+  num_consumers: int = 2
+  producer_registers: int = 40
+  consumer_registers: int = 232
+  # --- which algorithm runs ---
+  # Keep the tiles a consumer holds for its whole loop, Q and dO, in
+  # registers, as the A operands of its first two GEMMs (S = Q K^T,
+  # dP = dO V^T), instead of having every wgmma read them from SMEM again:
+  # why it pays at head dim 64 only, `DkvConfig.operands_in_registers`. The
+  # interpreter, which has no register A operands, keeps the tiles in SMEM.
+  operands_in_registers: bool = False
+
+  def __post_init__(self):
+    check_register_split("DqConfig", self.producer_registers, self.num_consumers,
+                         self.consumer_registers)
 
 
 def _row_delta(o_tile, do_tile, lse2):
@@ -52,11 +81,9 @@ class _DqKernel(BackwardStatics):
   interpreting: bool
   has_segments: bool = False
   mods: Any = None  # sm90_backward_common.ModStatics; None without mods
-
-  @property
-  def with_delta(self) -> bool:
-    """The sixth input is O (not delta) and delta an output."""
-    return self.cfg.delta_in_dq
+  # `BackwardConfig.delta_in_dq`: the sixth input is O (not delta) and delta
+  # an output.
+  with_delta: bool = False
 
   @property
   def num_streamed(self) -> int:
@@ -64,7 +91,7 @@ class _DqKernel(BackwardStatics):
 
   def smem(self):
     """Scratch SMEM, in the order `_DqSmem` unpacks it."""
-    cfg, nc, bq, bk = self.cfg, self.cfg.dq_num_consumers, self.cfg.dq_block_q, self.cfg.dq_block_kv
+    cfg, nc, bq, bk = self.cfg, self.cfg.num_consumers, self.cfg.block_q, self.cfg.block_kv
     swizzle = swizzle_bytes(self.dtype, bq, bk)
     if self.has_segments:
       # lse2 and delta in one buffer: Mosaic GPU starts every buffer at a
@@ -77,15 +104,15 @@ class _DqKernel(BackwardStatics):
         smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # Q tiles, then dQ
         smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # dO tiles
         *stats,
-        smem_tile((cfg.dq_num_stages, bk, self.head_dim), self.dtype, swizzle),  # K ring
-        smem_tile((cfg.dq_num_stages, bk, self.head_dim), self.dtype, swizzle),  # V ring
+        smem_tile((cfg.num_stages, bk, self.head_dim), self.dtype, swizzle),  # K ring
+        smem_tile((cfg.num_stages, bk, self.head_dim), self.dtype, swizzle),  # V ring
     ]
     if self.with_delta:
       smem.append(smem_tile((nc, bq, self.head_dim), self.dtype, swizzle))  # O tiles
     if self.interpreting:
       smem.append(smem_tile((nc, bq, bk), self.dtype, swizzle))  # dS staging
     if self.has_segments:
-      smem.append(id_ring(cfg.dq_num_stages, bk))  # the keys' segment ids
+      smem.append(id_ring(cfg.num_stages, bk))  # the keys' segment ids
     return tuple(smem)
 
 
@@ -129,7 +156,7 @@ class _QueryTileWork:
   @classmethod
   def of_this_cta(cls, kd: _DqKernel, *, gmem: KernelRefs, q_seq, kv_valid):
     """The CTA at grid position (heads, q_tiles, batch)."""
-    nc, bq = kd.cfg.dq_num_consumers, kd.cfg.dq_block_q
+    nc, bq = kd.cfg.num_consumers, kd.cfg.block_q
     head = lax.axis_index("heads")
     batch_idx = lax.axis_index("batch")
     tile = lax.axis_index("q_tiles")
@@ -140,7 +167,7 @@ class _QueryTileWork:
     q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, batch_idx, q_seq, kv_valid)
     q_lo = tile * (nc * bq)
     ranges = scores.kv_tile_ranges(kd.mask, q_lo, q_lo + nc * bq, q_len, kv_len,
-                                   kd.cfg.dq_block_kv)
+                                   kd.cfg.block_kv)
     ranges = narrow(ranges, gmem.segments, lambda seg: seg.of_cta(batch_idx, tile))
     return cls(head, kv_head, batch_idx, tile, q_lo, q_len, kv_len, ranges)
 
@@ -150,9 +177,9 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
   """Each consumer's Q, dO, lse2 and delta (or O) once, then the (K, V)
   tiles of the CTA's key blocks (and their keys' segment ids) through the
   ring: blocks [lo, hi), or with mods the CTA's block list."""
-  cfg, nc, bq, bk = kd.cfg, kd.cfg.dq_num_consumers, kd.cfg.dq_block_q, kd.cfg.dq_block_kv
+  cfg, nc, bq, bk = kd.cfg, kd.cfg.num_consumers, kd.cfg.block_q, kd.cfg.block_kv
   lo, hi = work.ranges.lo, work.ranges.hi
-  plgpu.set_max_registers(cfg.dq_producer_registers, action="decrease")
+  plgpu.set_max_registers(cfg.producer_registers, action="decrease")
   for i in range(nc):
     rows = (work.batch_idx, pl.ds(work.q_lo + i * bq, bq), work.head)
     stats = (work.batch_idx, work.head, pl.ds(work.q_lo + i * bq, bq))
@@ -186,13 +213,13 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
 
 def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
                  work: _QueryTileWork, delta_out, segments, mod_refs: ModRefs | None = None):
-  """Consumer `wg`: dQ of its `dq_block_q` rows over the CTA's key blocks
+  """Consumer `wg`: dQ of its `block_q` rows over the CTA's key blocks
   (blocks its rows cannot see only keep the ring going; with mods, every
   block of the CTA's list, with the CTA's class). Returns (dQ, its first
   row)."""
-  cfg, bq, bk, mask = kd.cfg, kd.cfg.dq_block_q, kd.cfg.dq_block_kv, kd.mask
+  cfg, bq, bk, mask = kd.cfg, kd.cfg.block_q, kd.cfg.block_kv, kd.mask
   lo, hi = work.ranges.lo, work.ranges.hi
-  plgpu.set_max_registers(cfg.dq_consumer_registers, action="increase")
+  plgpu.set_max_registers(cfg.consumer_registers, action="increase")
   q_lo = work.q_lo + wg * bq
   if kd.mods is None:
     own = scores.kv_tile_ranges(mask, q_lo, q_lo + bq, work.q_len, work.kv_len, bk)
@@ -209,7 +236,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
 
   bars.resident.consumer_wait(0, wg)
   q_operand, do_operand = q_tile, do_tile  # the A operands of S and dP
-  if cfg.dq_operands_in_registers and not kd.interpreting:
+  if cfg.operands_in_registers and not kd.interpreting:
     q_operand, do_operand = load_operand(q_tile), load_operand(do_tile)
   lse2 = plgpu.load(smem.lse.at[wg], layout=row_layout)
   if kd.with_delta:
@@ -261,7 +288,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
 
 def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _QueryTileWork):
   """Every wgmma reading Q has completed: its tile takes dQ on the way out."""
-  bq = kd.cfg.dq_block_q
+  bq = kd.cfg.block_q
   q_tile = smem.q.at[wg]
   q_tile[...] = (dq * kd.scale).astype(kd.dtype)
   plgpu.commit_smem()
@@ -272,18 +299,19 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
 @cached_build
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
                      head_dim, dtype, scale, mask, config, has_q_lengths,
-                     has_kv_lengths, has_segments=False, chain=NO_CHAIN, soft_cap=None,
-                     mods=None):
-  """The dQ kernel: dq, and with `delta_in_dq` also delta [B, Nq, rows].
+                     has_kv_lengths, has_segments=False, with_delta=False, chain=NO_CHAIN,
+                     soft_cap=None, mods=None):
+  """The dQ kernel of `config` (a `DqConfig`): dq, and with `with_delta`
+  (`BackwardConfig.delta_in_dq`) also delta [B, Nq, rows].
   With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
   per consumer), and the ring streams each block's key ids with K and V.
   `mods` (`ModStatics`): the inputs end with `ModRefs` (block lists of the
   CTAs' query tiles), and the CTAs walk those lists."""
   cfg = config
-  nc, bq = cfg.dq_num_consumers, cfg.dq_block_q
+  nc, bq = cfg.num_consumers, cfg.block_q
   num_q_tiles = cdiv(q_seq, nc * bq)
   kd = _DqKernel(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                 num_q_tiles, is_interpreting(), has_segments, mods)
+                 num_q_tiles, is_interpreting(), has_segments, mods, with_delta)
   grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
 
   def kernel(*refs):
@@ -292,7 +320,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
                                   nc if has_segments else None)
     mod_refs, (dq_ref, *delta_out, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _DqSmem.unpack(smem, kd.with_delta, has_segments)
-    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.dq_num_stages, kd.num_streamed)
+    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kd.num_streamed)
     work = _QueryTileWork.of_this_cta(kd, gmem=gmem, q_seq=q_seq, kv_valid=kv_valid)
     wg = lax.axis_index("wg")
 
@@ -312,6 +340,6 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
     delta_type = jax.ShapeDtypeStruct((batch, num_q_heads, num_q_tiles * nc * bq), jnp.float32)
     out_type = (out_type, delta_type)
   return launch(kernel, role="sm90_dq", out_type=out_type, smem=kd.smem(),
-                barriers=BackwardBarriers.scratch_types(nc, cfg.dq_num_stages, 4,
+                barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, 4,
                                                         kd.num_streamed),
                 grid=grid, num_threads=nc + 1)
