@@ -10,17 +10,15 @@ Rows (issue targets in brackets):
 * `paged ...`: float8 pages (page 64) against the same float8 cache laid
   out contiguously [within 5 %].
 
-Columns: `bf16`, `fp8`, `fp8 paged` (fa4_jax.attention / paged_attention
-as they pick, `which_implementation` in the row) and `xla` (our XLA path on
-the bf16 inputs, the reference of `max_abs_diff`). Time: the sum of a call's
-kernel durations in a profiler trace, medians of interleaved rounds
+Columns: `bf16` (fa4_jax.attention as it picks), `fp8` and `fp8 paged`
+(the sm90 kernel by name; `which_implementation` in the row), `fp8 default`
+(decode rows: what implementation=None runs on a float8 cache, the XLA path
+until `backends.FP8_CACHE_BY_DEFAULT`) and `xla` (our XLA path on the bf16
+inputs, the reference of `max_abs_diff`). Time: the sum of a call's kernel
+durations in a profiler trace, medians of interleaved rounds
 (`bench_common.bandwidth_columns`). `tb_per_s` divides the bytes the
 bfloat16 call reads (K and V once) by each column's time, so a float8 cache
 read at the same bytes per second shows 2x; prefill rows print TFLOP/s.
-
-The sm90 kernel serves the all-float8 prefill rows; a 16-bit query on a
-float8 cache (decode, paged) runs on the XLA path until a kernel takes it
-(`served` in the row says which).
 
 `--configs` adds, on prefill rows, the float8 kernel under each of
 `CONFIG_CANDIDATES` (columns `fp8 <label>`): the sweep behind the float8
@@ -152,10 +150,17 @@ def run_case(case, rounds, configs=False):
     served = fa4_jax.which_implementation(q8, k8, v8, is_causal=causal, query_descale=qd,
                                           **descales)
   else:
+    # The kernel by name: by default a float8 cache stays on the XLA path
+    # until it has run on a GPU (`backends.FP8_CACHE_BY_DEFAULT`).
     fp8 = lambda q, k, v, kd, vd: fa4_jax.attention(q, k, v, is_causal=causal, key_descale=kd,
-                                                    value_descale=vd, **alignment)
+                                                    value_descale=vd, implementation="sm90",
+                                                    **alignment)
     calls["fp8"] = (fp8, (q, k8, v8, kd, vd))
-    served = fa4_jax.which_implementation(q, k8, v8, is_causal=causal, **descales, **alignment)
+    calls["fp8 default"] = (lambda q, k, v, kd, vd: fa4_jax.attention(
+        q, k, v, is_causal=causal, key_descale=kd, value_descale=vd, **alignment),
+        (q, k8, v8, kd, vd))
+    served = fa4_jax.which_implementation(q, k8, v8, is_causal=causal, implementation="sm90",
+                                          **descales, **alignment)
   if kind == "paged":
     pages = b * s // PAGE
     order = jnp.asarray(np.random.default_rng(0).permutation(pages), jnp.int32)
@@ -164,7 +169,8 @@ def run_case(case, rounds, configs=False):
         x.reshape((pages, PAGE) + x.shape[2:]))
     lengths = jnp.full((b,), s, jnp.int32)
     paged = lambda q, kp, vp, kd, vd: fa4_jax.paged_attention(
-        q, kp, vp, table, lengths, is_causal=causal, key_descale=kd, value_descale=vd)
+        q, kp, vp, table, lengths, is_causal=causal, key_descale=kd, value_descale=vd,
+        implementation="sm90")
     calls["fp8 paged"] = (paged, (q, to_pages(k8), to_pages(v8), kd, vd))
   bf16_bytes = 2 * k.size * k.dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
@@ -174,8 +180,8 @@ def run_case(case, rounds, configs=False):
 
 
 def markdown(rows):
-  cols = ["bf16", "fp8", "fp8 paged", "xla"]
-  cols += sorted({c for r in rows for c in r if c.startswith("fp8 ") and c != "fp8 paged"})
+  cols = ["bf16", "fp8", "fp8 paged", "fp8 default", "xla"]
+  cols += sorted({c for r in rows for c in r if c.startswith("fp8 ") and c not in cols})
   lines = ["| case | served | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
   for r in rows:
     if r["kind"] == "prefill":

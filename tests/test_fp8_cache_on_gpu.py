@@ -2,7 +2,9 @@
 (skipped without a Hopper GPU): decode in the decode arrangement (split-K,
 ragged lengths, GQA and MQA), float8 pages (decode and chunked prefill),
 at serving sizes, against an f32 einsum on the dequantized cache with the
-tolerance argued in tests/test_sm90_fp8_cache.py.
+tolerance argued in tests/test_sm90_fp8_cache.py. The kernel is named
+(`implementation="sm90"`): by default these calls stay on the XLA path until
+this file has passed on a GPU (`backends.FP8_CACHE_BY_DEFAULT`).
 """
 
 import jax
@@ -29,7 +31,8 @@ def test_float8_cache_decode_at_scale(b, s, n, kv_heads, d, cache_dtype):
   k8, k_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
   v8, v_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
   lengths = jnp.asarray(rng.integers(1, s + 1, size=(b,)), jnp.int32)
-  kwargs = dict(key_descale=k_descale, value_descale=v_descale, key_value_seq_lengths=lengths)
+  kwargs = dict(key_descale=k_descale, value_descale=v_descale, key_value_seq_lengths=lengths,
+                implementation="sm90")
   assert fa4_jax.which_implementation(q, k8, v8, **kwargs) == "sm90_decode"
   got = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **kwargs))(q, k8, v8)
   want, v = dequantized_reference(q, k8, k_descale, v8, v_descale, kv_lengths=lengths)
@@ -46,7 +49,7 @@ def test_float8_pages_at_scale(t):
   table = jnp.asarray(rng.permutation(pool).reshape(b, max_pages), jnp.int32)
   lengths = jnp.asarray(rng.integers(t, max_pages * page + 1, size=(b,)), jnp.int32)
   q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
-  kwargs = dict(key_descale=k_descale, value_descale=v_descale)
+  kwargs = dict(key_descale=k_descale, value_descale=v_descale, implementation="sm90")
   assert fa4_jax.which_paged_implementation(q, key_pages, value_pages, table, lengths,
                                             **kwargs) == "sm90"
   got = fa4_jax.paged_attention(q, key_pages, value_pages, table, lengths, **kwargs)
