@@ -8,9 +8,9 @@ kernel time (TB/s; the H100 SXM's HBM3 peaks near 3.35). Rows are issue #27's
   the row's `chosen`);
 * `kernel`: the sm90 forward kernel in its usual arrangement (one CTA per
   query head and tile);
-* `decode`: `fa4_jax.decode` as `decode.plan` plans it (query heads packed
-  as rows, the cache in chunks combined in XLA, the grid), also above its
-  row limit (then its splits only);
+* `decode`: `fa4_jax.kernels.sm90_decode` as `sm90_decode.plan` plans it
+  (query heads packed as rows, the cache in chunks combined in XLA, the
+  grid), also above its row limit (then its splits only);
 * `decode pN`: the same with N chunks and one CTA per item (`--splits`);
 * `cudnn`, `xla`: `jax.nn.dot_product_attention`;
 * `tokamax`: tokamax 0.0.17's Mosaic GPU attention, where installed.
@@ -36,8 +36,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
-from fa4_jax import decode  # noqa: E402
-from fa4_jax.kernels import sm90_forward  # noqa: E402
+from fa4_jax.kernels import sm90_decode, sm90_forward  # noqa: E402
 from fa4_jax.scores import MaskSpec  # noqa: E402
 
 import bench_common  # noqa: E402
@@ -62,11 +61,11 @@ CASES = [
 
 
 def planned(q_shape, k_shape, ragged):
-  """`decode.plan`'s plan (splits, grid), or its splits alone for rows above
-  its limit."""
-  return (decode.plan(q_shape, k_shape, MaskSpec(), ragged=ragged)
-          or decode.DecodePlan(decode.choose_splits(q_shape[0], k_shape[2], k_shape[1],
-                                                    ragged=ragged)))
+  """`sm90_decode.plan`'s plan (splits, grid), or its splits alone for rows
+  above its limit."""
+  return (sm90_decode.plan(q_shape, k_shape, MaskSpec(), ragged=ragged)
+          or sm90_decode.DecodePlan(sm90_decode.choose_splits(q_shape[0], k_shape[2], k_shape[1],
+                                                              ragged=ragged)))
 
 
 def implementations(splits, scale, kv_lengths):
@@ -83,10 +82,10 @@ def implementations(splits, scale, kv_lengths):
   plans = {"decode": None} | {f"decode p{p}": p for p in splits}
   for label, p in plans.items():
     def run(q, k, v, p=p):
-      chosen = decode.DecodePlan(p) if p is not None else planned(q.shape, k.shape,
-                                                                  kv_lengths is not None)
-      return decode.forward(q, k, v, None, kv_lengths, scale=scale, mask=MaskSpec(),
-                            plan=chosen)[0]
+      chosen = sm90_decode.DecodePlan(p) if p is not None else planned(q.shape, k.shape,
+                                                                       kv_lengths is not None)
+      return sm90_decode.forward(q, k, v, None, kv_lengths, scale=scale, mask=MaskSpec(),
+                                 plan=chosen)[0]
     impls[label] = run
   try:
     from tokamax._src.ops.attention import pallas_mosaic_gpu as tokamax_gpu

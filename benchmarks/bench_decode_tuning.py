@@ -8,8 +8,8 @@ interleaved rounds):
 
 * `--mode sweep`: per row, the decode arrangement with each candidate
   (chunks of the cache, one CTA per item or a persistent grid of N CTAs,
-  K/V ring stages) beside `plan` (what `decode.plan` picks here), `default`
-  (`fa4_jax.attention`), cuDNN and XLA. The winners become rules in
+  K/V ring stages) beside `plan` (what `sm90_decode.plan` picks here),
+  `default` (`fa4_jax.attention`), cuDNN and XLA. The winners become rules in
   `fa4_jax/kernels/device_tables.py`.
 * `--mode final`: `default`, `plan`, cuDNN and XLA on the same rows.
   `--timer cupti` times with CUPTI's own sum (`profiler.measure`, as issue
@@ -34,8 +34,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
-from fa4_jax import decode  # noqa: E402
-from fa4_jax.kernels import device_tables, sm90_forward  # noqa: E402
+from fa4_jax.kernels import device_tables, sm90_decode, sm90_forward  # noqa: E402
 from fa4_jax.scores import MaskSpec  # noqa: E402
 
 import bench_common  # noqa: E402
@@ -90,22 +89,23 @@ def columns_of(row, mode):
   scale = D ** -0.5
 
   def with_plan(p):
-    return lambda q, k, v: decode.forward(q, k, v, None, None, scale=scale, mask=MaskSpec(),
-                                          plan=p)[0]
+    return lambda q, k, v: sm90_decode.forward(q, k, v, None, None, scale=scale, mask=MaskSpec(),
+                                               plan=p)[0]
 
   cols = {
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"),
       "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
-      "plan": lambda q, k, v: decode.forward(
+      "plan": lambda q, k, v: sm90_decode.forward(
           q, k, v, None, None, scale=scale, mask=MaskSpec(),
-          plan=decode.plan(q.shape, k.shape, MaskSpec()))[0],
+          plan=sm90_decode.plan(q.shape, k.shape, MaskSpec()))[0],
   }
   if mode == "final":
     cols["default"] = lambda q, k, v: fa4_jax.attention(q, k, v)
     # The plan before the tables named this kind: the generic rules.
-    cols["before"] = lambda q, k, v: decode.forward(
+    cols["before"] = lambda q, k, v: sm90_decode.forward(
         q, k, v, None, None, scale=scale, mask=MaskSpec(),
-        plan=decode.plan(q.shape, k.shape, MaskSpec(), choices=device_tables.GENERIC_DECODE))[0]
+        plan=sm90_decode.plan(q.shape, k.shape, MaskSpec(),
+                              choices=device_tables.GENERIC_DECODE))[0]
   else:
     rows = Hq // Hkv
     for splits, grid, stages, *consumers in candidates:
@@ -117,7 +117,7 @@ def columns_of(row, mode):
         continue
       label = (f"p{splits} {'item' if grid == 'item' else f'grid{grid}'} s{stages}"
                + (f" c{consumers[0]}" if consumers else ""))
-      cols[label] = with_plan(decode.DecodePlan(splits, config))
+      cols[label] = with_plan(sm90_decode.DecodePlan(splits, config))
   return cols
 
 
@@ -152,7 +152,7 @@ def main():
     k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
     nbytes = 2 * B * S * Hkv * D * 2
-    p = decode.plan(q.shape, k.shape, MaskSpec())
+    p = sm90_decode.plan(q.shape, k.shape, MaskSpec())
     result = dict(case=name, B=B, T=1, S=S, Hq=Hq, Hkv=Hkv, D=D, kv_bytes=nbytes,
                   chosen=fa4_jax.which_implementation(q, k, v),
                   planned=None if p is None else dict(splits=p.splits, config=None if p.config is None

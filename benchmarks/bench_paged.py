@@ -40,7 +40,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
-from fa4_jax import decode, paged  # noqa: E402
+from fa4_jax import paged  # noqa: E402
+from fa4_jax.kernels import sm90_decode  # noqa: E402
 
 import bench_common  # noqa: E402
 from bench_decode import markdown  # noqa: E402
@@ -119,7 +120,7 @@ def run_case(name, B, S, page_size, ragged, rounds):
              kv_bytes=kv_bytes, chosen=fa4_jax.which_paged_implementation(*inputs["paged"]),
              contiguous_chosen=fa4_jax.which_implementation(q, k, v,
                                                             key_value_seq_lengths=lengths),
-             splits=decode.choose_splits(B, HKV, S, ragged=True, granule=page_size))
+             splits=sm90_decode.choose_splits(B, HKV, S, ragged=True, granule=page_size))
   row.update(bench_common.bandwidth_columns(
       {column: (f, inputs[layout]) for column, (f, layout) in impls.items()}, rounds, kv_bytes,
       "paged xla"))

@@ -183,8 +183,8 @@ def which_implementation(
   """The implementation `attention` would use for these arguments here (on
   the default device, or for the active `fa4_jax.gpu_target`):
   `"xla"`, `"sm90"`, `"sm90_decode"` (the sm90 kernels in their decode
-  arrangement: short queries without a band mask, see `fa4_jax.decode`),
-  `"sm100"` or `"cudnn"`. Raises as `attention` would.
+  arrangement: short queries without a band mask, see
+  `fa4_jax.kernels.sm90_decode`), `"sm100"` or `"cudnn"`. Raises as `attention` would.
 
   `part="backward"`: what computes the gradients instead: a kernel family's
   fused backward (`"sm90"`, `"sm100"`), or `"xla"` where the kernel has none

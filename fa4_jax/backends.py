@@ -18,10 +18,10 @@ other platform (`_portable`), so one function exported for `("cuda", "cpu")`
 carries both; without one, the kernel alone (`_cuda_only`).
 
 Where the sm90 kernels serve a short query without a band mask (decode
-against a KV cache), they run in the decode arrangement of `fa4_jax.decode`
-(query heads packed as rows, the cache split into chunks): the backend is
-then named "sm90_decode" (what `which_implementation` reports); its backward
-is the sm90 backward.
+against a KV cache), they run in the decode arrangement of
+`fa4_jax.kernels.sm90_decode` (query heads packed as rows, the cache split
+into chunks): the backend is then named "sm90_decode" (what
+`which_implementation` reports); its backward is the sm90 backward.
 
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional
@@ -200,21 +200,21 @@ def backward_name(backend: Backend, call: CallInfo) -> str:
 @functools.cache
 def _decode_backend() -> Backend:
   """The sm90 forward kernel in the decode arrangement, the sm90 backward."""
-  from fa4_jax import decode
+  from fa4_jax.kernels import sm90_decode
 
   def forward(q, k, v, bias, mask, scores_: Scores):
     del bias, mask  # never selected with them (see _kernel_problem)
-    plan = decode.plan(q.shape, k.shape, scores_.mask,
-                       has_segment_ids=scores_.q_segment_ids is not None,
-                       ragged=scores_.kv_lengths is not None)
+    plan = sm90_decode.plan(q.shape, k.shape, scores_.mask,
+                            has_segment_ids=scores_.q_segment_ids is not None,
+                            ragged=scores_.kv_lengths is not None)
     if plan is None:  # other shapes per device (e.g. a sharded call): the usual kernel
       return _kernel_backend("sm90").forward(q, k, v, None, None, scores_)
     options = {} if scores_.soft_cap is None else dict(soft_cap=scores_.soft_cap)
     if scores_.has_fp8:  # a float8 cache (`_fp8_problem`)
       options.update(descales=(scores_.q_descale, scores_.k_descale, scores_.v_descale),
                      out_dtype=scores_.out_dtype)
-    return decode.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths, scale=scores_.scale,
-                          mask=scores_.mask, plan=plan, sinks=scores_.sinks, **options)
+    return sm90_decode.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths, scale=scores_.scale,
+                               mask=scores_.mask, plan=plan, sinks=scores_.sinks, **options)
 
   return Backend("sm90_decode", forward, _kernel_backend("sm90").backward)
 
@@ -248,9 +248,9 @@ def _fp8_problem(name: str, module, call: CallInfo) -> str | None:
       return (f"implementation={name!r} reads a float8 cache without segment ids, score_mod "
               f"or mask_mod; {fallback}")
     return None
-  from fa4_jax import decode
-  if decode.plan(call.q_shape, call.k_shape, call.spec,
-                 has_segment_ids=call.has_segment_ids) is not None:
+  from fa4_jax.kernels import sm90_decode
+  if sm90_decode.plan(call.q_shape, call.k_shape, call.spec,
+                      has_segment_ids=call.has_segment_ids) is not None:
     return (f"implementation={name!r} has no float8 decode kernel yet (a short query against "
             f"a long cache); {fallback}")
   return None
@@ -426,9 +426,9 @@ def _arrangement(name: str, call: CallInfo) -> Backend:
   """Kernel family `name`'s backend for this call: the sm90 decode
   arrangement for short band-free queries, else the kernels as they are."""
   if name == "sm90" and not call.has_mods and call.v_head_dim is None:
-    from fa4_jax import decode
-    if decode.plan(call.q_shape, call.k_shape, call.spec,
-                   has_segment_ids=call.has_segment_ids) is not None:
+    from fa4_jax.kernels import sm90_decode
+    if sm90_decode.plan(call.q_shape, call.k_shape, call.spec,
+                        has_segment_ids=call.has_segment_ids) is not None:
       return _decode_backend()
   return _kernel_backend(name)
 
@@ -455,8 +455,7 @@ def select_paged(implementation, args: PagedArguments) -> str:
 
 def _paged_kernel_problem(args: PagedArguments) -> str | None:
   """Why the sm90 kernel cannot serve the paged call here, or None if it can."""
-  from fa4_jax import decode
-  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.kernels import sm90_decode, sm90_forward
 
   if not interpret.is_interpreting() and device_arch_major() != 9:
     return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
@@ -481,16 +480,16 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
     return None  # the forward kernel as it is: any number of query rows
   if paged_decode_plan(args) is None:
     return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
-            f"the decode arrangement packs at most {decode.MAX_PACKED_ROWS}")
+            f"the decode arrangement packs at most {sm90_decode.MAX_PACKED_ROWS}")
   return None
 
 
 def paged_decode_plan(args: PagedArguments):
   """The decode plan of a paged call: chunks of whole pages, balanced for
   ragged lengths."""
-  from fa4_jax import decode
+  from fa4_jax.kernels import sm90_decode
 
   b, _, _, d = args.query.shape
   page_size, kv_heads = args.key_pages.shape[1], args.key_pages.shape[2]
   k_shape = (b, args.page_table.shape[1] * page_size, kv_heads, d)
-  return decode.plan(args.query.shape, k_shape, MaskSpec(), ragged=True, granule=page_size)
+  return sm90_decode.plan(args.query.shape, k_shape, MaskSpec(), ragged=True, granule=page_size)

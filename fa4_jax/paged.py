@@ -9,10 +9,10 @@ lists each row's pages in order; row b's keys are the first
 What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
 
 * Hopper GPU: the sm90 forward kernel in the decode arrangement of
-  `fa4_jax.decode` (a KV head's query heads packed as the rows of one tile,
-  the cache split into chunks of whole pages, each chunk a batch row with its
-  own row of the page table and its own length), reading K and V through the
-  page table: one TMA copy per page, no gather of the cache.
+  `fa4_jax.kernels.sm90_decode` (a KV head's query heads packed as the rows
+  of one tile, the cache split into chunks of whole pages, each chunk a batch
+  row with its own row of the page table and its own length), reading K and
+  V through the page table: one TMA copy per page, no gather of the cache.
 * Everywhere else, and for what the kernel cannot serve: the XLA path, which
   gathers each row's pages into a contiguous cache and calls the XLA
   attention with an explicit mask. It is also the reference.
@@ -176,8 +176,7 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, desca
   """The sm90 kernel reading through the table: the forward kernel itself
   for chunked prefill, else in the decode arrangement. `descales`: float8
   pages' (q, k, v) descales, (None, None, None) otherwise."""
-  from fa4_jax import decode
-  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.kernels import sm90_decode, sm90_forward
   from fa4_jax.scores import MaskSpec
 
   fp8 = {}
@@ -193,9 +192,9 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, desca
                                   page_table=page_table, **options, **fp8)
     return out
   args = PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
-  out, _ = decode.forward(q, key_pages, value_pages, None, lengths, scale=static.scale,
-                          mask=MaskSpec(), plan=paged_decode_plan(args), sinks=sinks,
-                          soft_cap=static.soft_cap, page_table=page_table, **fp8)
+  out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, scale=static.scale,
+                               mask=MaskSpec(), plan=paged_decode_plan(args), sinks=sinks,
+                               soft_cap=static.soft_cap, page_table=page_table, **fp8)
   return out
 
 

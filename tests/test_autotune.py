@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import decode
-from fa4_jax.kernels import autotune, device_tables, sm90_backward, sm90_forward
+from fa4_jax.kernels import autotune, device_tables, sm90_backward, sm90_decode, sm90_forward
 from fa4_jax.scores import MaskSpec
 
 KIND = "Test GPU"  # a device kind no table names
@@ -68,8 +67,8 @@ def test_off_by_default_the_tables_and_rules_choose(tmp_path):
   default, chosen = forward_config()
   assert chosen is default
   q_shape, k_shape = (16, 1, 32, 128), (16, 1024, 8, 128)
-  assert decode.plan(q_shape, k_shape, MaskSpec()) == decode.plan(
-      q_shape, k_shape, MaskSpec(), choices=decode.device_choices())
+  assert sm90_decode.plan(q_shape, k_shape, MaskSpec()) == sm90_decode.plan(
+      q_shape, k_shape, MaskSpec(), choices=sm90_decode.device_choices())
   assert not (tmp_path / autotune.CACHE_FILE).exists()
 
 
@@ -223,15 +222,15 @@ def test_a_new_process_reads_the_backward_winner_with_both_kernels_configs(tmp_p
 def test_decode_plan_takes_the_tuned_choices():
   q_shape, k_shape = (1, 1, 32, 128), (1, 32768, 4, 128)  # D128: 16 chunks on 64 streams, 32 on 132 SMs
   fewer = device_tables.DecodeChoices(streaming_ctas=64)
-  assert decode.plan(q_shape, k_shape, MaskSpec(), choices=fewer) != decode.plan(
+  assert sm90_decode.plan(q_shape, k_shape, MaskSpec(), choices=fewer) != sm90_decode.plan(
       q_shape, k_shape, MaskSpec(), choices=device_tables.GENERIC_DECODE)
   timer = FakeTimer(lambda choices: 1.0 if choices.streaming_ctas == 64 else 2.0)
   with fa4_jax.autotune(timer=timer, device_kind=KIND):
-    tuned = decode.plan(q_shape, k_shape, MaskSpec())
-    assert decode.plan(q_shape, k_shape, MaskSpec()) == tuned  # timed once
-  assert tuned == decode.plan(q_shape, k_shape, MaskSpec(), choices=fewer)
-  plans = [decode.plan(q_shape, k_shape, MaskSpec(), choices=c) for c in timer.timed]
+    tuned = sm90_decode.plan(q_shape, k_shape, MaskSpec())
+    assert sm90_decode.plan(q_shape, k_shape, MaskSpec()) == tuned  # timed once
+  assert tuned == sm90_decode.plan(q_shape, k_shape, MaskSpec(), choices=fewer)
+  plans = [sm90_decode.plan(q_shape, k_shape, MaskSpec(), choices=c) for c in timer.timed]
   assert len(plans) == len(set(plans))  # choices that make the same plan are timed once
   # Ragged key lengths and pages keep the table's choices.
   with fa4_jax.autotune(timer=never_called, device_kind=KIND):
-    decode.plan(q_shape, k_shape, MaskSpec(), ragged=True)
+    sm90_decode.plan(q_shape, k_shape, MaskSpec(), ragged=True)

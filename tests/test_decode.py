@@ -1,4 +1,4 @@
-"""The decode arrangement of the sm90 kernels (`fa4_jax.decode`).
+"""The decode arrangement of the sm90 kernels (`fa4_jax.kernels.sm90_decode`).
 
 Specification:
 * A short query (T x G packed rows <= 256) without a band mask is served by
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import decode
+from fa4_jax.kernels import sm90_decode
 from fa4_jax.scores import MaskSpec
 from reference import einsum_attention
 
@@ -55,8 +55,8 @@ def _inputs(seed, b, t, s, n, kv_heads, d, dtype=jnp.bfloat16):
 ])
 def test_splits_fill_one_wave_of_sms_with_chunks_of_at_least_512_keys(shape, splits, ragged):
   b, t, s, n, kv_heads = shape
-  plan = decode.plan((b, t, n, 128), (b, s, kv_heads, 128), MaskSpec(), ragged=ragged,
-                     num_sms=132, streams=132)
+  plan = sm90_decode.plan((b, t, n, 128), (b, s, kv_heads, 128), MaskSpec(), ragged=ragged,
+                          num_sms=132, streams=132)
   assert plan is not None and plan.splits == splits
 
 
@@ -78,8 +78,8 @@ def test_the_grid_streams_the_cache_with_as_many_ctas_as_read_it_fastest(
   """Splits fill `streams` CTAs (132: every SM; 64: an H100 at D >= 128,
   `device_tables.DECODE`); more items than that, shared evenly, or than
   the SMs run on a persistent grid with two Q tiles per consumer."""
-  plan = decode.plan((b, 1, 32, d), (b, s, 8, d), MaskSpec(), ragged=ragged, num_sms=132,
-                     streams=streams)
+  plan = sm90_decode.plan((b, 1, 32, d), (b, s, 8, d), MaskSpec(), ragged=ragged, num_sms=132,
+                          streams=streams)
   assert plan.splits == splits
   if grid is None:
     assert plan.config is None  # the forward kernel's heuristic
@@ -91,17 +91,18 @@ def test_fewer_streams_only_on_the_device_kind_measured_at_d128_up_and_64_rows(
     monkeypatch):
   class Device:
     platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
-  monkeypatch.setattr(decode, "default_device", lambda: Device)
-  assert decode.streaming_ctas(128, 4, 132) == 64 and decode.streaming_ctas(256, 64, 132) == 64
-  assert decode.streaming_ctas(64, 4, 132) == 132  # D64
-  assert decode.streaming_ctas(128, 128, 132) == 132  # 32 tokens x 4 heads
+  monkeypatch.setattr(sm90_decode, "default_device", lambda: Device)
+  assert sm90_decode.streaming_ctas(128, 4, 132) == 64
+  assert sm90_decode.streaming_ctas(256, 64, 132) == 64
+  assert sm90_decode.streaming_ctas(64, 4, 132) == 132  # D64
+  assert sm90_decode.streaming_ctas(128, 128, 132) == 132  # 32 tokens x 4 heads
   Device.device_kind = "NVIDIA H200"  # measured: 128 (fa4_jax/kernels/device_tables.py)
-  assert decode.streaming_ctas(128, 4, 132) == 128
+  assert sm90_decode.streaming_ctas(128, 4, 132) == 128
   Device.device_kind = "NVIDIA H20"  # not measured: every SM
-  assert decode.streaming_ctas(128, 4, 132) == 132
+  assert sm90_decode.streaming_ctas(128, 4, 132) == 132
   with fa4_jax.gpu_target("sm90"):  # an export names no device kind
     Device.device_kind = "NVIDIA H100 80GB HBM3"
-    assert decode.streaming_ctas(128, 4, 132) == 132
+    assert sm90_decode.streaming_ctas(128, 4, 132) == 132
 
 
 @pytest.mark.parametrize("name, t, n, kv_heads, options", [
@@ -119,7 +120,7 @@ def test_band_masks_and_long_queries_keep_the_usual_kernel(name, t, n, kv_heads,
                                         implementation="sm90", **options) == "sm90"
 
 
-@pytest.mark.parametrize("p", [4, decode.MAX_UNROLLED_CHUNKS + 4],
+@pytest.mark.parametrize("p", [4, sm90_decode.MAX_UNROLLED_CHUNKS + 4],
                          ids=["merge written out per chunk", "one variadic reduction"])
 def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout(p):
   rng = np.random.default_rng(0)
@@ -139,8 +140,8 @@ def test_combining_chunks_is_the_softmax_of_the_whole_row_in_the_callers_layout(
     lses.append(lse)
   out = np.stack(outs, 1).reshape(b * p, rows, kv_heads, d)
   lse = np.stack(lses, 1).reshape(b * p, kv_heads, rows)
-  merged, merged_lse = decode.combine(jnp.asarray(out, jnp.float32),
-                                      jnp.asarray(lse, jnp.float32), p, t)
+  merged, merged_lse = sm90_decode.combine(jnp.asarray(out, jnp.float32),
+                                           jnp.asarray(lse, jnp.float32), p, t)
   whole_lse = np.logaddexp.reduce(logits, axis=-1)  # [B, Hkv, rows]
   probs = np.where(np.isfinite(whole_lse)[..., None],
                    np.exp(logits - np.where(np.isfinite(whole_lse), whole_lse, 0.0)[..., None]),
@@ -197,11 +198,11 @@ def test_a_persistent_grid_of_two_ctas_walks_every_items_rows_without_races(run_
   b, s, n, kv_heads, d = 3, 512, 8, 2, 64
   q, k, v, _ = _inputs(2, b, 1, s, n, kv_heads, d)
   # The grid `choose_config` gives 6 items of long chunks on 2 streams, on short ones.
-  config = decode.choose_config(d, MaskSpec(), 8192, 4, b * kv_heads, num_sms=132, streams=2)
+  config = sm90_decode.choose_config(d, MaskSpec(), 8192, 4, b * kv_heads, num_sms=132, streams=2)
   assert config.persistent and config.num_sms == 2
-  plan = decode.DecodePlan(1, config)
+  plan = sm90_decode.DecodePlan(1, config)
   kv_len = (300, 0, 512)
-  out, lse = run_interpreted(lambda q, k, v: decode.forward(
+  out, lse = run_interpreted(lambda q, k, v: sm90_decode.forward(
       q, k, v, None, jnp.asarray(kv_len, jnp.int32), scale=d ** -0.5, mask=MaskSpec(),
       plan=plan), q, k, v)
   visible = (np.arange(s)[None, None, None, :] < np.asarray(kv_len)[:, None, None, None])
@@ -232,8 +233,8 @@ def _ops_on_query_before_the_kernel(q_shape, kv_heads, splits):
   b, t, n, d = q_shape
   q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, 1024, kv_heads, d), jnp.bfloat16)
-  jaxpr = jax.make_jaxpr(lambda q, k, v: decode.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=decode.DecodePlan(splits)))(
+  jaxpr = jax.make_jaxpr(lambda q, k, v: sm90_decode.forward(
+      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=sm90_decode.DecodePlan(splits)))(
           q, kv, kv).jaxpr
   # The kernel is the first operation that takes both the query and the keys.
   from_q, from_k, ops = {jaxpr.invars[0]}, {jaxpr.invars[1]}, []
@@ -255,8 +256,8 @@ def _ops_on_out_after_the_kernel(q_shape, kv_heads, splits):
   b, t, n, d = q_shape
   q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, 1024, kv_heads, d), jnp.bfloat16)
-  jaxpr = jax.make_jaxpr(lambda q, k, v: decode.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=decode.DecodePlan(splits))[0])(
+  jaxpr = jax.make_jaxpr(lambda q, k, v: sm90_decode.forward(
+      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=sm90_decode.DecodePlan(splits))[0])(
           q, kv, kv).jaxpr
   # The kernel's call is the first operation that takes both the query and the keys.
   from_q, from_k = {jaxpr.invars[0]}, {jaxpr.invars[1]}
@@ -310,20 +311,20 @@ def test_one_token_decode_kernels_lower_for_hopper_with_q_read_in_place(
   from fa4_jax.kernels import sm90_forward
   q = jax.ShapeDtypeStruct((b, 1, n, d), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-  plan = decode.plan(q.shape, (b, s, kv_heads, d), MaskSpec(), ragged=ragged,
-                     granule=16 if paged else 1, num_sms=132, streams=streams)
+  plan = sm90_decode.plan(q.shape, (b, s, kv_heads, d), MaskSpec(), ragged=ragged,
+                          granule=16 if paged else 1, num_sms=132, streams=streams)
   assert (plan.config is not None and plan.config.persistent) == ("persistent" in name)
   assert (plan.splits > 1) == ("chunks" in name)
-  assert decode.reads_query_in_place(q.shape, kv_heads)
+  assert sm90_decode.reads_query_in_place(q.shape, kv_heads)
   if paged:
     pages = jax.ShapeDtypeStruct((b * s // 16, 16, kv_heads, d), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((b, s // 16), jnp.int32)
-    lowered = cross_lower(lambda q, k, v, t, n: decode.forward(
+    lowered = cross_lower(lambda q, k, v, t, n: sm90_decode.forward(
         q, k, v, None, n, scale=0.1, mask=MaskSpec(), plan=plan, page_table=t)[0],
                           q, pages, pages, table, lengths)
   else:
     kv = jax.ShapeDtypeStruct((b, s, kv_heads, d), jnp.bfloat16)
-    lowered = cross_lower(lambda q, k, v, n: decode.forward(
+    lowered = cross_lower(lambda q, k, v, n: sm90_decode.forward(
         q, k, v, None, n, scale=0.1, mask=MaskSpec(), plan=plan)[0], q, kv, kv, lengths)
   assert len(lowered.modules) == 1
   assert lowered.max_smem_bytes <= sm90_forward.SMEM_LIMIT_BYTES

@@ -10,7 +10,7 @@
   read through the page table by the kernel ("sm90"), equal to the einsum on
   the same cache laid out contiguously.
 * MQA 8/1 and GQA 64/8 at one token (groups of a multiple of 8 query heads,
-  which the kernel reads in place, `decode.reads_query_in_place`), split
+  which the kernel reads in place, `sm90_decode.reads_query_in_place`), split
   into chunks, contiguous and paged, with per-row lengths.
 * Flax NNX cached decoding (`decode=True`) through `fa4_jax.flax`: its cache
   mask runs as key lengths on the decode arrangement, equal to Flax's
@@ -104,10 +104,10 @@ def test_paged_cache_through_the_page_table_matches_an_f32_einsum(page_size):
                                                    (8, 1, 64, True)],
                          ids=["mqa 8/1 d64", "gqa 64/8 d128", "mqa 8/1 d64 paged"])
 def test_groups_of_eight_heads_read_in_place_match_an_f32_einsum(n, kv_heads, d, paged):
-  from fa4_jax import decode
+  from fa4_jax.kernels import sm90_decode
   b, s, page_size = 8, 32768, 64
   q, k, v = _inputs(5, b, 1, s, n, kv_heads, d)
-  assert decode.reads_query_in_place(q.shape, kv_heads)
+  assert sm90_decode.reads_query_in_place(q.shape, kv_heads)
   lengths = jnp.asarray([32768, 1, 0, 30000, 4096, 513, 32767, 8], jnp.int32)
   visible = np.arange(s)[None, None, None, :] < np.asarray(lengths)[:, None, None, None]
   if paged:

@@ -1,8 +1,8 @@
 """Choices per device kind (`fa4_jax.kernels.device_tables`), as the decode
-arrangement reads them (`fa4_jax.decode.device_choices`).
+arrangement reads them (`fa4_jax.kernels.sm90_decode.device_choices`).
 
 Specification:
-* `decode.plan` consults the table of the default device's kind: an H100
+* `sm90_decode.plan` consults the table of the default device's kind: an H100
   streams a D128 cache with 64 CTAs, an H200 with 128, a kind the table
   does not name with every SM; on an H200 a D64 call of up to 8 packed rows
   and full, equal key lengths runs one CTA per item with one consumer
@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import decode
-from fa4_jax.kernels import device_tables
+from fa4_jax.kernels import device_tables, sm90_decode
 from fa4_jax.scores import MaskSpec
 from reference import einsum_attention
 
@@ -34,7 +33,7 @@ def device_kind(monkeypatch):
   class Device:
     platform, device_kind = "gpu", H100
 
-  monkeypatch.setattr(decode, "default_device", lambda: Device)
+  monkeypatch.setattr(sm90_decode, "default_device", lambda: Device)
 
   def set_kind(kind):
     Device.device_kind = kind
@@ -42,7 +41,7 @@ def device_kind(monkeypatch):
 
 
 def _plan(b, t, s, n, kv_heads, d, **options):
-  return decode.plan((b, t, n, d), (b, s, kv_heads, d), MaskSpec(), num_sms=132, **options)
+  return sm90_decode.plan((b, t, n, d), (b, s, kv_heads, d), MaskSpec(), num_sms=132, **options)
 
 
 @pytest.mark.parametrize("kind, grid", [(H100, 64), (H200, 128), ("NVIDIA H20", 132)])
@@ -95,16 +94,16 @@ def test_gpu_target_lowering_queries_no_device(monkeypatch):
   def no_device():
     raise AssertionError("the default device was queried under gpu_target")
 
-  monkeypatch.setattr(decode, "default_device", no_device)
+  monkeypatch.setattr(sm90_decode, "default_device", no_device)
   kinds = []
   table = device_tables.decode_choices
   monkeypatch.setattr(device_tables, "decode_choices", lambda kind: kinds.append(kind) or
                       table(kind))
   spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   with fa4_jax.gpu_target("sm90"):
-    plan = decode.plan((64, 1, 32, 128), (64, 4096, 8, 128), MaskSpec())
+    plan = sm90_decode.plan((64, 1, 32, 128), (64, 4096, 8, 128), MaskSpec())
     assert plan.config.num_sms == 132  # every SM: no kind named
-    assert decode.plan((16, 1, 8, 64), (16, 16384, 1, 64), MaskSpec()).config is None
+    assert sm90_decode.plan((16, 1, 8, 64), (16, 16384, 1, 64), MaskSpec()).config is None
     for q, kv in [((16, 1, 8, 64), (16, 16384, 1, 64)), ((64, 1, 32, 128), (64, 4096, 8, 128))]:
       lowered = jax.jit(fa4_jax.attention).trace(spec(*q), spec(*kv), spec(*kv)).lower(
           lowering_platforms=("cuda",))
@@ -121,12 +120,12 @@ def test_the_one_consumer_config_matches_an_f32_einsum(run_interpreted, shape, s
   q = jax.random.normal(keys[0], (b, t, n, d), jnp.bfloat16)
   k = jax.random.normal(keys[1], (b, s, kv_heads, d), jnp.bfloat16)
   v = jax.random.normal(keys[2], (b, s, kv_heads, d), jnp.bfloat16) + 1.0
-  config = decode.one_consumer_config(d, MaskSpec(), s // splits, n // kv_heads,
-                                      b * kv_heads * splits, num_sms=132,
-                                      choices=device_tables.DECODE[H200])
+  config = sm90_decode.one_consumer_config(d, MaskSpec(), s // splits, n // kv_heads,
+                                           b * kv_heads * splits, num_sms=132,
+                                           choices=device_tables.DECODE[H200])
   assert config is not None and config.num_consumers == 1
-  plan = decode.DecodePlan(splits, config)
-  out, lse = run_interpreted(lambda q, k, v: decode.forward(
+  plan = sm90_decode.DecodePlan(splits, config)
+  out, lse = run_interpreted(lambda q, k, v: sm90_decode.forward(
       q, k, v, None, None, scale=d ** -0.5, mask=MaskSpec(), plan=plan), q, k, v)
   visible = np.ones((1, 1, 1, s), bool)
   want, want_lse = einsum_attention(q, k, v, visible)

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import decode
+from fa4_jax.kernels import sm90_decode
 from reference import einsum_attention
 
 
@@ -149,8 +149,8 @@ def test_kernel_reads_the_pages_through_the_table_without_races(name, run_interp
   if options.pop("sinks", False):
     options["sinks"] = jnp.linspace(-1.0, 2.0, shape["q_heads"], dtype=jnp.float32)
   b, s = shape["batch"], shape["max_pages"] * shape["page_size"]
-  plan = decode.plan(q.shape, (b, s, shape["kv_heads"], 64), fa4_jax.MaskSpec(), ragged=True,
-                     granule=shape["page_size"])
+  plan = sm90_decode.plan(q.shape, (b, s, shape["kv_heads"], 64), fa4_jax.MaskSpec(), ragged=True,
+                          granule=shape["page_size"])
   assert plan.splits == chunks
   out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90", **options),
                         q, kp, vp, table, lengths)

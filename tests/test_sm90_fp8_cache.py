@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import decode, gpu_target, which_implementation, which_paged_implementation
-from fa4_jax.kernels import sm90_forward
+from fa4_jax import gpu_target, which_implementation, which_paged_implementation
+from fa4_jax.kernels import sm90_decode, sm90_forward
 from fa4_jax.scores import MaskSpec
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -81,12 +81,12 @@ def test_decode_on_a_float8_cache_matches_the_dequantized_reference(
   k8, k_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
   v8, v_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
   lengths = jnp.asarray([s, 1 + s // 3][:b], jnp.int32)
-  plan = decode.plan(q.shape, k8.shape, MaskSpec(), ragged=True)
-  plan = decode.DecodePlan(splits, plan.config)
+  plan = sm90_decode.plan(q.shape, k8.shape, MaskSpec(), ragged=True)
+  plan = sm90_decode.DecodePlan(splits, plan.config)
 
   def call(q, k, v):
-    out, _ = decode.forward(q, k, v, None, lengths, scale=d ** -0.5, mask=MaskSpec(), plan=plan,
-                            descales=(None, k_descale, v_descale))
+    out, _ = sm90_decode.forward(q, k, v, None, lengths, scale=d ** -0.5, mask=MaskSpec(),
+                                 plan=plan, descales=(None, k_descale, v_descale))
     return out
 
   got = run_interpreted(call, q, k8, v8)

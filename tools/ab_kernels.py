@@ -17,7 +17,7 @@ as the backward pass (the kernel span). `--soft-cap CAP`: every case
 of either pass with that logit soft-cap (both checkouts), e.g. 50 (Gemma 2)
 for the soft-capped forward against the old one.
 
-`decode`: `decode.forward` (the whole arrangement: packing, the kernel, the
+`decode`: `sm90_decode.forward` (the whole arrangement: packing, the kernel, the
 combine) on `bench_decode.py`'s T=1 and T=16 cases, each with its
 `choose_splits` plan, timed as bench_decode times it (the sum of a call's
 kernel durations in a profiler trace, `bench_common.kernel_sum_ms`): TB/s of
@@ -138,11 +138,15 @@ def backward_call(package, case, soft_cap=None):
 def decode_call(package, case, soft_cap=None):
   """(jitted `package`'s decode arrangement, its inputs, its timer)."""
   _, B, T, S, Hq, Hkv, D, ragged = case
-  decode = __import__(f"{package}.decode", fromlist=["forward"])
+  # A checkout older than issue #53's move has decode.py where kernels/sm90_decode.py is now.
+  try:
+    sm90_decode = __import__(f"{package}.kernels.sm90_decode", fromlist=["forward"])
+  except ImportError:
+    sm90_decode = __import__(f"{package}.decode", fromlist=["forward"])
   q, k, v, kv_lengths, _ = bench_decode.case_inputs(B, T, S, Hq, Hkv, D, ragged)
   spec = _mask_spec(package, False, None)
-  plan = decode.plan(q.shape, k.shape, spec, ragged=ragged)  # each package's own heuristic
-  f = jax.jit(lambda q, k, v, kv_lengths: decode.forward(
+  plan = sm90_decode.plan(q.shape, k.shape, spec, ragged=ragged)  # each package's own heuristic
+  f = jax.jit(lambda q, k, v, kv_lengths: sm90_decode.forward(
       q, k, v, None, kv_lengths, scale=D ** -0.5, mask=spec, plan=plan, **_options(soft_cap))[0])
   return f, (q, k, v, kv_lengths), bench_common.kernel_sum_ms
 

@@ -49,6 +49,11 @@ Optional arguments, taken by a module that names them in its `FEATURES`
         v_descale [Nkv] or None), each operand's real value being the stored
         one times its descale, and out_dtype (the output's dtype). The
         module's `fp8_mode` says which float8 calls it takes.
+
+`sm90_decode` is no kernel of its own but an arrangement of `sm90_forward`
+for short queries against a long cache (query heads packed as rows, the
+cache split into chunks, the chunks merged by their lse): it offers `plan`
+and `forward(..., plan=)`, which `fa4_jax.backends` runs as "sm90_decode".
 """
 
 

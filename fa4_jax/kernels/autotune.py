@@ -397,7 +397,7 @@ def decode_choices(default: device_tables.DecodeChoices, *, q_shape, k_shape, ma
   no pages). `plan` does not see the dtype: candidates run in bfloat16."""
   if not tunable:
     return default
-  from fa4_jax import decode
+  from fa4_jax.kernels import sm90_decode
 
   b, t, n, d = q_shape
   s, kv_heads = k_shape[1], k_shape[2]
@@ -408,12 +408,12 @@ def decode_choices(default: device_tables.DecodeChoices, *, q_shape, k_shape, ma
     variants = [default] + [
         device_tables.DecodeChoices(streaming_ctas=streams, one_consumer_max_rows=rows,
                                     one_consumer_stages=stages)
-        for streams in (None, 64, 128) for rows in (0, decode.MAX_PACKED_ROWS)
+        for streams in (None, 64, 128) for rows in (0, sm90_decode.MAX_PACKED_ROWS)
         for stages in ((4,) if rows == 0 else (2, 4, 6))]
     # Choices that make the same plan would time the same kernels.
     by_plan = {}
     for choices in variants:
-      by_plan.setdefault(decode.plan(q_shape, k_shape, mask, choices=choices), choices)
+      by_plan.setdefault(sm90_decode.plan(q_shape, k_shape, mask, choices=choices), choices)
     return list(by_plan.values())
 
   @functools.cache  # one set of arrays for every candidate
@@ -422,11 +422,11 @@ def decode_choices(default: device_tables.DecodeChoices, *, q_shape, k_shape, ma
             *(_random(1 + i, k_shape, jnp.bfloat16) for i in range(2)))
 
   def run_candidate(choices):
-    call_plan = decode.plan(q_shape, k_shape, mask, choices=choices)
+    call_plan = sm90_decode.plan(q_shape, k_shape, mask, choices=choices)
 
     @jax.jit
     def fn(q, k, v):
-      return decode.forward(q, k, v, None, None, scale=d ** -0.5, mask=mask, plan=call_plan)
+      return sm90_decode.forward(q, k, v, None, None, scale=d ** -0.5, mask=mask, plan=call_plan)
 
     return fn, arrays()
 

@@ -1,5 +1,5 @@
 """Choices measured per GPU kind (`jax.Device.device_kind`), for the callers
-that read them through one function each (`fa4_jax.decode.device_choices`).
+that read them through one function each (`sm90_decode.device_choices`).
 
 A kind missing here gets `GENERIC_DECODE`, the rules that were measured on
 no kind in particular (every SM streams, the kernel's own consumers). Under
@@ -20,18 +20,19 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class DecodeChoices:
-  """Knobs of the decode arrangement (`fa4_jax.decode.plan`) for one kind.
+  """Knobs of the decode arrangement (`sm90_decode.plan`) for one kind.
 
   streaming_ctas: CTAs that read a cache at once at head dims >= 128 and up
-    to 64 packed rows, where fewer than the SMs win (`decode.streaming_ctas`;
-    None: the SM count). The splits fill that many CTAs and more items than
-    that, shared evenly, run on a persistent grid of that many CTAs.
+    to 64 packed rows, where fewer than the SMs win
+    (`sm90_decode.streaming_ctas`; None: the SM count). The splits fill that
+    many CTAs and more items than that, shared evenly, run on a persistent
+    grid of that many CTAs.
   one_consumer_max_rows: at head dims <= 64, up to this many packed rows per
     item (0: never), with full, equal key lengths and items within one wave
     of the SMs, each item runs on one CTA with one consumer warpgroup (64
     rows, no ping-pong) and `one_consumer_stages` K/V ring slots, instead
     of the kernel's three consumers on a two-slot ring
-    (`decode.one_consumer_config`).
+    (`sm90_decode.one_consumer_config`).
   """
 
   streaming_ctas: int | None = None

@@ -1498,7 +1498,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   page_size; `check_paged`); entries are clipped into [0, num_pages).
   Without them the kernel is the one built before they existed.
 
-  Decode (`fa4_jax.decode`), the query where it lies: `heads_major` takes
+  Decode (`sm90_decode`), the query where it lies: `heads_major` takes
   q [Bq, Nq, Tq, D] and returns out [B, Nq, Tq, D] (a one-token query's G
   heads of a KV head as its rows is then a free reshape, `check_heads_major`);
   `q_batch_divisor` = P serves B = Bq * P rows of K/V with batch row b

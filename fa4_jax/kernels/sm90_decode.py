@@ -53,7 +53,8 @@ from fa4_jax.target import current_target
 
 # Packed rows (T x G) up to which the decode path serves a call: at 256 rows
 # the decode arrangement still beats the usual kernel, at 512 it loses
-# (docs/performance-notes.md, "Decode heuristics: the constants in decode.py").
+# (docs/performance-notes.md, "Decode heuristics: the constants in
+# sm90_decode.py").
 MAX_PACKED_ROWS = 256
 # A chunk keeps at least this many keys: shorter ones spend more time in the
 # pipeline's fill and drain and in the combine than they save.
@@ -245,8 +246,8 @@ def split_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
 # Chunks up to which `combine` unrolls its merge into elementwise ops over
 # the chunks' slices, the shortest of the three forms measured (XLA makes
 # two kernels of it; docs/performance-notes.md, "Decode heuristics: the
-# constants in decode.py"). More chunks would grow the program with their
-# count: those take the reduction.
+# constants in sm90_decode.py"). More chunks would grow the program with
+# their count: those take the reduction.
 MAX_UNROLLED_CHUNKS = 16
 
 
