@@ -109,12 +109,7 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
   Gradients: this is a serving op. Where asked for, they are the XLA path's
   (it gathers the pages), also when the forward ran the kernel.
   """
-  args = validate_paged(query, key_pages, value_pages, page_table, key_value_seq_lengths,
-                        scale=scale, is_causal=is_causal, sinks=sinks,
-                        logits_soft_cap=logits_soft_cap, implementation=implementation,
-                        descales=(query_descale, key_descale, value_descale),
-                        output_dtype=output_dtype, value_head_dim=value_head_dim,
-                        mods=dict(score_mod=score_mod, mask_mod=mask_mod))
+  args = _validated(**locals())
   arrays = (args.query, args.key_pages, args.value_pages, args.page_table, args.lengths,
             args.sinks)
   if select_paged(implementation, args) == "xla":
@@ -131,13 +126,20 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
   """What `paged_attention` runs for these arguments here: "sm90" (the
   Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
   would."""
-  args = validate_paged(query, key_pages, value_pages, page_table, key_value_seq_lengths,
+  args = _validated(**locals())
+  return select_paged(implementation, args)
+
+
+def _validated(query, key_pages, value_pages, page_table, key_value_seq_lengths, *, scale,
+               is_causal, sinks, logits_soft_cap, implementation, query_descale, key_descale,
+               value_descale, output_dtype, value_head_dim, score_mod, mask_mod):
+  """`validation.validate_paged` of the two entry points' arguments."""
+  return validate_paged(query, key_pages, value_pages, page_table, key_value_seq_lengths,
                         scale=scale, is_causal=is_causal, sinks=sinks,
                         logits_soft_cap=logits_soft_cap, implementation=implementation,
                         descales=(query_descale, key_descale, value_descale),
                         output_dtype=output_dtype, value_head_dim=value_head_dim,
                         mods=dict(score_mod=score_mod, mask_mod=mask_mod))
-  return select_paged(implementation, args)
 
 
 # --- the two paths -----------------------------------------------------------
