@@ -342,8 +342,11 @@ def _device_description() -> str:
 FP8_CACHE_BY_DEFAULT = False
 
 
-def _fp8_cache(call: CallInfo) -> bool:
-  return call.has_fp8 and jnp.dtype(call.dtype) not in scores.FP8_DTYPES
+def _fp8_cache_held_back(q_dtype, has_fp8: bool) -> bool:
+  """A 16-bit query on a float8 cache (`has_fp8`: float8 operands), which
+  implementation=None leaves to the XLA path (`FP8_CACHE_BY_DEFAULT`)."""
+  return (not FP8_CACHE_BY_DEFAULT and has_fp8
+          and jnp.dtype(q_dtype) not in scores.FP8_DTYPES)
 
 
 def select(implementation: str | None, call: CallInfo) -> Backend:
@@ -355,7 +358,7 @@ def select(implementation: str | None, call: CallInfo) -> Backend:
       raise ValueError(problem)
     return _staged(implementation, _arrangement(implementation, call))
   assert implementation is None, implementation
-  if _fp8_cache(call) and not FP8_CACHE_BY_DEFAULT:
+  if _fp8_cache_held_back(call.dtype, call.has_fp8):
     return XLA_UNTARGETED if _untargeted_host() else XLA
   major = device_arch_major()
   for name in KERNEL_IMPLEMENTATIONS:
@@ -437,9 +440,10 @@ def _arrangement(name: str, call: CallInfo) -> Backend:
 
 
 def select_paged(implementation, args: PagedArguments) -> str:
-  """What `paged_attention` runs: "xla" or "sm90"; raises ValueError when "sm90" was asked for and cannot
-  serve. None takes the kernel only on a Hopper GPU (as `fa4_jax.attention`
-  does: inside `interpret_mode()` the kernel runs when asked for by name)."""
+  """What `paged_attention` runs: "xla" or "sm90"; raises ValueError when
+  "sm90" was asked for and cannot serve. None takes the kernel only on a
+  Hopper GPU (as `fa4_jax.attention` does: inside `interpret_mode()` the
+  kernel runs when asked for by name)."""
   if implementation == "xla":
     return "xla"
   problem = _paged_kernel_problem(args)
@@ -447,8 +451,7 @@ def select_paged(implementation, args: PagedArguments) -> str:
     if problem is not None:
       raise ValueError(f"implementation='sm90': {problem}")
     return "sm90"
-  if (args.key_pages.dtype in scores.FP8_DTYPES and args.query.dtype not in scores.FP8_DTYPES
-      and not FP8_CACHE_BY_DEFAULT):
+  if _fp8_cache_held_back(args.query.dtype, args.key_pages.dtype in scores.FP8_DTYPES):
     return "xla"
   return "sm90" if problem is None and device_arch_major() == 9 else "xla"
 
@@ -460,10 +463,9 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   if not interpret.is_interpreting() and device_arch_major() != 9:
     return ("needs a Hopper (compute capability 9.x) GPU as the default device, or "
             "fa4_jax.interpret_mode()")
-  if args.key_pages.dtype in scores.FP8_DTYPES:
-    if args.query.dtype in scores.FP8_DTYPES:
-      return ("float8 pages under a float8 query are read by the XLA path; use a 16-bit "
-              "query, implementation=None or 'xla'")
+  if args.key_pages.dtype in scores.FP8_DTYPES and args.query.dtype in scores.FP8_DTYPES:
+    return ("float8 pages under a float8 query are read by the XLA path; use a 16-bit "
+            "query, implementation=None or 'xla'")
   if args.mods:
     return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
             "implementation=None or 'xla'")
@@ -473,7 +475,8 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   q_shape = args.query.shape
   try:
     k_shape = sm90_forward.check_paged(q_shape, args.key_pages.shape, args.page_table.shape)
-    sm90_forward.check_supported(q_shape, k_shape, args.query.dtype, args.static.kernel_mask(q_shape))
+    sm90_forward.check_supported(q_shape, k_shape, args.query.dtype,
+                                 args.static.kernel_mask(q_shape))
   except KernelUnsupported as e:
     return str(e)
   if args.static.is_prefill(q_shape):

@@ -77,7 +77,6 @@ def _rescale_where_any_row_changed(acc, alpha):
   return rescale(acc, alpha)
 
 
-
 # A float8 P as the register A operand of the P V wgmma. The accumulator
 # layout gives a thread, in each 16-key chunk of a row, keys 2t, 2t + 1 (its
 # 8-key tile) and 8 + 2t, 9 + 2t (the next one); the 8-bit A layout wants

@@ -257,6 +257,13 @@ class ForwardConfig:
   def block_q_cta(self) -> int:
     return self.num_consumers * self.block_q
 
+  @property
+  def p_operand_in_registers(self) -> bool:
+    """`fp8_p_in_registers` where it applies: the row sums follow the
+    hand-off (before it, an optimization barrier no 8-bit array passes
+    pins the order, so P is staged in SMEM)."""
+    return self.fp8_p_in_registers and not self.sum_before_handoff
+
   def smem_bytes(self, head_dim: int, itemsize: int, segment_ids: bool = False,
                  value_head_dim: int | None = None, *, fp8: bool = False,
                  fp8_cache: bool = False) -> int:
@@ -280,7 +287,7 @@ class ForwardConfig:
     separate_o_tiles = self.persistent or value_head_dim != head_dim or fp8 or fp8_cache
     o_tiles = (self.num_consumers * self.block_q * value_head_dim * o_itemsize
                if separate_o_tiles else 0)
-    if fp8 and (self.sum_before_handoff or not self.fp8_p_in_registers):
+    if fp8 and not self.p_operand_in_registers:
       o_tiles += self.num_consumers * self.block_q * self.block_kv  # P tiles
     # Mosaic GPU starts every scratch buffer at a multiple of 1 KiB: the
     # small ring takes a whole one at block_kv 64 (the LSE rows' padding is
@@ -580,8 +587,11 @@ class ForwardStatics:
   # into float16 tiles of its own (exact: float16 holds every float8 value)
   # for float16 GEMMs (`dtype` is float16, the query converted); the logits
   # are scaled by the k descale and O by the v descale, written in `out_dtype`.
-  fp8_cache: bool = False
-  kv_dtype: Any = None
+  kv_dtype: Any = None  # None: no float8 cache
+
+  @property
+  def fp8_cache(self) -> bool:
+    return self.kv_dtype is not None
 
   @property
   def out_dim(self) -> int:
@@ -609,10 +619,8 @@ class ForwardStatics:
   def fp8_p_in_registers(self) -> bool:
     """A float8 P is the P V wgmma's A operand in registers, its keys in
     `accumulator.in_p_key_order` within 16-key chunks, as are V^T's
-    (`forward`). Not where the row sums come before the hand-off: there the
-    order is pinned by an optimization barrier, which no 8-bit array
-    passes, so P is staged in SMEM before it."""
-    return self.fp8 and self.config.fp8_p_in_registers and not self.config.sum_before_handoff
+    (`forward`; `ForwardConfig.p_operand_in_registers`)."""
+    return self.fp8 and self.config.p_operand_in_registers
 
   @property
   def stages_p(self) -> bool:
@@ -708,14 +716,16 @@ def _scratch_smem(call: ForwardStatics) -> list:
   bq, bk = cfg.block_q, cfg.block_kv
   if call.fp8:
     return _fp8_scratch_smem(call)
-  # (A float8 cache's rings: 8-bit tiles swizzled as wide as their rows allow.)
-  ring = smem_tile if not call.fp8_cache else (
-      lambda shape, _: plgpu.SMEM(shape, call.kv_dtype,
-                                  transforms=smem_transforms(call.kv_dtype, shape[-1])))
+
+  def ring(shape):
+    if call.fp8_cache:  # 8-bit tiles swizzled as wide as their rows allow
+      return plgpu.SMEM(shape, call.kv_dtype, transforms=smem_transforms(call.kv_dtype, shape[-1]))
+    return smem_tile(shape, dtype)
+
   smem = [
       smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles (then O)
-      ring((cfg.num_kv_stages, bk, d), dtype),  # K ring
-      ring((cfg.num_kv_stages, bk, call.out_dim), dtype),  # V ring
+      ring((cfg.num_kv_stages, bk, d)),  # K ring
+      ring((cfg.num_kv_stages, bk, call.out_dim)),  # V ring
       # LSE rows (then, with a work queue, a row of its cells)
       plgpu.SMEM((cfg.num_consumers + cfg.work_queue, bq), jnp.float32),
   ]
@@ -1404,7 +1414,7 @@ def _build_kernel(
                q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
                score_mod=score_mod, mask_mod=mask_mod,
                value_head_dim=None if value_head_dim == head_dim else value_head_dim,
-               fp8=fp8, out_dtype=out_dtype, fp8_cache=kv_dtype is not None, kv_dtype=kv_dtype)
+               fp8=fp8, out_dtype=out_dtype, kv_dtype=kv_dtype)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -1639,7 +1649,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     vt_keys = cdiv(kv_pad, 128) * 128
     if vt_keys != v.shape[1]:
       v = jnp.pad(v, [(0, 0), (0, vt_keys - v.shape[1]), (0, 0), (0, 0)])
-    if config.fp8_p_in_registers and not config.sum_before_handoff:  # as the kernel's P
+    if config.p_operand_in_registers:  # V^T's keys in the order of the kernel's P
       v = in_p_key_order(v, 1)
     v = jnp.transpose(v, (0, 2, 3, 1))
   args = [q, k, v]
