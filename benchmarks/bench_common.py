@@ -239,9 +239,13 @@ def table_main(prefix: str, cases, rows_of, markdown, method, *, default_rounds:
   args = ap.parse_args()
   device = jax.devices()[0]
   print(device.device_kind, jax.__version__, flush=True)
-  rows = [row for case in selected(cases, args.only) for row in rows_of(case, args)]
+  rows = []
+  for case in selected(cases, args.only):
+    rows += rows_of(case, args)
+    print(markdown(rows[-1:]), flush=True)
+    # Rewritten after every case: a run stopped at its time limit keeps what it measured.
+    write_results(prefix, device.device_kind, args.tag, method(args), rows)
   print(markdown(rows))
-  write_results(prefix, device.device_kind, args.tag, method(args), rows)
 
 
 def add_case_options(parser) -> None:
