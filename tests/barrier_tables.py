@@ -2,7 +2,7 @@
 
 A kernel's `*BarrierTable` class declares each barrier once (`BARRIERS`,
 with the accessors of the roles that arrive on it and wait on it, generated
-from that declaration: `sm100_tiles.BarrierTable`) and lists it in its
+from that declaration: `pipeline.BarrierTable`) and lists it in its
 docstring table (name, count, who arrives, who waits, why). `check_table` calls every
 accessor, generated or hand-written (the drains), on fake barriers and checks
 that it touches its barrier on the side it is declared for, that it appears
@@ -13,7 +13,7 @@ every barrier has both an arriving and a waiting side.
 import inspect
 import types
 
-from fa4_jax.kernels import sm100_tiles
+from fa4_jax.kernels import pipeline
 
 
 def table_rows(bars_cls, indent: int) -> dict[str, str]:
@@ -51,7 +51,7 @@ def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
       tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)),
       commit_smem=lambda: None)  # a fence, touching no barrier
   monkeypatch.setattr(kernel_module, "plgpu", fake_plgpu)
-  monkeypatch.setattr(sm100_tiles, "plgpu", fake_plgpu)  # the generated accessors, Waiter.wait
+  monkeypatch.setattr(pipeline, "plgpu", fake_plgpu)  # the generated accessors, Waiter.wait
   bars = make_bars({name: FakeBarrierArray(name) for name in bars_cls.BARRIERS})
   table = " ".join(rows.values())
   for method in named_only:
@@ -66,7 +66,7 @@ def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
     log.clear()
     params = inspect.signature(getattr(bars, method)).parameters
     result = getattr(bars, method)(*[0] * len(params))
-    if isinstance(result, sm100_tiles.Waiter):
+    if isinstance(result, pipeline.Waiter):
       result.wait()
     elif result is not None:
       log.append(("arrive", result))  # a barrier handed to TMA or to an MMA

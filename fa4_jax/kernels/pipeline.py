@@ -26,26 +26,27 @@ every phase before the kernel ends, so a producer must wait out the last lap
 of `consumed` phases (`producer_drain`). Hardware does not need that, so the
 drain only runs while interpreting (`fa4_jax.interpret.is_interpreting`).
 
-The helpers are generic (any number of slots and consumers, any operand).
-The sm90 kernels build their barrier tables from these rings (a dataclass
-of rings each: `sm90_forward.ForwardBarriers`,
-`sm90_backward_common.BackwardBarriers`). The sm100 kernels take only `rem`
-and `sequence_lengths` from here: each of their barriers is declared once
-in a `sm100_tiles.BarrierTable` (a `Barrier`: count, arrivals, the
-accessors of the roles that arrive on it and wait on it), and the accessors
-are generated from that declaration. Both say the same thing (full / free
-pairs, producer_* and consumer_* sides) in two forms: a ring here keeps its
-own phase arithmetic (which lap, which first-lap waits to skip), while an
-sm100 role counts its own steps and skips its first waits itself (phases
-run on across a persistent CTA's work items), and an sm100 barrier may be
-arrived on by a tcgen05 MMA's completion rather than by threads. So far the
-two share the vocabulary, not the classes; moving the sm100 kernels onto
-these rings must keep their traced op order (`tools/kernel_fingerprints.py`).
+The helpers come in two forms, both here. Rings (`SlotRing`, `BundleRing`,
+`OneShotBuffer`) are generic over slots, consumers and operands and keep
+their own phase arithmetic (which lap, which first-lap waits to skip); the
+sm90 kernels build their barrier sets from them (a dataclass of rings each:
+`sm90_forward.ForwardBarriers`, `sm90_backward_common.BackwardBarriers`).
+Barrier tables (`BarrierTable`, at the end of this module) declare each
+barrier of a kernel once (`Barrier`: how many, the arrivals of a phase, the
+accessors of the roles that arrive on it and wait on it) and generate those
+accessors from the declaration; the sm100 kernels use them, since an sm100
+role counts its own steps and skips its first waits itself (phases run on
+across a persistent CTA's work items) and an sm100 barrier may be arrived on
+by a tcgen05 MMA's completion rather than by threads. Both forms say the
+same thing (full / free pairs, producer_* and consumer_* sides); moving the
+sm90 kernels onto tables, or the sm100 kernels onto rings, must keep their
+traced op order (`tools/kernel_fingerprints.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax.numpy as jnp
@@ -412,3 +413,146 @@ def sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq: int, kv_valid: int
   if kv_len_ref is not None:
     kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
   return q_len, kv_len
+
+
+# Barrier tables: each barrier of a kernel declared once, its accessors
+# generated from the declaration (the sm100 kernels; see the module docstring).
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiter:
+  """The waiting side of a barrier (one phase per call)."""
+
+  ref: object
+
+  def wait(self) -> None:
+    plgpu.barrier_wait(self.ref)
+
+
+class Touch(enum.Enum):
+  """How an accessor touches its barrier: one phase per call."""
+
+  # The arriving side.
+  TMA = "returns the barrier, for the TMA copies whose bytes complete its phase"
+  MMA = "returns the barrier, for the tcgen05 MMA that arrives on it once it completed"
+  COMMIT = "arrives once every tcgen05 op the calling thread issued completed"
+  ARRIVE = "one arrival of the calling threads"
+  RELEASE_TO_TMA = ("one arrival of the calling threads, done reading SMEM that a TMA "
+                    "rewrites next")
+  # The waiting side.
+  WAIT = "waits for its next phase"
+  WAITER = "returns a Waiter, to wait for its next phase where the caller chooses"
+
+
+# The touches by name alone, for the kernels' tables.
+TMA, MMA, COMMIT, ARRIVE, RELEASE_TO_TMA = (Touch.TMA, Touch.MMA, Touch.COMMIT, Touch.ARRIVE,
+                                            Touch.RELEASE_TO_TMA)
+WAIT, WAITER = Touch.WAIT, Touch.WAITER
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+  """One barrier (an array of them) of a kernel's `BarrierTable`.
+
+  `per`: how many, a key of the dict the table's `barrier_counts(plan)`
+  returns (one per ring stage, per Q tile, ...; a count of 0 declares
+  none); `arrivals`: the arrivals that complete one phase;
+  `orders_tensor_core`: tcgen05 commits arrive on it, or it hands TMEM that
+  threads wrote to an MMA. `arrive` and `wait`: its two sides, the
+  accessors of the roles that arrive on it and of those that wait on it,
+  accessor name -> `Touch`."""
+
+  per: str
+  arrivals: int
+  orders_tensor_core: bool
+  arrive: dict
+  wait: dict
+
+
+def _accessor(name: str, barrier: str, touch: Touch):
+  """The method `name` of a `BarrierTable`: `touch` on barrier[index]."""
+  def accessor(self, index=0):
+    return self._touch(touch, self._refs[barrier].at[index])
+
+  accessor.__name__ = accessor.__qualname__ = name
+  accessor.__doc__ = f"{barrier}[index]: {touch.value}."
+  return accessor
+
+
+class BarrierTable:
+  """Every mbarrier of one kernel, declared in one table.
+
+  A kernel's subclass (`sm100_forward.ForwardBarrierTable`,
+  `DkvBarrierTable`, `DqBarrierTable`) declares BARRIERS, name -> `Barrier`:
+  how many, the arrivals of a phase and the accessors of the roles that
+  arrive on it and wait on it. Those accessors (producer_*, consumer_*) are
+  generated from the declaration and are the only way the roles touch a
+  barrier; the subclass writes by hand only its interpreter-only drains
+  (drain_*), which call them. Its docstring's table names who arrives on
+  and who waits on every barrier, and why (`tests/barrier_tables.py` checks
+  it against the declaration).
+  """
+
+  BARRIERS: dict[str, Barrier] = {}
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    for barrier, spec in vars(cls).get("BARRIERS", {}).items():
+      for name, touch in {**spec.arrive, **spec.wait}.items():
+        assert name not in vars(cls), f"{cls.__name__}.{name} is declared twice"
+        setattr(cls, name, _accessor(name, barrier, touch))
+
+  @staticmethod
+  def barrier_counts(plan) -> dict[str, int]:
+    raise NotImplementedError
+
+  @classmethod
+  def scratch_types(cls, plan) -> dict:
+    """The kernel's barrier scratch: one plgpu.Barrier array per name."""
+    counts = cls.barrier_counts(plan)
+    return {
+        name: plgpu.Barrier(num_arrivals=spec.arrivals, num_barriers=counts[spec.per],
+                            orders_tensor_core=spec.orders_tensor_core)
+        for name, spec in cls.BARRIERS.items() if counts[spec.per]
+    }
+
+  def __init__(self, plan, refs: dict):
+    self.counts = self.barrier_counts(plan)
+    self._refs = refs
+    # Pallas' GPU interpreter wants every waiter to observe every phase of a
+    # barrier before the kernel ends; hardware does not. The drain_* accessors
+    # wait out those last phases only when interpreting (the one place each
+    # kernel decides that).
+    self._interpreting = is_interpreting()
+
+  def _touch(self, touch: Touch, barrier):
+    if touch in (Touch.TMA, Touch.MMA):
+      return barrier
+    if touch is Touch.WAITER:
+      return Waiter(barrier)
+    if touch is Touch.WAIT:
+      plgpu.barrier_wait(barrier)
+    elif touch is Touch.COMMIT:
+      plgpu.tcgen05_commit_arrive(barrier)
+    else:
+      if touch is Touch.RELEASE_TO_TMA and self._interpreting:
+        # The interpreter wants a proxy fence between the threads' SMEM
+        # reads and the TMA that rewrites them; hardware does not (a TMA
+        # ring's consumer releases its slot with a plain arrive).
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(barrier)
+    return None
+
+  def _drain_last_lap(self, num_steps, *acquires) -> None:
+    """Interpreter only: the producer of a ring of `counts["stage"]` slots
+    calls each of `acquires` (a slot's producer_*_acquire) on the slots of
+    the last lap, observing the consumers' final free phases."""
+    if not self._interpreting:
+      return
+    stages = self.counts["stage"]
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(n):
+      slot = rem(n, stages)
+      for acquire in acquires:
+        acquire(slot)

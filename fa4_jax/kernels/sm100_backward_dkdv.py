@@ -108,13 +108,12 @@ from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.pipeline import rem
+from fa4_jax.kernels.pipeline import (ARRIVE, COMMIT, MMA, RELEASE_TO_TMA, TMA, WAIT, WAITER, Barrier,
+                                       BarrierTable, rem)
 from fa4_jax.kernels.mod_tiles import ModRefs, ModStatics, TileMods, exp2_constant, walk_block_list
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
                                          element_mask, tile_positions)
-from fa4_jax.kernels.sm100_tiles import (ARRIVE, COMMIT, MMA, RELEASE_TO_TMA, TMA, WAIT, WAITER,
-                                         Barrier, BarrierTable)
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork
 from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import MaskSpec, cdiv, walk_blocks

@@ -101,12 +101,12 @@ from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, exp2_constant,
                                        walk_block_list)
-from fa4_jax.kernels.pipeline import rem, sequence_lengths
+from fa4_jax.kernels.pipeline import (ARRIVE, COMMIT, MMA, TMA, WAIT, WAITER, Barrier, rem,
+                                       sequence_lengths)
 from fa4_jax.kernels.backward_inputs import segment_operands
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
                                          SMEM_BYTES, TMEM_COLUMNS, element_mask, tile_positions)
-from fa4_jax.kernels.sm100_tiles import (ARRIVE, COMMIT, KV_RINGS, MMA, TMA, WAIT, WAITER, Barrier,
-                                         KvRingBarrierTable)
+from fa4_jax.kernels.sm100_tiles import KV_RINGS, KvRingBarrierTable
 from fa4_jax.kernels.backward_walk import KernelRefs, narrow
 from fa4_jax.kernels.tiles import smem_transforms
 from fa4_jax.scores import MaskSpec, TileRanges, cdiv, walk_blocks

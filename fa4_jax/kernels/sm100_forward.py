@@ -141,13 +141,12 @@ from fa4_jax.kernels.backward_inputs import mod_operands
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, check_mods,
                                        exp2_constant, walk_block_list)
-from fa4_jax.kernels.pipeline import rem
+from fa4_jax.kernels.pipeline import ARRIVE, MMA, TMA, WAIT, WAITER, Barrier, rem
 from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_causal_tiles,
                                       sm_count)
 from fa4_jax.kernels.sm100_tiles import (EPILOGUE_LAYOUT, ROW_LAYOUT, ROW_VECTOR_LAYOUT,
                                          SMEM_BYTES, TMEM_COLUMNS, element_mask, tile_positions)
-from fa4_jax.kernels.sm100_tiles import (ARRIVE, KV_RINGS, MMA, TMA, WAIT, WAITER, Barrier,
-                                         KvRingBarrierTable)
+from fa4_jax.kernels.sm100_tiles import KV_RINGS, KvRingBarrierTable
 from fa4_jax.kernels.tiles import smem_transforms
 from fa4_jax.scores import MaskSpec
 from fa4_jax.target import DEFAULT_NUM_SMS

@@ -1,14 +1,9 @@
 """What the sm_100 kernels (forward, dK/dV, dQ) share: the SM's budgets, the
-TMEM register layouts, the element mask, and the barrier table: each barrier
-declared once (`Barrier`: count, arrivals, the accessors of the roles that
-arrive and wait), its accessors generated from that declaration
-(`BarrierTable`).
+TMEM register layouts, the element mask, and the K/V rings' barrier
+declarations (`KV_RINGS`, in the form of `pipeline.BarrierTable`).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import enum
 
 import jax.numpy as jnp
 from jax import lax
@@ -16,8 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax import scores
-from fa4_jax.interpret import is_interpreting
-from fa4_jax.kernels.pipeline import rem
+from fa4_jax.kernels.pipeline import COMMIT, TMA, WAIT, WAITER, Barrier, BarrierTable
 
 # Hardware limits of one sm_100 SM.
 TMEM_COLUMNS = 512  # 128 lanes x 512 columns of 32 bits
@@ -73,145 +67,6 @@ def tile_positions(shape, *, row_lo, col_lo, keys_along_rows: bool):
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW_LAYOUT) + row_lo
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW_LAYOUT) + col_lo
   return (cols, rows) if keys_along_rows else (rows, cols)
-
-
-@dataclasses.dataclass(frozen=True)
-class Waiter:
-  """The waiting side of a barrier (one phase per call)."""
-
-  ref: object
-
-  def wait(self) -> None:
-    plgpu.barrier_wait(self.ref)
-
-
-class Touch(enum.Enum):
-  """How an accessor touches its barrier: one phase per call."""
-
-  # The arriving side.
-  TMA = "returns the barrier, for the TMA copies whose bytes complete its phase"
-  MMA = "returns the barrier, for the tcgen05 MMA that arrives on it once it completed"
-  COMMIT = "arrives once every tcgen05 op the calling thread issued completed"
-  ARRIVE = "one arrival of the calling threads"
-  RELEASE_TO_TMA = ("one arrival of the calling threads, done reading SMEM that a TMA "
-                    "rewrites next")
-  # The waiting side.
-  WAIT = "waits for its next phase"
-  WAITER = "returns a Waiter, to wait for its next phase where the caller chooses"
-
-
-# The touches by name alone, for the kernels' tables.
-TMA, MMA, COMMIT, ARRIVE, RELEASE_TO_TMA = (Touch.TMA, Touch.MMA, Touch.COMMIT, Touch.ARRIVE,
-                                            Touch.RELEASE_TO_TMA)
-WAIT, WAITER = Touch.WAIT, Touch.WAITER
-
-
-@dataclasses.dataclass(frozen=True)
-class Barrier:
-  """One barrier (an array of them) of a kernel's `BarrierTable`.
-
-  `per`: how many, a key of the dict the table's `barrier_counts(plan)`
-  returns (one per ring stage, per Q tile, ...; a count of 0 declares
-  none); `arrivals`: the arrivals that complete one phase;
-  `orders_tensor_core`: tcgen05 commits arrive on it, or it hands TMEM that
-  threads wrote to an MMA. `arrive` and `wait`: its two sides, the
-  accessors of the roles that arrive on it and of those that wait on it,
-  accessor name -> `Touch`."""
-
-  per: str
-  arrivals: int
-  orders_tensor_core: bool
-  arrive: dict
-  wait: dict
-
-
-def _accessor(name: str, barrier: str, touch: Touch):
-  """The method `name` of a `BarrierTable`: `touch` on barrier[index]."""
-  def accessor(self, index=0):
-    return self._touch(touch, self._refs[barrier].at[index])
-
-  accessor.__name__ = accessor.__qualname__ = name
-  accessor.__doc__ = f"{barrier}[index]: {touch.value}."
-  return accessor
-
-
-class BarrierTable:
-  """Every mbarrier of one kernel, declared in one table.
-
-  A kernel's subclass (`sm100_forward.ForwardBarrierTable`,
-  `DkvBarrierTable`, `DqBarrierTable`) declares BARRIERS, name -> `Barrier`:
-  how many, the arrivals of a phase and the accessors of the roles that
-  arrive on it and wait on it. Those accessors (producer_*, consumer_*) are
-  generated from the declaration and are the only way the roles touch a
-  barrier; the subclass writes by hand only its interpreter-only drains
-  (drain_*), which call them. Its docstring's table names who arrives on
-  and who waits on every barrier, and why (`tests/barrier_tables.py` checks
-  it against the declaration).
-  """
-
-  BARRIERS: dict[str, Barrier] = {}
-
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)
-    for barrier, spec in vars(cls).get("BARRIERS", {}).items():
-      for name, touch in {**spec.arrive, **spec.wait}.items():
-        assert name not in vars(cls), f"{cls.__name__}.{name} is declared twice"
-        setattr(cls, name, _accessor(name, barrier, touch))
-
-  @staticmethod
-  def barrier_counts(plan) -> dict[str, int]:
-    raise NotImplementedError
-
-  @classmethod
-  def scratch_types(cls, plan) -> dict:
-    """The kernel's barrier scratch: one plgpu.Barrier array per name."""
-    counts = cls.barrier_counts(plan)
-    return {
-        name: plgpu.Barrier(num_arrivals=spec.arrivals, num_barriers=counts[spec.per],
-                            orders_tensor_core=spec.orders_tensor_core)
-        for name, spec in cls.BARRIERS.items() if counts[spec.per]
-    }
-
-  def __init__(self, plan, refs: dict):
-    self.counts = self.barrier_counts(plan)
-    self._refs = refs
-    # Pallas' GPU interpreter wants every waiter to observe every phase of a
-    # barrier before the kernel ends; hardware does not. The drain_* accessors
-    # wait out those last phases only when interpreting (the one place each
-    # kernel decides that).
-    self._interpreting = is_interpreting()
-
-  def _touch(self, touch: Touch, barrier):
-    if touch in (Touch.TMA, Touch.MMA):
-      return barrier
-    if touch is Touch.WAITER:
-      return Waiter(barrier)
-    if touch is Touch.WAIT:
-      plgpu.barrier_wait(barrier)
-    elif touch is Touch.COMMIT:
-      plgpu.tcgen05_commit_arrive(barrier)
-    else:
-      if touch is Touch.RELEASE_TO_TMA and self._interpreting:
-        # The interpreter wants a proxy fence between the threads' SMEM
-        # reads and the TMA that rewrites them; hardware does not (a TMA
-        # ring's consumer releases its slot with a plain arrive).
-        plgpu.commit_smem()
-      plgpu.barrier_arrive(barrier)
-    return None
-
-  def _drain_last_lap(self, num_steps, *acquires) -> None:
-    """Interpreter only: the producer of a ring of `counts["stage"]` slots
-    calls each of `acquires` (a slot's producer_*_acquire) on the slots of
-    the last lap, observing the consumers' final free phases."""
-    if not self._interpreting:
-      return
-    stages = self.counts["stage"]
-
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _(n):
-      slot = rem(n, stages)
-      for acquire in acquires:
-        acquire(slot)
 
 
 # The K and V rings of a kernel whose load warp streams K and V blocks
