@@ -11,6 +11,8 @@ and dV Dv wide beside Q, K, dQ and dK at D: DeepSeek's 192 / 128, and 128 /
 * Hardware fit: every configuration the heuristic picks for 192 / 128 and
   128 / 64 cross-lowered for sm_90: within the SMEM limit, and the dV GEMM's
   N is Dv (no GEMM as wide as a zero-padded dV).
+* The public path: `backends` hands the sm90 backward Dv-wide operands
+  (no `_one_head_dim`) for the pairs it takes, and pads the others.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fa4_jax
+from fa4_jax import backends
 from fa4_jax.kernels import KernelUnsupported, sm90_backward, sm90_tiles
 from fa4_jax.scores import MaskSpec
 from fa4_jax.testing import SMEM_LIMIT_BYTES
@@ -123,6 +127,32 @@ def test_heuristic_configs_cross_lower_with_dv_wide_gemms(cross_lower, d, dv):
     if config.dkv.dk_dv == "two_passes":
       # The dV pass: S^T and dV only, nothing D wide.
       assert any(set(w) == {64, dv} for w in widths), (config, widths)
+
+
+def test_backends_hands_the_sm90_backward_dv_wide_operands(monkeypatch):
+  """At 192 / 128 and 128 / 64 the backward kernels get V, O and dO as they
+  are (no `_one_head_dim`); at 64 / 128 (V wider than K) and 256 / 64 (dV
+  halves off the 64-column tiles) they get them padded."""
+  seen = []
+  real = sm90_backward.backward
+
+  def spy(q, k, v, out, lse, dout, *args, **kwargs):
+    seen.append((q.shape[-1], k.shape[-1], v.shape[-1], out.shape[-1], dout.shape[-1]))
+    return real(q, k, v, out, lse, dout, *args, **kwargs)
+
+  monkeypatch.setattr(sm90_backward, "backward", spy)
+  for d, dv, native in ((192, 128, True), (128, 64, True), (64, 128, False), (256, 64, False)):
+    q, key, v, _ = _inputs(1, 64, 64, 2, 1, d, dv)
+    with fa4_jax.gpu_target("sm90"):
+      assert fa4_jax.which_implementation(q, key, v, implementation="sm90",
+                                          part="backward") == "sm90"
+      grad = jax.grad(lambda q, key, v: fa4_jax.attention(q, key, v, implementation="sm90")
+                      .astype(jnp.float32).sum(), argnums=(0, 1, 2))
+      shapes = jax.eval_shape(grad, q, key, v)
+    assert [x.shape for x in shapes] == [q.shape, key.shape, v.shape]
+    wide = max(d, dv)
+    assert seen.pop() == ((d, d, dv, dv, dv) if native else (wide,) * 5), (d, dv)
+    assert backends._pads_value_head_dim(sm90_backward, d, dv) is not native
 
 
 def test_value_head_dims_the_kernels_do_not_take_are_refused_explicitly():

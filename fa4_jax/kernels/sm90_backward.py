@@ -121,7 +121,7 @@ from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
-FEATURES = frozenset({"soft_cap", "mods"})
+FEATURES = frozenset({"soft_cap", "mods", "value_head_dim"})
 
 # dK and dV of a 64-key tile take (head_dim + value_head_dim) / 2 fp32
 # registers per thread together (64 rows x width x 4 B / 128 threads each);
