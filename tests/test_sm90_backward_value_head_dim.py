@@ -5,9 +5,9 @@ and dV Dv wide beside Q, K, dQ and dK at D: DeepSeek's 192 / 128, and 128 /
 * Numerics and barrier protocol: the kernels in Pallas' GPU interpreter with
   race detection, at small shapes (dense, causal, GQA, kv lengths), against
   jax.grad of an f32 einsum attention (`reference.einsum_attention`;
-  jax.nn's takes one head dim). Each scheme the heuristic picks for a pair
-  runs once: two passes (192 / 128), the fused kernel (128 / 64, 192 / 64)
-  and the head-dim split (256 / 128).
+  jax.nn's takes one head dim); one case soft-capped. Each scheme the
+  heuristic picks for a pair runs once: two passes (192 / 128), the fused
+  kernel (128 / 64, 192 / 64) and the head-dim split (256 / 128).
 * Hardware fit: every configuration the heuristic picks for 192 / 128 and
   128 / 64 cross-lowered for sm_90: within the SMEM limit, and the dV GEMM's
   N is Dv (no GEMM as wide as a zero-padded dV).
@@ -41,32 +41,35 @@ def _inputs(b, t, s, n, k, d, dv, seed=0):
   return make(b, t, n, d), make(b, s, k, d), make(b, s, k, dv), make(b, t, n, dv)
 
 
-# (d, dv, causal, query heads, kv heads, kv lengths): small enough for the
-# interpreter, each scheme once, the pairs of the issue under both masks.
+# (d, dv, causal, query heads, kv heads, kv lengths, soft-cap): small enough
+# for the interpreter, each scheme once, the pairs of the issue under both
+# masks.
 CASES = {
-    "192_128_two_passes_dense_kv_lengths": (192, 128, False, 2, 1, (96, 57)),
-    "192_128_two_passes_causal_gqa": (192, 128, True, 4, 2, None),
-    "128_64_fused_dense_gqa_kv_lengths": (128, 64, False, 4, 2, (128, 70)),
-    "128_64_fused_causal_delta_in_dq": (128, 64, True, 2, 1, None),
-    "192_64_fused": (192, 64, True, 2, 1, None),
-    "256_128_head_dim_split": (256, 128, False, 2, 1, None),
+    "192_128_two_passes_dense_kv_lengths": (192, 128, False, 2, 1, (96, 57), None),
+    "192_128_two_passes_causal_gqa_soft_cap": (192, 128, True, 4, 2, None, 20.0),
+    "128_64_fused_dense_gqa_kv_lengths": (128, 64, False, 4, 2, (96, 70), None),
+    "128_64_fused_causal_delta_in_dq": (128, 64, True, 2, 1, None, None),
+    "192_64_fused": (192, 64, True, 2, 1, None, None),
+    "256_128_head_dim_split": (256, 128, False, 2, 1, None, None),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_gradients_match_an_f32_einsum(run_interpreted, name):
-  d, dv, causal, n, k, kv_lengths = CASES[name]
+  d, dv, causal, n, k, kv_lengths, soft_cap = CASES[name]
   b, t, s = (1, 128, 128) if kv_lengths is None else (2, 80, 96)
   q, key, v, dout = _inputs(b, t, s, n, k, d, dv)
   mask = CAUSAL if causal else MaskSpec()
   kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
   visible = visible_mask(t, s, is_causal=causal, kv_lengths=kv_lengths, batch=b)
   scale = d ** -0.5
-  out, lse = einsum_attention(q, key, v, visible, scale=scale)
+  out, lse = einsum_attention(q, key, v, visible, scale=scale, soft_cap=soft_cap)
   grads = run_interpreted(
-      lambda *xs: sm90_backward.backward(*xs, None, kv_len, scale=scale, mask=mask),
+      lambda *xs: sm90_backward.backward(*xs, None, kv_len, scale=scale, mask=mask,
+                                         soft_cap=soft_cap),
       q, key, v, out.astype(q.dtype), lse, dout)
-  loss = lambda q, key, v: (einsum_attention(q, key, v, visible, scale=scale)[0]
+  loss = lambda q, key, v: (einsum_attention(q, key, v, visible, scale=scale,
+                                             soft_cap=soft_cap)[0]
                             * dout.astype(jnp.float32)).sum()
   f32 = lambda x: x.astype(jnp.float32)
   want = jax.grad(loss, argnums=(0, 1, 2))(f32(q), f32(key), f32(v))
