@@ -411,20 +411,17 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   if mods is not None and not mods.has_mods:
     mods = None
   choose = choose_config if mods is None else choose_mods_config
+  # (The tuner's candidates and arrays have one head dim.)
+  tunable = mods is None and segment_ids is None and d_value == d
   config = config or autotune.sm90_backward_config(  # the heuristic's, unless switched on
       choose(d, mask, num_q_heads // num_kv_heads, segment_ids=segment_ids is not None,
              soft_cap=soft_cap is not None, value_head_dim=d_value),
       q_shape=q.shape, k_shape=k.shape, dtype=dtype, mask=mask, scale=scale,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
-      soft_cap=soft_cap,
-      # (the tuner's candidates and arrays have one head dim)
-      tunable=mods is None and segment_ids is None and d_value == d)
+      soft_cap=soft_cap, tunable=tunable)
   if mods is not None and (config.dkv.work_queue or config.dkv.fold_stats):
     raise ValueError("with a score_mod or mask_mod the dK/dV kernel's config takes neither "
                      f"work_queue nor fold_stats; got {config.dkv}")
-  if config.dkv.dk_dv == "head_dim_split" and d_value % 128:
-    raise ValueError(f"the head-dim-split dK/dV kernel needs halves of the value head dim "
-                     f"on 64-column tiles; got {d_value}: use dk_dv='two_passes'")
   if config.dkv.work_queue and not config.dkv.num_sms:
     config = dataclasses.replace(config, dkv=dataclasses.replace(
         config.dkv, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"])))
