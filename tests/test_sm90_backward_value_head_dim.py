@@ -159,8 +159,8 @@ def test_backends_hands_the_sm90_backward_dv_wide_operands(monkeypatch):
 
 
 def test_value_head_dims_the_kernels_do_not_take_are_refused_explicitly():
-  for d, dv in ((64, 128), (128, 192), (256, 64), (256, 192)):
+  for d, dv in ((64, 128), (128, 192), (256, 64), (256, 192), (128, 72)):
     with pytest.raises(KernelUnsupported, match="value head dim"):
       sm90_backward.check_value_head_dim(d, dv)
-  for d, dv in ((192, 128), (128, 64), (192, 64), (256, 128), (128, 128), (120, 100)):
+  for d, dv in ((192, 128), (128, 64), (192, 64), (256, 128), (128, 128), (112, 96), (192, 80)):
     sm90_backward.check_value_head_dim(d, dv)

@@ -317,13 +317,14 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
 def check_value_head_dim(head_dim: int, value_head_dim: int) -> None:
   """Raises KernelUnsupported unless the kernels take V, O and dO (and give
   dV) at `value_head_dim` beside Q and K at `head_dim` (each padded to a
-  multiple of 64): V no wider than K, and at a padded head dim of 256 (the
-  head-dim split) halves of V that fall on 64-column tiles (128 or 256).
-  `backends` pads the other pairs to one head dim."""
+  multiple of 64): a multiple of 16 (as the head dim), V no wider than K,
+  and at a padded head dim of 256 (the head-dim split) halves of V that
+  fall on 64-column tiles (128 or 256). `backends` pads the other pairs to
+  one head dim."""
   d, dv = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
-  if dv > d or (d == 256 and dv % 128):
+  if value_head_dim % 16 or dv > d or (d == 256 and dv % 128):
     raise KernelUnsupported(f"sm90 backward: value head dim {value_head_dim} with head dim "
-                            f"{head_dim}; the kernels take value head dims no wider than the "
+                            f"{head_dim}; the kernels take multiples of 16 no wider than the "
                             "head dim, at 256 only 128 and 256")
 
 
