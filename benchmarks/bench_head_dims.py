@@ -17,8 +17,9 @@ latent cache read once (B·S·576·2). Time: kernel-duration sums (forward)
 and VJP kernel spans (backward) in profiler traces, medians of interleaved
 rounds (`bench_common`).
 
-Until the kernels take a value head dim of their own (README: the XLA path
-serves it) the 192/128 and MLA columns time the XLA path.
+On a Hopper GPU the 192/128 rows run the sm90 kernels, forward and
+backward, at both head dims (no padding since issue #56); the MLA rows the
+XLA path (README).
 
   python3 benchmarks/bench_head_dims.py [--only mla] [--rounds 3] [--tag NAME]
 """

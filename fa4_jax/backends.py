@@ -33,7 +33,9 @@ a `score_mod` / `mask_mod`, and the backward leaves it to XLA. A module with
 "mods" is given the whole score value (`mods=`) where the call has them.
 Without "fp8" a call with float8 operands runs on the XLA path; without
 "value_head_dim" one whose value head dim differs from the query's does
-(a backward without it: the XLA backward on the kernel's lse).
+(a backward without it, or one whose `check_value_head_dim` rejects the
+pair: the backward kernels with the head dims zero-padded to one,
+`_one_head_dim`).
 The gradients of a score_mod's captured arrays come from the XLA backward
 where a kernel's backward does not compute them (`_captured_grads`).
 """
@@ -130,7 +132,7 @@ def _kernel_backend(name: str) -> Backend:
     options = _options(bwd_module, scores_)
     options.pop("sinks", None)  # the lse holds them
     operands = (q, k, v, out, lse, dout)
-    padded = v.shape[-1] != q.shape[-1] and "value_head_dim" not in _features(bwd_module)
+    padded = _pads_value_head_dim(bwd_module, q.shape[-1], v.shape[-1])
     if padded:
       operands = _one_head_dim(*operands)
     dq, dk, dv = bwd_module.backward(
@@ -141,6 +143,21 @@ def _kernel_backend(name: str) -> Backend:
     return dq, dk, dv, None, _captured_grads(q, k, v, scores_, out, lse, dout)
 
   return Backend(name, forward, backward)
+
+
+def _pads_value_head_dim(module, head_dim: int, value_head_dim: int) -> bool:
+  """Whether backward module `module` gets a value head dim of its own padded
+  to one head dim (`_one_head_dim`): it lacks the "value_head_dim" feature,
+  or its `check_value_head_dim` rejects the pair."""
+  if value_head_dim == head_dim:
+    return False
+  if "value_head_dim" not in _features(module):
+    return True
+  try:
+    module.check_value_head_dim(head_dim, value_head_dim)
+  except KernelUnsupported:
+    return True
+  return False
 
 
 def _one_head_dim(q, k, v, out, lse, dout):
@@ -177,7 +194,7 @@ def fused_backward(name: str, call: CallInfo):
   if call.has_mods and ("mods" not in _features(module) or _mods_problem(call) is not None):
     return None
   q_shape, k_shape = call.q_shape, call.k_shape
-  if call.v_head_dim is not None and "value_head_dim" not in _features(module):
+  if call.v_head_dim is not None and _pads_value_head_dim(module, q_shape[-1], call.v_head_dim):
     # Served with the head dims padded to one (`_one_head_dim`).
     width = max(q_shape[-1], call.v_head_dim)
     q_shape, k_shape = (*q_shape[:-1], width), (*k_shape[:-1], width)

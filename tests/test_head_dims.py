@@ -178,7 +178,7 @@ def test_mla_paged_float8_latent_cache():
 def test_which_backend_serves_a_value_head_dim_of_its_own():
   q = key = jnp.ones((1, 128, 2, 192), jnp.bfloat16)
   v = jnp.ones((1, 128, 2, 128), jnp.bfloat16)
-  with fa4_jax.gpu_target("sm90"):  # the Hopper kernels (the backward's v padded to 192)
+  with fa4_jax.gpu_target("sm90"):  # the Hopper kernels, forward and backward at 192 / 128
     assert fa4_jax.which_implementation(q, key, v, is_causal=True) == "sm90"
     assert fa4_jax.which_implementation(q, key, v, part="backward") == "sm90"
     latent = jnp.ones((1, 128, 1, 576), jnp.bfloat16)  # MLA's 576 / 512: the XLA path

@@ -138,8 +138,8 @@ def test_chunked_local_mask_mod_without_a_block_mask_on_a_causal_base():
 
 @pytest.mark.parametrize("d, dv, causal", [(192, 128, True), (128, 64, False), (64, 256, True)])
 def test_value_head_dim_of_its_own(d, dv, causal):
-  """The sm90 forward kernel with D != Dv (the gradient takes the XLA path on
-  the kernel's lse)."""
+  """The sm90 forward kernel with D != Dv, and the backward kernels (V as it
+  is at 192 / 128 and 128 / 64, zero-padded at 64 / 256)."""
   b, t, nq, nkv = 2, 1537, 8, 2
   q, k, v, dout = _inputs(b, t, t, nq, nkv, d, dv=dv, seed=5)
   assert fa4_jax.which_implementation(q, k, v, is_causal=causal) == "sm90"

@@ -9,7 +9,7 @@ Dv], out [B, T, N, Dv]: DeepSeek's 192 / 128 and others), on the CPU.
   128 / 64 (one CTA per tile and the persistent grid) cross-lowered for
   sm_90: wgmma, TMA, the SMEM the config accounts for.
 * The public path: `fa4_jax.attention(..., implementation="sm90")` runs the
-  kernel forward and the XLA backward on its lse.
+  kernel forward and the kernel backward.
 """
 
 from __future__ import annotations
@@ -73,10 +73,11 @@ def test_persistent_grid_with_its_own_o_tiles(run_interpreted):
 
 
 @pytest.mark.parametrize("d, dv", [(128, 64), (64, 128)])
-def test_attention_runs_the_kernel_forward_and_the_padded_kernel_backward(run_interpreted, d,
-                                                                          dv):
-  """The backward kernel has one head dim: the narrower side is zero-padded
-  to the wider (`backends._one_head_dim`) and its gradients sliced back."""
+def test_attention_runs_the_kernel_forward_and_backward(run_interpreted, d, dv):
+  """The backward kernels take 128 / 64 as it is; at 64 / 128 (V wider than
+  K: `sm90_backward.check_value_head_dim`) the narrower side is zero-padded
+  to the wider (`backends._one_head_dim`) and its gradients sliced back
+  (tests/test_sm90_backward_value_head_dim.py: which pairs take which)."""
   q, key, v = inputs(1, 64, 64, 2, 1, d, dv, dtype=jnp.float16, seed=2)
   with fa4_jax.interpret_mode():
     assert fa4_jax.which_implementation(q, key, v, implementation="sm90") == "sm90"

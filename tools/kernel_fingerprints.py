@@ -63,11 +63,14 @@ def _forward(kernel, d, mask, seq, lengths, segments=False, group=2):
   return f, (q, kv, kv, ln, ln, ids)
 
 
-def _backward(kernel, d, mask, seq, lengths, group=1, segments=False):
-  """The backward of kernel module `kernel` ("sm90_backward", "sm100_backward")."""
+def _backward(kernel, d, mask, seq, lengths, group=1, segments=False, dv=None):
+  """The backward of kernel module `kernel` ("sm90_backward", "sm100_backward");
+  `dv`: V's (and O's) head dim, None: d."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["backward"])
   q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, seq, 2, dv or d), jnp.bfloat16)
+  o = jax.ShapeDtypeStruct((2, seq, 2 * group, dv or d), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
   ids = jax.ShapeDtypeStruct((2, seq), jnp.int32)
@@ -76,7 +79,7 @@ def _backward(kernel, d, mask, seq, lengths, group=1, segments=False):
     return module.backward(q, k, v, o, lse, do, ql if lengths else None,
                            kl if lengths else None, scale=0.125, mask=mask,
                            segment_ids=_segments(ids, segments))
-  return f, (q, kv, kv, q, lse, q, ln, ln, ids)
+  return f, (q, kv, v, o, lse, o, ln, ln, ids)
 
 
 def _scores(mask, ql, kl, lengths):
@@ -109,6 +112,11 @@ def cases():
         for group in (1, 4):
           yield (f"sm90 backward d{d} {mname} s{seq} g{group}", "sm_90",
                  _backward("sm90_backward", d, mask, seq, lengths, group))
+  for d, dv in ((192, 128), (128, 64)):  # a value head dim of its own
+    for mname, mask in MASKS.items():
+      for group in (1, 4):
+        yield (f"sm90 backward d{d} dv{dv} {mname} s1000 g{group}", "sm_90",
+               _backward("sm90_backward", d, mask, 1000, True, group, dv=dv))
   for d in (64, 128):  # packed rows: segment ids, causal and dense
     for mname in ("dense", "causal"):
       for seq in (1000, 8192):
@@ -165,10 +173,14 @@ def main() -> int:
     return 0
   with open(args.compare) as f:
     before = json.load(f)
-  changed = [n for n in found if before.get(n) != found[n]]
+  new = [n for n in found if n not in before]  # cases added since: nothing to compare
+  changed = [n for n in found if n in before and before[n] != found[n]]
+  for n in new:
+    print(f"NEW {n}: {found[n]}")
   for n in changed:
-    print(f"CHANGED {n}: {before.get(n)} -> {found[n]}")
-  print(f"{len(found) - len(changed)} unchanged, {len(changed)} changed")
+    print(f"CHANGED {n}: {before[n]} -> {found[n]}")
+  print(f"{len(found) - len(changed) - len(new)} unchanged, {len(changed)} changed, "
+        f"{len(new)} new")
   return 1 if changed else 0
 
 

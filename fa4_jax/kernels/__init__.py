@@ -42,8 +42,11 @@ Optional arguments, taken by a module that names them in its `FEATURES`
         backward's dS times the score_mod's slope (`value_and_slope`). The
         gradients of the arrays the mods capture come from one XLA pass
         after the kernel backward (`fa4_jax.backends`).
-    "value_head_dim" (forward): v (and the output) may have a head dim of
-        their own, up to 256.
+    "value_head_dim" (forward, backward): v (and the output) may have a head
+        dim of their own, up to 256. A backward module with it offers
+        `check_value_head_dim(head_dim, value_head_dim)` (raises
+        KernelUnsupported for pairs it does not take, which `fa4_jax.backends`
+        then pads to one head dim); its out, dout and dv have v's head dim.
     "fp8" (forward): q, k and v may be float8 (all three), with
         descales=(q_descale f32 [Nq] or None, k_descale [Nkv] or None,
         v_descale [Nkv] or None), each operand's real value being the stored

@@ -28,6 +28,10 @@ atomics):
    dK + dV do not fit one warpgroup: at 256 the consumers share the keys and
    split the head dim (`_build_dkv_head_split_kernel`), at 192 the kernel
    runs once for dK and once for dV (`DkvConfig.dk_dv`).
+   V, O, dO and dV may have a head dim of their own, no wider than Q's and
+   K's (`check_value_head_dim`; DeepSeek's 192 / 128): the GEMMs with V or
+   dO contract over it or are as wide (dP, dV), the others keep the head
+   dim, and `choose_config` counts dK + dV registers by the pair.
    Packed causal rows at head dim 64 run it as a persistent grid whose CTAs
    take key tiles from a work queue (`DkvConfig.work_queue`).
 3. the dQ kernel (`sm90_backward_dq`, configured by `BackwardConfig.dq`): one
@@ -103,7 +107,7 @@ import functools
 
 import jax.numpy as jnp
 
-from fa4_jax.kernels import autotune, sm90_tiles
+from fa4_jax.kernels import KernelUnsupported, autotune, sm90_tiles
 from fa4_jax.kernels.backward_inputs import (check_operands, fine_tile_classes, mod_operands,
                                              preprocess, segment_operands)
 from fa4_jax.kernels.pipeline import LaunchChain
@@ -117,11 +121,13 @@ from fa4_jax.scores import MaskSpec, cdiv
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
-FEATURES = frozenset({"soft_cap", "mods"})
+FEATURES = frozenset({"soft_cap", "mods", "value_head_dim"})
 
-# dK and dV of a 64-key tile take head_dim fp32 registers per thread together;
-# above this head dim they do not fit beside S and dP, so dK and dV are
-# computed by two passes of the dK/dV kernel, one accumulator each.
+# dK and dV of a 64-key tile take (head_dim + value_head_dim) / 2 fp32
+# registers per thread together (64 rows x width x 4 B / 128 threads each);
+# beyond this head dim's share (128 + 128, or 192 + 64) they do not fit beside
+# S^T and dP^T, so dK and dV are computed by two passes of the dK/dV kernel,
+# one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 
 
@@ -166,14 +172,18 @@ class BackwardConfig:
                        f"{dq_rows} rows per CTA; got dkv.block_q={self.dkv.block_q}")
 
 def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
-                  segment_ids: bool = False, soft_cap: bool = False) -> BackwardConfig:
-  """Block sizes per (padded) head dim; the same for every mask. Where delta
+                  segment_ids: bool = False, soft_cap: bool = False,
+                  value_head_dim: int | None = None) -> BackwardConfig:
+  """Block sizes per (padded) head dim pair, Q's and K's `head_dim` and V's
+  `value_head_dim` (None: the same; `check_value_head_dim` says which pairs
+  the kernels take); the same for every mask. Where delta
   is computed depends on whether the mask has a window, how lse and delta
   enter the dK/dV kernel on the GQA group size (`group` query heads per KV
   head), the mask and whether the logits are soft-capped (below).
 
   Registers per consumer thread (64 rows per warpgroup, fp32):
-  dK/dV: dK + dV = head_dim, S^T and dP^T = dkv.block_q / 2 each.
+  dK/dV: dK + dV = (head_dim + value_head_dim) / 2, S^T and dP^T =
+         dkv.block_q / 2 each.
   dQ:    dQ = head_dim / 2, S and dP = dq.block_kv / 2 each.
 
   Every rule's measurements are in docs/performance-notes.md, "The backward
@@ -182,6 +192,7 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   at 128 ("Block sizes per head dim").
   """
   d = padded_head_dim(head_dim)
+  dv = d if value_head_dim is None else padded_head_dim(value_head_dim)
   # dQ: three consumers of 64 rows on 160 registers (dQ 64 + S 32 + dP 32
   # at 128), 64-key tiles ("dQ: three consumers").
   three_dq_consumers = DqConfig(block_q=64, block_kv=64, num_stages=2, num_consumers=3,
@@ -217,15 +228,26 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   #
   # Soft-capped calls keep the plain call's tiles ("Soft-cap at D = 128:
   # 32-row query tiles (lost)").
+  fused_dkv = DkvConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
+                        producer_registers=24, consumer_registers=240, stats_first=True,
+                        operands_in_registers=d <= 64, fold_stats=fold_stats,
+                        work_queue=work_queue)
   if d <= MAX_FUSED_DK_DV_HEAD_DIM:
-    dkv = DkvConfig(block_kv=64, block_q=64, num_stages=3 if d <= 64 else 2,
-                    producer_registers=24, consumer_registers=240, stats_first=True,
-                    operands_in_registers=d <= 64, fold_stats=fold_stats,
-                    work_queue=work_queue)
+    # (128 / 64 too: its narrower dO, V and dV tiles only free SMEM and registers.)
     dq = dataclasses.replace(three_dq_consumers, operands_in_registers=d <= 64)
-    return BackwardConfig(dkv, dq, delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq)
+    return BackwardConfig(fused_dkv, dq, delta_in_dq=delta_in_dq, overlap_kernels=not delta_in_dq)
+  # The 192-wide dQ kernel: two consumers (dQ 96 + S 32 + dP 32 registers
+  # leave three consumers' 160 none to spare); 64-row tiles and two stages
+  # fit SMEM at every value head dim (194 KiB at 192 / 192).
+  dq_192 = DqConfig(block_q=64, block_kv=64, num_stages=2)
+  if d + dv <= 2 * MAX_FUSED_DK_DV_HEAD_DIM:
+    # 192 / 64: dK 96 + dV 32 registers, as many as dK + dV at 128, so the
+    # D = 128 dK/dV kernel; dQ and the kernels' order as at 192. Unmeasured
+    # (docs/performance-notes.md, "Value head dims of their own").
+    return BackwardConfig(fused_dkv, dq_192)
   if d % 128 == 0:
-    # 256: each consumer keeps half the head dim of dK and dV. SMEM: K, V
+    # 256: each consumer keeps half the head dim of dK and dV (of dV's own,
+    # 128 or 256). SMEM at 256 / 256: K, V
     # 64 KiB, two stages of Q and dO 128 KiB, P^T and dS^T rings 32 KiB; the
     # resident Q and dO tiles of dQ take 128 KiB, so its key tiles are 32
     # rows. Kernels overlapped ("Head dim 256: the head-dim split").
@@ -237,12 +259,17 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # 64-column tiles of the swizzled layout, so dK and dV take two passes.
   # 64-row tiles and two stages fit the SMEM at 192 in every kernel (at most
   # 192 KiB). The kernels run one after another ("Head dim 192: two passes").
+  # 192 / 128 keeps these tiles: fused, dK 96 + dV 64 + S^T 32 + dP^T 32
+  # registers would leave 16 of 240 for the rest; the dK pass holds 160 as
+  # at 192, the Dv-wide dV pass 96 (docs/performance-notes.md, "Value head
+  # dims of their own").
   return BackwardConfig(DkvConfig(block_kv=64, block_q=64, num_stages=2, dk_dv="two_passes"),
-                        DqConfig(block_q=64, block_kv=64, num_stages=2))
+                        dq_192)
 
 
 def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
-                       segment_ids: bool = False, soft_cap: bool = False) -> BackwardConfig:
+                       segment_ids: bool = False, soft_cap: bool = False,
+                       value_head_dim: int | None = None) -> BackwardConfig:
   """The config of a call with a `score_mod` or `mask_mod`: the plain call's
   (`choose_config`) without the variants the block lists do not drive (the
   work queue) or that need the raw S^T folded (`fold_stats`), and with two
@@ -250,7 +277,8 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   rows) and the dK/dV kernel's (128 keys) nest with the 128 x 128 tiles of
   a `create_block_mask` block mask (three consumers' 192 rows do not: the
   mask_mod would be evaluated anew). Unmeasured on hardware."""
-  config = choose_config(head_dim, mask, group, segment_ids=segment_ids, soft_cap=soft_cap)
+  config = choose_config(head_dim, mask, group, segment_ids=segment_ids, soft_cap=soft_cap,
+                         value_head_dim=value_head_dim)
   dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=False)
   dq = config.dq
   if dq.num_consumers != 2:
@@ -284,6 +312,20 @@ def all_configs() -> list[tuple[int, BackwardConfig]]:
 def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   """Raises KernelUnsupported when the backward kernels cannot serve the call."""
   sm90_tiles.check_supported("sm90 backward", q_shape, k_shape, dtype, mask)
+
+
+def check_value_head_dim(head_dim: int, value_head_dim: int) -> None:
+  """Raises KernelUnsupported unless the kernels take V, O and dO (and give
+  dV) at `value_head_dim` beside Q and K at `head_dim` (each padded to a
+  multiple of 64): a multiple of 16 (as the head dim), V no wider than K,
+  and at a padded head dim of 256 (the head-dim split) halves of V that
+  fall on 64-column tiles (128 or 256). `backends` pads the other pairs to
+  one head dim."""
+  d, dv = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
+  if value_head_dim % 16 or dv > d or (d == 256 and dv % 128):
+    raise KernelUnsupported(f"sm90 backward: value head dim {value_head_dim} with head dim "
+                            f"{head_dim}; the kernels take multiples of 16 no wider than the "
+                            "head dim, at 256 only 128 and 256")
 
 
 # --- entry point -----------------------------------------------------------------
@@ -340,7 +382,9 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
              soft_cap: float | None = None, mods=None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
-  q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
+  q: [B, Tq, Nq, D]; out, dout: [B, Tq, Nq, Dv]; k: [B, Tk, Nkv, D]; v:
+  [B, Tk, Nkv, Dv]; lse: f32 [B, Nq, Tq]. Dv may be narrower than D
+  (`check_value_head_dim`): V, O, dO and dV are Dv wide in the kernels.
   dk and dv are summed over the query heads of each GQA group.
   segment_ids: None, or (q ids int32 [B, Tq], kv ids int32 [B, Tk]): a query
   sees only keys of its own id.
@@ -354,24 +398,28 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   the captured arrays' gradients are the caller's (`backends`).
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
-  soft_cap = check_operands(q, k, v, soft_cap)
+  soft_cap = check_operands(q, k, v, soft_cap, own_value_head_dim=True)
   batch, q_seq, num_q_heads, head_dim = q.shape
   _, kv_seq, num_kv_heads, _ = k.shape
+  value_dim = v.shape[-1]
+  check_value_head_dim(head_dim, value_dim)
   dtype = q.dtype
   dout = dout.astype(dtype)
   # TMA tiles (sequence, head_dim) by (8, 64): pad sequences to multiples of 8
   # and head dims to multiples of 64 (a copy only for unaligned shapes).
-  d = padded_head_dim(head_dim)
+  d, d_value = padded_head_dim(head_dim), padded_head_dim(value_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
   if mods is not None and not mods.has_mods:
     mods = None
   choose = choose_config if mods is None else choose_mods_config
+  # (The tuner's candidates and arrays have one head dim.)
+  tunable = mods is None and segment_ids is None and d_value == d
   config = config or autotune.sm90_backward_config(  # the heuristic's, unless switched on
       choose(d, mask, num_q_heads // num_kv_heads, segment_ids=segment_ids is not None,
-             soft_cap=soft_cap is not None),
+             soft_cap=soft_cap is not None, value_head_dim=d_value),
       q_shape=q.shape, k_shape=k.shape, dtype=dtype, mask=mask, scale=scale,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
-      soft_cap=soft_cap, tunable=mods is None and segment_ids is None)
+      soft_cap=soft_cap, tunable=tunable)
   if mods is not None and (config.dkv.work_queue or config.dkv.fold_stats):
     raise ValueError("with a score_mod or mask_mod the dK/dV kernel's config takes neither "
                      f"work_queue nor fold_stats; got {config.dkv}")
@@ -380,16 +428,16 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
         config.dkv, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"])))
   lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
 
-  def pad(x, t_pad):
-    if d == head_dim and t_pad == x.shape[1]:
+  def pad(x, t_pad, width):
+    if width == x.shape[-1] and t_pad == x.shape[1]:
       return x
-    return jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, d - head_dim)])
+    return jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, width - x.shape[-1])])
 
-  q, dout = pad(q, q_pad), pad(dout, q_pad)
-  k, v = pad(k, kv_pad), pad(v, kv_pad)
+  q, dout = pad(q, q_pad, d), pad(dout, q_pad, d_value)
+  k, v = pad(k, kv_pad, d), pad(v, kv_pad, d_value)
   common = dict(
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
-      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d,
+      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=d_value,
       dtype=dtype, scale=float(scale), mask=mask,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
   if segment_ids is not None:
@@ -409,7 +457,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   dkv_common = dict(common, config=config.dkv)
   dq_common = dict(common, config=config.dq, with_delta=config.delta_in_dq)
   if config.delta_in_dq:  # the dQ kernel first: it computes delta for both
-    o = pad(out.astype(dtype), q_pad)
+    o = pad(out.astype(dtype), q_pad, d_value)
     dq, delta = _build_dq_kernel(**dq_common)(q, k, v, dout, lse2, o, *lengths, *dq_segments,
                                               *dq_mods)
   args = [q, k, v, dout, lse2, delta, *lengths]
@@ -439,5 +487,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   if d != head_dim or q_pad != q_seq:
     dq = dq[:, :q_seq, :, :head_dim]
   if d != head_dim or kv_pad != kv_seq:
-    dk, dv = dk[:, :kv_seq, :, :head_dim], dv[:, :kv_seq, :, :head_dim]
+    dk = dk[:, :kv_seq, :, :head_dim]
+  if d_value != value_dim or kv_pad != kv_seq:
+    dv = dv[:, :kv_seq, :, :value_dim]
   return dq, dk, dv

@@ -107,7 +107,8 @@ class BackwardStatics:
   cfg: Any  # the kernel's own: a DkvConfig (dK/dV kernels) or a DqConfig
   mask: MaskSpec
   dtype: Any
-  head_dim: int
+  head_dim: int  # Q's, K's, dQ's and dK's
+  value_head_dim: int  # V's, O's, dO's and dV's (head_dim, or narrower: `check_value_head_dim`)
   scale: float
   group: int  # query heads per KV head
   soft_cap: float | None  # None: no logit soft-capping

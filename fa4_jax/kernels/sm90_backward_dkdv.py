@@ -6,6 +6,8 @@ their dK and dV in registers; a producer warpgroup streams (Q, dO, lse2,
 delta) tiles of every query head of the GQA group and every query block the
 mask lets these keys be seen by (`BackwardBarriers`). With `outputs` naming
 one gradient it is one pass of the "two_passes" scheme (head dim 192).
+V, dO and dV may be narrower than Q, K and dK (`value_head_dim`): dP^T = V
+dO^T contracts over it and dV is as wide, S^T and dK keep the head dim.
 With `DkvConfig.work_queue` the same roles run as a persistent grid:
 one CTA per SM takes key tiles from a work queue (`schedule.WorkQueue`),
 and the next tile's K and V load while the current one runs.
@@ -190,6 +192,14 @@ class _DkvPass(BackwardStatics):
     return "dv" in self.outputs
 
   @property
+  def dv_wide_tile(self) -> bool:
+    """Whether each consumer has a resident tile of the value head dim: V's
+    in a pass with dK (dV takes it on the way out), dV's alone in a pass
+    without dK whose dV is narrower than the K tile it would otherwise take
+    (TMA stores whole tiles)."""
+    return self.with_dk or self.value_head_dim != self.head_dim
+
+  @property
   def num_resident(self) -> int:
     return 2 if self.with_dk else 1  # K (and V)
 
@@ -202,17 +212,17 @@ class _DkvPass(BackwardStatics):
     """Scratch SMEM, in the order `_DkvSmem` unpacks it."""
     cfg, bk, bq, nc = self.cfg, self.cfg.block_kv, self.cfg.block_q, self.cfg.num_consumers
     swizzle = swizzle_bytes(self.dtype, bk, bq)
-    resident_tile = smem_tile((nc * self.resident_copies, bk, self.head_dim), self.dtype,
-                              swizzle)
-    ring_tile = smem_tile((cfg.num_stages, bq, self.head_dim), self.dtype, swizzle)
+    resident_tile = lambda width: smem_tile((nc * self.resident_copies, bk, width), self.dtype,
+                                            swizzle)
+    ring_tile = lambda width: smem_tile((cfg.num_stages, bq, width), self.dtype, swizzle)
     ring_stats = plgpu.SMEM((cfg.num_stages, bq), jnp.float32)
     # A work queue's cells ride in one more row of the lse2 ring's buffer
     # (which starts a KiB of SMEM of its own either way).
     lse_ring = plgpu.SMEM((cfg.num_stages + self.queued, bq), jnp.float32)
-    smem = [resident_tile]  # K tiles, then dK (or dV)
-    if self.with_dk:
-      smem.append(resident_tile)  # V tiles, then dV
-    smem += [ring_tile, ring_tile, lse_ring]  # Q, dO, lse2 rings
+    smem = [resident_tile(self.head_dim)]  # K tiles, then dK (or dV)
+    if self.dv_wide_tile:
+      smem.append(resident_tile(self.value_head_dim))  # V tiles (with dK), then dV
+    smem += [ring_tile(self.head_dim), ring_tile(self.value_head_dim), lse_ring]  # Q, dO, lse2
     if self.with_dk:
       smem.append(ring_stats)  # delta ring
     if self.interpreting:
@@ -224,7 +234,7 @@ class _DkvPass(BackwardStatics):
 
 class _DkvSmem(NamedTuple):
   k: Any
-  v: Any  # None in a pass without dK
+  v: Any  # V tiles, then dV; dV's alone, or None (`_DkvPass.dv_wide_tile`)
   q_ring: Any
   do_ring: Any
   lse_ring: Any
@@ -233,10 +243,11 @@ class _DkvSmem(NamedTuple):
   q_ids: Any  # ring of the queries' segment ids; None without segment ids
 
   @classmethod
-  def unpack(cls, smem, with_dk: bool, has_segments: bool) -> "_DkvSmem":
+  def unpack(cls, smem, with_dk: bool, dv_wide_tile: bool,
+             has_segments: bool) -> "_DkvSmem":
     smem = iter(smem)
     k = next(smem)
-    v = next(smem) if with_dk else None
+    v = next(smem) if dv_wide_tile else None
     q_ring, do_ring, lse_ring = next(smem), next(smem), next(smem)
     delta_ring = next(smem) if with_dk else None
     rest = list(smem)
@@ -362,7 +373,8 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
     bars.stream.consumer_release(step)
     return acc
 
-  zero_acc = lambda: {g: zeros((bk, kp.head_dim)) for g in kp.outputs}
+  width = dict(dk=kp.head_dim, dv=kp.value_head_dim)
+  zero_acc = lambda: {g: zeros((bk, width[g])) for g in kp.outputs}
   if kp.mods is not None:
     head_walk = kp.head_walks(mod_refs, work)
 
@@ -400,12 +412,13 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
 def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: BackwardBarriers,
                   grad_refs, work: KeyTileWork, item=0):
   """Every wgmma reading K and V has completed, so their tiles hold the
-  results on the way out (dV uses the K tile when V is absent). A queued
-  consumer releases the copy for the producer once the store has read it."""
+  results on the way out (dV takes the K tile where it has no tile of its
+  width: `_DkvPass.dv_wide_tile`). A queued consumer releases the copy for
+  the producer once the store has read it."""
   bk = kp.cfg.block_kv
   copy = bars.resident.buffer(item, wg)
   k_tile = smem.k.at[copy]
-  out_tiles = {"dk": k_tile, "dv": smem.v.at[copy] if kp.with_dk else k_tile}
+  out_tiles = {"dk": k_tile, "dv": k_tile if smem.v is None else smem.v.at[copy]}
   for g in kp.outputs:
     out_tiles[g][...] = (acc[g] * kp.scale if g == "dk" else acc[g]).astype(kp.dtype)
   plgpu.commit_smem()
@@ -429,7 +442,7 @@ def dkv_persistent_work(cfg, batch: int, num_kv_heads: int, kv_seq: int) -> Pers
 
 @cached_build
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
-                      head_dim, dtype, scale, mask, config, has_q_lengths,
+                      head_dim, value_head_dim, dtype, scale, mask, config, has_q_lengths,
                       has_kv_lengths, has_segments=False, outputs=("dk", "dv"),
                       chain=NO_CHAIN, soft_cap=None, queue_counter=True, mods=None):
   """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
@@ -445,8 +458,8 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   """
   cfg = config
   nc = cfg.num_consumers
-  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                tuple(outputs), is_interpreting(), has_segments, queued=cfg.work_queue,
+  kp = _DkvPass(cfg, mask, dtype, head_dim, value_head_dim, scale, num_q_heads // num_kv_heads,
+                soft_cap, tuple(outputs), is_interpreting(), has_segments, queued=cfg.work_queue,
                 mods=mods)
   assert mods is None or not (kp.queued or cfg.fold_stats), "mods: no work queue, no fold_stats"
   statics = dict(num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, q_seq=q_seq,
@@ -463,7 +476,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
     gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,
                                   nc if has_segments else None)
     mod_refs, (*grad_refs, smem, barrier_refs) = ModRefs.split(rest, mods)
-    smem = _DkvSmem.unpack(smem, kp.with_dk, has_segments)
+    smem = _DkvSmem.unpack(smem, kp.with_dk, kp.dv_wide_tile, has_segments)
     bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed,
                                       copies)
     wg = lax.axis_index("wg")
@@ -508,8 +521,9 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
 
     chain.at_exit(grid)
 
-  out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype)
-                   for _ in outputs)
+  width = dict(dk=head_dim, dv=value_head_dim)
+  out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, width[g]), dtype)
+                   for g in outputs)
   return launch(kernel, role="sm90_dkdv", out_type=out_type, smem=kp.smem(),
                 barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, kp.num_resident,
                                                         kp.num_streamed, copies),
@@ -574,7 +588,7 @@ class _HeadSplitSmem(NamedTuple):
   q_ids: Any = None  # ring of the queries' segment ids; None without segment ids
 
   @staticmethod
-  def types(cfg, head_dim: int, dtype, has_segments: bool):
+  def types(cfg, head_dim: int, value_head_dim: int, dtype, has_segments: bool):
     bk, bq = cfg.block_kv, cfg.block_q
     swizzle = swizzle_bytes(dtype, bk, bq)
     if has_segments:
@@ -586,9 +600,9 @@ class _HeadSplitSmem(NamedTuple):
     ids = (id_ring(cfg.num_stages, bq),) if has_segments else ()
     return (
         smem_tile((bk, head_dim), dtype, swizzle),  # K tile, then dK
-        smem_tile((bk, head_dim), dtype, swizzle),  # V tile, then dV
+        smem_tile((bk, value_head_dim), dtype, swizzle),  # V tile, then dV
         smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # Q ring
-        smem_tile((cfg.num_stages, bq, head_dim), dtype, swizzle),  # dO ring
+        smem_tile((cfg.num_stages, bq, value_head_dim), dtype, swizzle),  # dO ring
         *stats,
         smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: P^T
         smem_tile((2, bk, bq), dtype, swizzle),  # pds ring: dS^T
@@ -643,14 +657,15 @@ def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
 def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _HeadSplitBarriers,
                          work: KeyTileWork, blocks_per_head, num_steps,
                          segments: SegmentRefs | None, mod_refs: ModRefs | None = None):
-  """Consumer `h`: columns [h * d/2, (h + 1) * d/2) of dK and dV of the CTA's
-  keys. Warpgroup 0 computes P^T and dS^T of each step and hands them to
-  warpgroup 1 through the pds ring. Returns (dK half, dV half). With mods
+  """Consumer `h`: columns [h * d/2, (h + 1) * d/2) of dK and [h * dv/2,
+  (h + 1) * dv/2) of dV of the CTA's keys. Warpgroup 0 computes P^T and
+  dS^T of each step and hands them to warpgroup 1 through the pds ring.
+  Returns (dK half, dV half). With mods
   warpgroup 0 walks each query head's block list; warpgroup 1 takes the
   `num_steps` steps in order."""
   cfg, bk, bq, c = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c
-  half = kp.head_dim // 2
-  cols = pl.ds(h * half, half)
+  half, half_v = kp.head_dim // 2, kp.value_head_dim // 2
+  cols, cols_v = pl.ds(h * half, half), pl.ds(h * half_v, half_v)
   lo, hi = work.lo, work.hi
   stream, pds = bars.stream, bars.pds
   # Only warpgroup 0 computes P^T and needs the ids.
@@ -680,7 +695,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
     else:
       pds.consumer_wait(step)
     dk, dv = mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
-                                 acc[1], p_tile, do_tile.at[:, cols])
+                                 acc[1], p_tile, do_tile.at[:, cols_v])
     stream.consumer_release(step)
     pds.consumer_release(step)
     return dk, dv
@@ -704,14 +719,14 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
 
   plgpu.set_max_registers(cfg.consumer_registers, action="increase")
   bars.resident.consumer_wait(0, 0)
+  zero_acc = lambda: (zeros((bk, half)), zeros((bk, half_v)))
   if kp.mods is not None and h == 0:
-    (dk, dv), _ = lax.fori_loop(0, kp.group, one_head_list,
-                                ((zeros((bk, half)), zeros((bk, half))), jnp.int32(0)))
+    (dk, dv), _ = lax.fori_loop(0, kp.group, one_head_list, (zero_acc(), jnp.int32(0)))
   elif kp.mods is not None:  # warpgroup 1 needs no block index
     dk, dv = lax.fori_loop(0, num_steps, lambda step, acc: block_fn(step, None, acc, masked=False),
-                           (zeros((bk, half)), zeros((bk, half))))
+                           zero_acc())
   else:
-    dk, dv = lax.fori_loop(0, kp.group, one_head, (zeros((bk, half)), zeros((bk, half))))
+    dk, dv = lax.fori_loop(0, kp.group, one_head, zero_acc())
   if h == 0:
     pds.producer_drain(num_steps)
   return dk, dv
@@ -724,10 +739,9 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
   warpgroup 0 reads K and V, and its last reads completed before it published
   the last pds slot that warpgroup 1 waited for; both waited for K and V to
   have landed, so a CTA with no work cannot race their TMA."""
-  half = kp.head_dim // 2
-  cols = pl.ds(h * half, half)
-  smem.k.at[:, cols][...] = (dk * kp.scale).astype(kp.dtype)
-  smem.v.at[:, cols][...] = dv.astype(kp.dtype)
+  half, half_v = kp.head_dim // 2, kp.value_head_dim // 2
+  smem.k.at[:, pl.ds(h * half, half)][...] = (dk * kp.scale).astype(kp.dtype)
+  smem.v.at[:, pl.ds(h * half_v, half_v)][...] = dv.astype(kp.dtype)
   plgpu.commit_smem()
   bars.epilogue.sync()
   out_tile, out_ref = (smem.k, dk_ref) if h == 0 else (smem.v, dv_ref)
@@ -737,15 +751,17 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
 
 @cached_build
 def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
-                                 num_kv_heads, head_dim, dtype, scale, mask, config,
-                                 has_q_lengths, has_kv_lengths, has_segments=False,
+                                 num_kv_heads, head_dim, value_head_dim, dtype, scale, mask,
+                                 config, has_q_lengths, has_kv_lengths, has_segments=False,
                                  chain=NO_CHAIN, soft_cap=None, mods=None):
   """dK and dV where they do not fit one warpgroup's registers (head dim 256).
 
   A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
-  [h * d/2, (h + 1) * d/2) of their dK and dV: d/2 fp32 registers per thread,
-  like dK + dV at head dim 128. Every column needs the whole P^T and dS^T of a
-  step. Warpgroup 0 computes them (in fp32, as `_build_dkv_kernel` does) and
+  [h * d/2, (h + 1) * d/2) of their dK and [h * dv/2, (h + 1) * dv/2) of
+  their dV (dv: `value_head_dim`, whose halves must fall on the 64-column
+  swizzle tiles too): (d + dv) / 4 fp32 registers per thread, at 256 / 256
+  as many as dK + dV at head dim 128. Every column needs the whole P^T and
+  dS^T of a step. Warpgroup 0 computes them (in fp32, as `_build_dkv_kernel` does) and
   hands them to warpgroup 1 through a double-buffered SMEM ring:
 
     warpgroup 0: S^T = K Q^T, dP^T = V dO^T, P^T, dS^T -> pds ring
@@ -762,8 +778,8 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   CTAs' key tiles), and the CTAs walk those lists.
   """
   cfg = config
-  kp = _DkvPass(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                ("dk", "dv"), is_interpreting(), has_segments, mods=mods)
+  kp = _DkvPass(cfg, mask, dtype, head_dim, value_head_dim, scale, num_q_heads // num_kv_heads,
+                soft_cap, ("dk", "dv"), is_interpreting(), has_segments, mods=mods)
   bk = cfg.block_kv
   grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, bk), batch=batch)
 
@@ -798,8 +814,9 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
     pl.when(wg == 1)(lambda: consumer(1))
     chain.at_exit(grid)
 
-  out_type = (jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, head_dim), dtype),) * 2
+  out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, width), dtype)
+                   for width in (head_dim, value_head_dim))
   return launch(kernel, role="sm90_dkdv_head_split", out_type=out_type,
-                smem=_HeadSplitSmem.types(cfg, head_dim, dtype, has_segments),
+                smem=_HeadSplitSmem.types(cfg, head_dim, value_head_dim, dtype, has_segments),
                 barriers=_HeadSplitBarriers.scratch_types(cfg.num_stages, kp.num_streamed),
                 grid=grid, num_threads=3)

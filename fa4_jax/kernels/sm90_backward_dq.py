@@ -3,7 +3,8 @@
 One CTA per (q head, Q tile of `num_consumers * block_q` rows, batch) of its
 `DqConfig`: each consumer warpgroup owns `block_q` rows and their dQ, and the
 producer streams (K, V) tiles of the key blocks those rows see
-(`BackwardBarriers`).
+(`BackwardBarriers`). V, dO and O may be narrower than Q and K
+(`value_head_dim`): dP = dO V^T contracts over it; S and dQ keep the head dim.
 With `BackwardConfig.delta_in_dq` each consumer also loads its rows' O tile,
 computes their delta before its first block and writes it out for the dK/dV
 kernel, which then runs after this one.
@@ -102,13 +103,13 @@ class _DqKernel(BackwardStatics):
       stats = [plgpu.SMEM((nc, bq), jnp.float32)] * 2  # lse2, delta
     smem = [
         smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # Q tiles, then dQ
-        smem_tile((nc, bq, self.head_dim), self.dtype, swizzle),  # dO tiles
+        smem_tile((nc, bq, self.value_head_dim), self.dtype, swizzle),  # dO tiles
         *stats,
         smem_tile((cfg.num_stages, bk, self.head_dim), self.dtype, swizzle),  # K ring
-        smem_tile((cfg.num_stages, bk, self.head_dim), self.dtype, swizzle),  # V ring
+        smem_tile((cfg.num_stages, bk, self.value_head_dim), self.dtype, swizzle),  # V ring
     ]
     if self.with_delta:
-      smem.append(smem_tile((nc, bq, self.head_dim), self.dtype, swizzle))  # O tiles
+      smem.append(smem_tile((nc, bq, self.value_head_dim), self.dtype, swizzle))  # O tiles
     if self.interpreting:
       smem.append(smem_tile((nc, bq, bk), self.dtype, swizzle))  # dS staging
     if self.has_segments:
@@ -298,7 +299,7 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
 
 @cached_build
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
-                     head_dim, dtype, scale, mask, config, has_q_lengths,
+                     head_dim, value_head_dim, dtype, scale, mask, config, has_q_lengths,
                      has_kv_lengths, has_segments=False, with_delta=False, chain=NO_CHAIN,
                      soft_cap=None, mods=None):
   """The dQ kernel of `config` (a `DqConfig`): dq, and with `with_delta`
@@ -310,8 +311,8 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
   cfg = config
   nc, bq = cfg.num_consumers, cfg.block_q
   num_q_tiles = cdiv(q_seq, nc * bq)
-  kd = _DqKernel(cfg, mask, dtype, head_dim, scale, num_q_heads // num_kv_heads, soft_cap,
-                 num_q_tiles, is_interpreting(), has_segments, mods, with_delta)
+  kd = _DqKernel(cfg, mask, dtype, head_dim, value_head_dim, scale, num_q_heads // num_kv_heads,
+                 soft_cap, num_q_tiles, is_interpreting(), has_segments, mods, with_delta)
   grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
 
   def kernel(*refs):
