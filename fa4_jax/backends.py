@@ -352,20 +352,6 @@ def _device_description() -> str:
   return f"the default device is {default_device().device_kind!r}"
 
 
-# A 16-bit query on a float8 cache: the sm90 kernel serves it when asked for
-# by name (`implementation="sm90"`, paged too); implementation=None keeps it
-# on the XLA path until the kernel has run on a GPU (docs/performance-notes.md,
-# "A float8 cache under a 16-bit query").
-FP8_CACHE_BY_DEFAULT = False
-
-
-def _fp8_cache_held_back(q_dtype, has_fp8: bool) -> bool:
-  """A 16-bit query on a float8 cache (`has_fp8`: float8 operands), which
-  implementation=None leaves to the XLA path (`FP8_CACHE_BY_DEFAULT`)."""
-  return (not FP8_CACHE_BY_DEFAULT and has_fp8
-          and jnp.dtype(q_dtype) not in scores.FP8_DTYPES)
-
-
 def select(implementation: str | None, call: CallInfo) -> Backend:
   if implementation == "xla":
     return XLA
@@ -375,8 +361,6 @@ def select(implementation: str | None, call: CallInfo) -> Backend:
       raise ValueError(problem)
     return _staged(implementation, _arrangement(implementation, call))
   assert implementation is None, implementation
-  if _fp8_cache_held_back(call.dtype, call.has_fp8):
-    return XLA_UNTARGETED if _untargeted_host() else XLA
   major = device_arch_major()
   for name in KERNEL_IMPLEMENTATIONS:
     if major == _KERNEL_ARCH_MAJOR[name] and _kernel_problem(name, call) is None:
@@ -468,8 +452,6 @@ def select_paged(implementation, args: PagedArguments) -> str:
     if problem is not None:
       raise ValueError(f"implementation='sm90': {problem}")
     return "sm90"
-  if _fp8_cache_held_back(args.query.dtype, args.key_pages.dtype in scores.FP8_DTYPES):
-    return "xla"
   return "sm90" if problem is None and device_arch_major() == 9 else "xla"
 
 

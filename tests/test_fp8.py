@@ -150,11 +150,11 @@ def test_paged_float8_pages_through_a_shuffled_table():
   assert_close(out, reference(q, k, v, None, KV_DESCALE, 0.5, mask=mask[:, None]))
 
 
-def test_a_16_bit_query_on_a_float8_cache_runs_the_hopper_kernel_when_named():
+def test_a_16_bit_query_on_a_float8_cache_runs_the_hopper_kernel():
   q, k, v = fp8_inputs(q_dtype=jnp.bfloat16)
   with fa4_jax.gpu_target("sm90"):
     assert fa4_jax.which_implementation(q, k, v, is_causal=True, implementation="sm90") == "sm90"
-    assert fa4_jax.which_implementation(q, k, v, is_causal=True) == "xla"  # not yet by default
+    assert fa4_jax.which_implementation(q, k, v, is_causal=True) == "sm90"
   with fa4_jax.interpret_mode(), pytest.raises(ValueError, match="float8"):
     fa4_jax.which_implementation(q, k, v, implementation="sm100")
 

@@ -16,9 +16,8 @@ rounding (bfloat16 2^-8 of |out|), well inside 2^-7 max|v| + 2^-7 |out|. A
 dropped descale, an unwidened or misread tile, or mixed-up heads are off by
 O(max|v|).
 
-Until the kernel has run on a GPU, `implementation=None` leaves these calls
-on the XLA path (`backends.FP8_CACHE_BY_DEFAULT`); the kernel runs when asked
-for by name.
+`implementation=None` takes the kernel on a Hopper GPU (tests/test_fp8_cache_on_gpu.py
+passed on an H100; it read a float8 cache 4-17x faster than the XLA path).
 """
 
 import jax
@@ -145,8 +144,8 @@ def test_which_float8_cache_calls_the_kernel_takes():
     assert which_implementation(bf(4, 1, 32, 128), cache, cache, **sm90) == "sm90_decode"
     assert which_implementation(bf(1, 1024, 8, 128), f8(1, 1024, 8, 128), f8(1, 1024, 8, 128),
                                 is_causal=True, **sm90) == "sm90"
-    # Not by default until the kernel has run on a GPU.
-    assert which_implementation(bf(4, 1, 32, 128), cache, cache) == "xla"
+    # By default too: on an H100 it read a float8 cache 4-17x faster than the XLA path.
+    assert which_implementation(bf(4, 1, 32, 128), cache, cache) == "sm90_decode"
     ids = jnp.zeros((1, 1024), jnp.int32)
     with pytest.raises(ValueError, match="float8 cache without segment ids"):
       which_implementation(bf(1, 1024, 8, 128), f8(1, 1024, 8, 128), f8(1, 1024, 8, 128),
@@ -174,3 +173,25 @@ def test_float8_cache_kernels_cross_lower_to_widening_and_float16_wgmmas(cross_l
     assert "cvt.rn.f16x2.e4m3x2" in text and "f32.f16.f16" in text
     assert "e4m3.e4m3" not in text and "bf16.bf16" not in text
     assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
+
+
+def test_a_float8_cache_fits_the_decode_arrangements_persistent_grid(cross_lower):
+  """B64 T1 S4096 H32/8 D128: more items than SMs, so the decode arrangement
+  hands the kernel a persistent config with two Q tiles per consumer, which
+  leaves no SMEM for the widened float16 tiles. The kernel must shrink that
+  config as it shrinks its own (an H100 run on 2026-12-06 raised
+  KernelUnsupported here)."""
+  q_spec = jax.ShapeDtypeStruct((64, 1, 32, 128), jnp.bfloat16)
+  kv_spec = jax.ShapeDtypeStruct((64, 4096, 8, 128), E4M3)
+  descale = jax.ShapeDtypeStruct((8,), jnp.float32)
+  with gpu_target("sm90"):
+    plan = sm90_decode.plan(q_spec.shape, kv_spec.shape, MaskSpec())
+  assert plan is not None and plan.config is not None and plan.config.q_buffers == 2
+
+  def call(q, k, v, kd, vd):
+    with gpu_target("sm90"):
+      return fa4_jax.attention(q, k, v, key_descale=kd, value_descale=vd)
+
+  lowered = cross_lower(call, q_spec, kv_spec, kv_spec, descale, descale)
+  assert "cvt.rn.f16x2.e4m3x2" in "\n".join(lowered.modules)
+  assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES

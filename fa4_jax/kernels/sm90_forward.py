@@ -1609,10 +1609,12 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
                  and value_dim == head_dim and not heads_major and q_batch_divisor == 1))
     if mods is not None:
       config = mods_config(config)
-    if fp8_cache:
-      config = fp8_cache_config(config, d, dv)
     if (dv != d or fp8) and not config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8):
       config = dataclasses.replace(config, q_buffers=1)
+  if fp8_cache:
+    # Also a caller's config (the decode arrangement's persistent grid with two
+    # Q tiles per consumer): the widened float16 tiles need their SMEM.
+    config = fp8_cache_config(config, d, dv)
   fits = config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8, fp8_cache=fp8_cache)
   if (dv != d or mode is not None) and not fits:
     raise KernelUnsupported(f"sm90 forward: head dims {d} (q, k) and {dv} (v) do not fit SMEM "
