@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from fa4_jax import mod_functions, testing, xla_attention
 from fa4_jax.kernels import sm90_decode
-from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 
 MASKS = {"dense": MaskSpec(), "causal": MaskSpec(right=0),
          "window": MaskSpec(left=256, right=0)}
@@ -64,7 +64,7 @@ def _alibi_mods() -> Scores:
 
 def _modified(soft_cap=None, score_mod=False) -> dict:
   """The kernels' keyword arguments of a call's score modifications."""
-  options = {} if soft_cap is None else {"soft_cap": soft_cap}
+  options = {"score": ScoreFunction(0.125, soft_cap)}
   return options | ({"mods": _alibi_mods()} if score_mod else {})
 
 
@@ -73,6 +73,7 @@ def _forward(kernel, d, mask, seq, lengths, segments=False, group=2, sinks=False
   `group` query heads per KV head (2 KV heads); `options` (`_modified`)
   passed on."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["forward"])
+  options = _modified() | options
   q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -81,7 +82,7 @@ def _forward(kernel, d, mask, seq, lengths, segments=False, group=2, sinks=False
 
   def f(q, k, v, ql, kl, ids, sink_logits):
     return module.forward(q, k, v, ql if lengths else None, kl if lengths else None,
-                          scale=0.125, mask=mask, segment_ids=_segments(ids, segments),
+                          mask=mask, segment_ids=_segments(ids, segments),
                           **({"sinks": sink_logits} if sinks else {}), **options)
   return f, (q, kv, kv, ln, ln, ids, sink_logits)
 
@@ -90,6 +91,7 @@ def _backward(kernel, d, mask, seq, lengths, group=1, segments=False, **options)
   """The backward of kernel module `kernel` ("sm90_backward", "sm100_backward");
   `options` (`_modified`) passed on."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["backward"])
+  options = _modified() | options
   q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
@@ -98,7 +100,7 @@ def _backward(kernel, d, mask, seq, lengths, group=1, segments=False, **options)
 
   def f(q, k, v, o, lse, do, ql, kl, ids):
     return module.backward(q, k, v, o, lse, do, ql if lengths else None,
-                           kl if lengths else None, scale=0.125, mask=mask,
+                           kl if lengths else None, mask=mask,
                            segment_ids=_segments(ids, segments), **options)
   return f, (q, kv, kv, q, lse, q, ln, ln, ids)
 
@@ -113,8 +115,8 @@ def _decode(soft_cap):
                           streams=132)
 
   def f(q, k, v, kl):
-    return sm90_decode.forward(q, k, v, None, kl, scale=0.125, mask=MaskSpec(), plan=plan,
-                               soft_cap=soft_cap)
+    return sm90_decode.forward(q, k, v, None, kl, score=ScoreFunction(0.125, soft_cap),
+                               mask=MaskSpec(), plan=plan)
   return f, (q, kv, kv, ln)
 
 
@@ -189,7 +191,7 @@ def cases():
              _backward(f"{kernel}_backward", d, MASKS[mname], 1000, True, **options))
     yield (f"{kernel} forward d128 causal s1000 sinks soft_cap", arch,
            _forward(f"{kernel}_forward", 128, MASKS["causal"], 1000, True, sinks=True,
-                    soft_cap=30.0))
+                    **_modified(soft_cap=30.0)))
   yield "sm90 decode d128 s32768 soft_cap", "sm_90", _decode(30.0)
   for mname, mask in MASKS.items():
     for backward in (False, True):

@@ -25,18 +25,12 @@ from fa4_jax.scores import LOG2_E, cdiv, pad_ids, tile_ranges_operand
 STATS_ALIGN = 128
 
 
-def check_operands(q, k, v, soft_cap):
-  """The checks both backwards make of their operands; returns soft_cap as
-  a float (or None)."""
-  if soft_cap is not None:
-    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0:
-      raise ValueError(f"soft_cap must be a positive Python float; got {soft_cap!r}")
-    soft_cap = float(soft_cap)
+def check_operands(q, k, v):
+  """The checks both backwards make of their operands."""
   if v.shape != k.shape:
     raise KernelUnsupported(f"v must have k's shape {k.shape}; got {v.shape}")
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-  return soft_cap
 
 
 def preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = True):
