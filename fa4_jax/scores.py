@@ -756,6 +756,17 @@ class ScoreFunction:
     where it is 1."""
     return None if self.cap is None else soft_cap_slope(t)
 
+  # The XLA path keeps logits in natural units (no exp2 constant folded in).
+  def modify(self, x):
+    """Scaled (and score_mod-modified) logits `x` through the built-in
+    modifications: cap * tanh(x / cap), or `x`."""
+    return soft_cap(x, self.cap)
+
+  def modify_grad(self, modified):
+    """d modify(x) / dx from the modified logits, 0 where they are masked
+    (-inf); 1 without a built-in modification."""
+    return soft_cap_grad(modified, self.cap)
+
 
 # Attention sinks (gpt-oss, StreamingLLM): per query head a logit `sink` of a
 # virtual key whose value is zero. It adds exp(sink) to every row's softmax
@@ -1035,7 +1046,7 @@ class Scores:
       from fa4_jax import mod_functions
       b, h = self.global_indices(batch_idx, head_idx)
       s = mod_functions.evaluate(self.score_mod, self.score_captured, s, b, h, q_idx, kv_idx)
-    return soft_cap(s, self.soft_cap)
+    return self.score_function.modify(s)
 
   def mod_keeps(self, batch_idx, head_idx, q_idx, kv_idx):
     """`mask_mod` on broadcasting indices (True without one)."""

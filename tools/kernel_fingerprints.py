@@ -120,23 +120,26 @@ def _decode(soft_cap):
   return f, (q, kv, kv, ln)
 
 
-def _scores(mask, ql, kl, lengths):
-  return Scores(mask=mask, scale=0.125, q_lengths=ql if lengths else None,
-                kv_lengths=kl if lengths else None)
+def _scores(mask, ql, kl, lengths, soft_cap=None, score_mod=False):
+  mods = _alibi_mods() if score_mod else Scores()
+  return mods.replace(mask=mask, scale=0.125, soft_cap=soft_cap,
+                      q_lengths=ql if lengths else None, kv_lengths=kl if lengths else None)
 
 
-def _xla(mask, seq, lengths, backward):
+def _xla(mask, seq, lengths, backward, **modified):
+  """The XLA path's forward or backward; `modified`: `_scores`' soft_cap,
+  score_mod."""
   q = jax.ShapeDtypeStruct((2, seq, 4, 64), jnp.float32)
   kv = jax.ShapeDtypeStruct((2, seq, 2, 64), jnp.float32)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
 
   def fwd(q, k, v, ql, kl):
-    return xla_attention.forward(q, k, v, None, None, _scores(mask, ql, kl, lengths))
+    return xla_attention.forward(q, k, v, None, None, _scores(mask, ql, kl, lengths, **modified))
 
   def bwd(q, k, v, ql, kl):
     out, lse = fwd(q, k, v, ql, kl)
-    return xla_attention.backward(q, k, v, None, None, _scores(mask, ql, kl, lengths), out,
-                                  lse, out)
+    return xla_attention.backward(q, k, v, None, None,
+                                  _scores(mask, ql, kl, lengths, **modified), out, lse, out)
   return (bwd if backward else fwd), (q, kv, kv, ln, ln)
 
 
@@ -197,6 +200,11 @@ def cases():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(
           mask, 2048, True, backward)
+  for backward in (False, True):
+    for name, modified in (("soft_cap", {"soft_cap": 30.0}),
+                           ("score_mod soft_cap", {"soft_cap": 30.0, "score_mod": True})):
+      yield (f"xla {'backward' if backward else 'forward'} causal {name}", None,
+             _xla(MASKS["causal"], 2048, True, backward, **modified))
 
 
 def fingerprint(arch, fn_specs) -> str:
