@@ -51,7 +51,7 @@ from jax.experimental.mosaic.gpu import profiler
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa4_jax import xla_attention  # noqa: E402
-from fa4_jax.scores import Scores  # noqa: E402
+from fa4_jax.scores import ScoreFunction, Scores  # noqa: E402
 from fa4_jax.kernels import sm90_backward  # noqa: E402
 
 import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
@@ -166,7 +166,8 @@ class CaseSetup:
       self.configs.append(dataclasses.asdict(config))
       f = jax.jit(functools.partial(
           lambda q, k, v, o, l, do, config: sm90_backward.backward(
-              q, k, v, o, l, do, None, None, scale=scale, mask=mask, config=config),
+              q, k, v, o, l, do, None, None, score=ScoreFunction(scale), mask=mask,
+              config=config),
           config=config))
       self.impls.append(("fa4_sm90" if i == 0 else f"fa4_sm90[{text}]",
                          f, (self.q, self.k, self.v, out, lse, self.do)))

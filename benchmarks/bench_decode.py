@@ -37,7 +37,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
 from fa4_jax.kernels import sm90_decode, sm90_forward  # noqa: E402
-from fa4_jax.scores import MaskSpec  # noqa: E402
+from fa4_jax.scores import MaskSpec, ScoreFunction  # noqa: E402
 
 import bench_common  # noqa: E402
 
@@ -72,7 +72,8 @@ def implementations(splits, scale, kv_lengths):
   lengths = {} if kv_lengths is None else dict(key_value_seq_lengths=kv_lengths)
   impls = {
       "default": lambda q, k, v: fa4_jax.attention(q, k, v, **lengths),
-      "kernel": lambda q, k, v: sm90_forward.forward(q, k, v, None, kv_lengths, scale=scale,
+      "kernel": lambda q, k, v: sm90_forward.forward(q, k, v, None, kv_lengths,
+                                                     score=ScoreFunction(scale),
                                                      mask=MaskSpec())[0],
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn",
                                                             **lengths),
@@ -84,8 +85,8 @@ def implementations(splits, scale, kv_lengths):
     def run(q, k, v, p=p):
       chosen = sm90_decode.DecodePlan(p) if p is not None else planned(q.shape, k.shape,
                                                                        kv_lengths is not None)
-      return sm90_decode.forward(q, k, v, None, kv_lengths, scale=scale, mask=MaskSpec(),
-                                 plan=chosen)[0]
+      return sm90_decode.forward(q, k, v, None, kv_lengths, score=ScoreFunction(scale),
+                                 mask=MaskSpec(), plan=chosen)[0]
     impls[label] = run
   try:
     from tokamax._src.ops.attention import pallas_mosaic_gpu as tokamax_gpu

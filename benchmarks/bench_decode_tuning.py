@@ -35,7 +35,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
 from fa4_jax.kernels import device_tables, sm90_decode, sm90_forward  # noqa: E402
-from fa4_jax.scores import MaskSpec  # noqa: E402
+from fa4_jax.scores import MaskSpec, ScoreFunction  # noqa: E402
 
 import bench_common  # noqa: E402
 
@@ -89,21 +89,21 @@ def columns_of(row, mode):
   scale = D ** -0.5
 
   def with_plan(p):
-    return lambda q, k, v: sm90_decode.forward(q, k, v, None, None, scale=scale, mask=MaskSpec(),
-                                               plan=p)[0]
+    return lambda q, k, v: sm90_decode.forward(q, k, v, None, None, score=ScoreFunction(scale),
+                                               mask=MaskSpec(), plan=p)[0]
 
   cols = {
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"),
       "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
       "plan": lambda q, k, v: sm90_decode.forward(
-          q, k, v, None, None, scale=scale, mask=MaskSpec(),
+          q, k, v, None, None, score=ScoreFunction(scale), mask=MaskSpec(),
           plan=sm90_decode.plan(q.shape, k.shape, MaskSpec()))[0],
   }
   if mode == "final":
     cols["default"] = lambda q, k, v: fa4_jax.attention(q, k, v)
     # The plan before the tables named this kind: the generic rules.
     cols["before"] = lambda q, k, v: sm90_decode.forward(
-        q, k, v, None, None, scale=scale, mask=MaskSpec(),
+        q, k, v, None, None, score=ScoreFunction(scale), mask=MaskSpec(),
         plan=sm90_decode.plan(q.shape, k.shape, MaskSpec(),
                               choices=device_tables.GENERIC_DECODE))[0]
   else:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa4_jax.kernels import sm90_forward  # noqa: E402
+from fa4_jax.scores import ScoreFunction
 
 import bench_common  # noqa: E402  (this folder is on sys.path when run as a script)
 
@@ -141,7 +142,8 @@ def main():
     for i, config in enumerate(configs):
       ours = jax.jit(functools.partial(
           lambda q, k, v, config: sm90_forward.forward(
-              q, k, v, None, None, scale=scale, mask=mask, config=config)[0],
+              q, k, v, None, None, score=ScoreFunction(scale), mask=mask,
+              config=config)[0],
           config=config))
       impls.append(("fa4_sm90" if i == 0 else f"fa4_sm90[{overrides[i]}]", ours))
     if not args.no_cudnn:

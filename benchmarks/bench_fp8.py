@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common  # noqa: E402
 import fa4_jax  # noqa: E402
+from fa4_jax.scores import ScoreFunction
 
 F8 = jnp.float8_e4m3fn
 
@@ -109,7 +110,7 @@ def config_columns(q8, k8, v8, descales, d, causal):
     if not config.fits_smem(d, 2, False, d, fp8=True):
       config = dataclasses.replace(config, q_buffers=1)
     call = lambda q, k, v, qd, kd, vd, config=config: sm90_forward.forward(
-        q, k, v, None, None, scale=d ** -0.5, mask=mask, config=config,
+        q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
         descales=(qd, kd, vd))[0]
     columns[f"fp8 {label}"] = (call, (q8, k8, v8, *descales))
   return columns

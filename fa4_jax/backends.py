@@ -25,12 +25,14 @@ into chunks): the backend is then named "sm90_decode" (what
 
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional
-arguments it takes in `FEATURES` ("sinks", "soft_cap", "mods", "fp8",
+arguments it takes in `FEATURES` ("sinks", "score_function", "mods", "fp8",
 "value_head_dim"): without
 "sinks" the sinks are added after its forward (`scores.add_sinks`); without
-"soft_cap" or "mods" the forward cannot serve a soft-capped call or one with
-a `score_mod` / `mask_mod`, and the backward leaves it to XLA. A module with
-"mods" is given the whole score value (`mods=`) where the call has them.
+a feature the call's score value needs (`Scores.kernel_features`: modified
+logits, a `score_mod` / `mask_mod`) the forward cannot serve the call, and
+the backward leaves it to XLA. Every kernel takes the call's score function
+(`Scores.score_function`: scale, soft-cap); a module with "mods" is given
+the whole score value (`mods=`) where the call has them.
 Without "fp8" a call with float8 operands runs on the XLA path; without
 "value_head_dim" one whose value head dim differs from the query's does
 (a backward without it, or one whose `check_value_head_dim` rejects the
@@ -73,7 +75,8 @@ class CallInfo:
   spec: MaskSpec
   has_bias: bool
   has_mask: bool
-  soft_cap: float | None = None
+  # What a kernel must offer for the call's scores (`Scores.kernel_features`).
+  kernel_features: frozenset[str] = frozenset()
   has_segment_ids: bool = False
   score_mod: object = None  # mod_functions.ModFunction
   mask_mod: object = None
@@ -90,7 +93,8 @@ class CallInfo:
     return cls(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=scores_.mask,
                v_head_dim=v_head_dim,
                has_bias=bias is not None, has_mask=mask is not None,
-               soft_cap=scores_.soft_cap, has_segment_ids=scores_.q_segment_ids is not None,
+               kernel_features=scores_.kernel_features(),
+               has_segment_ids=scores_.q_segment_ids is not None,
                score_mod=scores_.score_mod, mask_mod=scores_.mask_mod,
                has_fp8=scores_.has_fp8)
 
@@ -117,7 +121,7 @@ def _kernel_backend(name: str) -> Backend:
     del bias, mask  # never selected with them (see _kernel_problem)
     options = _options(fwd_module, scores_)
     out, lse = fwd_module.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths,
-                                  scale=scores_.scale, mask=scores_.mask,
+                                  score=scores_.score_function, mask=scores_.mask,
                                   segment_ids=scores_.segment_pair, **options)
     if scores_.sinks is not None and "sinks" not in options:
       out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
@@ -136,7 +140,7 @@ def _kernel_backend(name: str) -> Backend:
     if padded:
       operands = _one_head_dim(*operands)
     dq, dk, dv = bwd_module.backward(
-        *operands, scores_.q_lengths, scores_.kv_lengths, scale=scores_.scale,
+        *operands, scores_.q_lengths, scores_.kv_lengths, score=scores_.score_function,
         mask=scores_.mask, segment_ids=scores_.segment_pair, **options)
     if padded:
       dq, dk, dv = dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
@@ -189,7 +193,7 @@ def fused_backward(name: str, call: CallInfo):
     module = importlib.import_module(f"fa4_jax.kernels.{name}_backward")
   except ModuleNotFoundError:
     return None
-  if call.soft_cap is not None and "soft_cap" not in _features(module):
+  if "score_function" in _missing_features(module, call):
     return None
   if call.has_mods and ("mods" not in _features(module) or _mods_problem(call) is not None):
     return None
@@ -226,12 +230,13 @@ def _decode_backend() -> Backend:
                             ragged=scores_.kv_lengths is not None)
     if plan is None:  # other shapes per device (e.g. a sharded call): the usual kernel
       return _kernel_backend("sm90").forward(q, k, v, None, None, scores_)
-    options = {} if scores_.soft_cap is None else dict(soft_cap=scores_.soft_cap)
+    options = {}
     if scores_.has_fp8:  # a float8 cache (`_fp8_problem`)
       options.update(descales=(scores_.q_descale, scores_.k_descale, scores_.v_descale),
                      out_dtype=scores_.out_dtype)
-    return sm90_decode.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths, scale=scores_.scale,
-                               mask=scores_.mask, plan=plan, sinks=scores_.sinks, **options)
+    return sm90_decode.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths,
+                               score=scores_.score_function, mask=scores_.mask, plan=plan,
+                               sinks=scores_.sinks, **options)
 
   return Backend("sm90_decode", forward, _kernel_backend("sm90").backward)
 
@@ -240,11 +245,15 @@ def _features(module) -> frozenset[str]:
   return getattr(module, "FEATURES", frozenset())
 
 
+def _missing_features(module, call: CallInfo) -> frozenset[str]:
+  """The features the call's scores need that `module` does not offer."""
+  return call.kernel_features - _features(module)
+
+
 def _options(module, scores_: Scores):
   """The optional keyword arguments a kernel module takes, those that are set
   (so that a module without a feature is called as before)."""
-  options = dict(soft_cap=scores_.soft_cap, sinks=scores_.sinks,
-                 mods=scores_ if scores_.has_mods else None)
+  options = dict(sinks=scores_.sinks, mods=scores_ if scores_.has_mods else None)
   if scores_.has_fp8:
     options.update(descales=(scores_.q_descale, scores_.k_descale, scores_.v_descale),
                    out_dtype=scores_.out_dtype)
@@ -319,7 +328,7 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
     module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
   except ModuleNotFoundError:
     return f"implementation={name!r}: this build of fa4_jax has no {name} kernel"
-  if call.soft_cap is not None and "soft_cap" not in _features(module):
+  if "score_function" in _missing_features(module, call):
     return (f"implementation={name!r} does not support `logits_soft_cap` yet; use "
             "implementation=None (which falls back to the XLA path) or 'xla'")
   if call.v_head_dim is not None and ("value_head_dim" not in _features(module)

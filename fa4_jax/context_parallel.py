@@ -113,7 +113,7 @@ from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fa4_jax import backends, mod_functions, scores, sharding, vjp, xla_attention
-from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 from fa4_jax.validation import validate
 
 # ---------------------------------------------------------------------------
@@ -302,14 +302,14 @@ def context_parallel_attention(
       q_shape=(b // batch_shards, local, n // head_shards, h),
       k_shape=(b // batch_shards, local, kh // head_shards, h),
       dtype=q.dtype, spec=spec, has_bias=False, has_mask=False,
-      soft_cap=args.logits_soft_cap, has_segment_ids=args.query_segment_ids is not None,
+      kernel_features=args.scores.kernel_features(),
+      has_segment_ids=args.query_segment_ids is not None,
       score_mod=None if mods is None else mods.score_mod,
       mask_mod=None if mods is None else mods.mask_mod)
   ring = _Ring(axis_name=axis_name, size=p, causal=is_causal,
                matmul_precision=vjp.current_matmul_precision(),
-               load_balanced=load_balanced, scale=args.scale,
-               backend=backends.select(implementation, block_call),
-               soft_cap=args.logits_soft_cap, mods=mods)
+               load_balanced=load_balanced, score=args.scores.score_function,
+               backend=backends.select(implementation, block_call), mods=mods)
   plan = _Sharded(ring=ring, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
   mod_arrays = plan.laid_out_mods(mod_arrays)
   out, _ = _ring_core(
@@ -467,12 +467,13 @@ class _Ring:
   size: int  # P, devices in the ring
   causal: bool
   load_balanced: bool
-  scale: float
+  # The scale and the built-in modifications (soft-cap), which every backend
+  # call applies to its own logits.
+  score: ScoreFunction
   backend: object  # vjp.Backend
   # The matmul precision scope of the call, re-entered by the backward
   # (`vjp.CoreConfig.matmul_precision`).
   matmul_precision: str | None = None
-  soft_cap: float | None = None  # every backend call soft-caps its own logits
   mods: "_RingMods | None" = None  # score_mod / mask_mod / block mask, if any
 
   def chunks(self, device):
@@ -639,8 +640,7 @@ class _PairScores:
     they join the merged result once)."""
     ring = self.ring
     q_seg, kv_seg = _segment_parts(self.q_ids, block, call)
-    pair = Scores(mask=call.spec, scale=ring.scale, soft_cap=ring.soft_cap,
-                  q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    pair = ring.score.as_scores(mask=call.spec, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     mods = ring.mods
     if mods is None:
       return pair

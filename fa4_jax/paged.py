@@ -164,9 +164,9 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
   v = (k[..., :static.value_head_dim] if value_pages is None
        else gather_pages(value_pages, page_table))
   # Causal: query t sits at position length - T + t and sees keys up to it.
-  return attention(q, k, v, scale=static.scale, is_causal=static.is_causal,
+  return attention(q, k, v, scale=static.score.scale, is_causal=static.is_causal,
                    causal_alignment="bottom_right", key_value_seq_lengths=lengths,
-                   sinks=sinks, logits_soft_cap=static.soft_cap, implementation="xla",
+                   sinks=sinks, logits_soft_cap=static.score.cap, implementation="xla",
                    query_descale=query_descale, key_descale=key_descale,
                    value_descale=value_descale, output_dtype=static.output_dtype,
                    **(mods or {}))
@@ -185,18 +185,15 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, desca
   if key_pages.dtype in FP8_DTYPES:  # a 16-bit query on float8 pages
     fp8 = dict(descales=descales, out_dtype=static.output_dtype)
   if static.is_prefill(q.shape):
-    options = {} if static.soft_cap is None else dict(soft_cap=static.soft_cap)
-    if sinks is not None:
-      options["sinks"] = sinks
     q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
     out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
-                                  scale=static.scale, mask=static.kernel_mask(q.shape),
-                                  page_table=page_table, **options, **fp8)
+                                  score=static.score, mask=static.kernel_mask(q.shape),
+                                  sinks=sinks, page_table=page_table, **fp8)
     return out
   args = PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
-  out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, scale=static.scale,
+  out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, score=static.score,
                                mask=MaskSpec(), plan=paged_decode_plan(args), sinks=sinks,
-                               soft_cap=static.soft_cap, page_table=page_table, **fp8)
+                               page_table=page_table, **fp8)
   return out
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -674,6 +675,99 @@ def soft_cap_grad(capped, cap: float | None):
   return jnp.where(jnp.isfinite(capped), 1.0 - t * t, 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreFunction:
+  """How a kernel turns a raw Q K^T tile s into the logits t of its softmax
+  P = exp2(c t - m), and back for dS: the static piece of `Scores` a kernel
+  computes with (hashable, so it can be one of its statics). The built-in
+  score modifications (the soft-cap) live here alone; a kernel asks for the
+  constant c, the logits of a tile and their slope, and for what they
+  require of it (`needs_raw_scores`, `bounds_logits`), never for the cap.
+
+  `has_score_mod`: a user score_mod runs on the scaled scores
+  (`mod_tiles.TileMods.logits`), so the scale leaves c."""
+
+  scale: float = 1.0
+  cap: float | None = None  # logits -> cap * tanh(logits / cap)
+  has_score_mod: bool = False
+
+  def __post_init__(self):
+    # Python floats: the kernels' constants, whatever number type came in.
+    object.__setattr__(self, "scale", float(self.scale))
+    if self.cap is not None:
+      if (isinstance(self.cap, bool) or not isinstance(self.cap, numbers.Real)
+          or not self.cap > 0):
+        raise ValueError(f"the soft-cap must be a float > 0; got {self.cap!r}")
+      object.__setattr__(self, "cap", float(self.cap))
+
+  def with_score_mod(self, has_score_mod: bool) -> ScoreFunction:
+    """This function for a kernel call whose `mods` have (or lack) a score_mod."""
+    return dataclasses.replace(self, has_score_mod=has_score_mod)
+
+  def as_scores(self, **parts) -> Scores:
+    """A score value with this scale and these built-in modifications, and
+    `parts` (a score_mod among them is the caller's to add)."""
+    return Scores(scale=self.scale, soft_cap=self.cap, **parts)
+
+  @property
+  def exp2_constant(self) -> float:
+    """c in P = exp2(c t - m) (`softmax_scale`)."""
+    return softmax_scale(1.0 if self.has_score_mod else self.scale, self.cap)
+
+  @property
+  def modifies_logits(self) -> bool:
+    """Whether a built-in modification makes t more than the (scaled) s."""
+    return self.cap is not None
+
+  @property
+  def logits_are_raw_scores(self) -> bool:
+    """t = s, the scale all in c: a traced factor of the scale (float8
+    descales) may join c, at no multiply per score."""
+    return not self.has_score_mod and not self.modifies_logits
+
+  @property
+  def needs_raw_scores(self) -> bool:
+    """The logits need the raw S tile: a kernel cannot fold -lse2 / c into
+    it (the tanh of the soft-cap is not linear)."""
+    return self.cap is not None
+
+  def tuning_flags(self) -> dict:
+    """What of the score function keys a call's autotuned config (the cache
+    files' names of it, unchanged since the soft-cap was an argument)."""
+    return {"soft_cap": self.cap is not None}
+
+  def bounds_logits(self, dtype, num_keys: int) -> bool:
+    """Whether the logits are bounded so that a softmax over `num_keys` keys
+    with P in `dtype` may keep a fixed max (`fixed_max_is_exact`)."""
+    return fixed_max_is_exact(dtype, self.cap, num_keys)
+
+  def logits(self, s, scale=None):
+    """t of a raw tile `s` without a score_mod: s itself (the scale is in c)
+    or tanh(s * scale / cap). `scale`: a traced factor in place of the
+    static one (float8 descales)."""
+    return softmax_logits(s, self.scale if scale is None else scale, self.cap)
+
+  def modified_logits(self, x):
+    """t of a tile `x` already scaled and through the score_mod."""
+    return softmax_logits(x, 1.0, self.cap)
+
+  def slope(self, t):
+    """dt/dx of the built-in modifications at logits `t` (`logits`), or None
+    where it is 1."""
+    return None if self.cap is None else soft_cap_slope(t)
+
+  # The XLA path keeps logits in natural units (no exp2 constant folded in).
+  def modify(self, x):
+    """Scaled (and score_mod-modified) logits `x` through the built-in
+    modifications: cap * tanh(x / cap), or `x`."""
+    return soft_cap(x, self.cap)
+
+  def modify_grad(self, modified):
+    """d modify(x) / dx from the modified logits, 0 where they are masked
+    (-inf); 1 without a built-in modification."""
+    return soft_cap_grad(modified, self.cap)
+
+
 # Attention sinks (gpt-oss, StreamingLLM): per query head a logit `sink` of a
 # virtual key whose value is zero. It adds exp(sink) to every row's softmax
 # denominator and nothing to the output. With the sink in the log-sum-exp,
@@ -915,6 +1009,20 @@ class Scores:
     return self.out_dtype is not None
 
   @property
+  def score_function(self) -> ScoreFunction:
+    """What a kernel needs of how a raw score becomes a logit."""
+    return ScoreFunction(self.scale, self.soft_cap, self.score_mod is not None)
+
+  def kernel_features(self) -> frozenset[str]:
+    """The optional features (`fa4_jax.kernels`' `FEATURES`) a kernel must
+    have to serve this call's score modifications: "score_function" for
+    modified logits, "mods" for a score_mod or mask_mod. (Sinks it need
+    not: the backends add them after a kernel without them.)"""
+    return frozenset(name for name, needed in (
+        ("score_function", self.score_function.modifies_logits),
+        ("mods", self.has_mods)) if needed)
+
+  @property
   def segment_pair(self):
     """The kernels' `segment_ids` argument: both arrays or None."""
     return None if self.q_segment_ids is None else (self.q_segment_ids, self.kv_segment_ids)
@@ -938,7 +1046,7 @@ class Scores:
       from fa4_jax import mod_functions
       b, h = self.global_indices(batch_idx, head_idx)
       s = mod_functions.evaluate(self.score_mod, self.score_captured, s, b, h, q_idx, kv_idx)
-    return soft_cap(s, self.soft_cap)
+    return self.score_function.modify(s)
 
   def mod_keeps(self, batch_idx, head_idx, q_idx, kv_idx):
     """`mask_mod` on broadcasting indices (True without one)."""

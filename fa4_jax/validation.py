@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import mod_functions
-from fa4_jax.scores import FP8_DTYPES, BlockMask, MaskSpec, Scores, cdiv
+from fa4_jax.scores import FP8_DTYPES, BlockMask, MaskSpec, ScoreFunction, Scores, cdiv
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 # What a call with float8 operands may return (bfloat16 unless `output_dtype`).
@@ -444,9 +444,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
 class PagedStatic:
   """A `paged_attention` call's compile-time constants."""
 
-  scale: float
+  score: ScoreFunction  # the scale and the soft-cap
   is_causal: bool
-  soft_cap: float | None
   output_dtype: object = None  # float8 pages: the output's dtype (validation)
   value_head_dim: int | None = None  # `value_pages=None`: the values are the keys' first ones
 
@@ -512,9 +511,10 @@ def validate_paged(query, key_pages, value_pages, page_table, lengths, *, scale,
       raise ValueError(
           f"`key_value_seq_lengths` values must lie in [0, {capacity}] (max_pages * "
           f"page_size); got min {values.min()}, max {values.max()}")
-  static = PagedStatic(scale=check_scale(scale, query.shape[-1]), is_causal=bool(is_causal),
-                   soft_cap=check_soft_cap(logits_soft_cap), value_head_dim=value_head_dim,
-                   output_dtype=check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
+  static = PagedStatic(score=ScoreFunction(check_scale(scale, query.shape[-1]),
+                                           check_soft_cap(logits_soft_cap)),
+                       is_causal=bool(is_causal), value_head_dim=value_head_dim,
+                       output_dtype=check_output_dtype(output_dtype, query.dtype, key_pages.dtype))
   heads, kv_heads = query.shape[2], key_pages.shape[2]
   descales = tuple(
       check_descale(x, f"{name}_descale", operand, dtype, n, heads_name)

@@ -97,8 +97,9 @@ class _Problem:
     return self.scores.scale
 
   @property
-  def soft_cap(self) -> Optional[float]:
-    return self.scores.soft_cap
+  def score_function(self) -> scores.ScoreFunction:
+    """The built-in modifications of the logits (`modify`, `modify_grad`)."""
+    return self.scores.score_function
 
   def widened(self, x):
     """A block of q, k or v as the matmuls take it: float8 widened (exactly)
@@ -205,7 +206,7 @@ class _Problem:
     differentiate in them)."""
     scores_ = self.scores
     if scores_.score_mod is None:
-      return scores.soft_cap(s, self.soft_cap)
+      return self.score_function.modify(s)
     if score_captured is not None:
       scores_ = scores_.replace(score_captured=tuple(score_captured))
     return scores_.modified(s, *self._mod_indices(qb, kb))
@@ -460,7 +461,7 @@ def tangent_sums(q, k, v, bias, mask, scores_: Scores, lse, dq, dk, dv, dbias, d
       s0 = p.scaled_logits(q_blk, k_blk, qb, kb)
       if p.scores.score_mod is None:
         s = p.masked(p.modified(s0, qb, kb), qb, kb)
-        ds = ds * scores.soft_cap_grad(s, p.soft_cap)
+        ds = ds * p.score_function.modify_grad(s)
       else:  # through score_mod (in the logits and its captured arrays) and the soft-cap
         floats = [c for c, ok in zip(captured, differentiable) if ok]
         float_ts = [t for t, ok in zip(dcaptured, differentiable) if ok]
@@ -553,8 +554,8 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
       s = p.logits(q_blk, k_blk, qb, kb)
       probs = jnp.exp(s - stats(lse_safe, qb))  # masked: exp(-inf) = 0
       ds = probs * (dp_of() - stats(delta, qb))
-      if p.soft_cap is not None:
-        ds = ds * scores.soft_cap_grad(s, p.soft_cap)  # through cap * tanh(. / cap)
+      if p.score_function.modifies_logits:
+        ds = ds * p.score_function.modify_grad(s)  # through cap * tanh(. / cap)
       return probs, ds, None
 
     def modified(s_, *floats):

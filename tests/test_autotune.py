@@ -14,7 +14,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax.kernels import autotune, device_tables, sm90_backward, sm90_decode, sm90_forward
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 
 KIND = "Test GPU"  # a device kind no table names
 CAUSAL = MaskSpec(right=0)
@@ -51,8 +51,8 @@ def forward_config(q_shape=(2, 8192, 4, 128), k_shape=(2, 8192, 4, 128), mask=Ma
   default = sm90_forward.choose_config(q_shape[-1], mask, k_shape[1], q_shape[1])
   return default, autotune.sm90_forward_config(
       default, q_shape=q_shape, k_shape=k_shape, dtype=jnp.bfloat16,
-      mask=mask, scale=0.1, has_q_lengths=False, has_kv_lengths=False, has_sinks=False,
-      soft_cap=soft_cap, tunable=True)
+      mask=mask, score=ScoreFunction(0.1, soft_cap),
+      has_q_lengths=False, has_kv_lengths=False, has_sinks=False, tunable=True)
 
 
 def prefer_persistent(config):
@@ -176,8 +176,8 @@ def test_under_jit_the_candidates_run_on_concrete_arrays():
     default = sm90_forward.choose_config(128, MaskSpec())
     config = autotune.sm90_forward_config(
         default, q_shape=q.shape, k_shape=q.shape, dtype=q.dtype,
-        mask=MaskSpec(), scale=0.1, has_q_lengths=False, has_kv_lengths=False,
-        has_sinks=False, soft_cap=None, tunable=True)
+        mask=MaskSpec(), score=ScoreFunction(0.1, None), has_q_lengths=False, has_kv_lengths=False,
+        has_sinks=False, tunable=True)
     return q * config.persistent
 
   with fa4_jax.autotune(timer=reads_its_arguments, device_kind=KIND):
@@ -189,7 +189,7 @@ def test_under_jit_the_candidates_run_on_concrete_arrays():
 def backward_config(default):
   return autotune.sm90_backward_config(
       default, q_shape=(2, 1024, 4, 128), k_shape=(2, 1024, 4, 128), dtype=jnp.bfloat16,
-      mask=CAUSAL, scale=0.1, has_q_lengths=False, has_kv_lengths=False, soft_cap=None,
+      mask=CAUSAL, score=ScoreFunction(0.1, None), has_q_lengths=False, has_kv_lengths=False,
       tunable=True)
 
 
@@ -200,7 +200,7 @@ def test_backward_candidates_are_the_heuristics_configs_for_the_head_dim_and_mas
     chosen = backward_config(default)
   assert not default.dkv.fold_stats and chosen.dkv.fold_stats  # the GQA rule's choice
   assert chosen == sm90_backward.choose_config(128, CAUSAL, 4)
-  assert set(timer.timed) <= {sm90_backward.choose_config(128, CAUSAL, g, soft_cap=c)
+  assert set(timer.timed) <= {sm90_backward.choose_config(128, CAUSAL, g, raw_scores=c)
                               for g in (1, 4) for c in (False, True)}
 
 

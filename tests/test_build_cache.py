@@ -17,7 +17,7 @@ import pytest
 import fa4_jax
 from fa4_jax import backends, interpret
 from fa4_jax.kernels import build_cache, sm90_forward
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 
 B, S, H, D = 1, 256, 2, 64
 _DUMP_NAME = re.compile(r'mosaic_gpu.dump_basename = "[^"]*"')
@@ -80,7 +80,8 @@ def test_the_cached_kernel_is_the_kernel_built_without_the_cache(on_hopper, cros
 
 def test_one_callable_per_configuration_but_none_kept_for_the_interpreter():
   static = dict(batch=B, q_seq=S, kv_seq=S, kv_valid=S, num_q_heads=H, num_kv_heads=H,
-                head_dim=D, dtype=jnp.dtype(jnp.bfloat16), scale=0.125, mask=MaskSpec(),
+                head_dim=D, dtype=jnp.dtype(jnp.bfloat16), score=ScoreFunction(0.125),
+                mask=MaskSpec(),
                 config=sm90_forward.choose_config(D, MaskSpec(), S), has_q_lengths=False,
                 has_kv_lengths=False)
   assert sm90_forward._build_kernel(**static) is sm90_forward._build_kernel(**static)

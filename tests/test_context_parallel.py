@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
 from fa4_jax import context_parallel, interpret
+from fa4_jax.scores import ScoreFunction
 from reference import einsum_attention, visible_mask
 
 
@@ -95,7 +96,8 @@ def test_ring_attention_equals_unsharded_attention(host_devices, devices, is_cau
 def test_ring_plans_cover_each_visible_pair_once(devices, is_causal, load_balanced):
   chunk = 3  # positions per chunk; 2 chunks per device
   ring = context_parallel._Ring(axis_name="seq", size=devices, causal=is_causal,
-                                load_balanced=load_balanced, scale=1.0, backend=None)
+                                load_balanced=load_balanced, score=ScoreFunction(1.0),
+                                backend=None)
   t = 2 * devices * chunk
 
   def positions(device, which):

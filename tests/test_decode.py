@@ -30,7 +30,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax.kernels import sm90_decode
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 from reference import einsum_attention
 
 
@@ -203,8 +203,8 @@ def test_a_persistent_grid_of_two_ctas_walks_every_items_rows_without_races(run_
   plan = sm90_decode.DecodePlan(1, config)
   kv_len = (300, 0, 512)
   out, lse = run_interpreted(lambda q, k, v: sm90_decode.forward(
-      q, k, v, None, jnp.asarray(kv_len, jnp.int32), scale=d ** -0.5, mask=MaskSpec(),
-      plan=plan), q, k, v)
+      q, k, v, None, jnp.asarray(kv_len, jnp.int32), score=ScoreFunction(d ** -0.5),
+      mask=MaskSpec(), plan=plan), q, k, v)
   visible = (np.arange(s)[None, None, None, :] < np.asarray(kv_len)[:, None, None, None])
   want, want_lse = einsum_attention(q, k, v, visible)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
@@ -234,8 +234,8 @@ def _ops_on_query_before_the_kernel(q_shape, kv_heads, splits):
   q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, 1024, kv_heads, d), jnp.bfloat16)
   jaxpr = jax.make_jaxpr(lambda q, k, v: sm90_decode.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=sm90_decode.DecodePlan(splits)))(
-          q, kv, kv).jaxpr
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=MaskSpec(),
+      plan=sm90_decode.DecodePlan(splits)))(q, kv, kv).jaxpr
   # The kernel is the first operation that takes both the query and the keys.
   from_q, from_k, ops = {jaxpr.invars[0]}, {jaxpr.invars[1]}, []
   for eqn in jaxpr.eqns:
@@ -257,8 +257,8 @@ def _ops_on_out_after_the_kernel(q_shape, kv_heads, splits):
   q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, 1024, kv_heads, d), jnp.bfloat16)
   jaxpr = jax.make_jaxpr(lambda q, k, v: sm90_decode.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), plan=sm90_decode.DecodePlan(splits))[0])(
-          q, kv, kv).jaxpr
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=MaskSpec(),
+      plan=sm90_decode.DecodePlan(splits))[0])(q, kv, kv).jaxpr
   # The kernel's call is the first operation that takes both the query and the keys.
   from_q, from_k = {jaxpr.invars[0]}, {jaxpr.invars[1]}
   for kernel, eqn in enumerate(jaxpr.eqns):
@@ -320,12 +320,13 @@ def test_one_token_decode_kernels_lower_for_hopper_with_q_read_in_place(
     pages = jax.ShapeDtypeStruct((b * s // 16, 16, kv_heads, d), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((b, s // 16), jnp.int32)
     lowered = cross_lower(lambda q, k, v, t, n: sm90_decode.forward(
-        q, k, v, None, n, scale=0.1, mask=MaskSpec(), plan=plan, page_table=t)[0],
+        q, k, v, None, n, score=ScoreFunction(0.1), mask=MaskSpec(), plan=plan, page_table=t)[0],
                           q, pages, pages, table, lengths)
   else:
     kv = jax.ShapeDtypeStruct((b, s, kv_heads, d), jnp.bfloat16)
     lowered = cross_lower(lambda q, k, v, n: sm90_decode.forward(
-        q, k, v, None, n, scale=0.1, mask=MaskSpec(), plan=plan)[0], q, kv, kv, lengths)
+        q, k, v, None, n, score=ScoreFunction(0.1), mask=MaskSpec(), plan=plan)[0],
+                          q, kv, kv, lengths)
   assert len(lowered.modules) == 1
   assert lowered.max_smem_bytes <= sm90_forward.SMEM_LIMIT_BYTES
   for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):

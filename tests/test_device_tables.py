@@ -21,7 +21,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax.kernels import device_tables, sm90_decode
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 from reference import einsum_attention
 
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
@@ -126,7 +126,7 @@ def test_the_one_consumer_config_matches_an_f32_einsum(run_interpreted, shape, s
   assert config is not None and config.num_consumers == 1
   plan = sm90_decode.DecodePlan(splits, config)
   out, lse = run_interpreted(lambda q, k, v: sm90_decode.forward(
-      q, k, v, None, None, scale=d ** -0.5, mask=MaskSpec(), plan=plan), q, k, v)
+      q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=MaskSpec(), plan=plan), q, k, v)
   visible = np.ones((1, 1, 1, s), bool)
   want, want_lse = einsum_attention(q, k, v, visible)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)

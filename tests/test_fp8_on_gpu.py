@@ -16,6 +16,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax import backends
+from fa4_jax.scores import ScoreFunction
 from test_sm90_fp8 import E4M3, E5M2, assert_close_to_p_rounding, dequantized_reference, fp8_inputs
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
@@ -56,7 +57,7 @@ def test_fp8_p_in_registers_at_scale(causal):
   config = dataclasses.replace(sm90_forward.choose_config(128, mask, 2050, 2050),
                                fp8_p_in_registers=True)
   got, _ = sm90_forward.forward(
-      q8, k8, v8, None, None, scale=128 ** -0.5, mask=mask, config=config,
+      q8, k8, v8, None, None, score=ScoreFunction(128 ** -0.5), mask=mask, config=config,
       descales=tuple(descales[x] for x in ("query_descale", "key_descale", "value_descale")))
   want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
   assert_close_to_p_rounding(got, want, v)

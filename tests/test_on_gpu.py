@@ -13,7 +13,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax import backends, xla_attention
-from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 from reference import relative_error
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
@@ -70,7 +70,7 @@ def test_sm90_forward_matches_the_xla_path_including_lse(case):
   b, tq, tk, nq, nkv, d, spec, _ = case
   q, k, v = inputs(b, tq, tk, nq, nkv, d)
   ql, kl = sequence_lengths(case)
-  out, lse = sm90_forward.forward(q, k, v, ql, kl, scale=d**-0.5, mask=spec)
+  out, lse = sm90_forward.forward(q, k, v, ql, kl, score=ScoreFunction(d**-0.5), mask=spec)
   f32 = lambda x: x.astype(jnp.float32)
   ref_out, ref_lse = xla_attention.forward(
       f32(q), f32(k), f32(v), None, None,
@@ -116,7 +116,8 @@ def test_conditional_rescale_is_bit_identical_to_always_rescaling(d, causal):
   outs = []
   for conditional in (False, True):
     config = dataclasses.replace(base, conditional_rescale=conditional)
-    outs.append(sm90_forward.forward(q, k, v, None, None, scale=0.5, mask=spec, config=config))
+    outs.append(sm90_forward.forward(q, k, v, None, None, score=ScoreFunction(0.5), mask=spec,
+                                     config=config))
   np.testing.assert_array_equal(np.asarray(outs[0][0]), np.asarray(outs[1][0]))
   np.testing.assert_array_equal(np.asarray(outs[0][1]), np.asarray(outs[1][1]))
   f32 = lambda x: x.astype(jnp.float32)
@@ -151,7 +152,8 @@ def test_overlapped_kernels_give_the_gradients_of_serial_ones_bit_for_bit(case):
     # The sums run right after the kernels, in the same program: they read
     # the gradients the moment the last kernel is done.
     fn = jax.jit(lambda *a: [(g, jnp.sum(g.astype(jnp.float32))) for g in
-                             sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
+                             sm90_backward.backward(*a, ql, kl, score=ScoreFunction(d**-0.5),
+                                                    mask=spec,
                                                     config=config)])
     return fn(*args)
 
@@ -185,7 +187,8 @@ def test_register_operands_give_the_gradients_of_smem_operands_bit_for_bit(case)
       dq=dataclasses.replace(in_registers.dq, operands_in_registers=False))
 
   def run(config):
-    return jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, scale=d**-0.5, mask=spec,
+    return jax.jit(lambda *a: sm90_backward.backward(*a, ql, kl, score=ScoreFunction(d**-0.5),
+                                                     mask=spec,
                                                      config=config))(*args)
 
   for name, got, want in zip(("dq", "dk", "dv"), run(in_registers), run(in_smem)):

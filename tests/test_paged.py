@@ -37,6 +37,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax.kernels import sm90_decode
+from fa4_jax.scores import ScoreFunction
 from reference import einsum_attention
 
 
@@ -249,11 +250,11 @@ def test_paged_kernel_lowers_for_hopper_with_one_tma_per_page_in_the_unpaged_sme
   table = jax.ShapeDtypeStruct((b, pages), jnp.int32)
   lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
   paged = cross_lower(lambda q, k, v, t, n: sm90_forward.forward(
-      q, k, v, None, n, scale=0.1, mask=MaskSpec(), page_table=t), q, cache, cache, table,
-                      lengths)
+      q, k, v, None, n, score=ScoreFunction(0.1), mask=MaskSpec(), page_table=t),
+                      q, cache, cache, table, lengths)
   dense_kv = jax.ShapeDtypeStruct((b, pages * page_size, kv_heads, head_dim), jnp.bfloat16)
   dense = cross_lower(lambda q, k, v, n: sm90_forward.forward(
-      q, k, v, None, n, scale=0.1, mask=MaskSpec()), q, dense_kv, dense_kv, lengths)
+      q, k, v, None, n, score=ScoreFunction(0.1), mask=MaskSpec()), q, dense_kv, dense_kv, lengths)
   assert paged.smem_bytes == dense.smem_bytes
   assert paged.max_smem_bytes <= sm90_forward.SMEM_LIMIT_BYTES
   for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity"):

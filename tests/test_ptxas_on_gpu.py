@@ -38,7 +38,7 @@ _COMPILE_HEURISTIC_KERNELS = r"""
 import dataclasses, os, sys
 import jax, jax.numpy as jnp
 from fa4_jax.kernels import sm90_backward, sm90_forward
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 
 # Each item builds its inputs when it runs: a child runs a quarter of them.
 # `segments`: with segment ids (packed sequences), whose element mask adds
@@ -50,8 +50,9 @@ def ids(segments):
 def forward(d, mask, config, segments=False, capped=False):
   def call():
     q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
-    options = dict(sinks=jnp.zeros((2,), jnp.float32), soft_cap=30.0) if capped else {}
-    return sm90_forward.forward(q, q, q, None, None, scale=0.1, mask=mask, config=config,
+    options = dict(sinks=jnp.zeros((2,), jnp.float32)) if capped else {}
+    score = ScoreFunction(0.1, 30.0 if capped else None)
+    return sm90_forward.forward(q, q, q, None, None, score=score, mask=mask, config=config,
                                 segment_ids=ids(segments), **options)[0]
   return call
 
@@ -60,9 +61,9 @@ def backward(d, mask, group, config, segments=False, capped=False):
     q = jnp.ones((1, 1024, 2 * group, d), jnp.bfloat16)
     kv = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
     lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
-    options = dict(soft_cap=30.0) if capped else {}
-    return sm90_backward.backward(q, kv, kv, q, lse, q, None, None, scale=0.1, mask=mask,
-                                  config=config, segment_ids=ids(segments), **options)
+    score = ScoreFunction(0.1, 30.0 if capped else None)
+    return sm90_backward.backward(q, kv, kv, q, lse, q, None, None, score=score, mask=mask,
+                                  config=config, segment_ids=ids(segments))
   return call
 
 causal = MaskSpec(right=0)
@@ -90,7 +91,7 @@ for d in (64, 128, 192, 256):
                        backward(d, mask, group, config))
       items.setdefault(f"backward d={d} {mask} group={group > 1} {config} segment ids",
                        backward(d, mask, group, config, segments=True))
-      capped = sm90_backward.choose_config(d, mask, group, soft_cap=True)
+      capped = sm90_backward.choose_config(d, mask, group, raw_scores=True)
       items.setdefault(f"backward d={d} {mask} group={group > 1} {capped} soft-cap",
                        backward(d, mask, group, capped, capped=True))
       # Packed causal rows (head dim 64): the dK/dV kernel takes a work queue.

@@ -135,14 +135,15 @@ def test_gradients_at_4k_tokens_match_f32_jax_nn_with_the_explicit_mask(name, is
 @pytest.mark.parametrize("n, kv_heads, d", [(16, 16, 128), (32, 8, 128), (32, 32, 64)])
 def test_the_dk_dv_work_queue_gives_the_gradients_of_one_cta_per_key_tile(n, kv_heads, d):
   from fa4_jax.kernels import sm90_backward, sm90_forward
-  from fa4_jax.scores import MaskSpec
+  from fa4_jax.scores import MaskSpec, ScoreFunction
 
   b, t = 2, 16384
   q, k, v, dout = _inputs(4, b, t, n, kv_heads, d)
   ids = jnp.asarray(_packing(np.random.default_rng(5), b, t, 1024))
   mask = MaskSpec(right=0)
   out, lse = jax.jit(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=d ** -0.5, mask=mask, segment_ids=(ids, ids)))(q, k, v)
+      q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask,
+      segment_ids=(ids, ids)))(q, k, v)
   # (The heuristic takes the queue at head dim 64 only; it must be right at 128 too.)
   config = sm90_backward.choose_config(d, mask, n // kv_heads, segment_ids=True)
   queued = dataclasses.replace(config, dkv=dataclasses.replace(config.dkv, work_queue=True))
@@ -150,7 +151,7 @@ def test_the_dk_dv_work_queue_gives_the_gradients_of_one_cta_per_key_tile(n, kv_
 
   def grads(config):
     return jax.jit(lambda *args: sm90_backward.backward(
-        *args, None, None, scale=d ** -0.5, mask=mask, config=config,
+        *args, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
         segment_ids=(ids, ids)))(q, k, v, out, lse, dout)
 
   got, want = grads(queued), grads(per_tile)

@@ -204,7 +204,8 @@ def test_the_sm90_forward_takes_sinks_and_soft_cap_in_the_kernel(run_interpreted
 
 
 def test_a_kernel_without_soft_cap_leaves_it_to_the_xla_path(monkeypatch):
-  """A kernel module that does not list "soft_cap" in its FEATURES is not
+  """A kernel module that does not list "score_function" in its FEATURES
+  (it would not form its logits through the call's score function) is not
   picked for a soft-capped call, and asking for it by name says why."""
   from fa4_jax.kernels import sm90_forward
 

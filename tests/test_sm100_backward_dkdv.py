@@ -23,7 +23,7 @@ import reference
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dkdv as dkdv
 from fa4_jax.kernels.backward_inputs import preprocess
-from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv
 
 # bf16 inputs; P^T and dS^T are rounded to 16 bits before their MMAs (as in
 # every FlashAttention backward): gradients of size ~1 agree to ~1e-2.
@@ -96,10 +96,11 @@ def _kernel_dk_dv(case: DkvCase, q, k, v, do, out, lse, scale):
     operands += dkdv.dkv_segment_operands(*case.segment_ids(), tiles, kv_pad)
   kernel = dkdv.build_dkv_kernel(
       batch=b, q_seq=q_pad, kv_seq=kv_pad, kv_valid=s, num_q_heads=n, num_kv_heads=nkv,
-      head_dim=d, dtype=jnp.dtype(case.dtype), scale=scale, mask=case.mask,
+      head_dim=d, dtype=jnp.dtype(case.dtype), score=ScoreFunction(scale, case.soft_cap),
+      mask=case.mask,
       block_kv=tiles.block_kv, block_q=tiles.block_q, num_stages=tiles.num_stages,
       has_q_lengths=ql is not None, has_kv_lengths=kl is not None,
-      has_segments=case.segment_ids() is not None, soft_cap=case.soft_cap)
+      has_segments=case.segment_ids() is not None)
   dk, dv = kernel(*operands)
   return dk[:, :s], dv[:, :s]
 
@@ -247,10 +248,11 @@ def test_every_tiling_lowers_for_sm100_with_tcgen05_and_fits_smem(head_dim, mask
   b, t, s, n, nkv = 2, 304, 1032, 4, 2
   kernel = dkdv.build_dkv_kernel(
       batch=b, q_seq=t, kv_seq=s, kv_valid=1030, num_q_heads=n, num_kv_heads=nkv,
-      head_dim=head_dim, dtype=jnp.dtype(jnp.bfloat16), scale=0.1, mask=options["mask"],
+      head_dim=head_dim, dtype=jnp.dtype(jnp.bfloat16),
+      score=ScoreFunction(0.1, options.get("soft_cap")), mask=options["mask"],
       block_kv=tiles.block_kv, block_q=tiles.block_q, num_stages=tiles.num_stages,
       has_q_lengths=options.get("lengths", False), has_kv_lengths=options.get("lengths", False),
-      has_segments=options.get("segments", False), soft_cap=options.get("soft_cap"))
+      has_segments=options.get("segments", False))
   spec = jax.ShapeDtypeStruct
   stats = spec((b, n, cdiv(t, 128) * 128), jnp.float32)
   specs = [spec((b, t, n, head_dim), jnp.bfloat16), spec((b, s, nkv, head_dim), jnp.bfloat16),

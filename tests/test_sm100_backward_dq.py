@@ -28,7 +28,7 @@ import pytest
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_backward_dq as dq_kernel
 from fa4_jax.kernels.backward_inputs import preprocess
-from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv
 from fa4_jax.scores import read_tile_ranges as _read_tile_ranges
 from fa4_jax.testing import SMEM_LIMIT_BYTES, TMEM_COLUMNS
 import barrier_tables
@@ -87,9 +87,10 @@ def _kernel_dq(case: Case, q, k, v, dout, out, lse, scale, run, runs: int = 1):
     segments = dq_kernel.dq_segment_operands(*case.segment_ids(), tiles, q_pad)
   kernel = lambda: dq_kernel.build_dq_kernel(
       batch=b, q_seq=q_pad, kv_seq=kv_pad, kv_valid=tk, num_q_heads=nq, num_kv_heads=nkv,
-      head_dim=d, dtype=q.dtype, scale=scale, mask=case.mask, block_kv=tiles.block_kv,
+      head_dim=d, dtype=q.dtype, score=ScoreFunction(scale, case.soft_cap),
+      mask=case.mask, block_kv=tiles.block_kv,
       block_q=tiles.block_q, num_stages=tiles.num_stages, has_q_lengths=q_len is not None,
-      has_kv_lengths=kv_len is not None, has_segments=bool(segments), soft_cap=case.soft_cap)
+      has_kv_lengths=kv_len is not None, has_segments=bool(segments))
   args = (pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), pad(dout, q_pad), lse2, delta,
           *lengths, *segments)
   results = run(lambda *a: [kernel()(*a) for _ in range(runs)], *args)
@@ -261,9 +262,10 @@ def _lower(cross_lower, head_dim, *, mask=MaskSpec(), lengths=False, segments=Fa
               jax.ShapeDtypeStruct((b, num_ctas, 4), jnp.int32)]
   kernel = dq_kernel.build_dq_kernel(
       batch=b, q_seq=tq, kv_seq=tk, kv_valid=tk, num_q_heads=nq, num_kv_heads=nkv,
-      head_dim=head_dim, dtype=jnp.bfloat16, scale=0.1, mask=mask, block_kv=tiles.block_kv,
+      head_dim=head_dim, dtype=jnp.bfloat16, score=ScoreFunction(0.1, soft_cap),
+      mask=mask, block_kv=tiles.block_kv,
       block_q=tiles.block_q, num_stages=tiles.num_stages, has_q_lengths=lengths,
-      has_kv_lengths=lengths, has_segments=segments, soft_cap=soft_cap)
+      has_kv_lengths=lengths, has_segments=segments)
   return tiles, cross_lower(kernel, q, kv, kv, q, stats, stats, *extra, arch="sm_100")
 
 
@@ -317,8 +319,8 @@ def test_mma_issue_counts_are_the_cost_model(cross_lower):
 def test_stats_must_cover_whole_tiles():
   kernel = dq_kernel.build_dq_kernel(
       batch=1, q_seq=136, kv_seq=128, kv_valid=128, num_q_heads=1, num_kv_heads=1, head_dim=64,
-      dtype=jnp.bfloat16, scale=0.1, mask=MaskSpec(), block_kv=64, block_q=128, num_stages=3,
-      has_q_lengths=False, has_kv_lengths=False)
+      dtype=jnp.bfloat16, score=ScoreFunction(0.1), mask=MaskSpec(), block_kv=64, block_q=128,
+      num_stages=3, has_q_lengths=False, has_kv_lengths=False)
   q = jnp.zeros((1, 136, 1, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
   short = jnp.zeros((1, 1, 136), jnp.float32)

@@ -31,7 +31,7 @@ import reference
 from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm100_forward, sm100_tiles
-from fa4_jax.scores import MaskSpec, TileRanges
+from fa4_jax.scores import MaskSpec, ScoreFunction, TileRanges
 
 BF16_ATOL = 2e-2
 LSE_ATOL = 1e-3
@@ -105,7 +105,8 @@ def test_interpreted_kernel_matches_xla_without_races(name, run_interpreted):
   ql = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
   kl = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
   out, lse = run_interpreted(
-      lambda q, k, v: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=mask), q, k, v)
+      lambda q, k, v: sm100_forward.forward(q, k, v, ql, kl, score=ScoreFunction(scale), mask=mask),
+      q, k, v)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert lse.shape == (b, n, t) and lse.dtype == jnp.float32
   _check_against_xla(q, k, v, out, lse, causal=causal, window=window,
@@ -119,7 +120,8 @@ def test_growing_logits_take_the_rescale_path(run_interpreted):
   q, k, v = _inputs(1, 256, 512, 1, 1, 64, jnp.bfloat16, seed=3, key_growth=14.0)
   scale = 0.5
   out, lse = run_interpreted(
-      lambda q, k, v: sm100_forward.forward(q, k, v, None, None, scale=scale, mask=MaskSpec()), q, k, v)
+      lambda q, k, v: sm100_forward.forward(q, k, v, None, None, score=ScoreFunction(scale),
+                                            mask=MaskSpec()), q, k, v)
   _check_against_xla(q, k, v, out, lse, causal=False, window=None,
                      q_lengths=None, kv_lengths=None, scale=scale)
 
@@ -178,7 +180,8 @@ def _run_segment_case(case: SegmentCase, run_interpreted):
   scale = 1.0 / np.sqrt(case.head_dim)
   ql, kl = case.lengths()
   out, lse = run_interpreted(
-      lambda q, k, v, ids: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=case.mask,
+      lambda q, k, v, ids: sm100_forward.forward(q, k, v, ql, kl, score=ScoreFunction(scale),
+                                                 mask=case.mask,
                                                  segment_ids=ids),
       q, k, v, case.segment_ids())
   return (q, k, v), out, lse, scale
@@ -238,7 +241,8 @@ def test_segment_ids_of_the_wrong_shape_are_rejected():
   q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
   ids = jnp.zeros((1, 100), jnp.int32)
   with pytest.raises(KernelUnsupported, match="segment ids"):
-    sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(), segment_ids=(ids, ids))
+    sm100_forward.forward(q, q, q, None, None, score=ScoreFunction(0.1), mask=MaskSpec(),
+                          segment_ids=(ids, ids))
 
 
 @pytest.mark.parametrize("head_dim, causal, window", [
@@ -254,7 +258,8 @@ def test_cross_lowers_for_sm100_with_segment_ids(head_dim, causal, window, cross
   kv_ids = jax.ShapeDtypeStruct((2, 1030), jnp.int32)
   mask = MaskSpec.from_arguments(causal, window)
   lowered = cross_lower(
-      lambda q, k, v, a, b, x, y: sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask,
+      lambda q, k, v, a, b, x, y: sm100_forward.forward(q, k, v, a, b, score=ScoreFunction(0.1),
+                                                        mask=mask,
                                                         segment_ids=(x, y)),
       q_spec, kv_spec, kv_spec, lengths, lengths, q_ids, kv_ids, arch="sm_100")
   assert len(lowered.modules) == 1
@@ -345,11 +350,12 @@ def _check_option_case(case: OptionCase, run_interpreted):
   q, k, v = (x.astype(case.dtype) for x in (q * case.logit_scale, k, v))
   scale = 1.0 / np.sqrt(case.head_dim)
   ql, kl = case.lengths()
-  options = dict(soft_cap=case.soft_cap)
+  options = {}
   if case.sinks is not None:
     options["sinks"] = jnp.asarray(case.sinks, jnp.float32)
+  score = ScoreFunction(scale, case.soft_cap)
   out, lse = run_interpreted(
-      lambda q, k, v, opts: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=case.mask,
+      lambda q, k, v, opts: sm100_forward.forward(q, k, v, ql, kl, score=score, mask=case.mask,
                                                   **opts),
       q, k, v, options)
   expected, expected_lse = _expected_with_options(case, q, k, v, scale)
@@ -375,8 +381,9 @@ def test_cross_lowers_for_sm100_with_sinks_and_soft_cap(head_dim, cross_lower):
   sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
   mask = MaskSpec.from_arguments(True, None)
   lowered = cross_lower(
-      lambda q, k, v, a, b, s: sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask,
-                                                     sinks=s, soft_cap=30.0),
+      lambda q, k, v, a, b, s: sm100_forward.forward(q, k, v, a, b, score=ScoreFunction(0.1, 30.0),
+                                                     mask=mask,
+                                                     sinks=s),
       q_spec, kv_spec, kv_spec, lengths, lengths, sinks, arch="sm_100")
   assert len(lowered.modules) == 1
   for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st"):
@@ -386,15 +393,14 @@ def test_cross_lowers_for_sm100_with_sinks_and_soft_cap(head_dim, cross_lower):
   assert 0 < lowered.max_smem_bytes <= sm100_tiles.SMEM_BYTES
 
 
-@pytest.mark.parametrize("options, match", [
-    (dict(sinks=jnp.zeros((3,), jnp.float32)), r"sinks must be \[query heads\] = \(2,\)"),
-    (dict(soft_cap=0.0), "soft_cap must be a float > 0"),
-    (dict(soft_cap=-1.0), "soft_cap must be a float > 0"),
-])
-def test_bad_sinks_and_soft_caps_are_rejected(options, match):
+def test_bad_sinks_and_soft_caps_are_rejected():
   q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-  with pytest.raises(KernelUnsupported, match=match):
-    sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(), **options)
+  with pytest.raises(KernelUnsupported, match=r"sinks must be \[query heads\] = \(2,\)"):
+    sm100_forward.forward(q, q, q, None, None, score=ScoreFunction(0.1), mask=MaskSpec(),
+                          sinks=jnp.zeros((3,), jnp.float32))
+  for cap in (0.0, -1.0):  # the score function a kernel takes cannot hold them
+    with pytest.raises(ValueError, match="soft-cap must be a float > 0"):
+      ScoreFunction(0.1, cap)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -439,7 +445,8 @@ def test_cross_lowers_for_sm100_with_tcgen05_and_tmem(head_dim, causal, tq, tk, 
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   mask = MaskSpec.from_arguments(causal, None)
   lowered = cross_lower(
-      lambda q, k, v, a, b: sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask),
+      lambda q, k, v, a, b: sm100_forward.forward(q, k, v, a, b, score=ScoreFunction(0.1),
+                                                  mask=mask),
       q_spec, kv_spec, kv_spec, lengths, lengths, arch="sm_100")
   assert len(lowered.modules) == 1
   for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st",
@@ -590,10 +597,10 @@ def test_interpreted_persistent_grid_matches_the_reference(name, run_interpreted
   q, k, v = (x.astype(case.dtype) for x in (q * case.logit_scale, k, v))
   scale = 1.0 / np.sqrt(case.head_dim)
   ql, kl = case.lengths()
-  options = dict(soft_cap=case.soft_cap, sinks=jnp.asarray(case.sinks, jnp.float32),
-                 segment_ids=case.segment_ids())
+  options = dict(sinks=jnp.asarray(case.sinks, jnp.float32), segment_ids=case.segment_ids())
+  score = ScoreFunction(scale, case.soft_cap)
   out, lse = run_interpreted(
-      lambda q, k, v, opts: sm100_forward.forward(q, k, v, ql, kl, scale=scale, mask=case.mask,
+      lambda q, k, v, opts: sm100_forward.forward(q, k, v, ql, kl, score=score, mask=case.mask,
                                                   config=cfg, **opts),
       q, k, v, options)
   expected, expected_lse = _expected_with_options(case, q, k, v, scale)
@@ -620,8 +627,9 @@ def test_cross_lowers_persistent_grid_for_sm100(head_dim, causal, options, cross
   def fn(q, k, v, a, b, *extra):
     kwargs = {}
     if extra:
-      kwargs = dict(segment_ids=extra[:2], sinks=extra[2], soft_cap=30.0)
-    return sm100_forward.forward(q, k, v, a, b, scale=0.1, mask=mask, config=cfg, **kwargs)
+      kwargs = dict(segment_ids=extra[:2], sinks=extra[2])
+    score = ScoreFunction(0.1, 30.0 if extra else None)
+    return sm100_forward.forward(q, k, v, a, b, score=score, mask=mask, config=cfg, **kwargs)
 
   lowered = cross_lower(fn, q_spec, kv_spec, kv_spec, lengths, lengths, *extra, arch="sm_100")
   assert len(lowered.modules) == 1
@@ -647,7 +655,8 @@ def test_persistent_grid_takes_one_cta_per_sm_of_the_target(target_sms, expected
   monkeypatch.setattr(sm100_forward, "_build_kernel", fake_build)
   cfg = dataclasses.replace(sm100_forward.choose_config(128, jnp.bfloat16), persistent=True)
   q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
-  call = lambda q: sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(),
+  call = lambda q: sm100_forward.forward(q, q, q, None, None, score=ScoreFunction(0.1),
+                                         mask=MaskSpec(),
                                          config=cfg)
   with pytest.raises(StopIteration):
     if target_sms is None:
@@ -665,7 +674,8 @@ def test_bad_grid_configs_are_rejected():
   other_tiling = dataclasses.replace(sm100_forward.choose_config(64, jnp.bfloat16), num_kv_stages=2)
   q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
   with pytest.raises(KernelUnsupported, match="config must tile head_dim 64"):
-    sm100_forward.forward(q, q, q, None, None, scale=0.1, mask=MaskSpec(), config=other_tiling)
+    sm100_forward.forward(q, q, q, None, None, score=ScoreFunction(0.1), mask=MaskSpec(),
+                          config=other_tiling)
 
 
 def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):

@@ -35,7 +35,7 @@ import pytest
 import fa4_jax
 from fa4_jax import mod_functions, scores
 from fa4_jax.kernels import sm100_forward, sm100_tiles
-from fa4_jax.scores import BlockMask, MaskSpec, Scores
+from fa4_jax.scores import BlockMask, MaskSpec, ScoreFunction, Scores
 from reference import einsum_attention
 
 SCALE = 0.125
@@ -191,7 +191,7 @@ def test_forward_with_mods_matches_the_einsum_reference_without_races(name, run_
   ids = case.segment_ids()
   segment_ids = None if ids is None else (jnp.asarray(ids), jnp.asarray(ids))
   out, lse = run_interpreted(lambda q, k, v: sm100_forward.forward(
-      q, k, v, q_len, kv_len, scale=SCALE, mask=mask, soft_cap=case.soft_cap, config=config,
+      q, k, v, q_len, kv_len, score=ScoreFunction(SCALE, case.soft_cap), mask=mask, config=config,
       segment_ids=segment_ids, mods=mods), q, k, v)
 
   t, s = case.q_seq, case.kv_seq
@@ -228,7 +228,7 @@ def test_forward_skips_mask_mod_on_full_tiles_and_never_loads_empty_ones(run_int
   q, k, v = inputs(1, t, s, 2, 2, 64)
   k, v = k.at[:, 256:].set(jnp.nan), v.at[:, 256:].set(jnp.nan)
   out, lse = run_interpreted(lambda q, k, v: sm100_forward.forward(
-      q, k, v, None, None, scale=SCALE, mask=MaskSpec(), mods=mods), q, k, v)
+      q, k, v, None, None, score=ScoreFunction(SCALE), mask=MaskSpec(), mods=mods), q, k, v)
   visible = np.zeros((1, 1, t, s), bool)
   visible[..., :256] = True
   ref_out, ref_lse = einsum_attention(q, jnp.nan_to_num(k), jnp.nan_to_num(v), visible,
@@ -247,7 +247,7 @@ def test_the_mods_see_the_global_batch_and_head_through_the_index_offsets(run_in
                       lambda b, h, qi, ki: ki < per_batch[b],
                       index_offsets=jnp.asarray([2, 3], jnp.int32))
   out, lse = run_interpreted(lambda q, k, v: sm100_forward.forward(
-      q, k, v, None, None, scale=SCALE, mask=MaskSpec(), mods=mods), q, k, v)
+      q, k, v, None, None, score=ScoreFunction(SCALE), mask=MaskSpec(), mods=mods), q, k, v)
   bias = (np.asarray([1.0, -1.0])[:, None, None] * np.arange(s)[None, None, :] / 64)[None]
   visible = np.broadcast_to(np.arange(s) < 140, (t, s))[None, None]
   ref_out, ref_lse = einsum_attention(q, k, v, visible, bias=jnp.asarray(bias, jnp.float32),
@@ -273,7 +273,8 @@ def test_forward_with_mods_cross_lowers_for_sm100(head_dim, cross_lower):
   ids = (jax.ShapeDtypeStruct((2, 1000), jnp.int32), jax.ShapeDtypeStruct((2, 1030), jnp.int32))
   lowered = cross_lower(
       lambda q, k, v, a, b, qi, ki: sm100_forward.forward(
-          q, k, v, a, b, scale=SCALE, mask=MaskSpec(right=0), segment_ids=(qi, ki), mods=mods),
+          q, k, v, a, b, score=ScoreFunction(SCALE), mask=MaskSpec(right=0),
+          segment_ids=(qi, ki), mods=mods),
       q_spec, kv_spec, kv_spec, lengths, lengths, *ids, arch="sm_100")
   assert len(lowered.modules) == 1
   for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st",
@@ -297,7 +298,7 @@ def test_an_op_the_kernel_cannot_lower_is_a_value_error_naming_it(score_mod, op)
     with pytest.raises(ValueError, match=op):
       fa4_jax.attention(q, q, q, score_mod=score_mod, implementation="sm100")
     with pytest.raises(ValueError, match=op):
-      sm100_forward.forward(q, q, q, None, None, scale=1.0, mask=MaskSpec(),
+      sm100_forward.forward(q, q, q, None, None, score=ScoreFunction(1.0), mask=MaskSpec(),
                             mods=scores_value(score_mod))
   with fa4_jax.gpu_target("sm100"):
     assert fa4_jax.which_implementation(q, q, q, score_mod=score_mod) == "xla"
@@ -432,8 +433,8 @@ def test_backward_with_mods_cross_lowers_for_sm100(head_dim, cross_lower):
   ids = (jax.ShapeDtypeStruct((2, 1000), jnp.int32), jax.ShapeDtypeStruct((2, 1030), jnp.int32))
   lowered = cross_lower(
       lambda q, k, v, o, lse, do, a, b, qi, ki: sm100_backward.backward(
-          q, k, v, o, lse, do, a, b, scale=SCALE, mask=MaskSpec(right=0), segment_ids=(qi, ki),
-          mods=mods),
+          q, k, v, o, lse, do, a, b, score=ScoreFunction(SCALE), mask=MaskSpec(right=0),
+          segment_ids=(qi, ki), mods=mods),
       q, kv, kv, q, lse, q, lengths, lengths, *ids, arch="sm_100")
   assert len(lowered.modules) == 2  # dK/dV and dQ
   for instruction in ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld", "tcgen05.st",

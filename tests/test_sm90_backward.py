@@ -32,7 +32,7 @@ import pytest
 from fa4_jax import scores, xla_attention
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_backward
-from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase, einsum_attention, packed_segment_ids, relative_error
 
@@ -50,15 +50,15 @@ def _forward(case: Case, q, k, v, scale):
 
 
 def _kernel_grads(case: Case, run_interpreted, q, k, v, out, lse, dout, scale, config=None,
-                  **options):
-  """The kernels' (dq, dk, dv); `options`: the optional arguments (soft_cap)."""
+                  soft_cap=None):
+  """The kernels' (dq, dk, dv) of logits with this scale and soft-cap."""
   q_len, kv_len = case.lengths()
   segment_ids = case.segment_ids()
 
   def fn(q, k, v, out, lse, dout):
     return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
-                                  scale=scale, mask=case.mask, config=config,
-                                  segment_ids=segment_ids, **options)
+                                  score=ScoreFunction(scale, soft_cap), mask=case.mask,
+                                  config=config, segment_ids=segment_ids)
 
   return run_interpreted(fn, q, k, v, out, lse, dout)
 
@@ -222,7 +222,7 @@ def test_soft_cap_folds_delta_under_causal_masks_at_128(head_dim):
   folding gains 1.4-3.3 % with causal masks and windows, and removes most of
   the dK/dV kernel's spills; dense calls gain nothing."""
   folds = lambda mask, group: sm90_backward.choose_config(head_dim, mask, group,
-                                                          soft_cap=True).dkv.fold_stats
+                                                          raw_scores=True).dkv.fold_stats
   for mask in (MaskSpec(right=0), MaskSpec(left=256, right=0)):
     for group in (1, 4):
       assert folds(mask, group) == (head_dim == 128)
@@ -355,8 +355,7 @@ def _check_einsum_case(case: Case, run_interpreted, config=None, *, scale=None, 
   q, k, v, dout = case.backward_inputs()
   scale = 1.0 / math.sqrt(case.head_dim) if scale is None else scale
   out, lse, exact = _einsum_grads(case, q, k, v, dout, scale, sinks=sinks, soft_cap=soft_cap)
-  options = {} if soft_cap is None else dict(soft_cap=soft_cap)
-  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, config, **options)
+  grads = _kernel_grads(case, run_interpreted, q, k, v, out, lse, dout, scale, config, soft_cap)
   sees_no_key = ~case.visible().any(-1)[:, 0]  # [B, Tq]
   for name, got, reference in zip(("dq", "dk", "dv"), grads, exact):
     got, reference = np.asarray(got, np.float32), np.asarray(reference)
@@ -515,18 +514,14 @@ def test_soft_cap_and_sinks_gradients_match_the_f32_reference_without_races(
 
 
 def test_the_backward_kernels_take_soft_cap():
-  """`fa4_jax.backends` passes `soft_cap=` to a backward module that lists
-  it; the sm90 forward's support is its own."""
-  from fa4_jax import backends
-
-  assert "soft_cap" in sm90_backward.FEATURES
-  assert backends._options(sm90_backward, Scores(soft_cap=2.0)) == dict(soft_cap=2.0)
-  q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
-  lse = jnp.zeros((1, 1, 64), jnp.float32)
+  """The backward module lists the feature a soft-capped call needs
+  (`Scores.kernel_features`), which `fa4_jax.backends` checks before it
+  passes the call's score function; the sm90 forward's support is its own.
+  The score function holds only a positive Python number as its cap."""
+  assert Scores(soft_cap=2.0).kernel_features() <= sm90_backward.FEATURES
   for bad in (0.0, -1.0, True, jnp.float32(2.0)):
-    with pytest.raises(ValueError, match="soft_cap must be a positive Python float"):
-      sm90_backward.backward(q, q, q, q, lse, q, None, None, scale=0.125, mask=MaskSpec(),
-                             soft_cap=bad)
+    with pytest.raises(ValueError, match="soft-cap must be a float > 0"):
+      ScoreFunction(0.125, bad)
 
 
 # --- tile ranges -------------------------------------------------------------
@@ -600,8 +595,9 @@ def test_every_config_fits_smem_and_uses_wgmma_and_tma(head_dim, config, dtype, 
   lengths = spec((b,), jnp.int32)
 
   def fn(q, k, v, out, lse, dout, q_len, kv_len):
-    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len, scale=0.125,
-                                  mask=MaskSpec(right=0), config=config)
+    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
+                                  score=ScoreFunction(0.125), mask=MaskSpec(right=0),
+                                  config=config)
 
   lowered = cross_lower(fn, q, kv, kv, q, lse, q, lengths, lengths)
   # dK/dV (one kernel, or a dK pass and a dV pass) and dQ
@@ -622,8 +618,9 @@ def test_every_config_with_segment_ids_fits_smem_and_uses_wgmma_and_tma(
   kv = spec((b, s, nkv, head_dim))
 
   def fn(q, k, v, out, lse, dout, q_len, kv_len, q_ids, kv_ids):
-    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len, scale=0.125,
-                                  mask=MaskSpec(right=0), config=config,
+    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
+                                  score=ScoreFunction(0.125), mask=MaskSpec(right=0),
+                                  config=config,
                                   segment_ids=(q_ids, kv_ids))
 
   lowered = cross_lower(fn, q, kv, kv, q, spec((b, nq, t), jnp.float32), q,
@@ -652,7 +649,8 @@ def test_the_dk_dv_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without(
   spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
 
   def fn(q, k, v, out, lse, dout, ids):
-    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125, mask=mask,
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, score=ScoreFunction(0.125),
+                                  mask=mask,
                                   config=config, segment_ids=(ids, ids))
 
   shapes = lambda *lead: (spec((*lead, b, t, nq, head_dim)), spec((*lead, b, t, nkv, head_dim)),
@@ -679,8 +677,9 @@ def test_every_config_with_soft_cap_fits_smem_and_uses_the_fast_tanh(
   q, kv = spec((b, t, nq, head_dim)), spec((b, t, nkv, head_dim))
 
   def fn(q, k, v, out, lse, dout, q_len, kv_len):
-    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len, scale=0.125,
-                                  mask=MaskSpec(right=0), config=config, soft_cap=30.0)
+    return sm90_backward.backward(q, k, v, out, lse, dout, q_len, kv_len,
+                                  score=ScoreFunction(0.125, 30.0), mask=MaskSpec(right=0),
+                                  config=config)
 
   lowered = cross_lower(fn, q, kv, kv, q, spec((b, nq, t), jnp.float32), q,
                         spec((b,), jnp.int32), spec((b,), jnp.int32))
@@ -713,8 +712,8 @@ def test_overlapped_kernels_chain_every_kernel_of_the_backward(head_dim, cross_l
   q, kv = spec((1, 256, 2, head_dim)), spec((1, 256, 2, head_dim))
 
   def fn(q, k, v, out, lse, dout):
-    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
-                                  mask=MaskSpec(), config=config)
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None,
+                                  score=ScoreFunction(0.125), mask=MaskSpec(), config=config)
 
   lowered = cross_lower(fn, q, kv, kv, q, spec((1, 2, 256), jnp.float32), q)
   assert len(lowered.modules) == (3 if head_dim == 192 else 2)
@@ -742,8 +741,8 @@ def test_head_dim_64_keeps_the_resident_tiles_in_registers_as_wgmma_operands(
   assert config.dkv.operands_in_registers == config.dq.operands_in_registers == (head_dim == 64)
 
   def fn(q, k, v, out, lse, dout):
-    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
-                                  mask=MaskSpec(), config=config)
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None,
+                                  score=ScoreFunction(0.125), mask=MaskSpec(), config=config)
 
   lowered = cross_lower(fn, q, kv, kv, q, spec((1, 4, 256), jnp.float32), q)
   assert len(lowered.modules) == 2
@@ -761,7 +760,7 @@ def test_padded_head_dims_and_ragged_lengths_lower_for_hardware(head_dim, seq, c
   q, kv = spec((2, seq, 4, head_dim)), spec((2, seq, 2, head_dim))
 
   def fn(q, k, v, out, lse, dout):
-    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, scale=0.125,
+    return sm90_backward.backward(q, k, v, out, lse, dout, None, None, score=ScoreFunction(0.125),
                                   mask=MaskSpec())
 
   lowered = cross_lower(fn, q, kv, kv, q, spec((2, 4, seq), jnp.float32), q)

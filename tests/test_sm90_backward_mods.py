@@ -27,7 +27,7 @@ import pytest
 import fa4_jax
 from fa4_jax import mod_functions
 from fa4_jax.kernels import sm90_backward
-from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import einsum_attention, packed_segment_ids, relative_error, visible_mask
 
@@ -277,7 +277,8 @@ def _cross_lower_mods(cross_lower, d, config, mask, group, packed: bool):
     mods = Scores(mask=mask, scale=0.125, score_mod=score_mod, mask_mod=mask_mod,
                   score_captured=(slopes,), q_lengths=q_len, kv_lengths=kv_len,
                   q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-    return sm90_backward.backward(q, k, v, o, lse, do, q_len, kv_len, scale=0.125, mask=mask,
+    return sm90_backward.backward(q, k, v, o, lse, do, q_len, kv_len, score=ScoreFunction(0.125),
+                                  mask=mask,
                                   config=config, segment_ids=segment_ids, mods=mods)
 
   return cross_lower(f, q, kv, kv, q, spec((b, kv_heads * group, t), jnp.float32), q,

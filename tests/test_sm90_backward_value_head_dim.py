@@ -28,7 +28,7 @@ import pytest
 import fa4_jax
 from fa4_jax import backends
 from fa4_jax.kernels import KernelUnsupported, sm90_backward, sm90_tiles
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import einsum_attention, relative_error, visible_mask
 
@@ -65,8 +65,8 @@ def test_gradients_match_an_f32_einsum(run_interpreted, name):
   scale = d ** -0.5
   out, lse = einsum_attention(q, key, v, visible, scale=scale, soft_cap=soft_cap)
   grads = run_interpreted(
-      lambda *xs: sm90_backward.backward(*xs, None, kv_len, scale=scale, mask=mask,
-                                         soft_cap=soft_cap),
+      lambda *xs: sm90_backward.backward(*xs, None, kv_len,
+                                         score=ScoreFunction(scale, soft_cap), mask=mask),
       q, key, v, out.astype(q.dtype), lse, dout)
   loss = lambda q, key, v: (einsum_attention(q, key, v, visible, scale=scale,
                                              soft_cap=soft_cap)[0]
@@ -94,7 +94,7 @@ def _heuristic_cases(d, dv):
   for mask in sm90_tiles.HEURISTIC_MASKS:
     for group in (1, 4):
       for soft_cap in (False, True):
-        config = sm90_backward.choose_config(d, mask, group, soft_cap=soft_cap,
+        config = sm90_backward.choose_config(d, mask, group, raw_scores=soft_cap,
                                              value_head_dim=dv)
         seen.setdefault(config, (mask, group, 50.0 if soft_cap else None))
   return list(seen.items())
@@ -107,7 +107,8 @@ def _lower_backward(cross_lower, config, mask, group, soft_cap, d, dv):
   o = jax.ShapeDtypeStruct((1, 1024, 2 * group, dv), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, 2 * group, 1024), jnp.float32)
   fn = lambda q, k, v, o, lse, do: sm90_backward.backward(
-      q, k, v, o, lse, do, None, None, scale=0.1, mask=mask, config=config, soft_cap=soft_cap)
+      q, k, v, o, lse, do, None, None, score=ScoreFunction(0.1, soft_cap), mask=mask,
+      config=config)
   return cross_lower(fn, q, k, v, o, lse, o, arch="sm_90")
 
 

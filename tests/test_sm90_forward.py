@@ -30,7 +30,7 @@ import pytest
 from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward, sm90_tiles
-from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase, einsum_attention, packed_segment_ids, visible_mask
 
@@ -96,9 +96,9 @@ def _run_and_compare(case: Case, run_interpreted, scale=None, config=None, *, si
   sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
 
   def fn(q, k, v):
-    return sm90_forward.forward(q, k, v, q_len, kv_len, scale=scale, mask=case.mask,
-                                config=config, segment_ids=case.segment_ids(), sinks=sinks,
-                                soft_cap=soft_cap)
+    return sm90_forward.forward(q, k, v, q_len, kv_len, score=ScoreFunction(scale, soft_cap),
+                                mask=case.mask,
+                                config=config, segment_ids=case.segment_ids(), sinks=sinks)
 
   out, lse = run_interpreted(fn, q, k, v)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -347,7 +347,8 @@ def test_the_work_queue_lowers_with_one_atomic_and_vmap_lowers_it_without(head_d
 
   q = jax.ShapeDtypeStruct((3, 2, 512, 4, 128), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((3, 2, 512), jnp.int32)
-  fn = lambda q, k, v, ids: sm90_forward.forward(q, k, v, None, None, scale=0.1, mask=mask,
+  fn = lambda q, k, v, ids: sm90_forward.forward(q, k, v, None, None, score=ScoreFunction(0.1),
+                                                 mask=mask,
                                                   config=config, segment_ids=(ids, ids))[0]
   vmapped = cross_lower(jax.vmap(fn), q, q, q, ids)
   assert vmapped.has("wgmma.mma_async") and not vmapped.has("atom.relaxed.gpu.global.add")
@@ -590,7 +591,7 @@ def test_forward_builds_the_fixed_max_kernel_where_the_condition_holds(dtype, so
   kv = jax.ShapeDtypeStruct((1, kv_seq, 2, 64), dtype)
   with pytest.raises(Built):
     jax.eval_shape(lambda q, k, v: sm90_forward.forward(
-        q, k, v, None, None, scale=0.125, mask=MaskSpec(), soft_cap=soft_cap), q, kv, kv)
+        q, k, v, None, None, score=ScoreFunction(0.125, soft_cap), mask=MaskSpec()), q, kv, kv)
   assert built["fixed_max"] is fixed
 
 
@@ -641,19 +642,21 @@ def _lower(head_dim, mask, config=None, *, lengths=False, dtype=jnp.bfloat16,
   if sinks or soft_cap is not None:
     sink_spec = jax.ShapeDtypeStruct((4,), jnp.float32)
     fn = lambda q, k, v, ql, kl, s: sm90_forward.forward(
-        q, k, v, ql, kl, scale=0.125, mask=mask, config=config, sinks=s if sinks else None,
-        soft_cap=soft_cap)
+        q, k, v, ql, kl, score=ScoreFunction(0.125, soft_cap),
+        mask=mask, config=config, sinks=s if sinks else None)
     return cross_lower(fn, q, kv, kv, lens, lens, sink_spec, arch="sm_90")
   if segment_ids:
     ids = (jax.ShapeDtypeStruct((2, 1000), jnp.int32), jax.ShapeDtypeStruct((2, 1100), jnp.int32))
     fn = lambda q, k, v, ql, kl, q_ids, kv_ids: sm90_forward.forward(
-        q, k, v, ql, kl, scale=0.125, mask=mask, config=config, segment_ids=(q_ids, kv_ids))
+        q, k, v, ql, kl, score=ScoreFunction(0.125), mask=mask, config=config,
+        segment_ids=(q_ids, kv_ids))
     return cross_lower(fn, q, kv, kv, lens, lens, *ids, arch="sm_90")
   if lengths:
     fn = lambda q, k, v, ql, kl: sm90_forward.forward(
-        q, k, v, ql, kl, scale=0.125, mask=mask, config=config)
+        q, k, v, ql, kl, score=ScoreFunction(0.125), mask=mask, config=config)
     return cross_lower(fn, q, kv, kv, lens, lens, arch="sm_90")
-  fn = lambda q, k, v: sm90_forward.forward(q, k, v, None, None, scale=0.125, mask=mask, config=config)
+  fn = lambda q, k, v: sm90_forward.forward(q, k, v, None, None, score=ScoreFunction(0.125),
+                                            mask=mask, config=config)
   return cross_lower(fn, q, kv, kv, arch="sm_90")
 
 
@@ -773,7 +776,7 @@ def test_segment_ids_of_another_length_than_the_sequences_are_refused():
   q = jnp.zeros((2, 128, 1, 64), jnp.bfloat16)
   ids = jnp.zeros((2, 120), jnp.int32)
   with pytest.raises(KernelUnsupported, match="segment_ids"):
-    sm90_forward.forward(q, q, q, None, None, scale=0.125, mask=MaskSpec(),
+    sm90_forward.forward(q, q, q, None, None, score=ScoreFunction(0.125), mask=MaskSpec(),
                          segment_ids=(ids, ids))
 
 

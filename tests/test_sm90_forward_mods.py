@@ -34,7 +34,7 @@ import pytest
 import fa4_jax
 from fa4_jax import mod_functions, scores
 from fa4_jax.kernels import sm90_forward, sm90_tiles
-from fa4_jax.scores import BlockMask, MaskSpec, Scores
+from fa4_jax.scores import BlockMask, MaskSpec, ScoreFunction, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase, einsum_attention
 
@@ -159,9 +159,9 @@ def _run_and_compare(case: Case, run_interpreted, *, config=None):
   sinks = (jnp.linspace(-1.0, 2.0, case.q_heads).astype(jnp.float32) if case.sinks else None)
 
   def fn(q, k, v):
-    return sm90_forward.forward(q, k, v, q_len, kv_len, scale=scale, mask=case.mask,
-                                config=config, segment_ids=case.segment_ids(), sinks=sinks,
-                                soft_cap=case.soft_cap, mods=mods)
+    return sm90_forward.forward(q, k, v, q_len, kv_len, score=ScoreFunction(scale, case.soft_cap),
+                                mask=case.mask, config=config, segment_ids=case.segment_ids(),
+                                sinks=sinks, mods=mods)
 
   out, lse = run_interpreted(fn, q, k, v)
   B, T, S = case.batch, case.q_seq, case.kv_seq
@@ -223,7 +223,7 @@ def test_jax_nn_with_an_explicit_bias_and_mask_agrees(run_interpreted):
   mask_fn, keep = _chunked(96)
   mods = _scores_value(score_fn, mask_fn)
   out, lse = run_interpreted(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), mods=mods), q, k, v)
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=MaskSpec(), mods=mods), q, k, v)
   f32 = lambda x: x.astype(jnp.float32)
   visible = keep(1, 192, 256)
   ref = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), bias=jnp.asarray(bias(1, 192, 256),
@@ -256,7 +256,7 @@ def test_a_tree_mask_of_ancestor_bits_for_speculative_decoding(run_interpreted):
   q, k, v = _inputs(case, seed=5)
   mods = _scores_value(None, tree)
   out, lse = run_interpreted(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), mods=mods), q, k, v)
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=MaskSpec(), mods=mods), q, k, v)
   node = np.arange(32)
   draft = ((ancestors[:, None] >> node[None, :]) & 1) == 1
   visible = np.concatenate([np.ones((32, prefix), bool), draft], axis=1)[None, None]
@@ -327,7 +327,7 @@ def test_full_tiles_skip_mask_mod_and_empty_tiles_are_never_walked(run_interpret
   v_nan = v.at[:, 256:].set(jnp.nan)
   # Query tile 0 sees NaN keys too, so split: tile 0 against finite K/V...
   out, lse = run_interpreted(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), mods=mods), q, k, v_nan)
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=MaskSpec(), mods=mods), q, k, v_nan)
   visible = np.ones((1, 1, T, S), bool)
   visible[..., 128:, 256:] = False
   ref_out, ref_lse = einsum_attention(q, jnp.nan_to_num(k), jnp.nan_to_num(v_nan), visible,
@@ -341,7 +341,7 @@ def test_full_tiles_skip_mask_mod_and_empty_tiles_are_never_walked(run_interpret
   # which hides everything, did not run on FULL tiles.
   k_ok = _inputs(case)[1]
   out, _ = run_interpreted(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), mods=mods), q, k_ok, v)
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=MaskSpec(), mods=mods), q, k_ok, v)
   ref_out, _ = einsum_attention(q, k_ok, v, visible, scale=0.125)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out), atol=2e-2,
                              rtol=2e-2)
@@ -358,7 +358,7 @@ def test_the_mods_see_global_batch_and_head_through_the_index_offsets(run_interp
                        lambda b, h, qi, ki: ki < per_batch[b],
                        index_offsets=jnp.asarray([2, 3], jnp.int32))
   out, lse = run_interpreted(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=0.125, mask=MaskSpec(), mods=mods), q, k, v)
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=MaskSpec(), mods=mods), q, k, v)
   bias = (np.asarray([1.0, -1.0])[:, None, None] * np.arange(96)[None, None, :] / 64)[None]
   visible = np.broadcast_to(np.arange(96) < 40, (64, 96))[None, None]
   ref_out, ref_lse = einsum_attention(q, k, v, visible, bias=jnp.asarray(bias, jnp.float32),
@@ -395,7 +395,7 @@ def test_an_op_the_kernel_cannot_lower_is_a_value_error_naming_it(score_mod, op)
     with pytest.raises(ValueError, match=op):
       fa4_jax.attention(q, q, q, score_mod=score_mod, implementation="sm90")
     with pytest.raises(ValueError, match=op):
-      sm90_forward.forward(q, q, q, None, None, scale=1.0, mask=MaskSpec(),
+      sm90_forward.forward(q, q, q, None, None, score=ScoreFunction(1.0), mask=MaskSpec(),
                            mods=_scores_value(score_mod, None))
 
 
@@ -406,7 +406,7 @@ def test_mods_refuse_a_persistent_config_and_the_heuristic_gives_one_cta_per_til
   persistent = sm90_forward.choose_config(64, MaskSpec(right=0), 256)
   assert persistent.persistent
   with pytest.raises(KernelUnsupported, match="persistent"):
-    sm90_forward.forward(q, q, q, None, None, scale=1.0, mask=MaskSpec(right=0),
+    sm90_forward.forward(q, q, q, None, None, score=ScoreFunction(1.0), mask=MaskSpec(right=0),
                          config=persistent, mods=mods)
   config = sm90_forward.mods_config(persistent)
   assert not config.persistent and not config.work_queue and config.q_depth == 1
@@ -447,7 +447,8 @@ def test_every_heuristic_config_with_mods_lowers_for_hopper(head_dim, config, ma
   lens = jax.ShapeDtypeStruct((2,), jnp.int32)
   sinks = jax.ShapeDtypeStruct((heads,), jnp.float32)
   fn = lambda q, k, v, ql, kl, s: sm90_forward.forward(
-      q, k, v, ql, kl, scale=0.125, mask=mask, config=config, sinks=s, soft_cap=30.0, mods=mods)
+      q, k, v, ql, kl, score=ScoreFunction(0.125, 30.0),
+      mask=mask, config=config, sinks=s, mods=mods)
   lowered = cross_lower(fn, q, kv, kv, lens, lens, sinks, arch="sm_90")
   assert len(lowered.smem_bytes) == 1
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES

@@ -21,6 +21,7 @@ import pytest
 import fa4_jax
 from fa4_jax import gpu_target, which_implementation
 from fa4_jax.kernels import sm90_forward
+from fa4_jax.scores import ScoreFunction
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -102,7 +103,7 @@ def test_fp8_p_in_registers_takes_v_in_its_key_order(run_interpreted):
   config = dataclasses.replace(sm90_forward.choose_config(128, mask, 150, 150),
                                persistent=False, work_queue=False, fp8_p_in_registers=True)
   call = lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=128 ** -0.5, mask=mask, config=config,
+      q, k, v, None, None, score=ScoreFunction(128 ** -0.5), mask=mask, config=config,
       descales=tuple(descales[x] for x in ("query_descale", "key_descale", "value_descale")))[0]
   got = run_interpreted(call, q8, k8, v8)
   want, v = dequantized_reference(q8, k8, v8, descales, causal=True)
@@ -189,7 +190,8 @@ def test_fp8_p_can_be_the_pv_operand_in_registers_where_the_sums_follow_the_hand
 
     def call(q, k, v):
       with gpu_target("sm90"):
-        return sm90_forward.forward(q, k, v, None, None, scale=d ** -0.5, mask=MaskSpec(),
+        return sm90_forward.forward(q, k, v, None, None, score=ScoreFunction(d ** -0.5),
+                                    mask=MaskSpec(),
                                     config=config)[0]
 
     text = "\n".join(cross_lower(call, q_spec, kv_spec, kv_spec).modules)

@@ -28,7 +28,7 @@ import pytest
 import fa4_jax
 from fa4_jax import gpu_target, which_implementation, which_paged_implementation
 from fa4_jax.kernels import sm90_decode, sm90_forward
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -84,7 +84,8 @@ def test_decode_on_a_float8_cache_matches_the_dequantized_reference(
   plan = sm90_decode.DecodePlan(splits, plan.config)
 
   def call(q, k, v):
-    out, _ = sm90_decode.forward(q, k, v, None, lengths, scale=d ** -0.5, mask=MaskSpec(),
+    out, _ = sm90_decode.forward(q, k, v, None, lengths, score=ScoreFunction(d ** -0.5),
+                                 mask=MaskSpec(),
                                  plan=plan, descales=(None, k_descale, v_descale))
     return out
 

@@ -21,7 +21,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax.kernels import sm90_forward
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import einsum_attention, relative_error
 
@@ -50,7 +50,8 @@ def test_forward_matches_einsum(run_interpreted, d, dv, causal):
   q, key, v = inputs(b, t, s, n, k, d, dv)
   kv_lengths = jnp.asarray([s, s - 23], jnp.int32)
   out, lse = run_interpreted(
-      lambda q, key, v, kl: sm90_forward.forward(q, key, v, None, kl, scale=d ** -0.5,
+      lambda q, key, v, kl: sm90_forward.forward(q, key, v, None, kl,
+                                                 score=ScoreFunction(d ** -0.5),
                                                  mask=CAUSAL if causal else MaskSpec()),
       q, key, v, kv_lengths)
   want, want_lse = einsum_attention(q, key, v, visible(t, s, causal, kv_lengths))
@@ -65,7 +66,8 @@ def test_persistent_grid_with_its_own_o_tiles(run_interpreted):
   config = sm90_forward.choose_config(128, CAUSAL, 256, 256)
   assert config.persistent
   out, lse = run_interpreted(
-      lambda q, key, v: sm90_forward.forward(q, key, v, None, None, scale=0.125, mask=CAUSAL),
+      lambda q, key, v: sm90_forward.forward(q, key, v, None, None, score=ScoreFunction(0.125),
+                                             mask=CAUSAL),
       q, key, v)
   want, want_lse = einsum_attention(q, key, v, visible(256, 256, True), scale=0.125)
   np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=2e-2)
@@ -114,7 +116,8 @@ def test_heuristic_configs_cross_lower(cross_lower, d, dv, kv_seq):
   q = jax.ShapeDtypeStruct((2, kv_seq, 4, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, kv_seq, 2, d), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((2, kv_seq, 2, dv), jnp.bfloat16)
-  fn = lambda q, k, v: sm90_forward.forward(q, k, v, None, None, scale=0.1, mask=CAUSAL)
+  fn = lambda q, k, v: sm90_forward.forward(q, k, v, None, None, score=ScoreFunction(0.1),
+                                            mask=CAUSAL)
   lowered = cross_lower(fn, q, k, v, arch="sm_90")
   assert lowered.has("wgmma.mma_async") and lowered.has("cp.async.bulk.tensor")
   config = sm90_forward.choose_config(max(d, dv), CAUSAL, kv_seq, kv_seq)

@@ -24,6 +24,7 @@ import pytest
 import fa4_jax
 from fa4_jax import backends
 from fa4_jax.kernels import sm90_backward
+from fa4_jax.scores import ScoreFunction
 from reference import relative_error
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
@@ -81,8 +82,8 @@ def backward(d, dv, mask, group, config, soft_cap):
     v = jnp.ones((1, 2048, 2, dv), jnp.bfloat16)
     o = jnp.ones((1, 2048, 2 * group, dv), jnp.bfloat16)
     lse = jnp.zeros((1, 2 * group, 2048), jnp.float32)
-    return sm90_backward.backward(q, k, v, o, lse, o, None, None, scale=0.1, mask=mask,
-                                  config=config, soft_cap=soft_cap)
+    return sm90_backward.backward(q, k, v, o, lse, o, None, None,
+                                  score=ScoreFunction(0.1, soft_cap), mask=mask, config=config)
   return run
 
 items = {}
@@ -90,7 +91,7 @@ for d, dv in ((192, 128), (128, 64), (192, 64), (256, 128)):
   for mask in sm90_tiles.HEURISTIC_MASKS:
     for group in (1, 4):
       for soft_cap in (None, 30.0):
-        config = sm90_backward.choose_config(d, mask, group, soft_cap=soft_cap is not None,
+        config = sm90_backward.choose_config(d, mask, group, raw_scores=soft_cap is not None,
                                              value_head_dim=dv)
         items.setdefault(f"d={d} dv={dv} soft_cap={soft_cap} {config}",
                          backward(d, dv, mask, group, config, soft_cap))

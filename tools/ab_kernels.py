@@ -62,9 +62,16 @@ def _mask_spec(package, causal, window_left):
   return masks.MaskSpec.from_arguments(causal, None if window_left is None else (window_left, 0))
 
 
-def _options(soft_cap):
-  # Only when set: a checkout from before soft-cap takes no such argument.
-  return {} if soft_cap is None else dict(soft_cap=soft_cap)
+def _score(package, scale, soft_cap):
+  """The kernels' arguments for the logits' scale and soft-cap: one
+  `ScoreFunction` where the checkout has it (`score=`), else `scale=` and,
+  only when set (a checkout from before soft-cap takes no such argument),
+  `soft_cap=`."""
+  try:
+    score_function = __import__(f"{package}.scores", fromlist=["ScoreFunction"]).ScoreFunction
+  except (ImportError, AttributeError):
+    return {"scale": scale} | ({} if soft_cap is None else {"soft_cap": soft_cap})
+  return {"score": score_function(scale, soft_cap)}
 
 
 def forward_call(package, case, soft_cap=None):
@@ -73,8 +80,8 @@ def forward_call(package, case, soft_cap=None):
   forward = __import__(f"{package}.kernels.sm90_forward", fromlist=["forward"])
   spec = _mask_spec(package, causal, window_left)
   q, k, v, _ = random_inputs(B, S, Hq, Hkv, D)
-  f = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, None, scale=D ** -0.5, mask=spec,
-                                              **_options(soft_cap))[0])
+  f = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, None, mask=spec,
+                                              **_score(package, D ** -0.5, soft_cap))[0])
   return f, (q, k, v), bench_common.kernel_ms
 
 
@@ -99,8 +106,8 @@ def packed_call(package, case, soft_cap=None):
   spec = _mask_spec(package, True, None)
   q, k, v, _, ids = packed_inputs(case)
   f = jax.jit(lambda q, k, v, ids: forward.forward(
-      q, k, v, None, None, scale=D ** -0.5, mask=spec, segment_ids=(ids, ids),
-      **_options(soft_cap))[0])
+      q, k, v, None, None, mask=spec, segment_ids=(ids, ids),
+      **_score(package, D ** -0.5, soft_cap))[0])
   return f, (q, k, v, ids), bench_common.kernel_sum_ms
 
 
@@ -113,12 +120,12 @@ def packed_backward_call(package, case, soft_cap=None):
   forward = __import__("fa4_jax.kernels.sm90_forward", fromlist=["forward"])
   q, k, v, do, ids = packed_inputs(case)
   o, lse = jax.jit(lambda q, k, v, ids: forward.forward(
-      q, k, v, None, None, scale=D ** -0.5, mask=_mask_spec("fa4_jax", True, None),
-      segment_ids=(ids, ids), **_options(soft_cap)))(q, k, v, ids)
+      q, k, v, None, None, mask=_mask_spec("fa4_jax", True, None),
+      segment_ids=(ids, ids), **_score("fa4_jax", D ** -0.5, soft_cap)))(q, k, v, ids)
   spec = _mask_spec(package, True, None)
   f = jax.jit(lambda q, k, v, o, lse, do, ids: backward.backward(
-      q, k, v, o, lse, do, None, None, scale=D ** -0.5, mask=spec, segment_ids=(ids, ids),
-      **_options(soft_cap)))
+      q, k, v, o, lse, do, None, None, mask=spec, segment_ids=(ids, ids),
+      **_score(package, D ** -0.5, soft_cap)))
   return f, (q, k, v, o, lse, do, ids), lambda f, *a: bench_backward.span_times(f, *a)[0]
 
 
@@ -131,7 +138,7 @@ def backward_call(package, case, soft_cap=None):
   # A plausible lse: the backward's speed does not depend on its values.
   lse = jnp.full((B, Hq, S), 4.0, jnp.float32)
   f = jax.jit(lambda q, k, v, o, lse, do: backward.backward(
-      q, k, v, o, lse, do, None, None, scale=D ** -0.5, mask=spec, **_options(soft_cap)))
+      q, k, v, o, lse, do, None, None, mask=spec, **_score(package, D ** -0.5, soft_cap)))
   return f, (q, k, v, do, lse, do), lambda f, *a: bench_backward.span_times(f, *a)[0]
 
 
@@ -147,7 +154,7 @@ def decode_call(package, case, soft_cap=None):
   spec = _mask_spec(package, False, None)
   plan = sm90_decode.plan(q.shape, k.shape, spec, ragged=ragged)  # each package's own heuristic
   f = jax.jit(lambda q, k, v, kv_lengths: sm90_decode.forward(
-      q, k, v, None, kv_lengths, scale=D ** -0.5, mask=spec, plan=plan, **_options(soft_cap))[0])
+      q, k, v, None, kv_lengths, mask=spec, plan=plan, **_score(package, D ** -0.5, soft_cap))[0])
   return f, (q, k, v, kv_lengths), bench_common.kernel_sum_ms
 
 

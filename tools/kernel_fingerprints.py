@@ -3,8 +3,10 @@
 Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
 mask and grouping the heuristics distinguish, the kernels of packed
-rows (segment ids), plus the XLA path, and prints one SHA-256 per case of
-the Mosaic GPU modules (MLIR without debug locations) or of the StableHLO.
+rows (segment ids), a few calls with score modifications (soft-cap, a
+`score_mod`, sinks; the sm90 decode arrangement with a soft-cap), plus the
+XLA path, and prints one SHA-256 per case of the Mosaic GPU modules (MLIR
+without debug locations) or of the StableHLO.
 
 A refactor that leaves every fingerprint unchanged hands the GPU the very
 same programs, so it cannot have changed their speed or their registers.
@@ -24,8 +26,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from fa4_jax import testing, xla_attention
-from fa4_jax.scores import MaskSpec, Scores
+from fa4_jax import mod_functions, testing, xla_attention
+from fa4_jax.kernels import sm90_decode
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 
 MASKS = {"dense": MaskSpec(), "causal": MaskSpec(right=0),
          "window": MaskSpec(left=256, right=0)}
@@ -48,25 +51,47 @@ def _segments(ids, segments):
   return (ids, ids) if segments else None
 
 
-def _forward(kernel, d, mask, seq, lengths, segments=False, group=2):
+# An ALiBi-like score_mod with a captured array (one slope per query head).
+_SLOPES = jnp.asarray([2.0 ** -(i + 1) for i in range(8)], jnp.float32)
+
+
+def _alibi_mods() -> Scores:
+  """The kernels' `mods=` argument for the ALiBi-like score_mod."""
+  fn = lambda s, b, h, q, kv: s + _SLOPES[h] * (kv - q).astype(jnp.float32)
+  score_mod, captured = mod_functions.trace(fn, "score_mod")
+  return Scores(score_mod=score_mod, score_captured=captured)
+
+
+def _modified(soft_cap=None, score_mod=False) -> dict:
+  """The kernels' keyword arguments of a call's score modifications."""
+  options = {"score": ScoreFunction(0.125, soft_cap)}
+  return options | ({"mods": _alibi_mods()} if score_mod else {})
+
+
+def _forward(kernel, d, mask, seq, lengths, segments=False, group=2, sinks=False, **options):
   """The forward of kernel module `kernel` ("sm90_forward", "sm100_forward");
-  `group` query heads per KV head (2 KV heads)."""
+  `group` query heads per KV head (2 KV heads); `options` (`_modified`)
+  passed on."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["forward"])
+  options = _modified() | options
   q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
   ids = jax.ShapeDtypeStruct((2, seq), jnp.int32)
+  sink_logits = jax.ShapeDtypeStruct((2 * group,), jnp.float32)
 
-  def f(q, k, v, ql, kl, ids):
+  def f(q, k, v, ql, kl, ids, sink_logits):
     return module.forward(q, k, v, ql if lengths else None, kl if lengths else None,
-                          scale=0.125, mask=mask, segment_ids=_segments(ids, segments))
-  return f, (q, kv, kv, ln, ln, ids)
+                          mask=mask, segment_ids=_segments(ids, segments),
+                          **({"sinks": sink_logits} if sinks else {}), **options)
+  return f, (q, kv, kv, ln, ln, ids, sink_logits)
 
 
-def _backward(kernel, d, mask, seq, lengths, group=1, segments=False, dv=None):
+def _backward(kernel, d, mask, seq, lengths, group=1, segments=False, dv=None, **options):
   """The backward of kernel module `kernel` ("sm90_backward", "sm100_backward");
-  `dv`: V's (and O's) head dim, None: d."""
+  `dv`: V's (and O's) head dim, None: d; `options` (`_modified`) passed on."""
   module = __import__(f"fa4_jax.kernels.{kernel}", fromlist=["backward"])
+  options = _modified() | options
   q = jax.ShapeDtypeStruct((2, seq, 2 * group, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq, 2, d), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((2, seq, 2, dv or d), jnp.bfloat16)
@@ -77,28 +102,46 @@ def _backward(kernel, d, mask, seq, lengths, group=1, segments=False, dv=None):
 
   def f(q, k, v, o, lse, do, ql, kl, ids):
     return module.backward(q, k, v, o, lse, do, ql if lengths else None,
-                           kl if lengths else None, scale=0.125, mask=mask,
-                           segment_ids=_segments(ids, segments))
+                           kl if lengths else None, mask=mask,
+                           segment_ids=_segments(ids, segments), **options)
   return f, (q, kv, v, o, lse, o, ln, ln, ids)
 
 
-def _scores(mask, ql, kl, lengths):
-  return Scores(mask=mask, scale=0.125, q_lengths=ql if lengths else None,
-                kv_lengths=kl if lengths else None)
+def _decode(soft_cap):
+  """The sm90 decode arrangement of one token against 32768 keys (GQA 32/8,
+  D128: split into chunks, the query read in place)."""
+  q = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((8, 32768, 8, 128), jnp.bfloat16)
+  ln = jax.ShapeDtypeStruct((8,), jnp.int32)
+  plan = sm90_decode.plan(q.shape, kv.shape, MaskSpec(), ragged=True, num_sms=132,
+                          streams=132)
+
+  def f(q, k, v, kl):
+    return sm90_decode.forward(q, k, v, None, kl, score=ScoreFunction(0.125, soft_cap),
+                               mask=MaskSpec(), plan=plan)
+  return f, (q, kv, kv, ln)
 
 
-def _xla(mask, seq, lengths, backward):
+def _scores(mask, ql, kl, lengths, soft_cap=None, score_mod=False):
+  mods = _alibi_mods() if score_mod else Scores()
+  return mods.replace(mask=mask, scale=0.125, soft_cap=soft_cap,
+                      q_lengths=ql if lengths else None, kv_lengths=kl if lengths else None)
+
+
+def _xla(mask, seq, lengths, backward, **modified):
+  """The XLA path's forward or backward; `modified`: `_scores`' soft_cap,
+  score_mod."""
   q = jax.ShapeDtypeStruct((2, seq, 4, 64), jnp.float32)
   kv = jax.ShapeDtypeStruct((2, seq, 2, 64), jnp.float32)
   ln = jax.ShapeDtypeStruct((2,), jnp.int32)
 
   def fwd(q, k, v, ql, kl):
-    return xla_attention.forward(q, k, v, None, None, _scores(mask, ql, kl, lengths))
+    return xla_attention.forward(q, k, v, None, None, _scores(mask, ql, kl, lengths, **modified))
 
   def bwd(q, k, v, ql, kl):
     out, lse = fwd(q, k, v, ql, kl)
-    return xla_attention.backward(q, k, v, None, None, _scores(mask, ql, kl, lengths), out,
-                                  lse, out)
+    return xla_attention.backward(q, k, v, None, None,
+                                  _scores(mask, ql, kl, lengths, **modified), out, lse, out)
   return (bwd if backward else fwd), (q, kv, kv, ln, ln)
 
 
@@ -144,10 +187,31 @@ def cases():
          _forward("sm100_forward", 128, MASKS["causal"], 1000, True, segments=True))
   yield ("sm100 backward d128 causal s1000 segment ids", "sm_100",
          _backward("sm100_backward", 128, MASKS["causal"], 1000, True, segments=True))
+  # Score modifications: each kernel soft-capped, with a score_mod (alone and
+  # soft-capped), and the forwards with sinks.
+  for kernel, arch in (("sm90", "sm_90"), ("sm100", "sm_100")):
+    for d, mname, name, options in (
+        (64, "dense", "soft_cap", _modified(soft_cap=30.0)),
+        (128, "causal", "soft_cap", _modified(soft_cap=30.0)),
+        (64, "dense", "score_mod", _modified(score_mod=True)),
+        (128, "causal", "score_mod soft_cap", _modified(30.0, score_mod=True))):
+      yield (f"{kernel} forward d{d} {mname} s1000 {name}", arch,
+             _forward(f"{kernel}_forward", d, MASKS[mname], 1000, True, **options))
+      yield (f"{kernel} backward d{d} {mname} s1000 {name}", arch,
+             _backward(f"{kernel}_backward", d, MASKS[mname], 1000, True, **options))
+    yield (f"{kernel} forward d128 causal s1000 sinks soft_cap", arch,
+           _forward(f"{kernel}_forward", 128, MASKS["causal"], 1000, True, sinks=True,
+                    **_modified(soft_cap=30.0)))
+  yield "sm90 decode d128 s32768 soft_cap", "sm_90", _decode(30.0)
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(
           mask, 2048, True, backward)
+  for backward in (False, True):
+    for name, modified in (("soft_cap", {"soft_cap": 30.0}),
+                           ("score_mod soft_cap", {"soft_cap": 30.0, "score_mod": True})):
+      yield (f"xla {'backward' if backward else 'forward'} causal {name}", None,
+             _xla(MASKS["causal"], 2048, True, backward, **modified))
 
 
 def fingerprint(arch, fn_specs) -> str:

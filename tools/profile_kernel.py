@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the benchmarks' cases an
 import bench_backward  # noqa: E402
 import bench_forward  # noqa: E402
 from fa4_jax.kernels import sm90_backward, sm90_forward  # noqa: E402
+from fa4_jax.scores import ScoreFunction
 import bench_common  # noqa: E402
 
 
@@ -41,8 +42,8 @@ def forward_call(case, config_text, soft_cap=None):
   mask, _ = bench_common.case_mask(causal, window_left)
   config = bench_forward.config_for(config_text, D, mask, S)
   fn = jax.jit(lambda q, k, v: sm90_forward.forward(
-      q, k, v, None, None, scale=1 / math.sqrt(D), mask=mask, config=config,
-      soft_cap=soft_cap)[0])
+      q, k, v, None, None, score=ScoreFunction(1 / math.sqrt(D), soft_cap), mask=mask,
+      config=config)[0])
   return config, lambda: fn(q, k, v)
 
 
@@ -60,7 +61,7 @@ def backward_call(case, config_text, soft_cap=None):
   lse = jnp.full((B, Hq, S), math.log(S) + 0.5, jnp.float32)
   config = bench_backward.config_for(config_text, D, mask, Hq // Hkv)
   fn = jax.jit(lambda *args: sm90_backward.backward(
-      *args, None, None, scale=scale, mask=mask, config=config, soft_cap=soft_cap))
+      *args, None, None, score=ScoreFunction(scale, soft_cap), mask=mask, config=config))
   return config, lambda: fn(q, k, v, out, lse, do)
 
 

@@ -35,10 +35,10 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
   import jax.numpy as jnp
 
   from fa4_jax.kernels import sm90_backward, sm90_forward
-  from fa4_jax.scores import MaskSpec
+  from fa4_jax.scores import MaskSpec, ScoreFunction
 
   mask = MaskSpec.from_arguments(causal, None)
-  options = {} if soft_cap is None else dict(soft_cap=soft_cap)
+  score = ScoreFunction(0.1, soft_cap)
   q = jnp.ones((1, 1024, 2 * group, head_dim), jnp.bfloat16)
   kv = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
   if backward:
@@ -46,12 +46,12 @@ def _compile(dump_dir: str, head_dim: int, causal: bool, config_text: str,
     config = bench_backward.config_for(config_text, head_dim, mask, group)
     lse = jnp.zeros((1, 2 * group, 1024), jnp.float32)
     fn = jax.jit(lambda q, k, v: sm90_backward.backward(
-        q, k, v, q, lse, q, None, None, scale=0.1, mask=mask, config=config, **options))
+        q, k, v, q, lse, q, None, None, score=score, mask=mask, config=config))
   else:
     import bench_forward
     config = bench_forward.config_for(config_text, head_dim, mask, 8192)
     fn = jax.jit(lambda q, k, v: sm90_forward.forward(
-        q, k, v, None, None, scale=0.1, mask=mask, config=config, **options)[0])
+        q, k, v, None, None, score=score, mask=mask, config=config)[0])
   jax.block_until_ready(fn(q, kv, kv))
 
 

@@ -98,10 +98,12 @@ BACKWARD_VARIANTS = ((64, False, None), (128, True, None), (128, True, "segment_
 
 
 def _options(option, shape, numpy):
+  from fa4_jax.scores import ScoreFunction
+
   return {
       None: {},
       "segment_ids": dict(segment_ids=(numpy.zeros(shape[:2], numpy.int32),) * 2),
-      "soft_cap": dict(soft_cap=30.0),
+      "soft_cap": dict(score=ScoreFunction(0.1, 30.0)),
       "sinks": dict(sinks=numpy.zeros((shape[2],), numpy.float32)),
   }[option]
 
@@ -113,7 +115,7 @@ def _compile_in_this_process(dump_dir: str) -> None:
   import numpy as np
 
   from fa4_jax.kernels import sm100_backward, sm100_forward
-  from fa4_jax.scores import MaskSpec
+  from fa4_jax.scores import MaskSpec, ScoreFunction
 
   print("device:", jax.devices()[0], "compute_capability:",
         getattr(jax.devices()[0], "compute_capability", None), flush=True)
@@ -123,9 +125,9 @@ def _compile_in_this_process(dump_dir: str) -> None:
     lengths = jnp.full((1,), 512, jnp.int32)
     # numpy, not jnp: an eager jnp op would itself be compiled for sm_100a
     # and fail to load before the kernel is built.
-    options = _options(option, shape, np)
+    options = {"score": ScoreFunction(0.1)} | _options(option, shape, np)
     fn = jax.jit(lambda q, k, v, a, b, causal=causal, options=options: sm100_forward.forward(
-        q, k, v, a, b, scale=0.1, mask=MaskSpec.from_arguments(causal, None), **options))
+        q, k, v, a, b, mask=MaskSpec.from_arguments(causal, None), **options))
     name = f"head_dim={head_dim} causal={causal} option={option}"
     try:
       jax.block_until_ready(fn(q, q, q, lengths, lengths))
@@ -137,9 +139,9 @@ def _compile_in_this_process(dump_dir: str) -> None:
     x = np.zeros(shape, np.float32).astype(jnp.bfloat16)
     lse = np.zeros((1, 2, 512), np.float32)
     lengths = np.full((1,), 512, np.int32)
-    options = _options(option, shape, np)
+    options = {"score": ScoreFunction(0.1)} | _options(option, shape, np)
     fn = jax.jit(lambda q, k, v, o, lse, do, a, b, causal=causal, options=options:
-                 sm100_backward.backward(q, k, v, o, lse, do, a, b, scale=0.1,
+                 sm100_backward.backward(q, k, v, o, lse, do, a, b,
                                          mask=MaskSpec.from_arguments(causal, None), **options))
     name = f"backward head_dim={head_dim} causal={causal} option={option}"
     try:

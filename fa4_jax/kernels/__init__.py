@@ -7,10 +7,13 @@ plugs into the shared `jax.custom_jvp` (see `fa4_jax/vjp.py`):
         Raises `KernelUnsupported` (a ValueError) with a message naming the
         argument and what the kernel expects when it cannot serve the call.
 
-    forward(q, k, v, q_lengths, kv_lengths, *, scale, mask, segment_ids=None)
+    forward(q, k, v, q_lengths, kv_lengths, *, score, mask, segment_ids=None)
             -> (out, lse)
         q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; Nq % Nkv == 0.
         q_lengths, kv_lengths: int32[B] or None.
+        score: `scores.ScoreFunction`, how a raw q.k becomes a logit (the
+             softmax scale, and the built-in modifications: see
+             "score_function" below).
         segment_ids: None or (q_ids int32 [B, Tq], kv_ids int32 [B, Tk]): a
              row sees a key only when their ids are equal; key tiles whose
              ids cannot meet a tile's are skipped (`scores.segment_tile_ranges`).
@@ -20,7 +23,7 @@ plugs into the shared `jax.custom_jvp` (see `fa4_jax/vjp.py`):
              masked logits; -inf where a row sees no key.
 
 A backward module offers `backward(q, k, v, out, lse, dout, q_lengths,
-kv_lengths, *, scale, mask, segment_ids=None) -> (dq, dk, dv)` with the same
+kv_lengths, *, score, mask, segment_ids=None) -> (dq, dk, dv)` with the same
 conventions.
 
 Optional arguments, taken by a module that names them in its `FEATURES`
@@ -30,12 +33,14 @@ Optional arguments, taken by a module that names them in its `FEATURES`
         log). The softmax starts from it (`scores.initial_row_stats(sink=)`):
         the lse includes it; a row that sees no key gets zeros and lse = sink;
         rows at or past q_lengths keep zeros and -inf.
-    "soft_cap" (forward, backward): soft_cap=float > 0, logits ->
-        cap * tanh(logits / cap) before masking (`scores.softmax_logits`,
-        `softmax_scale`; the backward's dS times `scores.soft_cap_slope`).
+    "score_function" (forward, backward): the module forms every logit
+        through its `score` (`ScoreFunction.exp2_constant`, `logits`,
+        `slope`, `needs_raw_scores`, ...), so it serves a score function that
+        modifies the logits (`ScoreFunction.modifies_logits`: the soft-cap);
+        without it, only the scale. What a call needs: `Scores.kernel_features`.
     "mods" (forward, backward): mods=the call's `scores.Scores` where it has
         a `score_mod` and / or a `mask_mod` (None otherwise): `score_mod`
-        applied to the scaled score before the soft-cap, `mask_mod` and-ed
+        applied to the scaled score before the built-in modifications, `mask_mod` and-ed
         with the built-in masks, the tiles walked from `scores.block_lists`
         (empty tiles never loaded, full ones unmasked), the mods evaluated on
         a tile by `mod_functions` (`bind`, `evaluate_in_kernel`); the

@@ -78,6 +78,7 @@ import jax
 import jax.numpy as jnp
 
 from fa4_jax.kernels import default_device, device_tables
+from fa4_jax.scores import ScoreFunction
 
 CACHE_VERSION = 2  # 2: a backward entry holds the dK/dV and dQ kernels' configs apart
 CACHE_FILE = "autotune.json"
@@ -288,9 +289,9 @@ def _kernel_problem(q_shape, k_shape, dtype, mask, **flags) -> dict:
 # --- sm90 forward ----------------------------------------------------------
 
 
-def sm90_forward_config(default, *, q_shape, k_shape, dtype, mask, scale: float,
+def sm90_forward_config(default, *, q_shape, k_shape, dtype, mask, score: ScoreFunction,
                         has_q_lengths: bool, has_kv_lengths: bool, has_sinks: bool,
-                        soft_cap: float | None, tunable: bool):
+                        tunable: bool):
   """The forward kernel's config: `default` (the heuristic's) unless the
   autotuner is on and the call is `tunable` (a plain layout: no page
   table, heads-major Q, segment ids or mods, equal head dims: V's shape is
@@ -304,7 +305,7 @@ def sm90_forward_config(default, *, q_shape, k_shape, dtype, mask, scale: float,
   kv_seq = k_shape[1]
   problem = _kernel_problem(q_shape, k_shape, dtype, mask, q_lengths=has_q_lengths,
                             kv_lengths=has_kv_lengths, sinks=has_sinks,
-                            soft_cap=soft_cap is not None)
+                            **score.tuning_flags())
 
   def candidates():
     lengths = (256, 1024, 4096, 8192, 32768, kv_seq)
@@ -319,12 +320,11 @@ def sm90_forward_config(default, *, q_shape, k_shape, dtype, mask, scale: float,
     q_lengths = jnp.full((batch,), q_seq, jnp.int32) if has_q_lengths else None
     kv_lengths = jnp.full((batch,), kv_seq, jnp.int32) if has_kv_lengths else None
     sinks = jnp.zeros((heads,), jnp.float32) if has_sinks else None
-    options = {} if soft_cap is None else dict(soft_cap=soft_cap)
 
     @jax.jit
     def fn(q, k, v):
-      return sm90_forward.forward(q, k, v, q_lengths, kv_lengths, scale=scale, mask=mask,
-                                  config=config, sinks=sinks, **options)
+      return sm90_forward.forward(q, k, v, q_lengths, kv_lengths, score=score, mask=mask,
+                                  config=config, sinks=sinks)
 
     return fn, arrays()
 
@@ -335,9 +335,8 @@ def sm90_forward_config(default, *, q_shape, k_shape, dtype, mask, scale: float,
 # --- sm90 backward ---------------------------------------------------------
 
 
-def sm90_backward_config(default, *, q_shape, k_shape, dtype, mask, scale: float,
-                         has_q_lengths: bool, has_kv_lengths: bool, soft_cap: float | None,
-                         tunable: bool):
+def sm90_backward_config(default, *, q_shape, k_shape, dtype, mask, score: ScoreFunction,
+                         has_q_lengths: bool, has_kv_lengths: bool, tunable: bool):
   """The backward kernels' config: `default` (the heuristic's) unless the
   autotuner is on and the call is `tunable` (no segment ids or mods)."""
   if not tunable:
@@ -348,12 +347,12 @@ def sm90_backward_config(default, *, q_shape, k_shape, dtype, mask, scale: float
   batch, q_seq, heads, _ = q_shape
   kv_seq, kv_heads = k_shape[1], k_shape[2]
   problem = _kernel_problem(q_shape, k_shape, dtype, mask, q_lengths=has_q_lengths,
-                            kv_lengths=has_kv_lengths, soft_cap=soft_cap is not None)
+                            kv_lengths=has_kv_lengths, **score.tuning_flags())
   group = heads // kv_heads
 
   def candidates():
-    return _unique([default] + [sm90_backward.choose_config(d, mask, g, soft_cap=capped)
-                                for g in (1, 4, group) for capped in (False, True)])
+    return _unique([default] + [sm90_backward.choose_config(d, mask, g, raw_scores=raw)
+                                for g in (1, 4, group) for raw in (False, True)])
 
   @functools.cache  # one set of arrays for every candidate
   def arrays():
@@ -369,8 +368,8 @@ def sm90_backward_config(default, *, q_shape, k_shape, dtype, mask, scale: float
 
     @jax.jit
     def fn(q, k, v, out, lse, dout):
-      return sm90_backward.backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, scale=scale,
-                                    mask=mask, config=config, soft_cap=soft_cap)
+      return sm90_backward.backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, score=score,
+                                    mask=mask, config=config)
 
     return fn, arrays()
 
@@ -426,7 +425,8 @@ def decode_choices(default: device_tables.DecodeChoices, *, q_shape, k_shape, ma
 
     @jax.jit
     def fn(q, k, v):
-      return sm90_decode.forward(q, k, v, None, None, scale=d ** -0.5, mask=mask, plan=call_plan)
+      return sm90_decode.forward(q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask,
+                                 plan=call_plan)
 
     return fn, arrays()
 

@@ -25,21 +25,15 @@ from fa4_jax.scores import LOG2_E, cdiv, pad_ids, tile_ranges_operand
 STATS_ALIGN = 128
 
 
-def check_operands(q, k, v, soft_cap, *, own_value_head_dim: bool = False):
-  """The checks both backwards make of their operands; returns soft_cap as
-  a float (or None). `own_value_head_dim`: a backward whose v may have a
-  head dim of its own (its other dims are k's)."""
-  if soft_cap is not None:
-    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0:
-      raise ValueError(f"soft_cap must be a positive Python float; got {soft_cap!r}")
-    soft_cap = float(soft_cap)
+def check_operands(q, k, v, *, own_value_head_dim: bool = False):
+  """The checks both backwards make of their operands. `own_value_head_dim`:
+  a backward whose v may have a head dim of its own (its other dims are k's)."""
   if v.shape[:-1] != k.shape[:-1] or (v.shape != k.shape and not own_value_head_dim):
     raise KernelUnsupported(f"v must have k's shape {k.shape}"
                             f"{' but for its head dim' if own_value_head_dim else ''}; "
                             f"got {v.shape}")
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise KernelUnsupported(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-  return soft_cap
 
 
 def preprocess(out, lse, dout, q_lengths, q_pad: int, *, with_delta: bool = True):

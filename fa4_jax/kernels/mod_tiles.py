@@ -167,20 +167,19 @@ class TileMods:
     """The element mask's `mask_mod` hook (None without a mask_mod)."""
     return bound_mask_hook(self.mask_fn)
 
-  def logits(self, s, q_idx, kv_idx, *, scale: float, cap: float | None, with_slope: bool):
+  def logits(self, s, q_idx, kv_idx, *, score: scores.ScoreFunction, with_slope: bool):
     """Raw Q K^T scores `s` (f32 tile) in the order of `scores.Scores`:
-    x = scale * s, x = score_mod(x), t = tanh(x / cap) with soft-cap.
-    Returns (t, dt/dx or None): the slope (`with_slope`, for dS) is the
-    score_mod's times soft-cap's 1 - t^2, None where it is 1. `q_idx`,
-    `kv_idx`: the tile's positions (int32 tiles of its layout). Without a
-    score_mod the scale stays folded into the caller's exp2 constant
-    (`scores.softmax_scale(scale, cap)`), as in the plain kernels; with one
-    that constant is `scores.softmax_scale(1.0, cap)`."""
+    x = scale * s, x = score_mod(x), then the built-in modifications of
+    `score` (`ScoreFunction.modified_logits`). Returns (t, dt/dx or None):
+    the slope (`with_slope`, for dS) is the score_mod's times the built-in
+    ones', None where it is 1. `q_idx`, `kv_idx`: the tile's positions
+    (int32 tiles of its layout). Without a score_mod the scale stays folded
+    into the caller's exp2 constant (`ScoreFunction.logits`), as in the
+    plain kernels."""
     if self.score_fn is None:
-      t = scores.softmax_logits(s, scale, cap)
-      slope = scores.soft_cap_slope(t) if with_slope and cap is not None else None
-      return t, slope
-    x = s * jnp.float32(scale)
+      t = score.logits(s)
+      return t, (score.slope(t) if with_slope else None)
+    x = s * jnp.float32(score.scale)
     if with_slope:
       x, slope = self.score(x, q_idx, kv_idx)
     else:
@@ -189,16 +188,11 @@ class TileMods:
     if x.shape != q_idx.shape:  # a score_mod that ignores the score
       x = jnp.broadcast_to(x, q_idx.shape)
       slope = None if slope is None else jnp.broadcast_to(slope, q_idx.shape)
-    t = scores.softmax_logits(x, 1.0, cap)
-    if with_slope and cap is not None:
-      slope = slope * scores.soft_cap_slope(t)
+    t = score.modified_logits(x)
+    builtin_slope = score.slope(t) if with_slope else None
+    if builtin_slope is not None:
+      slope = slope * builtin_slope
     return t, slope
-
-
-def exp2_constant(scale: float, soft_cap: float | None, has_score_mod: bool) -> float:
-  """c in P = exp2(c t - m) of a kernel with mods: a score_mod takes the
-  scaled scores, so the scale leaves c (`TileMods.logits`)."""
-  return scores.softmax_scale(1.0 if has_score_mod else scale, soft_cap)
 
 
 def walk_block_list(walk: BlockList, block_fn, carry, step0=0):

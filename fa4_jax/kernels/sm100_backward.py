@@ -19,8 +19,8 @@ atomics), as on Hopper: the dQ kernel recomputes S and dP (7 MMAs of a
 tile pair instead of 5) rather than summing partial dQ tiles in arrival
 order. Masks (causal, windows, lengths, bottom-right alignment, segment
 ids) skip whole tiles in both kernels and apply the element mask only on
-boundary tiles; soft-cap multiplies dS by `scores.soft_cap_slope`; sinks
-need nothing (the lse includes them).
+boundary tiles; soft-cap multiplies dS by its slope (`ScoreFunction.slope`);
+sinks need nothing (the lse includes them).
 
 Head dims 64 and 128. At 256 dK and dV of a 128-key tile take all 512 TMEM
 columns, leaving none for S^T and dP^T (`sm100_backward_dkdv.choose_config`),
@@ -64,10 +64,10 @@ from fa4_jax.kernels.sm100_forward import kernel_scores
 from fa4_jax.kernels import sm100_backward_dkdv, sm100_backward_dq
 from fa4_jax.kernels.sm100_backward_dkdv import BLOCK_KV, build_dkv_kernel, dkv_segment_operands
 from fa4_jax.kernels.sm100_backward_dq import BLOCK_Q, build_dq_kernel, dq_segment_operands
-from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
-FEATURES = frozenset({"soft_cap", "mods"})
+FEATURES = frozenset({"score_function", "mods"})
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -100,17 +100,17 @@ def _kernel_mods(mods, dkv, dq_plan, batch: int, num_q_heads: int, q_seq: int, k
   return ModStatics.of(mods, classes), dkv_operands, dq_operands
 
 
-def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-             segment_ids=None, soft_cap: float | None = None, mods=None):
+def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunction,
+             mask: MaskSpec, segment_ids=None, mods=None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
   q, out, dout: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; lse: f32 [B, Nq, Tq].
   dk and dv are summed over the query heads of each GQA group.
   segment_ids: None, or (q ids int32 [B, Tq], kv ids int32 [B, Tk]).
-  soft_cap: None, or a Python float > 0: the forward's logits were
-  cap * tanh(scale * q.k / cap).
+  score: how the forward formed its logits from q.k (`ScoreFunction`: the
+  scale, the soft-cap).
   mods: None, or the call's `scores.Scores` where it has a `score_mod` or
-  `mask_mod` (its mask, scale, soft-cap, lengths and segment ids are the
+  `mask_mod` (its mask, score function, lengths and segment ids are the
   arguments above): both kernels then walk block lists (PARTIAL blocks with
   the element mask and mask_mod, FULL ones without, EMPTY ones never
   loaded) and recompute P with the modified score; dS carries score_mod's
@@ -122,7 +122,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
   if mods is not None:
     check_mods("sm100 backward", mods)
   check_supported(q.shape, k.shape, q.dtype, mask)
-  soft_cap = check_operands(q, k, v, soft_cap)
+  check_operands(q, k, v)
+  score = score.with_score_mod(mods is not None and mods.score_mod is not None)
   batch, q_seq, num_q_heads, head_dim = q.shape
   _, kv_seq, num_kv_heads, _ = k.shape
   dtype = q.dtype
@@ -141,9 +142,9 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
   k, v = pad(k, kv_pad), pad(v, kv_pad)
   common = dict(batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
                 num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                dtype=dtype, scale=float(scale), mask=mask,
+                dtype=dtype, score=score, mask=mask,
                 has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
-                has_segments=segment_ids is not None, soft_cap=soft_cap)
+                has_segments=segment_ids is not None)
   lengths = [jnp.asarray(x, jnp.int32) for x in (q_lengths, kv_lengths) if x is not None]
   dkv_segments, dq_segments = [], []
   if segment_ids is not None:
@@ -152,9 +153,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float, ma
     dq_segments = dq_segment_operands(q_ids, kv_ids, dq_plan, q_pad)
   dkv_mods, dq_mods = [], []
   if mods is not None:
-    mods = kernel_scores(mods, mask=mask, scale=scale, soft_cap=soft_cap, q_lengths=q_lengths,
-                         kv_lengths=kv_lengths, segment_ids=segment_ids, q_seq=q_seq,
-                         kv_seq=kv_seq)
+    mods = kernel_scores(mods, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                         segment_ids=segment_ids, q_seq=q_seq, kv_seq=kv_seq)
     common["mods"], dkv_mods, dq_mods = _kernel_mods(mods, dkv, dq_plan, batch, num_q_heads,
                                                      q_seq, kv_seq, q_pad, kv_pad)
   args = [q, k, v, dout, lse2, delta, *lengths]

@@ -110,7 +110,7 @@ from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import (ARRIVE, COMMIT, MMA, RELEASE_TO_TMA, TMA, WAIT, WAITER, Barrier,
                                        BarrierTable, rem)
-from fa4_jax.kernels.mod_tiles import ModRefs, ModStatics, TileMods, exp2_constant, walk_block_list
+from fa4_jax.kernels.mod_tiles import ModRefs, ModStatics, TileMods, walk_block_list
 from fa4_jax.kernels.sm100_tiles import (COL_VECTOR_LAYOUT, EPILOGUE_LAYOUT, ROW_LAYOUT,
                                          ROW_VECTOR_LAYOUT, SMEM_BYTES, TMEM_COLUMNS,
                                          element_mask, tile_positions)
@@ -312,17 +312,13 @@ class DkvStatics:
 
   tiles: DkvTiles
   mask: MaskSpec
-  scale: float
-  soft_cap: float | None
+  score: scores.ScoreFunction  # how S^T becomes the logits, and their slope
   mods: ModStatics | None = None  # programmable scores; None without them
 
   @property
   def exp2_scale(self) -> float:
-    """c in P = exp2(c t - lse2) (`scores.softmax_scale`; with a score_mod
-    the scale leaves it, `mod_tiles.exp2_constant`)."""
-    if self.mods is not None:
-      return exp2_constant(self.scale, self.soft_cap, self.mods.score_mod is not None)
-    return scores.softmax_scale(self.scale, self.soft_cap)
+    """c in P = exp2(c t - lse2) (`ScoreFunction.exp2_constant`)."""
+    return self.score.exp2_constant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,17 +496,17 @@ def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids,
                    tile_mods: TileMods | None = None):
   """(P^T, w) of one chunk of S^T (keys along rows, queries [q_lo, q_lo +
   CHUNK) along columns): P^T = exp2(c t - lse2), 0 where the element mask
-  hides a pair (`masked` blocks only); w = P^T, or P^T (1 - t^2) with
-  soft-cap, the factor of dS^T (as `sm90_backward_common.tile_softmax`).
+  hides a pair (`masked` blocks only); w = P^T, or P^T times the logits'
+  slope (soft-cap: 1 - t^2), the factor of dS^T (as
+  `sm90_backward_common.tile_softmax`).
   With `tile_mods` (programmable scores) t and its slope come from
   `TileMods.logits` and a masked block's element mask includes mask_mod."""
   st, work = ctx.statics, ctx.work
   if tile_mods is None:
-    t, slope = scores.softmax_logits(s, st.scale, st.soft_cap), None
+    t, slope = st.score.logits(s), None
   else:
     q_idx, kv_idx = tile_positions(s.shape, row_lo=k_lo, col_lo=q_lo, keys_along_rows=True)
-    t, slope = tile_mods.logits(s, q_idx, kv_idx, scale=st.scale, cap=st.soft_cap,
-                                with_slope=True)
+    t, slope = tile_mods.logits(s, q_idx, kv_idx, score=st.score, with_slope=True)
   logits2 = t * st.exp2_scale - lax.broadcast_in_dim(lse2, s.shape, [1])
   if masked:
     segments = (None if key_ids is None
@@ -520,9 +516,9 @@ def _chunk_softmax(ctx: DkvContext, s, lse2, *, k_lo, q_lo, masked, key_ids,
                       mask_mod=None if tile_mods is None else tile_mods.mask_hook())
     logits2 = jnp.where(ok, logits2, -jnp.inf)
   p = jnp.exp2(logits2)
-  if tile_mods is not None:
-    return p, (p if slope is None else p * slope)
-  return p, (p if st.soft_cap is None else p * scores.soft_cap_slope(t))
+  if tile_mods is None:
+    slope = st.score.slope(t)  # after the exp2, as t's last use
+  return p, (p if slope is None else p * slope)
 
 
 def _compute_step(ctx: DkvContext, key_ids, step, qb, carry, *, masked, tile_mods=None):
@@ -633,7 +629,7 @@ def epilogue(ctx: DkvContext) -> None:
 
   def dk_chunk(cols):
     dk = plgpu.async_load_tmem(refs.dk_tmem.at[:, cols], layout=EPILOGUE_LAYOUT)
-    return (dk * ctx.statics.scale).astype(dtype)
+    return (dk * ctx.statics.score.scale).astype(dtype)
 
   def dv_chunk(cols):
     return plgpu.async_load_tmem(refs.dv_tmem.at[:, cols], layout=EPILOGUE_LAYOUT).astype(dtype)
@@ -686,8 +682,8 @@ def _scratch_types(tiles: DkvTiles) -> dict:
 
 @cached_build
 def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
-                     dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
-                     has_kv_lengths, has_segments=False, soft_cap=None,
+                     dtype, score: scores.ScoreFunction, mask, block_kv, block_q, num_stages,
+                     has_q_lengths, has_kv_lengths, has_segments=False,
                      mods: ModStatics | None = None):
   """The dK/dV kernel: `(q, k, v, dout, lse2, delta, *lengths, *segments)
   -> (dk, dv)`.
@@ -705,7 +701,7 @@ def build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
   tiles = DkvTiles(head_dim, jnp.dtype(dtype), block_q=block_q, num_stages=num_stages,
                    block_kv=block_kv)
   tiles.check_budgets()
-  statics = DkvStatics(tiles, mask, float(scale), soft_cap, mods=mods)
+  statics = DkvStatics(tiles, mask, score, mods=mods)
   group = num_q_heads // num_kv_heads
 
   def kernel(*refs, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, st_tmem, dpt_tmem,

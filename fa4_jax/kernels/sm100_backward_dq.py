@@ -70,8 +70,8 @@ Segment ids: the CTA walks the blocks its tile's ids may meet
 (`backward_inputs.segment_operands(keys_are_rows=False, consumers=1)`); blocks
 of the tile's one-id run need no element mask; masked blocks load their
 keys' ids from GMEM (as the forward does). Soft-cap: the compute warpgroup
-recomputes t = tanh(scale s / cap) (`scores.softmax_logits`) and multiplies
-dS by `scores.soft_cap_slope(t)`.
+recomputes t = tanh(scale s / cap) (`ScoreFunction.logits`) and multiplies
+dS by its slope 1 - t^2 (`ScoreFunction.slope`).
 
 Programmable scores (`build_dq_kernel(mods=)`): the CTA walks its tile's
 block list instead of its key range (`DqContext.key_block`), PARTIAL blocks
@@ -99,8 +99,7 @@ from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, exp2_constant,
-                                       walk_block_list)
+from fa4_jax.kernels.mod_tiles import BlockList, ModRefs, ModStatics, TileMods, walk_block_list
 from fa4_jax.kernels.pipeline import (ARRIVE, COMMIT, MMA, TMA, WAIT, WAITER, Barrier, rem,
                                        sequence_lengths)
 from fa4_jax.kernels.backward_inputs import segment_operands
@@ -312,20 +311,17 @@ class DqStatics:
 
   tiles: DqTiles
   mask: MaskSpec
-  scale: float
+  score: scores.ScoreFunction  # how S becomes the logits, and their slope
   group: int  # query heads per key/value head
   num_q_tiles: int
   q_seq: int
   kv_valid: int
-  soft_cap: float | None = None
   has_segments: bool = False
   mods: ModStatics | None = None  # programmable scores; None without them
 
   @property
   def c(self) -> float:
-    if self.mods is not None:  # a score_mod takes the scaled scores
-      return exp2_constant(self.scale, self.soft_cap, self.mods.score_mod is not None)
-    return scores.softmax_scale(self.scale, self.soft_cap)
+    return self.score.exp2_constant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,12 +516,11 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool,
   bars.consumer_s(b).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(b), layout=ROW_LAYOUT)
   if tile_mods is None:
-    t, slope = scores.softmax_logits(s, st.scale, st.soft_cap), None
+    t, slope = st.score.logits(s), None
   else:
     q_idx, kv_idx = tile_positions(s.shape, row_lo=ctx.q_lo, col_lo=j * ctx.tiles.block_kv,
                                    keys_along_rows=False)
-    t, slope = tile_mods.logits(s, q_idx, kv_idx, scale=st.scale, cap=st.soft_cap,
-                                with_slope=True)
+    t, slope = tile_mods.logits(s, q_idx, kv_idx, score=st.score, with_slope=True)
   logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [0])
   if masked:
     segments = None if row_ids is None else (row_ids, ctx.gmem.segments.kv_ids, ctx.b)
@@ -535,8 +530,8 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool,
                       mask_mod=None if tile_mods is None else tile_mods.mask_hook())
     logits2 = jnp.where(ok, logits2, -jnp.inf)
   w = jnp.exp2(logits2)  # P
-  if tile_mods is None and st.soft_cap is not None:
-    slope = scores.soft_cap_slope(t)  # after the exp2, as t's last use
+  if tile_mods is None:
+    slope = st.score.slope(t)  # after the exp2, as t's last use
   if slope is not None:
     w = w * slope
   bars.consumer_dp(b).wait()
@@ -607,7 +602,7 @@ def epilogue(ctx: DqContext) -> None:
   def scaled(c):
     dq = plgpu.async_load_tmem(ctx.tmem["dq"].at[:, pl.ds(c, EPILOGUE_CHUNK)],
                                layout=EPILOGUE_LAYOUT)
-    return (dq * ctx.statics.scale).astype(ctx.tiles.dtype)
+    return (dq * ctx.statics.score.scale).astype(ctx.tiles.dtype)
 
   _store_dq(ctx, scaled)
 
@@ -681,8 +676,8 @@ def dq_segment_operands(q_ids, kv_ids, tiles: DqTiles, q_seq: int):
 
 @cached_build
 def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads, head_dim,
-                    dtype, scale, mask, block_kv, block_q, num_stages, has_q_lengths,
-                    has_kv_lengths, has_segments=False, soft_cap=None,
+                    dtype, score: scores.ScoreFunction, mask, block_kv, block_q, num_stages,
+                    has_q_lengths, has_kv_lengths, has_segments=False,
                     mods: ModStatics | None = None):
   """(q, k, v, dout, lse2, delta, *lengths, *segment_operands) -> dq.
 
@@ -701,9 +696,8 @@ def build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads
   tiles.check_budgets()
   del kv_seq  # the K/V extents come with the arrays
   num_q_tiles = cdiv(q_seq, BLOCK_Q)
-  statics = DqStatics(tiles, mask, float(scale), num_q_heads // num_kv_heads, num_q_tiles,
-                      q_seq, kv_valid, soft_cap=None if soft_cap is None else float(soft_cap),
-                      has_segments=has_segments, mods=mods)
+  statics = DqStatics(tiles, mask, score, num_q_heads // num_kv_heads, num_q_tiles,
+                      q_seq, kv_valid, has_segments=has_segments, mods=mods)
 
   def kernel(*refs, smem, tmem, barrier_refs):
     gmem, rest = KernelRefs.split(refs, has_q_lengths, has_kv_lengths,

@@ -85,12 +85,12 @@ softmax warpgroup starts its rows' running max and sum from its head's sink
 (`scores.initial_row_stats(sink=)`), so the correction and the epilogue see
 the sink in m and l like any key; the epilogue gives rows at or past
 q_lengths lse -inf (they start from the sink too) and a CTA that walks no
-key block lse = sink for its valid rows. Logit soft-capping
-(`forward(..., soft_cap=cap)`, static): the softmax turns each S tile into
-`scores.softmax_logits` (one multiply and a tanh.approx per element) before
-the element mask and folds cap into the exp2 constant
-(`scores.softmax_scale`). Where the capped logits bound P
-(`scores.fixed_max_is_exact`: bf16, cap * log2(e) + log2(keys) <= 96) the
+key block lse = sink for its valid rows. Logit soft-capping (the cap of
+`forward(..., score=)`, a `scores.ScoreFunction`, static): the softmax turns
+each S tile into its logits (`ScoreFunction.logits`: one multiply and a
+tanh.approx per element) before the element mask and folds cap into the
+exp2 constant (`ScoreFunction.exp2_constant`). Where the capped logits bound
+P (`ScoreFunction.bounds_logits`: bf16, cap * log2(e) + log2(keys) <= 96) the
 rows keep a fixed max (`ForwardStatics.fixed_max`): the softmax takes no row
 max and hands no row factors over (c_full / c_free carry only the final
 statistics), and the correction leaves O alone, only keeping its turn in
@@ -124,7 +124,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Callable
 
 import jax
@@ -140,7 +139,7 @@ from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.backward_inputs import mod_operands
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics, TileMods, check_mods,
-                                       exp2_constant, walk_block_list)
+                                       walk_block_list)
 from fa4_jax.kernels.pipeline import ARRIVE, MMA, TMA, WAIT, WAITER, Barrier, rem
 from fa4_jax.kernels.schedule import (PersistentWork, heavy_first_tile, pairs_causal_tiles,
                                       sm_count)
@@ -152,7 +151,7 @@ from fa4_jax.scores import MaskSpec
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # Optional arguments of `forward` (see fa4_jax/kernels/__init__.py).
-FEATURES = frozenset({"sinks", "soft_cap", "mods"})
+FEATURES = frozenset({"sinks", "score_function", "mods"})
 
 BLOCK_Q = 128  # rows of one Q tile = TMEM lanes = threads of a warpgroup
 # Columns of O handled at once by the correction warpgroup (rescale) and by
@@ -413,12 +412,11 @@ class ForwardStatics:
   tq: int  # true extents; the arrays may be padded past them
   tk: int
   group: int  # query heads per key/value head
-  scale: float  # the softmax scale
+  score: scores.ScoreFunction  # how S becomes the softmax's logits
   segments: bool = False  # segment ids given (three more operands)
-  soft_cap: float | None = None  # logit soft-cap (static)
   sinks: bool = False  # one sink logit per query head given (one more operand)
-  # Soft-cap only, where `scores.fixed_max_is_exact`: the rows keep one fixed
-  # max, so no row factors go to the correction and O is never rescaled.
+  # Bounded logits only (`ScoreFunction.bounds_logits`): the rows keep one
+  # fixed max, so no row factors go to the correction and O is never rescaled.
   fixed_max: bool = False
   num_cta_tiles: int = 1  # CTA tiles (of rows_per_cta query rows) along Tq
   # One CTA per tile: walk the grid's q chunks heaviest first (causal-like).
@@ -438,12 +436,8 @@ class ForwardStatics:
 
   @property
   def exp2_scale(self) -> float:
-    """c in P = exp2(c t - m): scale * log2(e), or cap * log2(e) with
-    soft-cap (`scores.softmax_scale`); a score_mod takes the scaled scores,
-    so with one the scale leaves c (`mod_tiles.exp2_constant`)."""
-    if self.mods is not None:
-      return exp2_constant(self.scale, self.soft_cap, self.mods.score_mod is not None)
-    return scores.softmax_scale(self.scale, self.soft_cap)
+    """c in P = exp2(c t - m) (`ScoreFunction.exp2_constant`)."""
+    return self.score.exp2_constant
 
   # Warpgroups (the "wg" threads of plgpu.kernel), as in the module docstring.
   @property
@@ -797,9 +791,9 @@ def _softmax_step(ctx: ForwardContext, i, r_lo, row_ids, n, carry):
   k_lo = (ctx.blk_lo + n) * bn
   bars.consumer_s(i).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=ROW_LAYOUT)
-  # Soft-cap: t = tanh(s * scale / cap), in place (no second tile alive),
-  # before the mask: tanh(-inf) = -1 would unmask a key.
-  s = scores.softmax_logits(s, ctx.statics.scale, ctx.statics.soft_cap)
+  # The logits (soft-cap: t = tanh(s * scale / cap)), in place (no second
+  # tile alive), before the mask: tanh(-inf) = -1 would unmask a key.
+  s = ctx.statics.score.logits(s)
   # Element masks only where the block straddles a mask/length edge (or,
   # with segment ids, lies outside the tile's run of its one id).
   needs_no_mask = (
@@ -829,8 +823,7 @@ def _softmax_step_with_mods(ctx: ForwardContext, i, r_lo, row_ids, tile_mods: Ti
   ctx.bars.consumer_s(i).wait()
   s = plgpu.async_load_tmem(ctx.s_tmem(i), layout=ROW_LAYOUT)
   q_idx, kv_idx = tile_positions(s.shape, row_lo=r_lo, col_lo=k_lo, keys_along_rows=False)
-  s, _ = tile_mods.logits(s, q_idx, kv_idx, scale=ctx.statics.scale,
-                          cap=ctx.statics.soft_cap, with_slope=False)
+  s, _ = tile_mods.logits(s, q_idx, kv_idx, score=ctx.statics.score, with_slope=False)
   if masked:
     s = _masked_scores(ctx, s, r_lo, k_lo, row_ids, mask_mod=tile_mods.mask_hook())
   else:
@@ -1125,8 +1118,8 @@ def _scratch_types(cfg: TileConfig) -> dict:
 
 @cached_build
 def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads,
-                  num_kv_heads, scale: float, mask: MaskSpec, segments: bool = False,
-                  soft_cap: float | None = None, sinks: bool = False,
+                  num_kv_heads, score: scores.ScoreFunction, mask: MaskSpec,
+                  segments: bool = False, sinks: bool = False,
                   fixed_max: bool = False, mods: ModStatics | None = None):
   """The pallas kernel for q [batch, tq_pad, ...], k/v [batch, tk_pad, ...]
   whose true extents are tq, tk (rows/keys past them are padding). With
@@ -1136,7 +1129,7 @@ def _build_kernel(cfg: TileConfig, *, batch, tq, tk, tq_pad, tk_pad, num_q_heads
   (`mods_operands`)."""
   num_cta_tiles = pl.cdiv(tq_pad, cfg.rows_per_cta)
   statics = ForwardStatics(cfg, mask, tq=tq, tk=tk, group=num_q_heads // num_kv_heads,
-                          scale=scale, segments=segments, soft_cap=soft_cap, sinks=sinks,
+                          score=score, segments=segments, sinks=sinks,
                           fixed_max=fixed_max, mods=mods,
                           num_cta_tiles=num_cta_tiles, heavy_first=pairs_causal_tiles(mask),
                           work=persistent_work(cfg, mask, batch, num_q_heads, tq_pad))
@@ -1216,18 +1209,17 @@ def check_supported(q_shape, k_shape, dtype, mask: MaskSpec) -> None:
   choose_config(d, dtype)
 
 
-def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            segment_ids=None, sinks=None, soft_cap: float | None = None,
-            config: TileConfig | None = None, mods=None):
+def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask: MaskSpec,
+            segment_ids=None, sinks=None, config: TileConfig | None = None, mods=None):
   """See fa4_jax/kernels/__init__.py; `segment_ids`: None or (q_ids int32
   [B, Tq], kv_ids int32 [B, Tk]): a query sees only keys of its own id;
-  `sinks`: None or f32 [Nq]; `soft_cap`: None or a float > 0. `config`:
+  `sinks`: None or f32 [Nq]. `config`:
   None for `choose_config(head_dim, dtype)`, or that config with other grid
   fields (`persistent`, `num_sms`); its tiling must be the one the head dim
   gets.
 
   `mods`: None, or the call's `scores.Scores` with a `score_mod` and / or a
-  `mask_mod` (its lengths, segment ids, band, scale and soft-cap are the
+  `mask_mod` (its lengths, segment ids, band and score function are the
   arguments above; it adds the mods, their captured arrays, the block mask
   and the index offsets). Every role then walks per CTA tile the block list
   of every mask (`mods_operands`, computed here in XLA): PARTIAL blocks with
@@ -1243,10 +1235,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     raise KernelUnsupported(
         f"sm100 forward: q, k, v must share a dtype and k, v a shape; got"
         f" {q.dtype}{q.shape}, {k.dtype}{k.shape}, {v.dtype}{v.shape}")
-  if not scale > 0:
-    raise KernelUnsupported(f"sm100 forward: scale must be positive, got {scale}")
-  if soft_cap is not None and not (isinstance(soft_cap, numbers.Real) and soft_cap > 0):
-    raise KernelUnsupported(f"sm100 forward: soft_cap must be a float > 0, got {soft_cap!r}")
+  if not score.scale > 0:
+    raise KernelUnsupported(f"sm100 forward: scale must be positive, got {score.scale}")
+  score = score.with_score_mod(mods is not None and mods.score_mod is not None)
   b, tq, nq, d = q.shape
   _, tk, nkv, _ = k.shape
   if q_lengths is None:
@@ -1287,32 +1278,32 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     sink_operand = (jnp.asarray(sinks, jnp.float32),)
   mod_options, mod_args = {}, ()
   if mods is not None:
-    mods = kernel_scores(mods, mask=mask, scale=scale, soft_cap=soft_cap, q_lengths=q_lengths,
-                         kv_lengths=kv_lengths, segment_ids=segment_ids, q_seq=tq, kv_seq=tk)
+    mods = kernel_scores(mods, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                         segment_ids=segment_ids, q_seq=tq, kv_seq=tk)
     mod_statics, mod_args = mods_operands(mods, cfg, b, nq, tq, tk, num_cta_tiles)
     mod_options = dict(mods=mod_statics)
   call = _build_kernel(
       cfg, batch=b, tq=tq, tk=tk, tq_pad=tq_pad, tk_pad=tk_pad, num_q_heads=nq,
-      num_kv_heads=nkv, scale=float(scale), mask=mask, segments=bool(segments),
-      soft_cap=None if soft_cap is None else float(soft_cap), sinks=bool(sink_operand),
-      # Soft-capped logits are bounded: where that bounds P, no running max.
-      fixed_max=scores.fixed_max_is_exact(q.dtype, soft_cap, tk), **mod_options)
+      num_kv_heads=nkv, score=score, mask=mask, segments=bool(segments),
+      sinks=bool(sink_operand),
+      # Where bounded logits bound P, no running max.
+      fixed_max=score.bounds_logits(q.dtype, tk), **mod_options)
   out, lse = call(q, k, v, q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32),
                   *segments, *sink_operand, *mod_args)
   return out[:, :tq], lse[:, :, :tq]
 
 
-def kernel_scores(mods, *, mask: MaskSpec, scale: float, soft_cap, q_lengths, kv_lengths,
-                  segment_ids, q_seq: int, kv_seq: int):
+def kernel_scores(mods, *, mask: MaskSpec, q_lengths, kv_lengths, segment_ids, q_seq: int,
+                  kv_seq: int):
   """`mods` (the call's `scores.Scores`) with the kernel call's own mask,
-  scale, soft-cap, lengths and segment ids: what its tile classes are of
+  lengths and segment ids: what its tile classes are of
   (`scores.tile_classes`), for the forward and the backward kernels. The
   lengths are clipped to the sequences, as the kernels mask them (a length
   past them would make the last, padded, block look full)."""
   clip = lambda x, n: None if x is None else jnp.clip(jnp.asarray(x, jnp.int32), 0, n)
   q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
-  return mods.replace(mask=mask, scale=float(scale), soft_cap=soft_cap,
-                      q_lengths=clip(q_lengths, q_seq), kv_lengths=clip(kv_lengths, kv_seq),
+  return mods.replace(mask=mask, q_lengths=clip(q_lengths, q_seq),
+                      kv_lengths=clip(kv_lengths, kv_seq),
                       q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
 

@@ -76,11 +76,12 @@ Masks: a consumer walks only the blocks its own rows/keys can touch
 only on boundary tiles, and only keeps the barrier protocol going for blocks
 of the CTA's range outside its own.
 
-Logit soft-capping (`soft_cap=`): both kernels recompute P from t =
-tanh(scale * s / cap) with c = cap * log2(e) and multiply dS by the slope
-1 - t^2; `sm90_backward_common.tile_softmax` makes that choice for all of
-them (what it costs: there). With `fold_stats` only delta is folded (the
-tanh needs the raw S^T). Measured (H200, B2 S8192, soft-cap against plain,
+Logit soft-capping (the cap of `score=`, a `scores.ScoreFunction`): both
+kernels recompute P from t = tanh(scale * s / cap) with c = cap * log2(e)
+and multiply dS by the slope 1 - t^2; `sm90_backward_common.tile_softmax`
+asks the score function for them in all of them (what it costs: there).
+With `fold_stats` only delta is folded (the tanh needs the raw S^T:
+`ScoreFunction.needs_raw_scores`). Measured (H200, B2 S8192, soft-cap against plain,
 same process, CUPTI): D128 4.88 -> 5.70 ms dense, 2.51 -> 2.94 causal;
 GQA 32/8 10.0 -> 12.5 dense, 4.98 -> 5.72 causal; D64 H32 5.78 -> 8.18
 dense, 3.00 -> 4.31 causal (two MUFU ops per element instead of one: at
@@ -117,11 +118,11 @@ from fa4_jax.kernels.sm90_backward_dkdv import (DkvConfig, _build_dkv_head_split
                                                 _build_dkv_kernel)
 from fa4_jax.kernels.sm90_backward_dq import DqConfig, _build_dq_kernel
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
-from fa4_jax.scores import MaskSpec, cdiv
+from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
-FEATURES = frozenset({"soft_cap", "mods", "value_head_dim"})
+FEATURES = frozenset({"score_function", "mods", "value_head_dim"})
 
 # dK and dV of a 64-key tile take (head_dim + value_head_dim) / 2 fp32
 # registers per thread together (64 rows x width x 4 B / 128 threads each);
@@ -172,14 +173,15 @@ class BackwardConfig:
                        f"{dq_rows} rows per CTA; got dkv.block_q={self.dkv.block_q}")
 
 def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
-                  segment_ids: bool = False, soft_cap: bool = False,
+                  segment_ids: bool = False, raw_scores: bool = False,
                   value_head_dim: int | None = None) -> BackwardConfig:
   """Block sizes per (padded) head dim pair, Q's and K's `head_dim` and V's
   `value_head_dim` (None: the same; `check_value_head_dim` says which pairs
   the kernels take); the same for every mask. Where delta
   is computed depends on whether the mask has a window, how lse and delta
   enter the dK/dV kernel on the GQA group size (`group` query heads per KV
-  head), the mask and whether the logits are soft-capped (below).
+  head), the mask and whether the logits need the raw S^T (`raw_scores`:
+  `ScoreFunction.needs_raw_scores`, soft-capped logits; below).
 
   Registers per consumer thread (64 rows per warpgroup, fp32):
   dK/dV: dK + dV = (head_dim + value_head_dim) / 2, S^T and dP^T =
@@ -216,10 +218,10 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
   # the dK/dV kernel's spills ("lse and delta folded into the accumulators").
   fold_stats = causal_without_window and group > 1 and d > 64
   #
-  # Soft-capped: delta alone is folded, under causal masks, windows
-  # included, above head dim 64 ("Soft-cap: delta folded under causal
-  # masks").
-  fold_stats = fold_stats or (soft_cap and mask.right == 0 and d > 64)
+  # Soft-capped (logits of the raw S^T): delta alone is folded, under causal
+  # masks, windows included, above head dim 64 ("Soft-cap: delta folded
+  # under causal masks").
+  fold_stats = fold_stats or (raw_scores and mask.right == 0 and d > 64)
   #
   # Packed causal rows (segment ids) without a window at head dim <= 64: the
   # dK/dV kernel on a persistent grid with a work queue and two K/V copies
@@ -268,7 +270,7 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
 
 
 def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
-                       segment_ids: bool = False, soft_cap: bool = False,
+                       segment_ids: bool = False, raw_scores: bool = False,
                        value_head_dim: int | None = None) -> BackwardConfig:
   """The config of a call with a `score_mod` or `mask_mod`: the plain call's
   (`choose_config`) without the variants the block lists do not drive (the
@@ -277,7 +279,7 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   rows) and the dK/dV kernel's (128 keys) nest with the 128 x 128 tiles of
   a `create_block_mask` block mask (three consumers' 192 rows do not: the
   mask_mod would be evaluated anew). Unmeasured on hardware."""
-  config = choose_config(head_dim, mask, group, segment_ids=segment_ids, soft_cap=soft_cap,
+  config = choose_config(head_dim, mask, group, segment_ids=segment_ids, raw_scores=raw_scores,
                          value_head_dim=value_head_dim)
   dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=False)
   dq = config.dq
@@ -292,9 +294,9 @@ def mods_configs() -> list[tuple[int, BackwardConfig]]:
   for d in (64, 128, 192, 256):
     for mask in sm90_tiles.HEURISTIC_MASKS:
       for group in (1, 4):
-        for soft_cap in (False, True):
+        for raw_scores in (False, True):
           for segment_ids in (False, True):
-            seen[(d, choose_mods_config(d, mask, group, segment_ids, soft_cap))] = None
+            seen[(d, choose_mods_config(d, mask, group, segment_ids, raw_scores))] = None
   return list(seen)
 
 
@@ -304,8 +306,8 @@ def all_configs() -> list[tuple[int, BackwardConfig]]:
   for d in (64, 128, 192, 256):
     for mask in sm90_tiles.HEURISTIC_MASKS:
       for group in (1, 4):
-        for soft_cap in (False, True):
-          seen[(d, choose_config(d, mask, group, soft_cap=soft_cap))] = None
+        for raw_scores in (False, True):
+          seen[(d, choose_config(d, mask, group, raw_scores=raw_scores))] = None
   return list(seen)
 
 
@@ -377,9 +379,9 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
   return statics, dkv, dq
 
 
-def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
+def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunction,
              mask: MaskSpec, config: BackwardConfig | None = None, segment_ids=None,
-             soft_cap: float | None = None, mods=None):
+             mods=None):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; out, dout: [B, Tq, Nq, Dv]; k: [B, Tk, Nkv, D]; v:
@@ -388,17 +390,17 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   dk and dv are summed over the query heads of each GQA group.
   segment_ids: None, or (q ids int32 [B, Tq], kv ids int32 [B, Tk]): a query
   sees only keys of its own id.
-  soft_cap: None, or a Python float > 0: the forward's logits were
-  cap * tanh(scale * q.k / cap) (`sm90_backward_common.tile_softmax`).
+  score: how the forward formed its logits from q.k (`ScoreFunction`: the
+  scale, the soft-cap; `sm90_backward_common.tile_softmax`).
   Sinks need nothing here: the lse includes them.
   mods: None, or the call's `scores.Scores` where it has a `score_mod` or
-  `mask_mod` (its mask, scale, soft-cap, lengths and segment ids are the
+  `mask_mod` (its mask, score function, lengths and segment ids are the
   arguments above): the kernels recompute P with the modified score and
   walk block lists (`sm90_backward_common`, "score_mod and mask_mod");
   the captured arrays' gradients are the caller's (`backends`).
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
-  soft_cap = check_operands(q, k, v, soft_cap, own_value_head_dim=True)
+  check_operands(q, k, v, own_value_head_dim=True)
   batch, q_seq, num_q_heads, head_dim = q.shape
   _, kv_seq, num_kv_heads, _ = k.shape
   value_dim = v.shape[-1]
@@ -411,15 +413,16 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
   if mods is not None and not mods.has_mods:
     mods = None
+  score = score.with_score_mod(mods is not None and mods.score_mod is not None)
   choose = choose_config if mods is None else choose_mods_config
   # (The tuner's candidates and arrays have one head dim.)
   tunable = mods is None and segment_ids is None and d_value == d
   config = config or autotune.sm90_backward_config(  # the heuristic's, unless switched on
       choose(d, mask, num_q_heads // num_kv_heads, segment_ids=segment_ids is not None,
-             soft_cap=soft_cap is not None, value_head_dim=d_value),
-      q_shape=q.shape, k_shape=k.shape, dtype=dtype, mask=mask, scale=scale,
+             raw_scores=score.needs_raw_scores, value_head_dim=d_value),
+      q_shape=q.shape, k_shape=k.shape, dtype=dtype, mask=mask, score=score,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
-      soft_cap=soft_cap, tunable=tunable)
+      tunable=tunable)
   if mods is not None and (config.dkv.work_queue or config.dkv.fold_stats):
     raise ValueError("with a score_mod or mask_mod the dK/dV kernel's config takes neither "
                      f"work_queue nor fold_stats; got {config.dkv}")
@@ -438,12 +441,10 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, scale: float,
   common = dict(
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=d_value,
-      dtype=dtype, scale=float(scale), mask=mask,
+      dtype=dtype, score=score, mask=mask,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
   if segment_ids is not None:
     common["has_segments"] = True
-  if soft_cap is not None:
-    common["soft_cap"] = soft_cap
   dkv_segments, dq_segments = _kernel_segments(segment_ids, config, q_pad, kv_pad)
   dkv_mods = dq_mods = []
   if mods is not None:

@@ -18,14 +18,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics,  # noqa: F401 (shared)
                                       TileMods, walk_block_list)
 from fa4_jax.kernels.sm90_tiles import where_visible
-from fa4_jax.scores import MaskSpec
+from fa4_jax.scores import MaskSpec, ScoreFunction
 
 
 # --- barriers ------------------------------------------------------------------
@@ -109,26 +108,21 @@ class BackwardStatics:
   dtype: Any
   head_dim: int  # Q's, K's, dQ's and dK's
   value_head_dim: int  # V's, O's, dO's and dV's (head_dim, or narrower: `check_value_head_dim`)
-  scale: float
+  score: ScoreFunction  # how S becomes the logits, and their slope
   group: int  # query heads per KV head
-  soft_cap: float | None  # None: no logit soft-capping
 
   @property
   def c(self) -> float:
     """The folded softmax scale: exp(scale * s) = exp2(c * s), or with
     soft-cap exp(cap * tanh(scale * s / cap)) = exp2(c * t)
-    (`scores.softmax_scale`). With a `score_mod` the scale is applied before
-    it, so c is log2(e) (times the cap) on the modified score."""
-    mods = getattr(self, "mods", None)
-    if mods is not None and mods.score_mod is not None:
-      return scores.softmax_scale(1.0, self.soft_cap)
-    return scores.softmax_scale(self.scale, self.soft_cap)
+    (`ScoreFunction.exp2_constant`; with a `score_mod` the scale is applied
+    before it, so c is log2(e), times the cap, on the modified score)."""
+    return self.score.exp2_constant
 
   def softmax(self, s, lse2, **kwargs) -> "TileSoftmax":
-    """`tile_softmax` of a raw S (or S^T) tile with this kernel's scale and
-    soft-cap."""
-    return tile_softmax(s, lse2, c=self.c, scale=self.scale, cap=self.soft_cap, mask=self.mask,
-                        **kwargs)
+    """`tile_softmax` of a raw S (or S^T) tile with this kernel's score
+    function."""
+    return tile_softmax(s, lse2, c=self.c, score=self.score, mask=self.mask, **kwargs)
 
 
 def launch(kernel, *, role: str, out_type, smem, barriers, grid: dict, num_threads: int):
@@ -153,11 +147,12 @@ class TileSoftmax(NamedTuple):
   """One tile's recomputed softmax and what its dS needs: `p` = P (for dV =
   P^T dO) and dS = `grad()` = w * (dp - delta) (`scores_grad`).
 
-  Without soft-cap w = P and (dp, delta) are the caller's dP and delta,
-  untouched: dS is formed where the caller asks for it (after the dV wgmma is
-  issued, in the dK/dV kernel). With soft-cap dS also carries the slope 1 -
-  t^2 of cap * tanh(x / cap), so that dS is the gradient w.r.t. x = scale * s
-  as without soft-cap (the kernels' factor `scale` in dQ and dK stays): the
+  Without modified logits w = P and (dp, delta) are the caller's dP and
+  delta, untouched: dS is formed where the caller asks for it (after the dV
+  wgmma is issued, in the dK/dV kernel). With them (soft-cap) dS also
+  carries their slope (1 - t^2 of cap * tanh(x / cap)), so that dS is the
+  gradient w.r.t. x = scale * s as without (the kernels' factor `scale` in
+  dQ and dK stays): the
   slope is applied to dP - delta while t is alive, before P exists, and dp
   then holds slope * (dP - delta), delta None."""
 
@@ -183,19 +178,18 @@ def per_query_tile(x, shape, keys_along_rows: bool):
 
 
 def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, mask: MaskSpec,
-                 c: float, masked: bool, segments=None, scale: float = 1.0,
-                 cap: float | None = None, dp=None, delta=None,
-                 mods: "TileMods | None" = None) -> TileSoftmax:
+                 c: float, masked: bool, score: ScoreFunction, segments=None, dp=None,
+                 delta=None, mods: "TileMods | None" = None) -> TileSoftmax:
   """P = exp2(c * t - lse2) of one tile (S^T when `keys_along_rows`, as in
-  the kernels that own keys; S in the dQ kernel) with t = s, or t =
-  tanh(s * scale / cap) with soft-cap `cap` (`scores.softmax_logits`;
-  c = `scores.softmax_scale`), 0 where the mask, the key length or the
+  the kernels that own keys; S in the dQ kernel) with t the logits of
+  `score` (`ScoreFunction.logits`: s, or tanh(s * scale / cap) with soft-cap;
+  c = `ScoreFunction.exp2_constant`), 0 where the mask, the key length or the
   segment ids hide an element; `masked=False` for tiles known to be fully
   visible. `segments`: None, or the segment ids of the tile's rows (a
   vector along them, `sm90_tiles.load_ids`) and columns (the `id_ring` slot
   that holds them, read chunk by chunk: `where_visible_by_column_chunks`).
-  `lse2=None`: s already holds S - lse2 / c (`fold_stats`, not with
-  soft-cap).
+  `lse2=None`: s already holds S - lse2 / c (`fold_stats`, not where the
+  logits need the raw S: `ScoreFunction.needs_raw_scores`).
 
   `dp`, `delta`: the tile's dP (or dP^T) and delta (tile-shaped, a vector
   of one value per query, or None when dp already holds dP - delta),
@@ -223,14 +217,14 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   if mods is not None:
     return _tile_softmax_with_mods(
         s, lse2, q_lo=q_lo, k_lo=k_lo, keys_along_rows=keys_along_rows, kv_len=kv_len,
-        q_len=q_len, mask=mask, c=c, masked=masked, segments=segments, scale=scale, cap=cap,
+        q_len=q_len, mask=mask, c=c, masked=masked, segments=segments, score=score,
         dp=dp, delta=delta, mods=mods)
-  t = scores.softmax_logits(s, scale, cap)
-  if cap is not None and dp is not None:
+  t = score.logits(s)
+  if score.modifies_logits and dp is not None:
     delta = per_query_tile(delta, s.shape, keys_along_rows)
-    dp, delta = scores_grad(scores.soft_cap_slope(t), dp, delta), None
+    dp, delta = scores_grad(score.slope(t), dp, delta), None
   if lse2 is None:  # already in s (`fold_stats`)
-    assert cap is None, "soft-cap needs the raw S: lse2 cannot be folded into it"
+    assert not score.needs_raw_scores, "lse2 cannot be folded into the raw S these logits need"
     logits2 = t * c
   else:
     logits2 = t * c - per_query_tile(lse2, s.shape, keys_along_rows)
@@ -240,8 +234,8 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
                             keys_along_rows=keys_along_rows, kv_len=kv_len, q_len=q_len,
                             segments=segments)
   p = jnp.exp2(logits2)
-  if cap is not None and dp is None:  # a caller that forms dS itself: w = P * slope
-    return TileSoftmax(p, p * scores.soft_cap_slope(t))
+  if score.modifies_logits and dp is None:  # a caller that forms dS itself: w = P * slope
+    return TileSoftmax(p, p * score.slope(t))
   return TileSoftmax(p, p, dp, delta, keys_along_rows)
 
 
@@ -257,15 +251,16 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
 
 
 def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len,
-                            mask: MaskSpec, c: float, masked: bool, segments, scale: float,
-                            cap, dp, delta, mods: TileMods) -> TileSoftmax:
+                            mask: MaskSpec, c: float, masked: bool, segments,
+                            score: ScoreFunction, dp, delta, mods: TileMods) -> TileSoftmax:
   """`tile_softmax` with a `score_mod` and/or `mask_mod`, in the forward's
-  order: x = scale * s, x = score_mod(x) (with its slope), t = tanh(x / cap)
-  with soft-cap (slope times 1 - t^2), then the element mask on masked tiles
-  (the built-ins, then mask_mod) and P = exp2(c * t - lse2), c = log2(e)
-  (times the cap; without a score_mod the scale stays folded into c as in
-  `tile_softmax`). dS is w.r.t. x: the slopes go onto dP - delta as
-  soft-cap's does, and the kernels' factor `scale` in dQ and dK stays."""
+  order: x = scale * s, x = score_mod(x) (with its slope), then the built-in
+  modifications (soft-cap: t = tanh(x / cap), slope times 1 - t^2), then the
+  element mask on masked tiles (the built-ins, then mask_mod) and P =
+  exp2(c * t - lse2), c = log2(e) (times the cap; without a score_mod the
+  scale stays folded into c as in `tile_softmax`). dS is w.r.t. x: the
+  slopes go onto dP - delta as the built-ins' do, and the kernels' factor
+  `scale` in dQ and dK stays."""
   shape = s.shape
   slope = None
   if mods.score_mod is not None:
@@ -273,16 +268,13 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
     rows, cols = row_lo + iota(0), col_lo + iota(1)
     q_idx, kv_idx = (cols, rows) if keys_along_rows else (rows, cols)
-    x, slope = mods.score(s * jnp.float32(scale), q_idx, kv_idx)
-    if cap is None:
-      t = x
-    else:
-      t = jnp.tanh(x * jnp.float32(1.0 / cap))
-      slope = slope * scores.soft_cap_slope(t)
+    x, slope = mods.score(s * jnp.float32(score.scale), q_idx, kv_idx)
+    t = score.modified_logits(x)
+    if score.modifies_logits:
+      slope = slope * score.slope(t)
   else:
-    t = scores.softmax_logits(s, scale, cap)
-    if cap is not None:
-      slope = scores.soft_cap_slope(t)
+    t = score.logits(s)
+    slope = score.slope(t)
   if slope is not None and dp is not None:
     delta = per_query_tile(delta, shape, keys_along_rows)
     dp, delta = scores_grad(slope, dp, delta), None
@@ -387,7 +379,7 @@ def stats_of_slot(lse_ring, delta_ring, slot):
 
 
 def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: float,
-                       fold_stats: bool, stats_first: bool, soft_cap: bool = False):
+                       fold_stats: bool, stats_first: bool, needs_raw_scores: bool = False):
   """S^T = K Q^T and, given `v_operand`, dP^T = V dO^T of one step of a
   kernel that owns keys ([keys, queries] tiles), with the statistics the
   softmax needs: (s, dp, lse2, delta), delta broadcast along the keys.
@@ -396,15 +388,16 @@ def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: f
   calls it before waiting for the wgmmas. With `fold_stats` (where there is
   a dP^T and c != 0, so -lse2 / c exists) the wgmmas start from -lse2 / c
   and -delta, so s holds S^T - lse2 / c and dp holds dP^T - delta, and
-  lse2 = delta = None. With `soft_cap` the tanh needs the raw S^T: only
-  delta is folded, and lse2 is loaded after the wait (ptxas, D128 causal
+  lse2 = delta = None. Where the logits need the raw S^T
+  (`ScoreFunction.needs_raw_scores`: soft-cap's tanh) only delta is folded,
+  and lse2 is loaded after the wait (ptxas, D128 causal
   GQA: 92 spill bytes as without soft-cap; 180 when lse2 was loaded before
   the wait and held across it).
   """
   bk, bq = k_operand.shape[0], q_tile.shape[0]
   along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
   q_t, do_t = q_tile.transpose((1, 0)), do_tile.transpose((1, 0))
-  if fold_stats and v_operand is not None and soft_cap:
+  if fold_stats and v_operand is not None and needs_raw_scores:
     _, delta = load_stats(lse=False)
     s, dp = mma_accumulate_pair(zeros((bk, bq)), k_operand, q_t,
                                  along_keys(-delta), v_operand, do_t)

@@ -357,7 +357,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
         k_operand, v_operand, q_tile, do_tile,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
-        soft_cap=kp.soft_cap is not None)
+        needs_raw_scores=kp.score.needs_raw_scores)
     seg = block_segments(slot) if masked else None
     mods = {} if tile_mods is None else dict(mods=tile_mods)
     softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
@@ -420,7 +420,7 @@ def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: BackwardBar
   k_tile = smem.k.at[copy]
   out_tiles = {"dk": k_tile, "dv": k_tile if smem.v is None else smem.v.at[copy]}
   for g in kp.outputs:
-    out_tiles[g][...] = (acc[g] * kp.scale if g == "dk" else acc[g]).astype(kp.dtype)
+    out_tiles[g][...] = (acc[g] * kp.score.scale if g == "dk" else acc[g]).astype(kp.dtype)
   plgpu.commit_smem()
   keys = (work.batch_idx, pl.ds(k_lo, bk), work.kv_head)
   for g, grad_ref in zip(kp.outputs, grad_refs):
@@ -442,9 +442,9 @@ def dkv_persistent_work(cfg, batch: int, num_kv_heads: int, kv_seq: int) -> Pers
 
 @cached_build
 def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
-                      head_dim, value_head_dim, dtype, scale, mask, config, has_q_lengths,
+                      head_dim, value_head_dim, dtype, score, mask, config, has_q_lengths,
                       has_kv_lengths, has_segments=False, outputs=("dk", "dv"),
-                      chain=NO_CHAIN, soft_cap=None, queue_counter=True, mods=None):
+                      chain=NO_CHAIN, queue_counter=True, mods=None):
   """The dK/dV kernel; `outputs` names the gradients this pass accumulates.
 
   A pass without dK needs neither V (for dP) nor delta: they are not loaded.
@@ -458,9 +458,9 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   """
   cfg = config
   nc = cfg.num_consumers
-  kp = _DkvPass(cfg, mask, dtype, head_dim, value_head_dim, scale, num_q_heads // num_kv_heads,
-                soft_cap, tuple(outputs), is_interpreting(), has_segments, queued=cfg.work_queue,
-                mods=mods)
+  kp = _DkvPass(cfg, mask, dtype, head_dim, value_head_dim, score,
+                num_q_heads // num_kv_heads, tuple(outputs), is_interpreting(), has_segments,
+                queued=cfg.work_queue, mods=mods)
   assert mods is None or not (kp.queued or cfg.fold_stats), "mods: no work queue, no fold_stats"
   statics = dict(num_keys=nc * cfg.block_kv, block_q=cfg.block_q, mask=mask, q_seq=q_seq,
                  kv_valid=kv_valid, group=kp.group)
@@ -740,7 +740,7 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
   the last pds slot that warpgroup 1 waited for; both waited for K and V to
   have landed, so a CTA with no work cannot race their TMA."""
   half, half_v = kp.head_dim // 2, kp.value_head_dim // 2
-  smem.k.at[:, pl.ds(h * half, half)][...] = (dk * kp.scale).astype(kp.dtype)
+  smem.k.at[:, pl.ds(h * half, half)][...] = (dk * kp.score.scale).astype(kp.dtype)
   smem.v.at[:, pl.ds(h * half_v, half_v)][...] = dv.astype(kp.dtype)
   plgpu.commit_smem()
   bars.epilogue.sync()
@@ -751,9 +751,9 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
 
 @cached_build
 def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
-                                 num_kv_heads, head_dim, value_head_dim, dtype, scale, mask,
+                                 num_kv_heads, head_dim, value_head_dim, dtype, score, mask,
                                  config, has_q_lengths, has_kv_lengths, has_segments=False,
-                                 chain=NO_CHAIN, soft_cap=None, mods=None):
+                                 chain=NO_CHAIN, mods=None):
   """dK and dV where they do not fit one warpgroup's registers (head dim 256).
 
   A CTA owns `block_kv` keys, and consumer warpgroup h owns columns
@@ -778,8 +778,9 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   CTAs' key tiles), and the CTAs walk those lists.
   """
   cfg = config
-  kp = _DkvPass(cfg, mask, dtype, head_dim, value_head_dim, scale, num_q_heads // num_kv_heads,
-                soft_cap, ("dk", "dv"), is_interpreting(), has_segments, mods=mods)
+  kp = _DkvPass(cfg, mask, dtype, head_dim, value_head_dim, score,
+                num_q_heads // num_kv_heads, ("dk", "dv"), is_interpreting(), has_segments,
+                mods=mods)
   bk = cfg.block_kv
   grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, bk), batch=batch)
 

@@ -291,7 +291,7 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
   """Every wgmma reading Q has completed: its tile takes dQ on the way out."""
   bq = kd.cfg.block_q
   q_tile = smem.q.at[wg]
-  q_tile[...] = (dq * kd.scale).astype(kd.dtype)
+  q_tile[...] = (dq * kd.score.scale).astype(kd.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[work.batch_idx, pl.ds(q_lo, bq), work.head])
   plgpu.wait_smem_to_gmem(0)
@@ -299,9 +299,9 @@ def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _Quer
 
 @cached_build
 def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_heads,
-                     head_dim, value_head_dim, dtype, scale, mask, config, has_q_lengths,
+                     head_dim, value_head_dim, dtype, score, mask, config, has_q_lengths,
                      has_kv_lengths, has_segments=False, with_delta=False, chain=NO_CHAIN,
-                     soft_cap=None, mods=None):
+                     mods=None):
   """The dQ kernel of `config` (a `DqConfig`): dq, and with `with_delta`
   (`BackwardConfig.delta_in_dq`) also delta [B, Nq, rows].
   With `has_segments` the inputs end with `SegmentRefs` (one consumer tile
@@ -311,8 +311,9 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
   cfg = config
   nc, bq = cfg.num_consumers, cfg.block_q
   num_q_tiles = cdiv(q_seq, nc * bq)
-  kd = _DqKernel(cfg, mask, dtype, head_dim, value_head_dim, scale, num_q_heads // num_kv_heads,
-                 soft_cap, num_q_tiles, is_interpreting(), has_segments, mods, with_delta)
+  kd = _DqKernel(cfg, mask, dtype, head_dim, value_head_dim, score,
+                 num_q_heads // num_kv_heads, num_q_tiles, is_interpreting(), has_segments, mods,
+                 with_delta)
   grid = dict(heads=num_q_heads, q_tiles=num_q_tiles, batch=batch)
 
   def kernel(*refs):

@@ -299,9 +299,8 @@ def combine(out, lse, splits: int, t: int):
           merged_lse.reshape(b, t, kv_heads * g).transpose(0, 2, 1))
 
 
-def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            plan: DecodePlan, sinks=None, soft_cap: float | None = None, page_table=None,
-            descales=None, out_dtype=None):
+def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask: MaskSpec,
+            plan: DecodePlan, sinks=None, page_table=None, descales=None, out_dtype=None):
   """(out [B, T, Hq, D], lse [B, Hq, T]) of a band-free mask, by packing and
   splitting (see the module docstring). The lse is the whole row's, so any
   backward that takes (out, lse) works with it. `page_table`: None, or int32
@@ -339,11 +338,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     rows_len = jnp.repeat(rows_len, p)
   chunk_len = kv_lengths if p == 1 else (
       None if kv_lengths is None else split_lengths(kv_lengths, b, s, p))
-  if soft_cap is not None:
-    options["soft_cap"] = soft_cap
   if descales is not None:
     options.update(descales=descales, out_dtype=out_dtype)
-  out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, scale=scale, mask=mask,
+  out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, score=score, mask=mask,
                                   config=plan.config, **options)
   if in_place:  # out [B * P, Hkv, G, D], lse [B * P, Hkv, G]
     if p == 1:

@@ -71,16 +71,16 @@ share (`ForwardConfig.work_queue`, `schedule.WorkQueue`,
 the producer takes the next tile from a GMEM counter and passes it to the
 consumers in an SMEM cell that their Q barrier orders.
 
-Sinks and soft-cap (`forward(..., sinks=, soft_cap=)`, `FEATURES`): a
+Sinks and soft-cap (`forward(..., sinks=, score=)`, `FEATURES`): a
 head's sink logit is read from a small GMEM operand [Nq] once per tile and
 starts the rows' running max and sum (`scores.initial_row_stats(sink=)`),
 so a row that sees no key ends with zeros and lse = sink, and rows past
 q_lengths are still zeroed with lse -inf in `_epilogue`. Soft-cap turns the
 Q K^T tile into t = tanh(s * scale / cap) before the element mask and folds
-c = cap * log2(e) into the exp2 (`scores.softmax_logits`, `softmax_scale`):
+c = cap * log2(e) into the exp2 (`ScoreFunction.logits`, `exp2_constant`):
 one multiply and one tanh.approx per element, in the softmax turn of the
 ping-pong. Capped logits are bounded, so where that bounds P
-(`scores.fixed_max_is_exact`: bf16, cap * log2(e) + log2(keys) <= 96) the
+(`ScoreFunction.bounds_logits`: bf16, cap * log2(e) + log2(keys) <= 96) the
 rows keep a fixed max (`ForwardStatics.fixed_max`): no row max, no rescale factor,
 no rescale of O, and the turn is tanh, FMA, exp2, row sum. Without them the
 kernel is unchanged.
@@ -160,14 +160,14 @@ from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, padd
                                        where_visible)
 from fa4_jax.kernels.tiles import smem_tile, smem_transforms
 from fa4_jax import scores as score_lib
-from fa4_jax.scores import (MaskSpec, TileRanges, cdiv, fixed_max_is_exact, fixed_max_softmax,
+from fa4_jax.scores import (MaskSpec, ScoreFunction, TileRanges, cdiv, fixed_max_softmax,
                             initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,
-                            online_softmax, read_tile_ranges, hull, pad_ids, softmax_logits,
-                            softmax_scale, tile_ranges_operand, walk_blocks)
+                            online_softmax, read_tile_ranges, hull, pad_ids,
+                            tile_ranges_operand, walk_blocks)
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
-FEATURES = frozenset({"sinks", "soft_cap", "mods", "value_head_dim", "fp8"})
+FEATURES = frozenset({"sinks", "score_function", "mods", "value_head_dim", "fp8"})
 
 # P of a float8 call, whatever V's float8 type: e4m3 keeps a mantissa bit
 # more than e5m2, and P in [0, 1] needs no range (wgmma mixes the two).
@@ -543,7 +543,7 @@ class ForwardStatics:
   dtype: Any
   group: int  # q heads per kv head
   num_q_tiles: int  # CTA tiles of `config.block_q_cta` rows
-  exp2_scale: float  # folded softmax scale: exp(scale*s - m) = exp2(c*s - m2) (`scores.softmax_scale`)
+  score: ScoreFunction  # how S becomes the softmax's logits (c: `exp2_scale`)
   # Causal-like masks: later query tiles see more keys; they run first
   # (`schedule.heavy_first_tile`) and a persistent grid pairs them.
   heavy_first: bool
@@ -553,10 +553,8 @@ class ForwardStatics:
   has_kv_lengths: bool
   has_segment_ids: bool = False
   has_sinks: bool = False  # a sinks operand [Nq]: the rows' softmax starts from it
-  scale: float = 1.0  # the logits' scale (soft-cap divides it by the cap)
-  soft_cap: float | None = None  # logits -> cap * tanh(logits / cap); c is then cap * log2(e)
   page_size: int | None = None  # keys per page of a paged K/V; None: K/V are [B, S, Nkv, D]
-  # Soft-cap only, where `scores.fixed_max_is_exact`: the rows keep one fixed
+  # Bounded logits only (`ScoreFunction.bounds_logits`): the rows keep one fixed
   # max (no row max, no alpha, no rescale of O; `scores.fixed_max_softmax`).
   fixed_max: bool = False
   # Decode (`forward(..., heads_major=True)`): Q and O are [B, heads, q_seq,
@@ -592,6 +590,12 @@ class ForwardStatics:
   @property
   def fp8_cache(self) -> bool:
     return self.kv_dtype is not None
+
+  @property
+  def exp2_scale(self) -> float:
+    """The folded softmax scale: exp(scale*s - m) = exp2(c*s - m2)
+    (`ScoreFunction.exp2_constant`)."""
+    return self.score.exp2_constant
 
   @property
   def out_dim(self) -> int:
@@ -1184,7 +1188,7 @@ class _ConsumerTile:
     if call.score_mod is None:
       # (float8 with soft-cap: the descale scales the tanh's argument; without
       # it, c, below.)
-      s = softmax_logits(s, self.logit_scale(), call.soft_cap)
+      s = call.score.logits(s, self.logit_scale())
     else:
       s = self.modified_logits(s, block)
     if masked:
@@ -1201,20 +1205,20 @@ class _ConsumerTile:
     if call.fixed_max:
       return fixed_max_softmax(s, m, call.exp2_scale), m, None
     descale = None
-    if self.qk_descale is not None and call.soft_cap is None and call.score_mod is None:
+    if self.qk_descale is not None and call.score.logits_are_raw_scores:
       descale = self.qk_descale  # folded into exp2_scale: no multiply per score
     return online_softmax(s, m, call.exp2_scale, descale)
 
   def logit_scale(self):
     """The factor of the raw logits before a score_mod or soft-cap: the
     softmax scale, times the head's q and k descales with float8 operands."""
-    scale = self.ctx.call.scale
+    scale = self.ctx.call.score.scale
     return scale if self.qk_descale is None else scale * self.qk_descale
 
   def modified_logits(self, s, block):
     """A tile of raw Q K^T logits of key block `block` through the scale and
     `score_mod`, then soft-capped (t = tanh(s / cap)) if the call is: in the
-    units of `ForwardStatics.exp2_scale` = softmax_scale(1, cap) (`scores.Scores` has the order)."""
+    units of `ForwardStatics.exp2_scale` (`scores.Scores` has the order)."""
     call, cfg = self.ctx.call, self.ctx.call.config
     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
                              layout=plgpu.Layout.WGMMA)
@@ -1224,7 +1228,7 @@ class _ConsumerTile:
     s = s.astype(jnp.float32)
     if s.shape != q_idx.shape:  # a score_mod that ignores the score
       s = jnp.broadcast_to(s, q_idx.shape)
-    return softmax_logits(s, 1.0, call.soft_cap)
+    return call.score.modified_logits(s)
 
   def release_k_after_reading_ids(self, j):
     """Releases the K slot of block j once its key ids have been read."""
@@ -1376,14 +1380,13 @@ def _build_kernel(
     num_kv_heads: int,
     head_dim: int,
     dtype,
-    scale: float,
+    score: ScoreFunction,
     mask: MaskSpec,
     config: ForwardConfig,
     has_q_lengths: bool,
     has_kv_lengths: bool,
     has_segment_ids: bool = False,
     has_sinks: bool = False,
-    soft_cap: float | None = None,
     page_size: int | None = None,
     fixed_max: bool = False,
     heads_major: bool = False,
@@ -1403,13 +1406,10 @@ def _build_kernel(
   work = _persistent_work(cfg, mask, batch, num_q_heads, q_seq)
   call = ForwardStatics(config=cfg, mask=mask, q_seq=q_seq, kv_valid=kv_valid, head_dim=head_dim,
                dtype=dtype, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles,
-               # A score_mod takes the scaled scores: the softmax's constant is
-               # then log2(e) (cap * log2(e) with soft-cap).
-               exp2_scale=softmax_scale(scale if score_mod is None else 1.0, soft_cap),
-               heavy_first=heavy_first, work=work,
+               score=score, heavy_first=heavy_first, work=work,
                interpreting=is_interpreting(), has_q_lengths=has_q_lengths,
                has_kv_lengths=has_kv_lengths, has_segment_ids=has_segment_ids,
-               has_sinks=has_sinks, scale=scale, soft_cap=soft_cap, page_size=page_size,
+               has_sinks=has_sinks, page_size=page_size,
                fixed_max=fixed_max, heads_major=heads_major,
                q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
                score_mod=score_mod, mask_mod=mask_mod,
@@ -1490,9 +1490,8 @@ def sm_count(default: int = H100_SMS) -> int:
   return schedule_sm_count(default)
 
 
-def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
-            config: ForwardConfig | None = None, segment_ids=None, sinks=None,
-            soft_cap: float | None = None, page_table=None,
+def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskSpec,
+            config: ForwardConfig | None = None, segment_ids=None, sinks=None, page_table=None,
             heads_major: bool = False, q_batch_divisor: int = 1, mods=None,
             descales=None, out_dtype=None):
   """Attention forward. See `fa4_jax.kernels` for the contract.
@@ -1501,8 +1500,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   q.dtype, lse float32 [B, Nq, Tq]). `segment_ids`: None or (q ids int32
   [B, Tq], kv ids int32 [B, Tk]); a query sees only keys of its own id.
   `sinks`: None or [Nq], each head's sink logit (natural log; in the lse,
-  not in the output). `soft_cap`: None or a float > 0, logits ->
-  cap * tanh(logits / cap) before the mask. `page_table`: None, or int32
+  not in the output). `score`: how q.k becomes a logit (the scale, the
+  soft-cap: `scores.ScoreFunction`). `page_table`: None, or int32
   [B, P] with k, v a paged cache [num_pages, page_size, Nkv, D]: row b's
   keys are pages page_table[b, 0 .. P-1] one after the other (Tk = P *
   page_size; `check_paged`); entries are clipped into [0, num_pages).
@@ -1515,7 +1514,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
   reading Q's row b // P (split-K chunks of one sequence, Q not repeated).
 
   `mods`: None, or the call's `scores.Scores` with a `score_mod` and / or a
-  `mask_mod` (its lengths, segment ids, band, scale and soft-cap are the
+  `mask_mod` (its lengths, segment ids, band and score function are the
   arguments above; it adds the mods, their captured arrays, the block mask
   and the index offsets). The kernel then walks per CTA tile the block
   lists of every mask (`scores.tile_classes`, `block_lists`, computed here
@@ -1576,8 +1575,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
                               f"{(batch, kv_seq)}; got {shapes[0]} and {shapes[1]}")
   if sinks is not None and jnp.shape(sinks) != (num_q_heads,):
     raise KernelUnsupported(f"sinks must be [Nq] = ({num_q_heads},); got {jnp.shape(sinks)}")
-  if soft_cap is not None and not float(soft_cap) > 0:
-    raise KernelUnsupported(f"soft_cap must be a float > 0; got {soft_cap!r}")
+  score = score.with_score_mod(mods is not None and mods.score_mod is not None)
   # The TMA descriptors tile (sequence, head_dim) by (8, 64): sequence lengths
   # must be multiples of 8 and head dims multiples of 64. Other sizes are
   # zero-padded here (a copy; aligned shapes take no detour). Padded keys are
@@ -1603,8 +1601,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
                            segment_ids=segment_ids is not None)
     config = autotune.sm90_forward_config(  # the heuristic's, unless switched on
         config, q_shape=q_shape, k_shape=logical_k_shape, dtype=q.dtype,
-        mask=mask, scale=scale, has_q_lengths=q_lengths is not None,
-        has_kv_lengths=kv_lengths is not None, has_sinks=sinks is not None, soft_cap=soft_cap,
+        mask=mask, score=score, has_q_lengths=q_lengths is not None,
+        has_kv_lengths=kv_lengths is not None, has_sinks=sinks is not None,
         tunable=(mods is None and segment_ids is None and page_table is None and mode is None
                  and value_dim == head_dim and not heads_major and q_batch_divisor == 1))
     if mods is not None:
@@ -1628,13 +1626,12 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
       _build_kernel,
       batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=dv,
-      dtype=q.dtype, scale=float(scale), mask=mask,
+      dtype=q.dtype, score=score, mask=mask,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
       has_segment_ids=segment_ids is not None, has_sinks=sinks is not None,
-      soft_cap=None if soft_cap is None else float(soft_cap),
       page_size=None if page_table is None else k.shape[1],
-      # Soft-capped logits are bounded: where that bounds P, no running max.
-      fixed_max=fixed_max_is_exact(FP8_P_DTYPE if fp8 else q.dtype, soft_cap, kv_seq),
+      # Where bounded logits bound P, no running max.
+      fixed_max=score.bounds_logits(FP8_P_DTYPE if fp8 else q.dtype, kv_seq),
       **_q_options(heads_major, q_batch_divisor),
       **({} if mods is None else dict(mods=True, score_mod=mods.score_mod,
                                       mask_mod=mods.mask_mod)),
@@ -1671,7 +1668,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, mask: MaskSpec,
     args.append(_descale_operand(descales, num_q_heads, num_kv_heads))
   if mods is not None:
     args.extend(mods_operands(mods, config, q_shape, logical_k_shape, q_lengths, kv_lengths,
-                              segment_ids, scale=scale, mask=mask, soft_cap=soft_cap))
+                              segment_ids, mask=mask))
   out, lse = call(*args)
   if dv != value_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :value_dim]
@@ -1743,7 +1740,7 @@ def check_mods(mods, config: ForwardConfig | None, page_table, heads_major: bool
 
 
 def mods_operands(mods, config: ForwardConfig, q_shape, k_shape, q_lengths, kv_lengths,
-                  segment_ids, *, scale: float, mask: MaskSpec, soft_cap) -> list:
+                  segment_ids, *, mask: MaskSpec) -> list:
   """The kernel's operands for programmable scores: the block lists of the
   CTA tiles (counts, order: `scores.block_lists` of `scores.tile_classes`
   of every mask of the call, at `block_q_cta` x `block_kv`), the (batch,
@@ -1757,8 +1754,8 @@ def mods_operands(mods, config: ForwardConfig, q_shape, k_shape, q_lengths, kv_l
   kv_seq = k_shape[1]
   clip = lambda x, n: None if x is None else jnp.clip(jnp.asarray(x, jnp.int32), 0, n)
   q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
-  scores_ = mods.replace(mask=mask, scale=float(scale), soft_cap=soft_cap,
-                         q_lengths=clip(q_lengths, q_seq), kv_lengths=clip(kv_lengths, kv_seq),
+  scores_ = mods.replace(mask=mask, q_lengths=clip(q_lengths, q_seq),
+                         kv_lengths=clip(kv_lengths, kv_seq),
                          q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   classes = score_lib.tile_classes(scores_, batch, num_q_heads, q_seq, kv_seq,
                                    config.block_q_cta, config.block_kv)
