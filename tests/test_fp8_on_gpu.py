@@ -5,14 +5,11 @@ dequantized operands, with the tolerance argued in tests/test_sm90_fp8.py
 kernels (no wgmma serialized; spill bytes printed with `pytest -s`).
 """
 
-import os
-import pathlib
-import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+import ptxas_dumps
 
 import fa4_jax
 from fa4_jax import backends
@@ -77,35 +74,9 @@ for d in (64, 128, 256):
       q = jnp.ones((1, 4096, 4, d), jnp.float8_e4m3fn)
       return fa4_jax.attention(q, q, q, is_causal=causal, implementation="sm90")
     items[f"fp8 d={d} causal={causal}"] = run
-dump = os.environ["MOSAIC_GPU_DUMP_TO"]
-print("ITEMS", len(items), flush=True)
-for index, (name, run) in enumerate(items.items()):
-  jax.block_until_ready(jax.jit(run)())
-  new = []
-  for f in sorted(os.listdir(dump)):
-    if f.endswith(".ptxas") and not f.startswith("call"):
-      new.append(f"call{index}-{f}")
-      os.rename(os.path.join(dump, f), os.path.join(dump, new[-1]))
-  print("CALL", "|".join([name, *new]), flush=True)
 """
 
 
 def test_no_fp8_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
-  repo = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(tmp_path),
-             PYTHONPATH=str(repo), XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_KERNELS], env=env,
-                        capture_output=True, text=True, timeout=400)
-  assert done.returncode == 0, done.stderr[-3000:]
-  calls = [line[len("CALL "):].split("|") for line in done.stdout.splitlines()
-           if line.startswith("CALL ")]
-  assert calls and all(len(c) > 1 for c in calls), done.stdout
-  bad = []
-  for name, *dumps in calls:
-    text = "\n".join((tmp_path / f).read_text() for f in dumps)
-    bad += [f"{name}: {line.strip()}" for line in text.splitlines()
-            if re.search(r"\(C75(0[7-9]|1\d)\)", line)]
-    spills = sum(int(a) + int(b) for a, b in re.findall(
-        r"(\d+) bytes spill stores, (\d+) bytes spill loads", text))
-    print(f"spill bytes {spills:5d}  {name}")
-  assert not bad, "\n".join(bad)
+  calls = ptxas_dumps.compile_items(_COMPILE_FP8_KERNELS, tmp_path, timeout=400)
+  ptxas_dumps.check_no_serialized_wgmmas(calls)

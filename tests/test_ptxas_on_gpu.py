@@ -13,13 +13,10 @@ plain kernels in several configurations (H200, 2026-11-26; the tables are
 in docs/performance-notes.md), which issues #25 and #26 keep open.
 """
 
-import os
-import pathlib
-import re
-import subprocess
-import sys
 
 import pytest
+
+import ptxas_dumps
 
 from fa4_jax import backends
 
@@ -99,17 +96,6 @@ for d in (64, 128, 192, 256):
       items.setdefault(f"backward d={d} {mask} group={group > 1} {packed} segment ids",
                        backward(d, mask, group, packed, segments=True))
 
-dump = os.environ["MOSAIC_GPU_DUMP_TO"]
-first, step = int(sys.argv[1]), int(sys.argv[2])
-print("ITEMS", len(items), flush=True)
-for index, (name, call) in enumerate(list(items.items())[first::step]):
-  jax.block_until_ready(jax.jit(call)())
-  new = []
-  for f in sorted(os.listdir(dump)):  # renamed: the next call may reuse the names
-    if f.endswith(".ptxas") and not f.startswith("call"):
-      new.append(f"call{first}-{index}-{f}")
-      os.rename(os.path.join(dump, f), os.path.join(dump, new[-1]))
-  print("CALL", "|".join([name, *new]), flush=True)
 """
 
 
@@ -122,39 +108,23 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   (docs/performance-notes.md, "ptxas serialized every wgmma of the one kernel"). No
   configuration the heuristics pick may be compiled that way; the control,
   which is, must be caught."""
-  repo = pathlib.Path(__file__).resolve().parents[1]
   children = 8  # ptxas dominates: compile on several cores at once
   dump_dirs = [tmp_path / f"child{i}" for i in range(children)]
   procs = []
   for i, dump_dir in enumerate(dump_dirs):
     dump_dir.mkdir()
-    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(dump_dir),
-               PYTHONPATH=str(repo), XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    procs.append(subprocess.Popen([sys.executable, "-c", _COMPILE_HEURISTIC_KERNELS, str(i),
-                                   str(children)], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
-  outputs = [p.communicate(timeout=600) for p in procs]
+    procs.append(ptxas_dumps.start(_COMPILE_HEURISTIC_KERNELS, dump_dir, str(i), str(children)))
   calls, num_items = [], None
-  for p, dump_dir, (out, err) in zip(procs, dump_dirs, outputs):
-    assert p.returncode == 0, err[-3000:]
-    for line in out.splitlines():
-      if line.startswith("ITEMS "):
-        num_items = int(line.split()[1])
-      elif line.startswith("CALL "):
-        name, *dumps = line[len("CALL "):].split("|")
-        calls.append((name, [dump_dir / d for d in dumps]))
+  for proc, dump_dir in zip(procs, dump_dirs):
+    num_items, child_calls = ptxas_dumps.reports(proc, dump_dir, timeout=600)
+    calls += child_calls
   assert len(calls) == num_items, [name for name, _ in calls]
-
-  def serialization(dumps):
-    return [line.strip() for dump in dumps for line in dump.read_text().splitlines()
-            if re.search(r"\(C75(0[7-9]|1\d)\)", line)]
-
-  found = {name: serialization(dumps) for name, dumps in calls}
+  found = {name: ptxas_dumps.serialized_wgmmas(dumps) for name, dumps in calls}
   assert all(dumps for _, dumps in calls), "a call left no ptxas report"
   assert found.pop("control: dK/dV consumers on 208 registers"), "the control's serialization went unseen"
   bad = [f"{name}: {message}" for name, messages in found.items() for message in messages]
   assert not bad, "\n".join(bad)
-  spills = {name: _spill_bytes(dumps) for name, dumps in calls}
+  spills = {name: ptxas_dumps.spill_bytes(dumps) for name, dumps in calls}
   for name, total in spills.items():
     print(f"spill bytes {total:5d}  {name}")
   # (A packed grid that no plain call picks has nothing to compare with.)
@@ -165,9 +135,3 @@ def test_no_heuristic_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
           for name, suffix in held if spills[name] > spills[name[:-len(suffix)]]]
   assert not more, "\n".join(more)
 
-
-def _spill_bytes(dumps) -> int:
-  """Spill stores plus loads over every function of a call's ptxas reports."""
-  return sum(int(a) + int(b) for dump in dumps
-             for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
-                                    dump.read_text()))

@@ -10,21 +10,17 @@ bytes printed with `pytest -s`). Kept apart from the other *_on_gpu.py files
 so that each runs within one ten-minute device command.
 """
 
-import os
-import pathlib
-import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ptxas_dumps
+
 import fa4_jax
 from fa4_jax import backends
 from fa4_jax.kernels import sm90_backward
-from fa4_jax.scores import ScoreFunction
 from reference import relative_error
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
@@ -74,6 +70,7 @@ _COMPILE_VALUE_HEAD_DIM_KERNELS = r"""
 import os
 import jax, jax.numpy as jnp
 from fa4_jax.kernels import sm90_backward, sm90_tiles
+from fa4_jax.scores import ScoreFunction
 
 def backward(d, dv, mask, group, config, soft_cap):
   def run():
@@ -96,16 +93,6 @@ for d, dv in ((192, 128), (128, 64), (192, 64), (256, 128)):
         items.setdefault(f"d={d} dv={dv} soft_cap={soft_cap} {config}",
                          backward(d, dv, mask, group, config, soft_cap))
 
-dump = os.environ["MOSAIC_GPU_DUMP_TO"]
-print("ITEMS", len(items), flush=True)
-for index, (name, run) in enumerate(items.items()):
-  jax.block_until_ready(jax.jit(run)())
-  new = []
-  for f in sorted(os.listdir(dump)):
-    if f.endswith(".ptxas") and not f.startswith("call"):
-      new.append(f"call{index}-{f}")
-      os.rename(os.path.join(dump, f), os.path.join(dump, new[-1]))
-  print("CALL", "|".join([name, *new]), flush=True)
 """
 
 
@@ -113,25 +100,5 @@ def test_no_value_head_dim_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   """As tests/test_ptxas_on_gpu.py for the equal head dims' kernels: ptxas
   must not serialize the wgmmas of a backward kernel with a narrower V
   (C7507-C7519)."""
-  repo = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(tmp_path),
-             PYTHONPATH=str(repo), XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  done = subprocess.run([sys.executable, "-c", _COMPILE_VALUE_HEAD_DIM_KERNELS], env=env,
-                        capture_output=True, text=True, timeout=540)
-  assert done.returncode == 0, done.stderr[-3000:]
-  calls, num_items = [], None
-  for line in done.stdout.splitlines():
-    if line.startswith("ITEMS "):
-      num_items = int(line.split()[1])
-    elif line.startswith("CALL "):
-      name, *dumps = line[len("CALL "):].split("|")
-      calls.append((name, [tmp_path / d for d in dumps]))
-  assert len(calls) == num_items
-  assert all(dumps for _, dumps in calls), "a call left no ptxas report"
-  bad = [f"{name}: {line.strip()}" for name, dumps in calls for dump in dumps
-         for line in dump.read_text().splitlines() if re.search(r"\(C75(0[7-9]|1\d)\)", line)]
-  for name, dumps in calls:
-    spills = sum(int(a) + int(b) for dump in dumps for a, b in re.findall(
-        r"(\d+) bytes spill stores, (\d+) bytes spill loads", dump.read_text()))
-    print(f"spill bytes {spills:5d}  {name}")
-  assert not bad, "\n".join(bad)
+  calls = ptxas_dumps.compile_items(_COMPILE_VALUE_HEAD_DIM_KERNELS, tmp_path, timeout=540)
+  ptxas_dumps.check_no_serialized_wgmmas(calls)
