@@ -293,6 +293,9 @@ class BoundMod:
   rows: dict  # equation position -> (axis, entries) of a per-element lookup
 
   def __call__(self, *tile_args):
+    """The function on a tile: `tile_args` are (score,) q_idx, kv_idx, each a
+    tile or a vector `Along` one of its axes. The result is a tile, or a
+    scalar where it depends on no tile argument."""
     jaxpr = self.mod.jaxpr
     env = dict(self.env)
     read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
@@ -309,7 +312,7 @@ class BoundMod:
         outs = _bind(eqn, ins)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value
-    return read(jaxpr.outvars[0])
+    return _tile(read(jaxpr.outvars[0]))
 
   def value_and_slope(self, score, q_idx, kv_idx):
     """(score_mod(score, ...), its derivative in `score`) on a tile."""
@@ -376,8 +379,11 @@ def _hoisted_row(eqn, ins, inputs_vary):
 
 def _select_entry(entries, index, dtype):
   """entries[index] per element of the tile `index` (clamped into range),
-  by a chain of selects."""
-  index = jnp.clip(index, 0, len(entries) - 1)
+  by a chain of selects; on the vector alone where `index` is `Along` one
+  axis (a thread holds fewer of its elements than of the tile's)."""
+  if isinstance(index, Along):
+    return index.with_vector(_select_entry(entries, index.vector, dtype), bound=None)
+  index = jnp.clip(_tile(index), 0, len(entries) - 1)
   value = jnp.broadcast_to(entries[0], index.shape)
   for e in range(1, len(entries)):
     value = jnp.where(index == e, entries[e], value)
@@ -417,6 +423,110 @@ def _run(closed, args):
   return [read(v) for v in closed.jaxpr.outvars]
 
 
+# --- Positions along one axis of a tile ----------------------------------------
+# A kernel gives q_idx and kv_idx as vectors along the tile's rows or columns
+# (`Along`), not as whole tiles: an op on values that vary along one axis
+# alone (kv_idx < 1024, slopes[head] * q_idx) then runs on the vector, and the
+# tile is formed only where an op needs it. `q_idx - kv_idx` stays a lazy
+# `_Outer` until used, so that converting it to float converts the two
+# vectors instead of every element (ALiBi's (q_idx - kv_idx).astype(float32)):
+# an int-to-float conversion issues at a quarter of the FMA rate on Hopper,
+# the rate of the softmax's exp2. Values are the same as on whole tiles: the
+# ops are the same elementwise ops on the same values, and the conversion is
+# rewritten only where it is exact (|values| below 2**24).
+
+EXACT_FLOAT32_INTS = 2 ** 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Along:
+  """A value of a tile of `shape` that varies along axis `axis` alone: its
+  `vector` (in the layout of that axis of the tile's), broadcast only when
+  an op needs the tile. `bound`: |value| < bound for every element where
+  known (positions: the sequence's extent), else None."""
+
+  vector: Any
+  axis: int
+  shape: tuple
+  bound: int | None = None
+
+  def tile(self):
+    return lax.broadcast_in_dim(self.vector, self.shape, [self.axis])
+
+  def with_vector(self, vector, bound):
+    return Along(vector, self.axis, self.shape, bound)
+
+  @property
+  def dtype(self):
+    return self.vector.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+  """`op(a, b)` (add or sub) of two values `Along` different axes, not yet
+  formed on the tile."""
+
+  a: Along
+  b: Along
+  name: str
+
+  def tile(self):
+    op = lax.add if self.name == "add" else lax.sub
+    return op(self.a.tile(), self.b.tile())
+
+
+def _tile(x):
+  """A value of the interpreter as a tile (or a scalar as it is)."""
+  return x.tile() if isinstance(x, (Along, _Outer)) else x
+
+
+_NUMBERS = (jnp.int32, jnp.float32)
+
+
+def _bind_structured(eqn, ins):
+  """The result of an elementwise op with `Along` / `_Outer` inputs, kept
+  structured where that is cheaper and exact; None: bind it on tiles."""
+  name = eqn.primitive.name
+  out_dtype = eqn.outvars[0].aval.dtype
+  if name not in ELEMENTWISE or name in _REWRITES or out_dtype not in _NUMBERS:
+    return None  # (bool vectors are not broadcast: Mosaic GPU's i1 registers)
+  if name == "convert_element_type" and isinstance(ins[0], _Outer):
+    outer = ins[0]
+    bounds = (outer.a.bound, outer.b.bound)
+    if (outer.a.dtype == jnp.int32 and out_dtype == jnp.float32 and None not in bounds
+        and sum(bounds) <= EXACT_FLOAT32_INTS):
+      # float(a - b) == float(a) - float(b): every value and the result are
+      # integers below 2**24, exact in float32.
+      return _Outer(_to_float(outer.a), _to_float(outer.b), outer.name)
+    return None
+  if (name == "convert_element_type" and isinstance(ins[0], Along)
+      and ins[0].dtype == jnp.int32 and out_dtype == jnp.float32):
+    return _to_float(ins[0])
+  structured = [x for x in ins if isinstance(x, (Along, _Outer))]
+  if any(isinstance(x, _Outer) for x in structured):
+    return None
+  if any(jnp.ndim(x) for x in ins if not isinstance(x, Along)):
+    return None  # a tile among the inputs
+  axes = {x.axis for x in structured}
+  if len(axes) == 1:
+    vectors = [x.vector if isinstance(x, Along) else x for x in ins]
+    out = eqn.primitive.bind(*_broadcast_all(vectors), **eqn.params)
+    return structured[0].with_vector(out, bound=None)
+  if name in ("add", "sub") and len(ins) == 2 and all(isinstance(x, Along) for x in ins):
+    return _Outer(ins[0], ins[1], name)
+  return None
+
+
+def _to_float(x: Along) -> Along:
+  """float32(x) of an int32 vector."""
+  return x.with_vector(x.vector.astype(jnp.float32), bound=None)
+
+
+def _broadcast_all(xs):
+  shape = max((jnp.shape(x) for x in xs), key=len, default=())
+  return [x if jnp.shape(x) == shape else jnp.broadcast_to(jnp.asarray(x), shape) for x in xs]
+
+
 # Ops that only reshape a one-element value: each value here stands for one
 # element, so they change nothing.
 _SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims"})
@@ -425,7 +535,7 @@ _SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims"
 def _bind(eqn, ins):
   name = eqn.primitive.name
   if isinstance(ins[0] if ins else None, _Captured):
-    return [_index_captured(eqn, ins)]
+    return [_index_captured(eqn, [ins[0], *map(_tile, ins[1:])])]
   if any(isinstance(x, _Captured) for x in ins):
     raise Unsupported(f"a captured array is used whole by {name!r}; the kernels read captured "
                       "arrays only by indexing them (e.g. slopes[head]): use "
@@ -438,6 +548,11 @@ def _bind(eqn, ins):
     return _run(sub, ins)
   if name in _SHAPE_ONLY and math.prod(eqn.outvars[0].aval.shape) == 1:
     return [ins[0]]
+  if any(isinstance(x, (Along, _Outer)) for x in ins):
+    out = _bind_structured(eqn, ins)
+    if out is not None:
+      return [out]
+    ins = [_tile(x) for x in ins]
   if name not in ELEMENTWISE:
     raise Unsupported(f"the kernels cannot run {name!r} in a `score_mod` or `mask_mod`; "
                       "use implementation='xla'")

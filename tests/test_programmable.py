@@ -488,3 +488,82 @@ def test_paged_attention_takes_the_mods_on_the_xla_path():
                                             mask_mod=lambda b, h, i, j: j >= 0) == "xla"
   assert_close(jax.value_and_grad(loss, argnums=(0, 1))(q, slopes),
                jax.value_and_grad(reference_loss, argnums=(0, 1))(q, slopes), 1e-4)
+
+
+# --- The kernels' interpreter: positions as row and column vectors -------------
+
+
+def _kernel_mods():
+  """(name, traced mod, captured arrays): score_mods and mask_mods whose ops
+  run on row or column vectors, on lazy row-minus-column sums, and on tiles."""
+  table = jnp.asarray(np.random.default_rng(3).normal(size=(N, 32)), jnp.float32)
+
+  def t5_bucket(q, k):
+    rel = k - q
+    dist = jnp.abs(rel)
+    big = 8 + (jnp.log(jnp.maximum(dist, 1).astype(jnp.float32) / 8) * 2.885).astype(jnp.int32)
+    return jnp.where(rel > 0, 16, 0) + jnp.where(dist < 8, dist, jnp.minimum(big, 15))
+
+  fns = {
+      "alibi": ("score_mod", alibi(SLOPES)),
+      "causal alibi": ("score_mod",
+                       lambda s, b, h, q, k: s - SLOPES[h] * (q - k).astype(jnp.float32)),
+      "t5 table": ("score_mod", lambda s, b, h, q, k: s + table[h, t5_bucket(q, k)]),
+      "column table": ("score_mod", lambda s, b, h, q, k: s * table[h, k % 32]),
+      "row and column terms": ("score_mod",
+                               lambda s, b, h, q, k: s + (q * 3).astype(jnp.float32)
+                               - jnp.sqrt((k + 1).astype(jnp.float32))),
+      "prefix-lm": ("mask_mod", lambda b, h, q, k: (k < 100) | (k <= q)),
+      "chunked": ("mask_mod", lambda b, h, q, k: q // 64 == k // 64),
+  }
+  out = []
+  for name, (kind, fn) in fns.items():
+    mod, captured = fa4_jax.mod_functions.trace(fn, kind)
+    out.append(pytest.param(mod, captured, id=name))
+  return out
+
+
+def _on_tile(mod, captured, along: bool, shape=(16, 24), q_lo=40, k_lo=8, bound=4096):
+  from fa4_jax.mod_functions import Along, bind
+  q_vec = q_lo + jnp.arange(shape[0], dtype=jnp.int32)
+  k_vec = k_lo + jnp.arange(shape[1], dtype=jnp.int32)
+  if along:
+    q_idx, k_idx = Along(q_vec, 0, shape, bound), Along(k_vec, 1, shape, bound)
+  else:
+    q_idx = jnp.broadcast_to(q_vec[:, None], shape)
+    k_idx = jnp.broadcast_to(k_vec[None, :], shape)
+  score = jnp.asarray(np.random.default_rng(4).normal(size=shape), jnp.float32)
+  tile_args = ((score,) if mod.kind == "score_mod" else ()) + (q_idx, k_idx)
+  refs = [fa4_jax.mod_functions.kernel_operand(c) for c in captured]
+  return bind(mod, refs, jnp.int32(1), jnp.int32(2))(*tile_args)
+
+
+@pytest.mark.parametrize("mod,captured", _kernel_mods())
+def test_positions_as_row_and_column_vectors_give_the_tiles_results(mod, captured):
+  """The kernels hand a mod its positions as vectors along the tile's rows
+  and columns (`mod_functions.Along`); the interpreter runs ops on a vector
+  until one needs the tile. The values must be those of whole tiles, bit for
+  bit (the same ops on the same values; the one rewrite, float(q - k) as
+  float(q) - float(k), is exact below 2**24)."""
+  got = _on_tile(mod, captured, along=True)
+  want = _on_tile(mod, captured, along=False)
+  assert got.shape == want.shape == (16, 24)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_alibi_converts_positions_per_vector_not_per_score():
+  """ALiBi's (q_idx - kv_idx).astype(float32) (the causal form; the
+  symmetric one takes abs first) issues no int-to-float conversion per score
+  (a quarter-rate op on Hopper, as the softmax's exp2), only per row and per
+  column; with positions that may reach 2**24 it keeps the exact per-score
+  conversion."""
+  causal_alibi = lambda s, b, h, q, k: s - SLOPES[h] * (q - k).astype(jnp.float32)
+  mod, captured = fa4_jax.mod_functions.trace(causal_alibi, "score_mod")
+
+  def tile_converts(bound):
+    jaxpr = jax.make_jaxpr(lambda: _on_tile(mod, captured, along=True, bound=bound))()
+    return sum(e.primitive.name == "convert_element_type" and e.outvars[0].aval.shape == (16, 24)
+               for e in jaxpr.eqns)
+
+  assert tile_converts(bound=4096) == 0
+  assert tile_converts(bound=2 ** 24) == 1  # 2**24 + 2**24 is past float32's exact ints

@@ -62,6 +62,11 @@ class ModStatics:
   has_offsets: bool  # a sharded call's (batch, head) offsets, int32 [2]
   num_score_captured: int
   num_mask_captured: int
+  # Every position a kernel's tiles hold is below it (their padded extents
+  # plus a tile): the mods' interpreter converts q_idx - kv_idx to float
+  # exactly by its two vectors below 2**24 (`mod_functions.Along`). None:
+  # unknown, no such rewrite.
+  position_bound: int | None = None
 
   @classmethod
   def of(cls, mods, classes) -> "ModStatics":
@@ -138,7 +143,7 @@ class ModRefs:
     bound = lambda mod, refs: None if mod is None else mod_functions.bind(mod, refs, batch_idx,
                                                                           head)
     return TileMods(bound(statics.score_mod, self.score_captured),
-                    bound(statics.mask_mod, self.mask_captured))
+                    bound(statics.mask_mod, self.mask_captured), statics.position_bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +155,7 @@ class TileMods:
 
   score_fn: Any  # mod_functions.BoundMod
   mask_fn: Any
+  position_bound: int | None = None  # `ModStatics.position_bound`
 
   @property
   def score_mod(self):

@@ -375,7 +375,8 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
                        per_head=classes.shape[1] > 1,
                        has_offsets=mods.index_offsets is not None,
                        num_score_captured=len(mods.score_captured),
-                       num_mask_captured=len(mods.mask_captured))
+                       num_mask_captured=len(mods.mask_captured),
+                       position_bound=max(q_pad, kv_pad) + 2 * max(dq_rows, dkv_keys))
   return statics, dkv, dq
 
 

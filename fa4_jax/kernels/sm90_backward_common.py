@@ -23,7 +23,7 @@ from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics,  # noqa: F401 (shared)
                                       TileMods, walk_block_list)
-from fa4_jax.kernels.sm90_tiles import where_visible
+from fa4_jax.kernels.sm90_tiles import mod_positions, where_visible
 from fa4_jax.scores import MaskSpec, ScoreFunction
 
 
@@ -264,10 +264,9 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
   shape = s.shape
   slope = None
   if mods.score_mod is not None:
-    iota = lambda d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=plgpu.Layout.WGMMA)
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
-    rows, cols = row_lo + iota(0), col_lo + iota(1)
-    q_idx, kv_idx = (cols, rows) if keys_along_rows else (rows, cols)
+    q_idx, kv_idx = mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
+                                  keys_along_rows=keys_along_rows, bound=mods.position_bound)
     x, slope = mods.score(s * jnp.float32(score.scale), q_idx, kv_idx)
     t = score.modified_logits(x)
     if score.modifies_logits:

@@ -156,8 +156,8 @@ from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_un
                                      heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels import autotune
-from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, padded_head_dim,
-                                       where_visible)
+from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, mod_positions,
+                                       padded_head_dim, where_visible)
 from fa4_jax.kernels.tiles import smem_tile, smem_transforms
 from fa4_jax import scores as score_lib
 from fa4_jax.scores import (MaskSpec, ScoreFunction, TileRanges, cdiv, fixed_max_softmax,
@@ -1220,10 +1220,10 @@ class _ConsumerTile:
     `score_mod`, then soft-capped (t = tanh(s / cap)) if the call is: in the
     units of `ForwardStatics.exp2_scale` (`scores.Scores` has the order)."""
     call, cfg = self.ctx.call, self.ctx.call.config
-    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
-                             layout=plgpu.Layout.WGMMA)
-    q_idx = self.q_lo + iota(0)
-    kv_idx = block * cfg.block_kv + iota(1)
+    # Positions are below the padded extents plus a tile.
+    bound = max(call.q_seq, call.kv_valid) + 2 * max(cfg.block_q, cfg.block_kv)
+    q_idx, kv_idx = mod_positions(s.shape, row_lo=self.q_lo, col_lo=block * cfg.block_kv,
+                                  keys_along_rows=False, bound=bound)
     s = self.score_fn(s * jnp.float32(self.logit_scale()), q_idx, kv_idx)
     s = s.astype(jnp.float32)
     if s.shape != q_idx.shape:  # a score_mod that ignores the score

@@ -13,6 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.mod_tiles import bound_mask_hook  # noqa: F401 (sm90_forward's)
+from fa4_jax.mod_functions import Along
 from fa4_jax.scores import MaskSpec, cdiv, visible
 
 MAX_HEAD_DIM = 256
@@ -120,6 +121,22 @@ def chunk_shape(tile_shape) -> tuple[int, int]:
   return tile_shape[0], ID_CHUNK
 
 
+def mod_positions(shape, *, row_lo, col_lo, keys_along_rows: bool, bound=None):
+  """(q_idx, kv_idx) of a wgmma tile of `shape` as a `score_mod` or
+  `mask_mod` sees them: vectors along the tile's rows and columns
+  (`mod_functions.Along`, in the row and column layouts of the WGMMA one),
+  which the mods' interpreter broadcasts only where an op needs the whole
+  tile. Rows start at `row_lo` (keys when `keys_along_rows`), columns at
+  `col_lo`. `bound`: every position is below it (None: unknown)."""
+  def along(axis, lo):
+    layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+    iota = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout)
+    return Along(lo + iota, axis, tuple(shape), bound)
+
+  rows, cols = along(0, row_lo), along(1, col_lo)
+  return (cols, rows) if keys_along_rows else (rows, cols)
+
+
 def where_visible(x, fill, *, mask: MaskSpec, row_lo, col_lo, keys_along_rows: bool, kv_len,
                   q_len, segments=None, mask_mod=None):
   """`x` (a wgmma tile) where `scores.visible` lets its query see its key,
@@ -144,7 +161,8 @@ def where_visible(x, fill, *, mask: MaskSpec, row_lo, col_lo, keys_along_rows: b
     k_idx, q_idx = (rows, cols) if keys_along_rows else (cols, rows)
     ok = visible(mask, q_idx, k_idx, kv_len, q_len=q_len)
     if mask_mod is not None:
-      ok = ok & mask_mod(q_idx, k_idx)
+      ok = ok & mask_mod(*mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
+                                        keys_along_rows=keys_along_rows))
     return jnp.where(ok, x, fill)
   row_ids, column_ids = segments
   row_seg = lax.broadcast_in_dim(row_ids, shape, [0])
