@@ -179,10 +179,14 @@ def _one_head_dim(q, k, v, out, lse, dout):
 def _captured_grads(q, k, v, scores_: Scores, out, lse, dout):
   """The gradients of a score_mod's float captured arrays, for a kernel
   backward that computes dq, dk, dv only: one blockwise XLA pass (its dq,
-  dk, dv are unused, and XLA drops them). None without such arrays."""
-  if scores_.score_mod is None or not any(
-      jnp.issubdtype(c.dtype, jnp.inexact) for c in scores_.score_captured):
+  dk, dv are unused, and XLA drops them). As the XLA backward gives them
+  (the kernel and the XLA path are traced side by side, `_portable`): None
+  without a score_mod, else one entry per captured array, None for an
+  integer one."""
+  if scores_.score_mod is None:
     return None
+  if not any(jnp.issubdtype(c.dtype, jnp.inexact) for c in scores_.score_captured):
+    return (None,) * len(scores_.score_captured)
   return xla_attention.backward(q, k, v, None, None, scores_, out, lse, dout)[4]
 
 

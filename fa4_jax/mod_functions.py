@@ -438,17 +438,24 @@ def _run(closed, args):
 EXACT_FLOAT32_INTS = 2 ** 24
 
 
-@dataclasses.dataclass(frozen=True)
 class Along:
   """A value of a tile of `shape` that varies along axis `axis` alone: its
   `vector` (in the layout of that axis of the tile's), broadcast only when
   an op needs the tile. `bound`: |value| < bound for every element where
-  known (positions: the sequence's extent), else None."""
+  known (positions: the sequence's extent), else None.
 
-  vector: Any
-  axis: int
-  shape: tuple
-  bound: int | None = None
+  `vector` may be given as a function of no arguments that makes it: a
+  kernel's positions are then traced only if the mod reads them (Mosaic GPU
+  cannot infer the layout of an iota nothing uses)."""
+
+  def __init__(self, vector, axis: int, shape: tuple, bound: int | None = None):
+    self._vector, self.axis, self.shape, self.bound = vector, axis, tuple(shape), bound
+
+  @property
+  def vector(self):
+    if callable(self._vector):
+      self._vector = self._vector()
+    return self._vector
 
   def tile(self):
     return lax.broadcast_in_dim(self.vector, self.shape, [self.axis])

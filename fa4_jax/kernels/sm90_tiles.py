@@ -130,8 +130,8 @@ def mod_positions(shape, *, row_lo, col_lo, keys_along_rows: bool, bound=None):
   `col_lo`. `bound`: every position is below it (None: unknown)."""
   def along(axis, lo):
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
-    iota = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout)
-    return Along(lo + iota, axis, tuple(shape), bound)
+    iota = lambda: lo + plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout)
+    return Along(iota, axis, tuple(shape), bound)  # traced where the mod reads it
 
   rows, cols = along(0, row_lo), along(1, col_lo)
   return (cols, rows) if keys_along_rows else (rows, cols)
