@@ -1,4 +1,4 @@
-"""The check every sm100 kernel's barrier table gets (test support).
+"""The check every kernel's barrier table gets, sm90 and sm100 alike (test support).
 
 A kernel's `*BarrierTable` class declares each barrier once (`BARRIERS`,
 with the accessors of the roles that arrive on it and wait on it, generated
@@ -7,9 +7,12 @@ docstring table (name, count, who arrives, who waits, why). `check_table` calls 
 accessor, generated or hand-written (the drains), on fake barriers and checks
 that it touches its barrier on the side it is declared for, that it appears
 in the docstring row of each barrier it arrives on or waits on, and that
-every barrier has both an arriving and a waiting side.
+every barrier has both an arriving and a waiting side. An accessor's
+conditional wait (ACQUIRE: none in a ring's first lap) is taken as made; a
+FILL accessor gets one fake copy, which arrives on its barrier.
 """
 
+import collections
 import inspect
 import types
 
@@ -49,9 +52,13 @@ def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
       barrier_wait=lambda ref: log.append(("wait", ref)),
       barrier_arrive=lambda ref: log.append(("arrive", ref)),
       tcgen05_commit_arrive=lambda ref: log.append(("arrive", ref)),
+      copy_gmem_to_smem=lambda src, dst, ref: log.append(("arrive", ref)),
       commit_smem=lambda: None)  # a fence, touching no barrier
   monkeypatch.setattr(kernel_module, "plgpu", fake_plgpu)
   monkeypatch.setattr(pipeline, "plgpu", fake_plgpu)  # the generated accessors, Waiter.wait
+  # A conditional wait runs as if its condition held: the side it touches.
+  monkeypatch.setattr(pipeline, "pl", types.SimpleNamespace(when=lambda cond: lambda f: f()))
+  fake_copies = [("gmem", types.SimpleNamespace(at=collections.defaultdict(str)))]
   bars = make_bars({name: FakeBarrierArray(name) for name in bars_cls.BARRIERS})
   table = " ".join(rows.values())
   for method in named_only:
@@ -65,7 +72,7 @@ def check_table(bars_cls, make_bars, kernel_module, monkeypatch, *, indent: int,
       continue
     log.clear()
     params = inspect.signature(getattr(bars, method)).parameters
-    result = getattr(bars, method)(*[0] * len(params))
+    result = getattr(bars, method)(*[fake_copies if p == "copies" else 0 for p in params])
     if isinstance(result, pipeline.Waiter):
       result.wait()
     elif result is not None:

@@ -225,7 +225,7 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
     return bars
 
   barrier_tables.check_table(dkdv.DkvBarrierTable, make_bars, dkdv, monkeypatch, indent=12,
-                             skip=("drain_ring",))  # a loop over the acquires
+                             skip=("drain_ring",))  # a pl.loop
 
 
 # --- cross-lowering -------------------------------------------------------------

@@ -688,4 +688,4 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
     return bars
 
   barrier_tables.check_table(sm100_forward.ForwardBarrierTable, make_bars, sm100_forward,
-                             monkeypatch, indent=10, skip=("drain_kv_rings",))  # a loop over the acquires
+                             monkeypatch, indent=10, skip=("drain_kv_rings",))  # a pl.loop

@@ -15,6 +15,9 @@
 * Determinism: two runs give bit-identical gradients.
 * Hardware fit: every configuration the heuristic can pick is cross-lowered
   for sm_90 and must fit the shared memory and use wgmma and TMA.
+* The barrier tables: every accessor of the dK/dV, head-split and dQ
+  kernels' tables is listed in the row of the barrier it touches, on its
+  declared side (`barrier_tables`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import barrier_tables
 from fa4_jax import scores, xla_attention
 from fa4_jax.kernels import KernelUnsupported
-from fa4_jax.kernels import sm90_backward
+from fa4_jax.kernels import sm90_backward, sm90_backward_dkdv, sm90_backward_dq
 from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES
 from reference import KernelCase, einsum_attention, packed_segment_ids, relative_error
@@ -765,3 +769,32 @@ def test_padded_head_dims_and_ragged_lengths_lower_for_hardware(head_dim, seq, c
 
   lowered = cross_lower(fn, q, kv, kv, q, spec((2, 4, seq), jnp.float32), q)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+
+
+# --- The barrier tables --------------------------------------------------------
+
+
+def _dkv_pass(queued: bool):
+  """A dK/dV pass with segment ids (the widest ring slot), queued or not."""
+  cfg = sm90_backward.choose_config(128, MaskSpec()).dkv
+  return sm90_backward_dkdv._DkvPass(cfg, MaskSpec(), jnp.bfloat16, 128, 128, ScoreFunction(0.1),
+                                     1, ("dk", "dv"), False, True, queued=queued)
+
+
+@pytest.mark.parametrize("table, plan", [
+    ("DkvBarrierTable", lambda: _dkv_pass(queued=True)),  # the queued grid: every barrier
+    ("HeadSplitBarrierTable", lambda: _dkv_pass(queued=False)),
+    ("DqBarrierTable", lambda: sm90_backward_dq._DqKernel(
+        sm90_backward.choose_config(128, MaskSpec()).dq, MaskSpec(), jnp.bfloat16, 128, 128,
+        ScoreFunction(0.1), 1, 1, False, True)),
+])
+def test_barrier_table_lists_every_arrive_and_wait(table, plan, monkeypatch):
+  """Every accessor of a backward kernel's barrier table (the only way its
+  roles touch a barrier) appears in the row of the barrier it arrives on or
+  waits on, on its declared side, and every barrier has both an arriving and
+  a waiting side; the interpreter-only drains are named where they wait."""
+  module = sm90_backward_dq if table == "DqBarrierTable" else sm90_backward_dkdv
+  table_cls = getattr(module, table)
+  drains = [m for m in dir(table_cls) if m.startswith("drain_")]
+  barrier_tables.check_table(table_cls, lambda refs: table_cls(plan(), refs), module,
+                             monkeypatch, indent=12, named_only=drains)

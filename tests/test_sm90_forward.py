@@ -14,6 +14,8 @@
   rows that see no key give zeros and lse = sink, rows past q_lengths zeros
   and lse = -inf. Every heuristic configuration lowers with them in the
   same shared memory, and soft-cap's tanh is the device's tanh.approx.
+* The barrier table: every `ForwardBarrierTable` accessor is listed in the
+  row of the barrier it touches, on its declared side (`barrier_tables`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import barrier_tables
 from fa4_jax import scores
 from fa4_jax.kernels import KernelUnsupported
 from fa4_jax.kernels import sm90_forward, sm90_tiles
@@ -801,3 +805,21 @@ def test_kernels_lower_inside_the_sharding_wrapper_forward_and_backward(is_causa
   lowered = cross_lower(jax.grad(loss, (0, 1, 2)), spec, spec, spec)
   assert len(lowered.modules) >= 3  # forward, dK/dV, dQ
   assert lowered.has("wgmma.mma_async")
+
+
+# --- The barrier table ---------------------------------------------------------
+
+
+def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
+  """Every ForwardBarrierTable accessor (the only way the roles touch a
+  barrier) appears in the row of the barrier it arrives on or waits on, on
+  its declared side, and every barrier has both an arriving and a waiting
+  side; the interpreter-only drains are named where they wait."""
+  cfg = sm90_forward.choose_config(128, MaskSpec())
+  assert cfg.pingpong  # the tensor_core_turn accessors act
+  # The table reads the call's config, page size and segment ids (`ForwardStatics`).
+  call = types.SimpleNamespace(config=cfg, page_size=16, has_segment_ids=True)
+  barrier_tables.check_table(
+      sm90_forward.ForwardBarrierTable,
+      lambda refs: sm90_forward.ForwardBarrierTable(call, refs), sm90_forward, monkeypatch,
+      indent=12, named_only=("drain_kv_rings", "drain_q"))

@@ -1,19 +1,24 @@
-"""Barrier protocols shared by the Mosaic GPU kernels, each written down once.
+"""Barrier protocols of the Mosaic GPU kernels, each declared once per kernel.
 
-A warp-specialized kernel moves data between roles (a TMA producer warpgroup,
-MMA/softmax consumer warpgroups) through shared memory. Every hand-off is a
-pair of mbarriers with a fixed meaning:
+A warp-specialized kernel moves data between roles (a TMA producer,
+MMA / softmax consumers) through shared or tensor memory. Every hand-off is
+guarded by mbarriers named for what they guard, FA4-style:
 
-    full      the producer's data landed in the buffer; consumers wait on it.
-    consumed  every consumer is done reading the buffer; the producer waits on
-              it before it overwrites the buffer.
+    x_full   the producer's data landed in buffer x; its consumers wait on it.
+    x_free   every consumer is done reading buffer x; the producer waits on
+             it before it overwrites x.
 
-The classes below own those pairs, their arrival counts, and the ring
-arithmetic (which slot, which lap), so a kernel never calls
-`plgpu.barrier_wait` / `barrier_arrive` on a raw barrier: it calls a method
-whose name says which side of which buffer it is, and a reader can match each
-`consumer_wait` with a `producer_fill`, and each `consumer_release` with a
-`producer_acquire`.
+A kernel declares all its barriers in one `BarrierTable` subclass: per
+barrier (`Barrier`) how many there are, the arrivals of a phase, how an
+accessor's arguments pick one of them (`AT`, `RING`, `Copies`) and the
+accessors of the roles that arrive on it and wait on it (producer_*,
+consumer_*, each with its `Touch`). The accessors are generated from that
+declaration and are the only way a role touches a barrier, so a reader
+matches every wait with its arrive in the table's docstring, and
+`tests/barrier_tables.py` checks the docstring against the declaration. The
+sm90 kernels (`sm90_forward.ForwardBarrierTable`, `sm90_backward_dkdv`'s
+`DkvBarrierTable` and `HeadSplitBarrierTable`, `sm90_backward_dq`'s
+`DqBarrierTable`) and the sm100 kernels declare theirs the same way.
 
 Arrival accounting (Pallas Mosaic GPU, lane semantics):
 - A TMA copy that names a barrier arrives on it once, carrying its byte count.
@@ -23,30 +28,17 @@ Arrival accounting (Pallas Mosaic GPU, lane semantics):
 
 Interpreter note: Pallas' GPU interpreter also wants every waiter to observe
 every phase before the kernel ends, so a producer must wait out the last lap
-of `consumed` phases (`producer_drain`). Hardware does not need that, so the
-drain only runs while interpreting (`fa4_jax.interpret.is_interpreting`).
-
-The helpers come in two forms, both here. Rings (`SlotRing`, `BundleRing`,
-`OneShotBuffer`) are generic over slots, consumers and operands and keep
-their own phase arithmetic (which lap, which first-lap waits to skip); the
-sm90 kernels build their barrier sets from them (a dataclass of rings each:
-`sm90_forward.ForwardBarriers`, `sm90_backward_common.BackwardBarriers`).
-Barrier tables (`BarrierTable`, at the end of this module) declare each
-barrier of a kernel once (`Barrier`: how many, the arrivals of a phase, the
-accessors of the roles that arrive on it and wait on it) and generate those
-accessors from the declaration; the sm100 kernels use them, since an sm100
-role counts its own steps and skips its first waits itself (phases run on
-across a persistent CTA's work items) and an sm100 barrier may be arrived on
-by a tcgen05 MMA's completion rather than by threads. Both forms say the
-same thing (full / free pairs, producer_* and consumer_* sides); moving the
-sm90 kernels onto tables, or the sm100 kernels onto rings, must keep their
-traced op order (`tools/kernel_fingerprints.py`).
+of free phases (a table's hand-written drain_* methods). Hardware does not
+need that, so the drains only wait while interpreting
+(`fa4_jax.interpret.is_interpreting`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import inspect
 from typing import Any
 
 import jax.numpy as jnp
@@ -66,258 +58,288 @@ def rem(x, n: int):
   return lax.rem(x, jnp.asarray(n, x.dtype))
 
 
+# --- Barrier tables ------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
-class SlotRing:
-  """A ring of `num_slots` SMEM buffers streamed from GMEM by one producer.
+class Waiter:
+  """The waiting side of a barrier (one phase per call)."""
 
-  Step `n` (0, 1, 2, ... in the order the producer fills them) lives in slot
-  `n % num_slots`. Barriers:
+  ref: object
 
-    full[slot]      arrivals: 1 (the producer's TMA, with its bytes); or
-                    one per TMA copy when several copies fill the rows of a
-                    slot (`producer_fill_rows`, e.g. one per page of a paged
-                    KV cache); or one per producer warpgroup when several
-                    fill parts of a slot from registers (each calling
-                    `producer_publish`). Either way `barrier_types(...,
-                    full_arrivals=n)`, as `BundleRing` does per operand.
-                    Waited by every consumer at every step.
-    consumed[slot]  arrivals: `num_consumers` (one `barrier_arrive` per
-                    consumer warpgroup). Waited by the producer before it
-                    refills the slot, i.e. from step `num_slots` on.
+  def wait(self) -> None:
+    plgpu.barrier_wait(self.ref)
 
-  Build the scratch with `SlotRing.barrier_types(...)`, then wrap the refs:
-  `SlotRing(full_ref, consumed_ref, num_slots, num_consumers)`.
+
+class Touch(enum.Enum):
+  """How an accessor touches its barrier: one phase per call."""
+
+  # The arriving side.
+  TMA = "returns the barrier, for the TMA copies whose bytes complete its phase"
+  FILL = ("TMA-copies each (GMEM source, SMEM buffers[, rows]) of `copies` into the buffers' "
+          "slot; the copies' bytes complete its phase")
+  MMA = "returns the barrier, for the tcgen05 MMA that arrives on it once it completed"
+  COMMIT = "arrives once every tcgen05 op the calling thread issued completed"
+  ARRIVE = "one arrival of the calling threads"
+  RELEASE_TO_TMA = ("one arrival of the calling threads, done reading SMEM that a TMA "
+                    "rewrites next")
+  PUBLISH = ("makes the calling threads' SMEM writes visible to wgmma and the other "
+             "warpgroups, then one arrival")
+  # The waiting side.
+  WAIT = "waits for its next phase"
+  WAITER = "returns a Waiter, to wait for its next phase where the caller chooses"
+  ACQUIRE = ("waits for the consumers' release of the slot's previous lap; nothing to wait "
+             "for in the first lap")
+  # Both sides: a rendezvous of the roles that share it.
+  SYNC = "one arrival of the calling threads, then waits for the phase that completes"
+
+
+# The touches by name alone, for the kernels' tables.
+TMA, FILL, MMA, COMMIT, ARRIVE, RELEASE_TO_TMA, PUBLISH = (
+    Touch.TMA, Touch.FILL, Touch.MMA, Touch.COMMIT, Touch.ARRIVE, Touch.RELEASE_TO_TMA,
+    Touch.PUBLISH)
+WAIT, WAITER, ACQUIRE, SYNC = Touch.WAIT, Touch.WAITER, Touch.ACQUIRE, Touch.SYNC
+
+
+def _parameter(name: str, **default):
+  return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, **default)
+
+
+# How an accessor's arguments pick one barrier of its array (`Barrier.index`).
+
+
+class _At:
+  """accessor(index=0) touches barrier[index], the index its caller picks
+  (the sm100 roles also skip the waits that have no phase yet themselves)."""
+
+  parameters = (_parameter("index", default=0),)
+
+  def position(self, count: int, counts: dict, index=0):
+    del count, counts
+    return index
+
+
+class _Ring:
+  """A ring of `count` slots, one barrier each: accessor(step), with steps
+  numbered 0, 1, 2, ... in the order the producer fills the slots, touches
+  slot step % count. A lap is `count` steps; there is nothing to acquire
+  in the first one."""
+
+  parameters = (_parameter("step"),)
+
+  def position(self, count: int, counts: dict, step):
+    del counts
+    return rem(step, count)
+
+  def has_previous_lap(self, count: int, counts: dict, step):
+    del counts
+    return step >= count
+
+
+AT, RING = _At(), _Ring()
+
+
+@dataclasses.dataclass(frozen=True)
+class Copies:
+  """Per-item buffers (one per consumer), each in counts[`depth`] copies:
+  accessor(item, buffer) touches copy buffer * depth + item % depth, so with
+  depth 2 the next work item's data loads while the current one runs. A lap
+  is `depth` items; there is nothing to acquire in the first one."""
+
+  depth: str  # a key of the table's counts
+
+  parameters = (_parameter("item"), _parameter("buffer"))
+
+  def position(self, count: int, counts: dict, item, buffer):
+    del count
+    depth = counts[self.depth]
+    if depth == 1:
+      return buffer
+    return buffer * depth + rem(item, depth)
+
+  def has_previous_lap(self, count: int, counts: dict, item, buffer):
+    del count, buffer
+    return item >= counts[self.depth]
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+  """One barrier (an array of them) of a kernel's `BarrierTable`.
+
+  `per`: how many, a key of the dict the table's `barrier_counts(plan)`
+  returns (one per ring stage, per Q tile, ...; a count of 0 declares
+  none); `arrivals`: the arrivals that complete one phase (a number or a
+  key of those counts); `orders_tensor_core`: tcgen05 commits arrive on it,
+  or it hands TMEM that threads wrote to an MMA. `arrive` and `wait`: its
+  two sides, the accessors of the roles that arrive on it and of those that
+  wait on it, accessor name -> `Touch` (a SYNC accessor is on both).
+  `index`: how an accessor's arguments pick one barrier (`AT`, `RING`,
+  `Copies`). `active`: None, or a key of the counts whose falsity makes
+  every accessor do nothing (the barrier is allocated either way)."""
+
+  per: str
+  arrivals: int | str
+  orders_tensor_core: bool
+  arrive: dict
+  wait: dict
+  index: Any = AT
+  active: str | None = None
+
+
+def _accessor(name: str, barrier: str, spec: Barrier, touch: Touch):
+  """The method `name` of a `BarrierTable`: `touch` on the barrier of
+  `barrier` that its arguments pick."""
+  parameters = [_parameter("self"), *spec.index.parameters]
+  if touch is Touch.FILL:
+    parameters.insert(1, _parameter("copies"))
+  signature = inspect.Signature(parameters)
+
+  def accessor(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    self, *where = bound.arguments.values()
+    return self._touch(touch, barrier, where)
+
+  accessor.__name__ = accessor.__qualname__ = name
+  accessor.__signature__ = signature
+  accessor.__doc__ = f"{barrier}: {touch.value}."
+  return accessor
+
+
+class BarrierTable:
+  """Every mbarrier of one kernel, declared in one table.
+
+  A kernel's subclass declares BARRIERS, name -> `Barrier`: how many, the
+  arrivals of a phase, how an accessor picks one and the accessors of the
+  roles that arrive on it and wait on it. Those accessors (producer_*,
+  consumer_*) are generated from the declaration and are the only way the
+  roles touch a barrier; the subclass writes by hand only its
+  interpreter-only drains (drain_*, with `_drain_last_lap` and
+  `_drain_last_items`). Its docstring's table names who arrives on and who
+  waits on every barrier, and why (`tests/barrier_tables.py` checks it
+  against the declaration).
+
+  ALLOCATION_ORDER: the order of the barriers in the kernel's scratch, which
+  fixes each one's place in the kernel's barrier array and so its traced
+  program: "by name" (a dict, which JAX flattens in sorted key order; the
+  sm100 kernels) or "as declared" (the order of BARRIERS; the sm90 kernels).
+  Each kernel keeps the order it was written with.
   """
 
-  full: Ref
-  consumed: Ref
-  num_slots: int
-  num_consumers: int
+  BARRIERS: dict[str, Barrier] = {}
+  ALLOCATION_ORDER = "by name"
 
-  FULL_ARRIVALS = 1
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    assert cls.ALLOCATION_ORDER in ("by name", "as declared"), cls.ALLOCATION_ORDER
+    for barrier, spec in vars(cls).get("BARRIERS", {}).items():
+      for name, touch in {**spec.arrive, **spec.wait}.items():
+        assert name not in vars(cls), f"{cls.__name__}.{name} is declared twice"
+        assert (touch is Touch.SYNC) == (name in spec.arrive and name in spec.wait), name
+        assert touch is not Touch.ACQUIRE or hasattr(spec.index, "has_previous_lap"), name
+        setattr(cls, name, _accessor(name, barrier, spec, touch))
 
   @staticmethod
-  def barrier_types(num_slots: int, num_consumers: int, full_arrivals: int = FULL_ARRIVALS):
-    """(full, consumed) barrier scratch types for a ring."""
-    return (
-        plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=num_slots),
-        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
-    )
+  def barrier_counts(plan) -> dict:
+    raise NotImplementedError
 
-  def slot(self, step):
-    return rem(step, self.num_slots)
+  @classmethod
+  def scratch_types(cls, plan) -> dict:
+    """The kernel's barrier scratch: one plgpu.Barrier array per name, in
+    the table's ALLOCATION_ORDER."""
+    counts = cls.barrier_counts(plan)
+    barriers = {
+        name: plgpu.Barrier(num_arrivals=counts.get(spec.arrivals, spec.arrivals),
+                            num_barriers=counts[spec.per],
+                            orders_tensor_core=spec.orders_tensor_core)
+        for name, spec in cls.BARRIERS.items() if counts[spec.per]
+    }
+    return barriers if cls.ALLOCATION_ORDER == "by name" else collections.OrderedDict(barriers)
 
-  # --- producer side -------------------------------------------------------
+  def __init__(self, plan, refs: dict):
+    self.counts = self.barrier_counts(plan)
+    self._refs = refs
+    # Pallas' GPU interpreter wants every waiter to observe every phase of a
+    # barrier before the kernel ends; hardware does not. The drain_* methods
+    # wait out those last phases only when interpreting (the one place each
+    # kernel decides that).
+    self._interpreting = is_interpreting()
 
-  def producer_acquire(self, step) -> None:
-    """Before filling `step`: wait until every consumer released the slot's
-    previous occupant (step - num_slots). Nothing to wait for in the first lap."""
-    if isinstance(step, int):
-      if step >= self.num_slots:
-        plgpu.barrier_wait(self.consumed.at[self.slot(step)])
+  def slot(self, barrier: str, *where):
+    """The index into `barrier`'s array that its accessors touch for the
+    arguments `where` (a ring's slot, a buffer's copy): also the index of
+    the SMEM buffer it guards."""
+    spec = self.BARRIERS[barrier]
+    return spec.index.position(self.counts[spec.per], self.counts, *where)
+
+  def _touch(self, touch: Touch, name: str, where):
+    spec = self.BARRIERS[name]
+    if spec.active is not None and not self.counts[spec.active]:
+      return None
+    array, count = self._refs[name], self.counts[spec.per]
+    if touch is Touch.FILL:
+      copies, *where = where
+    if touch is Touch.ACQUIRE:
+      # The slot is computed where the wait is, inside the condition.
+      @pl.when(spec.index.has_previous_lap(count, self.counts, *where))
+      def _():
+        plgpu.barrier_wait(array.at[self.slot(name, *where)])
+      return None
+    at = self.slot(name, *where)
+    barrier = array.at[at]
+    if touch in (Touch.TMA, Touch.MMA):
+      return barrier
+    if touch is Touch.WAITER:
+      return Waiter(barrier)
+    if touch is Touch.FILL:
+      for src, buffers, *rows in copies:
+        plgpu.copy_gmem_to_smem(src, buffers.at[(at, *rows)] if rows else buffers.at[at],
+                                barrier)
+    elif touch is Touch.WAIT:
+      plgpu.barrier_wait(barrier)
+    elif touch is Touch.COMMIT:
+      plgpu.tcgen05_commit_arrive(barrier)
+    else:
+      if touch is Touch.PUBLISH or (touch is Touch.RELEASE_TO_TMA and self._interpreting):
+        # PUBLISH: wgmma reads SMEM through the async proxy. RELEASE_TO_TMA:
+        # the interpreter wants a proxy fence between the threads' SMEM reads
+        # and the TMA that rewrites them; hardware does not (a TMA ring's
+        # consumer releases its slot with a plain arrive).
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(barrier)
+      if touch is Touch.SYNC:
+        plgpu.barrier_wait(barrier)
+    return None
+
+  def _drain_last_lap(self, num_steps, *names: str) -> None:
+    """Interpreter only: the producer of ring barriers `names` (free
+    barriers of as many slots each) observes the phases of the last lap's
+    releases, steps [num_steps - slots, num_steps)."""
+    if not self._interpreting:
       return
+    slots = self.counts[self.BARRIERS[names[0]].per]
 
-    @pl.when(step >= self.num_slots)
-    def _():
-      plgpu.barrier_wait(self.consumed.at[self.slot(step)])
-
-  def producer_fill(self, src_gmem: Ref, ring_smem: Ref, step) -> None:
-    """TMA `src_gmem` into the slot of `step`; the copy arrives on full[slot]."""
-    slot = self.slot(step)
-    plgpu.copy_gmem_to_smem(src_gmem, ring_smem.at[slot], self.full.at[slot])
-
-  def producer_fill_rows(self, copies, ring_smem: Ref, step) -> None:
-    """Several TMA copies into the slot of `step`: copies = [(gmem source,
-    rows)], `rows` a static `pl.ds` of the slot's leading axis (whole SMEM
-    tiles: multiples of 8 rows). Each copy arrives on full[slot], so the
-    ring must be built with `full_arrivals=len(copies)`; every step makes
-    the same number of copies."""
-    slot = self.slot(step)
-    for src_gmem, rows in copies:
-      plgpu.copy_gmem_to_smem(src_gmem, ring_smem.at[slot, rows], self.full.at[slot])
-
-  def producer_publish(self, step) -> None:
-    """For a warpgroup that filled the slot of `step` from registers instead
-    of by TMA: make its SMEM writes visible to wgmma and to the consumers,
-    then arrive on full[slot] (the one arrival it expects)."""
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(self.full.at[self.slot(step)])
-
-  def producer_drain(self, num_steps) -> None:
-    """Interpreter only: observe the consumed phases of the last lap.
-
-    On hardware the producer simply exits; the consumers' last arrivals are
-    never waited for, which is fine.
-    """
-    if not is_interpreting():
-      return
-    first = jnp.maximum(num_steps - self.num_slots, 0)
-
-    @pl.loop(first, num_steps)
+    @pl.loop(jnp.maximum(num_steps - slots, 0), num_steps)
     def _(step):
-      plgpu.barrier_wait(self.consumed.at[self.slot(step)])
+      slot = rem(step, slots)
+      for name in names:
+        plgpu.barrier_wait(self._refs[name].at[slot])
 
-  # --- consumer side -------------------------------------------------------
-
-  def consumer_wait(self, step) -> None:
-    """Wait until the data of `step` landed in its slot."""
-    plgpu.barrier_wait(self.full.at[self.slot(step)])
-
-  def consumer_release(self, step) -> None:
-    """This consumer is done reading the slot of `step` (one arrival)."""
-    plgpu.barrier_arrive(self.consumed.at[self.slot(step)])
-
-
-@dataclasses.dataclass(frozen=True)
-class BundleRing:
-  """A `SlotRing` whose slot holds several operands loaded together.
-
-  full[slot] expects one TMA arrival per operand; everything else (which slot,
-  the consumed side, the drain) is `SlotRing`'s. The backward kernels stream
-  (Q, dO, lse, delta) or (K, V) bundles this way.
-  """
-
-  ring: SlotRing
-  num_operands: int
-
-  @staticmethod
-  def barrier_types(num_slots: int, num_consumers: int, num_operands: int):
-    return (
-        plgpu.Barrier(num_arrivals=num_operands, num_barriers=num_slots),
-        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_slots),
-    )
-
-  def slot(self, step):
-    return self.ring.slot(step)
-
-  def producer_acquire(self, step):
-    self.ring.producer_acquire(step)
-
-  def producer_fill(self, copies, step):
-    """copies: (gmem source, SMEM ring) per operand, all for slot of `step`."""
-    assert len(copies) == self.num_operands
-    slot = self.slot(step)
-    for src, ring_smem in copies:
-      plgpu.copy_gmem_to_smem(src, ring_smem.at[slot], self.ring.full.at[slot])
-
-  def producer_drain(self, num_steps):
-    self.ring.producer_drain(num_steps)
-
-  def consumer_wait(self, step):
-    self.ring.consumer_wait(step)
-
-  def consumer_release(self, step):
-    self.ring.consumer_release(step)
-
-
-@dataclasses.dataclass(frozen=True)
-class OneShotBuffer:
-  """Buffers loaded once per work item (e.g. the Q tile of each consumer),
-  `depth` copies per buffer index: work item `item` uses copy `item % depth`,
-  so with depth 2 the next item's data loads while the current item runs.
-
-    full[b]      arrivals: 1 (the producer's TMA). Waited by the consumer of
-                 index i once per work item that uses copy b.
-    consumed[b]  arrivals: 1 (that consumer, done reading copy b). Waited by
-                 the producer before it loads copy b again; only needed when
-                 a CTA processes several work items.
-
-  `b = buffer(item, index)` numbers the copies (index-major), for the
-  barriers and for an SMEM array of `num_buffers * depth` tiles alike.
-  """
-
-  full: Ref
-  consumed: Ref | None = None
-  depth: int = 1
-
-  @staticmethod
-  def barrier_types(num_buffers: int, depth: int = 1):
-    """(full, consumed) barrier scratch types."""
-    return (
-        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers * depth),
-        plgpu.Barrier(num_arrivals=1, num_barriers=num_buffers * depth),
-    )
-
-  def buffer(self, item, index):
-    """Which copy work item `item` of buffer index `index` uses."""
-    if self.depth == 1:
-      return index
-    return index * self.depth + rem(item, self.depth)
-
-  # --- producer side -------------------------------------------------------
-
-  def producer_acquire(self, item, index) -> None:
-    """Before loading work item `item` into buffer `index`: wait until its
-    consumer released the copy's previous occupant (item - depth; nothing to
-    wait for in the first `depth` items)."""
-    @pl.when(item >= self.depth)
-    def _():
-      plgpu.barrier_wait(self.consumed.at[self.buffer(item, index)])
-
-  def producer_fill(self, src_gmem: Ref, copies_smem: Ref, item, index) -> None:
-    """TMA `src_gmem` into copy `buffer(item, index)` of `copies_smem`; the
-    copy arrives on that copy's full barrier."""
-    b = self.buffer(item, index)
-    plgpu.copy_gmem_to_smem(src_gmem, copies_smem.at[b], self.full.at[b])
-
-  def producer_drain(self, num_items, next_acquired: bool = False) -> None:
-    """Interpreter only: observe the last release of every copy (of the
-    items after `num_items - depth` if the producer already acquired item
-    `num_items`, whose acquire observed that one's)."""
-    if not is_interpreting():
+  def _drain_last_items(self, num_items, name: str, next_acquired: bool = False) -> None:
+    """Interpreter only: the producer of `Copies` barrier `name` (a free
+    barrier) observes the last release of every copy: those of the items
+    after num_items - depth, or after num_items - depth + 1 when it already
+    acquired item `num_items` (whose acquire observed that one's)."""
+    if not self._interpreting:
       return
-    num_buffers = self.consumed.shape[0] // self.depth
-    first = jnp.maximum(num_items - self.depth + int(next_acquired), 0)
+    spec = self.BARRIERS[name]
+    depth = self.counts[spec.index.depth]
+    first = jnp.maximum(num_items - depth + int(next_acquired), 0)
 
     @pl.loop(first, num_items)
     def _(item):
-      for index in range(num_buffers):
-        plgpu.barrier_wait(self.consumed.at[self.buffer(item, index)])
-
-  # --- consumer side -------------------------------------------------------
-
-  def consumer_wait(self, item, index) -> None:
-    plgpu.barrier_wait(self.full.at[self.buffer(item, index)])
-
-  def consumer_release(self, item, index) -> None:
-    plgpu.barrier_arrive(self.consumed.at[self.buffer(item, index)])
-
-
-@dataclasses.dataclass(frozen=True)
-class Rendezvous:
-  """A barrier every participant arrives on and then waits on.
-
-    barrier  arrivals: `num_participants` (one per warpgroup); waited by all.
-
-  Two consumer warpgroups use it to take turns on the tensor core (the
-  "ping-pong" schedule): `arrive()` says "I am done with my part", `wait()`
-  blocks until the other side said the same. Both sides must call it equally
-  often, in the same order, or the kernel deadlocks.
-  """
-
-  barrier: Ref | None  # None: switched off, every call does nothing
-  num_participants: int
-
-  @staticmethod
-  def barrier_type(num_participants: int):
-    return plgpu.Barrier(num_arrivals=num_participants)
-
-  @classmethod
-  def disabled(cls) -> "Rendezvous":
-    """A rendezvous whose calls do nothing: the participants run unsynchronized."""
-    return cls(None, 0)
-
-  def arrive(self) -> None:
-    if self.barrier is not None:
-      plgpu.barrier_arrive(self.barrier)
-
-  def wait(self) -> None:
-    if self.barrier is not None:
-      plgpu.barrier_wait(self.barrier)
-
-  def sync(self) -> None:
-    self.arrive()
-    self.wait()
+      for buffer in range(self.counts[spec.per] // depth):
+        plgpu.barrier_wait(self._refs[name].at[self.slot(name, item, buffer)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,145 +436,3 @@ def sequence_lengths(q_len_ref, kv_len_ref, batch_idx, q_seq: int, kv_valid: int
     kv_len = jnp.clip(kv_len_ref[batch_idx], 0, kv_valid)
   return q_len, kv_len
 
-
-# Barrier tables: each barrier of a kernel declared once, its accessors
-# generated from the declaration (the sm100 kernels; see the module docstring).
-
-
-@dataclasses.dataclass(frozen=True)
-class Waiter:
-  """The waiting side of a barrier (one phase per call)."""
-
-  ref: object
-
-  def wait(self) -> None:
-    plgpu.barrier_wait(self.ref)
-
-
-class Touch(enum.Enum):
-  """How an accessor touches its barrier: one phase per call."""
-
-  # The arriving side.
-  TMA = "returns the barrier, for the TMA copies whose bytes complete its phase"
-  MMA = "returns the barrier, for the tcgen05 MMA that arrives on it once it completed"
-  COMMIT = "arrives once every tcgen05 op the calling thread issued completed"
-  ARRIVE = "one arrival of the calling threads"
-  RELEASE_TO_TMA = ("one arrival of the calling threads, done reading SMEM that a TMA "
-                    "rewrites next")
-  # The waiting side.
-  WAIT = "waits for its next phase"
-  WAITER = "returns a Waiter, to wait for its next phase where the caller chooses"
-
-
-# The touches by name alone, for the kernels' tables.
-TMA, MMA, COMMIT, ARRIVE, RELEASE_TO_TMA = (Touch.TMA, Touch.MMA, Touch.COMMIT, Touch.ARRIVE,
-                                            Touch.RELEASE_TO_TMA)
-WAIT, WAITER = Touch.WAIT, Touch.WAITER
-
-
-@dataclasses.dataclass(frozen=True)
-class Barrier:
-  """One barrier (an array of them) of a kernel's `BarrierTable`.
-
-  `per`: how many, a key of the dict the table's `barrier_counts(plan)`
-  returns (one per ring stage, per Q tile, ...; a count of 0 declares
-  none); `arrivals`: the arrivals that complete one phase;
-  `orders_tensor_core`: tcgen05 commits arrive on it, or it hands TMEM that
-  threads wrote to an MMA. `arrive` and `wait`: its two sides, the
-  accessors of the roles that arrive on it and of those that wait on it,
-  accessor name -> `Touch`."""
-
-  per: str
-  arrivals: int
-  orders_tensor_core: bool
-  arrive: dict
-  wait: dict
-
-
-def _accessor(name: str, barrier: str, touch: Touch):
-  """The method `name` of a `BarrierTable`: `touch` on barrier[index]."""
-  def accessor(self, index=0):
-    return self._touch(touch, self._refs[barrier].at[index])
-
-  accessor.__name__ = accessor.__qualname__ = name
-  accessor.__doc__ = f"{barrier}[index]: {touch.value}."
-  return accessor
-
-
-class BarrierTable:
-  """Every mbarrier of one kernel, declared in one table.
-
-  A kernel's subclass (`sm100_forward.ForwardBarrierTable`,
-  `DkvBarrierTable`, `DqBarrierTable`) declares BARRIERS, name -> `Barrier`:
-  how many, the arrivals of a phase and the accessors of the roles that
-  arrive on it and wait on it. Those accessors (producer_*, consumer_*) are
-  generated from the declaration and are the only way the roles touch a
-  barrier; the subclass writes by hand only its interpreter-only drains
-  (drain_*), which call them. Its docstring's table names who arrives on
-  and who waits on every barrier, and why (`tests/barrier_tables.py` checks
-  it against the declaration).
-  """
-
-  BARRIERS: dict[str, Barrier] = {}
-
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)
-    for barrier, spec in vars(cls).get("BARRIERS", {}).items():
-      for name, touch in {**spec.arrive, **spec.wait}.items():
-        assert name not in vars(cls), f"{cls.__name__}.{name} is declared twice"
-        setattr(cls, name, _accessor(name, barrier, touch))
-
-  @staticmethod
-  def barrier_counts(plan) -> dict[str, int]:
-    raise NotImplementedError
-
-  @classmethod
-  def scratch_types(cls, plan) -> dict:
-    """The kernel's barrier scratch: one plgpu.Barrier array per name."""
-    counts = cls.barrier_counts(plan)
-    return {
-        name: plgpu.Barrier(num_arrivals=spec.arrivals, num_barriers=counts[spec.per],
-                            orders_tensor_core=spec.orders_tensor_core)
-        for name, spec in cls.BARRIERS.items() if counts[spec.per]
-    }
-
-  def __init__(self, plan, refs: dict):
-    self.counts = self.barrier_counts(plan)
-    self._refs = refs
-    # Pallas' GPU interpreter wants every waiter to observe every phase of a
-    # barrier before the kernel ends; hardware does not. The drain_* accessors
-    # wait out those last phases only when interpreting (the one place each
-    # kernel decides that).
-    self._interpreting = is_interpreting()
-
-  def _touch(self, touch: Touch, barrier):
-    if touch in (Touch.TMA, Touch.MMA):
-      return barrier
-    if touch is Touch.WAITER:
-      return Waiter(barrier)
-    if touch is Touch.WAIT:
-      plgpu.barrier_wait(barrier)
-    elif touch is Touch.COMMIT:
-      plgpu.tcgen05_commit_arrive(barrier)
-    else:
-      if touch is Touch.RELEASE_TO_TMA and self._interpreting:
-        # The interpreter wants a proxy fence between the threads' SMEM
-        # reads and the TMA that rewrites them; hardware does not (a TMA
-        # ring's consumer releases its slot with a plain arrive).
-        plgpu.commit_smem()
-      plgpu.barrier_arrive(barrier)
-    return None
-
-  def _drain_last_lap(self, num_steps, *acquires) -> None:
-    """Interpreter only: the producer of a ring of `counts["stage"]` slots
-    calls each of `acquires` (a slot's producer_*_acquire) on the slots of
-    the last lap, observing the consumers' final free phases."""
-    if not self._interpreting:
-      return
-    stages = self.counts["stage"]
-
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _(n):
-      slot = rem(n, stages)
-      for acquire in acquires:
-        acquire(slot)

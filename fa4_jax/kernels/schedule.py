@@ -237,11 +237,11 @@ class WorkQueue:
     return jnp.where(item == 0, self.first_unit, self._read(item))
 
   # --- the two roles' loops --------------------------------------------------
-  # `per_item` (a `pipeline.OneShotBuffer`) is the buffer each consumer gets
-  # once per item and whose full barrier carries the unit: Q in the forward,
-  # K and V in the dK/dV kernel.
+  # They take the accessors (`pipeline.BarrierTable`) of the buffer each
+  # consumer gets once per item and whose full barrier carries the unit (Q
+  # in the forward, K and V in the dK/dV kernel): each (item, consumer).
 
-  def producer_loop(self, per_item, num_consumers: int, prepare, produce,
+  def producer_loop(self, num_consumers: int, prepare, produce, *, acquire, stop, drain,
                     stop_arrivals: int = 1):
     """The producer's loop over the units this CTA takes. Per item i:
     `prepare(unit)` (what the item needs, read before the wait), the wait
@@ -250,33 +250,36 @@ class WorkQueue:
     fills those copies. Then the stop signal: the unit past the end sits in
     the next item's cell, and `stop_arrivals` plain arrives (one per TMA a
     fill makes) on each consumer's copy of that item let them read it.
-    Returns the ring position after the last item."""
+    `acquire(item, consumer)`: the wait for the consumer's release;
+    `stop(item, consumer)`: one plain arrive on the full barrier;
+    `drain(num_items, next_acquired)`: the interpreter's drain of the
+    releases. Returns the ring position after the last item."""
 
     def one_item(i, unit, step0):
       prepared = prepare(unit)
       for c in range(num_consumers):
-        per_item.producer_acquire(i, c)
+        acquire(i, c)
       self.fetch(i, unit)  # item i + 1's unit, read once this item is loaded
       step0 = produce(i, prepared, step0)
       return self.fetched(i), step0
 
     num_items, total_steps = self.loop(one_item, self.first_unit, jnp.int32(0))
     for c in range(num_consumers):
-      per_item.producer_acquire(num_items, c)
+      acquire(num_items, c)
     for c in range(num_consumers):
       for _ in range(stop_arrivals):
-        plgpu.barrier_arrive(per_item.full.at[per_item.buffer(num_items, c)])
-    per_item.producer_drain(num_items, next_acquired=True)
+        stop(num_items, c)
+    drain(num_items, next_acquired=True)
     return total_steps
 
-  def consumer_loop(self, per_item, consumer, consume) -> None:
+  def consumer_loop(self, wait, consumer, consume) -> None:
     """Consumer `consumer`'s loop over the units the producer publishes:
-    each item's wait on `per_item` comes first (the unit rides with it),
+    each item's wait (`wait(item, consumer)`) comes first (the unit rides with it),
     then `consume(i, unit, step0)` -> step0; the unit read after the next
     item's wait decides whether the loop goes on."""
 
     def next_unit(i):
-      per_item.consumer_wait(i, consumer)
+      wait(i, consumer)
       return self.unit_of(i)
 
     def one_item(i, unit, step0):

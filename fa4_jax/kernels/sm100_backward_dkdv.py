@@ -292,7 +292,7 @@ class DkvBarrierTable(BarrierTable):
   # Interpreter-only drains of the last phases (see `BarrierTable`).
   def drain_ring(self, num_steps) -> None:
     """Load warp: observe the qdo_free / stats_free phases of the last lap."""
-    self._drain_last_lap(num_steps, self.producer_qdo_acquire, self.producer_stats_acquire)
+    self._drain_last_lap(num_steps, "qdo_free", "stats_free")
 
   def drain_tmem(self) -> None:
     """MMA warp: observe the p_free / ds_free phases of the last step."""

@@ -89,4 +89,4 @@ class KvRingBarrierTable(BarrierTable):
   def drain_kv_rings(self, num_steps) -> None:
     """Load warp, interpreter only: observe the k_free / v_free phases of the
     last lap."""
-    self._drain_last_lap(num_steps, self.producer_k_acquire, self.producer_v_acquire)
+    self._drain_last_lap(num_steps, "k_free", "v_free")

@@ -59,16 +59,17 @@ commit `dcef065` and the measurements in docs/performance-notes.md.
 
 This module holds the configuration (`BackwardConfig`; each kernel's own,
 `DkvConfig` and `DqConfig`, is in that kernel's module), the heuristic and
-the entry point; what the kernels share (barrier table, block walk, one
-tile's softmax and gradient, wgmma helpers) is in `sm90_backward_common`.
+the entry point; what the kernels share (block walk, one tile's softmax and
+gradient, wgmma helpers) is in `sm90_backward_common`.
 Each kernel reads as its roles: a producer, the consumers and their
 epilogue, functions that take the kernel's barrier table.
 
-Barrier protocol (see `sm90_backward_common.BackwardBarriers`): per CTA one "resident" operand pair
-loaded once per consumer (K/V tiles in dK/dV, Q/dO/lse/delta in dQ) and one
-streamed ring. Generic ring arithmetic comes from `fa4_jax.kernels.pipeline`;
-a ring slot here holds several operands (a "bundle"), whose full barrier
-expects one TMA arrival per operand (`pipeline.BundleRing`).
+Barrier protocol (each kernel's table, in the form of
+`pipeline.BarrierTable`: `sm90_backward_dkdv.DkvBarrierTable`,
+`HeadSplitBarrierTable`, `sm90_backward_dq.DqBarrierTable`): per CTA one
+"resident" set of operands loaded once per consumer (K/V tiles in dK/dV,
+Q/dO/lse/delta in dQ) and one streamed ring whose slot holds several
+operands, its full barrier expecting one TMA arrival per operand.
 
 Masks: a consumer walks only the blocks its own rows/keys can touch
 (`fa4_jax.scores`: `q_tile_ranges` for dK/dV, `kv_tile_ranges` for dQ,

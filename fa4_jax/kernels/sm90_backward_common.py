@@ -1,6 +1,6 @@
-"""What the sm90 backward kernels share: the barrier table of a producer and
-its consumers, the launch, the softmax and gradient of one tile, and the
-wgmma helpers. Their GMEM inputs and the walk over a key tile's blocks, which
+"""What the sm90 backward kernels share: the launch, the softmax and
+gradient of one tile, and the wgmma helpers (each kernel declares its own
+barrier table). Their GMEM inputs and the walk over a key tile's blocks, which
 the sm100 backward shares too, are in `backward_walk`.
 
 The dK/dV kernels (`sm90_backward_dkdv`) own key tiles and compute scores
@@ -20,80 +20,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import compile_ahead
-from fa4_jax.kernels.pipeline import BundleRing, OneShotBuffer, SlotRing
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics,  # noqa: F401 (shared)
                                       TileMods, walk_block_list)
 from fa4_jax.kernels.sm90_tiles import mod_positions, where_visible
 from fa4_jax.scores import MaskSpec, ScoreFunction
-
-
-# --- barriers ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardBarriers:
-  """Every barrier of one backward kernel, with its producer and consumer side.
-
-  | barrier              | arrives (count)                        | waits                  |
-  |----------------------|----------------------------------------|------------------------|
-  | resident.full[b]     | producer TMAs of consumer i's resident | consumer i, once per   |
-  |                      | operands (one per operand; a queued    | work item              |
-  |                      | grid's stop: one plain arrive each)    |                        |
-  | resident.consumed[b] | consumer i once its epilogue's store   | producer, before it    |
-  |                      | has read the buffer (1; persistent     | reloads copy b         |
-  |                      | grid only)                             |                        |
-  | stream.full[slot]    | producer TMAs of step n (one/operand)  | both consumers, each n |
-  | stream.consumed[s]   | each consumer after its last wgmma     | producer, before it    |
-  |                      | reading the slot (2)                   | refills the slot       |
-
-  dK/dV kernel: resident = (K, V) tiles, stream = (Q, dO, lse, delta).
-  dQ kernel:    resident = (Q, dO, lse, delta), or (Q, dO, lse, O) with
-                `delta_in_dq`; stream = (K, V).
-  With segment ids the stream also carries the column ids of each step's
-  tile (the queries' in dK/dV, the keys' in dQ: `sm90_tiles.id_ring`).
-  The epilogue of consumer i writes its result into its own resident buffer
-  (only consumer i reads it, and all its wgmmas have completed), then TMA-
-  stores it and waits for the store before the CTA exits.
-
-  A persistent grid (the dK/dV kernel's work queue) runs several work items
-  per CTA: `resident_copies` copies of each consumer's resident buffers
-  (copy b = `resident.buffer(item, i)`), and the ring's steps count on
-  across items. A consumer releases its copy once the epilogue's store has
-  read it; the producer waits for that before loading the copy again.
-  """
-
-  resident: OneShotBuffer
-  stream: BundleRing
-
-  @staticmethod
-  def scratch_types(num_consumers, num_stages, num_resident, num_streamed,
-                    resident_copies: int = 0):
-    """`resident_copies`: 0 for one work item per CTA, else the copies of
-    each consumer's resident buffers in a persistent grid."""
-    resident = [plgpu.Barrier(num_arrivals=num_resident,
-                              num_barriers=num_consumers * max(resident_copies, 1))]
-    if resident_copies:
-      resident.append(plgpu.Barrier(num_arrivals=1,
-                                    num_barriers=num_consumers * resident_copies))
-    return (*resident, *BundleRing.barrier_types(num_stages, num_consumers, num_streamed))
-
-  @classmethod
-  def from_refs(cls, refs, num_consumers, num_stages, num_streamed, resident_copies: int = 0):
-    if resident_copies:
-      resident_full, resident_consumed, stream_full, stream_consumed = refs
-      resident = OneShotBuffer(resident_full, resident_consumed, resident_copies)
-    else:
-      resident_full, stream_full, stream_consumed = refs
-      resident = OneShotBuffer(resident_full)
-    ring = SlotRing(stream_full, stream_consumed, num_stages, num_consumers)
-    return cls(resident=resident, stream=BundleRing(ring, num_streamed))
-
-  def producer_fill_resident(self, copies, item, i):
-    """TMA each (GMEM source, SMEM buffer array) of consumer i into the
-    buffers' copy of work item `item`."""
-    b = self.resident.buffer(item, i)
-    for src, buffers in copies:
-      plgpu.copy_gmem_to_smem(src, buffers.at[b], self.resident.full.at[b])
 
 
 # --- what every kernel knows before tracing, and its launch ------------------

@@ -4,7 +4,7 @@
 block_kv` keys, batch). Each consumer warpgroup owns `block_kv` keys and keeps
 their dK and dV in registers; a producer warpgroup streams (Q, dO, lse2,
 delta) tiles of every query head of the GQA group and every query block the
-mask lets these keys be seen by (`BackwardBarriers`). With `outputs` naming
+mask lets these keys be seen by (barriers: `DkvBarrierTable`). With `outputs` naming
 one gradient it is one pass of the "two_passes" scheme (head dim 192).
 V, dO and dV may be narrower than Q, K and dK (`value_head_dim`): dP^T = V
 dO^T contracts over it and dV is as wide, S^T and dK keep the head dim.
@@ -13,7 +13,7 @@ one CTA per SM takes key tiles from a work queue (`schedule.WorkQueue`),
 and the next tile's K and V load while the current one runs.
 
 `_build_dkv_head_split_kernel`: at head dim 256 the two consumers share one
-key tile and split the head dim of dK and dV (`_HeadSplitBarriers`).
+key tile and split the head dim of dK and dV (`HeadSplitBarrierTable`).
 
 Each kernel reads as its roles: a producer, the consumers, their epilogue.
 Their configuration is a `DkvConfig`.
@@ -34,11 +34,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.pipeline import (NO_CHAIN, BundleRing, OneShotBuffer, Rendezvous,
-                                     SlotRing, check_register_split)
+from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, NO_CHAIN, PUBLISH, RING, SYNC, TMA,
+                                     WAIT, Barrier, BarrierTable, Copies, check_register_split)
 from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork, SegmentRefs, narrow
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStatics, ModRefs, launch,
+from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate,
                                                   mma_accumulate_pair, scores_grad,
                                                   stats_of_slot, TileSoftmax, transposed_scores,
@@ -255,7 +255,77 @@ class _DkvSmem(NamedTuple):
     return cls(k, v, q_ring, do_ring, lse_ring, delta_ring, rest, q_ids)
 
 
-def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: BackwardBarriers,
+class DkvBarrierTable(BarrierTable):
+  """Every mbarrier of the dK/dV kernel (`_build_dkv_kernel`; the head-split
+  kernel's are in `HeadSplitBarrierTable`), declared in the form of
+  `pipeline.BarrierTable` (cf. `sm100_backward_dkdv.DkvBarrierTable`).
+
+  Who arrives on each barrier and who waits on it, by role and accessor
+  (no role touches a barrier except through these accessors):
+
+  name       count      arrivals     arrived on by                      waited on by
+  kv_full    kv copies  kv operands  producer: producer_kv (TMAs of     consumer i: consumer_kv, once
+                          (TMA)        consumer i's K tile and, with      per work item
+                                       dK, V tile); a queued grid's
+                                       stop: producer_kv_stop, one
+                                       plain arrive per operand
+  kv_free    queued kv  1            consumer i: consumer_kv_release    producer: producer_kv_acquire
+               copies                  (its epilogue's store has read     (before it reloads the
+                                       the copy; queued grid only)        copy), drain_kv*
+  q_do_full  stages     streamed     producer: producer_q_do (TMAs of   consumers: consumer_q_do,
+                          (TMA)        step n's Q, dO, lse2, delta with   every step
+                                       dK, and the queries' segment ids)
+  q_do_free  stages     consumers    consumers: consumer_q_do_release   producer: producer_q_do_acquire
+                                       (after their last wgmma reading    (before it refills the
+                                       the slot)                          slot), drain_q_do*
+
+  kv copies = num_consumers * resident copies (2 in a queued grid, else 1:
+  copy `slot("kv_full", item, i)` of consumer i's tiles for work item
+  `item`), stages = num_stages (ring slot `slot("q_do_full", step)`, the
+  steps counting on across work items). * interpreter only. The queued
+  grid's unit past the end rides on the stop arrives (`schedule.WorkQueue`).
+
+  The epilogue of consumer i writes dK and dV into its own K and V copy
+  (only consumer i reads it, and all its wgmmas have completed), then
+  TMA-stores them and waits for the store before the copy is released or
+  the CTA exits.
+  """
+
+  ALLOCATION_ORDER = "as declared"
+  KV_COPIES = Copies(depth="kv depth")
+  BARRIERS = {
+      # name: Barrier(how many, arrivals, orders tensor core, arrived on by
+      #               {accessor: how}, waited on by {accessor: how}, index)
+      "kv_full": Barrier("kv copies", "kv operands", False,
+                         arrive={"producer_kv": FILL, "producer_kv_stop": ARRIVE},
+                         wait={"consumer_kv": WAIT}, index=KV_COPIES),
+      "kv_free": Barrier("queued kv copies", 1, False, arrive={"consumer_kv_release": ARRIVE},
+                         wait={"producer_kv_acquire": ACQUIRE}, index=KV_COPIES),
+      "q_do_full": Barrier("stage", "streamed", False, arrive={"producer_q_do": FILL},
+                           wait={"consumer_q_do": WAIT}, index=RING),
+      "q_do_free": Barrier("stage", "consumers", False,
+                           arrive={"consumer_q_do_release": ARRIVE},
+                           wait={"producer_q_do_acquire": ACQUIRE}, index=RING),
+  }
+
+  @staticmethod
+  def barrier_counts(kp: "_DkvPass") -> dict:
+    nc = kp.cfg.num_consumers
+    return {"kv copies": nc * kp.resident_copies, "kv depth": kp.resident_copies,
+            "kv operands": kp.num_resident, "queued kv copies": nc * kp.resident_copies * kp.queued,
+            "stage": kp.cfg.num_stages, "streamed": kp.num_streamed, "consumers": nc}
+
+  # Interpreter-only drains of the last phases (see `BarrierTable`).
+  def drain_q_do(self, num_steps) -> None:
+    """Producer: observe the q_do_free phases of the last lap."""
+    self._drain_last_lap(num_steps, "q_do_free")
+
+  def drain_kv(self, num_items, next_acquired: bool = False) -> None:
+    """Producer (queued grid): observe the last kv_free phase of every copy."""
+    self._drain_last_items(num_items, "kv_free", next_acquired)
+
+
+def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: DkvBarrierTable,
                   work: KeyTileWork, item=0, step0=0, mod_refs: ModRefs | None = None):
   """Work item `item`'s K (and V) tile of each consumer once, then (Q, dO,
   lse2, delta, and the queries' segment ids) of every step through the
@@ -267,7 +337,7 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
     resident = [(gmem.k.at[keys], smem.k)]
     if kp.with_dk:
       resident.append((gmem.v.at[keys], smem.v))
-    bars.producer_fill_resident(resident, item, i)
+    bars.producer_kv(resident, item, i)
 
   def load_block(step, head, qb):
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
@@ -278,8 +348,8 @@ def _dkv_producer(kp: _DkvPass, gmem: KernelRefs, smem: _DkvSmem, bars: Backward
       streamed.append((gmem.delta.at[stats], smem.delta_ring))
     if kp.has_segments:
       streamed.append(_query_ids(gmem, work.batch_idx, qb, bq, smem.q_ids))
-    bars.stream.producer_acquire(step)
-    bars.stream.producer_fill(streamed, step)
+    bars.producer_q_do_acquire(step)
+    bars.producer_q_do(streamed, step)
 
   if kp.mods is not None:
     head_walk = kp.head_walks(mod_refs, work)
@@ -317,7 +387,7 @@ def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, q
   return lambda slot: (kv_seg, q_ids_ring.at[slot])
 
 
-def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
+def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
                   work: KeyTileWork, segments: SegmentRefs | None, item=0, step0=0,
                   mod_refs: ModRefs | None = None):
   """Consumer `wg`: the dK and/or dV of its `block_kv` keys over every step
@@ -335,12 +405,12 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
     own = narrow(own, segments, lambda seg: seg.of_consumer(work.batch_idx, work.kv_tile, wg))
     own = own.within(lo, hi)
   block_segments = _key_tile_segments(segments, work.batch_idx, k_lo, bk, smem.q_ids)
-  copy = bars.resident.buffer(item, wg)
+  copy = bars.slot("kv_full", item, wg)
   k_tile = smem.k.at[copy]
   v_tile = smem.v.at[copy] if kp.with_dk else None
   stage = smem.staging[0].at[wg] if kp.interpreting else None
   if not kp.queued:
-    bars.resident.consumer_wait(item, wg)
+    bars.consumer_kv(item, wg)
   k_operand, v_operand = k_tile, v_tile  # the A operands of S^T and dP^T
   if cfg.operands_in_registers and not kp.interpreting:
     k_operand = load_operand(k_tile)
@@ -349,9 +419,9 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
   def block_fn(step, qb, acc, *, masked, tile_mods=None):
     """Query block qb at ring position `step`."""
     acc = dict(acc)
-    slot = bars.stream.slot(step)
+    slot = bars.slot("q_do_full", step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
-    bars.stream.consumer_wait(step)
+    bars.consumer_q_do(step)
 
     s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
         k_operand, v_operand, q_tile, do_tile,
@@ -370,7 +440,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
       acc["dk"] = mma_accumulate(acc["dk"], softmax.grad().astype(kp.dtype), q_tile, stage)
     else:
       acc["dv"] = mma_accumulate(acc["dv"], softmax.p.astype(kp.dtype), do_tile, stage)
-    bars.stream.consumer_release(step)
+    bars.consumer_q_do_release(step)
     return acc
 
   width = dict(dk=kp.head_dim, dv=kp.value_head_dim)
@@ -395,8 +465,8 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
 
   def skip_fn(qb, acc, *, head_step0):
     step = head_step0 + (qb - lo)
-    bars.stream.consumer_wait(step)
-    bars.stream.consumer_release(step)
+    bars.consumer_q_do(step)
+    bars.consumer_q_do_release(step)
     return acc
 
   def one_head(g, acc):
@@ -409,14 +479,14 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: BackwardBarriers,
   return acc, k_lo
 
 
-def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: BackwardBarriers,
+def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: DkvBarrierTable,
                   grad_refs, work: KeyTileWork, item=0):
   """Every wgmma reading K and V has completed, so their tiles hold the
   results on the way out (dV takes the K tile where it has no tile of its
   width: `_DkvPass.dv_wide_tile`). A queued consumer releases the copy for
   the producer once the store has read it."""
   bk = kp.cfg.block_kv
-  copy = bars.resident.buffer(item, wg)
+  copy = bars.slot("kv_full", item, wg)
   k_tile = smem.k.at[copy]
   out_tiles = {"dk": k_tile, "dv": k_tile if smem.v is None else smem.v.at[copy]}
   for g in kp.outputs:
@@ -427,7 +497,7 @@ def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: BackwardBar
     plgpu.copy_smem_to_gmem(out_tiles[g], grad_ref.at[keys])
   if kp.queued:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    bars.resident.consumer_release(item, wg)
+    bars.consumer_kv_release(item, wg)
   else:
     plgpu.wait_smem_to_gmem(0)
 
@@ -469,7 +539,6 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
     grid = dict(ctas=persistent.num_ctas)
   else:
     grid = dict(heads=num_kv_heads, kv_tiles=cdiv(kv_seq, nc * cfg.block_kv), batch=batch)
-  copies = kp.resident_copies if kp.queued else 0
 
   def kernel(*refs):
     chain.at_start()
@@ -477,8 +546,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
                                   nc if has_segments else None)
     mod_refs, (*grad_refs, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _DkvSmem.unpack(smem, kp.with_dk, kp.dv_wide_tile, has_segments)
-    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kp.num_streamed,
-                                      copies)
+    bars = DkvBarrierTable(kp, barrier_refs)
     wg = lax.axis_index("wg")
     if kp.queued:
       queue = WorkQueue.create(smem.lse_ring.at[cfg.num_stages], kp.resident_copies,
@@ -497,11 +565,13 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
       if kp.queued:
         # The unit past the end rides on one plain arrive per K/V copy.
         num_steps = queue.producer_loop(
-            bars.resident, nc, prepare=work_of, stop_arrivals=kp.num_resident,
-            produce=lambda i, work, step0: _dkv_producer(kp, gmem, smem, bars, work, i, step0))
+            nc, prepare=work_of,
+            produce=lambda i, work, step0: _dkv_producer(kp, gmem, smem, bars, work, i, step0),
+            acquire=bars.producer_kv_acquire, stop=bars.producer_kv_stop, drain=bars.drain_kv,
+            stop_arrivals=kp.num_resident)
       else:
         num_steps = _dkv_producer(kp, gmem, smem, bars, work, mod_refs=mod_refs)
-      bars.stream.producer_drain(num_steps)
+      bars.drain_q_do(num_steps)
 
     @pl.when(wg < nc)
     def _consumers():
@@ -513,7 +583,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
           _dkv_epilogue(kp, wg, acc, k_lo, smem, bars, grad_refs, work, i)
           return step0 + work.num_steps
 
-        queue.consumer_loop(bars.resident, wg, consume)
+        queue.consumer_loop(bars.consumer_kv, wg, consume)
         plgpu.wait_smem_to_gmem(0)
       else:
         acc, k_lo = _dkv_consumer(kp, wg, smem, bars, work, gmem.segments, mod_refs=mod_refs)
@@ -525,55 +595,72 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
   out_type = tuple(jax.ShapeDtypeStruct((batch, kv_seq, num_kv_heads, width[g]), dtype)
                    for g in outputs)
   return launch(kernel, role="sm90_dkdv", out_type=out_type, smem=kp.smem(),
-                barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, kp.num_resident,
-                                                        kp.num_streamed, copies),
+                barriers=DkvBarrierTable.scratch_types(kp),
                 grid=grid, num_threads=nc + 1)
 
 
 # --- dK / dV at head dim 256: the consumers split the head dim ------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _HeadSplitBarriers:
-  """Every barrier of the head-split kernel (every wait is matched by the
-  arrive in the same row).
+class HeadSplitBarrierTable(BarrierTable):
+  """Every mbarrier of the head-split kernel (`_build_dkv_head_split_kernel`),
+  declared in the form of `pipeline.BarrierTable`.
 
-  | barrier              | arrives (count)                          | waits                     |
-  |----------------------|------------------------------------------|---------------------------|
-  | resident.full[0]     | producer TMAs of K and V (2)             | both consumers, once      |
-  | stream.full[slot]    | producer TMAs of Q, dO, lse2, delta (4;  | both consumers, each step |
-  |                      | 5 with the queries' segment ids)         |                           |
-  | stream.consumed[slot]| each consumer after its dK/dV GEMMs (2)  | producer, before refill   |
-  | pds.full[slot]       | warpgroup 0 after storing P^T, dS^T (1)  | warpgroup 1               |
-  | pds.consumed[slot]   | each consumer after its dK/dV GEMMs (2)  | warpgroup 0, before it    |
-  |                      |                                          | rewrites the slot         |
-  | epilogue             | each consumer after writing its halves   | both consumers; then one  |
-  |                      | of dK and dV into the K and V tiles (2)  | TMA-stores dK, the other dV|
+  Who arrives on each barrier and who waits on it, by role and accessor
+  (no role touches a barrier except through these accessors):
+
+  name        count   arrivals   arrived on by                       waited on by
+  kv_full     1       2 (TMA)    producer: producer_kv (TMAs of K    both consumers: consumer_kv,
+                                   and V)                              once
+  q_do_full   stages  streamed   producer: producer_q_do (TMAs of    both consumers: consumer_q_do,
+                        (TMA)      Q, dO, lse2, delta, and the         every step
+                                   queries' segment ids)
+  q_do_free   stages  2          each consumer: consumer_q_do_release producer: producer_q_do_acquire
+                                   (after its dK/dV GEMMs)             (before it refills the
+                                                                       slot), drain_q_do*
+  p_ds_full   2       1          warpgroup 0: producer_p_ds (P^T     warpgroup 1: consumer_p_ds
+                                   and dS^T of the step stored)
+  p_ds_free   2       2          each consumer: consumer_p_ds_release warpgroup 0: producer_p_ds_acquire
+                                   (after its dK/dV GEMMs)             (before it rewrites the
+                                                                       slot), drain_p_ds*
+  dk_dv_full  1       2          each consumer: consumer_dk_dv_sync  both consumers: consumer_dk_dv_sync
+                                   (its halves of dK and dV are in     (then one TMA-stores dK, the
+                                   the K and V tiles)                  other dV)
+
+  stages = num_stages; the q_do ring's slot is `slot("q_do_full", step)`,
+  the p_ds ring's (two slots) `slot("p_ds_full", step)`. * interpreter only.
   """
 
-  resident: OneShotBuffer
-  stream: BundleRing
-  pds: SlotRing
-  epilogue: Rendezvous
+  ALLOCATION_ORDER = "as declared"
+  BARRIERS = {
+      # name: Barrier(how many, arrivals, orders tensor core, arrived on by
+      #               {accessor: how}, waited on by {accessor: how}, index)
+      "kv_full": Barrier("one", 2, False, arrive={"producer_kv": TMA},
+                         wait={"consumer_kv": WAIT}),
+      "q_do_full": Barrier("stage", "streamed", False, arrive={"producer_q_do": FILL},
+                           wait={"consumer_q_do": WAIT}, index=RING),
+      "q_do_free": Barrier("stage", 2, False, arrive={"consumer_q_do_release": ARRIVE},
+                           wait={"producer_q_do_acquire": ACQUIRE}, index=RING),
+      "p_ds_full": Barrier("p_ds slots", 1, False, arrive={"producer_p_ds": PUBLISH},
+                           wait={"consumer_p_ds": WAIT}, index=RING),
+      "p_ds_free": Barrier("p_ds slots", 2, False, arrive={"consumer_p_ds_release": ARRIVE},
+                           wait={"producer_p_ds_acquire": ACQUIRE}, index=RING),
+      "dk_dv_full": Barrier("one", 2, False, arrive={"consumer_dk_dv_sync": SYNC},
+                            wait={"consumer_dk_dv_sync": SYNC}),
+  }
 
   @staticmethod
-  def scratch_types(num_stages: int, num_streamed: int):
-    return (
-        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # resident: K and V
-        *BundleRing.barrier_types(num_stages, 2, num_streamed),
-        *SlotRing.barrier_types(2, 2),  # pds
-        Rendezvous.barrier_type(2),  # epilogue
-    )
+  def barrier_counts(kp: "_DkvPass") -> dict:
+    return {"one": 1, "stage": kp.cfg.num_stages, "streamed": kp.num_streamed, "p_ds slots": 2}
 
-  @classmethod
-  def from_refs(cls, refs, num_stages: int, num_streamed: int) -> "_HeadSplitBarriers":
-    (resident_full, stream_full, stream_consumed,
-     pds_full, pds_consumed, epilogue_barrier) = refs
-    return cls(resident=OneShotBuffer(resident_full),
-               stream=BundleRing(SlotRing(stream_full, stream_consumed, num_stages, 2),
-                                 num_streamed),
-               pds=SlotRing(pds_full, pds_consumed, 2, 2),
-               epilogue=Rendezvous(epilogue_barrier, 2))
+  # Interpreter-only drains of the last phases (see `BarrierTable`).
+  def drain_q_do(self, num_steps) -> None:
+    """Producer: observe the q_do_free phases of the last lap."""
+    self._drain_last_lap(num_steps, "q_do_free")
+
+  def drain_p_ds(self, num_steps) -> None:
+    """Warpgroup 0: observe the p_ds_free phases of the last lap."""
+    self._drain_last_lap(num_steps, "p_ds_free")
 
 
 class _HeadSplitSmem(NamedTuple):
@@ -618,15 +705,16 @@ class _HeadSplitSmem(NamedTuple):
 
 
 def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
-                         bars: _HeadSplitBarriers, work: KeyTileWork, keys, num_steps,
+                         bars: HeadSplitBarrierTable, work: KeyTileWork, keys, num_steps,
                          head_walk=None, group: int = 1):
   """K and V once, then (Q, dO, lse2, delta, and the queries' segment ids)
   of every step through the ring. With mods (`head_walk`:
   `_DkvPass.head_walks`) the steps are each query head's block list."""
   bq = cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-  plgpu.copy_gmem_to_smem(gmem.k.at[keys], smem.k, bars.resident.full.at[0])
-  plgpu.copy_gmem_to_smem(gmem.v.at[keys], smem.v, bars.resident.full.at[0])
+  kv_full = bars.producer_kv()
+  plgpu.copy_gmem_to_smem(gmem.k.at[keys], smem.k, kv_full)
+  plgpu.copy_gmem_to_smem(gmem.v.at[keys], smem.v, kv_full)
 
   def load_block(step, head, qb):
     rows = (work.batch_idx, pl.ds(qb * bq, bq), head)
@@ -635,8 +723,8 @@ def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
                 (gmem.lse.at[stats], smem.lse_ring), (gmem.delta.at[stats], smem.delta_ring)]
     if smem.q_ids is not None:
       streamed.append(_query_ids(gmem, work.batch_idx, qb, bq, smem.q_ids))
-    bars.stream.producer_acquire(step)
-    bars.stream.producer_fill(streamed, step)
+    bars.producer_q_do_acquire(step)
+    bars.producer_q_do(streamed, step)
 
   if head_walk is not None:
     def one_head(g, step):
@@ -651,10 +739,10 @@ def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
       head, qb = work.rows_of(step)
       load_block(step, head, qb)
 
-  bars.stream.producer_drain(num_steps)
+  bars.drain_q_do(num_steps)
 
 
-def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _HeadSplitBarriers,
+def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadSplitBarrierTable,
                          work: KeyTileWork, blocks_per_head, num_steps,
                          segments: SegmentRefs | None, mod_refs: ModRefs | None = None):
   """Consumer `h`: columns [h * d/2, (h + 1) * d/2) of dK and [h * dv/2,
@@ -667,17 +755,17 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
   half, half_v = kp.head_dim // 2, kp.value_head_dim // 2
   cols, cols_v = pl.ds(h * half, half), pl.ds(h * half_v, half_v)
   lo, hi = work.lo, work.hi
-  stream, pds = bars.stream, bars.pds
   # Only warpgroup 0 computes P^T and needs the ids.
   block_segments = _key_tile_segments(segments if h == 0 else None, work.batch_idx, work.k_lo,
                                       bk, smem.q_ids)
 
   def block_fn(step, qb, acc, *, masked, tile_mods=None):
     """Query block qb (warpgroup 0's business) at ring position `step`."""
-    slot = stream.slot(step)
+    slot = bars.slot("q_do_full", step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
-    p_tile, ds_tile = smem.p.at[pds.slot(step)], smem.ds.at[pds.slot(step)]
-    stream.consumer_wait(step)
+    p_tile = smem.p.at[bars.slot("p_ds_full", step)]
+    ds_tile = smem.ds.at[bars.slot("p_ds_full", step)]
+    bars.consumer_q_do(step)
     if h == 0:
       s, dp, lse2, delta = transposed_scores(
           smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
@@ -688,16 +776,16 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
                            kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
                            **mods)
       ds = scores_grad(softmax.w, dp, delta)
-      pds.producer_acquire(step)
+      bars.producer_p_ds_acquire(step)
       p_tile[...] = softmax.p.astype(kp.dtype)
       ds_tile[...] = ds.astype(kp.dtype)
-      pds.producer_publish(step)
+      bars.producer_p_ds(step)
     else:
-      pds.consumer_wait(step)
+      bars.consumer_p_ds(step)
     dk, dv = mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
                                  acc[1], p_tile, do_tile.at[:, cols_v])
-    stream.consumer_release(step)
-    pds.consumer_release(step)
+    bars.consumer_q_do_release(step)
+    bars.consumer_p_ds_release(step)
     return dk, dv
 
   def step_fn(qb, acc, *, masked, head_step0):
@@ -718,7 +806,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
                 lambda qb, acc: acc, acc)
 
   plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-  bars.resident.consumer_wait(0, 0)
+  bars.consumer_kv()
   zero_acc = lambda: (zeros((bk, half)), zeros((bk, half_v)))
   if kp.mods is not None and h == 0:
     (dk, dv), _ = lax.fori_loop(0, kp.group, one_head_list, (zero_acc(), jnp.int32(0)))
@@ -728,12 +816,12 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: _Head
   else:
     dk, dv = lax.fori_loop(0, kp.group, one_head, zero_acc())
   if h == 0:
-    pds.producer_drain(num_steps)
+    bars.drain_p_ds(num_steps)
   return dk, dv
 
 
 def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
-                         bars: _HeadSplitBarriers, dk_ref, dv_ref, keys):
+                         bars: HeadSplitBarrierTable, dk_ref, dv_ref, keys):
   """dK_h and dV_h go into column halves of the K and V tiles (TMA wants
   contiguous SMEM, so whole tiles go out after the rendezvous). Only
   warpgroup 0 reads K and V, and its last reads completed before it published
@@ -743,7 +831,7 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
   smem.k.at[:, pl.ds(h * half, half)][...] = (dk * kp.score.scale).astype(kp.dtype)
   smem.v.at[:, pl.ds(h * half_v, half_v)][...] = dv.astype(kp.dtype)
   plgpu.commit_smem()
-  bars.epilogue.sync()
+  bars.consumer_dk_dv_sync()
   out_tile, out_ref = (smem.k, dk_ref) if h == 0 else (smem.v, dv_ref)
   plgpu.copy_smem_to_gmem(out_tile, out_ref.at[keys])
   plgpu.wait_smem_to_gmem(0)
@@ -771,7 +859,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
   Four tile GEMMs per query block (S^T, dP^T, dV, dK) as in the "fused"
   scheme, where two passes of `_build_dkv_kernel` run five. Warpgroup 1's
   GEMMs of step n run on the tensor core while warpgroup 0 computes the
-  softmax of step n + 1. Barriers: `_HeadSplitBarriers`. With
+  softmax of step n + 1. Barriers: `HeadSplitBarrierTable`. With
   `has_segments` the inputs end with `SegmentRefs` of one consumer tile (the
   CTA's) per CTA, and the ring streams each query block's ids with it.
   `mods` (`ModStatics`): the inputs end with `ModRefs` (block lists of the
@@ -790,7 +878,7 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                                   1 if has_segments else None)
     mod_refs, (dk_ref, dv_ref, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _HeadSplitSmem.unpack(smem, has_segments)
-    bars = _HeadSplitBarriers.from_refs(barrier_refs, cfg.num_stages, kp.num_streamed)
+    bars = HeadSplitBarrierTable(kp, barrier_refs)
     work = KeyTileWork.of_this_cta(
         num_keys=bk, block_q=cfg.block_q, mask=mask, gmem=gmem, q_seq=q_seq,
         kv_valid=kv_valid, group=kp.group)
@@ -819,5 +907,5 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
                    for width in (head_dim, value_head_dim))
   return launch(kernel, role="sm90_dkdv_head_split", out_type=out_type,
                 smem=_HeadSplitSmem.types(cfg, head_dim, value_head_dim, dtype, has_segments),
-                barriers=_HeadSplitBarriers.scratch_types(cfg.num_stages, kp.num_streamed),
+                barriers=HeadSplitBarrierTable.scratch_types(kp),
                 grid=grid, num_threads=3)

@@ -3,7 +3,7 @@
 One CTA per (q head, Q tile of `num_consumers * block_q` rows, batch) of its
 `DqConfig`: each consumer warpgroup owns `block_q` rows and their dQ, and the
 producer streams (K, V) tiles of the key blocks those rows see
-(`BackwardBarriers`). V, dO and O may be narrower than Q and K
+(barriers: `DqBarrierTable`). V, dO and O may be narrower than Q and K
 (`value_head_dim`): dP = dO V^T contracts over it; S and dQ keep the head dim.
 With `BackwardConfig.delta_in_dq` each consumer also loads its rows' O tile,
 computes their delta before its first block and writes it out for the dK/dV
@@ -27,9 +27,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax import scores
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.pipeline import NO_CHAIN, check_register_split, sequence_lengths
+from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, NO_CHAIN, RING, WAIT, Barrier,
+                                     BarrierTable, check_register_split, sequence_lengths)
 from fa4_jax.kernels.backward_walk import KernelRefs, narrow
-from fa4_jax.kernels.sm90_backward_common import (BackwardBarriers, BackwardStatics, ModRefs, launch,
+from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate, mma_pair,
                                                   walk_block_list, zeros)
 from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
@@ -173,7 +174,53 @@ class _QueryTileWork:
     return cls(head, kv_head, batch_idx, tile, q_lo, q_len, kv_len, ranges)
 
 
-def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardBarriers,
+class DqBarrierTable(BarrierTable):
+  """Every mbarrier of the dQ kernel, declared in the form of
+  `pipeline.BarrierTable` (cf. `sm100_backward_dq.DqBarrierTable`).
+
+  Who arrives on each barrier and who waits on it, by role and accessor
+  (no role touches a barrier except through these accessors):
+
+  name       count      arrivals    arrived on by                       waited on by
+  q_do_full  consumers  4 (TMA)     producer: producer_q_do (TMAs of    consumer i: consumer_q_do,
+                                      consumer i's Q, dO, lse2 and        once
+                                      delta, or O with `delta_in_dq`)
+  kv_full    stages     streamed    producer: producer_kv (TMAs of      consumers: consumer_kv, every
+                          (TMA)       step n's K, V and the keys'         step
+                                      segment ids)
+  kv_free    stages     consumers   consumers: consumer_kv_release      producer: producer_kv_acquire
+                                      (after their last wgmma reading     (before it refills the
+                                      the slot)                           slot), drain_kv*
+
+  stages = num_stages (ring slot `slot("kv_full", step)`). * interpreter
+  only. The epilogue of consumer i stages dQ through its own Q buffer
+  (only consumer i reads it, and all its wgmmas have completed).
+  """
+
+  ALLOCATION_ORDER = "as declared"
+  BARRIERS = {
+      # name: Barrier(how many, arrivals, orders tensor core, arrived on by
+      #               {accessor: how}, waited on by {accessor: how}, index)
+      "q_do_full": Barrier("consumers", 4, False, arrive={"producer_q_do": FILL},
+                           wait={"consumer_q_do": WAIT}),
+      "kv_full": Barrier("stage", "streamed", False, arrive={"producer_kv": FILL},
+                         wait={"consumer_kv": WAIT}, index=RING),
+      "kv_free": Barrier("stage", "consumers", False, arrive={"consumer_kv_release": ARRIVE},
+                         wait={"producer_kv_acquire": ACQUIRE}, index=RING),
+  }
+
+  @staticmethod
+  def barrier_counts(kd: "_DqKernel") -> dict:
+    return {"consumers": kd.cfg.num_consumers, "stage": kd.cfg.num_stages,
+            "streamed": kd.num_streamed}
+
+  # Interpreter-only drain of the last phases (see `BarrierTable`).
+  def drain_kv(self, num_steps) -> None:
+    """Producer: observe the kv_free phases of the last lap."""
+    self._drain_last_lap(num_steps, "kv_free")
+
+
+def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: DqBarrierTable,
                  work: _QueryTileWork, mod_refs: ModRefs | None = None):
   """Each consumer's Q, dO, lse2 and delta (or O) once, then the (K, V)
   tiles of the CTA's key blocks (and their keys' segment ids) through the
@@ -186,22 +233,22 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
     stats = (work.batch_idx, work.head, pl.ds(work.q_lo + i * bq, bq))
     fourth = ((gmem.delta.at[rows], smem.o) if kd.with_delta
               else (gmem.delta.at[stats], smem.delta))
-    bars.producer_fill_resident(
+    bars.producer_q_do(
         [(gmem.q.at[rows], smem.q), (gmem.do.at[rows], smem.do),
-         (gmem.lse.at[stats], smem.lse), fourth], 0, i)
+         (gmem.lse.at[stats], smem.lse), fourth], i)
 
   def load_block(step, j):
     keys = (work.batch_idx, pl.ds(j * bk, bk), work.kv_head)
     streamed = [(gmem.k.at[keys], smem.k_ring), (gmem.v.at[keys], smem.v_ring)]
     if kd.has_segments:
       streamed.append((gmem.segments.kv_ids.at[work.batch_idx, pl.ds(j * bk, bk)], smem.kv_ids))
-    bars.stream.producer_acquire(step)
-    bars.stream.producer_fill(streamed, step)
+    bars.producer_kv_acquire(step)
+    bars.producer_kv(streamed, step)
 
   if kd.mods is not None:
     walk = mod_refs.walk(kd.mods, work.batch_idx, work.head, work.q_tile)
     pl.loop(0, walk.total)(lambda n: load_block(n, walk.block(n)))
-    bars.stream.producer_drain(walk.total)
+    bars.drain_kv(walk.total)
     return
 
   @pl.loop(lo, hi)
@@ -209,10 +256,10 @@ def _dq_producer(kd: _DqKernel, gmem: KernelRefs, smem: _DqSmem, bars: BackwardB
     step = j - lo
     load_block(step, j)
 
-  bars.stream.producer_drain(hi - lo)
+  bars.drain_kv(hi - lo)
 
 
-def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
+def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
                  work: _QueryTileWork, delta_out, segments, mod_refs: ModRefs | None = None):
   """Consumer `wg`: dQ of its `block_q` rows over the CTA's key blocks
   (blocks its rows cannot see only keep the ring going; with mods, every
@@ -235,7 +282,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along S's rows
   stage = smem.staging[0].at[wg] if kd.interpreting else None
 
-  bars.resident.consumer_wait(0, wg)
+  bars.consumer_q_do(wg)
   q_operand, do_operand = q_tile, do_tile  # the A operands of S and dP
   if cfg.operands_in_registers and not kd.interpreting:
     q_operand, do_operand = load_operand(q_tile), load_operand(do_tile)
@@ -257,9 +304,9 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
 
   def block_fn(step, j, dq, *, masked):
     """Key block j at ring position `step`."""
-    slot = bars.stream.slot(step)
+    slot = bars.slot("kv_full", step)
     k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
-    bars.stream.consumer_wait(step)
+    bars.consumer_kv(step)
     s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                      do_operand, v_tile.transpose((1, 0)), (bq, bk))
     seg = block_segments(slot) if masked else None
@@ -268,7 +315,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
                     kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
                     dp=dp, delta=delta, **mods).grad()
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
-    bars.stream.consumer_release(step)
+    bars.consumer_kv_release(step)
     return dq
 
   if kd.mods is not None:
@@ -280,8 +327,8 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: BackwardBarriers,
     return block_fn(step, j, dq, masked=masked)
 
   def skip_fn(j, dq):
-    bars.stream.consumer_wait(j - lo)
-    bars.stream.consumer_release(j - lo)
+    bars.consumer_kv(j - lo)
+    bars.consumer_kv_release(j - lo)
     return dq
 
   return walk_blocks(lo, hi, own, step_fn, skip_fn, zeros((bq, kd.head_dim))), q_lo
@@ -322,7 +369,7 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
                                   nc if has_segments else None)
     mod_refs, (dq_ref, *delta_out, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _DqSmem.unpack(smem, kd.with_delta, has_segments)
-    bars = BackwardBarriers.from_refs(barrier_refs, nc, cfg.num_stages, kd.num_streamed)
+    bars = DqBarrierTable(kd, barrier_refs)
     work = _QueryTileWork.of_this_cta(kd, gmem=gmem, q_seq=q_seq, kv_valid=kv_valid)
     wg = lax.axis_index("wg")
 
@@ -342,6 +389,5 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
     delta_type = jax.ShapeDtypeStruct((batch, num_q_heads, num_q_tiles * nc * bq), jnp.float32)
     out_type = (out_type, delta_type)
   return launch(kernel, role="sm90_dq", out_type=out_type, smem=kd.smem(),
-                barriers=BackwardBarriers.scratch_types(nc, cfg.num_stages, 4,
-                                                        kd.num_streamed),
+                barriers=DqBarrierTable.scratch_types(kd),
                 grid=grid, num_threads=nc + 1)

@@ -21,8 +21,8 @@ runs), a back-to-back issue of both GEMMs and P staged through SMEM all
 measured slower on an H100 (docs/performance-notes.md) and were removed; commit dcef065
 still has them.
 
-Every barrier and who arrives on it is listed in `ForwardBarriers`; the ring
-arithmetic lives in `fa4_jax.kernels.pipeline`.
+Every barrier, who arrives on it and who waits on it is declared once in
+`ForwardBarrierTable` (the form of `fa4_jax.kernels.pipeline.BarrierTable`).
 
 Softmax (`fa4_jax.scores.online_softmax`, which also holds the tile ranges and
 the element mask): logits are kept raw; `c = scale * log2(e)` is folded into
@@ -124,8 +124,8 @@ kernel as before (`tools/kernel_fingerprints.py`).
 
 Interpreter (`fa4_jax.interpret`): P goes through SMEM for the P V wgmma and
 the producer drains its barriers; both are chosen in one place each
-(`_ConsumerTile.p_times_v`, `SlotRing.producer_drain` /
-`OneShotBuffer.producer_drain`).
+(`_ConsumerTile.p_times_v`, `ForwardBarrierTable.drain_kv_rings` /
+`drain_q`).
 
 Code: the roles are functions of one `_Context` (the call's static facts,
 refs, barriers, the CTA's work items): `_producer`, `_consumer` (its KV walk
@@ -150,7 +150,8 @@ from fa4_jax.kernels import KernelUnsupported, sm90_tiles
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.accumulator import fp8_p_operand, in_p_key_order, rescale_rows
-from fa4_jax.kernels.pipeline import (OneShotBuffer, Rendezvous, SlotRing, check_register_split,
+from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, RING, SYNC, WAIT, Barrier,
+                                      BarrierTable, Copies, check_register_split,
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
                                      heavy_first_tile, pairs_causal_tiles)
@@ -459,64 +460,96 @@ def fp8_mode(q_dtype, k_dtype, v_dtype, *, page_table, heads_major: bool,
   return "all"
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardBarriers:
-  """Every barrier of the forward kernel, with its producer and consumer side.
+class ForwardBarrierTable(BarrierTable):
+  """Every mbarrier of the forward kernel (cf. `sm100_forward.ForwardBarrierTable`).
 
-  | barrier              | arrives (count)                  | waits                       |
-  |----------------------|----------------------------------|-----------------------------|
-  | q.full[b]            | producer TMA of Q_i (1)          | consumer i, once per tile   |
-  | q.consumed[b]        | consumer i after its last QK (1) | producer before reloading copy b (persistent only) |
-  | k.full[slot]         | producer TMA of K_n (1; paged: 1 per page; | both consumers, every step |
-  |                      | +1: the keys' segment ids, if any) |                             |
-  | k.consumed[slot]     | each consumer once S=QK^T is done (2) | producer before refilling |
-  | v.full[slot]         | producer TMA of V_n (likewise)   | both consumers, every step  |
-  | v.consumed[slot]     | each consumer once O+=PV is done (2)  | producer before refilling |
-  | pingpong             | both consumers (2)               | both consumers (only with `config.pingpong`) |
-  | q.full[b] (stop)     | producer, a plain arrive (1) after | each consumer, which then  |
-  |                      | its last item (work queue only)  | reads a unit past the end   |
+  Who arrives on each barrier and who waits on it, by role and accessor
+  (no role touches a barrier except through these accessors):
+
+  name      count    arrivals     arrived on by                       waited on by
+  q_full    q copies 1 (TMA)      producer: producer_q (TMA of         consumer i: consumer_q, once
+                                    consumer i's Q tile); with a         per work item
+                                    work queue producer_q_stop, a
+                                    plain arrive after its last item
+  q_free    q copies 1            consumer i: consumer_q_release       producer: producer_q_acquire
+                                    (every QK of the item completed;     (before it reloads the
+                                    persistent grid only)                copy), drain_q*
+  k_full    stages   k copies     producer: producer_k (TMA of K_n;    consumers: consumer_k, every
+                       (TMA)        paged: one per page; plus one of     step
+                                    the keys' segment ids, if any)
+  k_free    stages   consumers    consumers: consumer_k_release        producer: producer_k_acquire
+                                    (S = Q K^T done, or the mask has     (before it refills the
+                                    read the keys' ids)                  slot), drain_kv_rings*
+  v_full    stages   v copies     producer: producer_v (TMA of V_n,    consumers: consumer_v, every
+                       (TMA)        likewise)                            step
+  v_free    stages   consumers    consumers: consumer_v_release        producer: producer_v_acquire,
+                                    (O += P V done)                      drain_kv_rings*
+  tensor_core_turn
+            1        consumers    consumers: consumer_end_turn (done   consumers: consumer_await_turn
+                                    with its softmax),                   (the other issued its QK),
+                                    consumer_sync_turn                   consumer_sync_turn
+
+  q copies = num_consumers * q_depth, stages = num_kv_stages. * interpreter
+  only. q_full / q_free: copy `slot("q_full", item, i)` of consumer i's Q
+  tile for work item `item`, one of `config.q_depth` copies (two let a
+  persistent CTA prefetch the next Q). k / v: ring slot `slot("k_full",
+  step)` of the step-th KV block the CTA loads, its steps counting on across
+  work items. tensor_core_turn: the two consumers take turns on the tensor
+  core (ping-pong): both touch it equally often, in the same order; without
+  `config.pingpong` its accessors do nothing.
 
   Work queue (`schedule.WorkQueue`): the producer's fetch thread stores item
   i + 1's unit in its SMEM cell while item i loads; a warpgroup barrier, then
-  the TMA of item i + 1's Q (or the stop arrive) on q.full[b] publishes it,
+  the TMA of item i + 1's Q (or the stop arrive) on q_full publishes it,
   and each consumer reads the cell after that wait.
 
-  b = `q.buffer(item, i)`: consumer i's Q tile for work item `item`, one of
-  `config.q_depth` copies (two let a persistent CTA prefetch the next Q).
-
   O epilogue: without a persistent grid it reuses consumer i's Q buffer
-  (only consumer i touches it after `q.full[i]`); a persistent CTA has
-  separate O tiles, and consumer i waits for its previous TMA store to have
-  read them (`wait_smem_to_gmem(0, wait_read_only=True)`) before rewriting.
+  (only consumer i touches it after q_full); a persistent CTA has separate
+  O tiles, and consumer i waits for its previous TMA store to have read
+  them (`wait_smem_to_gmem(0, wait_read_only=True)`) before rewriting.
   """
 
-  q: OneShotBuffer
-  k: SlotRing
-  v: SlotRing
-  pingpong: Rendezvous
+  ALLOCATION_ORDER = "as declared"
+  Q_COPIES = Copies(depth="q depth")
+  BARRIERS = {
+      # name: Barrier(how many, arrivals, orders tensor core, arrived on by
+      #               {accessor: how}, waited on by {accessor: how}, index)
+      "q_full": Barrier("q copies", 1, False,
+                        arrive={"producer_q": FILL, "producer_q_stop": ARRIVE},
+                        wait={"consumer_q": WAIT}, index=Q_COPIES),
+      "q_free": Barrier("q copies", 1, False, arrive={"consumer_q_release": ARRIVE},
+                        wait={"producer_q_acquire": ACQUIRE}, index=Q_COPIES),
+      "k_full": Barrier("stage", "k copies", False, arrive={"producer_k": FILL},
+                        wait={"consumer_k": WAIT}, index=RING),
+      "k_free": Barrier("stage", "consumers", False, arrive={"consumer_k_release": ARRIVE},
+                        wait={"producer_k_acquire": ACQUIRE}, index=RING),
+      "v_full": Barrier("stage", "v copies", False, arrive={"producer_v": FILL},
+                        wait={"consumer_v": WAIT}, index=RING),
+      "v_free": Barrier("stage", "consumers", False, arrive={"consumer_v_release": ARRIVE},
+                        wait={"producer_v_acquire": ACQUIRE}, index=RING),
+      "tensor_core_turn": Barrier(
+          "one", "consumers", False,
+          arrive={"consumer_end_turn": ARRIVE, "consumer_sync_turn": SYNC},
+          wait={"consumer_await_turn": WAIT, "consumer_sync_turn": SYNC}, active="pingpong"),
+  }
 
   @staticmethod
-  def scratch_types(config: ForwardConfig, kv_copies: int = 1, key_ids: bool = False):
-    """`kv_copies`: TMA copies that fill one K (or V) slot (`kv_copies_per_block`);
-    `key_ids`: one more into each K slot's full barrier, the block's segment ids."""
-    n, c = config.num_kv_stages, config.num_consumers
-    return (
-        *OneShotBuffer.barrier_types(c, config.q_depth),
-        *SlotRing.barrier_types(n, c, kv_copies + key_ids),
-        *SlotRing.barrier_types(n, c, kv_copies),
-        Rendezvous.barrier_type(c),
-    )
+  def barrier_counts(call: "ForwardStatics") -> dict:
+    cfg = call.config
+    kv_copies = kv_copies_per_block(cfg.block_kv, call.page_size)
+    return {"q copies": cfg.num_consumers * cfg.q_depth, "q depth": cfg.q_depth,
+            "stage": cfg.num_kv_stages, "consumers": cfg.num_consumers,
+            "k copies": kv_copies + call.has_segment_ids, "v copies": kv_copies,
+            "one": 1, "pingpong": cfg.pingpong}
 
-  @classmethod
-  def from_refs(cls, config: ForwardConfig, refs) -> "ForwardBarriers":
-    q_full, q_consumed, k_full, k_consumed, v_full, v_consumed, pingpong = refs
-    n, c = config.num_kv_stages, config.num_consumers
-    return cls(
-        q=OneShotBuffer(q_full, q_consumed, depth=config.q_depth),
-        k=SlotRing(k_full, k_consumed, n, c),
-        v=SlotRing(v_full, v_consumed, n, c),
-        pingpong=Rendezvous(pingpong, c) if config.pingpong else Rendezvous.disabled(),
-    )
+  # Interpreter-only drains of the last phases (see `BarrierTable`).
+  def drain_kv_rings(self, num_steps) -> None:
+    """Producer: observe the k_free / v_free phases of the last lap."""
+    self._drain_last_lap(num_steps, "k_free", "v_free")
+
+  def drain_q(self, num_items, next_acquired: bool = False) -> None:
+    """Producer: observe the last q_free phase of every Q copy."""
+    self._drain_last_items(num_items, "q_free", next_acquired)
 
 
 # --- The kernel: one context, three roles -----------------------------------
@@ -794,7 +827,7 @@ class _Context:
 
   call: ForwardStatics
   refs: _Refs
-  bars: ForwardBarriers
+  bars: ForwardBarrierTable
   wg: Any  # this warpgroup's index
   num_items: Any  # work items of this CTA; None with a work queue
   item_coords: Callable  # i -> (batch, q head, q tile) of work item i; None with a queue
@@ -803,7 +836,7 @@ class _Context:
   @classmethod
   def create(cls, call: ForwardStatics, refs: _Refs, barrier_refs) -> "_Context":
     cfg = call.config
-    bars = ForwardBarriers.from_refs(cfg, barrier_refs)
+    bars = ForwardBarrierTable(call, barrier_refs)
     wg = lax.axis_index("wg")
     if cfg.work_queue:
       cells = refs.lse_smem.at[cfg.num_consumers]
@@ -903,8 +936,8 @@ def _producer(ctx: _Context) -> None:
     the Q copies already)."""
     for c_i in range(cfg.num_consumers):
       if cfg.persistent and ctx.queue is None:
-        bars.q.producer_acquire(i, c_i)
-      bars.q.producer_fill(_q_rows(ctx, item, item.cta_q_lo + c_i * bq), refs.q_smem, i, c_i)
+        bars.producer_q_acquire(i, c_i)
+      bars.producer_q([(_q_rows(ctx, item, item.cta_q_lo + c_i * bq), refs.q_smem)], i, c_i)
     kv_head = lax.div(item.head, jnp.int32(ctx.call.group))
 
     @pl.loop(item.lo, item.hi)
@@ -912,35 +945,33 @@ def _producer(ctx: _Context) -> None:
       step = step0 + n - item.lo
       j = ctx.kv_block(item, n)  # n itself without programmable scores
       fill = _kv_block_fill(ctx, item, j, kv_head)
-      bars.k.producer_acquire(step)
-      fill(bars.k, refs.k, refs.k_smem, step)
+      bars.producer_k_acquire(step)
+      fill(bars.producer_k, refs.k, refs.k_smem, step)
       if ctx.call.has_segment_ids:  # the keys' ids ride on the K slot's barrier
-        bars.k.producer_fill(refs.kv_ids.at[item.batch_idx, pl.ds(j * cfg.block_kv, cfg.block_kv)],
-                             refs.kv_ids_smem, step)
-      bars.v.producer_acquire(step)
+        bars.producer_k([(refs.kv_ids.at[item.batch_idx, pl.ds(j * cfg.block_kv, cfg.block_kv)],
+                          refs.kv_ids_smem)], step)
+      bars.producer_v_acquire(step)
       if ctx.call.fp8:  # V^T [B, Nkv, Dv, Tk]: the block's columns
-        bars.v.producer_fill(refs.v.at[item.batch_idx, kv_head, :,
-                                       pl.ds(j * cfg.block_kv, cfg.block_kv)],
-                             refs.v_smem, step)
+        bars.producer_v([(refs.v.at[item.batch_idx, kv_head, :,
+                                    pl.ds(j * cfg.block_kv, cfg.block_kv)], refs.v_smem)],
+                        step)
       else:
-        fill(bars.v, refs.v, refs.v_smem, step)
+        fill(bars.producer_v, refs.v, refs.v_smem, step)
 
     return step0 + (item.hi - item.lo)
 
   if ctx.queue is not None:
     # The unit past the end rides on a plain arrive on each Q barrier.
     total_steps = ctx.queue.producer_loop(
-        bars.q, cfg.num_consumers, prepare=lambda unit: ctx.item(None, unit),
-        produce=produce_item)
-    bars.k.producer_drain(total_steps)
-    bars.v.producer_drain(total_steps)
+        cfg.num_consumers, prepare=lambda unit: ctx.item(None, unit), produce=produce_item,
+        acquire=bars.producer_q_acquire, stop=bars.producer_q_stop, drain=bars.drain_q)
+    bars.drain_kv_rings(total_steps)
     return
   total_steps = ctx.item_loop(lambda i, step0: produce_item(i, ctx.item(i), step0),
                               jnp.int32(0))
-  bars.k.producer_drain(total_steps)
-  bars.v.producer_drain(total_steps)
+  bars.drain_kv_rings(total_steps)
   if cfg.persistent:
-    bars.q.producer_drain(ctx.num_items)
+    bars.drain_q(ctx.num_items)
 
 
 def _q_rows(ctx: _Context, item: _WorkItem, row0):
@@ -955,13 +986,14 @@ def _q_rows(ctx: _Context, item: _WorkItem, row0):
 
 
 def _kv_block_fill(ctx: _Context, item: _WorkItem, j, kv_head) -> Callable:
-  """fill(ring, src, smem, step): the TMA load(s) of KV block j of `item`
-  from K or V (`src`) into the ring slot of `step`, for the producer."""
+  """fill(producer_fill, src, smem, step): the TMA load(s) of KV block j of
+  `item` from K or V (`src`) into the ring slot of `step`, by the producer's
+  FILL accessor of that ring (`producer_k` or `producer_v`)."""
   bk = ctx.call.config.block_kv
   if ctx.call.page_size is not None:
     return _paged_block_fill(ctx, item, j, kv_head)
   keys = (item.batch_idx, pl.ds(j * bk, bk), kv_head)
-  return lambda ring, src, smem, step: ring.producer_fill(src.at[keys], smem, step)
+  return lambda producer_fill, src, smem, step: producer_fill([(src.at[keys], smem)], step)
 
 
 def _paged_block_fill(ctx: _Context, item: _WorkItem, j, kv_head) -> Callable:
@@ -976,15 +1008,14 @@ def _paged_block_fill(ctx: _Context, item: _WorkItem, j, kv_head) -> Callable:
     per_block = bk // page_size
     pages = [table[row, j * per_block + c] for c in range(per_block)]
 
-    def fill_pages(ring, src, smem, step):
-      ring.producer_fill_rows(
-          [(src.at[page, pl.ds(0, page_size), kv_head], pl.ds(c * page_size, page_size))
-           for c, page in enumerate(pages)], smem, step)
+    def fill_pages(producer_fill, src, smem, step):  # each page into its rows of the slot
+      producer_fill([(src.at[page, pl.ds(0, page_size), kv_head], smem,
+                      pl.ds(c * page_size, page_size)) for c, page in enumerate(pages)], step)
     return fill_pages
   per_page = jnp.int32(page_size // bk)
   page = table[row, lax.div(j, per_page)]
   keys = (page, pl.ds(lax.rem(j, per_page) * bk, bk), kv_head)
-  return lambda ring, src, smem, step: ring.producer_fill(src.at[keys], smem, step)
+  return lambda producer_fill, src, smem, step: producer_fill([(src.at[keys], smem)], step)
 
 
 def kv_copies_per_block(block_kv: int, page_size: int | None) -> int:
@@ -998,7 +1029,7 @@ def _consumer(ctx: _Context) -> None:
   [wg * block_q, (wg + 1) * block_q) of every work item of the CTA."""
   plgpu.set_max_registers(ctx.call.config.consumer_registers, action="increase")
   if ctx.queue is not None:
-    ctx.queue.consumer_loop(ctx.bars.q, ctx.wg,
+    ctx.queue.consumer_loop(ctx.bars.consumer_q, ctx.wg,
                             lambda i, unit, step0: _consume_item(ctx, i, step0, unit))
   else:
     ctx.item_loop(functools.partial(_consume_item, ctx), jnp.int32(0))
@@ -1012,7 +1043,7 @@ def _consume_item(ctx: _Context, i, step0, unit=None):
   tile = _ConsumerTile.create(ctx, i, step0, unit)
   acc, m, l = tile.walk_kv_blocks()
   if ctx.call.config.persistent:
-    ctx.bars.q.consumer_release(i, ctx.wg)  # every QK of this tile completed
+    ctx.bars.consumer_q_release(i, ctx.wg)  # every QK of this tile completed
   _epilogue(ctx, tile, acc, m, l)
   return step0 + (tile.item.hi - tile.item.lo)
 
@@ -1048,7 +1079,7 @@ class _ConsumerTile:
   def create(cls, ctx: _Context, i, step0, unit=None) -> "_ConsumerTile":
     cfg, wg = ctx.call.config, ctx.wg
     item = ctx.item(i, unit)
-    q_tile = ctx.refs.q_smem.at[ctx.bars.q.buffer(i, wg)]
+    q_tile = ctx.refs.q_smem.at[ctx.bars.slot("q_full", i, wg)]
     o_tile = ctx.refs.o_smem.at[wg] if ctx.call.separate_o_tiles else q_tile
     q_lo = item.cta_q_lo + wg * cfg.block_q
     own = score_fn = mask_fn = None
@@ -1082,7 +1113,7 @@ class _ConsumerTile:
     cfg, bars, wg = self.ctx.call.config, self.ctx.bars, self.ctx.wg
     bq, lo, hi, own = cfg.block_q, self.item.lo, self.item.hi, self.own
     if not self.q_waited:
-      bars.q.consumer_wait(self.index, wg)
+      bars.consumer_q(self.index, wg)
     # With a sink the rows start from its virtual key (m = sink, l = 1):
     # rows that then see no key end with zeros and lse = sink. Registers:
     # only m and l start from a run-time scalar; nothing more lives in the loop.
@@ -1093,14 +1124,14 @@ class _ConsumerTile:
 
     @pl.when(hi > lo)
     def _():
-      bars.k.consumer_wait(self.step0)
+      bars.consumer_k(self.step0)
 
-    pl.when(wg == 1)(bars.pingpong.sync)  # offset the two consumers by one turn
+    pl.when(wg == 1)(bars.consumer_sync_turn)  # offset the two consumers by one turn
     if self.ctx.call.mods:
       carry = self.walk_block_list((acc, m, l))
     else:
       carry = walk_blocks(lo, hi, own, self.compute_step, self.skip_step, (acc, m, l))
-    pl.when(wg == 0)(bars.pingpong.sync)
+    pl.when(wg == 0)(bars.consumer_sync_turn)
     return carry
 
   def walk_block_list(self, carry):
@@ -1125,36 +1156,38 @@ class _ConsumerTile:
     # The key block at walk position j (j itself without programmable
     # scores), read before Q K^T so that its GMEM latency hides behind it.
     block = self.ctx.kv_block(self.item, j)
-    k_tile = self.widened(self.ctx.refs.k_smem.at[bars.k.slot(step)], self.ctx.refs.k16_smem)
+    k_slot = bars.slot("k_full", step)
+    k_tile = self.widened(self.ctx.refs.k_smem.at[k_slot], self.ctx.refs.k16_smem)
     s = pl.run_scoped(functools.partial(self.qk, k_tile=k_tile),
                       plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
     key_ids = self.key_ids(step) if masked else None
     if key_ids is None:
-      bars.k.consumer_release(step)
+      bars.consumer_k_release(step)
     # else: released once the mask has read the keys' ids (`block_softmax`)
     p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked,
                                                    key_ids=key_ids, block=block)
-    v_tile = self.widened(self.ctx.refs.v_smem.at[bars.v.slot(step)], self.ctx.refs.v16_smem)
+    v_slot = bars.slot("v_full", step)
+    v_tile = self.widened(self.ctx.refs.v_smem.at[v_slot], self.ctx.refs.v16_smem)
     acc = self.p_times_v(acc, p16, v_tile, lambda: self.wait_next_k(j))
-    bars.v.consumer_release(step)
+    bars.consumer_v_release(step)
     return acc, m_new, l
 
   def skip_step(self, j, carry):
     """A block this consumer's rows cannot see: keep the protocol going."""
     bars = self.ctx.bars
     step = self.ring_step(j)
-    bars.pingpong.sync()
-    bars.k.consumer_release(step)
-    bars.pingpong.arrive()
-    bars.v.consumer_wait(step)
-    bars.pingpong.wait()
-    bars.v.consumer_release(step)
+    bars.consumer_sync_turn()
+    bars.consumer_k_release(step)
+    bars.consumer_end_turn()
+    bars.consumer_v(step)
+    bars.consumer_await_turn()
+    bars.consumer_v_release(step)
     self.wait_next_k(j)
     return carry
 
   def qk(self, s_ref, k_tile):
     plgpu.wgmma(s_ref, self.q_tile, k_tile.transpose((1, 0)))
-    self.ctx.bars.pingpong.sync()  # the other consumer's softmax ends here
+    self.ctx.bars.consumer_sync_turn()  # the other consumer's softmax ends here
     return s_ref[...]
 
   def key_ids(self, step):
@@ -1162,7 +1195,7 @@ class _ConsumerTile:
     slot, `sm90_tiles.id_ring`), or None without segment ids."""
     if not self.ctx.call.has_segment_ids:
       return None
-    return self.ctx.refs.kv_ids_smem.at[self.ctx.bars.k.slot(step)]
+    return self.ctx.refs.kv_ids_smem.at[self.ctx.bars.slot("k_full", step)]
 
   def block_softmax(self, s, m, j, *, masked: bool, key_ids=None, block=None):
     """(P, new running max, alpha) for the logits of KV block j; with a
@@ -1237,7 +1270,7 @@ class _ConsumerTile:
       # refills the slot only through a proxy fence; on hardware the release
       # (an mbarrier arrive) orders them, as for the backward's lse2 rings.
       plgpu.commit_smem()
-    self.ctx.bars.k.consumer_release(self.ring_step(j))
+    self.ctx.bars.consumer_k_release(self.ring_step(j))
 
   def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, key_ids=None, block=None):
     """Softmax of block j, O rescaled, the hand-off of the tensor core, and
@@ -1269,9 +1302,9 @@ class _ConsumerTile:
 
   def hand_off(self, step):
     bars = self.ctx.bars
-    bars.pingpong.arrive()  # done with softmax
-    bars.v.consumer_wait(step)
-    bars.pingpong.wait()  # tensor core free: the other consumer issued its QK
+    bars.consumer_end_turn()  # done with softmax
+    bars.consumer_v(step)
+    bars.consumer_await_turn()  # tensor core free: the other consumer issued its QK
 
   def p_times_v(self, acc, p, v_tile, while_running):
     """O += P V, with `while_running()` issued while the wgmma runs."""
@@ -1327,7 +1360,7 @@ class _ConsumerTile:
   def wait_next_k(self, j):
     @pl.when(j + 1 < self.item.hi)
     def _():
-      self.ctx.bars.k.consumer_wait(self.ring_step(j + 1))
+      self.ctx.bars.consumer_k(self.ring_step(j + 1))
 
 
 def _add_row_sums(l, alpha, p):
@@ -1432,10 +1465,7 @@ def _build_kernel(
   return plgpu.kernel(
       compile_ahead.named(kernel, "sm90_forward"),
       out_type=out_type,
-      scratch_types=(tuple(_scratch_smem(call)),
-                     ForwardBarriers.scratch_types(cfg, kv_copies_per_block(cfg.block_kv,
-                                                                            page_size),
-                                                   key_ids=has_segment_ids)),
+      scratch_types=(tuple(_scratch_smem(call)), ForwardBarrierTable.scratch_types(call)),
       grid=(work.num_ctas,) if cfg.persistent else (num_q_heads, num_q_tiles, batch),
       grid_names=("ctas",) if cfg.persistent else ("heads", "q_tiles", "batch"),
       num_threads=cfg.num_consumers + 1,
