@@ -418,9 +418,12 @@ def _store_half(ctx: _Ctx, out, half_index: int) -> None:
   staged = ctx.q_smem.at[:, cols]
   staged[...] = out.astype(st.dtype)
   plgpu.commit_smem()
-  r = st.tile_rows
-  plgpu.copy_smem_to_gmem(ctx.q_smem.at[pl.ds(0, r), cols],
-                          ctx.out.at[ctx.item, pl.ds(ctx.tile * ROWS, r), cols])
+  # TMA reads contiguous SMEM: a column slice of the (8, 64)-tiled tile is
+  # contiguous within one group of 8 rows, so one copy per group.
+  for g in range(st.tile_rows // 8):
+    rows = pl.ds(g * 8, 8)
+    plgpu.copy_smem_to_gmem(ctx.q_smem.at[rows, cols],
+                            ctx.out.at[ctx.item, pl.ds(ctx.tile * ROWS + g * 8, 8), cols])
 
 
 def _kernel(st: _Statics, *refs) -> None:
