@@ -229,7 +229,7 @@ def _prepare(query, key, value, bias, mask, implementation, **named):
 
 def _call_info(args: Arguments) -> backends.CallInfo:
   return backends.CallInfo.of(args.query, args.key, args.bias, args.mask, args.scores,
-                              args.value)
+                              args.value, values_from_keys=args.values_from_keys)
 
 
 def create_block_mask(mask_mod, batch: int | None, heads: int | None, q_len: int,

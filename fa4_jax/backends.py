@@ -82,16 +82,17 @@ class CallInfo:
   mask_mod: object = None
   has_fp8: bool = False  # float8 operands (a float8 query, or a float8 K/V cache)
   v_head_dim: int | None = None  # the value's head dim where it differs from q's and k's
+  values_from_keys: bool = False  # `value=None`: v is k's first v_head_dim features (MLA)
 
   @property
   def has_mods(self) -> bool:
     return self.score_mod is not None or self.mask_mod is not None
 
   @classmethod
-  def of(cls, q, k, bias, mask, scores_: Scores, v=None) -> "CallInfo":
+  def of(cls, q, k, bias, mask, scores_: Scores, v=None, values_from_keys=False) -> "CallInfo":
     v_head_dim = None if v is None or v.shape[-1] == q.shape[-1] else v.shape[-1]
     return cls(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=scores_.mask,
-               v_head_dim=v_head_dim,
+               v_head_dim=v_head_dim, values_from_keys=bool(values_from_keys),
                has_bias=bias is not None, has_mask=mask is not None,
                kernel_features=scores_.kernel_features(),
                has_segment_ids=scores_.q_segment_ids is not None,
@@ -245,6 +246,43 @@ def _decode_backend() -> Backend:
   return Backend("sm90_decode", forward, _kernel_backend("sm90").backward)
 
 
+@functools.cache
+def _mla_backend() -> Backend:
+  """The sm90 MLA decode kernel (`fa4_jax.kernels.sm90_mla_decode`): the
+  values are the keys' first features, read from k alone; the XLA backward."""
+  from fa4_jax.kernels import sm90_mla_decode
+
+  def forward(q, k, v, bias, mask, scores_: Scores):
+    del bias, mask  # never selected with them (see _mla_problem)
+    out, lse = sm90_mla_decode.forward(q, k, scores_.q_lengths, scores_.kv_lengths,
+                                       value_head_dim=v.shape[-1],
+                                       score=scores_.score_function, mask=scores_.mask)
+    if scores_.sinks is not None:
+      out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
+    return out, lse
+
+  return Backend("sm90_mla", forward, xla_attention.backward)
+
+
+def _mla_problem(call: CallInfo) -> str | None:
+  """Why the sm90 MLA decode kernel cannot serve `call` (values from the
+  keys, `value=None`), or None if it can."""
+  from fa4_jax.kernels import sm90_mla_decode
+
+  if not call.values_from_keys:
+    return "the values are not the keys' first features (value=None)"
+  if (call.has_bias or call.has_mask or call.has_mods or call.has_fp8 or call.has_segment_ids
+      or call.kernel_features):
+    return ("the MLA decode kernel takes no bias, mask array, score_mod / mask_mod, float8, "
+            "segment ids or soft-cap")
+  try:
+    sm90_mla_decode.check_supported(call.q_shape, call.k_shape, call.dtype, call.v_head_dim
+                                    or call.q_shape[-1], call.spec)
+  except KernelUnsupported as e:
+    return str(e)
+  return None
+
+
 def _features(module) -> frozenset[str]:
   return getattr(module, "FEATURES", frozenset())
 
@@ -328,6 +366,8 @@ def _kernel_problem(name: str, call: CallInfo) -> str | None:
     return (f"implementation={name!r} does not support a boolean `mask` array; "
             "use is_causal, local_window_size or the *_seq_lengths arguments, "
             "or implementation='xla'")
+  if name == "sm90" and call.values_from_keys and _mla_problem(call) is None:
+    return None  # the MLA decode kernel (`_arrangement`)
   try:
     module = importlib.import_module(f"fa4_jax.kernels.{name}_forward")
   except ModuleNotFoundError:
@@ -442,6 +482,8 @@ def _untargeted_host() -> bool:
 def _arrangement(name: str, call: CallInfo) -> Backend:
   """Kernel family `name`'s backend for this call: the sm90 decode
   arrangement for short band-free queries, else the kernels as they are."""
+  if name == "sm90" and call.values_from_keys and _mla_problem(call) is None:
+    return _mla_backend()
   if name == "sm90" and not call.has_mods and call.v_head_dim is None:
     from fa4_jax.kernels import sm90_decode
     if sm90_decode.plan(call.q_shape, call.k_shape, call.spec,
@@ -481,7 +523,9 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   if args.mods:
     return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
             "implementation=None or 'xla'")
-  if args.value_pages is None or args.value_pages.shape[-1] != args.key_pages.shape[-1]:
+  if args.value_pages is None:
+    return paged_mla_problem(args)
+  if args.value_pages.shape[-1] != args.key_pages.shape[-1]:
     return ("a value head dim other than the keys' (MLA's latent pages, `value_pages=None`) "
             "is read by the XLA path for now; use implementation=None or 'xla'")
   q_shape = args.query.shape
@@ -508,3 +552,28 @@ def paged_decode_plan(args: PagedArguments):
   page_size, kv_heads = args.key_pages.shape[1], args.key_pages.shape[2]
   k_shape = (b, args.page_table.shape[1] * page_size, kv_heads, d)
   return sm90_decode.plan(args.query.shape, k_shape, MaskSpec(), ragged=True, granule=page_size)
+
+
+def paged_mla_problem(args: PagedArguments) -> str | None:
+  """Why the sm90 MLA decode kernel cannot read the latent pages of a
+  `value_pages=None` call, or None if it can (the caller checked the GPU)."""
+  from fa4_jax.kernels import sm90_mla_decode
+
+  b, t, _, d = args.query.shape
+  page_size = args.key_pages.shape[1]
+  keys = args.page_table.shape[1] * page_size
+  if args.static.score.cap is not None or args.key_pages.dtype in scores.FP8_DTYPES:
+    return ("latent pages (`value_pages=None`) with a soft-cap or in float8 are read by the "
+            "XLA path; use implementation=None or 'xla'")
+  mask = MaskSpec(right=0, offset_from_lengths=True) if args.static.is_prefill(
+      args.query.shape) else MaskSpec()
+  try:
+    sm90_mla_decode.check_supported(args.query.shape, (b, keys, args.key_pages.shape[2], d),
+                                    args.query.dtype, args.static.value_head_dim, mask,
+                                    page_size)
+  except KernelUnsupported as e:
+    return f"latent pages (`value_pages=None`): {e}; use implementation=None or 'xla'"
+  if keys % max(sm90_mla_decode.MlaPlan().block_kv, page_size):
+    return (f"latent pages (`value_pages=None`): max_pages * page_size = {keys} keys must be "
+            "whole blocks of 64; use implementation=None or 'xla'")
+  return None

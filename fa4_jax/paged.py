@@ -181,6 +181,13 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, desca
   from fa4_jax.kernels import sm90_decode, sm90_forward
   from fa4_jax.scores import MaskSpec
 
+  if value_pages is None:  # MLA's latent pages: the MLA decode kernel
+    from fa4_jax.kernels import sm90_mla_decode
+    from fa4_jax.scores import add_sinks
+    out, lse = sm90_mla_decode.forward(q, key_pages, None, lengths,
+                                       value_head_dim=static.value_head_dim, score=static.score,
+                                       mask=static.kernel_mask(q.shape), page_table=page_table)
+    return out if sinks is None else add_sinks(out, lse, sinks)[0]
   fp8 = {}
   if key_pages.dtype in FP8_DTYPES:  # a 16-bit query on float8 pages
     fp8 = dict(descales=descales, out_dtype=static.output_dtype)

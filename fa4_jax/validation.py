@@ -36,6 +36,9 @@ class Arguments:
   mask: jax.Array | None  # same, bool
   scores: Scores  # everything else that shapes a score
   output_shape: tuple[int, ...]  # the query's own shape (3D or 4D)
+  # `value=None`: the value is the key's first features (MLA's latent cache),
+  # which the MLA decode kernel reads from the key alone.
+  values_from_keys: bool = False
 
   # The score value's parts, by the names of the arguments they came from.
   @property
@@ -434,7 +437,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal,
   return Arguments(
       query=query, key=key, value=value,
       bias=_check_pair_array(bias, "bias", (b, n, t, s), want_bool=False),
-      mask=mask, scores=scores, output_shape=output_shape)
+      mask=mask, scores=scores, output_shape=output_shape,
+      values_from_keys=value_head_dim is not None)
 
 
 # --- paged_attention ---------------------------------------------------------

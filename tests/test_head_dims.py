@@ -181,9 +181,11 @@ def test_which_backend_serves_a_value_head_dim_of_its_own():
   with fa4_jax.gpu_target("sm90"):  # the Hopper kernels, forward and backward at 192 / 128
     assert fa4_jax.which_implementation(q, key, v, is_causal=True) == "sm90"
     assert fa4_jax.which_implementation(q, key, v, part="backward") == "sm90"
-    latent = jnp.ones((1, 128, 1, 576), jnp.bfloat16)  # MLA's 576 / 512: the XLA path
+    latent = jnp.ones((1, 128, 1, 576), jnp.bfloat16)  # MLA's 576 / 512: its decode kernel
     assert fa4_jax.which_implementation(latent[:, :1].repeat(16, 2), latent, None,
-                                        value_head_dim=512) == "xla"
+                                        value_head_dim=512) == "sm90_mla"
+    assert fa4_jax.which_implementation(latent[:, :1].repeat(16, 2), latent, None,
+                                        value_head_dim=512, part="backward") == "xla"
   with fa4_jax.gpu_target("sm100"):
     assert fa4_jax.which_implementation(q, key, v) == "xla"
   with fa4_jax.interpret_mode(), pytest.raises(ValueError, match="value head dim of 128"):

@@ -1,0 +1,571 @@
+"""MLA decode on Hopper (sm_90): many query heads against one latent head.
+
+DeepSeek's multi-head latent attention, in its absorbed form, attends Hq
+query heads of D = 576 features (512 latent + 64 rotary) to ONE shared key
+head of 576 features per token, whose first Dv = 512 features are also the
+value: `fa4_jax.attention(q, k, None, value_head_dim=512)` and
+`fa4_jax.paged_attention(q, key_pages, None, ..., value_head_dim=512)`.
+The GQA decode arrangement (`sm90_decode`) cannot serve it: the forward
+kernel's SMEM and registers end at head dims of 256, and it would read the
+cache twice (as K and as V). This kernel reads each cache byte once.
+
+Rows: the T <= 4 new tokens' query heads are the rows of the MMA, token
+major (row r = t * Hq + h: [B, T, Hq, D] is [B, T * Hq, D] by a free
+reshape, no packing copy). A CTA owns one tile of ROWS = 64 rows (Hq 16:
+one tile of 16 rows per token, the rest of the tile unused; Hq 128: two
+tiles per token) and one chunk of the cache (split-K, `plan`).
+
+Roles (three warpgroups; `MlaBarriers` lists every barrier):
+
+    warpgroup 2  producer: TMA of the Q tile once, then the cache's blocks
+                 of `block_kv` keys x 576 features into a ring of
+                 `num_stages` SMEM slots (through the page table for a
+                 paged cache: one TMA per page, or one from inside a page).
+    warpgroup 0  "softmax" consumer: S = Q K^T (64 x block_kv, 576 deep),
+                 the online softmax (running max and sum in registers),
+                 P into SMEM and the rows' rescale factor beside it, then
+                 O[:, :256] += P V_lo with V_lo = the slot's columns 0..255.
+    warpgroup 1  "second half" consumer: waits for P, rescales its O by
+                 the factor from SMEM, O[:, 256:] += P V_hi (columns
+                 256..511 of the same slot).
+
+Each K slot is loaded once and read three times: as K^T (all 576
+features) by warpgroup 0, as V's halves by both. The f32 accumulator of
+64 x 512 would take 256 registers a thread in one warpgroup; split in two
+it takes 128 in each, beside S (32) in warpgroup 0. Why one warpgroup
+computes S and hands P over instead of both computing S redundantly: S is
+576 deep and P V only 64, so a redundant S would add 576 / (576 + 512) =
+53 % to the tensor core's work, which is the bound at Hq = 128 (the
+compute-bound case); the hand-off costs one SMEM tile of P (8 KiB) and two
+barriers per block, and warpgroup 1's P V of block j overlaps warpgroup
+0's S of block j + 1. FlashMLA splits S by key halves between its two
+warpgroups and exchanges row maxima instead: balanced, but two exchanges a
+block; ours keeps one.
+
+SMEM (block_kv 64, 2 stages, bf16): Q 64 x 576 (72 KiB), the ring 2 x 64
+x 576 (144 KiB), P 64 x 64 (8 KiB), the factors and lse (0.5 KiB): 229,888
+of the 232,448 bytes; the output is staged in Q's tile after the last S.
+Registers: producer 24, consumers 240 each (64,512 of the CTA's 64,512).
+
+Masks: keys past a row's length (per batch row, any length >= 0), and the
+bottom-right causal band among the T new tokens (token t sees keys up to
+length - T + t), or none. Blocks below every row's limit run without an
+element mask. A row that sees no key of its chunk ends with zeros and lse
+-inf; `sm90_decode.combine` merges the chunks (log-sum-exp, in XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.interpret import is_interpreting
+from fa4_jax.kernels import KernelUnsupported, compile_ahead, sm90_decode
+from fa4_jax.kernels.build_cache import cached_build
+from fa4_jax.kernels.pipeline import SlotRing, check_register_split
+from fa4_jax.kernels.schedule import sm_count
+from fa4_jax.kernels.tiles import smem_tile
+from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv, finish_rows
+
+ROWS = 64  # MMA rows of a tile: one consumer warpgroup's wgmma M
+MAX_TOKENS = 4  # new tokens per row the kernel serves (speculative decode's drafts)
+MAX_VALUE_HEAD_DIM = 512  # two halves of 256 f32 columns: 128 registers a thread each
+SMEM_LIMIT_BYTES = 232448
+H100_SMS = 132
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+NUM_CONSUMERS = 2
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+_MASKED = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaPlan:
+  """How one call is cut: the cache in `splits` chunks of whole key blocks
+  (and pages), each walked in blocks of `block_kv` keys through a ring of
+  `num_stages` slots."""
+
+  splits: int = 1
+  block_kv: int = 64
+  num_stages: int = 2
+
+  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    q = ROWS * head_dim * itemsize
+    ring = self.num_stages * self.block_kv * head_dim * itemsize
+    p = ROWS * self.block_kv * itemsize
+    rows = 2 * ROWS * 4  # the rescale factors and the lse
+    barriers = 8 * (2 * self.num_stages + 3)
+    return q + ring + p + rows + barriers
+
+  def fits_smem(self, head_dim: int, itemsize: int = 2) -> bool:
+    return self.smem_bytes(head_dim, itemsize) <= SMEM_LIMIT_BYTES
+
+
+def check_supported(q_shape, k_shape, dtype, value_head_dim: int, mask: MaskSpec,
+                    page_size: int | None = None) -> None:
+  """Raises KernelUnsupported unless the kernel serves these shapes:
+  q [B, T, Hq, D], k the logical cache [B, S, 1, D] (one latent head),
+  values its first `value_head_dim` features."""
+  b, t, n, d = q_shape
+  s, kv_heads = k_shape[1], k_shape[2]
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise KernelUnsupported(f"sm90 MLA decode: bfloat16 or float16, got {jnp.dtype(dtype)}")
+  if kv_heads != 1:
+    raise KernelUnsupported(f"sm90 MLA decode: one latent KV head, got {kv_heads}")
+  if d % 64 or d > 576:
+    raise KernelUnsupported(f"sm90 MLA decode: head dim a multiple of 64 up to 576, got {d}")
+  if value_head_dim % 128 or value_head_dim > min(d, MAX_VALUE_HEAD_DIM):
+    raise KernelUnsupported(f"sm90 MLA decode: value head dim a multiple of 128 up to "
+                            f"{MAX_VALUE_HEAD_DIM} and the head dim, got {value_head_dim}")
+  if t > MAX_TOKENS:
+    raise KernelUnsupported(f"sm90 MLA decode: at most {MAX_TOKENS} new tokens, got {t}")
+  if not (mask.is_dense or (mask.is_causal and (mask.offset_from_lengths
+                                                or mask.q_offset == s - t))):
+    raise KernelUnsupported("sm90 MLA decode: no band, or the bottom-right causal band")
+  if page_size is None and s % 64:
+    raise KernelUnsupported(f"sm90 MLA decode: a contiguous cache of a multiple of 64 keys, "
+                            f"got {s}")
+  if page_size is not None and (page_size < 8 or page_size & (page_size - 1)):
+    raise KernelUnsupported(f"sm90 MLA decode: pages of a power of two >= 8 keys, got "
+                            f"{page_size}")
+
+
+def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None = None,
+         num_sms: int | None = None) -> MlaPlan:
+  """Chunks of the cache: `sm90_decode.choose_splits` over B x (row tiles)
+  items, chunks of whole blocks and pages, at least `sm90_decode.MIN_CHUNK`
+  keys (the GQA decode's rule: not measured for MLA yet). Blocks of 64
+  keys through 2 slots (the largest ring SMEM holds beside the 64 x 576 Q
+  tile); narrower head dims get more slots."""
+  b, t, n, d = q_shape
+  s = k_shape[1]
+  block_kv = 64
+  stages = 2
+  while MlaPlan(1, block_kv, stages + 1).fits_smem(d) and stages < 4:
+    stages += 1
+  granule = max(block_kv, page_size or 1)
+  tiles = cdiv(t * n, ROWS)
+  splits = sm90_decode.choose_splits(b, 1, s, ragged=ragged,
+                                     num_sms=sm_count(H100_SMS) if num_sms is None else num_sms,
+                                     granule=granule, tiles=tiles)
+  return MlaPlan(splits, block_kv, stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+  """A kernel's compile-time constants."""
+
+  plan: MlaPlan
+  batch: int
+  tokens: int
+  heads: int
+  rows: int  # T * Hq, padded to whole tiles beyond one tile
+  head_dim: int
+  value_head_dim: int
+  chunk: int  # keys per item
+  dtype: object
+  exp2_c: float  # P = exp2(c * s - m)
+  causal: bool
+  has_q_lengths: bool
+  page_size: int | None
+  num_pages: int | None
+  interpreting: bool
+
+  @property
+  def tiles(self) -> int:
+    return cdiv(self.rows, ROWS)
+
+  @property
+  def tile_rows(self) -> int:
+    """Rows a tile loads and stores: whole tiles, or the one short tile."""
+    return min(self.rows, ROWS)
+
+  @property
+  def half(self) -> int:
+    return self.value_head_dim // NUM_CONSUMERS
+
+  @property
+  def copies_per_block(self) -> int:
+    return 1 if self.page_size is None else max(self.plan.block_kv // self.page_size, 1)
+
+
+class MlaBarriers:
+  """Every barrier of the kernel, who arrives and who waits (phases per item):
+
+  | barrier              | arrives (per phase)                  | waits                        |
+  |----------------------|--------------------------------------|------------------------------|
+  | q_full               | producer's TMA of Q (1)              | both consumers, once         |
+  | kv.full[slot]        | producer's TMA (1 per copy: pages)   | both consumers, every block  |
+  | kv.consumed[slot]    | wg 0 after its P V_lo, wg 1 after    | producer, before a refill    |
+  |                      | its P V_hi (2)                       | (drained when interpreting)  |
+  | p_full               | wg 0: P and factors of block j in    | wg 1, n_blocks + 1 phases    |
+  |                      | SMEM; last phase: 1 / l (1)          |                              |
+  | p_consumed           | wg 1 after its P V_hi of block j (1) | wg 0 before it overwrites P  |
+  """
+
+  def __init__(self, refs, plan: MlaPlan):
+    q_full, kv_full, kv_consumed, p_full, p_consumed = refs
+    self.q_full = q_full
+    self.kv = SlotRing(kv_full, kv_consumed, plan.num_stages, NUM_CONSUMERS)
+    self.p_full, self.p_consumed = p_full, p_consumed
+
+  @staticmethod
+  def scratch_types(plan: MlaPlan, copies_per_block: int):
+    return (plgpu.Barrier(num_arrivals=1),
+            *SlotRing.barrier_types(plan.num_stages, NUM_CONSUMERS, copies_per_block),
+            plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+  st: _Statics
+  q: object
+  k: object
+  table: object
+  ends: object
+  diags: object
+  q_lens: object
+  out: object
+  lse: object
+  q_smem: object
+  ring: object
+  p_smem: object
+  factor_smem: object
+  lse_smem: object
+  bars: MlaBarriers
+  tile: object
+  item: object
+
+  @property
+  def batch_row(self):
+    return lax.div(self.item, jnp.int32(self.st.plan.splits))
+
+  def block_range(self):
+    """(blocks to walk, blocks below every row's limit) of this item."""
+    st, bkv = self.st, self.st.plan.block_kv
+    end = self.ends[self.item]
+    hi, lo = end, end
+    if st.causal:
+      diag = self.diags[self.item]
+      hi = jnp.minimum(end, diag + st.tokens)  # the last token's limit
+      lo = jnp.minimum(end, diag + 1)  # token 0's
+    hi = jnp.clip(hi, 0, st.chunk)
+    lo = jnp.clip(lo, 0, st.chunk)
+    return lax.div(hi + (bkv - 1), jnp.int32(bkv)), lax.div(lo, jnp.int32(bkv))
+
+  def row_limits(self):
+    """Per row of the tile: keys (chunk-local) below this are visible."""
+    st = self.st
+    end = self.ends[self.item]
+    if not st.causal:
+      return end
+    rows = self.tile * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=_ROW_LAYOUT)
+    token = lax.div(rows, jnp.int32(st.heads))
+    return jnp.minimum(end, self.diags[self.item] + token + 1)
+
+
+def _producer(ctx: _Ctx) -> None:
+  st, bars = ctx.st, ctx.bars
+  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  r = st.tile_rows
+  plgpu.copy_gmem_to_smem(ctx.q.at[ctx.batch_row, pl.ds(ctx.tile * ROWS, r)],
+                          ctx.q_smem.at[pl.ds(0, r)], bars.q_full)
+  n_blocks, _ = ctx.block_range()
+
+  @pl.loop(0, n_blocks)
+  def _(j):
+    copies = _block_copies(ctx, j)  # page numbers read before the wait
+    bars.kv.producer_acquire(j)
+    bars.kv.producer_fill_rows(copies, ctx.ring, j)
+
+  bars.kv.producer_drain(n_blocks)
+
+
+def _block_copies(ctx: _Ctx, j):
+  """[(GMEM source, rows of the slot)] that fill block j of the item."""
+  st, bkv = ctx.st, ctx.st.plan.block_kv
+  if st.page_size is None:
+    return [(ctx.k.at[ctx.item, pl.ds(j * bkv, bkv)], pl.ds(0, bkv))]
+  ps = st.page_size
+  if ps < bkv:
+    per_block = bkv // ps
+    return [(ctx.k.at[ctx.table[ctx.item, j * per_block + c]], pl.ds(c * ps, ps))
+            for c in range(per_block)]
+  per_page = jnp.int32(ps // bkv)
+  page = ctx.table[ctx.item, lax.div(j, per_page)]
+  return [(ctx.k.at[page, pl.ds(lax.rem(j, per_page) * bkv, bkv)], pl.ds(0, bkv))]
+
+
+def _mma(acc, a, b, shape, interpreting: bool):
+  """acc + a @ b by wgmma (acc None: a fresh result). The interpreter takes
+  no run_state: there a fresh accumulator is added."""
+  if acc is None or interpreting:
+    def fresh(ref):
+      plgpu.wgmma(ref, a, b)
+      return ref[...]
+    out = pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
+    return out if acc is None else acc + out
+
+  def accumulate(ref):
+    plgpu.wgmma(ref, a, b)
+  return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _zeros(shape):
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _row_vector(value):
+  return plgpu.layout_cast(jnp.full((ROWS,), value, jnp.float32), _ROW_LAYOUT)
+
+
+def _softmax_consumer(ctx: _Ctx) -> None:
+  """Warpgroup 0: S, the softmax, P to SMEM, O[:, :half] += P V_lo."""
+  st, bars, bkv = ctx.st, ctx.bars, ctx.st.plan.block_kv
+  n_blocks, full_blocks = ctx.block_range()
+  limits = ctx.row_limits()
+  c = st.exp2_c
+
+  def step(j, carry, masked: bool):
+    acc, m, l = carry
+    slot = bars.kv.slot(j)
+    bars.kv.consumer_wait(j)
+    s = _mma(None, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)), (ROWS, bkv), st.interpreting)
+    if masked:
+      keys = j * bkv + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1,
+                                              layout=plgpu.Layout.WGMMA)
+      lim = limits if not st.causal else lax.broadcast_in_dim(limits, s.shape, [0])
+      s = jnp.where(keys < lim, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(axis=1) * c)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw no key yet
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    @pl.when(j > 0)
+    def _():
+      plgpu.barrier_wait(bars.p_consumed)  # wg 1 is done with P of block j - 1
+
+    ctx.p_smem[...] = p.astype(st.dtype)
+    ctx.factor_smem[...] = alpha
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bars.p_full)
+    acc = _mma(acc, ctx.p_smem, ctx.ring.at[slot, :, pl.ds(0, st.half)], acc.shape,
+               st.interpreting)
+    bars.kv.consumer_release(j)
+    return acc, m_new, l
+
+  carry = (_zeros((ROWS, st.half)), _row_vector(-jnp.inf), _row_vector(0.0))
+  plgpu.barrier_wait(bars.q_full)
+  carry = lax.fori_loop(0, full_blocks, functools.partial(step, masked=False), carry)
+  acc, m, l = lax.fori_loop(full_blocks, n_blocks, functools.partial(step, masked=True), carry)
+  if st.has_q_lengths:  # rows of tokens past the row's query length: zeros, lse -inf
+    rows = ctx.tile * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=_ROW_LAYOUT)
+    l = jnp.where(lax.div(rows, jnp.int32(st.heads)) < ctx.q_lens[ctx.batch_row], l, 0.0)
+  inv_l, lse = finish_rows(m, l)
+
+  @pl.when(n_blocks > 0)
+  def _():
+    plgpu.barrier_wait(bars.p_consumed)  # the last block's factors are read
+
+  ctx.factor_smem[...] = inv_l
+  ctx.lse_smem[...] = lse
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(bars.p_full)
+  _store_half(ctx, acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), 0)
+  r = st.tile_rows
+  plgpu.copy_smem_to_gmem(ctx.lse_smem.at[pl.ds(0, r)],
+                          ctx.lse.at[ctx.item, pl.ds(ctx.tile * ROWS, r)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _second_half_consumer(ctx: _Ctx) -> None:
+  """Warpgroup 1: O[:, half:] += P V_hi with P and the factors of wg 0."""
+  st, bars = ctx.st, ctx.bars
+  n_blocks, _ = ctx.block_range()
+
+  def step(j, acc):
+    slot = bars.kv.slot(j)
+    bars.kv.consumer_wait(j)
+    plgpu.barrier_wait(bars.p_full)
+    alpha = plgpu.load(ctx.factor_smem, layout=_ROW_LAYOUT)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    acc = _mma(acc, ctx.p_smem, ctx.ring.at[slot, :, pl.ds(st.half, st.half)], acc.shape,
+               st.interpreting)
+    plgpu.barrier_arrive(bars.p_consumed)
+    bars.kv.consumer_release(j)
+    return acc
+
+  plgpu.barrier_wait(bars.q_full)  # Q's tile holds the output at the end
+  acc = lax.fori_loop(0, n_blocks, step, _zeros((ROWS, st.half)))
+  plgpu.barrier_wait(bars.p_full)  # 1 / l, after wg 0's last S (Q is free)
+  inv_l = plgpu.load(ctx.factor_smem, layout=_ROW_LAYOUT)
+  _store_half(ctx, acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), 1)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _store_half(ctx: _Ctx, out, half_index: int) -> None:
+  """A consumer's columns of O through Q's SMEM tile (no S reads it now)."""
+  st = ctx.st
+  cols = pl.ds(half_index * st.half, st.half)
+  staged = ctx.q_smem.at[:, cols]
+  staged[...] = out.astype(st.dtype)
+  plgpu.commit_smem()
+  # TMA reads contiguous SMEM: a column slice of the (8, 64)-tiled tile is
+  # contiguous within one group of 8 rows, so one copy per group.
+  for g in range(st.tile_rows // 8):
+    rows = pl.ds(g * 8, 8)
+    plgpu.copy_smem_to_gmem(ctx.q_smem.at[rows, cols],
+                            ctx.out.at[ctx.item, pl.ds(ctx.tile * ROWS + g * 8, 8), cols])
+
+
+def _kernel(st: _Statics, *refs) -> None:
+  refs = list(refs)
+  q, k = refs.pop(0), refs.pop(0)
+  table = refs.pop(0) if st.page_size is not None else None
+  ends = refs.pop(0)
+  diags = refs.pop(0) if st.causal else None
+  q_lens = refs.pop(0) if st.has_q_lengths else None
+  out, lse, smem, barrier_refs = refs
+  q_smem, ring, p_smem, factor_smem, lse_smem = smem
+  ctx = _Ctx(st, q, k, table, ends, diags, q_lens, out, lse, q_smem, ring, p_smem, factor_smem,
+             lse_smem, MlaBarriers(barrier_refs, st.plan), lax.axis_index("tiles"),
+             lax.axis_index("items"))
+  wg = lax.axis_index("wg")
+  pl.when(wg == NUM_CONSUMERS)(functools.partial(_producer, ctx))
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    pl.when(wg == 0)(functools.partial(_softmax_consumer, ctx))
+    pl.when(wg == 1)(functools.partial(_second_half_consumer, ctx))
+
+
+@cached_build
+def _build(st: _Statics):
+  check_register_split("sm90 MLA decode", PRODUCER_REGISTERS, NUM_CONSUMERS, CONSUMER_REGISTERS)
+  pl_, d, bkv = st.plan, st.head_dim, st.plan.block_kv
+  items = st.batch * pl_.splits
+
+  def kernel(*refs):  # Mosaic GPU names the kernel after this function
+    _kernel(st, *refs)
+
+  smem = (smem_tile((ROWS, d), st.dtype),  # Q, then O
+          smem_tile((pl_.num_stages, bkv, d), st.dtype),  # the K (and V) ring
+          smem_tile((ROWS, bkv), st.dtype, swizzle=min(128, bkv * 2)),  # P
+          plgpu.SMEM((ROWS,), jnp.float32),  # the rescale factors, then 1 / l
+          plgpu.SMEM((ROWS,), jnp.float32))  # lse
+  tiles_rows = st.tiles * ROWS if st.rows > ROWS else st.rows
+  out_type = (jax.ShapeDtypeStruct((items, tiles_rows, st.value_head_dim), st.dtype),
+              jax.ShapeDtypeStruct((items, tiles_rows), jnp.float32))
+  return plgpu.kernel(
+      compile_ahead.named(kernel, "sm90_mla_decode"),
+      out_type=out_type,
+      scratch_types=(smem, MlaBarriers.scratch_types(pl_, st.copies_per_block)),
+      grid=(st.tiles, items),
+      grid_names=("tiles", "items"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+  )
+
+
+def _item_operands(kv_lengths, q_lengths, *, batch: int, kv_seq: int, tokens: int,
+                   splits: int, mask: MaskSpec):
+  """Per item (batch row, chunk) int32: `ends`, the chunk-local key count
+  below the row's length, and `diags` (causal), token 0's last visible key
+  + 0, chunk-local: token t sees keys <= diags + t."""
+  chunk = kv_seq // splits
+  total = (jnp.full((batch,), kv_seq, jnp.int32) if kv_lengths is None
+           else jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, kv_seq))
+  starts = jnp.arange(splits, dtype=jnp.int32) * chunk
+  ends = (total[:, None] - starts[None, :]).reshape(-1)
+  if mask.is_dense:
+    return ends, None
+  if mask.offset_from_lengths:
+    q_len = (jnp.full((batch,), tokens, jnp.int32) if q_lengths is None
+             else jnp.clip(jnp.asarray(q_lengths, jnp.int32), 0, tokens))
+    offset = total - q_len
+  else:
+    offset = jnp.full((batch,), mask.q_offset, jnp.int32)
+  return ends, (offset[:, None] - starts[None, :]).reshape(-1)
+
+
+def forward(q, k, q_lengths, kv_lengths, *, value_head_dim: int, score: ScoreFunction,
+            mask: MaskSpec, page_table=None, plan: MlaPlan | None = None):
+  """(out [B, T, Hq, Dv] in q's dtype, lse f32 [B, Hq, T]).
+
+  q [B, T, Hq, D]; k the latent cache [B, S, 1, D], or pages
+  [num_pages, page_size, 1, D] with `page_table` int32 [B, P] (S = P *
+  page_size; entries clipped into range). The values are k's first
+  `value_head_dim` features. `kv_lengths` None or int32 [B]; `q_lengths`
+  None or int32 [B] (tokens at or past it get zeros and lse -inf). `mask`:
+  no band, or bottom-right causal (`check_supported`)."""
+  if score.cap is not None:
+    raise KernelUnsupported("sm90 MLA decode: no soft-cap")
+  b, t, n, d = q.shape
+  page_size = None if page_table is None else k.shape[1]
+  if page_table is None:
+    s = k.shape[1]
+  else:
+    if k.ndim != 4 or jnp.ndim(page_table) != 2 or jnp.shape(page_table)[0] != b:
+      raise KernelUnsupported(f"sm90 MLA decode: pages [num_pages, page_size, 1, D] and a table "
+                              f"[B, P]; got {k.shape} and {jnp.shape(page_table)}")
+    s = jnp.shape(page_table)[1] * page_size
+  check_supported(q.shape, (b, s, k.shape[2], k.shape[3]), q.dtype, value_head_dim, mask,
+                  page_size)
+  if k.dtype != q.dtype:
+    raise KernelUnsupported(f"sm90 MLA decode: q and the cache share a dtype; got {q.dtype} "
+                            f"and {k.dtype}")
+  if plan is None:
+    plan = choose_plan(q.shape, (b, s, 1, d), ragged=kv_lengths is not None,
+                             page_size=page_size)
+  p, bkv = plan.splits, plan.block_kv
+  granule = max(bkv, page_size or 1)
+  if s % (p * granule) or (page_size is not None and bkv % page_size and page_size % bkv):
+    raise KernelUnsupported(f"sm90 MLA decode: {p} chunks of whole blocks of {bkv} keys (and "
+                            f"pages of {page_size}) must tile the {s} keys")
+  if not plan.fits_smem(d, q.dtype.itemsize):
+    raise KernelUnsupported(f"sm90 MLA decode: {plan} does not fit SMEM at head dim {d}")
+  rows = t * n
+  padded = rows if rows <= ROWS and rows % 8 == 0 else cdiv(rows, ROWS if rows > ROWS else 8) * (
+      ROWS if rows > ROWS else 8)
+  q_rows = q.reshape(b, rows, d)
+  if padded != rows:
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, padded - rows), (0, 0)])
+  st = _Statics(plan=plan, batch=b, tokens=t, heads=n, rows=padded, head_dim=d,
+                value_head_dim=value_head_dim, chunk=s // p, dtype=jnp.dtype(q.dtype),
+                exp2_c=score.exp2_constant, causal=not mask.is_dense,
+                has_q_lengths=q_lengths is not None, page_size=page_size,
+                num_pages=None if page_size is None else k.shape[0],
+                interpreting=is_interpreting())
+  if page_table is None:
+    k_op = k.reshape(b * p, s // p, d)  # chunks as items: a free reshape
+  else:
+    k_op = k.reshape(k.shape[0], page_size, d)
+  args = [q_rows, k_op]
+  if page_table is not None:
+    table = jnp.clip(jnp.asarray(page_table, jnp.int32), 0, k.shape[0] - 1)
+    args.append(table.reshape(b * p, table.shape[1] // p))
+  ends, diags = _item_operands(kv_lengths, q_lengths, batch=b, kv_seq=s, tokens=t, splits=p,
+                               mask=mask)
+  args.append(ends)
+  if diags is not None:
+    args.append(diags)
+  if q_lengths is not None:
+    args.append(jnp.asarray(q_lengths, jnp.int32))
+  out, lse = _build(st)(*args)
+  out, lse = out[:, :rows], lse[:, :rows]
+  if p == 1:
+    return (out.reshape(b, t, n, value_head_dim),
+            lse.reshape(b, t, n).transpose(0, 2, 1))
+  merged, lse = sm90_decode.combine(out.reshape(b * p, rows, 1, value_head_dim),
+                                    lse.reshape(b * p, 1, rows), p, t)
+  return merged.astype(q.dtype), lse
