@@ -1,0 +1,87 @@
+"""What a score_mod costs, op by op: forward time of score_mod variants that isolate the cost of
+a per-element table lookup (select chain), the log bucket, and ALiBi's
+int->float conversion. B2 S4096 H16 D128 bf16 dense unless named causal.
+Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
+of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
+ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
+
+    python3 benchmarks/bench_mod_costs.py [--ptxas]
+MOD_COSTS_TREE=DIR imports fa4_jax from DIR (a snapshot of an older commit,
+to compare in one lease); MOD_COSTS_TAG names the output file
+($OUT or . / mod-costs<TAG>.json)."""
+import os, sys, json
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks")); sys.path.insert(0, os.path.join(REPO, "tests"))
+# MOD_COSTS_TREE: where fa4_jax is imported from (a snapshot of an older commit).
+sys.path.insert(0, os.environ.get("MOD_COSTS_TREE", REPO))
+
+ITEMS = r'''
+import os, sys
+if os.environ.get("MOD_COSTS_TREE"): sys.path.insert(0, os.environ["MOD_COSTS_TREE"])
+import numpy as np
+import jax, jax.numpy as jnp
+import fa4_jax
+B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
+slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
+table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
+table8 = table[:, :8]
+def bucket(q, k):
+  rel = k - q
+  sign_part = jnp.where(rel > 0, 16, 0)
+  dist = jnp.abs(rel)
+  big = 8 + (jnp.log(jnp.maximum(dist, 1).astype(jnp.float32) / 8) / np.log(16) * 8).astype(jnp.int32)
+  return sign_part + jnp.where(dist < 8, dist, jnp.minimum(big, 15))
+MODS = {
+  "plain": (False, None),
+  "plain causal": (True, None),
+  "add const": (False, lambda s, b, h, q, k: s + 0.5),
+  "alibi": (False, lambda s, b, h, q, k: s - slopes[h] * (q - k).astype(jnp.float32)),
+  "alibi causal": (True, lambda s, b, h, q, k: s - slopes[h] * (q - k).astype(jnp.float32)),
+  "int->float only": (False, lambda s, b, h, q, k: s + (k - q).astype(jnp.float32) * 1e-4),
+  "table8 clip": (False, lambda s, b, h, q, k: s + table8[h, jnp.clip(k - q + 4, 0, 7)]),
+  "table32 clip": (False, lambda s, b, h, q, k: s + table[h, jnp.clip(k - q + 16, 0, 31)]),
+  "log bucket no table": (False, lambda s, b, h, q, k: s + bucket(q, k).astype(jnp.float32) * 0.01),
+  "relative 32": (False, lambda s, b, h, q, k: s + table[h, bucket(q, k)]),
+}
+keys = jax.random.split(jax.random.PRNGKey(0), 3)
+q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
+k = jax.random.normal(keys[1], (B, S, H, D), jnp.bfloat16)
+v = jax.random.normal(keys[2], (B, S, H, D), jnp.bfloat16)
+def fwd(name):
+  causal, mod = MODS[name]
+  return jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod, implementation="sm90"))
+items = {name: (lambda name=name: fwd(name)(q, k, v)) for name in MODS}
+'''
+
+def main():
+  if "--ptxas" in sys.argv:
+    import pathlib, re, tempfile, ptxas_dumps
+    d = pathlib.Path(os.environ.get("OUT", tempfile.mkdtemp())) / ("ptxas-mods" + os.environ.get("MOD_COSTS_TAG", ""))
+    d.mkdir(parents=True, exist_ok=True)
+    calls = ptxas_dumps.compile_items(ITEMS, d, timeout=500)
+    for name, dumps in calls:
+      text = "\n".join(p.read_text() for p in dumps)
+      regs = re.findall(r"Used (\d+) registers", text)
+      print(f"{name:22s} spill bytes {ptxas_dumps.spill_bytes(dumps):6d} regs {regs} serialized {len(ptxas_dumps.serialized_wgmmas(dumps))}", flush=True)
+    return
+  import bench_common
+  ns = {}
+  exec(ITEMS, ns)
+  rows = {}
+  for rnd in range(2):
+    for name in ns["MODS"]:
+      f = ns["fwd"](name)
+      ms = bench_common.kernel_sum_ms(f, ns["q"], ns["k"], ns["v"])
+      rows.setdefault(name, []).append(ms)
+      print(rnd, name, f"{ms:.3f}", flush=True)
+  import statistics
+  base = statistics.median(rows["plain"])
+  out = {n: dict(ms=statistics.median(t), rounds=t, vs_plain=statistics.median(t) / base) for n, t in rows.items()}
+  for n, r in out.items():
+    print(f"{n:22s} {r['ms']:.3f} ms  x{r['vs_plain']:.2f}")
+  import jax
+  tag = os.environ.get("MOD_COSTS_TAG", "")
+  with open(os.path.join(os.environ.get("OUT", "."), f"mod-costs{tag}.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, shape="B2 S4096 H16 D128 bf16", rows=out), f, indent=1)
+
+main()
