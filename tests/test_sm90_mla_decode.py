@@ -12,13 +12,18 @@ Specification:
   combine), one row tile or two.
 * The planner's configurations at serving sizes lower for sm_90a: one
   kernel, within the SMEM limit, with wgmma and TMA.
+* The barrier table: every `MlaBarrierTable` accessor is listed in the row
+  of the barrier it touches, on its declared side (`barrier_tables`).
 """
+
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import barrier_tables
 import fa4_jax
 from fa4_jax import testing
 from fa4_jax.kernels import sm90_mla_decode as mla
@@ -219,3 +224,14 @@ def test_bad_latent_arguments_raise_value_errors():
   with fa4_jax.interpret_mode(), pytest.raises(ValueError, match="value head dim"):
     fa4_jax.attention(q, k, None, value_head_dim=DV, logits_soft_cap=30.0,
                       implementation="sm90")
+
+
+def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
+  """Every MlaBarrierTable accessor (the only way the roles touch a barrier)
+  appears in the row of the barrier it arrives on or waits on, on its
+  declared side, and every barrier has both an arriving and a waiting side;
+  the interpreter-only drain is named where it waits."""
+  # The table reads the plan's stages and the TMA copies of a block (pages of 16: 4).
+  st = types.SimpleNamespace(plan=mla.MlaPlan(), copies_per_block=4)
+  barrier_tables.check_table(mla.MlaBarrierTable, lambda refs: mla.MlaBarrierTable(st, refs),
+                             mla, monkeypatch, indent=12, named_only=("drain_kv",))

@@ -4,9 +4,10 @@ Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
 mask and grouping the heuristics distinguish, the kernels of packed
 rows (segment ids), a few calls with score modifications (soft-cap, a
-`score_mod`, sinks; the sm90 decode arrangement with a soft-cap), plus the
-XLA path, and prints one SHA-256 per case of the Mosaic GPU modules (MLIR
-without debug locations) or of the StableHLO.
+`score_mod`, sinks; the sm90 decode arrangement with a soft-cap), the sm90
+MLA decode kernel (contiguous and paged caches), plus the XLA path, and
+prints one SHA-256 per case of the Mosaic GPU modules (MLIR without debug
+locations) or of the StableHLO.
 
 A refactor that leaves every fingerprint unchanged hands the GPU the very
 same programs, so it cannot have changed their speed or their registers.
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from fa4_jax import mod_functions, testing, xla_attention
-from fa4_jax.kernels import sm90_decode
+from fa4_jax.kernels import sm90_decode, sm90_mla_decode
 from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 
 MASKS = {"dense": MaskSpec(), "causal": MaskSpec(right=0),
@@ -122,6 +123,29 @@ def _decode(soft_cap):
   return f, (q, kv, kv, ln)
 
 
+def _mla(batch, tokens, heads, seq, page_size):
+  """The sm90 MLA decode kernel (576 / 512, one latent head) in the plan the
+  planner picks for 132 SMs: a contiguous cache, or pages of `page_size`
+  through a table; bottom-right causal among T > 1 tokens."""
+  q = jax.ShapeDtypeStruct((batch, tokens, heads, 576), jnp.bfloat16)
+  ln = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True) if tokens > 1 else MaskSpec()
+  plan = sm90_mla_decode.choose_plan(q.shape, (batch, seq, 1, 576), page_size=page_size,
+                                     num_sms=132)
+  if page_size is None:
+    k = jax.ShapeDtypeStruct((batch, seq, 1, 576), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((batch, 1), jnp.int32)  # unused
+  else:
+    k = jax.ShapeDtypeStruct((batch * seq // page_size, page_size, 1, 576), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((batch, seq // page_size), jnp.int32)
+
+  def f(q, k, table, kl):
+    return sm90_mla_decode.forward(q, k, None, kl, value_head_dim=512,
+                                   score=ScoreFunction(192 ** -0.5), mask=mask, plan=plan,
+                                   page_table=None if page_size is None else table)
+  return f, (q, k, table, ln)
+
+
 def _scores(mask, ql, kl, lengths, soft_cap=None, score_mod=False):
   mods = _alibi_mods() if score_mod else Scores()
   return mods.replace(mask=mask, scale=0.125, soft_cap=soft_cap,
@@ -203,6 +227,15 @@ def cases():
            _forward(f"{kernel}_forward", 128, MASKS["causal"], 1000, True, sinks=True,
                     **_modified(soft_cap=30.0)))
   yield "sm90 decode d128 s32768 soft_cap", "sm_90", _decode(30.0)
+  # MLA decode: memory-bound (Hq 16) and compute-bound (Hq 128, two row
+  # tiles), contiguous and paged (4 TMAs a block, one a page, one from
+  # inside a page), one token and the causal band among 2 and 4.
+  for b, t, n, seq, page_size in ((32, 1, 16, 4096, None), (64, 2, 128, 8192, None),
+                                  (64, 4, 16, 16384, 16), (128, 1, 16, 32768, 64),
+                                  (128, 1, 128, 4096, 128)):
+    paged = f" pages {page_size}" if page_size else ""
+    yield (f"sm90 mla decode b{b} t{t} h{n} s{seq}{paged}", "sm_90",
+           _mla(b, t, n, seq, page_size))
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(

@@ -18,7 +18,8 @@ matches every wait with its arrive in the table's docstring, and
 `tests/barrier_tables.py` checks the docstring against the declaration. The
 sm90 kernels (`sm90_forward.ForwardBarrierTable`, `sm90_backward_dkdv`'s
 `DkvBarrierTable` and `HeadSplitBarrierTable`, `sm90_backward_dq`'s
-`DqBarrierTable`) and the sm100 kernels declare theirs the same way.
+`DqBarrierTable`, `sm90_mla_decode.MlaBarrierTable`) and the sm100 kernels
+declare theirs the same way.
 
 Arrival accounting (Pallas Mosaic GPU, lane semantics):
 - A TMA copy that names a barrier arrives on it once, carrying its byte count.

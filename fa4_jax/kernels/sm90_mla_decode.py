@@ -15,7 +15,7 @@ reshape, no packing copy). A CTA owns one tile of ROWS = 64 rows (Hq 16:
 one tile of 16 rows per token, the rest of the tile unused; Hq 128: two
 tiles per token) and one chunk of the cache (split-K, `plan`).
 
-Roles (three warpgroups; `MlaBarriers` lists every barrier):
+Roles (three warpgroups; `MlaBarrierTable` lists every barrier):
 
     warpgroup 2  producer: TMA of the Q tile once, then the cache's blocks
                  of `block_kv` keys x 576 features into a ring of
@@ -68,7 +68,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, compile_ahead, sm90_decode
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.pipeline import SlotRing, check_register_split
+from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, PUBLISH, RING, TMA, WAIT,
+                                      Barrier, BarrierTable, check_register_split)
 from fa4_jax.kernels.schedule import sm_count
 from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv, finish_rows
@@ -195,31 +196,60 @@ class _Statics:
     return 1 if self.page_size is None else max(self.plan.block_kv // self.page_size, 1)
 
 
-class MlaBarriers:
-  """Every barrier of the kernel, who arrives and who waits (phases per item):
+class MlaBarrierTable(BarrierTable):
+  """Every mbarrier of the MLA decode kernel, declared in the form of
+  `pipeline.BarrierTable` (cf. `sm90_forward.ForwardBarrierTable`).
 
-  | barrier              | arrives (per phase)                  | waits                        |
-  |----------------------|--------------------------------------|------------------------------|
-  | q_full               | producer's TMA of Q (1)              | both consumers, once         |
-  | kv.full[slot]        | producer's TMA (1 per copy: pages)   | both consumers, every block  |
-  | kv.consumed[slot]    | wg 0 after its P V_lo, wg 1 after    | producer, before a refill    |
-  |                      | its P V_hi (2)                       | (drained when interpreting)  |
-  | p_full               | wg 0: P and factors of block j in    | wg 1, n_blocks + 1 phases    |
-  |                      | SMEM; last phase: 1 / l (1)          |                              |
-  | p_consumed           | wg 1 after its P V_hi of block j (1) | wg 0 before it overwrites P  |
+  Who arrives on each barrier and who waits on it, by role and accessor
+  (no role touches a barrier except through these accessors), in the one
+  work item of a CTA:
+
+  name     count   arrivals   arrived on by                       waited on by
+  q_full   1       1 (TMA)    producer: producer_q (TMA of the Q  both consumers: consumer_q, once
+                                tile)                               (wg 1 also stages O in Q's tile)
+  kv_full  stages  kv copies  producer: producer_kv (TMAs of      both consumers: consumer_kv,
+                     (TMA)      block j's keys: paged, one per      every block
+                                page, or one from inside a page)
+  kv_free  stages  2          wg 0: consumer_kv_release after its producer: producer_kv_acquire
+                                P V_lo, wg 1 after its P V_hi       (before it refills the slot),
+                                                                    drain_kv*
+  p_full   1       1          wg 0: producer_p (P and the         wg 1: consumer_p, n_blocks + 1
+                                rescale factors of block j in       phases (the last: 1 / l)
+                                SMEM; last phase: 1 / l and lse)
+  p_free   1       1          wg 1: consumer_p_release after its  wg 0: producer_p_acquire, before
+                                P V_hi of block j                   it rewrites P (block j > 0) and
+                                                                    1 / l (n_blocks > 0)
+
+  stages = num_stages (ring slot `slot("kv_full", j)` of block j), kv
+  copies = `_Statics.copies_per_block`. * interpreter only. The output is
+  staged in Q's tile after wg 0's last S (wg 1 waits for p_full's last
+  phase, which follows it).
   """
 
-  def __init__(self, refs, plan: MlaPlan):
-    q_full, kv_full, kv_consumed, p_full, p_consumed = refs
-    self.q_full = q_full
-    self.kv = SlotRing(kv_full, kv_consumed, plan.num_stages, NUM_CONSUMERS)
-    self.p_full, self.p_consumed = p_full, p_consumed
+  ALLOCATION_ORDER = "as declared"
+  BARRIERS = {
+      # name: Barrier(how many, arrivals, orders tensor core, arrived on by
+      #               {accessor: how}, waited on by {accessor: how}, index)
+      "q_full": Barrier("one", 1, False, arrive={"producer_q": TMA}, wait={"consumer_q": WAIT}),
+      "kv_full": Barrier("stage", "kv copies", False, arrive={"producer_kv": FILL},
+                         wait={"consumer_kv": WAIT}, index=RING),
+      "kv_free": Barrier("stage", "consumers", False, arrive={"consumer_kv_release": ARRIVE},
+                         wait={"producer_kv_acquire": ACQUIRE}, index=RING),
+      "p_full": Barrier("one", 1, False, arrive={"producer_p": PUBLISH},
+                        wait={"consumer_p": WAIT}),
+      "p_free": Barrier("one", 1, False, arrive={"consumer_p_release": ARRIVE},
+                        wait={"producer_p_acquire": WAIT}),
+  }
 
   @staticmethod
-  def scratch_types(plan: MlaPlan, copies_per_block: int):
-    return (plgpu.Barrier(num_arrivals=1),
-            *SlotRing.barrier_types(plan.num_stages, NUM_CONSUMERS, copies_per_block),
-            plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1))
+  def barrier_counts(st: "_Statics") -> dict:
+    return {"one": 1, "stage": st.plan.num_stages, "kv copies": st.copies_per_block,
+            "consumers": NUM_CONSUMERS}
+
+  # Interpreter-only drain of the last phases (see `BarrierTable`).
+  def drain_kv(self, num_blocks) -> None:
+    """Producer: observe the kv_free phases of the last lap."""
+    self._drain_last_lap(num_blocks, "kv_free")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +268,7 @@ class _Ctx:
   p_smem: object
   factor_smem: object
   lse_smem: object
-  bars: MlaBarriers
+  bars: MlaBarrierTable
   tile: object
   item: object
 
@@ -275,31 +305,32 @@ def _producer(ctx: _Ctx) -> None:
   plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
   r = st.tile_rows
   plgpu.copy_gmem_to_smem(ctx.q.at[ctx.batch_row, pl.ds(ctx.tile * ROWS, r)],
-                          ctx.q_smem.at[pl.ds(0, r)], bars.q_full)
+                          ctx.q_smem.at[pl.ds(0, r)], bars.producer_q())
   n_blocks, _ = ctx.block_range()
 
   @pl.loop(0, n_blocks)
   def _(j):
     copies = _block_copies(ctx, j)  # page numbers read before the wait
-    bars.kv.producer_acquire(j)
-    bars.kv.producer_fill_rows(copies, ctx.ring, j)
+    bars.producer_kv_acquire(j)
+    bars.producer_kv(copies, j)
 
-  bars.kv.producer_drain(n_blocks)
+  bars.drain_kv(n_blocks)
 
 
 def _block_copies(ctx: _Ctx, j):
-  """[(GMEM source, rows of the slot)] that fill block j of the item."""
+  """[(GMEM source, the ring, rows of the slot)] that fill block j of the
+  item (`MlaBarrierTable.producer_kv`'s copies)."""
   st, bkv = ctx.st, ctx.st.plan.block_kv
   if st.page_size is None:
-    return [(ctx.k.at[ctx.item, pl.ds(j * bkv, bkv)], pl.ds(0, bkv))]
+    return [(ctx.k.at[ctx.item, pl.ds(j * bkv, bkv)], ctx.ring, pl.ds(0, bkv))]
   ps = st.page_size
   if ps < bkv:
     per_block = bkv // ps
-    return [(ctx.k.at[ctx.table[ctx.item, j * per_block + c]], pl.ds(c * ps, ps))
+    return [(ctx.k.at[ctx.table[ctx.item, j * per_block + c]], ctx.ring, pl.ds(c * ps, ps))
             for c in range(per_block)]
   per_page = jnp.int32(ps // bkv)
   page = ctx.table[ctx.item, lax.div(j, per_page)]
-  return [(ctx.k.at[page, pl.ds(lax.rem(j, per_page) * bkv, bkv)], pl.ds(0, bkv))]
+  return [(ctx.k.at[page, pl.ds(lax.rem(j, per_page) * bkv, bkv)], ctx.ring, pl.ds(0, bkv))]
 
 
 def _mma(acc, a, b, shape, interpreting: bool):
@@ -334,8 +365,8 @@ def _softmax_consumer(ctx: _Ctx) -> None:
 
   def step(j, carry, masked: bool):
     acc, m, l = carry
-    slot = bars.kv.slot(j)
-    bars.kv.consumer_wait(j)
+    slot = bars.slot("kv_full", j)
+    bars.consumer_kv(j)
     s = _mma(None, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)), (ROWS, bkv), st.interpreting)
     if masked:
       keys = j * bkv + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1,
@@ -351,19 +382,18 @@ def _softmax_consumer(ctx: _Ctx) -> None:
 
     @pl.when(j > 0)
     def _():
-      plgpu.barrier_wait(bars.p_consumed)  # wg 1 is done with P of block j - 1
+      bars.producer_p_acquire()  # wg 1 is done with P of block j - 1
 
     ctx.p_smem[...] = p.astype(st.dtype)
     ctx.factor_smem[...] = alpha
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(bars.p_full)
+    bars.producer_p()
     acc = _mma(acc, ctx.p_smem, ctx.ring.at[slot, :, pl.ds(0, st.half)], acc.shape,
                st.interpreting)
-    bars.kv.consumer_release(j)
+    bars.consumer_kv_release(j)
     return acc, m_new, l
 
   carry = (_zeros((ROWS, st.half)), _row_vector(-jnp.inf), _row_vector(0.0))
-  plgpu.barrier_wait(bars.q_full)
+  bars.consumer_q()
   carry = lax.fori_loop(0, full_blocks, functools.partial(step, masked=False), carry)
   acc, m, l = lax.fori_loop(full_blocks, n_blocks, functools.partial(step, masked=True), carry)
   if st.has_q_lengths:  # rows of tokens past the row's query length: zeros, lse -inf
@@ -373,12 +403,11 @@ def _softmax_consumer(ctx: _Ctx) -> None:
 
   @pl.when(n_blocks > 0)
   def _():
-    plgpu.barrier_wait(bars.p_consumed)  # the last block's factors are read
+    bars.producer_p_acquire()  # the last block's factors are read
 
   ctx.factor_smem[...] = inv_l
   ctx.lse_smem[...] = lse
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(bars.p_full)
+  bars.producer_p()
   _store_half(ctx, acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), 0)
   r = st.tile_rows
   plgpu.copy_smem_to_gmem(ctx.lse_smem.at[pl.ds(0, r)],
@@ -392,20 +421,20 @@ def _second_half_consumer(ctx: _Ctx) -> None:
   n_blocks, _ = ctx.block_range()
 
   def step(j, acc):
-    slot = bars.kv.slot(j)
-    bars.kv.consumer_wait(j)
-    plgpu.barrier_wait(bars.p_full)
+    slot = bars.slot("kv_full", j)
+    bars.consumer_kv(j)
+    bars.consumer_p()
     alpha = plgpu.load(ctx.factor_smem, layout=_ROW_LAYOUT)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     acc = _mma(acc, ctx.p_smem, ctx.ring.at[slot, :, pl.ds(st.half, st.half)], acc.shape,
                st.interpreting)
-    plgpu.barrier_arrive(bars.p_consumed)
-    bars.kv.consumer_release(j)
+    bars.consumer_p_release()
+    bars.consumer_kv_release(j)
     return acc
 
-  plgpu.barrier_wait(bars.q_full)  # Q's tile holds the output at the end
+  bars.consumer_q()  # Q's tile holds the output at the end
   acc = lax.fori_loop(0, n_blocks, step, _zeros((ROWS, st.half)))
-  plgpu.barrier_wait(bars.p_full)  # 1 / l, after wg 0's last S (Q is free)
+  bars.consumer_p()  # 1 / l, after wg 0's last S (Q is free)
   inv_l = plgpu.load(ctx.factor_smem, layout=_ROW_LAYOUT)
   _store_half(ctx, acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), 1)
   plgpu.wait_smem_to_gmem(0)
@@ -436,7 +465,7 @@ def _kernel(st: _Statics, *refs) -> None:
   out, lse, smem, barrier_refs = refs
   q_smem, ring, p_smem, factor_smem, lse_smem = smem
   ctx = _Ctx(st, q, k, table, ends, diags, q_lens, out, lse, q_smem, ring, p_smem, factor_smem,
-             lse_smem, MlaBarriers(barrier_refs, st.plan), lax.axis_index("tiles"),
+             lse_smem, MlaBarrierTable(st, barrier_refs), lax.axis_index("tiles"),
              lax.axis_index("items"))
   wg = lax.axis_index("wg")
   pl.when(wg == NUM_CONSUMERS)(functools.partial(_producer, ctx))
@@ -468,7 +497,7 @@ def _build(st: _Statics):
   return plgpu.kernel(
       compile_ahead.named(kernel, "sm90_mla_decode"),
       out_type=out_type,
-      scratch_types=(smem, MlaBarriers.scratch_types(pl_, st.copies_per_block)),
+      scratch_types=(smem, MlaBarrierTable.scratch_types(st)),
       grid=(st.tiles, items),
       grid_names=("tiles", "items"),
       num_threads=NUM_CONSUMERS + 1,
