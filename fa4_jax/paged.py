@@ -175,24 +175,26 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales,
                     static: PagedStatic):
-  """The sm90 kernel reading through the table: the forward kernel itself
-  for chunked prefill, else in the decode arrangement. `descales`: float8
-  pages' (q, k, v) descales, (None, None, None) otherwise."""
+  """The sm90 kernel reading through the table: in the decode arrangement
+  (also causal T > 1, the band aligned by each row's length), or the
+  forward kernel itself for chunked prefill beyond the arrangement's packed
+  rows. `descales`: float8 pages' (q, k, v) descales, (None, None, None)
+  otherwise."""
   from fa4_jax.kernels import sm90_decode, sm90_forward
-  from fa4_jax.scores import MaskSpec
 
   fp8 = {}
   if key_pages.dtype in FP8_DTYPES:  # a 16-bit query on float8 pages
     fp8 = dict(descales=descales, out_dtype=static.output_dtype)
-  if static.is_prefill(q.shape):
+  plan = paged_decode_plan(PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks,
+                                          static))
+  if plan is None:  # chunked prefill beyond the decode arrangement's rows
     q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
     out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
                                   score=static.score, mask=static.kernel_mask(q.shape),
                                   sinks=sinks, page_table=page_table, **fp8)
     return out
-  args = PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
   out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, score=static.score,
-                               mask=MaskSpec(), plan=paged_decode_plan(args), sinks=sinks,
+                               mask=static.kernel_mask(q.shape), plan=plan, sinks=sinks,
                                page_table=page_table, **fp8)
   return out
 
