@@ -17,11 +17,14 @@ kernel backend stages out its kernel for CUDA and the XLA path for every
 other platform (`_portable`), so one function exported for `("cuda", "cpu")`
 carries both; without one, the kernel alone (`_cuda_only`).
 
-Where the sm90 kernels serve a short query without a band mask (decode
-against a KV cache), they run in the decode arrangement of
-`fa4_jax.kernels.sm90_decode` (query heads packed as rows, the cache split
-into chunks): the backend is then named "sm90_decode" (what
-`which_implementation` reports); its backward is the sm90 backward.
+Where the sm90 kernels serve a short query (T x G packed rows up to
+`sm90_decode.MAX_PACKED_ROWS`) without a band mask or causal bottom-right
+(decode against a KV cache, speculative decoding's few new tokens), they
+run in the decode arrangement of `fa4_jax.kernels.sm90_decode` (query heads
+packed as rows, the cache split into chunks): the backend is then named
+"sm90_decode" (what `which_implementation` reports); its backward is the
+sm90 backward. Other bands (windows, top-left causal) and longer queries
+run the forward kernel as it is.
 
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional

@@ -99,6 +99,11 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
          ) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
+  `mask`: without a band, or causal bottom-right (`serves_mask`), which is
+  planned as the band-free call is (the same splits and config; where that
+  plan leaves the config to the forward's heuristic, the band takes the
+  heuristic's band-free choice, `band_config`).
+
   Splits: the largest power of two that keeps B x Hkv x splits x tiles CTAs
   (tiles: the query tiles of an item, two for 256 packed rows) within
   `streams` (`streaming_ctas`: the SM count, or fewer where fewer CTAs read a
