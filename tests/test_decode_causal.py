@@ -14,8 +14,10 @@ Specification:
 * Numerics (interpreter with race detection): out (and lse) equal an f32
   einsum with the explicit bottom-right mask, T in {2, 5}, G in {1, 4},
   ragged lengths (0, shorter than T, a page's middle, full), the last T keys
-  of a row straddling a chunk boundary, pages of 16 shuffled; a query that
-  sees no key gets zeros (lse -inf), as the forward kernel gives it.
+  of a row straddling a chunk boundary, pages of 16 shuffled, sinks and
+  soft-cap, query lengths shorter than T; a query that sees no key gets
+  zeros (lse -inf), as the forward kernel gives it. Gradients (the sm90
+  backward from the combined lse) equal the XLA path's.
 * The planner's kernels of B8 T16 / T64 S32768 Hq32 Hkv8 D128 lower for
   sm_90 (contiguous, pages of 16 and 64) and fit SMEM.
 * Selection: `which_implementation` says "sm90_decode" and the paged call
@@ -52,10 +54,10 @@ def _inputs(seed, b, t, s, n, kv_heads, d):
           jax.random.normal(keys[2], (b, s, kv_heads, d), jnp.bfloat16) + 1.0)
 
 
-def _check(out, lse, q, k, v, lengths, tol=2e-2):
+def _check(out, lse, q, k, v, lengths, tol=2e-2, **reference):
   t, s = q.shape[1], k.shape[1]
   visible = _bottom_right(t, s, lengths)
-  want, want_lse = einsum_attention(q, k, v, visible)
+  want, want_lse = einsum_attention(q, k, v, visible, **reference)
   out = np.asarray(out, np.float32)
   assert np.all(np.isfinite(out))
   np.testing.assert_allclose(out, np.asarray(want), atol=tol, rtol=tol)
@@ -133,23 +135,48 @@ def _gathered(pages, table):
       b, max_pages * page_size, kv_heads, d))
 
 
-@pytest.mark.parametrize("t, q_heads, kv_heads, lengths", [
-    (5, 4, 1, (514, 3, 0, 1000)),  # G 4; 514: keys 509..513 straddle the chunks' 512
-    (2, 2, 2, (513, 1, 250, 1024)),  # G 1
+@pytest.mark.parametrize("t, q_heads, kv_heads, lengths, scored", [
+    (5, 4, 1, (514, 3, 0, 1000), False),  # G 4; 514: keys 509..513 straddle the chunks' 512
+    (2, 2, 2, (513, 1, 250, 1024), True),  # G 1; sinks and soft-cap
 ])
-def test_paged_causal_reads_the_shuffled_pages_in_chunks(t, q_heads, kv_heads, lengths,
+def test_paged_causal_reads_the_shuffled_pages_in_chunks(t, q_heads, kv_heads, lengths, scored,
                                                          run_interpreted):
   args = _paged_cache(2, batch=len(lengths), t=t, q_heads=q_heads, kv_heads=kv_heads,
                       head_dim=64, page_size=16, max_pages=64, lengths=lengths)
   q, kp, vp, table, lengths = args
+  options = {}
+  if scored:
+    options = dict(sinks=jnp.linspace(-1.0, 2.0, q_heads, dtype=jnp.float32),
+                   logits_soft_cap=20.0)
   with fa4_jax.interpret_mode():
     plan = backends.paged_decode_plan(paged._validated(
         *args, scale=None, is_causal=True, sinks=None, logits_soft_cap=None,
         implementation="sm90", query_descale=None, key_descale=None, value_descale=None,
         output_dtype=None, value_head_dim=None, score_mod=None, mask_mod=None))
   assert plan is not None and plan.splits == 2
-  out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90"), *args)
-  _check(out, None, q, _gathered(kp, table), _gathered(vp, table), lengths)
+  out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90", **options),
+                        *args)
+  reference = dict(sinks=options.get("sinks"), soft_cap=options.get("logits_soft_cap"))
+  _check(out, None, q, _gathered(kp, table), _gathered(vp, table), lengths, **reference)
+
+
+def test_query_lengths_shorter_than_t_align_each_rows_last_query(run_interpreted):
+  # Row b's valid queries 0 .. q_len - 1 sit at L - q_len + t; the rest get zeros.
+  q, k, v = _inputs(4, 3, 5, 1024, 8, 2, 64)
+  q_lengths, kv_lengths = jnp.asarray([3, 5, 0], jnp.int32), jnp.asarray([514, 2, 700], jnp.int32)
+  with fa4_jax.interpret_mode():
+    assert fa4_jax.which_implementation(
+        q, k, v, is_causal=True, causal_alignment="bottom_right", query_seq_lengths=q_lengths,
+        key_value_seq_lengths=kv_lengths, implementation="sm90") == "sm90_decode"
+  out = run_interpreted(lambda q, k, v, a, n: fa4_jax.attention(
+      q, k, v, is_causal=True, causal_alignment="bottom_right", query_seq_lengths=a,
+      key_value_seq_lengths=n, implementation="sm90"), q, k, v, q_lengths, kv_lengths)
+  ql, kl = np.asarray(q_lengths), np.asarray(kv_lengths)
+  tok, j = np.arange(5)[None, :, None], np.arange(1024)[None, None, :]
+  visible = ((j < kl[:, None, None]) & (j <= (kl - ql)[:, None, None] + tok)
+             & (tok < ql[:, None, None]))[:, None]
+  want, _ = einsum_attention(q, k, v, visible)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
 
 
 # --- cross-lowering for Hopper ---------------------------------------------------
@@ -241,3 +268,17 @@ def test_paged_causal_calls_plan_the_arrangement_within_256_rows(t, page_size, a
       query_descale=None, key_descale=None, value_descale=None, output_dtype=None,
       value_head_dim=None, score_mod=None, mask_mod=None)
   assert (backends.paged_decode_plan(validated) is not None) == arrangement
+
+
+def test_gradients_are_the_sm90_backwards_from_the_combined_lse(run_interpreted):
+  q, k, v = _inputs(5, 2, 5, 1024, 8, 2, 64)
+  lengths = jnp.asarray([514, 3], jnp.int32)
+  dout = jax.random.normal(jax.random.key(6), q.shape, jnp.float32)
+  loss = lambda impl: lambda q, k, v: jnp.sum(fa4_jax.attention(
+      q, k, v, is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=lengths,
+      implementation=impl).astype(jnp.float32) * dout)
+  got = run_interpreted(jax.grad(loss("sm90"), argnums=(0, 1, 2)), q, k, v)
+  want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=5e-2, rtol=5e-2)
