@@ -282,3 +282,41 @@ def test_gradients_are_the_sm90_backwards_from_the_combined_lse(run_interpreted)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                atol=5e-2, rtol=5e-2)
+
+
+# --- the band's tile ranges, exhaustively on small sizes --------------------------
+
+
+@pytest.mark.parametrize("g, t", [(1, 5), (3, 2), (4, 5)])
+def test_packed_band_walks_every_visible_block_and_masks_every_partial_one(g, t):
+  """For chunks of 256 keys in blocks of 64 and every remaining length R
+  (0 .. 256 + T), the blocks `kv_tile_ranges` walks for a tile of 8 packed
+  rows hold every key `visible` lets a row see, and its full blocks only
+  pairs it lets every row see; `visible` is the row's band in the chunk's
+  coordinates (token r // G at R - T + r // G, keys below min(R, 256))."""
+  from fa4_jax.scores import kv_tile_ranges, visible
+
+  chunk, block, rows = 256, 64, 8
+  mask = sm90_decode.packed_band(g, chunk)
+  q_len = t * g
+  keys = np.arange(chunk)
+  for r_len in range(0, chunk + t + 1, 3):
+    for q_lo in range(0, q_len, rows):
+      row = np.arange(q_lo, q_lo + rows)[:, None]
+      seen = np.asarray(visible(mask, jnp.asarray(row), jnp.asarray(keys[None, :]),
+                                jnp.int32(r_len), q_len=jnp.int32(q_len)))
+      want = ((keys[None, :] < min(r_len, chunk))
+              & (keys[None, :] <= r_len - t + row // g))
+      want &= row < q_len
+      np.testing.assert_array_equal(seen & (row < q_len), want)
+      ranges = kv_tile_ranges(mask, q_lo, q_lo + rows, jnp.int32(q_len), jnp.int32(r_len),
+                              block)
+      lo, hi, full_lo, full_hi = (int(x) for x in (ranges.lo, ranges.hi, ranges.full_lo,
+                                                   ranges.full_hi))
+      blocks = want.reshape(rows, chunk // block, block)
+      touched = np.flatnonzero(blocks.any(axis=(0, 2)))
+      assert all(lo <= b < hi for b in touched), (r_len, q_lo, lo, hi, touched)
+      assert hi <= chunk // block  # never a block past the chunk
+      valid = blocks[:min(rows, q_len - q_lo)]
+      for b in range(full_lo, full_hi):
+        assert valid[:, b].all(), (r_len, q_lo, b)

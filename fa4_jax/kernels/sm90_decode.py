@@ -157,7 +157,8 @@ def serves_mask(mask: MaskSpec, t: int, s: int) -> bool:
   lengths, or without lengths by the static offset S - T)."""
   if mask.is_dense:
     return True
-  if mask.left is not None or mask.right != 0 or mask.rows_per_position != 1 or mask.key_chunk:
+  if (mask.left is not None or mask.right != 0 or mask.rows_per_position != 1
+      or mask.key_chunk is not None):
     return False
   return mask.q_offset == (0 if mask.offset_from_lengths else s - t)
 
