@@ -228,13 +228,15 @@ def test_plans_of_a_band_are_the_band_free_calls():
                           MaskSpec(right=0, q_offset=32768 - 16), num_sms=132) is not None
 
 
-@pytest.mark.parametrize("name, mask, t", [
-    ("top-left causal", MaskSpec(right=0), 16),
-    ("window", MaskSpec(left=256, right=0, offset_from_lengths=True), 16),
-    ("65 tokens x 4 heads", BAND, 65),
+@pytest.mark.parametrize("name, mask, t, s", [
+    ("top-left causal", MaskSpec(right=0), 16, 32768),
+    ("square causal (self-attention)", MaskSpec(right=0), 16, 16),
+    ("static offset, more queries than keys", MaskSpec(right=0, q_offset=-16), 32, 16),
+    ("window", MaskSpec(left=256, right=0, offset_from_lengths=True), 16, 32768),
+    ("65 tokens x 4 heads", BAND, 65, 32768),
 ])
-def test_other_bands_and_long_queries_plan_nothing(name, mask, t):
-  assert sm90_decode.plan((8, t, 32, 128), (8, 32768, 8, 128), mask, num_sms=132) is None
+def test_other_bands_and_long_queries_plan_nothing(name, mask, t, s):
+  assert sm90_decode.plan((8, t, 32, 128), (8, s, 8, 128), mask, num_sms=132) is None
 
 
 def test_which_implementation_picks_the_arrangement_for_bottom_right_causal():

@@ -154,13 +154,17 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
 def serves_mask(mask: MaskSpec, t: int, s: int) -> bool:
   """Whether the decode arrangement serves `mask` for T = `t` queries
   against `s` keys: no band, or causal bottom-right (aligned per row by the
-  lengths, or without lengths by the static offset S - T)."""
+  lengths, or without lengths by the static offset S - T > 0: a square
+  causal mask, T = S, is self-attention's top-left one, which keeps the
+  forward kernel)."""
   if mask.is_dense:
     return True
   if (mask.left is not None or mask.right != 0 or mask.rows_per_position != 1
       or mask.key_chunk is not None):
     return False
-  return mask.q_offset == (0 if mask.offset_from_lengths else s - t)
+  if mask.offset_from_lengths:
+    return mask.q_offset == 0
+  return mask.q_offset == s - t > 0
 
 
 def band_config(head_dim: int, chunk: int, rows: int) -> sm90_forward.ForwardConfig:
