@@ -322,3 +322,15 @@ def test_packed_band_walks_every_visible_block_and_masks_every_partial_one(g, t)
       valid = blocks[:min(rows, q_len - q_lo)]
       for b in range(full_lo, full_hi):
         assert valid[:, b].all(), (r_len, q_lo, b)
+
+
+def test_float8_pages_under_a_16_bit_query(run_interpreted):
+  # The kernel widens the float8 pages in SMEM (`sm90_forward`'s float8
+  # cache); the band is the same. Reference: the float8 values, widened.
+  args = _paged_cache(7, batch=3, t=5, q_heads=8, kv_heads=2, head_dim=64, page_size=16,
+                      max_pages=64, lengths=(514, 4, 1000))
+  q, kp, vp, table, lengths = args
+  kp, vp = kp.astype(jnp.float8_e4m3fn), vp.astype(jnp.float8_e4m3fn)
+  out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90"),
+                        q, kp, vp, table, lengths)
+  _check(out, None, q, _gathered(kp, table), _gathered(vp, table), lengths)
