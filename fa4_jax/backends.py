@@ -17,11 +17,14 @@ kernel backend stages out its kernel for CUDA and the XLA path for every
 other platform (`_portable`), so one function exported for `("cuda", "cpu")`
 carries both; without one, the kernel alone (`_cuda_only`).
 
-Where the sm90 kernels serve a short query without a band mask (decode
-against a KV cache), they run in the decode arrangement of
-`fa4_jax.kernels.sm90_decode` (query heads packed as rows, the cache split
-into chunks): the backend is then named "sm90_decode" (what
-`which_implementation` reports); its backward is the sm90 backward.
+Where the sm90 kernels serve a short query (T x G packed rows up to
+`sm90_decode.MAX_PACKED_ROWS`) without a band mask or causal bottom-right
+(decode against a KV cache, speculative decoding's few new tokens), they
+run in the decode arrangement of `fa4_jax.kernels.sm90_decode` (query heads
+packed as rows, the cache split into chunks): the backend is then named
+"sm90_decode" (what `which_implementation` reports); its backward is the
+sm90 backward. Other bands (windows, top-left causal) and longer queries
+run the forward kernel as it is.
 
 Kernels without a fused backward of their own use the XLA backward, which
 consumes the kernel's log-sum-exp. A kernel module lists the optional
@@ -317,8 +320,8 @@ def _fp8_problem(name: str, module, call: CallInfo) -> str | None:
               f"or mask_mod; {fallback}")
     return None
   from fa4_jax.kernels import sm90_decode
-  if sm90_decode.plan(call.q_shape, call.k_shape, call.spec,
-                      has_segment_ids=call.has_segment_ids) is not None:
+  if call.spec.is_dense and sm90_decode.plan(call.q_shape, call.k_shape, call.spec,
+                                             has_segment_ids=call.has_segment_ids) is not None:
     return (f"implementation={name!r} has no float8 decode kernel yet (a short query against "
             f"a long cache); {fallback}")
   return None
@@ -481,13 +484,19 @@ def _untargeted_host() -> bool:
 
 def _arrangement(name: str, call: CallInfo) -> Backend:
   """Kernel family `name`'s backend for this call: the sm90 decode
-  arrangement for short band-free queries, else the kernels as they are."""
+  arrangement for short queries without a band or causal bottom-right
+  (`sm90_decode.serves_mask`: the last T tokens of each row, T x G packed
+  rows within `sm90_decode.MAX_PACKED_ROWS`), the MLA decode kernel for a
+  latent cache (`value=None`), else the kernels as they are (a float8 query
+  with a band: the forward's float8 kernel)."""
   if name == "sm90" and call.values_from_keys and _mla_problem(call) is None:
     return _mla_backend()
   if name == "sm90" and not call.has_mods and call.v_head_dim is None:
     from fa4_jax.kernels import sm90_decode
-    if sm90_decode.plan(call.q_shape, call.k_shape, call.spec,
-                        has_segment_ids=call.has_segment_ids) is not None:
+    fp8_query = jnp.dtype(call.dtype) in scores.FP8_DTYPES
+    if (not (fp8_query and not call.spec.is_dense)
+        and sm90_decode.plan(call.q_shape, call.k_shape, call.spec,
+                             has_segment_ids=call.has_segment_ids) is not None):
       return _decode_backend()
   return _kernel_backend(name)
 
@@ -536,7 +545,7 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   except KernelUnsupported as e:
     return str(e)
   if args.static.is_prefill(q_shape):
-    return None  # the forward kernel as it is: any number of query rows
+    return None  # the decode arrangement, or beyond its rows the forward kernel as it is
   if paged_decode_plan(args) is None:
     return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
             f"the decode arrangement packs at most {sm90_decode.MAX_PACKED_ROWS}")
@@ -545,13 +554,17 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
 
 def paged_decode_plan(args: PagedArguments):
   """The decode plan of a paged call: chunks of whole pages, balanced for
-  ragged lengths."""
+  ragged lengths; None where the decode arrangement cannot serve it (more
+  than `sm90_decode.MAX_PACKED_ROWS` packed rows). Causal calls with T > 1
+  (chunked prefill, speculative decoding) take it too, with the band
+  aligned by each row's length (`PagedStatic.kernel_mask`)."""
   from fa4_jax.kernels import sm90_decode
 
   b, _, _, d = args.query.shape
   page_size, kv_heads = args.key_pages.shape[1], args.key_pages.shape[2]
   k_shape = (b, args.page_table.shape[1] * page_size, kv_heads, d)
-  return sm90_decode.plan(args.query.shape, k_shape, MaskSpec(), ragged=True, granule=page_size)
+  return sm90_decode.plan(args.query.shape, k_shape, args.static.kernel_mask(args.query.shape),
+                          ragged=True, granule=page_size)
 
 
 def paged_mla_problem(args: PagedArguments) -> str | None:

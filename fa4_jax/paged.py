@@ -11,8 +11,10 @@ What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
 * Hopper GPU: the sm90 forward kernel in the decode arrangement of
   `fa4_jax.kernels.sm90_decode` (a KV head's query heads packed as the rows
   of one tile, the cache split into chunks of whole pages, each chunk a batch
-  row with its own row of the page table and its own length), reading K and
-  V through the page table: one TMA copy per page, no gather of the cache.
+  row with its own row of the page table and its own length; causal T > 1
+  with the band of each row), reading K and V through the page table: one
+  TMA copy per page, no gather of the cache. Causal queries of more than
+  256 packed rows: the forward kernel itself, through the table as well.
 * Everywhere else, and for what the kernel cannot serve: the XLA path, which
   gathers each row's pages into a contiguous cache and calls the XLA
   attention with an explicit mask. It is also the reference.
@@ -96,13 +98,16 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
     that sees no key gets zeros.
 
   The sm90 kernel serves: bfloat16 / float16, head_dim 64, 128, 192 or 256,
-  page sizes that are powers of two >= 8 (16, 32, 64, 128, ...), at most 256
-  query rows per KV head (`T * Hq / Hkv`) when every query of a row sees
-  the same keys (`T = 1`, or `is_causal=False`: the decode arrangement,
-  which packs the query heads of a KV head as rows and splits the cache).
-  Chunked prefill (`T > 1`, `is_causal=True`: each row's queries are the
-  last `T` tokens of its context, a band aligned per row by its length)
-  runs the sm90 forward kernel itself, any `T`, reading the pages as well.
+  page sizes that are powers of two >= 8 (16, 32, 64, 128, ...). Up to 256
+  query rows per KV head (`T * Hq / Hkv`) it runs in the decode
+  arrangement (which packs the query heads of a KV head as rows and splits
+  the cache into chunks of whole pages), causal or not: with `T > 1` and
+  `is_causal=True` (speculative decoding's new tokens, a short chunk of a
+  chunked prefill) each packed row sits at its token's position and each
+  chunk sees its part of the row's band (`fa4_jax.kernels.sm90_decode`).
+  Longer causal queries (chunked prefill) run the sm90 forward kernel
+  itself, any `T`, one CTA per query tile and head, reading the pages as
+  well.
   Cache entries past a row's length (and in the pages it loads for the
   last block) must be finite: they are multiplied by zero weights.
 
@@ -175,11 +180,12 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales,
                     static: PagedStatic):
-  """The sm90 kernel reading through the table: the forward kernel itself
-  for chunked prefill, else in the decode arrangement. `descales`: float8
-  pages' (q, k, v) descales, (None, None, None) otherwise."""
+  """The sm90 kernel reading through the table: in the decode arrangement
+  (also causal T > 1, the band aligned by each row's length), or the
+  forward kernel itself for chunked prefill beyond the arrangement's packed
+  rows. `descales`: float8 pages' (q, k, v) descales, (None, None, None)
+  otherwise."""
   from fa4_jax.kernels import sm90_decode, sm90_forward
-  from fa4_jax.scores import MaskSpec
 
   if value_pages is None:  # MLA's latent pages: the MLA decode kernel
     from fa4_jax.kernels import sm90_mla_decode
@@ -191,15 +197,16 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, desca
   fp8 = {}
   if key_pages.dtype in FP8_DTYPES:  # a 16-bit query on float8 pages
     fp8 = dict(descales=descales, out_dtype=static.output_dtype)
-  if static.is_prefill(q.shape):
+  plan = paged_decode_plan(PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks,
+                                          static))
+  if plan is None:  # chunked prefill beyond the decode arrangement's rows
     q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
     out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
                                   score=static.score, mask=static.kernel_mask(q.shape),
                                   sinks=sinks, page_table=page_table, **fp8)
     return out
-  args = PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks, static)
   out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, score=static.score,
-                               mask=MaskSpec(), plan=paged_decode_plan(args), sinks=sinks,
+                               mask=static.kernel_mask(q.shape), plan=plan, sinks=sinks,
                                page_table=page_table, **fp8)
   return out
 

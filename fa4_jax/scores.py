@@ -85,12 +85,39 @@ class MaskSpec:
   query row 0 (0 aligns top-left, as `jax.nn` does). `offset_from_lengths`:
   each batch row adds its own `kv_len - q_len` to `q_offset` (bottom-right
   alignment with sequence lengths; `at_lengths`).
+
+  Two fields serve the decode arrangement (`fa4_jax.kernels.sm90_decode`)
+  alone, and only the sm90 forward kernel reads them:
+  `rows_per_position`: the G query heads of a KV head packed as G rows of
+  one token (row r = t * G + g), so query row r sits at position
+  `r // rows_per_position` (plus the offset), and with `offset_from_lengths`
+  the query length counts rows (`q_len // rows_per_position` tokens).
+  `key_chunk`: split-K, the kernel reads chunks of `key_chunk` keys of
+  longer rows, and a chunk's key length counts the row's keys from the
+  chunk's first key on (past `key_chunk` for every chunk but a row's last):
+  the band is aligned by that length (`at_lengths`), so each chunk sees the
+  keys its row's band lets it see, and keys past the chunk are cut
+  (`chunk_keys`). Tiles of such a band are equally heavy (a few positions
+  apart): `schedule.pairs_causal_tiles` does not pair them.
   """
 
   left: int | None = None
   right: int | None = None
   q_offset: int = 0
   offset_from_lengths: bool = False
+  rows_per_position: int = 1
+  key_chunk: int | None = None
+
+  def __repr__(self) -> str:
+    # The fields of every mask but the decode arrangement's, as the dataclass
+    # wrote them before those existed (autotune files key on this text).
+    text = (f"MaskSpec(left={self.left!r}, right={self.right!r}, q_offset={self.q_offset!r}, "
+            f"offset_from_lengths={self.offset_from_lengths!r}")
+    if self.rows_per_position != 1:
+      text += f", rows_per_position={self.rows_per_position!r}"
+    if self.key_chunk is not None:
+      text += f", key_chunk={self.key_chunk!r}"
+    return text + ")"
 
   @classmethod
   def from_arguments(
@@ -114,8 +141,30 @@ class MaskSpec:
     offset: use it inside the trace, never as a static argument."""
     if not self.offset_from_lengths:
       return self
-    return dataclasses.replace(self, q_offset=self.q_offset + kv_len - q_len,
+    return dataclasses.replace(self, q_offset=self.q_offset + kv_len - self.position(q_len),
                                offset_from_lengths=False)
+
+  def position(self, row: Int) -> Int:
+    """The position (before `q_offset`) of query row `row` >= 0 (ints,
+    traced scalars or arrays): the row itself, or its token's with packed
+    rows (`rows_per_position`)."""
+    if self.rows_per_position == 1:
+      return row
+    if isinstance(row, int):
+      return row // self.rows_per_position
+    return lax.div(row, jnp.asarray(self.rows_per_position, jnp.result_type(row)))
+
+  def chunk_keys(self, kv_len: Int) -> Int:
+    """The keys of a row that lie in the chunk the kernel reads: `kv_len`,
+    or at most `key_chunk` where the length counts past the chunk."""
+    return kv_len if self.key_chunk is None else _min(kv_len, self.key_chunk)
+
+  def _check_rows_are_positions(self):
+    # The walks from keys to query rows (the backward's) know no packed rows
+    # nor chunks: only the decode arrangement's forward builds such masks.
+    if self.rows_per_position != 1 or self.key_chunk is not None:
+      raise ValueError("packed rows and key chunks (the decode arrangement's mask) have no "
+                       "walk from keys to query rows")
 
   def _check_resolved(self):
     # A band whose offset depends on the row cannot answer for a position:
@@ -141,7 +190,7 @@ class MaskSpec:
     """
     self._check_resolved()
     ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(k_idx)), bool)
-    pos = q_idx + self.q_offset
+    pos = self.position(q_idx) + self.q_offset
     if self.left is not None:
       ok = ok & (k_idx >= pos - self.left)
     if self.right is not None:
@@ -159,14 +208,15 @@ class MaskSpec:
     self._check_resolved()
     k_lo, k_hi = 0, num_keys
     if self.left is not None:
-      k_lo = _max(k_lo, q_lo + self.q_offset - self.left)
+      k_lo = _max(k_lo, self.position(q_lo) + self.q_offset - self.left)
     if self.right is not None:
-      k_hi = _min(k_hi, q_hi - 1 + self.q_offset + self.right + 1)
+      k_hi = _min(k_hi, self.position(q_hi - 1) + self.q_offset + self.right + 1)
     return k_lo, k_hi
 
   def query_range(self, k_lo: Int, k_hi: Int, num_queries: Int) -> tuple[Int, Int]:
     """Query rows [q_lo, q_hi) that may see some key in [k_lo, k_hi)."""
     self._check_resolved()
+    self._check_rows_are_positions()
     q_lo, q_hi = 0, num_queries
     if self.right is not None:
       # j <= i + off + right  <=>  i >= j - off - right
@@ -183,10 +233,10 @@ class MaskSpec:
     full = True
     if self.left is not None:
       # the last query row must still see the first key
-      full = full & (k_lo >= (q_hi - 1) + self.q_offset - self.left)
+      full = full & (k_lo >= self.position(q_hi - 1) + self.q_offset - self.left)
     if self.right is not None:
       # the first query row must already see the last key
-      full = full & ((k_hi - 1) <= q_lo + self.q_offset + self.right)
+      full = full & ((k_hi - 1) <= self.position(q_lo) + self.q_offset + self.right)
     return full
 
   def key_block_range(
@@ -284,17 +334,19 @@ def kv_tile_ranges(mask: MaskSpec, q_lo, q_hi, q_len, kv_len, block_kv: int) -> 
   are below `kv_len`.
   """
   mask = mask.at_lengths(q_len, kv_len)
+  kv_len = mask.chunk_keys(kv_len)
   q_hi = jnp.minimum(q_hi, q_len)
   lo, hi = mask.key_block_range(q_lo, q_hi, kv_len, block_kv)
   hi = jnp.where(q_lo < q_hi, hi, lo)  # no valid rows: nothing to see
   off = mask.q_offset
   full_lo, full_hi = lo, hi
   if mask.left is not None:
-    # full on the left iff first key >= (last row) + off - left
-    full_lo = ceil_div_nonneg(jnp.maximum(q_hi - 1 + off - mask.left, 0), block_kv)
+    # full on the left iff first key >= (last row's position) + off - left
+    full_lo = ceil_div_nonneg(jnp.maximum(mask.position(q_hi - 1) + off - mask.left, 0),
+                              block_kv)
   if mask.right is not None:
-    # full on the right iff last key <= (first row) + off + right
-    full_hi = floor_div(q_lo + off + mask.right + 1, block_kv)
+    # full on the right iff last key <= (first row's position) + off + right
+    full_hi = floor_div(mask.position(q_lo) + off + mask.right + 1, block_kv)
   full_hi = jnp.minimum(full_hi, floor_div(kv_len, block_kv))  # length edge
   full_lo = clip(full_lo, lo, hi)
   full_hi = clip(full_hi, full_lo, hi)
@@ -309,6 +361,7 @@ def q_tile_ranges(mask: MaskSpec, k_lo, k_hi, q_len, kv_len, block_q: int) -> Ti
   every key is below `kv_len`; rows past `q_len` need no mask (the backward
   gives them an lse of +inf, so P = 0 there).
   """
+  mask._check_rows_are_positions()
   k_lo, k_hi, q_len, kv_len = (jnp.asarray(x, jnp.int32) for x in (k_lo, k_hi, q_len, kv_len))
   mask = mask.at_lengths(q_len, kv_len)
   k_valid_hi = jnp.minimum(k_hi, kv_len)
@@ -457,6 +510,8 @@ def visible(mask: MaskSpec, q_idx, k_idx, kv_len, q_segment=None, kv_segment=Non
       raise ValueError("a mask aligned by the lengths needs the row's q_len and kv_len")
     mask = mask.at_lengths(q_len, kv_len)
   ok = mask.visible(q_idx, k_idx)
+  if kv_len is not None and mask.key_chunk is not None:
+    kv_len = mask.chunk_keys(kv_len)  # a scalar min: no select per element more
   if kv_len is not None:
     ok = ok & (k_idx < kv_len)
   if q_segment is not None:

@@ -11,7 +11,8 @@ Specification:
   (chunked prefill against a cache of per-row lengths). The kernels serve
   both: the sm90 forward and backward and the sm100 forward, interpreted
   with race detection, equal the naive mask. A one-token causal query with
-  lengths sees every valid key (the decode arrangement serves it).
+  lengths sees every valid key (the decode arrangement serves it), and so
+  do causal queries of up to 256 packed rows (T x query heads per KV head).
 * Flax: make_attention_fn(is_causal=True, causal_alignment="bottom_right")
   serves a query shorter than the keys (cached decoding).
 * A bad value is a ValueError naming the argument; cuDNN (jax.nn) has no
@@ -92,9 +93,14 @@ def test_top_left_stays_the_default():
 
 def test_kernels_serve_static_shifts_and_one_token_decoding():
   with fa4_jax.interpret_mode():
-    q, k, v, _ = _inputs(1, 2, 64, 256, 8, 2, 64, jnp.bfloat16)
+    # 65 tokens x 4 query heads per KV head: more rows than the decode
+    # arrangement packs (`tests/test_decode_causal.py`: up to 256 it serves).
+    q, k, v, _ = _inputs(1, 2, 65, 256, 8, 2, 64, jnp.bfloat16)
     assert fa4_jax.which_implementation(q, k, v, is_causal=True, causal_alignment="bottom_right",
                                         implementation="sm90") == "sm90"
+    assert fa4_jax.which_implementation(q[:, :64], k, v, is_causal=True,
+                                        causal_alignment="bottom_right",
+                                        implementation="sm90") == "sm90_decode"
     one = q[:, :1]
     lengths = jnp.asarray([200, 17], jnp.int32)
     assert fa4_jax.which_implementation(one, k, v, is_causal=True, key_value_seq_lengths=lengths,

@@ -4,8 +4,9 @@ Specification:
 * A short query (T x G packed rows <= 256) without a band mask is served by
   the sm90 forward kernel with the query heads of a KV head packed as rows
   and the cache split into chunks; `which_implementation` says
-  "sm90_decode". Causal masks, windows, segment ids and long queries keep
-  the usual kernel.
+  "sm90_decode". Top-left causal masks, windows, segment ids and long
+  queries keep the usual kernel (causal bottom-right is served too:
+  `tests/test_decode_causal.py`).
 * Splits: the largest power of two that keeps B x Hkv x splits x (query
   tiles of an item) CTAs within one wave of SMs (8 with per-row key
   lengths; fewer CTAs where they read a cache faster), divides S and leaves chunks

@@ -6,6 +6,11 @@
   gives zeros.
 * 16 speculative tokens with per-row query lengths, no mask; and a 131k-token
   cache of one row (16 chunks), with sinks and soft-cap.
+* 16 and 64 new tokens causal bottom-right (speculative decoding, a short
+  chunk of a chunked prefill) against a 32k-slot cache, contiguous and paged
+  (pages of 16 and 64): the decode arrangement, equal to an f32 einsum with
+  the bottom-right band; lengths 0, shorter than T and with the last T keys
+  across a chunk boundary.
 * A paged cache (pages of 16 and 64 tokens at shuffled physical positions)
   read through the page table by the kernel ("sm90"), equal to the einsum on
   the same cache laid out contiguously.
@@ -153,3 +158,38 @@ def test_flax_cached_decoding_runs_the_decode_kernel_and_matches_flax():
   got, want, whole = (np.asarray(o, np.float32) for o in (*outputs, uncached))
   np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
   np.testing.assert_allclose(got, whole, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("t", [16, 64])
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+def test_causal_new_tokens_in_the_decode_arrangement(t, page_size):
+  from fa4_jax import backends, paged
+  b, s, n, kv_heads, d = 4, 32768, 32, 8, 128
+  q, k, v = _inputs(5, b, t, s, n, kv_heads, d)
+  # 16390: the last T keys across 16384, a boundary of every split into 2-16 chunks.
+  lengths = np.asarray([32768, 16390, 0, t // 2])
+  pos = lengths[:, None] - t + np.arange(t)[None, :]
+  j = np.arange(s)[None, None, :]
+  visible = ((j < lengths[:, None, None]) & (j <= pos[:, :, None]))[:, None]
+  want = einsum_attention(q, k, v, visible)[0]
+  if page_size is None:
+    options = dict(is_causal=True, causal_alignment="bottom_right",
+                   key_value_seq_lengths=jnp.asarray(lengths, jnp.int32))
+    assert fa4_jax.which_implementation(q, k, v, **options) == "sm90_decode"
+    out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **options))(q, k, v)
+  else:
+    pages_per_row = s // page_size
+    order = np.random.default_rng(6).permutation(b * pages_per_row)
+    table = order.reshape(b, pages_per_row).astype(np.int32)
+    pool = lambda x: jnp.zeros((b * pages_per_row, page_size, kv_heads, d), x.dtype).at[
+        table.reshape(-1)].set(x.reshape(b * pages_per_row, page_size, kv_heads, d))
+    args = (q, pool(k), pool(v), jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+    assert fa4_jax.which_paged_implementation(*args) == "sm90"
+    validated = paged._validated(
+        *args, scale=None, is_causal=True, sinks=None, logits_soft_cap=None,
+        implementation=None, query_descale=None, key_descale=None, value_descale=None,
+        output_dtype=None, value_head_dim=None, score_mod=None, mask_mod=None)
+    assert backends.paged_decode_plan(validated) is not None
+    out = jax.jit(fa4_jax.paged_attention)(*args)
+  _check(out, want)
+  assert np.all(np.asarray(out[2], np.float32) == 0)

@@ -15,12 +15,13 @@ Specification:
 * The sm90 kernel (interpreter, race detection) reads the pages through the
   table and equals the same reference: pages smaller than a key block, pages
   holding several blocks, several chunks of the decode arrangement, and
-  chunked prefill (T > 1, causal: the forward kernel with each row's band
-  aligned by its length).
+  chunked prefill (T > 1, causal, each row's band aligned by its length: the
+  decode arrangement up to 256 packed rows, `tests/test_decode_causal.py`;
+  beyond, the forward kernel).
 * The paged kernel lowers for Hopper at D64 and D128 with page sizes 16 and
   64 in the SMEM of the unpaged kernel, one TMA per page of a block.
 * Selection: on a Hopper GPU None runs "sm90" when it can serve (T = 1,
-  not causal, and chunked prefill); other page sizes or head dims run on XLA, and
+  not causal, and causal T > 1); other page sizes or head dims run on XLA, and
   implementation="sm90" then raises saying why. Without a Hopper GPU None
   runs XLA, and "sm90" runs only inside `interpret_mode()`. Gradients are
   the XLA path's.
@@ -159,11 +160,13 @@ def test_kernel_reads_the_pages_through_the_table_without_races(name, run_interp
   _assert_close(out, _reference(q, kp, vp, table, lengths, **reference_options), 2e-2)
 
 
-def test_kernel_serves_chunked_prefill_aligned_by_each_rows_length(run_interpreted):
-  # 40 new tokens per row after 260 and after 5 cached ones (row 1's first
-  # 35 queries sit at negative positions: they see nothing and get zeros);
-  # pages of 16 shuffled, GQA 4/2.
-  q, kp, vp, table, lengths = _paged_cache(5, batch=2, t=40, q_heads=4, kv_heads=2, head_dim=64,
+@pytest.mark.parametrize("t", [40, 130])
+def test_kernel_serves_chunked_prefill_aligned_by_each_rows_length(t, run_interpreted):
+  # t new tokens per row after 300 - t and after 45 - t cached ones (row 1's
+  # first queries sit at negative positions: they see nothing and get zeros);
+  # pages of 16 shuffled, GQA 4/2. 40 tokens: 80 packed rows, the decode
+  # arrangement; 130: 260 rows, the forward kernel itself.
+  q, kp, vp, table, lengths = _paged_cache(5, batch=2, t=t, q_heads=4, kv_heads=2, head_dim=64,
                                            page_size=16, max_pages=20, lengths=(300, 45),
                                            dtype=jnp.bfloat16)
   out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90"),

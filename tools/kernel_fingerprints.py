@@ -4,10 +4,11 @@ Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
 mask and grouping the heuristics distinguish, the kernels of packed
 rows (segment ids), a few calls with score modifications (soft-cap, a
-`score_mod`, sinks; the sm90 decode arrangement with a soft-cap), the sm90
-MLA decode kernel (contiguous and paged caches), plus the XLA path, and
-prints one SHA-256 per case of the Mosaic GPU modules (MLIR without debug
-locations) or of the StableHLO.
+`score_mod`, sinks; the sm90 decode arrangement with a soft-cap, and causal
+bottom-right over several tokens, contiguous and paged), the sm90 MLA decode
+kernel (contiguous and paged caches), plus the XLA path, and prints one
+SHA-256 per case of the Mosaic GPU modules (MLIR without debug locations) or
+of the StableHLO.
 
 A refactor that leaves every fingerprint unchanged hands the GPU the very
 same programs, so it cannot have changed their speed or their registers.
@@ -146,6 +147,27 @@ def _mla(batch, tokens, heads, seq, page_size):
   return f, (q, k, table, ln)
 
 
+def _decode_causal(t, page_size):
+  """The sm90 decode arrangement of T tokens causal bottom-right against
+  32768 keys per row (GQA 32/8, D128, ragged lengths: the band aligned per
+  row and per chunk), contiguous (`page_size` None) or paged."""
+  q = jax.ShapeDtypeStruct((8, t, 32, 128), jnp.bfloat16)
+  ln = jax.ShapeDtypeStruct((8,), jnp.int32)
+  band = MaskSpec(right=0, offset_from_lengths=True)
+  plan = sm90_decode.plan(q.shape, (8, 32768, 8, 128), band, ragged=True,
+                          granule=page_size or 1, num_sms=132, streams=128)
+  score = ScoreFunction(0.125)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((8, 32768, 8, 128), jnp.bfloat16)
+    return (lambda q, k, v, kl: sm90_decode.forward(q, k, v, None, kl, score=score, mask=band,
+                                                    plan=plan), (q, kv, kv, ln))
+  pages = jax.ShapeDtypeStruct((8 * 32768 // page_size, page_size, 8, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((8, 32768 // page_size), jnp.int32)
+  return (lambda q, k, v, p, kl: sm90_decode.forward(q, k, v, None, kl, score=score, mask=band,
+                                                     plan=plan, page_table=p),
+          (q, pages, pages, table, ln))
+
+
 def _scores(mask, ql, kl, lengths, soft_cap=None, score_mod=False):
   mods = _alibi_mods() if score_mod else Scores()
   return mods.replace(mask=mask, scale=0.125, soft_cap=soft_cap,
@@ -236,6 +258,9 @@ def cases():
     paged = f" pages {page_size}" if page_size else ""
     yield (f"sm90 mla decode b{b} t{t} h{n} s{seq}{paged}", "sm_90",
            _mla(b, t, n, seq, page_size))
+  for t, page_size in ((16, None), (16, 16), (64, 64)):
+    cache = f"pages {page_size}" if page_size else "contiguous"
+    yield f"sm90 decode d128 s32768 causal t{t} {cache}", "sm_90", _decode_causal(t, page_size)
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(

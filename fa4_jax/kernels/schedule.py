@@ -40,8 +40,10 @@ from fa4_jax.target import current_target
 
 def pairs_causal_tiles(mask: MaskSpec) -> bool:
   """Causal-like masks (a right bound, no left one): later query tiles see
-  more keys, so they run first and a persistent grid pairs them."""
-  return mask.right is not None and mask.left is None
+  more keys, so they run first and a persistent grid pairs them. Not the
+  decode arrangement's band (`MaskSpec.key_chunk`): its rows are the last
+  few tokens of long rows, and its tiles equally heavy."""
+  return mask.right is not None and mask.left is None and mask.key_chunk is None
 
 
 def heavy_first_tile(grid_index, num_q_tiles: int, heavy_first: bool):

@@ -25,11 +25,34 @@ forward kernel on a re-shaped problem:
   chunk nothing runs after the kernel (one token) or the unpacking
   transpose (`unpack_rows`).
 
-Masks: the packed rows of one token share its position, which no `MaskSpec`
-band can express for several tokens, so this path serves masks without a
-band (no `is_causal`, no window) with any key lengths, which is how a cache
-of valid length L is read. Sinks are added after the combine
-(`scores.add_sinks`: the packed rows mix heads).
+Masks: masks without a band (no `is_causal`, no window) with any key
+lengths, which is how a cache of valid length L is read; and causal
+bottom-right (`serves_mask`): the T queries are the last T tokens of their
+row, query t at position L - T + t sees keys up to it (speculative
+decoding's few new tokens, short chunks of a chunked prefill). The kernel
+reads that band as `MaskSpec(right=0, offset_from_lengths=True,
+rows_per_position=G, key_chunk=C)` (`packed_band`):
+
+* packed row r holds token r // G (`rows_per_position`), and the rows'
+  length counts rows (T * G, or the query lengths times G), so the band's
+  offset is the key length minus the tokens;
+* each chunk (C keys from c * C) is given the row's keys from its first key
+  on, R_c = max(L - c * C, 0) (`chunk_lengths`), not its own clipped
+  length: the band aligned by R_c puts token t at chunk position
+  R_c - T + t, which is its true position L - T + t in the chunk's
+  coordinates, and the kernel cuts the keys at min(R_c, C) (`key_chunk`).
+  Chunks before the last T keys see all their keys; a chunk that ends
+  inside them (a boundary between L - T and L) sees the part of the band it
+  holds; a row's last chunk, the rest. (A chunk's own length min(R_c, C)
+  would align every full chunk as if the row ended there, and hide its last
+  keys from the first tokens.)
+
+Only the last one or two key blocks of a row's last chunks need the
+element mask; every other block runs without it. One token (T = 1) sees
+every valid key: it is served as the band-free mask. Query rows that see
+no key (L - T + t < 0, L = 0) get zeros and lse -inf, as in the forward
+kernel. Sinks are added after the combine (`scores.add_sinks`: the packed
+rows mix heads).
 
 Paged caches (`fa4_jax.paged`): the split of a cache is then a reshape of
 its page table ([B, P] -> [B * splits, P / splits], chunks of whole pages),
@@ -76,6 +99,11 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
          ) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
+  `mask`: without a band, or causal bottom-right (`serves_mask`), which is
+  planned as the band-free call is (the same splits and config; where that
+  plan leaves the config to the forward's heuristic, the band takes the
+  heuristic's band-free choice, `band_config`).
+
   Splits: the largest power of two that keeps B x Hkv x splits x tiles CTAs
   (tiles: the query tiles of an item, two for 256 packed rows) within
   `streams` (`streaming_ctas`: the SM count, or fewer where fewer CTAs read a
@@ -97,8 +125,10 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   b, t, n, d = q_shape
   s, kv_heads = k_shape[1], k_shape[2]
   rows = t * (n // kv_heads)
-  if has_segment_ids or not mask.is_dense or rows > MAX_PACKED_ROWS:
+  if has_segment_ids or not serves_mask(mask, t, s) or rows > MAX_PACKED_ROWS:
     return None
+  banded = not mask.is_dense and t > 1
+  mask = MaskSpec()  # a band is cut as the band-free call is (`band_config`)
   if num_sms is None:
     num_sms = sm90_forward.sm_count()
   if choices is None:  # the device kind's table, unless the autotuner is switched on
@@ -116,7 +146,50 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   if config is None and not ragged:
     config = one_consumer_config(d, mask, s // splits, rows, b * kv_heads * splits * tiles,
                                  num_sms=num_sms, choices=choices)
+  if config is None and banded:
+    config = band_config(d, s // splits, rows)
   return DecodePlan(splits, config)
+
+
+def serves_mask(mask: MaskSpec, t: int, s: int) -> bool:
+  """Whether the decode arrangement serves `mask` for T = `t` queries
+  against `s` keys: no band, or causal bottom-right (aligned per row by the
+  lengths, or without lengths by the static offset S - T > 0: a square
+  causal mask, T = S, is self-attention's top-left one, which keeps the
+  forward kernel)."""
+  if mask.is_dense:
+    return True
+  if (mask.left is not None or mask.right != 0 or mask.rows_per_position != 1
+      or mask.key_chunk is not None):
+    return False
+  if mask.offset_from_lengths:
+    return mask.q_offset == 0
+  return mask.q_offset == s - t > 0
+
+
+def band_config(head_dim: int, chunk: int, rows: int) -> sm90_forward.ForwardConfig:
+  """The kernel's config for a causal band where the plan leaves it to the
+  forward's heuristic: the one that heuristic picks for the band-free mask,
+  so that a band is read as the band-free call is (the heuristic's causal
+  choices are made for square rows)."""
+  return sm90_forward.choose_config(head_dim, MaskSpec(), kv_seq=chunk, q_seq=rows)
+
+
+def packed_band(g: int, chunk: int) -> MaskSpec:
+  """The kernel's mask for causal bottom-right over rows that pack `g`
+  query heads per token, in chunks of `chunk` keys (module docstring)."""
+  return MaskSpec(right=0, offset_from_lengths=True, rows_per_position=g, key_chunk=chunk)
+
+
+def chunk_lengths(kv_lengths, batch: int, kv_seq: int, splits: int):
+  """int32 [B * splits]: the keys of each row from each chunk's first key
+  on, max(L - c * chunk, 0) (past the chunk for all but a row's last: the
+  lengths `packed_band` aligns by)."""
+  chunk = kv_seq // splits
+  total = (jnp.full((batch,), kv_seq, jnp.int32) if kv_lengths is None
+           else jnp.asarray(kv_lengths, jnp.int32))
+  starts = jnp.arange(splits, dtype=jnp.int32) * chunk
+  return jnp.maximum(total[:, None] - starts[None, :], 0).reshape(batch * splits)
 
 
 def device_choices() -> device_tables.DecodeChoices:
@@ -301,14 +374,13 @@ def combine(out, lse, splits: int, t: int):
 
 def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask: MaskSpec,
             plan: DecodePlan, sinks=None, page_table=None, descales=None, out_dtype=None):
-  """(out [B, T, Hq, D], lse [B, Hq, T]) of a band-free mask, by packing and
-  splitting (see the module docstring). The lse is the whole row's, so any
-  backward that takes (out, lse) works with it. `page_table`: None, or int32
+  """(out [B, T, Hq, D], lse [B, Hq, T]) of a band-free or a causal
+  bottom-right mask (`serves_mask`), by packing and splitting (see the
+  module docstring). The lse is the whole row's, so any backward that takes
+  (out, lse) works with it. `page_table`: None, or int32
   [B, P] with k, v pages [num_pages, page_size, Hkv, D] (`sm90_forward.forward`).
   A float8 cache under a 16-bit query: `descales` (q, k, v; q's None) and
   `out_dtype` (None: the query's) as `sm90_forward.forward` takes them."""
-  if not mask.is_dense:
-    raise ValueError("the decode path serves masks without a band (no is_causal, no window)")
   b, t, n, d = q.shape
   kv_heads = k.shape[2]
   g = n // kv_heads
@@ -316,6 +388,11 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask
   # Keys per row, and per granule the splits keep whole (pages of a paged cache).
   s, granule = (k.shape[1], 1) if page_table is None else (
       page_table.shape[1] * k.shape[1], k.shape[1])
+  if not serves_mask(mask, t, s):
+    raise ValueError("the decode path serves masks without a band, and causal bottom-right "
+                     f"(the queries the last tokens of their rows); got {mask}")
+  if t == 1:
+    mask = MaskSpec()  # one token at its row's last position sees every valid key
   if s % (p * granule):
     raise ValueError(f"splits={p} must divide the key length {s} into chunks of whole "
                      f"granules of {granule}")
@@ -333,15 +410,23 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask
       v = v.reshape(b * p, s // p, kv_heads, d)
     else:
       options["page_table"] = jnp.reshape(page_table, (b * p, page_table.shape[1] // p))
+  if not mask.is_dense:  # the band's offset needs every row's true lengths
+    mask = packed_band(g, s // p)
+    q_lengths = jnp.full((b,), t, jnp.int32) if q_lengths is None else q_lengths
+    chunk_len = chunk_lengths(kv_lengths, b, s, p)
+  else:
+    chunk_len = kv_lengths if p == 1 else (
+        None if kv_lengths is None else split_lengths(kv_lengths, b, s, p))
   rows_len = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32) * g
   if rows_len is not None and p > 1:
     rows_len = jnp.repeat(rows_len, p)
-  chunk_len = kv_lengths if p == 1 else (
-      None if kv_lengths is None else split_lengths(kv_lengths, b, s, p))
   if descales is not None:
     options.update(descales=descales, out_dtype=out_dtype)
+  config = plan.config
+  if config is None and not mask.is_dense:
+    config = band_config(d, s // p, t * g)
   out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, score=score, mask=mask,
-                                  config=plan.config, **options)
+                                  config=config, **options)
   if in_place:  # out [B * P, Hkv, G, D], lse [B * P, Hkv, G]
     if p == 1:
       out, lse = out.reshape(b, 1, n, d), lse.reshape(b, n, 1)

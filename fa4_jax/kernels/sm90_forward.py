@@ -862,8 +862,13 @@ class _Context:
       batch_idx, head, tile = self.item_coords(i)
     else:
       batch_idx, head, tile = call.work.unit_coords(unit)
+    # A split-K chunk's given length counts past the chunk
+    # (`MaskSpec.key_chunk`): the mask cuts it there, after aligning the band by it.
+    kv_bound = call.kv_valid
+    if call.mask.key_chunk is not None and call.has_kv_lengths:
+      kv_bound = jnp.iinfo(jnp.int32).max
     q_len, kv_len = sequence_lengths(self.refs.q_len, self.refs.kv_len, batch_idx, call.q_seq,
-                                     call.kv_valid)
+                                     kv_bound)
     cta_q_lo = tile * cfg.block_q_cta
     if call.mods:
       # The CTA's block list: its partial blocks, then its full ones.
