@@ -382,7 +382,7 @@ def _select_entry(entries, index, dtype):
   by a chain of selects; on the vector alone where `index` is `Along` one
   axis (a thread holds fewer of its elements than of the tile's)."""
   if isinstance(index, Along):
-    return index.with_vector(_select_entry(entries, index.vector, dtype), bound=None)
+    return index.with_vector(_select_entry(entries, index.vector, dtype))
   index = jnp.clip(_tile(index), 0, len(entries) - 1)
   value = jnp.broadcast_to(entries[0], index.shape)
   for e in range(1, len(entries)):
@@ -460,8 +460,9 @@ class Along:
   def tile(self):
     return lax.broadcast_in_dim(self.vector, self.shape, [self.axis])
 
-  def with_vector(self, vector, bound):
-    return Along(vector, self.axis, self.shape, bound)
+  def with_vector(self, vector):
+    """Another value along the same axis (its bound unknown)."""
+    return Along(vector, self.axis, self.shape)
 
   @property
   def dtype(self):
@@ -518,7 +519,7 @@ def _bind_structured(eqn, ins):
   if len(axes) == 1:
     vectors = [x.vector if isinstance(x, Along) else x for x in ins]
     out = eqn.primitive.bind(*_broadcast_all(vectors), **eqn.params)
-    return structured[0].with_vector(out, bound=None)
+    return structured[0].with_vector(out)
   if name in ("add", "sub") and len(ins) == 2 and all(isinstance(x, Along) for x in ins):
     return _Outer(ins[0], ins[1], name)
   return None
@@ -526,7 +527,7 @@ def _bind_structured(eqn, ins):
 
 def _to_float(x: Along) -> Along:
   """float32(x) of an int32 vector."""
-  return x.with_vector(x.vector.astype(jnp.float32), bound=None)
+  return x.with_vector(x.vector.astype(jnp.float32))
 
 
 def _broadcast_all(xs):

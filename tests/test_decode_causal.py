@@ -35,6 +35,7 @@ from fa4_jax import backends, paged
 from fa4_jax.kernels import sm90_decode, sm90_forward
 from fa4_jax.scores import MaskSpec, ScoreFunction
 from reference import einsum_attention
+from test_paged import _paged_cache as paged_cache
 
 BAND = MaskSpec(right=0, offset_from_lengths=True)
 
@@ -113,19 +114,9 @@ def test_attention_bottom_right_with_lengths_takes_the_arrangement(t, n, kv_head
   _check(out, None, q, k, v, lengths)
 
 
-def _paged_cache(seed, *, batch, t, q_heads, kv_heads, head_dim, page_size, max_pages, lengths):
-  rng = np.random.default_rng(seed)
-  num_pages = batch * max_pages + 3
-  draw = lambda shape, shift=0.0: jnp.asarray(shift + rng.normal(size=shape), jnp.bfloat16)
-  q = draw((batch, t, q_heads, head_dim))
-  key_pages = draw((num_pages, page_size, kv_heads, head_dim))
-  value_pages = draw((num_pages, page_size, kv_heads, head_dim), 1.0)
-  table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
-  for b, length in enumerate(lengths):
-    used = -(-length // page_size)
-    table[b, used:] = rng.integers(0, num_pages, size=max_pages - used)
-  return (q, key_pages, value_pages, jnp.asarray(table, jnp.int32),
-          jnp.asarray(lengths, jnp.int32))
+def _paged_cache(seed, **shape):
+  """test_paged's shuffled paged cache, in bfloat16 (the kernels' dtype)."""
+  return paged_cache(seed, dtype=jnp.bfloat16, **shape)
 
 
 def _gathered(pages, table):
