@@ -235,7 +235,8 @@ def _decode_backend() -> Backend:
     del bias, mask  # never selected with them (see _kernel_problem)
     plan = sm90_decode.plan(q.shape, k.shape, scores_.mask,
                             has_segment_ids=scores_.q_segment_ids is not None,
-                            ragged=scores_.kv_lengths is not None)
+                            ragged=scores_.kv_lengths is not None,
+                            fp8_cache=jnp.dtype(k.dtype) in scores.FP8_DTYPES)
     if plan is None:  # other shapes per device (e.g. a sharded call): the usual kernel
       return _kernel_backend("sm90").forward(q, k, v, None, None, scores_)
     options = {}

@@ -95,6 +95,34 @@ def test_decode_on_a_float8_cache_matches_the_dequantized_reference(
   assert_close(got, want, v)
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_float8_decode_plan_matches_the_dequantized_reference(run_interpreted, ragged):
+  """The plan `sm90_decode.plan(fp8_cache=True)` makes (one consumer on a
+  deep ring of 128-key slots, `fp8_cache_decode_config`), on the cache cut
+  in two chunks; ragged: one row shorter than a chunk."""
+  rng = np.random.default_rng(11)
+  b, s, n, kv_heads, d = 2, 512, 8, 2, 64
+  q = jnp.asarray(rng.normal(size=(b, 1, n, d)), jnp.bfloat16)
+  k8, k_descale = float8_cache(rng, (b, s, kv_heads, d))
+  v8, v_descale = float8_cache(rng, (b, s, kv_heads, d))
+  lengths = jnp.asarray([s, 200], jnp.int32) if ragged else None
+  plan = sm90_decode.plan(q.shape, k8.shape, MaskSpec(), ragged=ragged, num_sms=132,
+                          fp8_cache=True)
+  config = plan.config
+  assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
+  plan = sm90_decode.DecodePlan(2, config)
+
+  def call(q, k, v):
+    out, _ = sm90_decode.forward(q, k, v, None, lengths, score=ScoreFunction(d ** -0.5),
+                                 mask=MaskSpec(), plan=plan,
+                                 descales=(None, k_descale, v_descale))
+    return out
+
+  got = run_interpreted(call, q, k8, v8)
+  want, v = dequantized_reference(q, k8, k_descale, v8, v_descale, kv_lengths=lengths)
+  assert_close(got, want, v)
+
+
 def test_the_forward_kernel_on_a_float8_cache_with_bottom_right_causal_rows(run_interpreted):
   """Chunked prefill's shape through `fa4_jax.attention`: 40 new tokens
   against a 150-key cache, causal aligned at the end, GQA, an f32 output."""
@@ -188,6 +216,66 @@ def test_a_float8_cache_fits_the_decode_arrangements_persistent_grid(cross_lower
   with gpu_target("sm90"):
     plan = sm90_decode.plan(q_spec.shape, kv_spec.shape, MaskSpec())
   assert plan is not None and plan.config is not None and plan.config.q_buffers == 2
+
+  def call(q, k, v, kd, vd):
+    with gpu_target("sm90"):
+      return fa4_jax.attention(q, k, v, key_descale=kd, value_descale=vd)
+
+  lowered = cross_lower(call, q_spec, kv_spec, kv_spec, descale, descale)
+  assert "cvt.rn.f16x2.e4m3x2" in "\n".join(lowered.modules)
+  assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
+
+
+def test_a_float8_cache_decodes_on_every_sm_with_one_consumer_and_a_deep_ring(cross_lower):
+  """B8 T1 S32768 H32/8 D128 (issue #55): the 16-bit call's plan, shrunk
+  for the widened tiles, read 32 KiB of float8 in flight per CTA on the
+  H100's 64 streaming CTAs; the float8 plan takes a CTA per SM (2 chunks,
+  128 CTAs) with one consumer (the 4 packed rows fill none of a second
+  one's) on four 128-key slots (`sm90_decode.fp8_cache_decode_config`), and it
+  must lower within SMEM. The 16-bit plan is unchanged."""
+  from fa4_jax.kernels import device_tables
+
+  q_spec = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
+  kv_spec = jax.ShapeDtypeStruct((8, 32768, 8, 128), E4M3)
+  descale = jax.ShapeDtypeStruct((8,), jnp.float32)
+  h100 = device_tables.DECODE["NVIDIA H100 80GB HBM3"]
+  bf16_plan = sm90_decode.plan(q_spec.shape, kv_spec.shape, MaskSpec(), num_sms=132,
+                               choices=h100)
+  assert bf16_plan == sm90_decode.DecodePlan(1, None)
+  plan = sm90_decode.plan(q_spec.shape, kv_spec.shape, MaskSpec(), num_sms=132, choices=h100,
+                          fp8_cache=True)
+  config = plan.config
+  assert plan.splits == 2 and config is not None and not config.persistent
+  assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
+  assert config.fits_smem(128, 2, False, 128, fp8_cache=True)
+  # The kernel takes it as it is (no shrinking).
+  assert sm90_forward.fp8_cache_config(config, 128, 128) == config
+
+  def call(q, k, v, kd, vd):
+    with gpu_target("sm90"):
+      return fa4_jax.attention(q, k, v, key_descale=kd, value_descale=vd)
+
+  lowered = cross_lower(call, q_spec, kv_spec, kv_spec, descale, descale)
+  text = "\n".join(lowered.modules)
+  assert "cvt.rn.f16x2.e4m3x2" in text and "f32.f16.f16" in text
+  assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
+  # 4 slots of 128 keys, 8-bit, for K and V: 128 KiB of the CTA's SMEM.
+  assert max(lowered.smem_bytes) >= config.smem_bytes(128, 2, fp8_cache=True)
+
+
+@pytest.mark.parametrize("shape", [
+    (64, 1, 4096, 32, 8, 128),   # more items than SMs: a persistent grid, one Q tile
+    (16, 1, 16384, 8, 1, 64),    # MQA D64, short chunks: the forward's persistent grid
+    (8, 1, 32768, 32, 8, 64),
+])
+def test_float8_cache_decode_plans_fit_and_lower(cross_lower, shape):
+  b, t, s, n, kv_heads, d = shape
+  q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
+  kv_spec = jax.ShapeDtypeStruct((b, s, kv_heads, d), E4M3)
+  descale = jax.ShapeDtypeStruct((kv_heads,), jnp.float32)
+  plan = sm90_decode.plan(q_spec.shape, kv_spec.shape, MaskSpec(), num_sms=132, fp8_cache=True)
+  assert plan.config is not None and plan.config.num_consumers == 1
+  assert plan.config.fits_smem(d, 2, False, d, fp8_cache=True)
 
   def call(q, k, v, kd, vd):
     with gpu_target("sm90"):

@@ -95,8 +95,8 @@ class DecodePlan:
 
 def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
          ragged: bool = False, num_sms: int | None = None, streams: int | None = None,
-         granule: int = 1, choices: device_tables.DecodeChoices | None = None
-         ) -> DecodePlan | None:
+         granule: int = 1, choices: device_tables.DecodeChoices | None = None,
+         fp8_cache: bool = False) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
   `mask`: without a band, or causal bottom-right (`serves_mask`), which is
@@ -121,6 +121,8 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   `num_sms`, `streams`: None for the GPU's (tests name them). `choices`:
   None for the default device's kind (`device_choices`). Full, equal key
   lengths at D64 may take one consumer per CTA (`one_consumer_config`).
+  `fp8_cache`: a float8 cache under a 16-bit query, planned for every SM
+  and a deep 8-bit ring (`fp8_cache_decode_config`).
   """
   b, t, n, d = q_shape
   s, kv_heads = k_shape[1], k_shape[2]
@@ -135,7 +137,8 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
     choices = autotune.decode_choices(device_choices(), q_shape=q_shape, k_shape=k_shape,
                                       mask=mask, tunable=not ragged and granule == 1)
   if streams is None:
-    streams = streaming_ctas(d, rows, num_sms, choices)
+    # A float8 cache streams from every SM (`fp8_cache_decode_config`).
+    streams = num_sms if fp8_cache else streaming_ctas(d, rows, num_sms, choices)
   # Query tiles of an item: 128 packed rows at D128 fill one CTA's consumers.
   tiles = -(-rows // sm90_forward.choose_config(d, mask).block_q_cta)
   splits = choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms, streams=streams,
@@ -146,6 +149,8 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   if config is None and not ragged:
     config = one_consumer_config(d, mask, s // splits, rows, b * kv_heads * splits * tiles,
                                  num_sms=num_sms, choices=choices)
+  if fp8_cache:
+    config = fp8_cache_decode_config(d, s // splits, rows, config)
   if config is None and banded:
     config = band_config(d, s // splits, rows)
   return DecodePlan(splits, config)
@@ -165,6 +170,47 @@ def serves_mask(mask: MaskSpec, t: int, s: int) -> bool:
   if mask.offset_from_lengths:
     return mask.q_offset == 0
   return mask.q_offset == s - t > 0
+
+
+def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
+                            config: sm90_forward.ForwardConfig | None
+                            ) -> sm90_forward.ForwardConfig | None:
+  """The kernel's config for a float8 cache under a 16-bit query
+  (`sm90_forward.ForwardStatics.fp8_cache`): `config` (None: the forward's
+  heuristic for the chunk) with, where the packed rows fit one consumer's
+  tile (up to 64) at head dims up to 128, one consumer warpgroup, 128-key
+  blocks and as many 8-bit ring slots as SMEM holds (up to 4), the second
+  Q tile dropped first; other calls keep `config` (the kernel shrinks it,
+  `sm90_forward.fp8_cache_config`).
+
+  Why (H100, B8 T1 S32k GQA 32/8 D128, 2026-12-06): the 16-bit call's
+  config, shrunk for each consumer's widened float16 K and V tiles, keeps
+  two consumers on a ring of two 64-key slots, 32 KiB of float8 in flight
+  per CTA (the bfloat16 kernel: 128 KiB). The second consumer's rows are
+  all padding at 4 packed rows (it skips every block), so its widened
+  tiles hold SMEM nothing uses. With the 16-bit call's 64 CTAs (the
+  H100's `streaming_ctas`) that is 2 MiB in flight: 1.06 TB/s of float8
+  (0.506 ms); the paged call's 132 CTAs hold 4.2 MiB: 1.9 TB/s (0.282 ms).
+  Bytes in flight over bytes per second is 2.0 and 2.3 us (and 2.6 us for
+  the bfloat16 call's 8 MiB at 3.2 TB/s, HBM-bound): the float8 kernel is
+  bound by the bytes its rings keep in flight, not by the widening. One
+  consumer on 4 slots of 128 keys holds 128 KiB per CTA at D128 (224.3 of
+  227 KiB SMEM), as the bfloat16 kernel does, and `plan` gives every SM a
+  CTA (`streams`): 16 MiB in flight. Not yet measured (the candidates are
+  `benchmarks/bench_fp8.py --decode-configs`)."""
+  d = sm90_forward.padded_head_dim(head_dim)
+  if d > 128 or rows > 64:
+    return config
+  if config is None:
+    config = sm90_forward.choose_config(d, MaskSpec(), kv_seq=chunk, q_seq=rows)
+  one = dataclasses.replace(config, num_consumers=1, pingpong=False, producer_registers=24,
+                            consumer_registers=224, block_q=64, block_kv=128)
+  for stages in (4, 3, 2):
+    for q_buffers in dict.fromkeys((one.q_buffers, 1)):
+      candidate = dataclasses.replace(one, num_kv_stages=stages, q_buffers=q_buffers)
+      if candidate.fits_smem(d, 2, False, d, fp8_cache=True):
+        return candidate
+  return config
 
 
 def band_config(head_dim: int, chunk: int, rows: int) -> sm90_forward.ForwardConfig:
