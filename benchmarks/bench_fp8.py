@@ -22,9 +22,16 @@ read at the same bytes per second shows 2x; prefill rows print TFLOP/s.
 
 `--configs` adds, on prefill rows, the float8 kernel under each of
 `CONFIG_CANDIDATES` (columns `fp8 <label>`): the sweep behind the float8
-rules of `sm90_forward.choose_config`.
+rules of `sm90_forward.choose_config`. `--decode-configs` adds, on decode
+rows, the decode arrangement on the float8 cache under each of
+`DECODE_CANDIDATES` (columns `fp8 dec <label>`: splits and the kernel's
+config; `16-bit plan` is the plan before the float8 rules of
+`sm90_decode.plan(fp8_cache=True)`, i.e. the former default), so that one
+run puts the grids side by side with the bf16 call and the `fp8` column
+(the default plan).
 
-  python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--tag NAME]
+  python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
+                                  [--tag NAME]
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ CASES = [
     ("paged B8 T16 S32768 H32/8 D128 page 64", "paged", 8, 16, 32768, 32, 8, 128, True),
 ]
 PAGE = 64
+# The row every decode candidate runs on (`--decode-configs`): issue #55's.
+CASES_DECODE_FIRST = "decode B8 T1 S32768 H32/8 D128"
 
 
 # label -> changes to the heuristic's config (`--configs`). float8 halves the
@@ -116,6 +125,120 @@ def config_columns(q8, k8, v8, descales, d, causal):
   return columns
 
 
+# label -> how the decode arrangement cuts a float8 decode row (`--decode-configs`):
+# a function of the call's shapes returning (splits, config or None), or None
+# where the candidate does not apply. `fp8_rule` takes the float8 plan's
+# config rule (`sm90_decode.fp8_cache_decode_config`); `ALL_ROWS` marks the
+# candidates run on every decode row, the others only on the first (B8 S32k D128).
+def _decode_candidates():
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_decode, sm90_forward
+  from fa4_jax.scores import MaskSpec
+
+  def plan(q_shape, k_shape, **kw):
+    return sm90_decode.plan(q_shape, k_shape, MaskSpec(), **kw)
+
+  def fp8_rule(splits, changes=None, persistent=False):
+    """(splits, the float8 rule's config for the chunk, with `changes`)."""
+    def candidate(q_shape, k_shape):
+      if splits(q_shape, k_shape) is None:
+        return None
+      p = splits(q_shape, k_shape)
+      b, t, n, d = q_shape
+      rows = t * n // k_shape[2]
+      if k_shape[1] % p:
+        return None
+      base = None
+      if persistent:
+        base = dataclasses.replace(
+            sm90_forward.choose_config(d, MaskSpec(), kv_seq=k_shape[1] // p, q_seq=rows),
+            persistent=True, q_buffers=1, num_sms=sm90_forward.sm_count())
+      config = sm90_decode.fp8_cache_decode_config(d, k_shape[1] // p, rows, base)
+      if config is None or config.num_consumers != 1:
+        return None
+      if changes:
+        config = dataclasses.replace(config, **changes)
+      if not config.fits_smem(d, 2, False, d, fp8_cache=True):
+        return None
+      return p, config
+    return candidate
+
+  all_sms = lambda q, k: plan(q, k, streams=sm90_forward.sm_count()).splits
+  sixty_four = lambda q, k: plan(q, k).splits  # the 16-bit plan's (64 streams on an H100)
+  paged = lambda q, k: plan(q, k, ragged=True).splits  # the paged call's splits
+
+  def two_consumers(stages):
+    """All SMs, the forward's config for the chunk as the kernel shrinks it
+    (two consumers at D128, 64-key slots), on `stages` slots."""
+    def candidate(q_shape, k_shape):
+      p = all_sms(q_shape, k_shape)
+      b, t, n, d = q_shape
+      config = sm90_forward.fp8_cache_config(
+          sm90_forward.choose_config(d, MaskSpec(), kv_seq=k_shape[1] // p,
+                                     q_seq=t * n // k_shape[2]), d, d)
+      if config.persistent:
+        return None
+      config = dataclasses.replace(config, num_kv_stages=stages)
+      return (p, config) if config.fits_smem(d, 2, False, d, fp8_cache=True) else None
+    return candidate
+
+  return {
+      # The former default: the bf16 call's plan, the kernel shrinking its config.
+      "16-bit plan": lambda q, k: (lambda x: (x.splits, x.config))(plan(q, k)),
+      # The paged call's shape on the contiguous cache: its splits (8 waves of
+      # the SMs) and the forward's config for its chunk (a persistent grid).
+      "paged shape": lambda q, k: (paged(q, k), None),
+      # The 16-bit plan's config, splits for every SM.
+      "all SMs": lambda q, k: (all_sms(q, k), None),
+      "all SMs 2c kv64 s5": two_consumers(5),
+      "64 CTAs 1c kv128 s4": fp8_rule(sixty_four),
+      "all SMs 1c kv128 s3": fp8_rule(all_sms, dict(num_kv_stages=3)),
+      "all SMs 1c kv128 s2": fp8_rule(all_sms, dict(num_kv_stages=2)),
+      "all SMs 1c kv64 s8": fp8_rule(all_sms, dict(block_kv=64, num_kv_stages=8)),
+      "2x splits 1c kv128 s4": fp8_rule(lambda q, k: 2 * all_sms(q, k)),
+      "paged splits 1c kv128 s4 persistent": fp8_rule(paged, persistent=True),
+  }
+
+
+ALL_ROWS = ("16-bit plan", "paged shape", "all SMs")
+
+
+def decode_plan_columns(q, k8, v8, kd, vd, first_row):
+  """`fp8 dec <label>` columns: the decode arrangement under each of the
+  decode candidates (duplicates of an earlier candidate's plan, and of the
+  default plan, are left out; the label says which)."""
+  from fa4_jax.kernels import sm90_decode
+  from fa4_jax.scores import MaskSpec
+
+  d = q.shape[-1]
+  default = sm90_decode.plan(q.shape, k8.shape, MaskSpec(), fp8_cache=True)
+  seen = {(default.splits, default.config): "default"}
+  columns = {}
+  for label, rule in _decode_candidates().items():
+    if not first_row and label not in ALL_ROWS:
+      continue
+    try:
+      got = rule(q.shape, k8.shape)
+    except Exception as e:  # a candidate that cannot be built is skipped, not fatal
+      print("skip", label, type(e).__name__, e, flush=True)
+      continue
+    if got is None:
+      print("skip", label, "(does not apply)", flush=True)
+      continue
+    if got in seen:
+      print(f"skip {label}: the plan of {seen[got]}", got, flush=True)
+      continue
+    seen[got] = label
+    print(f"fp8 dec {label}: splits={got[0]} config={got[1]}", flush=True)
+    decode_plan = sm90_decode.DecodePlan(*got)
+    call = lambda q, k, v, kd, vd, decode_plan=decode_plan: sm90_decode.forward(
+        q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=MaskSpec(), plan=decode_plan,
+        descales=(None, kd, vd))[0]
+    columns[f"fp8 dec {label}"] = (call, (q, k8, v8, kd, vd))
+  return columns
+
+
 def quantized(x, axis_heads=2):
   """(float8 array, float32 per-head descale) with each head's largest
   magnitude mapped to 448 (e4m3's largest finite value)."""
@@ -127,7 +250,7 @@ def quantized(x, axis_heads=2):
   return (x.astype(jnp.float32) / descale.reshape(shape)).astype(F8), descale
 
 
-def run_case(case, rounds, configs=False):
+def run_case(case, rounds, configs=False, decode_configs=False):
   name, kind, b, t, s, hq, hkv, d, causal = case
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (b, t, hq, d), jnp.bfloat16)
@@ -162,6 +285,8 @@ def run_case(case, rounds, configs=False):
         (q, k8, v8, kd, vd))
     served = fa4_jax.which_implementation(q, k8, v8, is_causal=causal, implementation="sm90",
                                           **descales, **alignment)
+    if decode_configs and kind == "decode" and served == "sm90_decode":
+      calls.update(decode_plan_columns(q, k8, v8, kd, vd, first_row=name == CASES_DECODE_FIRST))
   if kind == "paged":
     pages = b * s // PAGE
     order = jnp.asarray(np.random.default_rng(0).permutation(pages), jnp.int32)
@@ -196,14 +321,21 @@ def markdown(rows):
 
 def main():
   bench_common.table_main(
-      "fp8", CASES, lambda case, args: run_case(case, args.rounds, args.configs), markdown,
+      "fp8", CASES,
+      lambda case, args: run_case(case, args.rounds, args.configs, args.decode_configs), markdown,
       lambda a: ("e4m3 with per-head descales (amax / 448); kernel-duration sums in profiler "
                  f"traces, medians of {a.rounds} interleaved rounds; decode and paged TB/s: the "
                  "bf16 cache's K and V bytes over each column's time"),
       default_rounds=3,
-      add_arguments=lambda ap: ap.add_argument(
-          "--configs", action="store_true",
-          help="prefill rows: also the float8 kernel under each of CONFIG_CANDIDATES"))
+      add_arguments=add_arguments)
+
+
+def add_arguments(ap):
+  ap.add_argument("--configs", action="store_true",
+                  help="prefill rows: also the float8 kernel under each of CONFIG_CANDIDATES")
+  ap.add_argument("--decode-configs", action="store_true",
+                  help="decode rows: also the decode arrangement under each of "
+                       "DECODE_CANDIDATES (all of them on the B8 S32k D128 row)")
 
 
 if __name__ == "__main__":
