@@ -24,7 +24,7 @@ read at the same bytes per second shows 2x; prefill rows print TFLOP/s.
 `CONFIG_CANDIDATES` (columns `fp8 <label>`): the sweep behind the float8
 rules of `sm90_forward.choose_config`. `--decode-configs` adds, on decode
 rows, the decode arrangement on the float8 cache under each of
-`DECODE_CANDIDATES` (columns `fp8 dec <label>`: splits and the kernel's
+`_decode_candidates` (columns `fp8 dec <label>`: splits and the kernel's
 config; `16-bit plan` is the plan before the float8 rules of
 `sm90_decode.plan(fp8_cache=True)`, i.e. the former default), so that one
 run puts the grids side by side with the bf16 call and the `fp8` column
@@ -239,6 +239,31 @@ def decode_plan_columns(q, k8, v8, kd, vd, first_row):
   return columns
 
 
+def paged_plan_columns(q, kp, vp, kd, vd, table, lengths):
+  """`fp8 paged dec 1c <...>`: the paged call's splits with the float8 decode
+  rule's config (`sm90_decode.fp8_cache_decode_config`, one consumer on
+  128-key slots, on the forward's grid for the chunk: a persistent one),
+  which `paged_decode_plan` does not take yet."""
+  from fa4_jax.kernels import sm90_decode
+  from fa4_jax.scores import MaskSpec
+
+  b, t, n, d = q.shape
+  k_shape = (b, table.shape[1] * kp.shape[1], kp.shape[2], d)
+  paged = sm90_decode.plan(q.shape, k_shape, MaskSpec(), ragged=True, granule=kp.shape[1])
+  config = sm90_decode.fp8_cache_decode_config(d, k_shape[1] // paged.splits,
+                                               t * n // kp.shape[2], None)
+  if config is None or config.num_consumers != 1:
+    return {}
+  label = (f"fp8 paged dec 1c kv{config.block_kv} s{config.num_kv_stages}"
+           f"{' persistent' if config.persistent else ''}")
+  print(f"{label}: splits={paged.splits} config={config}", flush=True)
+  decode_plan = sm90_decode.DecodePlan(paged.splits, config)
+  call = lambda q, kp, vp, kd, vd: sm90_decode.forward(
+      q, kp, vp, None, lengths, score=ScoreFunction(d ** -0.5), mask=MaskSpec(), plan=decode_plan,
+      page_table=table, descales=(None, kd, vd))[0]
+  return {label: (call, (q, kp, vp, kd, vd))}
+
+
 def quantized(x, axis_heads=2):
   """(float8 array, float32 per-head descale) with each head's largest
   magnitude mapped to 448 (e4m3's largest finite value)."""
@@ -298,6 +323,8 @@ def run_case(case, rounds, configs=False, decode_configs=False):
         q, kp, vp, table, lengths, is_causal=causal, key_descale=kd, value_descale=vd,
         implementation="sm90")
     calls["fp8 paged"] = (paged, (q, to_pages(k8), to_pages(v8), kd, vd))
+    if decode_configs and not causal:
+      calls.update(paged_plan_columns(q, to_pages(k8), to_pages(v8), kd, vd, table, lengths))
   bf16_bytes = 2 * k.size * k.dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
              flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))
@@ -335,7 +362,7 @@ def add_arguments(ap):
                   help="prefill rows: also the float8 kernel under each of CONFIG_CANDIDATES")
   ap.add_argument("--decode-configs", action="store_true",
                   help="decode rows: also the decode arrangement under each of "
-                       "DECODE_CANDIDATES (all of them on the B8 S32k D128 row)")
+                       "_decode_candidates (all of them on the B8 S32k D128 row)")
 
 
 if __name__ == "__main__":
