@@ -217,9 +217,10 @@ def test_a_float8_cache_fits_the_decode_arrangements_persistent_grid(cross_lower
     plan = sm90_decode.plan(q_spec.shape, kv_spec.shape, MaskSpec())
   assert plan is not None and plan.config is not None and plan.config.q_buffers == 2
 
-  def call(q, k, v, kd, vd):
+  def call(q, k, v, kd, vd):  # the 16-bit plan (a float8 cache now plans its own)
     with gpu_target("sm90"):
-      return fa4_jax.attention(q, k, v, key_descale=kd, value_descale=vd)
+      return sm90_decode.forward(q, k, v, None, None, score=ScoreFunction(128 ** -0.5),
+                                 mask=MaskSpec(), plan=plan, descales=(None, kd, vd))[0]
 
   lowered = cross_lower(call, q_spec, kv_spec, kv_spec, descale, descale)
   assert "cvt.rn.f16x2.e4m3x2" in "\n".join(lowered.modules)
