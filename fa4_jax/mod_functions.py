@@ -262,6 +262,8 @@ class _Captured:
   dtype: Any = None  # the captured array's own (a bool array is int32 in GPU memory)
   # The kernel's per-element reads (`bind`'s `loader`), or None: a chain of selects.
   loader: Any = None
+  # Every per-element index is known within its axis (`_int_ranges`): read unclamped.
+  in_range: bool = False
 
   @property
   def loads_elements(self) -> bool:
@@ -316,15 +318,29 @@ class BoundMod:
     return env
 
   def _evaluate(self, env, which) -> dict:
-    """`env` with the equations whose outputs are in `which` evaluated."""
+    """`env` with the equations whose outputs are in `which` evaluated.
+
+    With per-element loads (`loads`), what the int32 ranges of the values
+    decide is not computed per element (`_int_ranges`): a comparison known
+    for every element is a constant, a select on a constant picks its case,
+    and a lookup whose index is known within the table reads it unclamped
+    (jnp's wrap of negative indices and the clamp of `dynamic_slice` after
+    a user's `jnp.clip`: 5 ops per element)."""
+    ranges = _int_ranges(self.mod, env) if self.loads else {}
     for position, eqn in enumerate(self.mod.jaxpr.eqns):
       if eqn.outvars[0] not in which:
         continue  # done in `bind`, or left to the caller
       ins = [_read_var(env, v) for v in eqn.invars]
+      decided = _decided(eqn, ins, ranges)
+      if decided is not None:
+        env[eqn.outvars[0]] = decided
+        continue
       if position in self.rows:
         axis, entries, dtype = self.rows[position]
         outs = [_select_entry(entries, ins[1 + axis], dtype)]
       else:
+        if _within(eqn, ins, ranges):
+          ins[0] = dataclasses.replace(ins[0], in_range=True)
         outs = _bind(eqn, ins)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value
@@ -354,6 +370,111 @@ class BoundMod:
 
 def _read_var(env, var):
   return var.val if isinstance(var, jex_core.Literal) else env[var]
+
+
+# --- int32 ranges of a mod's values ----------------------------------------------
+# (lo, hi) of every int32 variable the analysis bounds (bools as 0 / 1);
+# positions are >= 0 and, where the kernel says so, below `Along.bound`. A
+# result that could leave int32 (and wrap) is left unbounded.
+
+_I32 = (-2 ** 31, 2 ** 31 - 1)
+_COMPARE = {"lt": lambda a, b: (a[1] < b[0], a[0] >= b[1]),
+            "le": lambda a, b: (a[1] <= b[0], a[0] > b[1]),
+            "gt": lambda a, b: (a[0] > b[1], a[1] <= b[0]),
+            "ge": lambda a, b: (a[0] >= b[1], a[1] < b[0])}
+
+
+def _int_ranges(mod: ModFunction, env) -> dict:
+  """The ranges of `mod`'s int32 and bool variables, from its positions'."""
+  known = {}
+  for var in _tile_vars(mod)[-2:]:
+    bound = getattr(env.get(var), "bound", None)
+    known[var] = (0, _I32[1] if bound is None else bound - 1)
+  return _ranges_of(mod.jaxpr, known)
+
+
+def _ranges_of(jaxpr, known: dict) -> dict:
+  known = dict(known)
+  for eqn in jaxpr.eqns:
+    ins = [_range_of(v, known) for v in eqn.invars]
+    out = _range_rule(eqn, ins)
+    if out is not None and len(eqn.outvars) == 1:
+      known[eqn.outvars[0]] = out
+  return known
+
+
+def _range_of(var, known):
+  if isinstance(var, jex_core.Literal):
+    value = var.val
+    if np.ndim(value) == 0 and np.asarray(value).dtype.kind in "biu":
+      return (int(value), int(value))
+    return None
+  return known.get(var)
+
+
+def _range_rule(eqn, ins):
+  """(lo, hi) of `eqn`'s int32 or bool result, or None (unknown)."""
+  name, dtype = eqn.primitive.name, eqn.outvars[0].aval.dtype
+  if dtype == jnp.bool_ and name in _COMPARE and all(ins[:2]):
+    true, false = _COMPARE[name](*ins[:2])
+    return (1, 1) if true else (0, 0) if false else (0, 1)
+  if dtype != jnp.int32:
+    return None
+  if name in CALLS:
+    sub = _call_jaxpr(eqn)
+    if sub is None or sub.consts:
+      return None
+    inner = _ranges_of(sub.jaxpr, {v: r for v, r in zip(sub.jaxpr.invars, ins) if r})
+    out = inner.get(sub.jaxpr.outvars[0]) if isinstance(sub.jaxpr.outvars[0], jex_core.Var) else None
+  elif name == "select_n" and ins[0] is not None and all(ins[1:]):
+    cases = ins[1:] if ins[0] == (0, 1) else [ins[1 + ins[0][0]]]
+    out = (min(c[0] for c in cases), max(c[1] for c in cases))
+  elif name in ("convert_element_type", "copy", "copy_p") and ins[0]:
+    out = ins[0]
+  elif name in ("add", "sub", "max", "min") and all(ins):
+    (a, b), (c, d) = ins
+    out = {"add": (a + c, b + d), "sub": (a - d, b - c), "max": (max(a, c), max(b, d)),
+           "min": (min(a, c), min(b, d))}[name]
+  elif name == "clamp" and all(ins):
+    (lo, _), (a, b), (_, hi) = ins
+    out = (min(max(a, lo), hi), min(max(b, lo), hi))
+  elif name == "max" and ins[0] or name == "max" and ins[1]:
+    out = (max(r[0] for r in ins if r), _I32[1])
+  elif name == "min" and ins[0] or name == "min" and ins[1]:
+    out = (_I32[0], min(r[1] for r in ins if r))
+  elif name == "clamp" and ins[0] and ins[2]:
+    out = (ins[0][0], ins[2][1])
+  else:
+    return None
+  return out if _I32[0] <= out[0] <= out[1] <= _I32[1] else None
+
+
+def _within(eqn, ins, ranges) -> bool:
+  """Whether `eqn` is a lookup into a captured array whose per-element
+  indices are known within its axes."""
+  if eqn.primitive.name != "dynamic_slice" or not isinstance(ins[0], _Captured) or not ranges:
+    return False
+  shape = ins[0].ref.shape
+  for axis, (var, value) in enumerate(zip(eqn.invars[1:], ins[1:])):
+    if isinstance(value, (Along, _Outer)) or jnp.ndim(value) > 0:
+      r = _range_of(var, ranges)
+      if r is None or not 0 <= r[0] <= r[1] < shape[axis]:
+        return False
+  return True
+
+
+def _decided(eqn, ins, ranges):
+  """The value of `eqn` where the ranges decide it for every element (a
+  comparison: a constant; a select on a constant: its case), else None."""
+  if not ranges:
+    return None
+  name = eqn.primitive.name
+  if name in _COMPARE:
+    r = ranges.get(eqn.outvars[0])
+    return None if r is None or r == (0, 1) else np.bool_(r[0])
+  if name == "select_n" and isinstance(ins[0], np.bool_):
+    return ins[1 + int(ins[0])]
+  return None
 
 
 def _dependents(jaxpr, var) -> frozenset:
@@ -699,10 +820,14 @@ def _load_elements(view: _Captured, axis: int):
   row = ref.at[tuple(slice(None) if a == axis else clamp(i, a)
                      for a, i in enumerate(view.index))]
   index = view.index[axis]
+  if not view.in_range:
+    clamp_index = lambda i: clamp(i, axis)
+  else:
+    clamp_index = lambda i: i
   if isinstance(index, Along):
-    vector = clamp(index.vector, axis)
+    vector = clamp_index(index.vector)
     return index.with_vector(_as_dtype(view.loader(row, vector, index.axis), view.dtype))
-  return _as_dtype(view.loader(row, clamp(_tile(index), axis)), view.dtype)
+  return _as_dtype(view.loader(row, clamp_index(_tile(index))), view.dtype)
 
 
 def _read(view: _Captured):
