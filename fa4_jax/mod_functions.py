@@ -425,7 +425,9 @@ def _range_rule(eqn, ins):
     if sub is None or sub.consts:
       return None
     inner = _ranges_of(sub.jaxpr, {v: r for v, r in zip(sub.jaxpr.invars, ins) if r})
-    out = inner.get(sub.jaxpr.outvars[0]) if isinstance(sub.jaxpr.outvars[0], jex_core.Var) else None
+    out = _range_of(sub.jaxpr.outvars[0], inner)
+    if out is None:
+      return None
   elif name == "select_n" and ins[0] is not None and all(ins[1:]):
     cases = ins[1:] if ins[0] == (0, 1) else [ins[1 + ins[0][0]]]
     out = (min(c[0] for c in cases), max(c[1] for c in cases))
