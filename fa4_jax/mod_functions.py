@@ -20,9 +20,11 @@ One traced function runs on every backend:
   being refs in GPU memory: a small interpreter of the jaxpr that binds each
   elementwise op on whole tiles (scalars broadcast), reads a captured array
   at indices that are the same for the whole tile (`slopes[head]`) with one
-  scalar load, and one that varies per element (`table[head, bucket]`) by a
-  chain of selects over the entries of that axis (at most
-  `MAX_SELECT_ENTRIES`); anything else is `Unsupported`, naming the op;
+  scalar load, and one that varies per element (`table[head, bucket]`) by
+  the kernel's loads, one per element (`bind`'s `loader`: the sm90
+  kernels'), or else by a chain of selects over the entries of that axis
+  (at most `MAX_SELECT_ENTRIES`); anything else is `Unsupported`, naming
+  the op;
 * `value_and_slope` is the modified score with its derivative in the score,
   which the backward needs (JAX differentiates the traced function).
 """
@@ -429,7 +431,9 @@ def _range_rule(eqn, ins):
     if out is None:
       return None
   elif name == "select_n" and ins[0] is not None and all(ins[1:]):
-    cases = ins[1:] if ins[0] == (0, 1) else [ins[1 + ins[0][0]]]
+    which, cases = ins[0], ins[1:]
+    if which[0] == which[1] and 0 <= which[0] < len(cases):
+      cases = [cases[which[0]]]  # the predicate is known
     out = (min(c[0] for c in cases), max(c[1] for c in cases))
   elif name in ("convert_element_type", "copy", "copy_p") and ins[0]:
     out = ins[0]
@@ -437,15 +441,15 @@ def _range_rule(eqn, ins):
     (a, b), (c, d) = ins
     out = {"add": (a + c, b + d), "sub": (a - d, b - c), "max": (max(a, c), max(b, d)),
            "min": (min(a, c), min(b, d))}[name]
-  elif name == "clamp" and all(ins):
-    (lo, _), (a, b), (_, hi) = ins
-    out = (min(max(a, lo), hi), min(max(b, lo), hi))
+  elif name == "clamp" and all(ins):  # clamp(lo, x, hi) rises with each of them
+    (lo0, lo1), (a, b), (hi0, hi1) = ins
+    out = (min(max(a, lo0), hi0), min(max(b, lo1), hi1))
   elif name == "max" and ins[0] or name == "max" and ins[1]:
     out = (max(r[0] for r in ins if r), _I32[1])
   elif name == "min" and ins[0] or name == "min" and ins[1]:
     out = (_I32[0], min(r[1] for r in ins if r))
   elif name == "clamp" and ins[0] and ins[2]:
-    out = (ins[0][0], ins[2][1])
+    out = (min(ins[0][0], ins[2][0]), ins[2][1])
   else:
     return None
   return out if _I32[0] <= out[0] <= out[1] <= _I32[1] else None
@@ -822,10 +826,7 @@ def _load_elements(view: _Captured, axis: int):
   row = ref.at[tuple(slice(None) if a == axis else clamp(i, a)
                      for a, i in enumerate(view.index))]
   index = view.index[axis]
-  if not view.in_range:
-    clamp_index = lambda i: clamp(i, axis)
-  else:
-    clamp_index = lambda i: i
+  clamp_index = (lambda i: i) if view.in_range else (lambda i: clamp(i, axis))
   if isinstance(index, Along):
     vector = clamp_index(index.vector)
     return index.with_vector(_as_dtype(view.loader(row, vector, index.axis), view.dtype))

@@ -155,3 +155,21 @@ def test_values_and_gradients_match_the_explicit_bias(is_causal, run_interpreted
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     assert np.isfinite(g).all(), name
     assert relative_error(g, w) < 2e-2, (name, relative_error(g, w))
+
+
+@pytest.mark.parametrize("fn, want", [
+    (lambda q, kv: jnp.clip(kv - q, -8, 7) + 8, (0, 15)),
+    (lambda q, kv: jax.lax.clamp(jnp.minimum(q, 3), kv, jnp.int32(9)), (0, 9)),
+    (lambda q, kv: jnp.where(kv - q > 5000, 40, jnp.maximum(kv - q, 0)), (0, 4095)),
+    (lambda q, kv: jnp.where(q >= 0, 3, 50), (3, 3)),  # positions are never negative
+    (lambda q, kv: kv - q, (-4095, 4095)),
+])
+def test_int_ranges_of_positions_below_their_bound(fn, want):
+  """The ranges that `_int_ranges` gives an index of positions below 4096."""
+  mod, _ = mod_functions.trace(lambda s, b, h, q, kv: s + fn(q, kv).astype(jnp.float32),
+                               "score_mod")
+  q, kv = (mod_functions.Along(None, axis, (64, 128), bound=4096) for axis in (0, 1))
+  ranges = mod_functions._int_ranges(mod, dict(zip(mod_functions._tile_vars(mod), (None, q, kv))))
+  convert = next(e for e in mod.jaxpr.eqns if e.primitive.name == "convert_element_type"
+                 and e.outvars[0].aval.dtype == jnp.float32)
+  assert mod_functions._range_of(convert.invars[0], ranges) == want
