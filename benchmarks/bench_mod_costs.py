@@ -3,6 +3,7 @@ a per-element table lookup (one load per element on sm90), the log bucket, and A
 int->float conversion. B2 S4096 H16 D128 bf16 dense unless named causal. The row "cudnn
 dense bias32" is cuDNN (jax.nn.dot_product_attention) given table32's bias as a dense
 [1, H, S, S] bf16 array, an argument of the call (MOD_COSTS_CUDNN=0 leaves it out).
+MOD_COSTS_ONLY="a|b": only the rows whose names contain one of these (and "plain").
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
 ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
@@ -53,6 +54,9 @@ def fwd(name, implementation="sm90"):
   causal, mod = MODS[name]
   return jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod,
                                                    implementation=implementation))
+_only = [w for w in os.environ.get("MOD_COSTS_ONLY", "").split("|") if w]
+if _only:
+  MODS = {n: m for n, m in MODS.items() if n == "plain" or any(w in n for w in _only)}
 items = {name: (lambda name=name: fwd(name)(q, k, v)) for name in MODS}
 def cudnn_bias():
   """(cuDNN's forward with table32's bias as a dense array, that bias)."""
