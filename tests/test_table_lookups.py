@@ -97,6 +97,22 @@ def test_t5_buckets_and_tables_of_other_dtypes_are_loaded_per_element(cross_lowe
     assert {"bf16", "i32"} <= set(_LOAD.findall(module))
 
 
+def test_a_table_indexed_along_its_first_axis_is_read_with_its_stride(cross_lower):
+  """table_t[bucket, h]: the row of head h is strided by the heads."""
+  table_t = TABLE.T
+  mod = lambda s, b, h, q, kv: s + table_t[jnp.clip(kv - q + 16, 0, 31), h]
+  q = jax.ShapeDtypeStruct((1, 512, HEADS, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, KV_HEADS, 64), jnp.bfloat16)
+  [module] = cross_lower(lambda q, k, v: fa4_jax.attention(
+      q, k, v, score_mod=mod, implementation="sm90"), q, kv, kv, arch="sm_90").modules
+  loads = _LOAD.findall(module)
+  assert loads and len(loads) % 64 == 0
+  strided = re.findall(r"(%\S+) = arith\.muli %\S+, (%\S+) : i32\s+%\S+ = llvm\.getelementptr "
+                       r"%\S+\[\1\]", module)
+  assert len(strided) == len(loads)
+  assert re.search(rf"{re.escape(strided[0][1])} = arith\.constant {HEADS} : i32", module)
+
+
 def test_a_lookup_along_one_axis_loads_per_vector_element(cross_lower):
   """table[h, clip(kv_idx, 0, 31)] varies along the keys alone: the kernel
   loads the vector of a tile's keys, not every element."""
