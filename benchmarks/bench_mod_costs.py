@@ -1,6 +1,9 @@
 """What a score_mod costs, op by op: forward time of score_mod variants that isolate the cost of
-a per-element table lookup (select chain), the log bucket, and ALiBi's
-int->float conversion. B2 S4096 H16 D128 bf16 dense unless named causal.
+a per-element table lookup (one load per element on sm90), the log bucket, and ALiBi's
+int->float conversion. B2 S4096 H16 D128 bf16 dense unless named causal. The row "cudnn
+dense bias32" is cuDNN (jax.nn.dot_product_attention) given table32's bias as a dense
+[1, H, S, S] bf16 array, an argument of the call (MOD_COSTS_CUDNN=0 leaves it out).
+MOD_COSTS_ONLY="a|b": only the rows whose names contain one of these (and "plain").
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
 ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
@@ -51,7 +54,16 @@ def fwd(name, implementation="sm90"):
   causal, mod = MODS[name]
   return jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod,
                                                    implementation=implementation))
+_only = [w for w in os.environ.get("MOD_COSTS_ONLY", "").split("|") if w]
+if _only:
+  MODS = {n: m for n, m in MODS.items() if n == "plain" or any(w in n for w in _only)}
 items = {name: (lambda name=name: fwd(name)(q, k, v)) for name in MODS}
+def cudnn_bias():
+  """(cuDNN's forward with table32's bias as a dense array, that bias)."""
+  rel = jnp.clip(jnp.arange(S)[None, :] - jnp.arange(S)[:, None] + 16, 0, 31)
+  bias = table[:, rel][None].astype(jnp.bfloat16)
+  return jax.jit(lambda q, k, v, bias: jax.nn.dot_product_attention(
+      q, k, v, bias=bias, implementation="cudnn")), bias
 '''
 
 def main():
@@ -73,11 +85,20 @@ def main():
     args = (ns["q"], ns["k"], ns["v"])
     got, want = ns["fwd"](name)(*args), ns["fwd"](name, "xla")(*args)
     errors[name] = float(abs(got.astype("float32") - want.astype("float32")).max())
+  timed = {name: (ns["fwd"](name), ()) for name in ns["MODS"]}
+  if os.environ.get("MOD_COSTS_CUDNN", "1") != "0":
+    try:
+      cudnn, bias = ns["cudnn_bias"]()
+      got = cudnn(ns["q"], ns["k"], ns["v"], bias)
+      want = ns["fwd"]("table32 clip", "xla")(ns["q"], ns["k"], ns["v"])
+      errors["cudnn dense bias32"] = float(abs(got.astype("float32") - want.astype("float32")).max())
+      timed["cudnn dense bias32"] = (cudnn, (bias,))
+    except Exception as e:  # noqa: BLE001  (no cuDNN attention here: the row is left out)
+      print("cudnn dense bias32 left out:", type(e).__name__, str(e)[:300], flush=True)
   rows = {}
   for rnd in range(2):
-    for name in ns["MODS"]:
-      f = ns["fwd"](name)
-      ms = bench_common.kernel_sum_ms(f, ns["q"], ns["k"], ns["v"])
+    for name, (f, extra) in timed.items():
+      ms = bench_common.kernel_sum_ms(f, ns["q"], ns["k"], ns["v"], *extra)
       rows.setdefault(name, []).append(ms)
       print(rnd, name, f"{ms:.3f}", flush=True)
   import statistics

@@ -20,9 +20,11 @@ One traced function runs on every backend:
   being refs in GPU memory: a small interpreter of the jaxpr that binds each
   elementwise op on whole tiles (scalars broadcast), reads a captured array
   at indices that are the same for the whole tile (`slopes[head]`) with one
-  scalar load, and one that varies per element (`table[head, bucket]`) by a
-  chain of selects over the entries of that axis (at most
-  `MAX_SELECT_ENTRIES`); anything else is `Unsupported`, naming the op;
+  scalar load, and one that varies per element (`table[head, bucket]`) by
+  the kernel's loads, one per element (`bind`'s `loader`: the sm90
+  kernels'), or else by a chain of selects over the entries of that axis
+  (at most `MAX_SELECT_ENTRIES`); anything else is `Unsupported`, naming
+  the op;
 * `value_and_slope` is the modified score with its derivative in the score,
   which the backward needs (JAX differentiates the traced function).
 """
@@ -260,6 +262,15 @@ class _Captured:
   ref: Any
   index: tuple
   dtype: Any = None  # the captured array's own (a bool array is int32 in GPU memory)
+  # The kernel's per-element reads (`bind`'s `loader`), or None: a chain of selects.
+  loader: Any = None
+  # Every per-element index is known within its axis (`_int_ranges`): read unclamped.
+  in_range: bool = False
+
+  @property
+  def loads_elements(self) -> bool:
+    """Whether a per-element index into it is one load per element."""
+    return self.loader is not None and jnp.dtype(self.ref.dtype).itemsize in (2, 4)
 
   @property
   def complete(self) -> bool:
@@ -291,32 +302,194 @@ class BoundMod:
   env: dict  # the values of the variables that do not vary per element
   varying: frozenset  # the variables that do
   rows: dict  # equation position -> (axis, entries) of a per-element lookup
+  # Whether a captured array is read by the kernel's per-element loads
+  # (`bind`'s `loader`) at an index that varies per element.
+  loads: bool = False
 
   def __call__(self, *tile_args):
     """The function on a tile: `tile_args` are (score,) q_idx, kv_idx, each a
     tile or a vector `Along` one of its axes. The result is a tile, or a
     scalar where it depends on no tile argument."""
-    jaxpr = self.mod.jaxpr
+    env = self._evaluate(self._start(tile_args), self.varying)
+    return _tile(_read_var(env, self.mod.jaxpr.outvars[0]))
+
+  def _start(self, tile_args) -> dict:
     env = dict(self.env)
-    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
     for var, value in zip(_tile_vars(self.mod), tile_args):
       env[var] = value
-    for position, eqn in enumerate(jaxpr.eqns):
-      if eqn.outvars[0] not in self.varying:
-        continue  # done in `bind`
-      ins = [read(v) for v in eqn.invars]
+    return env
+
+  def _evaluate(self, env, which) -> dict:
+    """`env` with the equations whose outputs are in `which` evaluated.
+
+    With per-element loads (`loads`), what the int32 ranges of the values
+    decide is not computed per element (`_int_ranges`): a comparison known
+    for every element is a constant, a select on a constant picks its case,
+    and a lookup whose index is known within the table reads it unclamped
+    (jnp's wrap of negative indices and the clamp of `dynamic_slice` after
+    a user's `jnp.clip`: 5 ops per element)."""
+    ranges = _int_ranges(self.mod, env) if self.loads else {}
+    for position, eqn in enumerate(self.mod.jaxpr.eqns):
+      if eqn.outvars[0] not in which:
+        continue  # done in `bind`, or left to the caller
+      ins = [_read_var(env, v) for v in eqn.invars]
+      decided = _decided(eqn, ins, ranges)
+      if decided is not None:
+        env[eqn.outvars[0]] = decided
+        continue
       if position in self.rows:
         axis, entries, dtype = self.rows[position]
         outs = [_select_entry(entries, ins[1 + axis], dtype)]
       else:
+        if _within(eqn, ins, ranges):
+          ins[0] = dataclasses.replace(ins[0], in_range=True)
         outs = _bind(eqn, ins)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value
-    return _tile(read(jaxpr.outvars[0]))
+    return env
 
   def value_and_slope(self, score, q_idx, kv_idx):
-    """(score_mod(score, ...), its derivative in `score`) on a tile."""
-    return jax.jvp(lambda s: self(s, q_idx, kv_idx), (score,), (jnp.ones_like(score),))
+    """(score_mod(score, ...), its derivative in `score`) on a tile.
+
+    With per-element loads (`loads`), what does not depend on the score is
+    evaluated first, outside the JVP: a load reads a ref, which JAX's JVP
+    does not pass through (Mosaic GPU's inline code has no derivative rule),
+    and it does not depend on the score anyway. A lookup at an index that
+    does depend on it reads by the chain of selects."""
+    if not self.loads:
+      return jax.jvp(lambda s: self(s, q_idx, kv_idx), (score,), (jnp.ones_like(score),))
+    on_score = _dependents(self.mod.jaxpr, _tile_vars(self.mod)[0])
+    env = self._evaluate(self._start((score, q_idx, kv_idx)), self.varying - on_score)
+    env = {var: dataclasses.replace(value, loader=None) if isinstance(value, _Captured) else value
+           for var, value in env.items()}
+
+    def on(s):
+      env[_tile_vars(self.mod)[0]] = s
+      return _tile(_read_var(self._evaluate(env, on_score), self.mod.jaxpr.outvars[0]))
+
+    return jax.jvp(on, (score,), (jnp.ones_like(score),))
+
+
+def _read_var(env, var):
+  return var.val if isinstance(var, jex_core.Literal) else env[var]
+
+
+# --- int32 ranges of a mod's values ----------------------------------------------
+# (lo, hi) of every int32 variable the analysis bounds (bools as 0 / 1);
+# positions are >= 0 and, where the kernel says so, below `Along.bound`. A
+# result that could leave int32 (and wrap) is left unbounded.
+
+_I32 = (-2 ** 31, 2 ** 31 - 1)
+_COMPARE = {"lt": lambda a, b: (a[1] < b[0], a[0] >= b[1]),
+            "le": lambda a, b: (a[1] <= b[0], a[0] > b[1]),
+            "gt": lambda a, b: (a[0] > b[1], a[1] <= b[0]),
+            "ge": lambda a, b: (a[0] >= b[1], a[1] < b[0])}
+
+
+def _int_ranges(mod: ModFunction, env) -> dict:
+  """The ranges of `mod`'s int32 and bool variables, from its positions'."""
+  known = {}
+  for var in _tile_vars(mod)[-2:]:
+    bound = getattr(env.get(var), "bound", None)
+    known[var] = (0, _I32[1] if bound is None else bound - 1)
+  return _ranges_of(mod.jaxpr, known)
+
+
+def _ranges_of(jaxpr, known: dict) -> dict:
+  known = dict(known)
+  for eqn in jaxpr.eqns:
+    ins = [_range_of(v, known) for v in eqn.invars]
+    out = _range_rule(eqn, ins)
+    if out is not None and len(eqn.outvars) == 1:
+      known[eqn.outvars[0]] = out
+  return known
+
+
+def _range_of(var, known):
+  if isinstance(var, jex_core.Literal):
+    value = var.val
+    if np.ndim(value) == 0 and np.asarray(value).dtype.kind in "biu":
+      return (int(value), int(value))
+    return None
+  return known.get(var)
+
+
+def _range_rule(eqn, ins):
+  """(lo, hi) of `eqn`'s int32 or bool result, or None (unknown)."""
+  name, dtype = eqn.primitive.name, eqn.outvars[0].aval.dtype
+  if dtype == jnp.bool_ and name in _COMPARE and all(ins[:2]):
+    true, false = _COMPARE[name](*ins[:2])
+    return (1, 1) if true else (0, 0) if false else (0, 1)
+  if dtype != jnp.int32:
+    return None
+  if name in CALLS:
+    sub = _call_jaxpr(eqn)
+    if sub is None or sub.consts:
+      return None
+    inner = _ranges_of(sub.jaxpr, {v: r for v, r in zip(sub.jaxpr.invars, ins) if r})
+    out = _range_of(sub.jaxpr.outvars[0], inner)
+    if out is None:
+      return None
+  elif name == "select_n" and ins[0] is not None and all(ins[1:]):
+    which, cases = ins[0], ins[1:]
+    if which[0] == which[1] and 0 <= which[0] < len(cases):
+      cases = [cases[which[0]]]  # the predicate is known
+    out = (min(c[0] for c in cases), max(c[1] for c in cases))
+  elif name in ("convert_element_type", "copy", "copy_p") and ins[0]:
+    out = ins[0]
+  elif name in ("add", "sub", "max", "min") and all(ins):
+    (a, b), (c, d) = ins
+    out = {"add": (a + c, b + d), "sub": (a - d, b - c), "max": (max(a, c), max(b, d)),
+           "min": (min(a, c), min(b, d))}[name]
+  elif name == "clamp" and all(ins):  # clamp(lo, x, hi) rises with each of them
+    (lo0, lo1), (a, b), (hi0, hi1) = ins
+    out = (min(max(a, lo0), hi0), min(max(b, lo1), hi1))
+  elif name == "max" and ins[0] or name == "max" and ins[1]:
+    out = (max(r[0] for r in ins if r), _I32[1])
+  elif name == "min" and ins[0] or name == "min" and ins[1]:
+    out = (_I32[0], min(r[1] for r in ins if r))
+  elif name == "clamp" and ins[0] and ins[2]:
+    out = (min(ins[0][0], ins[2][0]), ins[2][1])
+  else:
+    return None
+  return out if _I32[0] <= out[0] <= out[1] <= _I32[1] else None
+
+
+def _within(eqn, ins, ranges) -> bool:
+  """Whether `eqn` is a lookup into a captured array whose per-element
+  indices are known within its axes."""
+  if eqn.primitive.name != "dynamic_slice" or not isinstance(ins[0], _Captured) or not ranges:
+    return False
+  shape = ins[0].ref.shape
+  for axis, (var, value) in enumerate(zip(eqn.invars[1:], ins[1:])):
+    if isinstance(value, (Along, _Outer)) or jnp.ndim(value) > 0:
+      r = _range_of(var, ranges)
+      if r is None or not 0 <= r[0] <= r[1] < shape[axis]:
+        return False
+  return True
+
+
+def _decided(eqn, ins, ranges):
+  """The value of `eqn` where the ranges decide it for every element (a
+  comparison: a constant; a select on a constant: its case), else None."""
+  if not ranges:
+    return None
+  name = eqn.primitive.name
+  if name in _COMPARE:
+    r = ranges.get(eqn.outvars[0])
+    return None if r is None or r == (0, 1) else np.bool_(r[0])
+  if name == "select_n" and isinstance(ins[0], np.bool_):
+    return ins[1 + int(ins[0])]
+  return None
+
+
+def _dependents(jaxpr, var) -> frozenset:
+  """The variables of `jaxpr` computed from `var` (itself included)."""
+  found = {var}
+  for eqn in jaxpr.eqns:
+    if any(not isinstance(v, jex_core.Literal) and v in found for v in eqn.invars):
+      found.update(eqn.outvars)
+  return frozenset(found)
 
 
 def _tile_vars(mod: ModFunction):
@@ -325,9 +498,16 @@ def _tile_vars(mod: ModFunction):
   return ([own[0]] if mod.kind == "score_mod" else []) + list(own[-2:])
 
 
-def bind(mod: ModFunction, captured_refs, batch, head) -> BoundMod:
+def bind(mod: ModFunction, captured_refs, batch, head, *, loader=None) -> BoundMod:
   """`mod` with its batch and head fixed (scalars), evaluated as far as they
-  alone allow; see `BoundMod`."""
+  alone allow; see `BoundMod`.
+
+  `loader`: how the kernel reads a captured array at an index that varies
+  per element, `loader(row, index, axis=None)` -> row[index] elementwise
+  (`row` a 1-D view of the array along the looked-up axis, its other
+  indices fixed; `index` a tile, or a vector along `axis` of one, within
+  range): one load per element (`sm90_tiles.load_elements`). None: a chain
+  of selects over the row's entries, loaded once here."""
   jaxpr = mod.jaxpr
   num_tile_args = 3 if mod.kind == "score_mod" else 2
   captured_vars = jaxpr.invars[:len(mod.captured_avals)]
@@ -337,25 +517,26 @@ def bind(mod: ModFunction, captured_refs, batch, head) -> BoundMod:
     if aval.shape == ():
       env[var] = _as_dtype(ref[0], aval.dtype)
     else:
-      env[var] = _Captured(ref, (None,) * len(aval.shape), aval.dtype)
+      env[var] = _Captured(ref, (None,) * len(aval.shape), aval.dtype, loader)
   scalar_vars = index_vars[:-2] if num_tile_args == 2 else index_vars[1:-2]
   for var, value in zip(scalar_vars, (batch, head)):
     env[var] = value
   varying = set(_tile_vars(mod))
   read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
-  rows = {}
+  rows, loads = {}, False
   for position, eqn in enumerate(jaxpr.eqns):
     inputs_vary = [not isinstance(v, jex_core.Literal) and v in varying for v in eqn.invars]
     if any(inputs_vary):
       varying.update(eqn.outvars)
-      row = _hoisted_row(eqn, [None if vary else read(v) for v, vary in
-                               zip(eqn.invars, inputs_vary)], inputs_vary)
+      ins = [None if vary else read(v) for v, vary in zip(eqn.invars, inputs_vary)]
+      row = _hoisted_row(eqn, ins, inputs_vary)
       if row is not None:
         rows[position] = row
+      loads = loads or isinstance(ins[0], _Captured) and ins[0].loads_elements
       continue
     for var, value in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
       env[var] = value
-  return BoundMod(mod, env, frozenset(varying), rows)
+  return BoundMod(mod, env, frozenset(varying), rows, loads)
 
 
 def _hoisted_row(eqn, ins, inputs_vary):
@@ -367,6 +548,8 @@ def _hoisted_row(eqn, ins, inputs_vary):
   view = ins[0]
   if inputs_vary[0] or sum(inputs_vary[1:]) != 1 or any(i is not None for i in view.index):
     return None
+  if view.loads_elements:
+    return None  # read per element in the loop (`_read`)
   axis = inputs_vary[1:].index(True)
   entries = view.ref.shape[axis]
   if entries > MAX_SELECT_ENTRIES or any(size != 1 for size in eqn.params["slice_sizes"]):
@@ -543,7 +726,9 @@ _SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims"
 def _bind(eqn, ins):
   name = eqn.primitive.name
   if isinstance(ins[0] if ins else None, _Captured):
-    return [_index_captured(eqn, [ins[0], *map(_tile, ins[1:])])]
+    # Indices as they are where the kernel loads per element (a vector stays one).
+    index = ins[1:] if ins[0].loads_elements else map(_tile, ins[1:])
+    return [_index_captured(eqn, [ins[0], *index])]
   if any(isinstance(x, _Captured) for x in ins):
     raise Unsupported(f"a captured array is used whole by {name!r}; the kernels read captured "
                       "arrays only by indexing them (e.g. slopes[head]): use "
@@ -615,7 +800,7 @@ def _index_captured(eqn, ins):
     if eqn.outvars[0].aval.shape == () and not x.complete:
       # A one-entry axis left whole and squeezed away (jnp indexes an axis of
       # one entry, `slopes[head]` of one head, without a dynamic_slice).
-      return _read(_Captured(x.ref, tuple(0 if i is None else i for i in x.index), x.dtype))
+      return _read(dataclasses.replace(x, index=tuple(0 if i is None else i for i in x.index)))
     return x
   if name != "dynamic_slice":
     raise Unsupported(f"a captured array is used by {name!r}, which the kernels cannot run; "
@@ -628,17 +813,38 @@ def _index_captured(eqn, ins):
         raise Unsupported("the kernels read captured arrays an entry at a time; a slice of "
                           f"{size} entries needs implementation='xla'")
       index[axis] = start  # dynamic_slice clamps: so does the read below
-  view = _Captured(x.ref, tuple(index), x.dtype)
+  view = dataclasses.replace(x, index=tuple(index))
   return _read(view) if view.complete else view
+
+
+def _load_elements(view: _Captured, axis: int):
+  """The entries of `view` (fully indexed, per element along `axis` alone)
+  by the kernel's per-element loads, on the vector where the index is
+  `Along` one axis of the tile."""
+  ref = view.ref
+  clamp = lambda i, a: jnp.clip(i, 0, ref.shape[a] - 1)
+  row = ref.at[tuple(slice(None) if a == axis else clamp(i, a)
+                     for a, i in enumerate(view.index))]
+  index = view.index[axis]
+  clamp_index = (lambda i: i) if view.in_range else (lambda i: clamp(i, axis))
+  if isinstance(index, Along):
+    vector = clamp_index(index.vector)
+    return index.with_vector(_as_dtype(view.loader(row, vector, index.axis), view.dtype))
+  return _as_dtype(view.loader(row, clamp_index(_tile(index))), view.dtype)
 
 
 def _read(view: _Captured):
   """The entry of a fully indexed captured array: one scalar load where the
-  indices are the same for the whole tile; a chain of selects over the one
-  axis whose index varies per element."""
+  indices are the same for the whole tile; where one axis' index varies per
+  element, the kernel's per-element loads (`bind`'s `loader`), else a chain
+  of selects over that axis."""
   ref = view.ref
-  per_element = [a for a, i in enumerate(view.index) if jnp.ndim(i) > 0]
+  per_element = [a for a, i in enumerate(view.index)
+                 if isinstance(i, (Along, _Outer)) or jnp.ndim(i) > 0]
   clamp = lambda i, a: jnp.clip(i, 0, ref.shape[a] - 1)
+  if len(per_element) == 1 and view.loads_elements:
+    return _load_elements(view, per_element[0])
+  view = dataclasses.replace(view, index=tuple(map(_tile, view.index)))
   if not per_element:
     return _as_dtype(ref[tuple(clamp(i, a) for a, i in enumerate(view.index))], view.dtype)
   if len(per_element) > 1:

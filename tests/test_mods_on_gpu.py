@@ -98,6 +98,38 @@ def test_bucket_table_score_mod_dense_head_dim_64_with_table_gradients():
   _check(ours, reference, (q, k, v, table), dout, (0, 1, 2, 3))
 
 
+def _t5_bucket(qi, ki):
+  """T5's relative buckets (16 each way, logarithmic past 8)."""
+  rel = ki - qi
+  dist = jnp.abs(rel)
+  big = 8 + (jnp.log(jnp.maximum(dist, 1).astype(jnp.float32) / 8) / np.log(16) * 8
+             ).astype(jnp.int32)
+  return jnp.where(rel > 0, 16, 0) + jnp.where(dist < 8, dist, jnp.minimum(big, 15))
+
+
+@pytest.mark.parametrize("bucket", ["clipped", "t5"])
+def test_a_32_entry_table_read_per_element_gqa_causal_head_dim_128_with_table_gradients(bucket):
+  """The sm90 kernels read table[h, index(q_idx, kv_idx)] by one load per
+  element (`sm90_tiles.load_elements`): a clipped relative position (known
+  within the table, read unclamped) and T5's log buckets (clamped)."""
+  b, t, nq, nkv, d = 2, 2049, 8, 2, 128
+  q, k, v, dout = _inputs(b, t, t, nq, nkv, d, seed=6)
+  table = jnp.asarray(np.random.default_rng(7).normal(size=(nq, 32)) * 0.5, jnp.float32)
+  index = ((lambda qi, ki: jnp.clip(ki - qi + 16, 0, 31)) if bucket == "clipped"
+           else _t5_bucket)
+
+  def ours(q, k, v, table):
+    return fa4_jax.attention(q, k, v, is_causal=True, implementation="sm90",
+                             score_mod=lambda sc, b_, h, qi, ki: sc + table[h, index(qi, ki)])
+
+  def reference(q, k, v, table):
+    buckets = index(jnp.arange(t)[:, None], jnp.arange(t)[None, :])
+    return jax.nn.dot_product_attention(q, k, v, bias=table[:, buckets][None], is_causal=True,
+                                        implementation="xla")
+
+  _check(ours, reference, (q, k, v, table), dout, (0, 1, 2, 3))
+
+
 def test_prefix_lm_mask_mod_with_a_block_mask():
   b, t, nq, nkv, d, prefix = 2, 3001, 4, 2, 128, 1100
   q, k, v, dout = _inputs(b, t, t, nq, nkv, d, seed=3)
@@ -177,6 +209,8 @@ slopes = jnp.linspace(0.01, 0.5, 4)
 alibi = lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).astype(jnp.float32)
 prefix_lm = lambda b, h, qi, ki: (ki <= qi) | (ki < 700)
 chunked = lambda b, h, qi, ki: qi // 512 == ki // 512
+table = jnp.linspace(-1.0, 1.0, 4 * 32).reshape(4, 32)
+relative = lambda s, b, h, qi, ki: s + table[h, jnp.clip(ki - qi + 16, 0, 31)]
 items = {}
 for d in (64, 128):
   items[f"plain causal d={d}"] = call(d, True)
@@ -186,6 +220,7 @@ for d in (64, 128):
       d, False, mask_mod=prefix_lm,
       block_mask=fa4_jax.create_block_mask(prefix_lm, None, None, S, S))
   items[f"chunked causal d={d}"] = call(d, True, mask_mod=chunked)
+  items[f"relative table dense d={d}"] = call(d, False, score_mod=relative)
 items["plain causal d=192"] = call(192, True, grad=False)
 items["value head dim causal d=192"] = call(192, True, dv=128, grad=False)
 

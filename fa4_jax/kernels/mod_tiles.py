@@ -136,12 +136,14 @@ class ModRefs:
                                              g)[0].total
     return lax.fori_loop(0, group, total, jnp.int32(0))
 
-  def on_rows(self, statics: ModStatics, batch_idx, head) -> "TileMods":
-    """The mods of tiles of (`batch_idx`, query `head`), local indices."""
+  def on_rows(self, statics: ModStatics, batch_idx, head, loader=None) -> "TileMods":
+    """The mods of tiles of (`batch_idx`, query `head`), local indices.
+    `loader`: the kernel's per-element reads of captured arrays
+    (`mod_functions.bind`), or None."""
     if self.offsets is not None:
       batch_idx, head = batch_idx + self.offsets[0], head + self.offsets[1]
-    bound = lambda mod, refs: None if mod is None else mod_functions.bind(mod, refs, batch_idx,
-                                                                          head)
+    bound = lambda mod, refs: None if mod is None else mod_functions.bind(
+        mod, refs, batch_idx, head, loader=loader)
     return TileMods(bound(statics.score_mod, self.score_captured),
                     bound(statics.mask_mod, self.mask_captured), statics.position_bound)
 

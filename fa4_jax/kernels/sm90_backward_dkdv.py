@@ -43,7 +43,7 @@ from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, laun
                                                   mma_accumulate_pair, scores_grad,
                                                   stats_of_slot, TileSoftmax, transposed_scores,
                                                   walk_block_list, zeros)
-from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import element_loader, id_ring, load_ids, swizzle_bytes
 from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import cdiv, walk_blocks
 
@@ -451,7 +451,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
     def one_head_list(g, carry):
       acc, step = carry
       walk, head = head_walk(g)
-      tile_mods = mod_refs.on_rows(kp.mods, work.batch_idx, head)
+      tile_mods = mod_refs.on_rows(kp.mods, work.batch_idx, head, element_loader())
       acc = walk_block_list(walk, functools.partial(block_fn, tile_mods=tile_mods), acc, step)
       return acc, step + walk.total
 
@@ -795,7 +795,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
   def one_head_list(g, carry):
     acc, step = carry
     walk, head = kp.head_walks(mod_refs, work)(g)
-    tile_mods = mod_refs.on_rows(kp.mods, work.batch_idx, head)
+    tile_mods = mod_refs.on_rows(kp.mods, work.batch_idx, head, element_loader())
     acc = walk_block_list(walk, functools.partial(block_fn, tile_mods=tile_mods), acc, step)
     return acc, step + walk.total
 

@@ -33,7 +33,7 @@ from fa4_jax.kernels.backward_walk import KernelRefs, narrow
 from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, launch,
                                                   load_operand, mma_accumulate, mma_pair,
                                                   walk_block_list, zeros)
-from fa4_jax.kernels.sm90_tiles import id_ring, load_ids, swizzle_bytes
+from fa4_jax.kernels.sm90_tiles import element_loader, id_ring, load_ids, swizzle_bytes
 from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import TileRanges, cdiv, walk_blocks
 
@@ -300,7 +300,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
 
   tile_mods = None
   if kd.mods is not None:
-    tile_mods = mod_refs.on_rows(kd.mods, work.batch_idx, work.head)
+    tile_mods = mod_refs.on_rows(kd.mods, work.batch_idx, work.head, element_loader())
 
   def block_fn(step, j, dq, *, masked):
     """Key block j at ring position `step`."""

@@ -1091,10 +1091,13 @@ class _ConsumerTile:
     if ctx.call.mods:  # both consumers walk the CTA's list (`walk_block_list`)
       offsets = ctx.refs.index_offsets
       mod_indices = (item.batch_idx + offsets[0], item.head + offsets[1])
+      loader = sm90_tiles.element_loader()  # tables read per element
       if ctx.call.score_mod is not None:
-        score_fn = mod_functions.bind(ctx.call.score_mod, ctx.refs.score_captured, *mod_indices)
+        score_fn = mod_functions.bind(ctx.call.score_mod, ctx.refs.score_captured, *mod_indices,
+                                      loader=loader)
       if ctx.call.mask_mod is not None:
-        mask_fn = mod_functions.bind(ctx.call.mask_mod, ctx.refs.mask_captured, *mod_indices)
+        mask_fn = mod_functions.bind(ctx.call.mask_mod, ctx.refs.mask_captured, *mod_indices,
+                                     loader=loader)
     else:
       own = ctx.consumer_blocks(item.batch_idx, item.tile, wg, q_lo, item.q_len,
                                 item.kv_len).within(item.lo, item.hi)

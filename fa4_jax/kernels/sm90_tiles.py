@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import functools
 
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.mod_tiles import bound_mask_hook  # noqa: F401 (sm90_forward's)
 from fa4_jax.mod_functions import Along
@@ -192,3 +197,70 @@ def mask_mod_hook(mask_mod, captured_refs, batch_idx, head_idx):
     return None
   from fa4_jax import mod_functions
   return bound_mask_hook(mod_functions.bind(mask_mod, captured_refs, batch_idx, head_idx))
+
+
+# --- Per-element reads of a score_mod's captured table ----------------------
+# A lookup `table[head, index(q_idx, kv_idx)]` whose index varies over the
+# tile is one load per element: the entries of the looked-up row are a few
+# hundred bytes that stay in L1 after the first block, and the threads of a
+# warp read within one such row, so each load is one L1 wavefront. A chain
+# of selects over the entries instead costs two ops per entry and element
+# (and the entries' registers: a 32-entry table spilled on an H100).
+
+
+def element_loader():
+  """The `loader` of `mod_functions.bind` for sm90 tiles (WGMMA layout and
+  its row and column vectors): `load_elements`; None in the GPU
+  interpreter, which cannot run `inline_mgpu` (the mods' interpreter then
+  reads tables by its chain of selects: same values)."""
+  return None if is_interpreting() else load_elements
+
+
+def load_elements(row, index, axis=None):
+  """row[index] per element: `row` a 1-D GMEM ref (a view of a captured
+  array along the looked-up axis, its other indices fixed), `index` an
+  int32 tile in the WGMMA layout (or, with `axis`, a vector along that axis
+  of such a tile), every element within [0, len(row)). One invariant
+  global load (`ld.global.nc`) per element, at row + index * stride."""
+  layout = plgpu.Layout.WGMMA if axis is None else plgpu.Layout.WGMMA.reduce(1 - axis)
+  index = plgpu.layout_cast(index, layout)
+  dtype = row.dtype
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), layout),
+                     return_type=plgpu.ShapeDtypeStruct(index.shape, dtype, layout=layout))
+  def load(_, ref, idx):
+    return _element_loads(ref, idx, dtype)
+
+  return load(row, index)
+
+
+def _element_loads(ref, idx, dtype):
+  """The body of `load_elements` on Mosaic GPU values: `ref` a 1-D GMEM
+  memref, `idx` an int32 FragmentedArray."""
+  utils = mgpu.utils
+  i32 = ir.IntegerType.get_signless(32)
+  ref_type = ir.MemRefType(ref.type)
+  (stride,), _ = ref_type.get_strides_and_offset()
+  element = utils.dtype_to_ir_type(dtype)
+  # Kernel arguments in GMEM are generic pointers to global memory; as
+  # global (address space 1) pointers the invariant loads become ld.global.nc.
+  row = llvm.addrspacecast(llvm.PointerType.get(1), utils.memref_ptr(ref))
+
+  def one(i):
+    if stride != 1:
+      i = arith.muli(i, utils.c(stride, i32))
+    return llvm.load(element, utils.getelementptr(row, [i], element), invariant=True)
+
+  registers = np.empty(idx.registers.shape, dtype=object)
+  for position, reg in np.ndenumerate(idx.registers):
+    if not isinstance(reg.type, ir.VectorType):
+      registers[position] = one(reg)
+      continue
+    [width] = ir.VectorType(reg.type).shape
+    out = llvm.mlir_undef(ir.VectorType.get([width], element))
+    for i in range(width):
+      value = one(vector.extract(reg, dynamic_position=[], static_position=[i]))
+      out = vector.insert(value, out, dynamic_position=[], static_position=[i])
+    registers[position] = out
+  return mgpu.FragmentedArray(_registers=registers, _layout=idx.layout,
+                              _is_signed=utils.is_signed(dtype))
