@@ -15,7 +15,7 @@ Specification:
   array and a head-only condition (whole key blocks EMPTY: skipped), a
   decode sliding window; G in {2, 4}, T in {1, 2, 3}, ragged lengths (0, a
   chunk boundary, full), causal bottom-right and not; pages of 16 through
-  a shuffled table. bf16 tolerance 2e-2: the kernel's P is rounded to bf16
+  a shuffled table; chunks of 128 keys (split-K on small caches). bf16 tolerance 2e-2: the kernel's P is rounded to bf16
   for P V (relative 2^-9 per weight) and the output to bf16 (2^-9 of |out|
   <= ~4), the reference is exact f32.
 * A mod the kernel runs on a tile of one head but not on packed rows (a
@@ -82,6 +82,12 @@ def _check(out, want_out, visible):
   assert np.all(out[blind] == 0.0)
 
 
+@pytest.fixture
+def short_chunks(monkeypatch):
+  """Chunks of 128 keys: split-K on the interpreter's small caches."""
+  monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 128)
+
+
 def _gathered(pages, table):
   b, max_pages = table.shape
   _, page_size, kv_heads, d = pages.shape
@@ -92,40 +98,41 @@ def _gathered(pages, table):
 # --- contiguous caches through fa4_jax.attention ----------------------------------
 
 
-# S = 1024: the ragged plan cuts two chunks of 512 (1000 and 700 straddle the boundary).
-@pytest.mark.parametrize("t, n, kv_heads, lengths, causal", [
-    (1, 8, 2, (1000, 0, 513), False),  # G 4, decode
-    (3, 4, 2, (700, 2, 1024), True),   # G 2, bottom-right causal; 2 < T: a blind query
-])
-def test_alibi_in_the_decode_arrangement(t, n, kv_heads, lengths, causal, run_interpreted):
-  q, k, v = _inputs(0, len(lengths), t, 1024, n, kv_heads)
-  lengths = jnp.asarray(lengths, jnp.int32)
+def test_alibi_and_a_mask_mod_that_empties_whole_blocks_at_t1(short_chunks, run_interpreted):
+  # G 4, T 1, 512 keys in chunks of 128. ALiBi; the mask_mod hides each
+  # row's keys below skip[b] from every head (whole blocks and chunks: EMPTY,
+  # never walked; all of row 2's keys) and from odd heads the keys with
+  # kv % 3 == 1 (a head-only condition of the packed rows, and-ed per element).
+  b, t, n, kv_heads, s = 3, 1, 8, 2, 512
+  q, k, v = _inputs(0, b, t, s, n, kv_heads)
+  lengths = jnp.asarray([300, 0, 129], jnp.int32)
+  skip = jnp.asarray([140, 0, 200], jnp.int32)
   slopes = _slopes(n)
-  options = dict(score_mod=_alibi(slopes), is_causal=causal, causal_alignment="bottom_right")
+  mask_mod = lambda bb, h, qi, kv: (kv >= skip[bb]) & ((h % 2 == 0) | (kv % 3 != 1))
+  options = dict(score_mod=_alibi(slopes), mask_mod=mask_mod, implementation="sm90")
   with fa4_jax.interpret_mode():
     assert fa4_jax.which_implementation(q, k, v, key_value_seq_lengths=lengths,
-                                        implementation="sm90", **options) == "sm90_decode"
-    assert sm90_decode.plan(q.shape, k.shape, MaskSpec(), ragged=True).splits == 2
+                                        **options) == "sm90_decode"
+    assert sm90_decode.plan(q.shape, k.shape, MaskSpec(), ragged=True).splits == 4
   out = run_interpreted(lambda q, k, v, n: fa4_jax.attention(
-      q, k, v, key_value_seq_lengths=n, implementation="sm90", **options), q, k, v, lengths)
-  visible = _visible(t, 1024, lengths, causal)
-  want, _ = einsum_attention(q, k, v, visible, bias=_alibi_bias(slopes, t, 1024))
+      q, k, v, key_value_seq_lengths=n, **options), q, k, v, lengths)
+  h, j = np.arange(n)[None, :, None, None], np.arange(s)[None, None, None, :]
+  keep = (j >= np.asarray(skip)[:, None, None, None]) & ((h % 2 == 0) | (j % 3 != 1))
+  visible = _visible(t, s, lengths, False) & keep
+  want, _ = einsum_attention(q, k, v, visible, bias=_alibi_bias(slopes, t, s))
   _check(out, want, visible)
 
 
-def test_table_lookup_and_a_mask_mod_that_empties_whole_blocks(run_interpreted):
-  # G 4, T 2, no band. The mask_mod hides each row's keys below skip[b] from
-  # every head (whole blocks, all of row 2's keys: EMPTY, never walked) and
-  # from odd heads every key with kv % 3 == q (a head-only condition of the
-  # packed rows, and-ed per element).
-  b, t, n, kv_heads, s = 3, 2, 8, 2, 1024
+def test_causal_tokens_with_a_table_lookup(short_chunks, run_interpreted):
+  # G 2, T 3 bottom-right causal, 512 keys in chunks of 128: a 2-D lookup
+  # table[head, (kv + q) % 8]; a row of 2 keys leaves its first query blind.
+  b, t, n, kv_heads, s = 2, 3, 4, 2, 512
   q, k, v = _inputs(1, b, t, s, n, kv_heads)
-  lengths = jnp.asarray([1024, 300, 777], jnp.int32)
-  skip = jnp.asarray([600, 0, 1000], jnp.int32)
+  lengths = jnp.asarray([258, 2], jnp.int32)
   table = jnp.asarray(np.random.default_rng(2).normal(size=(n, 8)), jnp.float32)
   score_mod = lambda sc, bb, h, qi, kv: sc + table[h, (kv + qi) % 8]
-  mask_mod = lambda bb, h, qi, kv: (kv >= skip[bb]) & ((h % 2 == 0) | (kv % 3 != qi))
-  options = dict(score_mod=score_mod, mask_mod=mask_mod, implementation="sm90")
+  options = dict(score_mod=score_mod, is_causal=True, causal_alignment="bottom_right",
+                 implementation="sm90")
   with fa4_jax.interpret_mode():
     assert fa4_jax.which_implementation(q, k, v, key_value_seq_lengths=lengths,
                                         **options) == "sm90_decode"
@@ -133,49 +140,49 @@ def test_table_lookup_and_a_mask_mod_that_empties_whole_blocks(run_interpreted):
       q, k, v, key_value_seq_lengths=n, **options), q, k, v, lengths)
   h = np.arange(n)[None, :, None, None]
   i, j = np.arange(t)[None, None, :, None], np.arange(s)[None, None, None, :]
-  bias = np.asarray(table)[h, (j + i) % 8]
-  keep = (j >= np.asarray(skip)[:, None, None, None]) & ((h % 2 == 0) | (j % 3 != i))
-  visible = _visible(t, s, lengths, False) & keep
-  want, _ = einsum_attention(q, k, v, visible, bias=jnp.asarray(bias, jnp.float32))
+  bias = jnp.asarray(np.asarray(table)[h, (j + i) % 8], jnp.float32)
+  visible = _visible(t, s, lengths, True)
+  want, _ = einsum_attention(q, k, v, visible, bias=bias)
   _check(out, want, visible)
 
 
 # --- paged caches through fa4_jax.paged_attention ---------------------------------
 
 
-def test_paged_alibi_and_a_sliding_window_mask_mod_at_t1(run_interpreted):
-  # G 4; pages of 16 shuffled, 1024 keys a row in two chunks; the window:
+def test_paged_alibi_and_a_sliding_window_mask_mod_at_t1(short_chunks, run_interpreted):
+  # G 4; pages of 16 shuffled, 512 keys a row in four chunks; the window:
   # each row's last 200 keys (its length read per batch in the mask_mod).
-  args = paged_cache(3, dtype=jnp.bfloat16, batch=3, t=1, q_heads=8, kv_heads=2, head_dim=64,
-                     page_size=16, max_pages=64, lengths=(1000, 0, 530))
+  args = paged_cache(3, dtype=jnp.bfloat16, batch=3, t=1, q_heads=4, kv_heads=1, head_dim=64,
+                     page_size=16, max_pages=32, lengths=(500, 0, 290))
   q, kp, vp, table, lengths = args
-  slopes = _slopes(8)
+  slopes = _slopes(4)
   window = lambda b, h, qi, kv: kv >= lengths[b] - 200
   options = dict(score_mod=_alibi(slopes), mask_mod=window, implementation="sm90")
   with fa4_jax.interpret_mode():
     assert fa4_jax.which_paged_implementation(*args, **options) == "sm90"
   out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, **options), *args)
-  j = np.arange(1024)[None, None, None, :]
-  visible = _visible(1, 1024, lengths, False) & (j >= np.asarray(lengths)[:, None, None, None]
-                                                  - 200)
+  j = np.arange(512)[None, None, None, :]
+  visible = _visible(1, 512, lengths, False) & (j >= np.asarray(lengths)[:, None, None, None]
+                                                 - 200)
   want, _ = einsum_attention(q, _gathered(kp, table), _gathered(vp, table), visible,
-                             bias=_alibi_bias(slopes, 1, 1024))
+                             bias=_alibi_bias(slopes, 1, 512))
   _check(out, want, visible)
 
 
-def test_paged_causal_tokens_with_a_table_lookup(run_interpreted):
-  # G 2, T 3 causal (bottom-right by each row's length), pages of 16.
+def test_paged_causal_tokens_with_a_table_lookup(short_chunks, run_interpreted):
+  # G 2, T 3 causal (bottom-right by each row's length), pages of 16, chunks
+  # of 128 keys (258: the last tokens straddle a chunk boundary).
   args = paged_cache(4, dtype=jnp.bfloat16, batch=2, t=3, q_heads=4, kv_heads=2, head_dim=64,
-                     page_size=16, max_pages=64, lengths=(514, 1))
+                     page_size=16, max_pages=32, lengths=(258, 1))
   q, kp, vp, table, lengths = args
   bias_table = jnp.asarray(np.random.default_rng(5).normal(size=(4, 8)), jnp.float32)
   score_mod = lambda s, b, h, qi, kv: s + bias_table[h, (kv + qi) % 8]
   out = run_interpreted(lambda *a: fa4_jax.paged_attention(
       *a, score_mod=score_mod, implementation="sm90"), *args)
   h = np.arange(4)[None, :, None, None]
-  i, j = np.arange(3)[None, None, :, None], np.arange(1024)[None, None, None, :]
+  i, j = np.arange(3)[None, None, :, None], np.arange(512)[None, None, None, :]
   bias = jnp.asarray(np.asarray(bias_table)[h, (j + i) % 8], jnp.float32)
-  visible = _visible(3, 1024, lengths, True)
+  visible = _visible(3, 512, lengths, True)
   want, _ = einsum_attention(q, _gathered(kp, table), _gathered(vp, table), visible, bias=bias)
   _check(out, want, visible)
 
@@ -244,10 +251,11 @@ def test_bind_rows_gives_each_row_what_bind_gives_its_head():
     args = ([score] if kind == "score_mod" else []) + [q_idx, kv_idx]
     got = mod_functions.bind_rows(mod, refs, 1, heads,
                                   mod_functions.Along(member, 0, shape))(*args)
-    for r in range(shape[0]):
-      want = mod_functions.bind(mod, refs, 1, heads[int(member[r])])(*args)
-      np.testing.assert_array_equal(np.asarray(jnp.broadcast_to(got, shape))[r],
-                                    np.asarray(jnp.broadcast_to(want, shape))[r])
+    got = np.asarray(jnp.broadcast_to(got, shape))
+    for g, head in enumerate(heads):
+      want = np.asarray(jnp.broadcast_to(mod_functions.bind(mod, refs, 1, head)(*args), shape))
+      rows = np.asarray(member) == g
+      np.testing.assert_array_equal(got[rows], want[rows])
 
 
 # --- cross-lowering for Hopper ----------------------------------------------------
