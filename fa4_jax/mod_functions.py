@@ -291,9 +291,6 @@ class BoundMod:
   env: dict  # the values of the variables that do not vary per element
   varying: frozenset  # the variables that do
   rows: dict  # equation position -> (axis, entries) of a per-element lookup
-  # Bool variables merged across packed rows' heads (`bind_rows`), held as
-  # int32 row vectors: read as bool tiles.
-  bool_rows: frozenset = frozenset()
 
   def __call__(self, *tile_args):
     """The function on a tile: `tile_args` are (score,) q_idx, kv_idx, each a
@@ -301,8 +298,6 @@ class BoundMod:
     scalar where it depends on no tile argument."""
     jaxpr = self.mod.jaxpr
     env = dict(self.env)
-    for var in self.bool_rows:
-      env[var] = _tile(env[var]) != 0
     read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
     for var, value in zip(_tile_vars(self.mod), tile_args):
       env[var] = value
@@ -400,7 +395,7 @@ def bind_rows(mod: ModFunction, captured_refs, batch, heads, member) -> BoundMod
       if position in first.rows:
         ins = [ins[1 + first.rows[position][0]]]
       read |= {v for v in ins if not isinstance(v, jex_core.Literal)}
-  env, bool_rows = dict(first.env), set()
+  env = dict(first.env)
   for var in read:
     if var in first.varying or var not in dependent or var not in first.env:
       continue
@@ -410,8 +405,6 @@ def bind_rows(mod: ModFunction, captured_refs, batch, heads, member) -> BoundMod
                         "each element; index it by single entries at once (table[head, i]) or "
                         "use implementation='xla'")
     env[var] = _merge_rows(values, member)
-    if jnp.result_type(values[0]) == jnp.bool_:
-      bool_rows.add(var)
   rows = dict(first.rows)
   for position in rows:
     eqn = jaxpr.eqns[position]
@@ -420,22 +413,24 @@ def bind_rows(mod: ModFunction, captured_refs, batch, heads, member) -> BoundMod
       merged = [_merge_rows([b.rows[position][1][e] for b in bound], member)
                 for e in range(len(entries))]
       rows[position] = (axis, merged, dtype)
-  return BoundMod(mod, env, first.varying, rows, frozenset(bool_rows))
+  return BoundMod(mod, env, first.varying, rows)
 
 
 def _merge_rows(values, member: Along) -> Along:
   """One scalar per head (`bind_rows`) as a vector along the rows: row r
-  gets values[member[r]] (bools as int32, `BoundMod.bool_rows`). Made now,
+  gets values[member[r]] (bools as int32 0 / 1: `_BoolRows`). Made now,
   where the mod is bound."""
   values = [jnp.asarray(v) for v in values]
+  kind = Along
   if values[0].dtype == jnp.bool_:
-    values = [v.astype(jnp.int32) for v in values]
+    values, kind = [v.astype(jnp.int32) for v in values], _BoolRows
 
   index = member.vector
   value = jnp.broadcast_to(values[0], index.shape)
   for g in range(1, len(values)):
     value = jnp.where(index == g, values[g], value)
-  return Along(value, member.axis, member.shape)
+  return kind(value, member.axis, member.shape)
+
 
 
 def packed_rows_problem(mod: ModFunction) -> str | None:
@@ -576,6 +571,16 @@ class Along:
   @property
   def dtype(self):
     return self.vector.dtype
+
+
+class _BoolRows(Along):
+  """A bool per row (`_merge_rows`), held as an int32 vector of 0 / 1
+  (Mosaic GPU broadcasts no bool vector): a bool tile where an op needs the
+  tile; ops on the vector read 0 / 1 as a bool would (`select_n` takes an
+  int32 predicate, a conversion gives 0 / 1)."""
+
+  def tile(self):
+    return super().tile() != 0
 
 
 @dataclasses.dataclass(frozen=True)
