@@ -84,7 +84,9 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
     score_mod, mask_mod: as in `fa4_jax.attention` (FlexAttention's
       contract): `q_idx` is the query's index in `query` (0 .. T-1),
       `kv_idx` the key's position in its row's cache (a tree of draft
-      tokens against the cache, ALiBi, ...). Read by the XLA path for now.
+      tokens against the cache, ALiBi, ...). The kernel runs them in the
+      decode arrangement (up to 256 packed rows, 16-bit pages with values of
+      the keys' head dim); beyond it, the XLA path.
     query_descale, key_descale, value_descale, output_dtype: float8 pages
       (`float8_e4m3fn` or `float8_e5m2`, with a bfloat16 / float16 query or
       a query of the pages' float8 dtype), as in `fa4_jax.attention`: the

@@ -54,6 +54,19 @@ no key (L - T + t < 0, L = 0) get zeros and lse -inf, as in the forward
 kernel. Sinks are added after the combine (`scores.add_sinks`: the packed
 rows mix heads).
 
+Programmable scores (`forward(..., mods=)`: a `score_mod` / `mask_mod`): the
+kernel is told the packing (`sm90_forward.forward(..., decode_group=G)`), so
+the mods see row r's query head kv_head * G + r % G and its token r // G
+(`q_idx`: the query's index as passed, 0 .. T-1, as every backend gives it,
+also under bottom-right alignment), key j of chunk c at its sequence's
+position c * C + j, and the sequence as `batch`. What depends on the head
+alone is bound once per head of the tile and merged into row vectors
+(`mod_functions.bind_rows`). The mask_mod's block lists are made per token
+and head at the kernel's key blocks, then regrouped to packed row tiles and
+chunks (`packed_mod_classes`): key blocks no row of a tile sees are skipped.
+The config is the plan's with one CTA per item (`mod_config`). The split and
+the combine are unchanged (mods only change scores).
+
 Paged caches (`fa4_jax.paged`): the split of a cache is then a reshape of
 its page table ([B, P] -> [B * splits, P / splits], chunks of whole pages),
 and the kernel reads each chunk's pages through its row of the table
