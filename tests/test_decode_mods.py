@@ -13,9 +13,11 @@ Specification:
   the explicit bias and mask: ALiBi (slopes[head] * (kv - q)), a 2-D table
   lookup (table[head, (kv + q) % 8]), mask_mods that read a per-batch
   array and a head-only condition (whole key blocks EMPTY: skipped), a
-  decode sliding window; G in {2, 4}, T in {1, 2, 3}, ragged lengths (0, a
+  decode sliding window; G in {1, 2, 4}, T in {1, 3}, ragged lengths (0, a
   chunk boundary, full), causal bottom-right and not; pages of 16 through
-  a shuffled table; chunks of 128 keys (split-K on small caches). bf16 tolerance 2e-2: the kernel's P is rounded to bf16
+  a shuffled table; chunks of 128 keys (split-K on small caches).
+  Gradients of a paged call with mods (to q and to a captured array) are
+  the XLA path's. bf16 tolerance 2e-2: the kernel's P is rounded to bf16
   for P V (relative 2^-9 per weight) and the output to bf16 (2^-9 of |out|
   <= ~4), the reference is exact f32.
 * A mod the kernel runs on a tile of one head but not on packed rows (a
@@ -152,34 +154,49 @@ def test_causal_tokens_with_a_table_lookup(short_chunks, run_interpreted):
 def test_paged_alibi_and_a_sliding_window_mask_mod_at_t1(short_chunks, run_interpreted):
   # G 4; pages of 16 shuffled, 512 keys a row in four chunks; the window:
   # each row's last 200 keys (its length read per batch in the mask_mod).
+  # Gradients (to q and to the slopes, a captured array) are the XLA path's
+  # over the gathered pages (`paged._kernel_forward`'s VJP).
   args = paged_cache(3, dtype=jnp.bfloat16, batch=3, t=1, q_heads=4, kv_heads=1, head_dim=64,
                      page_size=16, max_pages=32, lengths=(500, 0, 290))
   q, kp, vp, table, lengths = args
   slopes = _slopes(4)
   window = lambda b, h, qi, kv: kv >= lengths[b] - 200
-  options = dict(score_mod=_alibi(slopes), mask_mod=window, implementation="sm90")
+  dout = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+
+  def loss(q, slopes, implementation):
+    out = fa4_jax.paged_attention(q, kp, vp, table, lengths, score_mod=_alibi(slopes),
+                                  mask_mod=window, implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32) * dout), out
+
   with fa4_jax.interpret_mode():
-    assert fa4_jax.which_paged_implementation(*args, **options) == "sm90"
-  out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, **options), *args)
+    assert fa4_jax.which_paged_implementation(*args, score_mod=_alibi(slopes), mask_mod=window,
+                                              implementation="sm90") == "sm90"
+  (_, out), grads = run_interpreted(jax.value_and_grad(
+      lambda q, s: loss(q, s, "sm90"), argnums=(0, 1), has_aux=True), q, slopes)
   j = np.arange(512)[None, None, None, :]
   visible = _visible(1, 512, lengths, False) & (j >= np.asarray(lengths)[:, None, None, None]
                                                  - 200)
   want, _ = einsum_attention(q, _gathered(kp, table), _gathered(vp, table), visible,
                              bias=_alibi_bias(slopes, 1, 512))
   _check(out, want, visible)
+  want_grads = jax.grad(lambda q, s: loss(q, s, "xla")[0], argnums=(0, 1))(q, slopes)
+  for got, expected in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                               atol=TOL, rtol=TOL)
 
 
 def test_paged_causal_tokens_with_a_table_lookup(short_chunks, run_interpreted):
-  # G 2, T 3 causal (bottom-right by each row's length), pages of 16, chunks
-  # of 128 keys (258: the last tokens straddle a chunk boundary).
-  args = paged_cache(4, dtype=jnp.bfloat16, batch=2, t=3, q_heads=4, kv_heads=2, head_dim=64,
+  # G 1 (one head a tile), T 3 causal (bottom-right by each row's length),
+  # pages of 16, chunks of 128 keys (258: the last tokens straddle a chunk
+  # boundary).
+  args = paged_cache(4, dtype=jnp.bfloat16, batch=2, t=3, q_heads=2, kv_heads=2, head_dim=64,
                      page_size=16, max_pages=32, lengths=(258, 1))
   q, kp, vp, table, lengths = args
-  bias_table = jnp.asarray(np.random.default_rng(5).normal(size=(4, 8)), jnp.float32)
+  bias_table = jnp.asarray(np.random.default_rng(5).normal(size=(2, 8)), jnp.float32)
   score_mod = lambda s, b, h, qi, kv: s + bias_table[h, (kv + qi) % 8]
   out = run_interpreted(lambda *a: fa4_jax.paged_attention(
       *a, score_mod=score_mod, implementation="sm90"), *args)
-  h = np.arange(4)[None, :, None, None]
+  h = np.arange(2)[None, :, None, None]
   i, j = np.arange(3)[None, None, :, None], np.arange(512)[None, None, None, :]
   bias = jnp.asarray(np.asarray(bias_table)[h, (j + i) % 8], jnp.float32)
   visible = _visible(3, 512, lengths, True)
