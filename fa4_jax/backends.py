@@ -23,7 +23,9 @@ Where the sm90 kernels serve a short query (T x G packed rows up to
 run in the decode arrangement of `fa4_jax.kernels.sm90_decode` (query heads
 packed as rows, the cache split into chunks): the backend is then named
 "sm90_decode" (what `which_implementation` reports); its backward is the
-sm90 backward. Other bands (windows, top-left causal) and longer queries
+sm90 backward. A `score_mod` / `mask_mod` runs there too where the kernel
+can run it on rows of several heads (`mod_functions.packed_rows_problem`),
+else in the forward kernel as it is. Other bands (windows, top-left causal) and longer queries
 run the forward kernel as it is.
 
 Kernels without a fused backward of their own use the XLA backward, which
@@ -243,6 +245,8 @@ def _decode_backend() -> Backend:
     if scores_.has_fp8:  # a float8 cache (`_fp8_problem`)
       options.update(descales=(scores_.q_descale, scores_.k_descale, scores_.v_descale),
                      out_dtype=scores_.out_dtype)
+    if scores_.has_mods:  # (`_packed_mods_problem`)
+      options.update(mods=scores_)
     return sm90_decode.forward(q, k, v, scores_.q_lengths, scores_.kv_lengths,
                                score=scores_.score_function, mask=scores_.mask, plan=plan,
                                sinks=scores_.sinks, **options)
@@ -325,6 +329,22 @@ def _fp8_problem(name: str, module, call: CallInfo) -> str | None:
                                              has_segment_ids=call.has_segment_ids) is not None:
     return (f"implementation={name!r} has no float8 decode kernel yet (a short query against "
             f"a long cache); {fallback}")
+  return None
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_rows_problem(mod) -> str | None:
+  return mod_functions.packed_rows_problem(mod)
+
+
+def _packed_mods_problem(score_mod, mask_mod) -> str | None:
+  """Why the decode arrangement cannot run these mods (on rows of several
+  heads: `mod_functions.packed_rows_problem`), or None."""
+  for mod in (score_mod, mask_mod):
+    if mod is not None:
+      problem = _packed_rows_problem(mod)
+      if problem is not None:
+        return problem
   return None
 
 
@@ -489,10 +509,13 @@ def _arrangement(name: str, call: CallInfo) -> Backend:
   (`sm90_decode.serves_mask`: the last T tokens of each row, T x G packed
   rows within `sm90_decode.MAX_PACKED_ROWS`), the MLA decode kernel for a
   latent cache (`value=None`), else the kernels as they are (a float8 query
-  with a band: the forward's float8 kernel)."""
+  with a band: the forward's float8 kernel). A `score_mod` / `mask_mod`
+  takes the decode arrangement where it runs on packed rows
+  (`_packed_mods_problem`), else the forward kernel."""
   if name == "sm90" and call.values_from_keys and _mla_problem(call) is None:
     return _mla_backend()
-  if name == "sm90" and not call.has_mods and call.v_head_dim is None:
+  if (name == "sm90" and call.v_head_dim is None
+      and _packed_mods_problem(call.score_mod, call.mask_mod) is None):
     from fa4_jax.kernels import sm90_decode
     fp8_query = jnp.dtype(call.dtype) in scores.FP8_DTYPES
     if (not (fp8_query and not call.spec.is_dense)
@@ -530,9 +553,11 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   if args.key_pages.dtype in scores.FP8_DTYPES and args.query.dtype in scores.FP8_DTYPES:
     return ("float8 pages under a float8 query are read by the XLA path; use a 16-bit "
             "query, implementation=None or 'xla'")
-  if args.mods:
-    return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
-            "implementation=None or 'xla'")
+  mods = paged_mods(args)
+  if mods is not None:
+    problem = _paged_mods_problem(args, mods)
+    if problem is not None:
+      return problem
   if args.value_pages is None:
     return paged_mla_problem(args)
   if args.value_pages.shape[-1] != args.key_pages.shape[-1]:
@@ -550,6 +575,38 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   if paged_decode_plan(args) is None:
     return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
             f"the decode arrangement packs at most {sm90_decode.MAX_PACKED_ROWS}")
+  return None
+
+
+def paged_mods(args: PagedArguments) -> Scores | None:
+  """The `score_mod` / `mask_mod` of a paged call, traced, as the kernels
+  take them (`sm90_decode.forward(..., mods=)`); None without."""
+  fns = {kind: fn for kind, fn in args.mods.items() if fn is not None}
+  if not fns:
+    return None
+  parts = {}
+  for kind, fn in fns.items():
+    traced, captured = mod_functions.trace(fn, kind)
+    parts[kind] = traced
+    parts[f"{kind.split('_')[0]}_captured"] = captured
+  return Scores(**parts)
+
+
+def _paged_mods_problem(args: PagedArguments, mods: Scores) -> str | None:
+  """Why the kernel cannot run a paged call's traced mods, or None: it runs
+  them in the decode arrangement (16-bit pages of K and V, T x G packed rows
+  within `sm90_decode.MAX_PACKED_ROWS`), on rows of several heads."""
+  fallback = "use implementation=None or 'xla'"
+  if args.value_pages is None or args.key_pages.dtype in scores.FP8_DTYPES:
+    return ("score_mod / mask_mod over latent (`value_pages=None`) or float8 pages are read by "
+            f"the XLA path; {fallback}")
+  problem = _packed_mods_problem(mods.score_mod, mods.mask_mod)
+  if problem is not None:
+    return f"{problem} (paged_attention: {fallback})"
+  if args.value_pages.shape[-1] == args.key_pages.shape[-1] and paged_decode_plan(args) is None:
+    return ("score_mod / mask_mod over pages run in the decode arrangement only (up to "
+            "256 query rows per KV head); longer queries are read by the XLA path; "
+            f"{fallback}")
   return None
 
 

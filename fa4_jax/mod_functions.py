@@ -539,6 +539,106 @@ def bind(mod: ModFunction, captured_refs, batch, head, *, loader=None) -> BoundM
   return BoundMod(mod, env, frozenset(varying), rows, loads)
 
 
+def bind_rows(mod: ModFunction, captured_refs, batch, heads, member) -> BoundMod:
+  """`mod` bound for a tile whose rows hold several query heads (the decode
+  arrangement's packed rows): row r holds head `heads[member[r]]`.
+  `heads`: the distinct heads (scalars); `member`: an int32 `Along` the
+  tile's rows, in [0, len(heads)).
+
+  The mod is bound once per head (`bind`: what the head and the batch alone
+  determine, the reads of captured arrays at that head included, done before
+  the loop over key blocks as for a tile of one head), then every value
+  that depends on the head and that the per-element part reads is merged
+  into a vector along the rows (a chain of selects on `member`): `head`
+  itself becomes the rows' heads, `slopes[head]` the rows' slopes, a
+  per-element lookup's entries (`table[head, bucket]`) the rows' entries.
+  Raises `Unsupported` where a value that depends on the head cannot be
+  merged (a captured array indexed by the head and then read whole)."""
+  bound = [bind(mod, captured_refs, batch, h) for h in heads]
+  if len(bound) == 1:
+    return bound[0]
+  first = bound[0]
+  jaxpr = mod.jaxpr
+  index_vars = jaxpr.invars[len(mod.captured_avals):]
+  head_var = index_vars[-3]
+  dependent = {head_var}
+  for eqn in jaxpr.eqns:
+    if any(not isinstance(v, jex_core.Literal) and v in dependent for v in eqn.invars):
+      dependent.update(eqn.outvars)
+  # The values the per-element part reads (and the result, where it is one):
+  # of a hoisted lookup (`BoundMod.rows`) only its per-element index. They
+  # are merged here, before the kernel's loop over key blocks: a vector made
+  # inside one loop's trace would leak into the next.
+  read = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  for position, eqn in enumerate(jaxpr.eqns):
+    if eqn.outvars[0] in first.varying:
+      ins = eqn.invars
+      if position in first.rows:
+        ins = [ins[1 + first.rows[position][0]]]
+      read |= {v for v in ins if not isinstance(v, jex_core.Literal)}
+  env = dict(first.env)
+  for var in read:
+    if var in first.varying or var not in dependent or var not in first.env:
+      continue
+    values = [b.env[var] for b in bound]
+    if isinstance(values[0], _Captured):
+      raise Unsupported("a captured array indexed by the head and then read by a value of "
+                        "each element; index it by single entries at once (table[head, i]) or "
+                        "use implementation='xla'")
+    env[var] = _merge_rows(values, member)
+  rows = dict(first.rows)
+  for position in rows:
+    eqn = jaxpr.eqns[position]
+    if any(not isinstance(v, jex_core.Literal) and v in dependent for v in eqn.invars):
+      axis, entries, dtype = rows[position]
+      merged = [_merge_rows([b.rows[position][1][e] for b in bound], member)
+                for e in range(len(entries))]
+      rows[position] = (axis, merged, dtype)
+  return BoundMod(mod, env, first.varying, rows)
+
+
+def _merge_rows(values, member: Along) -> Along:
+  """One scalar per head (`bind_rows`) as a vector along the rows: row r
+  gets values[member[r]] (bools as int32 0 / 1: `_BoolRows`). Made now,
+  where the mod is bound."""
+  values = [jnp.asarray(v) for v in values]
+  kind = Along
+  if values[0].dtype == jnp.bool_:
+    values, kind = [v.astype(jnp.int32) for v in values], _BoolRows
+
+  index = member.vector
+  value = jnp.broadcast_to(values[0], index.shape)
+  for g in range(1, len(values)):
+    value = jnp.where(index == g, values[g], value)
+  return kind(value, member.axis, member.shape)
+
+
+
+def packed_rows_problem(mod: ModFunction) -> str | None:
+  """Why a kernel cannot run `mod` on packed rows of several heads
+  (`bind_rows`: the decode arrangement), or None; checked as
+  `kernel_problem` checks a tile of one head, after it."""
+  problem = kernel_problem(mod)
+  if problem is not None:
+    return problem
+  shape = (64, 128)
+  tile = jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = [jax.ShapeDtypeStruct(shape, jnp.float32)] if mod.kind == "score_mod" else []
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  member = jax.ShapeDtypeStruct((shape[0],), jnp.int32)
+  captured = [jax.eval_shape(kernel_operand, a) for a in mod.captured_avals]
+
+  def run(c, batch, heads, rows, a):
+    bound = bind_rows(mod, c, batch, heads, Along(rows, 0, shape))
+    return bound(*a)
+
+  try:
+    jax.eval_shape(run, captured, scalar, [scalar, scalar], member, args + [tile, tile])
+  except Unsupported as e:
+    return f"`{mod.kind}` on packed rows: {e}"
+  return None
+
+
 def _hoisted_row(eqn, ins, inputs_vary):
   """For a per-element lookup `table[i, j(q_idx, kv_idx)]` (a dynamic_slice
   of a captured array whose indices all but one are fixed per tile): (axis,
@@ -564,7 +664,11 @@ def _select_entry(entries, index, dtype):
   """entries[index] per element of the tile `index` (clamped into range),
   by a chain of selects; on the vector alone where `index` is `Along` one
   axis (a thread holds fewer of its elements than of the tile's)."""
-  if isinstance(index, Along):
+  if any(isinstance(e, Along) for e in entries):  # the rows' entries (`bind_rows`)
+    if isinstance(index, Along) and index.axis == entries[0].axis:
+      return index.with_vector(_select_entry([e.vector for e in entries], index.vector, dtype))
+    entries = [_tile(e) for e in entries]
+  elif isinstance(index, Along):
     return index.with_vector(_select_entry(entries, index.vector, dtype))
   index = jnp.clip(_tile(index), 0, len(entries) - 1)
   value = jnp.broadcast_to(entries[0], index.shape)
@@ -650,6 +754,16 @@ class Along:
   @property
   def dtype(self):
     return self.vector.dtype
+
+
+class _BoolRows(Along):
+  """A bool per row (`_merge_rows`), held as an int32 vector of 0 / 1
+  (Mosaic GPU broadcasts no bool vector): a bool tile where an op needs the
+  tile; ops on the vector read 0 / 1 as a bool would (`select_n` takes an
+  int32 predicate, a conversion gives 0 / 1)."""
+
+  def tile(self):
+    return super().tile() != 0
 
 
 @dataclasses.dataclass(frozen=True)

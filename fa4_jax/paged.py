@@ -84,7 +84,9 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
     score_mod, mask_mod: as in `fa4_jax.attention` (FlexAttention's
       contract): `q_idx` is the query's index in `query` (0 .. T-1),
       `kv_idx` the key's position in its row's cache (a tree of draft
-      tokens against the cache, ALiBi, ...). Read by the XLA path for now.
+      tokens against the cache, ALiBi, ...). The kernel runs them in the
+      decode arrangement (up to 256 packed rows, 16-bit pages with values of
+      the keys' head dim); beyond it, the XLA path.
     query_descale, key_descale, value_descale, output_dtype: float8 pages
       (`float8_e4m3fn` or `float8_e5m2`, with a bfloat16 / float16 query or
       a query of the pages' float8 dtype), as in `fa4_jax.attention`: the
@@ -119,7 +121,8 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
             args.sinks)
   if select_paged(implementation, args) == "xla":
     return _xla_forward(*arrays, args.static, args.descales, args.mods)
-  return _kernel_forward(*arrays, args.descales, args.static)
+  from fa4_jax.backends import paged_mods
+  return _kernel_forward(*arrays, args.descales, paged_mods(args), args.static)
 
 
 def which_paged_implementation(query, key_pages, value_pages, page_table,
@@ -177,14 +180,15 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
                    **(mods or {}))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales, mods,
                     static: PagedStatic):
   """The sm90 kernel reading through the table: in the decode arrangement
   (also causal T > 1, the band aligned by each row's length), or the
   forward kernel itself for chunked prefill beyond the arrangement's packed
   rows. `descales`: float8 pages' (q, k, v) descales, (None, None, None)
-  otherwise."""
+  otherwise. `mods`: None, or the traced `score_mod` / `mask_mod` as a
+  `scores.Scores` (`backends.paged_mods`; the decode arrangement only)."""
   from fa4_jax.kernels import sm90_decode, sm90_forward
 
   if value_pages is None:  # MLA's latent pages: the MLA decode kernel
@@ -207,24 +211,42 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, desca
     return out
   out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, score=static.score,
                                mask=static.kernel_mask(q.shape), plan=plan, sinks=sinks,
-                               page_table=page_table, **fp8)
+                               page_table=page_table, mods=mods, **fp8)
   return out
 
 
-def _kernel_forward_fwd(q, key_pages, value_pages, page_table, lengths, sinks, descales, static):
-  out = _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales, static)
-  return out, (q, key_pages, value_pages, page_table, lengths, sinks, descales)
+def _kernel_forward_fwd(q, key_pages, value_pages, page_table, lengths, sinks, descales, mods,
+                        static):
+  out = _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales, mods,
+                        static)
+  return out, (q, key_pages, value_pages, page_table, lengths, sinks, descales, mods)
 
 
 def _kernel_forward_bwd(static, residuals, dout):
   """The XLA path's gradient (a serving op: no kernel backward; float8
-  pages raise there, as every float8 call does)."""
-  q, key_pages, value_pages, page_table, lengths, sinks, descales = residuals
-  _, vjp = jax.vjp(lambda q, kp, vp, s: _xla_forward(q, kp, vp, page_table, lengths, s, static,
-                                                     descales),
-                   q, key_pages, value_pages, sinks)
-  dq, dk, dv, dsinks = vjp(dout)
-  return dq, dk, dv, None, None, dsinks, jax.tree.map(jnp.zeros_like, descales)
+  pages raise there, as every float8 call does), to the mods' captured
+  arrays too."""
+  q, key_pages, value_pages, page_table, lengths, sinks, descales, mods = residuals
+  _, vjp = jax.vjp(lambda q, kp, vp, s, m: _xla_forward(q, kp, vp, page_table, lengths, s, static,
+                                                        descales, _user_mods(m)),
+                   q, key_pages, value_pages, sinks, mods)
+  dq, dk, dv, dsinks, dmods = vjp(dout)
+  return dq, dk, dv, None, None, dsinks, jax.tree.map(jnp.zeros_like, descales), dmods
+
+
+def _user_mods(mods):
+  """Traced mods (`backends.paged_mods`) as the functions `fa4_jax.attention`
+  takes, over their captured arrays as given; None for None."""
+  if mods is None:
+    return None
+  from fa4_jax import mod_functions
+
+  def as_function(mod, captured):
+    return None if mod is None else (
+        lambda *args: mod_functions.evaluate(mod, captured, *args))
+
+  return dict(score_mod=as_function(mods.score_mod, mods.score_captured),
+              mask_mod=as_function(mods.mask_mod, mods.mask_captured))
 
 
 _kernel_forward.defvjp(_kernel_forward_fwd, _kernel_forward_bwd)

@@ -4,8 +4,9 @@ Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
 mask and grouping the heuristics distinguish, the kernels of packed
 rows (segment ids), a few calls with score modifications (soft-cap, a
-`score_mod`, sinks; the sm90 decode arrangement with a soft-cap, and causal
-bottom-right over several tokens, contiguous and paged), the sm90 MLA decode
+`score_mod`, sinks; the sm90 decode arrangement with a soft-cap, causal
+bottom-right over several tokens, and ALiBi with a mask_mod, contiguous and
+paged), the sm90 MLA decode
 kernel (contiguous and paged caches), plus the XLA path, and prints one
 SHA-256 per case of the Mosaic GPU modules (MLIR without debug locations) or
 of the StableHLO.
@@ -168,6 +169,30 @@ def _decode_causal(t, page_size):
           (q, pages, pages, table, ln))
 
 
+def _decode_mods(t, page_size):
+  """The sm90 decode arrangement of T tokens (causal bottom-right for T > 1)
+  with ALiBi (`_alibi_mods`, GQA 32/8: slopes of 8 heads clipped per head)
+  and a decode sliding window as mask_mod, against 32768 keys per row
+  (ragged lengths), contiguous (`page_size` None) or paged."""
+  q = jax.ShapeDtypeStruct((8, t, 32, 128), jnp.bfloat16)
+  ln = jax.ShapeDtypeStruct((8,), jnp.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True) if t > 1 else MaskSpec()
+  plan = sm90_decode.plan(q.shape, (8, 32768, 8, 128), mask, ragged=True,
+                          granule=page_size or 1, num_sms=132, streams=64)
+  window, captured = mod_functions.trace(lambda b, h, i, j: j >= 1024 * (b + 1), "mask_mod")
+  mods = _alibi_mods().replace(mask_mod=window, mask_captured=captured)
+  options = dict(score=ScoreFunction(0.125), mask=mask, plan=plan, mods=mods)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((8, 32768, 8, 128), jnp.bfloat16)
+    return (lambda q, k, v, kl: sm90_decode.forward(q, k, v, None, kl, **options),
+            (q, kv, kv, ln))
+  pages = jax.ShapeDtypeStruct((8 * 32768 // page_size, page_size, 8, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((8, 32768 // page_size), jnp.int32)
+  return (lambda q, k, v, p, kl: sm90_decode.forward(q, k, v, None, kl, page_table=p,
+                                                     **options),
+          (q, pages, pages, table, ln))
+
+
 def _scores(mask, ql, kl, lengths, soft_cap=None, score_mod=False):
   mods = _alibi_mods() if score_mod else Scores()
   return mods.replace(mask=mask, scale=0.125, soft_cap=soft_cap,
@@ -261,6 +286,10 @@ def cases():
   for t, page_size in ((16, None), (16, 16), (64, 64)):
     cache = f"pages {page_size}" if page_size else "contiguous"
     yield f"sm90 decode d128 s32768 causal t{t} {cache}", "sm_90", _decode_causal(t, page_size)
+  for t, page_size in ((1, None), (1, 64), (4, 16)):
+    cache = f"pages {page_size}" if page_size else "contiguous"
+    yield (f"sm90 decode d128 s32768 t{t} alibi window {cache}", "sm_90",
+           _decode_mods(t, page_size))
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(

@@ -54,6 +54,19 @@ no key (L - T + t < 0, L = 0) get zeros and lse -inf, as in the forward
 kernel. Sinks are added after the combine (`scores.add_sinks`: the packed
 rows mix heads).
 
+Programmable scores (`forward(..., mods=)`: a `score_mod` / `mask_mod`): the
+kernel is told the packing (`sm90_forward.forward(..., decode_group=G)`), so
+the mods see row r's query head kv_head * G + r % G and its token r // G
+(`q_idx`: the query's index as passed, 0 .. T-1, as every backend gives it,
+also under bottom-right alignment), key j of chunk c at its sequence's
+position c * C + j, and the sequence as `batch`. What depends on the head
+alone is bound once per head of the tile and merged into row vectors
+(`mod_functions.bind_rows`). The mask_mod's block lists are made per token
+and head at the kernel's key blocks, then regrouped to packed row tiles and
+chunks (`packed_mod_classes`): key blocks no row of a tile sees are skipped.
+The config is the plan's with one CTA per item (`mod_config`). The split and
+the combine are unchanged (mods only change scores).
+
 Paged caches (`fa4_jax.paged`): the split of a cache is then a reshape of
 its page table ([B, P] -> [B * splits, P / splits], chunks of whole pages),
 and the kernel reads each chunk's pages through its row of the table
@@ -327,6 +340,48 @@ def choose_splits(batch: int, kv_heads: int, kv_seq: int, *, ragged: bool = Fals
   return splits
 
 
+def mod_config(config: sm90_forward.ForwardConfig | None, head_dim: int, mask: MaskSpec,
+               chunk: int, rows: int) -> sm90_forward.ForwardConfig:
+  """The kernel's config with a `score_mod` / `mask_mod`: the plan's (else
+  the forward heuristic's for the chunk), with one CTA per item
+  (`sm90_forward.mods_config`: the block lists are per CTA tile)."""
+  if config is None:
+    config = sm90_forward.choose_config(sm90_forward.padded_head_dim(head_dim), mask,
+                                        kv_seq=chunk, q_seq=rows)
+  return sm90_forward.mods_config(config)
+
+
+def packed_mod_classes(mods, batch: int, t: int, q_heads: int, kv_heads: int, kv_seq: int,
+                       splits: int, config: sm90_forward.ForwardConfig):
+  """int8 [B * splits or 1, Hkv or 1, row tiles, key blocks of a chunk]: the
+  classes of the call's `mask_mod` at the kernel's tiles of packed rows
+  (row r: token r // G, query head kv_head * G + r % G) and chunks of keys,
+  for `sm90_forward.forward(..., mods=)`'s block lists (as a
+  `scores.BlockMask` of the packed problem).
+
+  `mask_mod` is classified once per token and head at the kernel's key
+  blocks (`Scores.mod_classes`: the call's block mask where it nests), and
+  a tile of rows is EMPTY (FULL) where every row of it is; chunks are runs
+  of those blocks. Where a chunk is no whole number of blocks every block is
+  PARTIAL: the element mask then decides, block by block."""
+  g, block_q, block_kv = q_heads // kv_heads, config.block_q_cta, config.block_kv
+  chunk = kv_seq // splits
+  row_tiles, chunk_blocks = scores.cdiv(t * g, block_q), scores.cdiv(chunk, block_kv)
+  if splits > 1 and chunk % block_kv:
+    return jnp.full((1, 1, row_tiles, chunk_blocks), scores.PARTIAL, jnp.int8)
+  classes = mods.mod_classes(batch, q_heads, t, kv_seq, 1, block_kv)  # [Bm, Hm, T, nk]
+  classes = jnp.broadcast_to(classes, (batch, *classes.shape[1:]))
+  if classes.shape[1] == 1:  # the same for every head: row r's is token r // G's
+    rows = jnp.repeat(classes, g, axis=2)
+  else:  # [B, Hkv, G, T, nk] -> rows t * G + g
+    rows = classes.reshape(batch, kv_heads, g, t, -1).transpose(0, 1, 3, 2, 4)
+    rows = rows.reshape(batch, kv_heads, t * g, -1)
+  tiles = scores._regroup_axis(rows, 2, 1, block_q, row_tiles)
+  heads = tiles.shape[1]
+  tiles = tiles.reshape(batch, heads, row_tiles, splits, chunk_blocks).transpose(0, 3, 1, 2, 4)
+  return tiles.reshape(batch * splits, heads, row_tiles, chunk_blocks)
+
+
 def pack_rows(q, kv_heads: int):
   """[B, T, Hkv * G, D] -> [B, T * G, Hkv, D]: a KV head's query heads as rows."""
   b, t, n, d = q.shape
@@ -419,14 +474,17 @@ def combine(out, lse, splits: int, t: int):
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask: MaskSpec,
-            plan: DecodePlan, sinks=None, page_table=None, descales=None, out_dtype=None):
+            plan: DecodePlan, sinks=None, page_table=None, descales=None, out_dtype=None,
+            mods=None):
   """(out [B, T, Hq, D], lse [B, Hq, T]) of a band-free or a causal
   bottom-right mask (`serves_mask`), by packing and splitting (see the
   module docstring). The lse is the whole row's, so any backward that takes
   (out, lse) works with it. `page_table`: None, or int32
   [B, P] with k, v pages [num_pages, page_size, Hkv, D] (`sm90_forward.forward`).
   A float8 cache under a 16-bit query: `descales` (q, k, v; q's None) and
-  `out_dtype` (None: the query's) as `sm90_forward.forward` takes them."""
+  `out_dtype` (None: the query's) as `sm90_forward.forward` takes them.
+  `mods`: None, or the call's `scores.Scores` with a `score_mod` and / or a
+  `mask_mod` (`mod_config`, `packed_mod_classes`; not with a float8 cache)."""
   b, t, n, d = q.shape
   kv_heads = k.shape[2]
   g = n // kv_heads
@@ -471,6 +529,13 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask
   config = plan.config
   if config is None and not mask.is_dense:
     config = band_config(d, s // p, t * g)
+  if mods is not None and mods.has_mods:
+    config = mod_config(config, d, mask, s // p, t * g)
+    if mods.mask_mod is not None:  # its classes at the packed problem's tiles
+      mods = mods.replace(block_mask=scores.BlockMask(
+          packed_mod_classes(mods, b, t, n, kv_heads, s, p, config), q_block=config.block_q_cta,
+          kv_block=config.block_kv, q_len=t * g, kv_len=s // p, mask_mod=mods.mask_mod))
+    options.update(mods=mods, decode_group=g)
   out, lse = sm90_forward.forward(packed, k, v, rows_len, chunk_len, score=score, mask=mask,
                                   config=config, **options)
   if in_place:  # out [B * P, Hkv, G, D], lse [B * P, Hkv, G]

@@ -604,6 +604,12 @@ class ForwardStatics:
   mods: bool = False
   score_mod: Any = None
   mask_mod: Any = None
+  # Programmable scores in the decode arrangement (`sm90_decode`): tile row r
+  # holds token r // G of query head kv_head * G + r % G (G this group), and
+  # batch row b is chunk b % q_batch_divisor of sequence b // q_batch_divisor
+  # (its keys from chunk * kv_valid on): what the mods see
+  # (`_ConsumerTile.mod_positions`). None: rows are positions of one head.
+  decode_group: int | None = None
   # V's and O's head dim (padded) where it differs from Q's and K's (192 /
   # 128 ...); None: head_dim. O then has SMEM tiles of its own.
   value_head_dim: int | None = None
@@ -929,6 +935,43 @@ def consumer_kv_blocks(mask: MaskSpec, cfg: ForwardConfig, q_lo, q_len, kv_len,
   return blocks if segments is None else blocks.intersect(segments)
 
 
+def _mod_binder(ctx: _Context, item: _WorkItem, q_lo) -> Callable:
+  """bind(mod, captured refs) -> the mod bound to the (batch, head) of a
+  consumer tile of `item` (global indices: a sharded call's offsets added),
+  before its walk. In the decode arrangement (`ForwardStatics.decode_group`
+  = G) the tile's rows hold G query heads of KV head `item.head` (row r:
+  head item.head * G + r % G) of sequence batch_idx // q_batch_divisor:
+  the mod is bound for each head and its values merged along the rows
+  (`mod_functions.bind_rows`)."""
+  call, offsets = ctx.call, ctx.refs.index_offsets
+  if call.decode_group is None:
+    indices = (item.batch_idx + offsets[0], item.head + offsets[1])
+    loader = sm90_tiles.element_loader()  # tables read per element
+    return lambda mod, refs: mod_functions.bind(mod, refs, *indices, loader=loader)
+  g, cfg = call.decode_group, call.config
+  batch = item.batch_idx
+  if call.q_batch_divisor != 1:
+    batch = lax.div(batch, jnp.int32(call.q_batch_divisor))
+  heads = [item.head * g + h + offsets[1] for h in range(g)]
+
+  def member():  # r % G of the tile's rows, along them
+    rows = q_lo + plgpu.broadcasted_iota(jnp.int32, (cfg.block_q,), 0, layout=_ROW_LAYOUT)
+    return lax.rem(rows, jnp.int32(g)) if g != 1 else rows * 0
+
+  along = mod_functions.Along(member, 0, (cfg.block_q, cfg.block_kv))
+  # Packed rows read a table by its entries merged along the rows (a chain of
+  # selects, as `mod_functions.packed_rows_problem` checks), not per element.
+  return lambda mod, refs: mod_functions.bind_rows(mod, refs, batch + offsets[0], heads, along)
+
+
+def _along_map(x, fn):
+  """fn applied to the positions `x` (an `Along`, kept lazy and keeping its
+  bound, or a tile)."""
+  if isinstance(x, mod_functions.Along):
+    return mod_functions.Along(lambda: fn(x.vector), x.axis, x.shape, x.bound)
+  return fn(x)
+
+
 def _producer(ctx: _Context) -> None:
   """Warpgroup `num_consumers`: per work item, TMA loads of the consumers' Q
   tiles, then of the K and V blocks [lo, hi) into the rings."""
@@ -1089,15 +1132,11 @@ class _ConsumerTile:
     q_lo = item.cta_q_lo + wg * cfg.block_q
     own = score_fn = mask_fn = None
     if ctx.call.mods:  # both consumers walk the CTA's list (`walk_block_list`)
-      offsets = ctx.refs.index_offsets
-      mod_indices = (item.batch_idx + offsets[0], item.head + offsets[1])
-      loader = sm90_tiles.element_loader()  # tables read per element
+      bind = _mod_binder(ctx, item, q_lo)
       if ctx.call.score_mod is not None:
-        score_fn = mod_functions.bind(ctx.call.score_mod, ctx.refs.score_captured, *mod_indices,
-                                      loader=loader)
+        score_fn = bind(ctx.call.score_mod, ctx.refs.score_captured)
       if ctx.call.mask_mod is not None:
-        mask_fn = mod_functions.bind(ctx.call.mask_mod, ctx.refs.mask_captured, *mod_indices,
-                                     loader=loader)
+        mask_fn = bind(ctx.call.mask_mod, ctx.refs.mask_captured)
     else:
       own = ctx.consumer_blocks(item.batch_idx, item.tile, wg, q_lo, item.q_len,
                                 item.kv_len).within(item.lo, item.hi)
@@ -1237,6 +1276,9 @@ class _ConsumerTile:
                                      segment_ids=call.has_segment_ids)
       segments = None if key_ids is None else (self.q_segment, key_ids)
       mask_mod = bound_mask_hook(self.mask_fn)
+      to_positions = self.decode_positions()
+      if mask_mod is not None and to_positions is not None:
+        mask_mod = lambda q_idx, kv_idx, hook=mask_mod: hook(*to_positions(q_idx, kv_idx))
       s = where_visible(s, call.masked_logit, mask=call.mask, row_lo=self.q_lo,
                         col_lo=block * call.config.block_kv, keys_along_rows=False,
                         kv_len=kv_len, q_len=self.item.q_len, segments=segments,
@@ -1263,13 +1305,39 @@ class _ConsumerTile:
     call, cfg = self.ctx.call, self.ctx.call.config
     # Positions are below the padded extents plus a tile.
     bound = max(call.q_seq, call.kv_valid) + 2 * max(cfg.block_q, cfg.block_kv)
+    if call.decode_group is not None:  # keys of every chunk of a sequence
+      bound = max(call.q_seq, call.kv_valid * call.q_batch_divisor) + 2 * max(cfg.block_q,
+                                                                             cfg.block_kv)
     q_idx, kv_idx = mod_positions(s.shape, row_lo=self.q_lo, col_lo=block * cfg.block_kv,
                                   keys_along_rows=False, bound=bound)
+    if call.decode_group is not None:
+      q_idx, kv_idx = self.decode_positions()(q_idx, kv_idx)
     s = self.score_fn(s * jnp.float32(self.logit_scale()), q_idx, kv_idx)
     s = s.astype(jnp.float32)
     if s.shape != q_idx.shape:  # a score_mod that ignores the score
       s = jnp.broadcast_to(s, q_idx.shape)
     return call.score.modified_logits(s)
+
+  def decode_positions(self):
+    """In the decode arrangement (`ForwardStatics.decode_group`), the
+    positions a mod sees as a function of the tile's own (`mod_positions`):
+    (q_idx, kv_idx) -> (token r // G of row r, key j of chunk c at
+    c * chunk + j); None without the arrangement."""
+    call = self.ctx.call
+    if call.decode_group is None:
+      return None
+    g, p = call.decode_group, call.q_batch_divisor
+    first_key = None
+    if p != 1:
+      first_key = lax.rem(self.item.batch_idx, jnp.int32(p)) * jnp.int32(call.kv_valid)
+
+    def positions(q_idx, kv_idx):
+      q_idx = _along_map(q_idx, lambda x: lax.div(x, jnp.int32(g)) if g != 1 else x)
+      if first_key is not None:
+        kv_idx = _along_map(kv_idx, lambda x: x + first_key)
+      return q_idx, kv_idx
+
+    return positions
 
   def release_k_after_reading_ids(self, j):
     """Releases the K slot of block j once its key ids have been read."""
@@ -1436,6 +1504,7 @@ def _build_kernel(
     mods: bool = False,
     score_mod=None,
     mask_mod=None,
+    decode_group: int | None = None,
     value_head_dim: int | None = None,
     fp8: bool = False,
     out_dtype=None,
@@ -1453,7 +1522,7 @@ def _build_kernel(
                has_sinks=has_sinks, page_size=page_size,
                fixed_max=fixed_max, heads_major=heads_major,
                q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
-               score_mod=score_mod, mask_mod=mask_mod,
+               score_mod=score_mod, mask_mod=mask_mod, decode_group=decode_group,
                value_head_dim=None if value_head_dim == head_dim else value_head_dim,
                fp8=fp8, out_dtype=out_dtype, kv_dtype=kv_dtype)
 
@@ -1531,7 +1600,7 @@ def sm_count(default: int = H100_SMS) -> int:
 def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskSpec,
             config: ForwardConfig | None = None, segment_ids=None, sinks=None, page_table=None,
             heads_major: bool = False, q_batch_divisor: int = 1, mods=None,
-            descales=None, out_dtype=None):
+            descales=None, out_dtype=None, decode_group: int | None = None):
   """Attention forward. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]. Returns (out [B, Tq, Nq, D] in
@@ -1559,7 +1628,12 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
   in XLA): partial blocks with the element mask and `mask_mod`, full ones
   without, empty ones neither loaded nor computed; `score_mod` runs on every
   walked block. One CTA per tile (no persistent grid), no page table or
-  heads-major Q.
+  heads-major Q, except in the decode arrangement: `decode_group` = G says
+  the rows pack G query heads per token and the batch rows are chunks of
+  `q_batch_divisor` (`ForwardStatics.decode_group`); the mods then see each
+  row's head and token and each key's position in its sequence, and the
+  block lists come from `mods.block_mask`, made for the packed problem
+  (`sm90_decode.forward`).
 
   float8 q, k and v (`fp8_mode` "all"): `descales` = (q_descale f32 [Nq] or
   None, k_descale [Nkv] or None, v_descale [Nkv] or None), the stored
@@ -1574,7 +1648,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
   if mods is not None and not mods.has_mods:
     mods = None
   if mods is not None:
-    check_mods(mods, config, page_table, heads_major, q_batch_divisor)
+    check_mods(mods, config, page_table, heads_major, q_batch_divisor, decode_group)
   if q_batch_divisor < 1:
     raise KernelUnsupported(f"sm90 forward: q_batch_divisor must be >= 1; got {q_batch_divisor}")
   if heads_major:
@@ -1673,6 +1747,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
       **_q_options(heads_major, q_batch_divisor),
       **({} if mods is None else dict(mods=True, score_mod=mods.score_mod,
                                       mask_mod=mods.mask_mod)),
+      **({} if mods is None or decode_group is None else dict(decode_group=decode_group)),
       **({} if not fp8 else dict(fp8=True, out_dtype=jnp.dtype(out_dtype or jnp.bfloat16))),
       **({} if not fp8_cache else dict(out_dtype=jnp.dtype(out_dtype), kv_dtype=k.dtype)),
   )
@@ -1760,19 +1835,22 @@ def mods_config(config: ForwardConfig) -> ForwardConfig:
 
 
 def check_mods(mods, config: ForwardConfig | None, page_table, heads_major: bool,
-               q_batch_divisor: int) -> None:
+               q_batch_divisor: int, decode_group: int | None = None) -> None:
   """Raises KernelUnsupported (or a ValueError naming an op the kernel
   cannot run, `mod_functions.kernel_problem`) unless the kernel can run
-  these programmable scores."""
-  if page_table is not None or heads_major or q_batch_divisor != 1:
+  these programmable scores. A page table, heads-major Q and a Q batch
+  divisor only in the decode arrangement (`decode_group`)."""
+  if decode_group is None and (page_table is not None or heads_major or q_batch_divisor != 1):
     raise KernelUnsupported("sm90 forward: score_mod / mask_mod are not supported with a page "
-                            "table, heads-major Q or a Q batch divisor")
+                            "table, heads-major Q or a Q batch divisor outside the decode "
+                            "arrangement")
   if config is not None and config.persistent:
     raise KernelUnsupported("sm90 forward: score_mod / mask_mod walk one CTA per tile; pass a "
                             "config with persistent=False (`mods_config`)")
   for mod in (mods.score_mod, mods.mask_mod):
     if mod is not None:
-      problem = mod_functions.kernel_problem(mod)
+      problem = (mod_functions.kernel_problem(mod) if decode_group is None
+                 else mod_functions.packed_rows_problem(mod))
       if problem is not None:
         raise mod_functions.Unsupported(f"sm90 forward: {problem}")
 
@@ -1787,13 +1865,14 @@ def mods_operands(mods, config: ForwardConfig, q_shape, k_shape, q_lengths, kv_l
 
   The classes take the call's arguments as the kernel masks them: the
   lengths clipped to the sequences (a length past them would make the last,
-  padded, key block look full)."""
+  padded, key block look full), but for split-K chunks' key lengths, which
+  count past the chunk to align a band (`MaskSpec.key_chunk` cuts them)."""
   batch, q_seq, num_q_heads, _ = q_shape
   kv_seq = k_shape[1]
   clip = lambda x, n: None if x is None else jnp.clip(jnp.asarray(x, jnp.int32), 0, n)
   q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
-  scores_ = mods.replace(mask=mask, q_lengths=clip(q_lengths, q_seq),
-                         kv_lengths=clip(kv_lengths, kv_seq),
+  kv_lengths = kv_lengths if mask.key_chunk is not None else clip(kv_lengths, kv_seq)
+  scores_ = mods.replace(mask=mask, q_lengths=clip(q_lengths, q_seq), kv_lengths=kv_lengths,
                          q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   classes = score_lib.tile_classes(scores_, batch, num_q_heads, q_seq, kv_seq,
                                    config.block_q_cta, config.block_kv)
