@@ -28,7 +28,9 @@ rows, the decode arrangement on the float8 cache under each of
 config; `16-bit plan` is the plan before the float8 rules of
 `sm90_decode.plan(fp8_cache=True)`, i.e. the former default), so that one
 run puts the grids side by side with the bf16 call and the `fp8` column
-(the default plan). On paged rows it adds `fp8 paged dec 16-bit plan`:
+(the default plan); on the D64 rows, `D64_CANDIDATES` (two CTAs an SM:
+docs/performance-notes.md, "The D64 float8 decode: a model"). On paged
+rows it adds `fp8 paged dec 16-bit plan`:
 float8 pages under their former plan (`paged_plan_columns`).
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
@@ -169,6 +171,22 @@ def _decode_candidates():
   sixty_four = lambda q, k: plan(q, k).splits  # the 16-bit plan's (64 streams on an H100)
   paged = lambda q, k: plan(q, k, ragged=True).splits  # the paged call's splits
 
+  def d64(factor, changes):
+    """Head dim 64 only: `factor` x the all-SMs splits (chunks of at least
+    MIN_CHUNK keys), the float8 rule's config with `changes` on a grid of
+    one CTA per item (never persistent: a persistent grid launches one CTA
+    per SM, and these candidates ask for two)."""
+    rule = fp8_rule(lambda q, k: factor * all_sms(q, k),
+                    dict(changes, persistent=False, work_queue=False, num_sms=0, q_buffers=1))
+    def candidate(q_shape, k_shape):
+      if q_shape[-1] != 64:
+        return None
+      got = rule(q_shape, k_shape)
+      if got is None or k_shape[1] // got[0] < sm90_decode.MIN_CHUNK:
+        return None
+      return got
+    return candidate
+
   def two_consumers(stages):
     """All SMs, the forward's config for the chunk as the kernel shrinks it
     (two consumers at D128, 64-key slots), on `stages` slots."""
@@ -199,10 +217,22 @@ def _decode_candidates():
       "all SMs 1c kv64 s8": fp8_rule(all_sms, dict(block_kv=64, num_kv_stages=8)),
       "2x splits 1c kv128 s4": fp8_rule(lambda q, k: 2 * all_sms(q, k)),
       "paged splits 1c kv128 s4 persistent": fp8_rule(paged, persistent=True),
+      # D64 (`D64_CANDIDATES`): two CTAs per SM, so that two consumer
+      # warpgroups hide each other's latency (docs/performance-notes.md,
+      # "The D64 float8 decode: a model").
+      "D64 2x splits 1c kv128 s4": d64(2, dict(num_kv_stages=4)),
+      "D64 2x splits 1c kv128 s3": d64(2, dict(num_kv_stages=3)),
+      "D64 2x splits 1c kv64 s4": d64(2, dict(block_kv=64, num_kv_stages=4)),
+      "D64 4x splits 1c kv128 s2": d64(4, dict(num_kv_stages=2)),
+      "D64 all SMs 1c kv128 s2": d64(1, dict(num_kv_stages=2)),
   }
 
 
 ALL_ROWS = ("16-bit plan", "paged shape", "all SMs")
+# Candidates run on the D64 decode rows (and only there).
+D64_CANDIDATES = ("D64 2x splits 1c kv128 s4", "D64 2x splits 1c kv128 s3",
+                  "D64 2x splits 1c kv64 s4", "D64 4x splits 1c kv128 s2",
+                  "D64 all SMs 1c kv128 s2")
 
 
 def decode_plan_columns(q, k8, v8, kd, vd, first_row):
@@ -217,7 +247,10 @@ def decode_plan_columns(q, k8, v8, kd, vd, first_row):
   seen = {(default.splits, default.config): "default"}
   columns = {}
   for label, rule in _decode_candidates().items():
-    if not first_row and label not in ALL_ROWS:
+    if label in D64_CANDIDATES:
+      if d != 64:
+        continue
+    elif not first_row and label not in ALL_ROWS:
       continue
     try:
       got = rule(q.shape, k8.shape)
