@@ -28,7 +28,10 @@ rows, the decode arrangement on the float8 cache under each of
 config; `16-bit plan` is the plan before the float8 rules of
 `sm90_decode.plan(fp8_cache=True)`, i.e. the former default), so that one
 run puts the grids side by side with the bf16 call and the `fp8` column
-(the default plan).
+(the default plan); on the D64 rows, `D64_CANDIDATES` (two CTAs an SM:
+docs/performance-notes.md, "The D64 float8 decode: a model"). On paged
+rows it adds `fp8 paged dec 16-bit plan`:
+float8 pages under their former plan (`paged_plan_columns`).
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
                                   [--tag NAME]
@@ -168,6 +171,22 @@ def _decode_candidates():
   sixty_four = lambda q, k: plan(q, k).splits  # the 16-bit plan's (64 streams on an H100)
   paged = lambda q, k: plan(q, k, ragged=True).splits  # the paged call's splits
 
+  def d64(factor, changes):
+    """Head dim 64 only: `factor` x the all-SMs splits (chunks of at least
+    MIN_CHUNK keys), the float8 rule's config with `changes` on a grid of
+    one CTA per item (never persistent: a persistent grid launches one CTA
+    per SM, and these candidates ask for two)."""
+    rule = fp8_rule(lambda q, k: factor * all_sms(q, k),
+                    dict(changes, persistent=False, work_queue=False, num_sms=0, q_buffers=1))
+    def candidate(q_shape, k_shape):
+      if q_shape[-1] != 64:
+        return None
+      got = rule(q_shape, k_shape)
+      if got is None or k_shape[1] // got[0] < sm90_decode.MIN_CHUNK:
+        return None
+      return got
+    return candidate
+
   def two_consumers(stages):
     """All SMs, the forward's config for the chunk as the kernel shrinks it
     (two consumers at D128, 64-key slots), on `stages` slots."""
@@ -198,10 +217,22 @@ def _decode_candidates():
       "all SMs 1c kv64 s8": fp8_rule(all_sms, dict(block_kv=64, num_kv_stages=8)),
       "2x splits 1c kv128 s4": fp8_rule(lambda q, k: 2 * all_sms(q, k)),
       "paged splits 1c kv128 s4 persistent": fp8_rule(paged, persistent=True),
+      # D64 (`D64_CANDIDATES`): two CTAs per SM, so that two consumer
+      # warpgroups hide each other's latency (docs/performance-notes.md,
+      # "The D64 float8 decode: a model").
+      "D64 2x splits 1c kv128 s4": d64(2, dict(num_kv_stages=4)),
+      "D64 2x splits 1c kv128 s3": d64(2, dict(num_kv_stages=3)),
+      "D64 2x splits 1c kv64 s4": d64(2, dict(block_kv=64, num_kv_stages=4)),
+      "D64 4x splits 1c kv128 s2": d64(4, dict(num_kv_stages=2)),
+      "D64 all SMs 1c kv128 s2": d64(1, dict(num_kv_stages=2)),
   }
 
 
 ALL_ROWS = ("16-bit plan", "paged shape", "all SMs")
+# Candidates run on the D64 decode rows (and only there).
+D64_CANDIDATES = ("D64 2x splits 1c kv128 s4", "D64 2x splits 1c kv128 s3",
+                  "D64 2x splits 1c kv64 s4", "D64 4x splits 1c kv128 s2",
+                  "D64 all SMs 1c kv128 s2")
 
 
 def decode_plan_columns(q, k8, v8, kd, vd, first_row):
@@ -216,7 +247,10 @@ def decode_plan_columns(q, k8, v8, kd, vd, first_row):
   seen = {(default.splits, default.config): "default"}
   columns = {}
   for label, rule in _decode_candidates().items():
-    if not first_row and label not in ALL_ROWS:
+    if label in D64_CANDIDATES:
+      if d != 64:
+        continue
+    elif not first_row and label not in ALL_ROWS:
       continue
     try:
       got = rule(q.shape, k8.shape)
@@ -239,27 +273,30 @@ def decode_plan_columns(q, k8, v8, kd, vd, first_row):
   return columns
 
 
-def paged_plan_columns(q, kp, vp, kd, vd, table, lengths):
-  """`fp8 paged dec 1c <...>`: the paged call's splits with the float8 decode
-  rule's config (`sm90_decode.fp8_cache_decode_config`, one consumer on
-  128-key slots, on the forward's grid for the chunk: a persistent one),
-  which `paged_decode_plan` does not take yet."""
+def paged_plan_columns(q, kp, vp, kd, vd, table, lengths, causal):
+  """`fp8 paged dec 16-bit plan`: float8 pages under the plan they took
+  before `backends.paged_decode_plan` gave them the float8 decode config
+  (the paged call's splits and the 16-bit config, which the kernel shrinks
+  for the widened tiles), beside the `fp8 paged` column (the default now:
+  the same splits, `sm90_decode.fp8_cache_decode_config`). H200,
+  2026-12-06, B8 T1 S32k D128 page 64: 3.77 TB/s before, 4.42 under the
+  float8 config (then a column of its own, `fp8 paged dec 1c kv128 s4
+  persistent`)."""
   from fa4_jax.kernels import sm90_decode
   from fa4_jax.scores import MaskSpec
 
   b, t, n, d = q.shape
   k_shape = (b, table.shape[1] * kp.shape[1], kp.shape[2], d)
-  paged = sm90_decode.plan(q.shape, k_shape, MaskSpec(), ragged=True, granule=kp.shape[1])
-  config = sm90_decode.fp8_cache_decode_config(d, k_shape[1] // paged.splits,
-                                               t * n // kp.shape[2], None)
-  if config is None or config.num_consumers != 1:
+  mask = MaskSpec(right=0, offset_from_lengths=True) if causal else MaskSpec()
+  old = sm90_decode.plan(q.shape, k_shape, mask, ragged=True, granule=kp.shape[1])
+  new = sm90_decode.plan(q.shape, k_shape, mask, ragged=True, granule=kp.shape[1],
+                         fp8_cache=True)
+  if old is None or old == new:
     return {}
-  label = (f"fp8 paged dec 1c kv{config.block_kv} s{config.num_kv_stages}"
-           f"{' persistent' if config.persistent else ''}")
-  print(f"{label}: splits={paged.splits} config={config}", flush=True)
-  decode_plan = sm90_decode.DecodePlan(paged.splits, config)
+  label = "fp8 paged dec 16-bit plan"
+  print(f"{label}: {old}; the default: {new}", flush=True)
   call = lambda q, kp, vp, kd, vd: sm90_decode.forward(
-      q, kp, vp, None, lengths, score=ScoreFunction(d ** -0.5), mask=MaskSpec(), plan=decode_plan,
+      q, kp, vp, None, lengths, score=ScoreFunction(d ** -0.5), mask=mask, plan=old,
       page_table=table, descales=(None, kd, vd))[0]
   return {label: (call, (q, kp, vp, kd, vd))}
 
@@ -323,8 +360,9 @@ def run_case(case, rounds, configs=False, decode_configs=False):
         q, kp, vp, table, lengths, is_causal=causal, key_descale=kd, value_descale=vd,
         implementation="sm90")
     calls["fp8 paged"] = (paged, (q, to_pages(k8), to_pages(v8), kd, vd))
-    if decode_configs and not causal:
-      calls.update(paged_plan_columns(q, to_pages(k8), to_pages(v8), kd, vd, table, lengths))
+    if decode_configs:
+      calls.update(paged_plan_columns(q, to_pages(k8), to_pages(v8), kd, vd, table, lengths,
+                                      causal))
   bf16_bytes = 2 * k.size * k.dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
              flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))

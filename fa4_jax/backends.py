@@ -615,14 +615,21 @@ def paged_decode_plan(args: PagedArguments):
   ragged lengths; None where the decode arrangement cannot serve it (more
   than `sm90_decode.MAX_PACKED_ROWS` packed rows). Causal calls with T > 1
   (chunked prefill, speculative decoding) take it too, with the band
-  aligned by each row's length (`PagedStatic.kernel_mask`)."""
+  aligned by each row's length (`PagedStatic.kernel_mask`). float8 pages
+  under a 16-bit query take the float8 decode config
+  (`sm90_decode.fp8_cache_decode_config`, as a contiguous float8 cache
+  does) on the paged call's splits: H200, B8 T1 S32k GQA 32/8 D128 page 64,
+  2026-12-06, 4.42 TB/s of bf16 bytes against 3.77 under the 16-bit
+  config the kernel shrank (docs/performance-notes.md)."""
   from fa4_jax.kernels import sm90_decode
 
   b, _, _, d = args.query.shape
   page_size, kv_heads = args.key_pages.shape[1], args.key_pages.shape[2]
   k_shape = (b, args.page_table.shape[1] * page_size, kv_heads, d)
+  fp8_cache = (jnp.dtype(args.key_pages.dtype) in scores.FP8_DTYPES
+               and jnp.dtype(args.query.dtype) not in scores.FP8_DTYPES)
   return sm90_decode.plan(args.query.shape, k_shape, args.static.kernel_mask(args.query.shape),
-                          ragged=True, granule=page_size)
+                          ragged=True, granule=page_size, fp8_cache=fp8_cache)
 
 
 def paged_mla_problem(args: PagedArguments) -> str | None:
