@@ -505,18 +505,22 @@ def _arrangement(name: str, call: CallInfo) -> Backend:
 
 
 def select_paged(implementation, args: PagedArguments) -> str:
-  """What `paged_attention` runs: "xla" or "sm90" (`paged_kernel_forward`);
-  raises ValueError when "sm90" was asked for and cannot serve. None takes
-  the kernel only on a Hopper GPU (as `fa4_jax.attention` does: inside
-  `interpret_mode()` the kernel runs when asked for by name)."""
+  """What `paged_attention` runs: "xla", "sm90" (the sm90 kernels reading
+  the pages: the decode arrangement, or beyond its rows the forward kernel)
+  or "sm90_mla" (the MLA decode kernel, for latent pages: `value_pages=None`),
+  as `paged_kernel_forward` dispatches; raises ValueError when "sm90" was
+  asked for and cannot serve. None takes the kernel only on a Hopper GPU (as
+  `fa4_jax.attention` does: inside `interpret_mode()` the kernel runs when
+  asked for by name)."""
   if implementation == "xla":
     return "xla"
   problem = _paged_kernel_problem(args)
+  kernel = "sm90_mla" if args.value_pages is None else "sm90"
   if implementation == "sm90":
     if problem is not None:
       raise ValueError(f"implementation='sm90': {problem}")
-    return "sm90"
-  return "sm90" if problem is None and device_arch_major() == 9 else "xla"
+    return kernel
+  return kernel if problem is None and device_arch_major() == 9 else "xla"
 
 
 def paged_kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales,

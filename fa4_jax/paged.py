@@ -6,7 +6,8 @@ layout vLLM and FlashInfer use: `key_pages`, `value_pages`
 lists each row's pages in order; row b's keys are the first
 `key_value_seq_lengths[b]` of the concatenation of its pages.
 
-What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
+What runs where (`which_paged_implementation` says which: "sm90", "sm90_mla"
+or "xla"):
 
 * Hopper GPU: the sm90 forward kernel in the decode arrangement of
   `fa4_jax.kernels.sm90_decode` (a KV head's query heads packed as the rows
@@ -16,7 +17,7 @@ What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
   TMA copy per page, no gather of the cache. Causal queries of more than
   256 packed rows: the forward kernel itself, through the table as well.
   Latent pages (MLA, `value_pages=None`): the MLA decode kernel of
-  `fa4_jax.kernels.sm90_mla_decode`, through the table too.
+  `fa4_jax.kernels.sm90_mla_decode` ("sm90_mla"), through the table too.
 * Everywhere else, and for what the kernel cannot serve: the XLA path, which
   gathers each row's pages into a contiguous cache and calls the XLA
   attention with an explicit mask. It is also the reference.
@@ -131,8 +132,9 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
                                key_descale=None, value_descale=None, output_dtype=None,
                                value_head_dim=None, score_mod=None, mask_mod=None) -> str:
   """What `paged_attention` runs for these arguments here: "sm90" (the
-  Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
-  would."""
+  Hopper kernels reading the pages), "sm90_mla" (the MLA decode kernel
+  reading latent pages, `value_pages=None`) or "xla". Raises as
+  `paged_attention` would."""
   args = _validated(**locals())
   return select_paged(implementation, args)
 

@@ -124,7 +124,7 @@ def test_paged_attention_with_latent_pages_runs_the_kernel(run_interpreted):
   lengths = jnp.asarray((1, 190), jnp.int32)
   with fa4_jax.interpret_mode():
     assert fa4_jax.which_paged_implementation(q, pool, None, table, lengths, value_head_dim=DV,
-                                              scale=SCALE, implementation="sm90") == "sm90"
+                                              scale=SCALE, implementation="sm90") == "sm90_mla"
   out = run_interpreted(lambda q, p, tb, n: fa4_jax.paged_attention(
       q, p, None, tb, n, value_head_dim=DV, scale=SCALE, implementation="sm90"),
       q, pool, table, lengths)
@@ -187,7 +187,7 @@ def test_sm90_picks_the_mla_kernel_and_other_devices_the_xla_path():
   with fa4_jax.gpu_target("sm90"):
     assert fa4_jax.which_implementation(q, k, None, **options) == "sm90_mla"
     assert fa4_jax.which_implementation(q, k, None, **options, part="backward") == "xla"
-    assert paged(q) == "sm90"
+    assert paged(q) == "sm90_mla"
     # Explicit values (even equal to the keys' prefix) are not read from the keys.
     assert fa4_jax.which_implementation(q, k, k[..., :DV], scale=SCALE) != "sm90_mla"
     # Five tokens, a soft-cap, several latent heads: the XLA path.
