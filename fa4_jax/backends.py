@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from fa4_jax import interpret, mod_functions, per_platform, scores, target, xla_attention
 from fa4_jax.kernels import KernelUnsupported, default_device
 from fa4_jax.scores import MaskSpec, Scores
-from fa4_jax.validation import PagedArguments
+from fa4_jax.validation import PagedArguments, PagedStatic
 from fa4_jax.vjp import Backend
 
 KERNEL_IMPLEMENTATIONS = ("sm90", "sm100")
@@ -529,18 +529,56 @@ def _arrangement(name: str, call: CallInfo) -> Backend:
 
 
 def select_paged(implementation, args: PagedArguments) -> str:
-  """What `paged_attention` runs: "xla" or "sm90"; raises ValueError when
-  "sm90" was asked for and cannot serve. None takes the kernel only on a
-  Hopper GPU (as `fa4_jax.attention` does: inside `interpret_mode()` the
-  kernel runs when asked for by name)."""
+  """What `paged_attention` runs: "xla", "sm90" (the sm90 kernels reading
+  the pages: the decode arrangement, or beyond its rows the forward kernel)
+  or "sm90_mla" (the MLA decode kernel, for latent pages: `value_pages=None`),
+  as `paged_kernel_forward` dispatches; raises ValueError when "sm90" was
+  asked for and cannot serve. None takes the kernel only on a Hopper GPU (as
+  `fa4_jax.attention` does: inside `interpret_mode()` the kernel runs when
+  asked for by name)."""
   if implementation == "xla":
     return "xla"
   problem = _paged_kernel_problem(args)
+  kernel = "sm90_mla" if args.value_pages is None else "sm90"
   if implementation == "sm90":
     if problem is not None:
       raise ValueError(f"implementation='sm90': {problem}")
-    return "sm90"
-  return "sm90" if problem is None and device_arch_major() == 9 else "xla"
+    return kernel
+  return kernel if problem is None and device_arch_major() == 9 else "xla"
+
+
+def paged_kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales, mods,
+                         static: PagedStatic):
+  """The output of the sm90 kernel `select_paged` chose, reading through the
+  table: the MLA decode kernel for latent pages (`value_pages=None`), else
+  the decode arrangement (also causal T > 1, the band aligned by each row's
+  length), or the forward kernel itself for chunked prefill beyond the
+  arrangement's packed rows. `descales`: float8 pages' (q, k, v) descales,
+  (None, None, None) otherwise. `mods`: None, or the traced `score_mod` /
+  `mask_mod` (`paged_mods`), which only the decode arrangement runs."""
+  from fa4_jax.kernels import sm90_decode, sm90_forward
+
+  if value_pages is None:  # MLA's latent pages: the MLA decode kernel
+    from fa4_jax.kernels import sm90_mla_decode
+    out, lse = sm90_mla_decode.forward(q, key_pages, None, lengths,
+                                       value_head_dim=static.value_head_dim, score=static.score,
+                                       mask=static.kernel_mask(q.shape), page_table=page_table)
+    return out if sinks is None else scores.add_sinks(out, lse, sinks)[0]
+  fp8 = {}
+  if key_pages.dtype in scores.FP8_DTYPES:  # a 16-bit query on float8 pages
+    fp8 = dict(descales=descales, out_dtype=static.output_dtype)
+  plan = paged_decode_plan(PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks,
+                                          static))
+  if plan is None:  # chunked prefill beyond the decode arrangement's rows
+    q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+    out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
+                                  score=static.score, mask=static.kernel_mask(q.shape),
+                                  sinks=sinks, page_table=page_table, **fp8)
+    return out
+  out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, score=static.score,
+                               mask=static.kernel_mask(q.shape), plan=plan, sinks=sinks,
+                               page_table=page_table, mods=mods, **fp8)
+  return out
 
 
 def _paged_kernel_problem(args: PagedArguments) -> str | None:

@@ -768,16 +768,16 @@ class _BoolRows(Along):
 
 @dataclasses.dataclass(frozen=True)
 class _Outer:
-  """`op(a, b)` (add or sub) of two values `Along` different axes, not yet
+  """`op(left, right)` (add or sub) of two values `Along` different axes, not yet
   formed on the tile."""
 
-  a: Along
-  b: Along
+  left: Along
+  right: Along
   name: str
 
   def tile(self):
     op = lax.add if self.name == "add" else lax.sub
-    return op(self.a.tile(), self.b.tile())
+    return op(self.left.tile(), self.right.tile())
 
 
 def _tile(x):
@@ -797,12 +797,12 @@ def _bind_structured(eqn, ins):
     return None  # (bool vectors are not broadcast: Mosaic GPU's i1 registers)
   if name == "convert_element_type" and isinstance(ins[0], _Outer):
     outer = ins[0]
-    bounds = (outer.a.bound, outer.b.bound)
-    if (outer.a.dtype == jnp.int32 and out_dtype == jnp.float32 and None not in bounds
+    bounds = (outer.left.bound, outer.right.bound)
+    if (outer.left.dtype == jnp.int32 and out_dtype == jnp.float32 and None not in bounds
         and sum(bounds) <= EXACT_FLOAT32_INTS):
       # float(a - b) == float(a) - float(b): every value and the result are
       # integers below 2**24, exact in float32.
-      return _Outer(_to_float(outer.a), _to_float(outer.b), outer.name)
+      return _Outer(_to_float(outer.left), _to_float(outer.right), outer.name)
     return None
   if (name == "convert_element_type" and isinstance(ins[0], Along)
       and ins[0].dtype == jnp.int32 and out_dtype == jnp.float32):

@@ -6,7 +6,8 @@ layout vLLM and FlashInfer use: `key_pages`, `value_pages`
 lists each row's pages in order; row b's keys are the first
 `key_value_seq_lengths[b]` of the concatenation of its pages.
 
-What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
+What runs where (`which_paged_implementation` says which: "sm90", "sm90_mla"
+or "xla"):
 
 * Hopper GPU: the sm90 forward kernel in the decode arrangement of
   `fa4_jax.kernels.sm90_decode` (a KV head's query heads packed as the rows
@@ -15,13 +16,16 @@ What runs where (`which_paged_implementation` says which, "sm90" or "xla"):
   with the band of each row), reading K and V through the page table: one
   TMA copy per page, no gather of the cache. Causal queries of more than
   256 packed rows: the forward kernel itself, through the table as well.
+  Latent pages (MLA, `value_pages=None`): the MLA decode kernel of
+  `fa4_jax.kernels.sm90_mla_decode` ("sm90_mla"), through the table too.
 * Everywhere else, and for what the kernel cannot serve: the XLA path, which
   gathers each row's pages into a contiguous cache and calls the XLA
   attention with an explicit mask. It is also the reference.
 
 As for `fa4_jax.attention`, the arguments are checked in `fa4_jax.validation`
 (`validate_paged`) and the path is chosen in `fa4_jax.backends`
-(`select_paged`); this module holds the API and the two paths.
+(`select_paged`), which also calls the kernels (`paged_kernel_forward`);
+this module holds the API and the XLA path.
 """
 
 from __future__ import annotations
@@ -32,9 +36,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from fa4_jax.backends import paged_decode_plan, select_paged
-from fa4_jax.scores import FP8_DTYPES
-from fa4_jax.validation import PagedArguments, PagedStatic, validate_paged
+from fa4_jax.backends import paged_kernel_forward, select_paged
+from fa4_jax.validation import PagedStatic, validate_paged
 
 PagedImplementation = Literal["xla", "sm90"] | None
 
@@ -132,8 +135,9 @@ def which_paged_implementation(query, key_pages, value_pages, page_table,
                                key_descale=None, value_descale=None, output_dtype=None,
                                value_head_dim=None, score_mod=None, mask_mod=None) -> str:
   """What `paged_attention` runs for these arguments here: "sm90" (the
-  Hopper kernel reading the pages) or "xla". Raises as `paged_attention`
-  would."""
+  Hopper kernels reading the pages), "sm90_mla" (the MLA decode kernel
+  reading latent pages, `value_pages=None`) or "xla". Raises as
+  `paged_attention` would."""
   args = _validated(**locals())
   return select_paged(implementation, args)
 
@@ -150,7 +154,7 @@ def _validated(query, key_pages, value_pages, page_table, key_value_seq_lengths,
                         mods=dict(score_mod=score_mod, mask_mod=mask_mod))
 
 
-# --- the two paths -----------------------------------------------------------
+# --- the XLA path, and the kernels' gradient ---------------------------------
 
 
 def gather_pages(pages, page_table):
@@ -183,36 +187,12 @@ def _xla_forward(q, key_pages, value_pages, page_table, lengths, sinks, static: 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales, mods,
                     static: PagedStatic):
-  """The sm90 kernel reading through the table: in the decode arrangement
-  (also causal T > 1, the band aligned by each row's length), or the
-  forward kernel itself for chunked prefill beyond the arrangement's packed
-  rows. `descales`: float8 pages' (q, k, v) descales, (None, None, None)
-  otherwise. `mods`: None, or the traced `score_mod` / `mask_mod` as a
-  `scores.Scores` (`backends.paged_mods`; the decode arrangement only)."""
-  from fa4_jax.kernels import sm90_decode, sm90_forward
-
-  if value_pages is None:  # MLA's latent pages: the MLA decode kernel
-    from fa4_jax.kernels import sm90_mla_decode
-    from fa4_jax.scores import add_sinks
-    out, lse = sm90_mla_decode.forward(q, key_pages, None, lengths,
-                                       value_head_dim=static.value_head_dim, score=static.score,
-                                       mask=static.kernel_mask(q.shape), page_table=page_table)
-    return out if sinks is None else add_sinks(out, lse, sinks)[0]
-  fp8 = {}
-  if key_pages.dtype in FP8_DTYPES:  # a 16-bit query on float8 pages
-    fp8 = dict(descales=descales, out_dtype=static.output_dtype)
-  plan = paged_decode_plan(PagedArguments(q, key_pages, value_pages, page_table, lengths, sinks,
-                                          static))
-  if plan is None:  # chunked prefill beyond the decode arrangement's rows
-    q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-    out, _ = sm90_forward.forward(q, key_pages, value_pages, q_lengths, lengths,
-                                  score=static.score, mask=static.kernel_mask(q.shape),
-                                  sinks=sinks, page_table=page_table, **fp8)
-    return out
-  out, _ = sm90_decode.forward(q, key_pages, value_pages, None, lengths, score=static.score,
-                               mask=static.kernel_mask(q.shape), plan=plan, sinks=sinks,
-                               page_table=page_table, mods=mods, **fp8)
-  return out
+  """The kernel `backends.select_paged` chose, reading through the table
+  (`backends.paged_kernel_forward`); its gradient is the XLA path's.
+  `mods`: None, or the traced `score_mod` / `mask_mod` as a `scores.Scores`
+  (`backends.paged_mods`; the decode arrangement only)."""
+  return paged_kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales,
+                              mods, static)
 
 
 def _kernel_forward_fwd(q, key_pages, value_pages, page_table, lengths, sinks, descales, mods,

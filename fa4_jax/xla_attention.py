@@ -83,8 +83,8 @@ class _Problem:
   # bool [nq, nk]: the block pairs `mask_mod` lets some pair of (any batch
   # row and head) see; None without a mask_mod.
   mod_blocks: Optional[Array]
-  t: int  # true query length
-  s: int  # true key length
+  q_seq: int  # true query length
+  kv_seq: int  # true key length
   scores: Scores
   blocks: Blocks
 
@@ -345,7 +345,7 @@ def _problem(q, k, v, bias, mask, scores_: Scores, blocks):
       mask=_pad_pair_array(_group_pair_array(mask, num_kv_heads), tp, sp, False),
       q_len=q_len, kv_len=kv_len, q_segments=q_seg, kv_segments=kv_seg,
       q_block_segments=q_block_segments, k_block_segments=k_block_segments,
-      mod_blocks=mod_blocks, t=t, s=s, scores=scores_, blocks=blocks)
+      mod_blocks=mod_blocks, q_seq=t, kv_seq=s, scores=scores_, blocks=blocks)
 
 
 def _row_valid(p: _Problem, qb):
@@ -394,8 +394,8 @@ def forward(q, k, v, bias, mask, scores_: Scores, *, blocks: Blocks | None = Non
   out, lse = lax.map(one_query_block, jnp.arange(p.num_q_blocks))
   # out: [nq, B, K, G, bq, D] -> [B, T, N, D];  lse: [nq, B, K, G, bq] -> [B, N, T]
   nq = p.num_q_blocks
-  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, dv)[:, :p.t]
-  lse = lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, dv)[:, :p.q_seq]
+  lse = lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.q_seq]
   if scores_.sinks is not None:
     out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
   return out, lse
@@ -441,7 +441,7 @@ def tangent_sums(q, k, v, bias, mask, scores_: Scores, lse, dq, dk, dv, dbias, d
   dq = _pad_axis(_group(dq, kh), 1, tp)
   dk, dv = _pad_axis(dk, 1, sp), _pad_axis(dv, 1, sp)
   dbias = _pad_pair_array(_group_pair_array(dbias, kh), tp, sp, 0)
-  lse_safe = _pad_axis(jnp.where(lse == -jnp.inf, 0.0, lse).reshape(bsz, kh, g, p.t), 3, tp)
+  lse_safe = _pad_axis(jnp.where(lse == -jnp.inf, 0.0, lse).reshape(bsz, kh, g, p.q_seq), 3, tp)
   captured = scores_.score_captured
   dcaptured = _captured_tangents(scores_, dcaptured)
   differentiable = [jnp.issubdtype(c.dtype, jnp.inexact) for c in captured]
@@ -491,8 +491,8 @@ def tangent_sums(q, k, v, bias, mask, scores_: Scores, lse, dq, dk, dv, dbias, d
 
   d_out, d_lse = lax.map(one_query_block, jnp.arange(p.num_q_blocks))
   nq = p.num_q_blocks
-  d_out = d_out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, dv_dim)[:, :p.t]
-  d_lse = d_lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.t]
+  d_out = d_out.transpose(1, 0, 4, 2, 3, 5).reshape(bsz, nq * bq, kh * g, dv_dim)[:, :p.q_seq]
+  d_lse = d_lse.transpose(1, 2, 3, 0, 4).reshape(bsz, kh * g, nq * bq)[:, :, :p.q_seq]
   return d_out, d_lse
 
 
@@ -523,7 +523,7 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
   nh = kh * g
   scale = p.scale
   # Rows past the query length had their output forced to zero: no gradient.
-  row_ok = jnp.arange(p.t)[None, :] < p.q_len[:, None]  # [B, T]
+  row_ok = jnp.arange(p.q_seq)[None, :] < p.q_len[:, None]  # [B, T]
   dout = jnp.where(row_ok[:, :, None, None], dout, 0).astype(dout.dtype)
   delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
   if dlse is not None:  # d lse / d s = P: it enters dS = P * (dP - delta) as -dlse
@@ -531,7 +531,7 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
   do = _pad_axis(_group(dout, kh), 1, tp)
 
   def to_blocks(x):  # [B, N, T] -> [B, K, G, Tp] padded, for per-block slicing
-    return _pad_axis(x.reshape(bsz, kh, g, p.t), 3, tp)
+    return _pad_axis(x.reshape(bsz, kh, g, p.q_seq), 3, tp)
 
   lse_safe = to_blocks(jnp.where(lse == -jnp.inf, 0.0, lse))
   delta = to_blocks(delta)
@@ -610,8 +610,8 @@ def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
   dcap0 = tuple(jnp.zeros(captured[i].shape, jnp.float32) for i in float_idx)
   (dq, dbias, dcap), (dk, dv) = lax.scan(dkv_block, (dq0, dbias0, dcap0),
                                          jnp.arange(p.num_k_blocks))
-  dq = (dq * scale).astype(q.dtype).reshape(bsz, tp, nh, d)[:, :p.t]
-  unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(bsz, -1, kh, x.shape[-1])[:, :p.s]
+  dq = (dq * scale).astype(q.dtype).reshape(bsz, tp, nh, d)[:, :p.q_seq]
+  unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(bsz, -1, kh, x.shape[-1])[:, :p.kv_seq]
   dk, dv = unblock(dk), unblock(dv)
 
   if dbias is not None:

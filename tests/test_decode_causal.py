@@ -14,12 +14,18 @@ Specification:
 * Numerics (interpreter with race detection): out (and lse) equal an f32
   einsum with the explicit bottom-right mask, T in {2, 5}, G in {1, 4},
   ragged lengths (0, shorter than T, a page's middle, full), the last T keys
-  of a row straddling a chunk boundary, pages of 16 shuffled, sinks and
-  soft-cap, query lengths shorter than T; a query that sees no key gets
-  zeros (lse -inf), as the forward kernel gives it. Gradients (the sm90
-  backward from the combined lse) equal the XLA path's.
+  of a row straddling a chunk boundary, pages of 16 shuffled (16-bit and
+  float8), sinks and soft-cap, query lengths shorter than T; a query that
+  sees no key gets zeros (lse -inf), as the forward kernel gives it.
+  Gradients (the sm90 backward from the combined lse) equal the XLA path's.
+  The interpreter's cost is mostly a price per interpreted run, so there are
+  four runs on caches of 256 keys in two chunks of 128: contiguous with a
+  forced split; the public contiguous call with query lengths, and its
+  gradients; paged G1 with sinks and soft-cap; float8 pages G4 (the last
+  three in the planner's chunks, `short_chunks`).
 * The planner's kernels of B8 T16 / T64 S32768 Hq32 Hkv8 D128 lower for
-  sm_90 (contiguous, pages of 16 and 64) and fit SMEM.
+  sm_90 (contiguous, pages of 16 and 64; each T and each layout once) and
+  fit SMEM.
 * Selection: `which_implementation` says "sm90_decode" and the paged call
   plans the arrangement for these calls; beyond 256 packed rows, other
   bands (top-left causal, windows) and float8 queries keep the forward kernel.
@@ -71,18 +77,15 @@ def _check(out, lse, q, k, v, lengths, tol=2e-2, **reference):
                                atol=tol, rtol=tol)
 
 
-# Lengths against chunks of 128 keys: 0, shorter than T, the last T keys
-# straddling the boundary at 128 (130 with T 5: keys 125..129; 129 with T 2:
-# keys 127, 128), inside a chunk, the whole row.
-@pytest.mark.parametrize("t, n, kv_heads, lengths", [
-    (5, 8, 2, (130, 0, 3, 512)),   # G 4
-    (2, 2, 2, (129, 1, 200, 384)),  # G 1
-])
-def test_forced_split_with_the_last_keys_straddling_a_chunk_boundary(t, n, kv_heads, lengths,
-                                                                      run_interpreted):
-  q, k, v = _inputs(0, len(lengths), t, 512, n, kv_heads, 64)
+# Lengths against chunks of 128 keys: the last T keys straddling the
+# boundary at 128 (130 with T 5: keys 125..129), 0, shorter than T, the whole
+# row. G 4 (GQA packing, rows r // 4 a token); G 1 with these cases: the
+# paged test, with pages and the planner's chunks of 512.
+def test_forced_split_with_the_last_keys_straddling_a_chunk_boundary(run_interpreted):
+  t, n, kv_heads, lengths = 5, 4, 1, (130, 0, 3, 256)
+  q, k, v = _inputs(0, len(lengths), t, 256, n, kv_heads, 64)
   lengths = jnp.asarray(lengths, jnp.int32)
-  plan = sm90_decode.DecodePlan(splits=4)  # chunks of 128 keys
+  plan = sm90_decode.DecodePlan(splits=2)  # chunks of 128 keys
   out, lse = run_interpreted(lambda q, k, v, n: sm90_decode.forward(
       q, k, v, None, n, score=ScoreFunction(64 ** -0.5), mask=BAND, plan=plan), q, k, v, lengths)
   _check(out, lse, q, k, v, lengths)
@@ -92,26 +95,6 @@ def test_chunk_lengths_count_the_rows_keys_from_each_chunks_first_key():
   got = sm90_decode.chunk_lengths(jnp.asarray([130, 0, 3, 512]), 4, 512, 4).reshape(4, 4)
   np.testing.assert_array_equal(got, [[130, 2, 0, 0], [0, 0, 0, 0], [3, 0, 0, 0],
                                       [512, 384, 256, 128]])
-
-
-@pytest.mark.parametrize("t, n, kv_heads, lengths", [
-    (5, 4, 1, (514, 3, 0, 1024)),   # G 4; 514: keys 509..513 straddle 512
-    (2, 2, 2, (513, 1, 700, 40)),   # G 1
-])
-def test_attention_bottom_right_with_lengths_takes_the_arrangement(t, n, kv_heads, lengths,
-                                                                    run_interpreted):
-  q, k, v = _inputs(1, len(lengths), t, 1024, n, kv_heads, 64)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  call = lambda q, k, v, n: fa4_jax.attention(
-      q, k, v, is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=n,
-      implementation="sm90")
-  with fa4_jax.interpret_mode():
-    assert fa4_jax.which_implementation(
-        q, k, v, is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=lengths,
-        implementation="sm90") == "sm90_decode"
-    assert sm90_decode.plan(q.shape, k.shape, BAND, ragged=True).splits == 2
-  out = run_interpreted(call, q, k, v, lengths)
-  _check(out, None, q, k, v, lengths)
 
 
 def _paged_cache(seed, **shape):
@@ -126,55 +109,93 @@ def _gathered(pages, table):
       b, max_pages * page_size, kv_heads, d))
 
 
-@pytest.mark.parametrize("t, q_heads, kv_heads, lengths, scored", [
-    (5, 4, 1, (514, 3, 0, 1000), False),  # G 4; 514: keys 509..513 straddle the chunks' 512
-    (2, 2, 2, (513, 1, 250, 1024), True),  # G 1; sinks and soft-cap
-])
-def test_paged_causal_reads_the_shuffled_pages_in_chunks(t, q_heads, kv_heads, lengths, scored,
-                                                         run_interpreted):
-  args = _paged_cache(2, batch=len(lengths), t=t, q_heads=q_heads, kv_heads=kv_heads,
-                      head_dim=64, page_size=16, max_pages=64, lengths=lengths)
-  q, kp, vp, table, lengths = args
-  options = {}
-  if scored:
-    options = dict(sinks=jnp.linspace(-1.0, 2.0, q_heads, dtype=jnp.float32),
-                   logits_soft_cap=20.0)
+@pytest.fixture
+def short_chunks(monkeypatch):
+  """The planner splits caches of 256 keys into two chunks of 128 (its
+  chunks hold at least `sm90_decode.MIN_CHUNK` keys, 512): split-K and the
+  combine on a cache the interpreter runs quickly."""
+  monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 128)
+
+
+def _planned_chunks(args) -> int:
+  """The chunks the paged call `args` is planned in (`paged_decode_plan`)."""
   with fa4_jax.interpret_mode():
     plan = backends.paged_decode_plan(paged._validated(
         *args, scale=None, is_causal=True, sinks=None, logits_soft_cap=None,
         implementation="sm90", query_descale=None, key_descale=None, value_descale=None,
         output_dtype=None, value_head_dim=None, score_mod=None, mask_mod=None))
-  assert plan is not None and plan.splits == 2
+  return plan.splits
+
+
+def test_paged_causal_reads_the_shuffled_pages_in_chunks(run_interpreted, short_chunks):
+  # G 1 with sinks and soft-cap (G 4 over pages: the float8 test); 129: keys
+  # 127, 128 straddle the chunks' 128; 1 is shorter than T, 90 a page's middle.
+  args = _paged_cache(2, batch=3, t=2, q_heads=2, kv_heads=2, head_dim=64, page_size=16,
+                      max_pages=16, lengths=(129, 1, 90))
+  q, kp, vp, table, lengths = args
+  options = dict(sinks=jnp.linspace(-1.0, 2.0, 2, dtype=jnp.float32), logits_soft_cap=20.0)
+  assert _planned_chunks(args) == 2
   out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90", **options),
                         *args)
-  reference = dict(sinks=options.get("sinks"), soft_cap=options.get("logits_soft_cap"))
-  _check(out, None, q, _gathered(kp, table), _gathered(vp, table), lengths, **reference)
+  _check(out, None, q, _gathered(kp, table), _gathered(vp, table), lengths,
+         sinks=options["sinks"], soft_cap=options["logits_soft_cap"])
 
 
-def test_query_lengths_shorter_than_t_align_each_rows_last_query(run_interpreted):
-  # Row b's valid queries 0 .. q_len - 1 sit at L - q_len + t; the rest get zeros.
-  q, k, v = _inputs(4, 3, 5, 1024, 8, 2, 64)
-  q_lengths, kv_lengths = jnp.asarray([3, 5, 0], jnp.int32), jnp.asarray([514, 2, 700], jnp.int32)
+def test_float8_pages_under_a_16_bit_query(run_interpreted, short_chunks):
+  # The kernel widens the float8 pages in SMEM (`sm90_forward`'s float8
+  # cache); the band is the same. Reference: the float8 values, widened.
+  q, kp, vp, table, lengths = _paged_cache(7, batch=3, t=5, q_heads=4, kv_heads=1, head_dim=64,
+                                           page_size=16, max_pages=16, lengths=(130, 4, 250))
+  kp, vp = kp.astype(jnp.float8_e4m3fn), vp.astype(jnp.float8_e4m3fn)  # G 4
+  args = (q, kp, vp, table, lengths)
+  assert _planned_chunks(args) == 2
+  out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90"), *args)
+  _check(out, None, q, _gathered(kp, table), _gathered(vp, table), lengths)
+
+
+def test_query_lengths_and_gradients_through_the_public_call(run_interpreted, short_chunks):
+  """`fa4_jax.attention` in the decode arrangement (G 4, the planner's two
+  chunks): row b's valid queries 0 .. q_len - 1 sit at L - q_len + t, the
+  rest get zeros; the gradients (the sm90 backward from the combined lse)
+  equal the XLA path's."""
+  q, k, v = _inputs(4, 3, 5, 256, 4, 1, 64)
+  # 130 with 3 queries: keys 127..129 straddle the chunks' 128.
+  q_lengths, kv_lengths = jnp.asarray([3, 5, 0], jnp.int32), jnp.asarray([130, 2, 200], jnp.int32)
+  options = dict(is_causal=True, causal_alignment="bottom_right", query_seq_lengths=q_lengths,
+                 key_value_seq_lengths=kv_lengths)
   with fa4_jax.interpret_mode():
-    assert fa4_jax.which_implementation(
-        q, k, v, is_causal=True, causal_alignment="bottom_right", query_seq_lengths=q_lengths,
-        key_value_seq_lengths=kv_lengths, implementation="sm90") == "sm90_decode"
-  out = run_interpreted(lambda q, k, v, a, n: fa4_jax.attention(
-      q, k, v, is_causal=True, causal_alignment="bottom_right", query_seq_lengths=a,
-      key_value_seq_lengths=n, implementation="sm90"), q, k, v, q_lengths, kv_lengths)
+    which = lambda part: fa4_jax.which_implementation(q, k, v, implementation="sm90",
+                                                      part=part, **options)
+    assert which("forward") == "sm90_decode" and which("backward") == "sm90"
+    assert sm90_decode.plan(q.shape, k.shape, BAND, ragged=True).splits == 2
+  dout = jax.random.normal(jax.random.key(6), q.shape, jnp.float32)
+  call = lambda impl: lambda q, k, v: fa4_jax.attention(q, k, v, implementation=impl,
+                                                        **options)
+
+  def forward_and_grads(impl):
+    def run(q, k, v):
+      out, vjp = jax.vjp(lambda q, k, v: call(impl)(q, k, v).astype(jnp.float32), q, k, v)
+      return out, vjp(dout)
+    return run
+
+  out, got = run_interpreted(forward_and_grads("sm90"), q, k, v)
   ql, kl = np.asarray(q_lengths), np.asarray(kv_lengths)
-  tok, j = np.arange(5)[None, :, None], np.arange(1024)[None, None, :]
+  tok, j = np.arange(5)[None, :, None], np.arange(256)[None, None, :]
   visible = ((j < kl[:, None, None]) & (j <= (kl - ql)[:, None, None] + tok)
              & (tok < ql[:, None, None]))[:, None]
   want, _ = einsum_attention(q, k, v, visible)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+  _, want_grads = forward_and_grads("xla")(q, k, v)
+  for g, w in zip(got, want_grads):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=5e-2, rtol=5e-2)
 
 
 # --- cross-lowering for Hopper ---------------------------------------------------
 
 
-@pytest.mark.parametrize("t", [16, 64])
-@pytest.mark.parametrize("page_size", [None, 16, 64])
+# Each T (64 or 256 packed rows) and each layout (contiguous, pages of 16 and 64) once.
+@pytest.mark.parametrize("t, page_size", [(16, None), (64, 16), (16, 64)])
 def test_the_planners_causal_kernels_lower_for_hopper(t, page_size, cross_lower):
   b, s, n, kv_heads, d = 8, 32768, 32, 8, 128
   q = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
@@ -263,20 +284,6 @@ def test_paged_causal_calls_plan_the_arrangement_within_256_rows(t, page_size, a
   assert (backends.paged_decode_plan(validated) is not None) == arrangement
 
 
-def test_gradients_are_the_sm90_backwards_from_the_combined_lse(run_interpreted):
-  q, k, v = _inputs(5, 2, 5, 1024, 8, 2, 64)
-  lengths = jnp.asarray([514, 3], jnp.int32)
-  dout = jax.random.normal(jax.random.key(6), q.shape, jnp.float32)
-  loss = lambda impl: lambda q, k, v: jnp.sum(fa4_jax.attention(
-      q, k, v, is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=lengths,
-      implementation=impl).astype(jnp.float32) * dout)
-  got = run_interpreted(jax.grad(loss("sm90"), argnums=(0, 1, 2)), q, k, v)
-  want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                               atol=5e-2, rtol=5e-2)
-
-
 # --- the band's tile ranges, exhaustively on small sizes --------------------------
 
 
@@ -293,19 +300,24 @@ def test_packed_band_walks_every_visible_block_and_masks_every_partial_one(g, t)
   mask = sm90_decode.packed_band(g, chunk)
   q_len = t * g
   keys = np.arange(chunk)
-  for r_len in range(0, chunk + t + 1, 3):
-    for q_lo in range(0, q_len, rows):
-      row = np.arange(q_lo, q_lo + rows)[:, None]
-      seen = np.asarray(visible(mask, jnp.asarray(row), jnp.asarray(keys[None, :]),
-                                jnp.int32(r_len), q_len=jnp.int32(q_len)))
+  r_lens = list(range(0, chunk + t + 1, 3))
+  for q_lo in range(0, q_len, rows):
+    row = np.arange(q_lo, q_lo + rows)[:, None]
+    # Every remaining length at once (one traced call per tile, not one per length).
+    seen_all = np.asarray(jax.vmap(lambda r: visible(
+        mask, jnp.asarray(row), jnp.asarray(keys[None, :]), r, q_len=jnp.int32(q_len)))(
+            jnp.asarray(r_lens, jnp.int32)))
+    def ranges(r_len):
+      got = kv_tile_ranges(mask, q_lo, q_lo + rows, jnp.int32(q_len), r_len, block)
+      return jnp.stack([got.lo, got.hi, got.full_lo, got.full_hi])
+
+    ranges_all = np.asarray(jax.vmap(ranges)(jnp.asarray(r_lens, jnp.int32)))
+    for r_len, seen, ranges in zip(r_lens, seen_all, ranges_all):
       want = ((keys[None, :] < min(r_len, chunk))
               & (keys[None, :] <= r_len - t + row // g))
       want &= row < q_len
       np.testing.assert_array_equal(seen & (row < q_len), want)
-      ranges = kv_tile_ranges(mask, q_lo, q_lo + rows, jnp.int32(q_len), jnp.int32(r_len),
-                              block)
-      lo, hi, full_lo, full_hi = (int(x) for x in (ranges.lo, ranges.hi, ranges.full_lo,
-                                                   ranges.full_hi))
+      lo, hi, full_lo, full_hi = (int(x) for x in ranges)
       blocks = want.reshape(rows, chunk // block, block)
       touched = np.flatnonzero(blocks.any(axis=(0, 2)))
       assert all(lo <= b < hi for b in touched), (r_len, q_lo, lo, hi, touched)
@@ -313,15 +325,3 @@ def test_packed_band_walks_every_visible_block_and_masks_every_partial_one(g, t)
       valid = blocks[:min(rows, q_len - q_lo)]
       for b in range(full_lo, full_hi):
         assert valid[:, b].all(), (r_len, q_lo, b)
-
-
-def test_float8_pages_under_a_16_bit_query(run_interpreted):
-  # The kernel widens the float8 pages in SMEM (`sm90_forward`'s float8
-  # cache); the band is the same. Reference: the float8 values, widened.
-  args = _paged_cache(7, batch=3, t=5, q_heads=8, kv_heads=2, head_dim=64, page_size=16,
-                      max_pages=64, lengths=(514, 4, 1000))
-  q, kp, vp, table, lengths = args
-  kp, vp = kp.astype(jnp.float8_e4m3fn), vp.astype(jnp.float8_e4m3fn)
-  out = run_interpreted(lambda *a: fa4_jax.paged_attention(*a, implementation="sm90"),
-                        q, kp, vp, table, lengths)
-  _check(out, None, q, _gathered(kp, table), _gathered(vp, table), lengths)

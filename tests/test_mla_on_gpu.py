@@ -84,7 +84,7 @@ def test_latent_pages_equal_the_xla_path(name, b, t, n, s):
   q, latent, lengths = _inputs(1, b, t, n, s, jnp.bfloat16)
   pool, table = _paged(latent, seed=b)
   options = dict(value_head_dim=DV, scale=SCALE, is_causal=t > 1)
-  assert fa4_jax.which_paged_implementation(q, pool, None, table, lengths, **options) == "sm90"
+  assert fa4_jax.which_paged_implementation(q, pool, None, table, lengths, **options) == "sm90_mla"
   run = lambda impl: jax.jit(lambda q, p, tb, n: fa4_jax.paged_attention(
       q, p, None, tb, n, implementation=impl, **options))(q, pool, table, lengths)
   _check(run(None), run("xla"))

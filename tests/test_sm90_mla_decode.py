@@ -3,13 +3,17 @@
 Specification:
 * `attention(q, k, None, value_head_dim=Dv)` and `paged_attention(q, pages,
   None, ..., value_head_dim=Dv)` with one latent KV head (MLA's absorbed
-  decode, 576 / 512) run the MLA kernel on sm_90 ("sm90_mla" / "sm90") and
+  decode, 576 / 512) run the MLA kernel on sm_90 (both say "sm90_mla") and
   the XLA path elsewhere.
 * Numerics (interpreter with race detection): out (and lse) equal an f32
-  einsum with the caller's scale, per-row key lengths (1 included), the
-  bottom-right causal band among T <= 4 new tokens, contiguous and paged
-  caches (a shuffled page table), one chunk or several (the log-sum-exp
-  combine), one row tile or two.
+  einsum with the caller's scale, per-row key lengths (a token that sees
+  one key included), T = 1 without a band and the bottom-right causal band
+  among T <= 4 new tokens, contiguous and paged caches (a shuffled page
+  table; pages of 16 and 128 against blocks of 64), one chunk or two (the
+  log-sum-exp combine), one row tile or two, bfloat16 and float16. Three
+  interpreted runs (the interpreter's cost is mostly a price per run), one
+  per way of reading the cache: contiguous T = 1; pages smaller than a
+  block, T = 4 in two chunks; pages larger, the public paged call T = 3.
 * The planner's configurations at serving sizes lower for sm_90a: one
   kernel, within the SMEM limit, with wgmma and TMA.
 * The barrier table: every `MlaBarrierTable` accessor is listed in the row
@@ -75,73 +79,67 @@ def _paged(k, page_size, seed):
   return jnp.asarray(pool, k.dtype), jnp.asarray(order.reshape(b, per_row), jnp.int32)
 
 
-@pytest.mark.parametrize("name, t, n, lengths", [
-    ("one token, Hq 16, ragged lengths incl. 1", 1, 16, (1, 200, 256)),
-    ("four tokens causal, Hq 16", 4, 16, (4, 131, 256)),
-    ("two tokens causal, Hq 64: two row tiles", 2, 64, (2, 256, 70)),
-])
-def test_attention_with_latent_values_matches_an_f32_einsum_without_races(
-    name, t, n, lengths, run_interpreted):
-  b, s = 3, 256
+def test_attention_with_latent_values_matches_an_f32_einsum_without_races(run_interpreted):
+  """The contiguous cache through `fa4_jax.attention`: one token (no band),
+  Hq 128 (two row tiles), ragged lengths (1 included)."""
+  b, t, n, s = 3, 1, 128, 256
   q, k = _inputs(0, b, t, n, s)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  options = dict(value_head_dim=DV, scale=SCALE, key_value_seq_lengths=lengths,
-                 is_causal=t > 1, causal_alignment="bottom_right")
+  lengths = jnp.asarray((1, 256, 70), jnp.int32)
+  options = dict(value_head_dim=DV, scale=SCALE, key_value_seq_lengths=lengths)
   with fa4_jax.interpret_mode():
     assert fa4_jax.which_implementation(q, k, None, implementation="sm90",
                                         **options) == "sm90_mla"
   out, lse = run_interpreted(lambda q, k, n: fa4_jax.attention(
       q, k, None, implementation="sm90", return_residual=True,
       **dict(options, key_value_seq_lengths=n)), q, k, lengths)
-  want, want_lse = _reference(q, k, lengths, causal=t > 1)
+  want, want_lse = _reference(q, k, lengths, causal=False)
   _check(out, want, np.asarray(lse, np.float32).transpose(0, 2, 1), want_lse)
 
 
-@pytest.mark.parametrize("name, t, page_size, splits, lengths", [
-    ("one token, pages of 64, 4 chunks", 1, 64, 4, (1, 300, 512)),
-    ("four tokens causal, pages of 16 (4 per block), 2 chunks", 4, 16, 2, (5, 512, 64)),
-    ("three tokens causal, pages of 128, one chunk", 3, 128, 1, (3, 257, 400)),
-])
-def test_paged_latent_cache_through_a_shuffled_table_matches_an_f32_einsum(
-    name, t, page_size, splits, lengths, run_interpreted):
-  b, n, s = 3, 16, 512
+def test_paged_latent_cache_through_a_shuffled_table_matches_an_f32_einsum(run_interpreted):
+  """Four tokens causal, pages of 16 (4 per block of 64), two chunks (the
+  combine): 5 leaves the first token two keys; 130 puts the tokens at
+  126..129, across the chunks' boundary."""
+  b, t, n, s, splits = 3, 4, 16, 256, 2
   q, k = _inputs(1, b, t, n, s)
-  pool, table = _paged(k, page_size, seed=splits)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  mask = MaskSpec(right=0, offset_from_lengths=True) if t > 1 else MaskSpec()
+  pool, table = _paged(k, 16, seed=splits)
+  lengths = jnp.asarray((5, 130, 256), jnp.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True)
   out, lse = run_interpreted(lambda q, p, tb, n: mla.forward(
       q, p, None, n, value_head_dim=DV, score=ScoreFunction(SCALE), mask=mask, page_table=tb,
       plan=mla.MlaPlan(splits=splits)), q, pool, table, lengths)
-  want, want_lse = _reference(q, k, lengths, causal=t > 1)
+  want, want_lse = _reference(q, k, lengths, causal=True)
   _check(out, want, lse, want_lse)
 
 
 def test_paged_attention_with_latent_pages_runs_the_kernel(run_interpreted):
-  """The public entry point, float16, pages of 64 and a sink-free T = 1."""
-  b, t, n, s = 2, 1, 16, 256
+  """The public entry point: float16, three tokens causal, pages of 128
+  (two blocks each), the planner's one chunk."""
+  b, t, n, s = 3, 3, 16, 256
   q, k = _inputs(2, b, t, n, s, jnp.float16)
-  pool, table = _paged(k, 64, seed=3)
-  lengths = jnp.asarray((1, 190), jnp.int32)
+  pool, table = _paged(k, 128, seed=3)
+  lengths = jnp.asarray((3, 200, 256), jnp.int32)
+  assert mla.choose_plan(q.shape, k.shape, page_size=128).splits == 1
   with fa4_jax.interpret_mode():
     assert fa4_jax.which_paged_implementation(q, pool, None, table, lengths, value_head_dim=DV,
-                                              scale=SCALE, implementation="sm90") == "sm90"
+                                              scale=SCALE, implementation="sm90") == "sm90_mla"
   out = run_interpreted(lambda q, p, tb, n: fa4_jax.paged_attention(
       q, p, None, tb, n, value_head_dim=DV, scale=SCALE, implementation="sm90"),
       q, pool, table, lengths)
-  _check(out, _reference(q, k, lengths, causal=False)[0])
+  _check(out, _reference(q, k, lengths, causal=True)[0])
 
 
+# Each serving shape in one dtype (the dtype changes no SMEM size or plan).
 SERVING = [
-    ("memory-bound B32 Hq16 S4k", 32, 1, 16, 4096, None),
-    ("memory-bound B128 Hq16 S32k paged 64", 128, 1, 16, 32768, 64),
-    ("compute-bound B64 Hq128 T2 S8k", 64, 2, 128, 8192, None),
-    ("compute-bound B128 Hq128 S4k paged 64", 128, 1, 128, 4096, 64),
-    ("B64 Hq16 T4 S16k paged 64", 64, 4, 16, 16384, 64),
+    ("memory-bound B32 Hq16 S4k", 32, 1, 16, 4096, None, jnp.bfloat16),
+    ("memory-bound B128 Hq16 S32k paged 64", 128, 1, 16, 32768, 64, jnp.float16),
+    ("compute-bound B64 Hq128 T2 S8k", 64, 2, 128, 8192, None, jnp.float16),
+    ("compute-bound B128 Hq128 S4k paged 64", 128, 1, 128, 4096, 64, jnp.bfloat16),
+    ("B64 Hq16 T4 S16k paged 64", 64, 4, 16, 16384, 64, jnp.bfloat16),
 ]
 
 
-@pytest.mark.parametrize("name, b, t, n, s, page_size", SERVING)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name, b, t, n, s, page_size, dtype", SERVING)
 def test_the_planners_kernels_lower_for_hopper_within_smem(name, b, t, n, s, page_size, dtype,
                                                            cross_lower):
   q = jax.ShapeDtypeStruct((b, t, n, D), dtype)
@@ -187,7 +185,7 @@ def test_sm90_picks_the_mla_kernel_and_other_devices_the_xla_path():
   with fa4_jax.gpu_target("sm90"):
     assert fa4_jax.which_implementation(q, k, None, **options) == "sm90_mla"
     assert fa4_jax.which_implementation(q, k, None, **options, part="backward") == "xla"
-    assert paged(q) == "sm90"
+    assert paged(q) == "sm90_mla"
     # Explicit values (even equal to the keys' prefix) are not read from the keys.
     assert fa4_jax.which_implementation(q, k, k[..., :DV], scale=SCALE) != "sm90_mla"
     # Five tokens, a soft-cap, several latent heads: the XLA path.

@@ -320,7 +320,7 @@ class DqStatics:
   mods: ModStatics | None = None  # programmable scores; None without them
 
   @property
-  def c(self) -> float:
+  def exp2_constant(self) -> float:
     return self.score.exp2_constant
 
 
@@ -334,8 +334,8 @@ class DqContext:
   smem: dict
   tmem: dict
   bars: DqBarrierTable
-  b: Any
-  h: Any
+  batch: Any
+  head: Any  # query head
   kv_h: Any
   q_lo: Any
   q_len: Any
@@ -363,7 +363,7 @@ class DqContext:
       ranges = tile_key_blocks(mask, statics.tiles, q_lo, q_len, kv_len, segment_ranges)
     else:  # the list holds the band, the lengths and the segment ids too
       block_list = mod_refs.walk(statics.mods, b, h, tile)
-    return cls(statics, gmem, dq_ref, smem, tmem, bars, b=b, h=h, kv_h=kv_h, q_lo=q_lo,
+    return cls(statics, gmem, dq_ref, smem, tmem, bars, batch=b, head=h, kv_h=kv_h, q_lo=q_lo,
                q_len=q_len, kv_len=kv_len, ranges=ranges, block_list=block_list,
                mod_refs=mod_refs)
 
@@ -413,8 +413,8 @@ def load_warp(ctx: DqContext) -> None:
 
   @pl.when(ctx.num_steps > 0)
   def _():
-    rows = (ctx.b, pl.ds(ctx.q_lo, BLOCK_Q), ctx.h)
-    stats = (ctx.b, ctx.h, pl.ds(ctx.q_lo, BLOCK_Q))
+    rows = (ctx.batch, pl.ds(ctx.q_lo, BLOCK_Q), ctx.head)
+    stats = (ctx.batch, ctx.head, pl.ds(ctx.q_lo, BLOCK_Q))
     plgpu.copy_gmem_to_smem(g.q.at[rows], smem["q"], bars.producer_q())
     plgpu.copy_gmem_to_smem(g.do.at[rows], smem["do"], bars.producer_q())
     plgpu.copy_gmem_to_smem(g.lse.at[stats], smem["lse2"], bars.producer_stats())
@@ -423,7 +423,7 @@ def load_warp(ctx: DqContext) -> None:
   @pl.loop(0, ctx.num_steps)
   def _(n):
     slot = rem(n, stages)
-    keys = (ctx.b, pl.ds(ctx.key_block(n) * bk, bk), ctx.kv_h)
+    keys = (ctx.batch, pl.ds(ctx.key_block(n) * bk, bk), ctx.kv_h)
 
     @pl.when(n >= stages)
     def _():
@@ -521,9 +521,9 @@ def _grad_block(ctx: DqContext, lse2, delta, row_ids, j, b, *, masked: bool,
     q_idx, kv_idx = tile_positions(s.shape, row_lo=ctx.q_lo, col_lo=j * ctx.tiles.block_kv,
                                    keys_along_rows=False)
     t, slope = tile_mods.logits(s, q_idx, kv_idx, score=st.score, with_slope=True)
-  logits2 = t * st.c - lax.broadcast_in_dim(lse2, s.shape, [0])
+  logits2 = t * st.exp2_constant - lax.broadcast_in_dim(lse2, s.shape, [0])
   if masked:
-    segments = None if row_ids is None else (row_ids, ctx.gmem.segments.kv_ids, ctx.b)
+    segments = None if row_ids is None else (row_ids, ctx.gmem.segments.kv_ids, ctx.batch)
     ok = element_mask(st.mask, s.shape, row_lo=ctx.q_lo, col_lo=j * ctx.tiles.block_kv,
                       keys_along_rows=False, kv_len=ctx.kv_len, q_len=ctx.q_len,
                       segments=segments,
@@ -555,7 +555,7 @@ def compute_wg(ctx: DqContext, i: int) -> None:
     delta = plgpu.load(smem["delta"], layout=ROW_VECTOR_LAYOUT)
     row_ids = None
     if ctx.statics.has_segments:
-      row_ids = plgpu.load(ctx.gmem.segments.q_ids.at[ctx.b, pl.ds(ctx.q_lo, BLOCK_Q)],
+      row_ids = plgpu.load(ctx.gmem.segments.q_ids.at[ctx.batch, pl.ds(ctx.q_lo, BLOCK_Q)],
                            layout=ROW_VECTOR_LAYOUT, optimized=False)
 
     def step(j, carry, *, masked):
@@ -574,7 +574,7 @@ def compute_wg(ctx: DqContext, i: int) -> None:
       walk_blocks(ranges.lo, ranges.hi, ranges, step, lambda j, carry: carry, 0)
     else:
       # The mods bound to the tile's (batch, head) once, before the walk.
-      tile_mods = ctx.mod_refs.on_rows(ctx.statics.mods, ctx.b, ctx.h)
+      tile_mods = ctx.mod_refs.on_rows(ctx.statics.mods, ctx.batch, ctx.head)
       walk_block_list(ctx.block_list, functools.partial(list_step, tile_mods=tile_mods), 0)
     if i == 0:
       epilogue(ctx)
@@ -591,7 +591,7 @@ def _store_dq(ctx: DqContext, chunk) -> None:
   for c in range(0, ctx.tiles.head_dim, EPILOGUE_CHUNK):
     q_smem[:, pl.ds(c, EPILOGUE_CHUNK)] = chunk(c)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_smem, ctx.dq_ref.at[ctx.b, pl.ds(ctx.q_lo, BLOCK_Q), ctx.h])
+  plgpu.copy_smem_to_gmem(q_smem, ctx.dq_ref.at[ctx.batch, pl.ds(ctx.q_lo, BLOCK_Q), ctx.head])
   plgpu.wait_smem_to_gmem(0)
 
 

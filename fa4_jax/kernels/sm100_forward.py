@@ -493,8 +493,8 @@ class ForwardContext:
   statics: ForwardStatics
   refs: ForwardRefs
   bars: ForwardBarrierTable
-  b: Any  # batch
-  h: Any  # query head
+  batch: Any
+  head: Any  # query head
   kv_h: Any  # its key/value head
   row0: Any  # first query row of the item
   q_len: Any  # run-time lengths, clamped to the array extents
@@ -526,7 +526,7 @@ class ForwardContext:
     if statics.mods is not None:
       # Every role walks the list; it holds the band, lengths and segment ids too.
       block_list = refs.mod_refs.walk(statics.mods, b, h, cta_tile)
-      return cls(statics, refs, bars, b=b, h=h, kv_h=kv_h, row0=row0, q_len=q_len,
+      return cls(statics, refs, bars, batch=b, head=h, kv_h=kv_h, row0=row0, q_len=q_len,
                  kv_len=kv_len, blk_lo=0, num_steps=block_list.total, block_list=block_list,
                  **position)
     seg_tiles = None
@@ -535,7 +535,7 @@ class ForwardContext:
           scores.read_tile_ranges(refs.seg_ranges_ref, b, cta_tile * cfg.num_q_tiles + i)
           for i in range(cfg.num_q_tiles))
     blk_lo, num_steps = cta_key_blocks(statics.mask, cfg, row0, q_len, kv_len, seg_tiles)
-    return cls(statics, refs, bars, b=b, h=h, kv_h=kv_h, row0=row0, q_len=q_len,
+    return cls(statics, refs, bars, batch=b, head=h, kv_h=kv_h, row0=row0, q_len=q_len,
                kv_len=kv_len, blk_lo=blk_lo, num_steps=num_steps, seg_tiles=seg_tiles,
                **position)
 
@@ -666,7 +666,7 @@ def _load_item(ctx: ForwardContext) -> None:
   def _():
     for i in range(ctx.cfg.num_q_tiles):
       plgpu.copy_gmem_to_smem(
-          refs.q_ref.at[ctx.b, pl.ds(ctx.tile_rows(i), BLOCK_Q), ctx.h],
+          refs.q_ref.at[ctx.batch, pl.ds(ctx.tile_rows(i), BLOCK_Q), ctx.head],
           refs.q_smem.at[i],
           bars.producer_q(i),
       )
@@ -682,14 +682,14 @@ def _load_item(ctx: ForwardContext) -> None:
       bars.producer_k_acquire(slot)
 
     plgpu.copy_gmem_to_smem(
-        refs.k_ref.at[ctx.b, keys, ctx.kv_h], refs.k_smem.at[slot], bars.producer_k(slot))
+        refs.k_ref.at[ctx.batch, keys, ctx.kv_h], refs.k_smem.at[slot], bars.producer_k(slot))
 
     @pl.when(step >= stages)
     def _():
       bars.producer_v_acquire(slot)
 
     plgpu.copy_gmem_to_smem(
-        refs.v_ref.at[ctx.b, keys, ctx.kv_h], refs.v_smem.at[slot], bars.producer_v(slot))
+        refs.v_ref.at[ctx.batch, keys, ctx.kv_h], refs.v_smem.at[slot], bars.producer_v(slot))
 
 
 # ----------------------------- MMA warp --------------------------------------
@@ -776,7 +776,7 @@ def _mma_item(ctx: ForwardContext) -> None:
 
 
 def _masked_scores(ctx: ForwardContext, s, r_lo, k_lo, row_ids, mask_mod=None):
-  segments = None if row_ids is None else (row_ids, ctx.refs.kv_seg_ref, ctx.b)
+  segments = None if row_ids is None else (row_ids, ctx.refs.kv_seg_ref, ctx.batch)
   ok = element_mask(ctx.statics.mask, s.shape, row_lo=r_lo, col_lo=k_lo, keys_along_rows=False,
                     kv_len=ctx.kv_len, q_len=ctx.q_len, segments=segments,
                     hide_rows_past_q_len=True, mask_mod=mask_mod)
@@ -888,20 +888,20 @@ def _softmax_item(ctx: ForwardContext, i) -> None:
   def _():
     # With sinks every row starts as if it had seen its head's sink (m =
     # sink, l = 1); the correction and the epilogue read these m and l.
-    sink = refs.sinks_ref[ctx.h] if ctx.statics.sinks else None
+    sink = refs.sinks_ref[ctx.head] if ctx.statics.sinks else None
     init = scores.initial_row_stats(
         BLOCK_Q, place=lambda x: plgpu.layout_cast(x, ROW_VECTOR_LAYOUT), sink=sink,
         fixed_max=ctx.statics.fixed_max)
     row_ids = None  # the tile's segment ids, one per thread, for masked blocks
     if ctx.statics.segments:
-      row_ids = plgpu.load(refs.q_seg_ref.at[ctx.b, pl.ds(r_lo, BLOCK_Q)],
+      row_ids = plgpu.load(refs.q_seg_ref.at[ctx.batch, pl.ds(r_lo, BLOCK_Q)],
                            layout=ROW_VECTOR_LAYOUT, optimized=False)
     if ctx.block_list is None:
       step = functools.partial(_softmax_step, ctx, i, r_lo, row_ids)
       m_run, l_run = lax.fori_loop(0, ctx.num_steps, step, init)
     else:
       # The mods bound to the tile's (batch, head) once, before the walk.
-      tile_mods = refs.mod_refs.on_rows(ctx.statics.mods, ctx.b, ctx.h)
+      tile_mods = refs.mod_refs.on_rows(ctx.statics.mods, ctx.batch, ctx.head)
       step = functools.partial(_softmax_step_with_mods, ctx, i, r_lo, row_ids, tile_mods)
       m_run, l_run = walk_block_list(ctx.block_list, step, init)
     # Final statistics for the epilogue, through the same hand-off. With a
@@ -998,9 +998,9 @@ def _store_tile(ctx: ForwardContext, i, o_chunk, lse) -> None:
   refs.lse_smem[i] = lse
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(
-      refs.q_smem.at[i], refs.out_ref.at[ctx.b, pl.ds(ctx.tile_rows(i), BLOCK_Q), ctx.h])
+      refs.q_smem.at[i], refs.out_ref.at[ctx.batch, pl.ds(ctx.tile_rows(i), BLOCK_Q), ctx.head])
   plgpu.copy_smem_to_gmem(
-      refs.lse_smem.at[i], refs.lse_ref.at[ctx.b, ctx.h, pl.ds(ctx.tile_rows(i), BLOCK_Q)])
+      refs.lse_smem.at[i], refs.lse_ref.at[ctx.batch, ctx.head, pl.ds(ctx.tile_rows(i), BLOCK_Q)])
 
 
 def epilogue(ctx: ForwardContext) -> None:
@@ -1044,7 +1044,7 @@ def epilogue_no_keys(ctx: ForwardContext) -> None:
   for i in range(ctx.cfg.num_q_tiles):
     zeros = lambda c: jnp.zeros((BLOCK_Q, EPILOGUE_CHUNK), ctx.cfg.dtype)
     if ctx.statics.sinks:
-      sink = jnp.full((BLOCK_Q,), ctx.refs.sinks_ref[ctx.h], jnp.float32)
+      sink = jnp.full((BLOCK_Q,), ctx.refs.sinks_ref[ctx.head], jnp.float32)
       lse = _rows_past_q_len_to_minus_inf(ctx, i, sink)
     else:
       lse = jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32)

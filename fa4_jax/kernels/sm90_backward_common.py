@@ -42,7 +42,7 @@ class BackwardStatics:
   group: int  # query heads per KV head
 
   @property
-  def c(self) -> float:
+  def exp2_constant(self) -> float:
     """The folded softmax scale: exp(scale * s) = exp2(c * s), or with
     soft-cap exp(cap * tanh(scale * s / cap)) = exp2(c * t)
     (`ScoreFunction.exp2_constant`; with a `score_mod` the scale is applied
@@ -52,7 +52,7 @@ class BackwardStatics:
   def softmax(self, s, lse2, **kwargs) -> "TileSoftmax":
     """`tile_softmax` of a raw S (or S^T) tile with this kernel's score
     function."""
-    return tile_softmax(s, lse2, c=self.c, score=self.score, mask=self.mask, **kwargs)
+    return tile_softmax(s, lse2, c=self.exp2_constant, score=self.score, mask=self.mask, **kwargs)
 
 
 def launch(kernel, *, role: str, out_type, smem, barriers, grid: dict, num_threads: int):
@@ -74,8 +74,8 @@ def launch(kernel, *, role: str, out_type, smem, barriers, grid: dict, num_threa
 
 
 class TileSoftmax(NamedTuple):
-  """One tile's recomputed softmax and what its dS needs: `p` = P (for dV =
-  P^T dO) and dS = `grad()` = w * (dp - delta) (`scores_grad`).
+  """One tile's recomputed softmax and what its dS needs: `probs` = P (for dV =
+  P^T dO) and dS = `grad()` = w * (dp - delta), w = `ds_weight` (`scores_grad`).
 
   Without modified logits w = P and (dp, delta) are the caller's dP and
   delta, untouched: dS is formed where the caller asks for it (after the dV
@@ -86,8 +86,8 @@ class TileSoftmax(NamedTuple):
   slope is applied to dP - delta while t is alive, before P exists, and dp
   then holds slope * (dP - delta), delta None."""
 
-  p: Any
-  w: Any
+  probs: Any  # P (P^T with keys along rows)
+  ds_weight: Any  # w: dS = w * (dp - delta)
   dp: Any = None
   delta: Any = None
   keys_along_rows: bool = False
@@ -95,8 +95,8 @@ class TileSoftmax(NamedTuple):
   def grad(self):
     """dS = w * (dp - delta) in fp32; a delta vector (one per query) is
     broadcast along the keys here."""
-    delta = per_query_tile(self.delta, self.p.shape, self.keys_along_rows)
-    return scores_grad(self.w, self.dp, delta)
+    delta = per_query_tile(self.delta, self.probs.shape, self.keys_along_rows)
+    return scores_grad(self.ds_weight, self.dp, delta)
 
 
 def per_query_tile(x, shape, keys_along_rows: bool):

@@ -127,20 +127,20 @@ class DkvConfig:
 
 def _dk_dv_update(dk, dv, softmax: TileSoftmax, q_tile, do_tile, staging):
   """dV += P^T dO and dK += dS^T Q with dS^T = `softmax.grad()` (keys along
-  rows: `softmax.p` is P^T).
+  rows: `softmax.probs` is P^T).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
   one wait covers both.
   """
   dtype = q_tile.dtype
   if is_interpreting():
-    dv = mma_accumulate(dv, softmax.p.astype(dtype), do_tile, staging)
+    dv = mma_accumulate(dv, softmax.probs.astype(dtype), do_tile, staging)
     ds = softmax.grad().astype(dtype)
     return mma_accumulate(dk, ds, q_tile, staging), dv
 
   def body(refs):
     dk_ref, dv_ref = refs
-    plgpu.wgmma(dv_ref, softmax.p.astype(dtype), do_tile)
+    plgpu.wgmma(dv_ref, softmax.probs.astype(dtype), do_tile)
     ds = softmax.grad().astype(dtype)
     plgpu.wgmma(dk_ref, ds, q_tile)
 
@@ -397,7 +397,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
   already (the item's unit rides with it); otherwise the wait is here,
   after the ranges' reads. With mods the consumer walks each query head's
   block list of the CTA (`walk_block_list`), with the CTA's classes."""
-  cfg, bk, bq, c, mask = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c, kp.mask
+  cfg, bk, bq, c, mask = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.exp2_constant, kp.mask
   lo, hi, blocks_per_head = work.lo, work.hi, work.blocks_per_head
   k_lo = work.k_lo + wg * bk
   if kp.mods is None:
@@ -439,7 +439,7 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
     elif kp.with_dk:
       acc["dk"] = mma_accumulate(acc["dk"], softmax.grad().astype(kp.dtype), q_tile, stage)
     else:
-      acc["dv"] = mma_accumulate(acc["dv"], softmax.p.astype(kp.dtype), do_tile, stage)
+      acc["dv"] = mma_accumulate(acc["dv"], softmax.probs.astype(kp.dtype), do_tile, stage)
     bars.consumer_q_do_release(step)
     return acc
 
@@ -670,7 +670,7 @@ class _HeadSplitSmem(NamedTuple):
   do_ring: Any
   lse_ring: Any
   delta_ring: Any
-  p: Any  # pds ring: P^T
+  p_ring: Any  # pds ring: P^T
   ds: Any  # pds ring: dS^T
   q_ids: Any = None  # ring of the queries' segment ids; None without segment ids
 
@@ -751,7 +751,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
   Returns (dK half, dV half). With mods
   warpgroup 0 walks each query head's block list; warpgroup 1 takes the
   `num_steps` steps in order."""
-  cfg, bk, bq, c = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.c
+  cfg, bk, bq, c = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.exp2_constant
   half, half_v = kp.head_dim // 2, kp.value_head_dim // 2
   cols, cols_v = pl.ds(h * half, half), pl.ds(h * half_v, half_v)
   lo, hi = work.lo, work.hi
@@ -763,7 +763,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
     """Query block qb (warpgroup 0's business) at ring position `step`."""
     slot = bars.slot("q_do_full", step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
-    p_tile = smem.p.at[bars.slot("p_ds_full", step)]
+    p_tile = smem.p_ring.at[bars.slot("p_ds_full", step)]
     ds_tile = smem.ds.at[bars.slot("p_ds_full", step)]
     bars.consumer_q_do(step)
     if h == 0:
@@ -775,9 +775,9 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
                            kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
                            **mods)
-      ds = scores_grad(softmax.w, dp, delta)
+      ds = scores_grad(softmax.ds_weight, dp, delta)
       bars.producer_p_ds_acquire(step)
-      p_tile[...] = softmax.p.astype(kp.dtype)
+      p_tile[...] = softmax.probs.astype(kp.dtype)
       ds_tile[...] = ds.astype(kp.dtype)
       bars.producer_p_ds(step)
     else:
