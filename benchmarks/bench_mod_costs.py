@@ -3,6 +3,8 @@ a per-element table lookup (one load per element on sm90), the log bucket, and A
 int->float conversion. B2 S4096 H16 D128 bf16 dense unless named causal. The row "cudnn
 dense bias32" is cuDNN (jax.nn.dot_product_attention) given table32's bias as a dense
 [1, H, S, S] bf16 array, an argument of the call (MOD_COSTS_CUDNN=0 leaves it out).
+MOD_COSTS_TABLE_LOADS=0: tables by the chain of selects (the default of
+`sm90_tiles.PER_ELEMENT_TABLE_LOADS`), else by one load per element.
 MOD_COSTS_ONLY="a|b": only the rows whose names contain one of these (and "plain").
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
@@ -24,6 +26,9 @@ if os.environ.get("MOD_COSTS_TREE"): sys.path.insert(0, os.environ["MOD_COSTS_TR
 import numpy as np
 import jax, jax.numpy as jnp
 import fa4_jax
+from fa4_jax.kernels import sm90_tiles
+# Tables read by one load per element (held back by default until measured).
+sm90_tiles.PER_ELEMENT_TABLE_LOADS = os.environ.get("MOD_COSTS_TABLE_LOADS", "1") == "1"
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)

@@ -208,12 +208,23 @@ def mask_mod_hook(mask_mod, captured_refs, batch_idx, head_idx):
 # (and the entries' registers: a 32-entry table spilled on an H100).
 
 
+# Held back until the loads have run on hardware: they were built and
+# cross-lowered on a machine without a GPU, and only ptxas and a GPU can show
+# what NVPTX makes of them. `tests/test_mods_on_gpu.py`'s 32-entry-table
+# cases and `benchmarks/bench_mod_costs.py` (both turn this on) are the
+# checks that decide; until then tables are read by the chain of selects.
+PER_ELEMENT_TABLE_LOADS = False
+
+
 def element_loader():
   """The `loader` of `mod_functions.bind` for sm90 tiles (WGMMA layout and
-  its row and column vectors): `load_elements`; None in the GPU
-  interpreter, which cannot run `inline_mgpu` (the mods' interpreter then
-  reads tables by its chain of selects: same values)."""
-  return None if is_interpreting() else load_elements
+  its row and column vectors): `load_elements` where
+  `PER_ELEMENT_TABLE_LOADS`; None in the GPU interpreter, which cannot run
+  `inline_mgpu`, and otherwise (the mods' interpreter then reads tables by
+  its chain of selects: same values)."""
+  if is_interpreting() or not PER_ELEMENT_TABLE_LOADS:
+    return None
+  return load_elements
 
 
 def load_elements(row, index, axis=None):
