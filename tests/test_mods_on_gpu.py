@@ -23,6 +23,7 @@ import ptxas_dumps
 import fa4_jax
 from fa4_jax import backends
 from reference import relative_error
+from test_table_lookups import _t5_bucket as t5_bucket  # T5's relative buckets
 
 pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
                                 reason="needs a Hopper GPU")
@@ -98,15 +99,6 @@ def test_bucket_table_score_mod_dense_head_dim_64_with_table_gradients():
   _check(ours, reference, (q, k, v, table), dout, (0, 1, 2, 3))
 
 
-def _t5_bucket(qi, ki):
-  """T5's relative buckets (16 each way, logarithmic past 8)."""
-  rel = ki - qi
-  dist = jnp.abs(rel)
-  big = 8 + (jnp.log(jnp.maximum(dist, 1).astype(jnp.float32) / 8) / np.log(16) * 8
-             ).astype(jnp.int32)
-  return jnp.where(rel > 0, 16, 0) + jnp.where(dist < 8, dist, jnp.minimum(big, 15))
-
-
 @pytest.mark.parametrize("bucket", ["clipped", "t5"])
 def test_a_32_entry_table_read_per_element_gqa_causal_head_dim_128_with_table_gradients(
     bucket, monkeypatch):
@@ -121,7 +113,7 @@ def test_a_32_entry_table_read_per_element_gqa_causal_head_dim_128_with_table_gr
   q, k, v, dout = _inputs(b, t, t, nq, nkv, d, seed=6)
   table = jnp.asarray(np.random.default_rng(7).normal(size=(nq, 32)) * 0.5, jnp.float32)
   index = ((lambda qi, ki: jnp.clip(ki - qi + 16, 0, 31)) if bucket == "clipped"
-           else _t5_bucket)
+           else t5_bucket)
 
   def ours(q, k, v, table):
     return fa4_jax.attention(q, k, v, is_causal=True, implementation="sm90",
