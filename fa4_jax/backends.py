@@ -669,9 +669,8 @@ def paged_decode_plan(args: PagedArguments):
   aligned by each row's length (`PagedStatic.kernel_mask`). float8 pages
   under a 16-bit query take the float8 decode config
   (`sm90_decode.fp8_cache_decode_config`, as a contiguous float8 cache
-  does) on the paged call's splits: H200, B8 T1 S32k GQA 32/8 D128 page 64,
-  2026-12-06, 4.42 TB/s of bf16 bytes against 3.77 under the 16-bit
-  config the kernel shrank (docs/performance-notes.md)."""
+  does) on the paged call's splits (measured in the performance notes,
+  "A float8 cache under a 16-bit query")."""
   from fa4_jax.kernels import sm90_decode
 
   b, _, _, d = args.query.shape

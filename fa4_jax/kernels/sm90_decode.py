@@ -198,24 +198,14 @@ def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
   Q tile dropped first; other calls keep `config` (the kernel shrinks it,
   `sm90_forward.fp8_cache_config`).
 
-  Why (H100, B8 T1 S32k GQA 32/8 D128, 2026-12-06): the 16-bit call's
-  config, shrunk for each consumer's widened float16 K and V tiles, keeps
-  two consumers on a ring of two 64-key slots, 32 KiB of float8 in flight
-  per CTA (the bfloat16 kernel: 128 KiB). The second consumer's rows are
-  all padding at 4 packed rows (it skips every block), so its widened
-  tiles hold SMEM nothing uses. With the 16-bit call's 64 CTAs (the
-  H100's `streaming_ctas`) that is 2 MiB in flight: 1.06 TB/s of float8
-  (0.506 ms); the paged call's 132 CTAs hold 4.2 MiB: 1.9 TB/s (0.282 ms).
-  Bytes in flight over bytes per second is 2.0 and 2.3 us (and 2.6 us for
-  the bfloat16 call's 8 MiB at 3.2 TB/s, HBM-bound): the float8 kernel is
-  bound by the bytes its rings keep in flight, not by the widening. One
-  consumer on 4 slots of 128 keys holds 128 KiB per CTA at D128 (224.3 of
-  227 KiB SMEM), as the bfloat16 kernel does, and `plan` gives every SM a
-  CTA (`streams`): 16 MiB in flight. Measured (H200, 2026-12-06,
-  `benchmarks/bench_fp8.py --decode-configs --rounds 2`, TB/s of the bf16
-  call's bytes): B8 T1 S32k 5.00 (the 16-bit plan 4.14, bf16 4.53), B64
-  S4k 4.81 (4.03), B1 S131k 4.72 (3.94); pages of 64 keys on the paged
-  call's splits (`backends.paged_decode_plan`) 4.42 (3.77)."""
+  Why: the 16-bit call's config, shrunk for each consumer's widened float16
+  K and V tiles, keeps a quarter of the bfloat16 kernel's bytes in flight
+  per CTA, and at a few packed rows the second consumer's rows are all
+  padding; the float8 kernel is bound by the bytes its rings keep in flight,
+  not by the widening. One consumer on four 128-key slots holds as much per
+  CTA as the bfloat16 kernel at D128, and `plan` gives every SM a CTA. The
+  model and the measurements: the performance notes, "A float8 cache under
+  a 16-bit query"."""
   d = sm90_forward.padded_head_dim(head_dim)
   if d > 128 or rows > 64:
     return config
