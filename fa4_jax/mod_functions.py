@@ -560,11 +560,7 @@ def bind_rows(mod: ModFunction, captured_refs, batch, heads, member) -> BoundMod
   first = bound[0]
   jaxpr = mod.jaxpr
   index_vars = jaxpr.invars[len(mod.captured_avals):]
-  head_var = index_vars[-3]
-  dependent = {head_var}
-  for eqn in jaxpr.eqns:
-    if any(not isinstance(v, jex_core.Literal) and v in dependent for v in eqn.invars):
-      dependent.update(eqn.outvars)
+  dependent = _dependents(jaxpr, index_vars[-3])  # on the head
   # The values the per-element part reads (and the result, where it is one):
   # of a hoisted lookup (`BoundMod.rows`) only its per-element index. They
   # are merged here, before the kernel's loop over key blocks: a vector made
@@ -611,7 +607,6 @@ def _merge_rows(values, member: Along) -> Along:
   for g in range(1, len(values)):
     value = jnp.where(index == g, values[g], value)
   return kind(value, member.axis, member.shape)
-
 
 
 def packed_rows_problem(mod: ModFunction) -> str | None:

@@ -954,9 +954,9 @@ def _mod_binder(ctx: _Context, item: _WorkItem, q_lo) -> Callable:
     batch = lax.div(batch, jnp.int32(call.q_batch_divisor))
   heads = [item.head * g + h + offsets[1] for h in range(g)]
 
-  def member():  # r % G of the tile's rows, along them
+  def member():  # r % G of the tile's rows, along them (read only where G > 1)
     rows = q_lo + plgpu.broadcasted_iota(jnp.int32, (cfg.block_q,), 0, layout=_ROW_LAYOUT)
-    return lax.rem(rows, jnp.int32(g)) if g != 1 else rows * 0
+    return lax.rem(rows, jnp.int32(g))
 
   along = mod_functions.Along(member, 0, (cfg.block_q, cfg.block_kv))
   # Packed rows read a table by its entries merged along the rows (a chain of
@@ -1303,11 +1303,10 @@ class _ConsumerTile:
     `score_mod`, then soft-capped (t = tanh(s / cap)) if the call is: in the
     units of `ForwardStatics.exp2_scale` (`scores.Scores` has the order)."""
     call, cfg = self.ctx.call, self.ctx.call.config
-    # Positions are below the padded extents plus a tile.
-    bound = max(call.q_seq, call.kv_valid) + 2 * max(cfg.block_q, cfg.block_kv)
-    if call.decode_group is not None:  # keys of every chunk of a sequence
-      bound = max(call.q_seq, call.kv_valid * call.q_batch_divisor) + 2 * max(cfg.block_q,
-                                                                             cfg.block_kv)
+    # Positions are below the padded extents plus a tile (in the decode
+    # arrangement: the keys of every chunk of a sequence).
+    kv_extent = call.kv_valid * (1 if call.decode_group is None else call.q_batch_divisor)
+    bound = max(call.q_seq, kv_extent) + 2 * max(cfg.block_q, cfg.block_kv)
     q_idx, kv_idx = mod_positions(s.shape, row_lo=self.q_lo, col_lo=block * cfg.block_kv,
                                   keys_along_rows=False, bound=bound)
     if call.decode_group is not None:
