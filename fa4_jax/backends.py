@@ -565,7 +565,7 @@ def paged_kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, 
   length), or the forward kernel itself for chunked prefill beyond the
   arrangement's packed rows. `descales`: float8 pages' (q, k, v) descales,
   (None, None, None) otherwise. `mods`: None, or the traced `score_mod` /
-  `mask_mod` (`paged_mods`), which only the decode arrangement runs."""
+  `mask_mod` (`PagedArguments.traced_mods`), which only the decode arrangement runs."""
   from fa4_jax.kernels import sm90_decode, sm90_forward
 
   if value_pages is None:  # MLA's latent pages: the MLA decode kernel
@@ -604,7 +604,7 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   if args.mods and not MODS_IN_DECODE_ARRANGEMENT:
     return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
             "implementation=None or 'xla'")
-  mods = paged_mods(args)
+  mods = args.traced_mods
   if mods is not None:
     problem = _paged_mods_problem(args, mods)
     if problem is not None:
@@ -627,20 +627,6 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
     return (f"T * Hq / Hkv = {q_shape[1] * q_shape[2] // k_shape[2]} query rows per KV head; "
             f"the decode arrangement packs at most {sm90_decode.MAX_PACKED_ROWS}")
   return None
-
-
-def paged_mods(args: PagedArguments) -> Scores | None:
-  """The `score_mod` / `mask_mod` of a paged call, traced, as the kernels
-  take them (`sm90_decode.forward(..., mods=)`); None without."""
-  fns = {kind: fn for kind, fn in args.mods.items() if fn is not None}
-  if not fns:
-    return None
-  parts = {}
-  for kind, fn in fns.items():
-    traced, captured = mod_functions.trace(fn, kind)
-    parts[kind] = traced
-    parts[f"{kind.split('_')[0]}_captured"] = captured
-  return Scores(**parts)
 
 
 def _paged_mods_problem(args: PagedArguments, mods: Scores) -> str | None:

@@ -124,8 +124,7 @@ def paged_attention(query, key_pages, value_pages, page_table, key_value_seq_len
             args.sinks)
   if select_paged(implementation, args) == "xla":
     return _xla_forward(*arrays, args.static, args.descales, args.mods)
-  from fa4_jax.backends import paged_mods
-  return _kernel_forward(*arrays, args.descales, paged_mods(args), args.static)
+  return _kernel_forward(*arrays, args.descales, args.traced_mods, args.static)
 
 
 def which_paged_implementation(query, key_pages, value_pages, page_table,
@@ -190,7 +189,7 @@ def _kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, desca
   """The kernel `backends.select_paged` chose, reading through the table
   (`backends.paged_kernel_forward`); its gradient is the XLA path's.
   `mods`: None, or the traced `score_mod` / `mask_mod` as a `scores.Scores`
-  (`backends.paged_mods`; the decode arrangement only)."""
+  (`PagedArguments.traced_mods`; the decode arrangement only)."""
   return paged_kernel_forward(q, key_pages, value_pages, page_table, lengths, sinks, descales,
                               mods, static)
 
@@ -215,7 +214,7 @@ def _kernel_forward_bwd(static, residuals, dout):
 
 
 def _user_mods(mods):
-  """Traced mods (`backends.paged_mods`) as the functions `fa4_jax.attention`
+  """Traced mods (`PagedArguments.traced_mods`) as the functions `fa4_jax.attention`
   takes, over their captured arrays as given; None for None."""
   if mods is None:
     return None

@@ -8,6 +8,7 @@ a kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -479,6 +480,21 @@ class PagedArguments:
   descales: tuple = (None, None, None)
   # score_mod / mask_mod (None where not given), passed on to the XLA path.
   mods: dict = dataclasses.field(default_factory=dict)
+
+  @functools.cached_property
+  def traced_mods(self) -> Scores | None:
+    """`mods` traced, as the kernels take them (`sm90_decode.forward(...,
+    mods=)`); None without. Traced once per call: the kernel's selection
+    and the kernel itself read the same."""
+    fns = {kind: fn for kind, fn in self.mods.items() if fn is not None}
+    if not fns:
+      return None
+    parts = {}
+    for kind, fn in fns.items():
+      traced, captured = mod_functions.trace(fn, kind)
+      parts[kind] = traced
+      parts[f"{kind.split('_')[0]}_captured"] = captured
+    return Scores(**parts)
 
 
 def validate_paged(query, key_pages, value_pages, page_table, lengths, *, scale, is_causal,
