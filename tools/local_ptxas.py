@@ -32,6 +32,9 @@ machine's when its ptxas is the same release: the PTX is the plugin's own.
         --config dkv.consumer_registers=208,dkv.stats_first=False,dkv.fold_stats=False
     python3 tools/local_ptxas.py --keep /tmp/ptx      # also keep NAME.ptx / NAME.ptxas
 
+From a script: `local_ptxas.report(fn, *specs, arch="sm_90")` gives each
+kernel's registers, spills and serialization as a dict.
+
 `--kernel forward|backward` builds `sm90_forward.forward` / `sm90_backward.backward`
 with `benchmarks/bench_*.config_for` (the heuristic's config with `key=value`
 overrides, as `ptxas_report.py --config` takes them). The plugin wheel, its
@@ -175,8 +178,9 @@ def _call(args):
       q, k, v, q, lse, q, None, None, score=score, mask=mask, config=config)), (q, kv, kv, lse)
 
 
-def capture(args, into: pathlib.Path) -> list[pathlib.Path]:
-  """Cross-lowers the call; writes each kernel's custom-call module, returns the files."""
+def capture(fn, specs, arch: str, into: pathlib.Path) -> list[pathlib.Path]:
+  """Cross-lowers `fn(*specs)` for `arch`; writes each kernel's custom-call
+  module, returns the files."""
   import jax
   from unittest import mock
 
@@ -185,7 +189,6 @@ def capture(args, into: pathlib.Path) -> list[pathlib.Path]:
   from fa4_jax.kernels import compile_ahead
   from fa4_jax.target import gpu_target
 
-  fn, specs = _call(args)
   modules: list[tuple[str, bytes]] = []
   compile_ahead.install()  # before the patch, as fa4_jax.testing does
   original = mgpu_core._mosaic_gpu_lowering_rule
@@ -201,7 +204,7 @@ def capture(args, into: pathlib.Path) -> list[pathlib.Path]:
     return original(ctx, *a, module=module, **kw)
 
   jax.clear_caches()
-  with gpu_target(args.arch.replace("_", "")), \
+  with gpu_target(arch.replace("_", "")), \
        mock.patch.object(mgpu_core, "_mosaic_gpu_lowering_rule", capturing_rule):
     jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
   files = []
@@ -247,6 +250,36 @@ def ptxas_report(ptx: str, arch: str, ptxas: str, extra: list[str]) -> str:
     r = subprocess.run([ptxas, f"-arch={arch}a", "-v", *extra, "-o", os.devnull, str(src)],
                        capture_output=True, text=True)
   return r.stdout + r.stderr
+
+
+def parse(log: str) -> dict:
+  """What ptxas's -v log says of a kernel."""
+  return dict(
+      registers=[int(r) for r in re.findall(r"Used (\d+) registers", log)],
+      spill_stores=[int(s) for s in re.findall(r"(\d+) bytes spill stores", log)],
+      spill_loads=[int(s) for s in re.findall(r"(\d+) bytes spill loads", log)],
+      serialized=bool(re.search(r"wgmma.mma_async instructions are serialized", log)),
+      notes=sorted(set(re.findall(r"[^\n]*(?:warning|Performance Loss)[^\n]*", log))))
+
+
+def report(fn, *specs, arch: str = "sm_90", ptxas: str | None = None, extra=(),
+           cache: str | None = None) -> list[dict]:
+  """ptxas's figures for each Mosaic GPU kernel of `fn(*specs)` (arrays or
+  `jax.ShapeDtypeStruct`s), from a script: [{kernel, registers,
+  spill_stores, spill_loads, serialized, notes, log}], in launch order."""
+  import jax
+  plugin, stub_dir = setup(_cache_dir(cache), jax.__version__)
+  ptxas = ptxas or shutil.which("ptxas") or f"{CUDA_ROOT}/bin/ptxas"
+  out = []
+  with tempfile.TemporaryDirectory() as tmp:
+    files = capture(fn, specs, arch, pathlib.Path(tmp))
+    ptx = compile_to_ptx(files, plugin, stub_dir, arch)
+    for f in files:
+      if ptx[f] is None:
+        raise RuntimeError(f"{f.stem}: the plugin gave no PTX")
+      log = ptxas_report(ptx[f], arch, ptxas, list(extra))
+      out.append(dict(kernel=f.stem, **parse(log), log=log))
+  return out
 
 
 def summarize(log: str) -> list[str]:
@@ -298,7 +331,7 @@ def main() -> int:
   for text in args.config or [""]:
     args.config_text = text
     with tempfile.TemporaryDirectory() as tmp:
-      files = capture(args, pathlib.Path(tmp))
+      files = capture(*_call(args), args.arch, pathlib.Path(tmp))
       ptx = compile_to_ptx(files, plugin, stub_dir, args.arch)
       print(f"== {args.kernel}{' grad' if args.grad else ''} B{args.batch} S{args.seq} "
             f"H{args.heads} D{args.head_dim} {args.dtype}{' causal' if args.causal else ''} "
@@ -318,13 +351,7 @@ def main() -> int:
           (keep / f"{base}.ptx").write_text(ptx[f])
           (keep / f"{base}.ptxas").write_text(log)
         if args.json:
-          print(json.dumps(dict(
-              kernel=name, config=text,
-              registers=[int(r) for r in re.findall(r"Used (\d+) registers", log)],
-              spill_stores=[int(s) for s in re.findall(r"(\d+) bytes spill stores", log)],
-              spill_loads=[int(s) for s in re.findall(r"(\d+) bytes spill loads", log)],
-              serialized=bool(re.search(r"wgmma.mma_async instructions are serialized", log)),
-              notes=sorted(set(re.findall(r"[^\n]*(?:warning|Performance Loss)[^\n]*", log))))))
+          print(json.dumps(dict(kernel=name, config=text, **parse(log))))
         else:
           print(f"{name}:")
           print("\n".join(summarize(log)), flush=True)
