@@ -265,12 +265,20 @@ def decode_plan_columns(q, k8, v8, kd, vd, first_row):
       continue
     seen[got] = label
     print(f"fp8 dec {label}: splits={got[0]} config={got[1]}", flush=True)
-    decode_plan = sm90_decode.DecodePlan(*got)
-    call = lambda q, k, v, kd, vd, decode_plan=decode_plan: sm90_decode.forward(
-        q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=MaskSpec(), plan=decode_plan,
-        descales=(None, kd, vd))[0]
-    columns[f"fp8 dec {label}"] = (call, (q, k8, v8, kd, vd))
+    columns[f"fp8 dec {label}"] = (decode_call(d, sm90_decode.DecodePlan(*got)),
+                                   (q, k8, v8, kd, vd))
   return columns
+
+
+def decode_call(d, decode_plan):
+  """f(q, k8, v8, kd, vd): the decode arrangement on a float8 cache (head
+  dim `d`, no mask) under `decode_plan` (`sm90_decode.DecodePlan`)."""
+  from fa4_jax.kernels import sm90_decode
+  from fa4_jax.scores import MaskSpec
+
+  return lambda q, k, v, kd, vd: sm90_decode.forward(
+      q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=MaskSpec(), plan=decode_plan,
+      descales=(None, kd, vd))[0]
 
 
 def paged_plan_columns(q, kp, vp, kd, vd, table, lengths, causal):
@@ -312,29 +320,58 @@ def quantized(x, axis_heads=2):
   return (x.astype(jnp.float32) / descale.reshape(shape)).astype(F8), descale
 
 
-def run_case(case, rounds, configs=False, decode_configs=False):
+def case_inputs(case):
+  """The row's inputs by name: bfloat16 q, k, v; the float8 cache k8, v8
+  and its per-head descales kd, vd; prefill rows also q8, qd; paged rows
+  the float8 pages kp8, vp8 (`page_table`). Under `jax.eval_shape`, their
+  shapes (`fp8_ptxas.py` lowers the calls on those)."""
   name, kind, b, t, s, hq, hkv, d, causal = case
   keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (b, t, hq, d), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
-  k8, kd = quantized(k)
-  v8, vd = quantized(v)
+  x = dict(q=jax.random.normal(keys[0], (b, t, hq, d), jnp.bfloat16),
+           k=jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16),
+           v=jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16))
+  x["k8"], x["kd"] = quantized(x["k"])
+  x["v8"], x["vd"] = quantized(x["v"])
+  if kind == "prefill":
+    x["q8"], x["qd"] = quantized(x["q"])
+  if kind == "paged":
+    table, _ = page_table(case)
+    pages = b * s // PAGE
+    to_pages = lambda a: jnp.zeros((pages, PAGE) + a.shape[2:], a.dtype).at[
+        table.reshape(-1)].set(a.reshape((pages, PAGE) + a.shape[2:]))
+    x["kp8"], x["vp8"] = to_pages(x["k8"]), to_pages(x["v8"])
+  return x
+
+
+def page_table(case):
+  """(table [B, S / PAGE], lengths [B]) of a paged row: its pages in a fixed
+  shuffled order, every row full."""
+  name, kind, b, t, s, hq, hkv, d, causal = case
+  order = jnp.asarray(np.random.default_rng(0).permutation(b * s // PAGE), jnp.int32)
+  return order.reshape(b, s // PAGE), jnp.full((b,), s, jnp.int32)
+
+
+def case_calls(case, x, configs=False, decode_configs=False):
+  """(calls, served): the row's columns, name -> (function, its arguments
+  from `x`, `case_inputs`), and the implementation that serves the float8
+  column (`which_implementation`)."""
+  name, kind, b, t, s, hq, hkv, d, causal = case
+  q, k, v, k8, kd, v8, vd = (x[n] for n in ("q", "k", "v", "k8", "kd", "v8", "vd"))
   alignment = dict(causal_alignment="bottom_right") if causal and t < s else {}
   bf16 = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, **alignment)
   xla = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, implementation="xla",
                                          **alignment)
   calls = {"bf16": (bf16, (q, k, v)), "xla": (xla, (q, k, v))}
-  descales = dict(key_descale=kd, value_descale=vd)
   if kind == "prefill":
-    q8, qd = quantized(q)
+    q8, qd = x["q8"], x["qd"]
     fp8 = lambda q, k, v, qd, kd, vd: fa4_jax.attention(
         q, k, v, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd)
     calls["fp8"] = (fp8, (q8, k8, v8, qd, kd, vd))
     if configs:
       calls.update(config_columns(q8, k8, v8, (qd, kd, vd), d, causal))
-    served = fa4_jax.which_implementation(q8, k8, v8, is_causal=causal, query_descale=qd,
-                                          **descales)
+    served = traced(lambda q8, k8, v8, qd, kd, vd: fa4_jax.which_implementation(
+        q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
+        q8, k8, v8, qd, kd, vd)
   else:
     # The kernel by name: by default a float8 cache stays on the XLA path
     # until it has run on a GPU (`backends.FP8_CACHE_BY_DEFAULT`).
@@ -345,25 +382,35 @@ def run_case(case, rounds, configs=False, decode_configs=False):
     calls["fp8 default"] = (lambda q, k, v, kd, vd: fa4_jax.attention(
         q, k, v, is_causal=causal, key_descale=kd, value_descale=vd, **alignment),
         (q, k8, v8, kd, vd))
-    served = fa4_jax.which_implementation(q, k8, v8, is_causal=causal, implementation="sm90",
-                                          **descales, **alignment)
+    served = traced(lambda q, k8, v8, kd, vd: fa4_jax.which_implementation(
+        q, k8, v8, is_causal=causal, implementation="sm90", key_descale=kd, value_descale=vd,
+        **alignment), q, k8, v8, kd, vd)
     if decode_configs and kind == "decode" and served == "sm90_decode":
       calls.update(decode_plan_columns(q, k8, v8, kd, vd, first_row=name == CASES_DECODE_FIRST))
   if kind == "paged":
-    pages = b * s // PAGE
-    order = jnp.asarray(np.random.default_rng(0).permutation(pages), jnp.int32)
-    table = order.reshape(b, s // PAGE)
-    to_pages = lambda x: jnp.zeros((pages, PAGE) + x.shape[2:], x.dtype).at[table.reshape(-1)].set(
-        x.reshape((pages, PAGE) + x.shape[2:]))
-    lengths = jnp.full((b,), s, jnp.int32)
+    table, lengths = page_table(case)
     paged = lambda q, kp, vp, kd, vd: fa4_jax.paged_attention(
         q, kp, vp, table, lengths, is_causal=causal, key_descale=kd, value_descale=vd,
         implementation="sm90")
-    calls["fp8 paged"] = (paged, (q, to_pages(k8), to_pages(v8), kd, vd))
+    calls["fp8 paged"] = (paged, (q, x["kp8"], x["vp8"], kd, vd))
     if decode_configs:
-      calls.update(paged_plan_columns(q, to_pages(k8), to_pages(v8), kd, vd, table, lengths,
-                                      causal))
-  bf16_bytes = 2 * k.size * k.dtype.itemsize
+      calls.update(paged_plan_columns(q, x["kp8"], x["vp8"], kd, vd, table, lengths, causal))
+  return calls, served
+
+
+def traced(fn, *args):
+  """What `fn(*args)` returns (a `which_implementation` answer), `args`
+  traced: arrays, or their shapes (`jax.ShapeDtypeStruct`s)."""
+  out = []
+  jax.eval_shape(lambda *a: out.append(fn(*a)), *args)
+  return out[0]
+
+
+def run_case(case, rounds, configs=False, decode_configs=False):
+  name, kind, b, t, s, hq, hkv, d, causal = case
+  x = case_inputs(case)
+  calls, served = case_calls(case, x, configs, decode_configs)
+  bf16_bytes = 2 * x["k"].size * x["k"].dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
              flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))
   row.update(bench_common.bandwidth_columns(calls, rounds, bf16_bytes, "xla"))
