@@ -225,6 +225,10 @@ def _decode_candidates():
       "D64 2x splits 1c kv64 s4": d64(2, dict(block_kv=64, num_kv_stages=4)),
       "D64 4x splits 1c kv128 s2": d64(4, dict(num_kv_stages=2)),
       "D64 all SMs 1c kv128 s2": d64(1, dict(num_kv_stages=2)),
+      # The one candidate ptxas fits in 128 registers without spills, so that
+      # two CTAs share an SM (`fp8_ptxas.py --d64-registers 24/128`).
+      "D64 2x splits 1c kv64 s4 regs 24/128": d64(2, dict(
+          block_kv=64, num_kv_stages=4, producer_registers=24, consumer_registers=128)),
   }
 
 
@@ -232,7 +236,7 @@ ALL_ROWS = ("16-bit plan", "paged shape", "all SMs")
 # Candidates run on the D64 decode rows (and only there).
 D64_CANDIDATES = ("D64 2x splits 1c kv128 s4", "D64 2x splits 1c kv128 s3",
                   "D64 2x splits 1c kv64 s4", "D64 4x splits 1c kv128 s2",
-                  "D64 all SMs 1c kv128 s2")
+                  "D64 all SMs 1c kv128 s2", "D64 2x splits 1c kv64 s4 regs 24/128")
 
 
 def decode_plan_columns(q, k8, v8, kd, vd, first_row):
