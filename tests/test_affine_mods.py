@@ -198,7 +198,7 @@ def _check_grads(got, want, names):
 
 
 def test_alibi_causal_with_gqa_matches_jax_nn_forward_and_gradients(run_interpreted):
-  b, t, n, kv_heads, d = 1, 200, 4, 2, 64
+  b, t, n, kv_heads, d = 1, 136, 2, 1, 64
   q, k, v, dout = _inputs(b, t, t, n, kv_heads, d, jnp.bfloat16)
   slopes = SLOPES[:n]
 
@@ -223,9 +223,9 @@ def test_alibi_causal_with_gqa_matches_jax_nn_forward_and_gradients(run_interpre
 
 
 def test_a_key_table_with_lengths_gets_its_gradient(run_interpreted):
-  b, t, s, n, kv_heads, d = 2, 72, 136, 2, 1, 64
+  b, t, s, n, kv_heads, d = 1, 72, 136, 2, 1, 64
   q, k, v, dout = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=1)
-  lengths = jnp.asarray([136, 61], jnp.int32)
+  lengths = jnp.asarray([101], jnp.int32)
 
   def f(attend):
     def loss(q, k, v, table):
@@ -274,20 +274,28 @@ def test_a_row_bias_and_a_constant_with_sinks_keep_the_lse(run_interpreted):
 
 def test_the_decode_arrangement_combines_chunks_by_the_lse(monkeypatch, run_interpreted):
   # G 4 heads per row tile, 512 keys in chunks of 128: the key term reads
-  # each chunk's positions in the sequence, the chunks' lse hold the
-  # constant, and their combine weighs them by it.
+  # each chunk's positions in the sequence, the chunks' outputs are merged
+  # by their lse, and the lse returned (`return_residual`) holds the
+  # constant, the same in every chunk.
   monkeypatch.setattr(backends, "MODS_IN_DECODE_ARRANGEMENT", True)
   monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 128)
-  b, t, s, n, kv_heads, d = 2, 1, 512, 8, 2, 64
+  b, t, s, n, kv_heads, d = 1, 1, 512, 8, 2, 64
   q, k, v, _ = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=3)
-  lengths = jnp.asarray([300, 512], jnp.int32)
+  lengths = jnp.asarray([300], jnp.int32)  # 3 chunks with keys, one without
   fn = lambda s_, bb, h, qi, kv: 2 * s_ + 0.01 * kv.astype(jnp.float32) + 0.25
   assert _form(fn, decode_group=n // kv_heads) == mod_functions.AffineForm(2.0, key_terms=True)
+  options = dict(key_value_seq_lengths=lengths, score_mod=fn, implementation="sm90")
   with fa4_jax.interpret_mode():
-    assert fa4_jax.which_implementation(q, k, v, key_value_seq_lengths=lengths, score_mod=fn,
-                                        implementation="sm90") == "sm90_decode"
-  out = run_interpreted(lambda q, k, v, ln: fa4_jax.attention(
-      q, k, v, key_value_seq_lengths=ln, score_mod=fn, implementation="sm90"), q, k, v, lengths)
+    assert fa4_jax.which_implementation(q, k, v, **options) == "sm90_decode"
+  out, lse = run_interpreted(lambda q, k, v: fa4_jax.attention(
+      q, k, v, return_residual=True, **options), q, k, v)
   bias = jnp.broadcast_to(0.01 * jnp.arange(s, dtype=jnp.float32) + 0.25, (1, n, t, s))
   want = _jax_nn(q, k, v, bias, scale=2 * d ** -0.5, key_value_seq_lengths=lengths)
   np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=2e-2)
+  f32 = lambda x: x.astype(jnp.float32)
+  logits = 2 * d ** -0.5 * jnp.einsum("btnd,bsnd->btns", f32(q), jnp.repeat(f32(k), n // kv_heads,
+                                                                             2))
+  logits = logits + bias.transpose(0, 2, 1, 3)
+  want_lse = jax.nn.logsumexp(jnp.where(jnp.arange(s) < lengths[0], logits, -jnp.inf), -1)
+  # The residual comes in the keys' dtype: bf16 holds |lse| ~ 5 to 2^-8 of it.
+  np.testing.assert_allclose(np.asarray(lse, np.float32), want_lse, atol=2e-2, rtol=1e-2)
