@@ -10,7 +10,10 @@ Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
 ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
 
-    python3 benchmarks/bench_mod_costs.py [--ptxas]
+    python3 benchmarks/bench_mod_costs.py [--ptxas] [--backward]
+--backward times jax.grad of the outputs' sum (the forward and the backward
+kernels: the kernel-duration sum of the gradient call) instead of the forward
+(no cuDNN row; errors: of the gradients against the XLA path).
 MOD_COSTS_TREE=DIR imports fa4_jax from DIR (a snapshot of an older commit,
 to compare in one lease); MOD_COSTS_TAG names the output file
 ($OUT or . / mod-costs<TAG>.json)."""
@@ -63,6 +66,10 @@ _only = [w for w in os.environ.get("MOD_COSTS_ONLY", "").split("|") if w]
 if _only:
   MODS = {n: m for n, m in MODS.items() if n == "plain" or any(w in n for w in _only)}
 items = {name: (lambda name=name: fwd(name)(q, k, v)) for name in MODS}
+def grad(name, implementation="sm90"):
+  """jax.grad of the outputs' sum, to q, k and v."""
+  attend = lambda q, k, v: fwd(name, implementation)(q, k, v).astype(jnp.float32).sum()
+  return jax.jit(jax.grad(attend, argnums=(0, 1, 2)))
 def cudnn_bias():
   """(cuDNN's forward with table32's bias as a dense array, that bias)."""
   rel = jnp.clip(jnp.arange(S)[None, :] - jnp.arange(S)[:, None] + 16, 0, 31)
@@ -85,13 +92,16 @@ def main():
   import bench_common
   ns = {}
   exec(ITEMS, ns)
+  backward = "--backward" in sys.argv
+  timed_fn = ns["grad"] if backward else ns["fwd"]
   rows, errors = {}, {}
-  for name in ns["MODS"]:  # max |kernel - XLA path| (bf16 outputs of unit scale)
+  for name in ns["MODS"]:  # max |kernel - XLA path| (bf16 values of unit scale)
     args = (ns["q"], ns["k"], ns["v"])
-    got, want = ns["fwd"](name)(*args), ns["fwd"](name, "xla")(*args)
-    errors[name] = float(abs(got.astype("float32") - want.astype("float32")).max())
-  timed = {name: (ns["fwd"](name), ()) for name in ns["MODS"]}
-  if os.environ.get("MOD_COSTS_CUDNN", "1") != "0":
+    got, want = timed_fn(name)(*args), timed_fn(name, "xla")(*args)
+    errors[name] = max(float(abs(g.astype("float32") - w.astype("float32")).max())
+                       for g, w in zip(*map(ns["jax"].tree_util.tree_leaves, (got, want))))
+  timed = {name: (timed_fn(name), ()) for name in ns["MODS"]}
+  if not backward and os.environ.get("MOD_COSTS_CUDNN", "1") != "0":
     try:
       cudnn, bias = ns["cudnn_bias"]()
       got = cudnn(ns["q"], ns["k"], ns["v"], bias)
@@ -113,9 +123,10 @@ def main():
   for n, r in out.items():
     print(f"{n:22s} {r['ms']:.3f} ms  x{r['vs_plain']:.2f}  err {errors[n]:.2e}")
   import jax
-  tag = os.environ.get("MOD_COSTS_TAG", "")
+  tag = os.environ.get("MOD_COSTS_TAG", "") + ("-backward" if backward else "")
   with open(os.path.join(os.environ.get("OUT", "."), f"mod-costs{tag}.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, shape="B2 S4096 H16 D128 bf16",
+                   timed="jax.grad of the outputs' sum" if backward else "forward",
                    method="sum of kernel durations in a profiler trace, median of 10 calls, "
                           "median of 2 interleaved rounds", rows=out), f, indent=1)
 

@@ -26,12 +26,17 @@ One traced function runs on every backend:
   (at most `MAX_SELECT_ENTRIES`); anything else is `Unsupported`, naming
   the op;
 * `value_and_slope` is the modified score with its derivative in the score,
-  which the backward needs (JAX differentiates the traced function).
+  which the backward needs (JAX differentiates the traced function);
+* `affine_form` finds a score_mod of the form a * score + R(q_idx) +
+  C(kv_idx) (ALiBi, a bias per key, a constant), which the sm90 kernels run
+  without an op of its own per score (`mod_tiles.affine_logits`), by the same
+  interpreter on a symbolic score.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from typing import Any, Callable
@@ -319,16 +324,19 @@ class BoundMod:
       env[var] = value
     return env
 
-  def _evaluate(self, env, which) -> dict:
-    """`env` with the equations whose outputs are in `which` evaluated.
+  def _evaluate(self, env, which, affine: bool = False) -> dict:
+    """`env` with the equations whose outputs are in `which` evaluated
+    (`affine`: keeping the affine form, `_bind_affine`).
 
-    With per-element loads (`loads`), what the int32 ranges of the values
-    decide is not computed per element (`_int_ranges`): a comparison known
-    for every element is a constant, a select on a constant picks its case,
-    and a lookup whose index is known within the table reads it unclamped
-    (jnp's wrap of negative indices and the clamp of `dynamic_slice` after
-    a user's `jnp.clip`: 5 ops per element)."""
-    ranges = _int_ranges(self.mod, env) if self.loads else {}
+    With per-element loads (`loads`), and in the affine form, what the
+    int32 ranges of the values decide is not computed per element
+    (`_int_ranges`): a comparison known for every element is a constant, a
+    select on a constant picks its case, and a lookup whose index is known
+    within the table reads it unclamped (jnp's wrap of negative indices and
+    the clamp of `dynamic_slice` after a user's `jnp.clip`: 5 ops per
+    element). The wrap decided, `table[h, kv_idx]` stays a vector along
+    the keys."""
+    ranges = _int_ranges(self.mod, env) if self.loads or affine else {}
     for position, eqn in enumerate(self.mod.jaxpr.eqns):
       if eqn.outvars[0] not in which:
         continue  # done in `bind`, or left to the caller
@@ -343,10 +351,35 @@ class BoundMod:
       else:
         if _within(eqn, ins, ranges):
           ins[0] = dataclasses.replace(ins[0], in_range=True)
-        outs = _bind(eqn, ins)
+        outs = _bind(eqn, ins, affine)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value
     return env
+
+  def affine(self, q_idx, kv_idx) -> "_Affine | None":
+    """The function on a tile with a symbolic score (`_Affine.score()`):
+    its value as an `_Affine` holding the score, or None where it is not in
+    the affine form ("The affine form of a score_mod"). `q_idx`, `kv_idx`:
+    `Along` one axis of the tile each (`Positions` where they are a tile's
+    positions)."""
+    env = self._start((_Affine.score(), q_idx, kv_idx))
+    try:
+      out = _read_var(self._evaluate(env, self.varying, affine=True), self.mod.jaxpr.outvars[0])
+    except _NeedsScoreTile:
+      return None
+    if not isinstance(out, _Affine) or _is_zero(out.factor):
+      return None
+    return out
+
+  def affine_parts(self, q_idx, kv_idx, query_axis: int, rest_scale: float = 1.0):
+    """(a, C, R) of a mod that `affine_form` found affine, on a tile whose
+    queries lie along axis `query_axis`: a a scalar, C an `Along` the keys
+    or None, R (with the mod's constant, times `rest_scale`) an `Along` the
+    queries, a scalar or None (`_Affine.split`)."""
+    form = self.affine(q_idx, kv_idx)
+    if form is None:  # `affine_form` ran this very interpreter on these values
+      raise AssertionError(f"a score_mod found affine is not on this tile: {self.mod.text}")
+    return form.split(query_axis, rest_scale)
 
   def value_and_slope(self, score, q_idx, kv_idx):
     """(score_mod(score, ...), its derivative in `score`) on a tile.
@@ -462,7 +495,7 @@ def _within(eqn, ins, ranges) -> bool:
     return False
   shape = ins[0].ref.shape
   for axis, (var, value) in enumerate(zip(eqn.invars[1:], ins[1:])):
-    if isinstance(value, (Along, _Outer)) or jnp.ndim(value) > 0:
+    if isinstance(value, _STRUCTURED) or jnp.ndim(value) > 0:
       r = _range_of(var, ranges)
       if r is None or not 0 <= r[0] <= r[1] < shape[axis]:
         return False
@@ -609,6 +642,55 @@ def _merge_rows(values, member: Along) -> Along:
   return kind(value, member.axis, member.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class AffineForm:
+  """A score_mod whose value is a * x + R(q_idx) + C(kv_idx) on a tile
+  (`affine_form`), as far as is known before a kernel is traced."""
+
+  factor: float | None  # a where the mod's literals fix it; None: a value read per tile
+  key_terms: bool  # C is there (else the logits need no op of the mod per score)
+
+
+@functools.lru_cache(maxsize=256)
+def affine_form(mod: ModFunction, decode_group: int | None = None) -> AffineForm | None:
+  """`mod`'s `AffineForm` where it is a score_mod in the affine form (the
+  comment "The affine form of a score_mod" below), else None. Decided on a tile as the
+  kernels hold it: rows and columns of positions (`Positions`) of one
+  (batch, head); with `decode_group` = G the decode arrangement's rows of
+  G heads (`bind_rows`), whose positions are computed (a plain `Along`)."""
+  if mod.kind != "score_mod":
+    return None
+  problem = kernel_problem(mod) if decode_group is None else packed_rows_problem(mod)
+  if problem is not None:
+    return None
+  shape = (64, 128)
+  found = []
+
+  def run(captured, batch, head, q_origin, kv_origin):
+    offsets = lambda axis: jnp.arange(shape[axis], dtype=jnp.int32)
+    kv_idx = Positions(kv_origin, lambda: offsets(1), 1, shape)
+    if decode_group is None:
+      q_idx = Positions(q_origin, lambda: offsets(0), 0, shape)
+      bound = bind(mod, captured, batch, head)
+    else:
+      q_idx = Along(q_origin + offsets(0), 0, shape)
+      member = Along(offsets(0) % decode_group, 0, shape)
+      bound = bind_rows(mod, captured, batch, [head + g for g in range(decode_group)], member)
+    form = bound.affine(q_idx, kv_idx)
+    found.append(None if form is None else AffineForm(
+        factor=float(form.factor) if is_number(form.factor) else None,
+        key_terms=form.terms[1] is not None))
+    return jnp.int32(0)
+
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  captured = [jax.eval_shape(kernel_operand, a) for a in mod.captured_avals]
+  try:
+    jax.eval_shape(run, captured, scalar, scalar, scalar, scalar)
+  except Unsupported:
+    return None
+  return found[0]
+
+
 def packed_rows_problem(mod: ModFunction) -> str | None:
   """Why a kernel cannot run `mod` on packed rows of several heads
   (`bind_rows`: the decode arrangement), or None; checked as
@@ -691,7 +773,7 @@ def value_and_slope(mod: ModFunction, captured_refs, score, batch, head, q_idx, 
   return bind(mod, captured_refs, batch, head).value_and_slope(score, q_idx, kv_idx)
 
 
-def _run(closed, args):
+def _run(closed, args, affine: bool = False):
   env = {}
   read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
   for var, value in zip(closed.jaxpr.constvars, closed.consts):
@@ -699,7 +781,7 @@ def _run(closed, args):
   for var, value in zip(closed.jaxpr.invars, args):
     env[var] = value
   for eqn in closed.jaxpr.eqns:
-    outs = _bind(eqn, [read(v) for v in eqn.invars])
+    outs = _bind(eqn, [read(v) for v in eqn.invars], affine)
     for var, value in zip(eqn.outvars, outs):
       env[var] = value
   return [read(v) for v in closed.jaxpr.outvars]
@@ -751,6 +833,37 @@ class Along:
     return self.vector.dtype
 
 
+class Positions(Along):
+  """A tile's positions along one axis: `origin` (an int32 scalar, its
+  first position) plus `offsets` (0, 1, ... in the axis' layout: the same
+  for every tile). Each is given as a value or a function of no arguments
+  and made only if read; `vector` is origin + offsets. The affine form
+  (`affine_form`) measures position differences from an origin, so that
+  they stay as small as the tile is far from the diagonal."""
+
+  def __init__(self, origin, offsets, axis: int, shape: tuple, bound: int | None = None,
+               vector=None):
+    self._origin, self._offsets = origin, offsets
+    super().__init__(vector or (lambda: self.origin + self.offsets), axis, shape, bound)
+
+  @property
+  def origin(self):
+    if callable(self._origin):
+      self._origin = self._origin()
+    return self._origin
+
+  @property
+  def offsets(self):
+    if callable(self._offsets):
+      self._offsets = self._offsets()
+    return self._offsets
+
+  def shifted(self, delta) -> "Positions":
+    """These positions plus `delta` (an int32 scalar)."""
+    return Positions(lambda: self.origin + delta, lambda: self.offsets, self.axis, self.shape,
+                     self.bound, vector=lambda: self.vector + delta)
+
+
 class _BoolRows(Along):
   """A bool per row (`_merge_rows`), held as an int32 vector of 0 / 1
   (Mosaic GPU broadcasts no bool vector): a bool tile where an op needs the
@@ -777,7 +890,7 @@ class _Outer:
 
 def _tile(x):
   """A value of the interpreter as a tile (or a scalar as it is)."""
-  return x.tile() if isinstance(x, (Along, _Outer)) else x
+  return x.tile() if isinstance(x, _STRUCTURED) else x
 
 
 _NUMBERS = (jnp.int32, jnp.float32)
@@ -827,12 +940,255 @@ def _broadcast_all(xs):
   return [x if jnp.shape(x) == shape else jnp.broadcast_to(jnp.asarray(x), shape) for x in xs]
 
 
+# --- The affine form of a score_mod ---------------------------------------------
+# Most score_mods add to the score what depends on the query alone and what
+# depends on the key alone:
+#
+#     score_mod(x, b, h, q_idx, kv_idx) = a * x + R(q_idx) + C(kv_idx)
+#
+# with a the same for a whole tile (usually 1): ALiBi (x - slopes[h] *
+# (q_idx - kv_idx)), a bias per key (x + table[h, kv_idx]), a constant
+# (x + 0.5), a row bias (2 * x + bias[q_idx]). A kernel then runs no op of
+# the mod per score: s * (scale * a) + C is one FMA (C a vector along the
+# keys), and R, a vector along the queries, joins the softmax's statistics
+# of each row, one op per row (`mod_tiles.affine_logits`). `affine_form`
+# decides it before a kernel is traced, by running this interpreter on a
+# symbolic score (`_Affine.score()`) and `Positions` along the tile's axes:
+# sums and differences of such values, and their products and quotients by
+# values the same for the whole tile, stay `_Affine`; an op that would need
+# the score on the tile means the mod is evaluated as it always is.
+#
+# Rounding. Distributing slope * (q - k) into slope * q - slope * k would
+# cancel: with q and k near 100000 each product is off by up to
+# ulp(50000) / 2 = 0.002 at slope 0.5. So an int32 difference of positions
+# converted to float is split at an origin (`_relative_difference`): with
+# the key positions k = k0 + j (j below the tile's width w), q - k =
+# (q - k0) - j, two exact integers (below 2**24), |q - k0| <= |q - k| + w.
+# Each term is then rounded once by a product (the slope), and their sum
+# once more in the kernel: the logit is within a few float32 roundings
+# (2**-24 relative) of |a x| + |slope| (|q - k| + 2 w) of the exact one, as
+# today's whole-tile evaluation is of |a x| + |slope| |q - k|: the same
+# within a few tile widths of the diagonal and beyond (test_affine_mods
+# checks 4 roundings at positions near 2**17).
+
+
+class _NeedsScoreTile(Exception):
+  """An op needs the symbolic score on a tile: the mod is not affine."""
+
+
+def is_number(x) -> bool:
+  """A Python or NumPy number: a value the mod's text fixes (a literal),
+  known before a kernel is traced."""
+  return isinstance(x, (int, float, np.number)) or (isinstance(x, np.ndarray) and x.ndim == 0)
+
+
+def _is_zero(x) -> bool:
+  return is_number(x) and float(x) == 0.0
+
+
+def _scalar_mul(a, b):
+  """a * b of two scalars: numbers stay Python floats, a factor 1 is no op
+  and a factor 0 a number (a term the value does not have)."""
+  if is_number(a) and is_number(b):
+    return float(a) * float(b)
+  if _is_zero(a) or _is_zero(b):
+    return 0.0
+  if is_number(a) and float(a) == 1.0:
+    return b
+  if is_number(b) and float(b) == 1.0:
+    return a
+  return jnp.multiply(a, b)
+
+
+def _scalar_add(a, b):
+  if is_number(a) and is_number(b):
+    return float(a) + float(b)
+  if _is_zero(a):
+    return b
+  return a if _is_zero(b) else jnp.add(a, b)
+
+
+def _scalar_div(a, b):
+  if is_number(a) and is_number(b):
+    return float(a) / float(b)
+  return a if is_number(b) and float(b) == 1.0 else jnp.divide(a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Term:
+  """`coef * along`: a float value along one axis of the tile whose scalar
+  factor is applied when it is read (`value`), so that factors applied to it
+  (a slope, a sign) are scalar ops."""
+
+  coef: Any
+  along: Along
+
+  def times(self, k) -> "_Term":
+    return _Term(_scalar_mul(self.coef, k), self.along)
+
+  def divided(self, k) -> "_Term":
+    return _Term(_scalar_div(self.coef, k), self.along)
+
+  def value(self) -> Along:
+    if is_number(self.coef) and float(self.coef) in (1.0, -1.0):
+      return self.along if float(self.coef) == 1.0 else self.along.with_vector(-self.along.vector)
+    return self.along.with_vector(self.along.vector * self.coef)
+
+
+def _add_terms(a: _Term | None, b: _Term | None, sign: float) -> _Term | None:
+  """a + sign * b of two terms along one axis (sign: 1 or -1)."""
+  if b is None:
+    return a
+  if a is None:
+    return b.times(sign)
+  va, vb = a.value(), b.value()
+  return _Term(1.0, va.with_vector(va.vector + vb.vector if sign > 0 else va.vector - vb.vector))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Affine:
+  """factor * score + terms[0] + terms[1] + const, not formed on the tile:
+  a value of the affine form (the comment above). `factor` and `const` are
+  scalars (numbers where the mod's literals fix them); terms[axis] is a
+  `_Term` along that axis of the tile, or None."""
+
+  factor: Any = 0.0
+  terms: tuple = (None, None)
+  const: Any = 0.0
+
+  @classmethod
+  def score(cls) -> "_Affine":
+    return cls(factor=1.0)
+
+  @classmethod
+  def of(cls, x) -> "_Affine":
+    """`x` (an `_Affine`, a float `Along` or a scalar) as an `_Affine`."""
+    if isinstance(x, _Affine):
+      return x
+    if isinstance(x, Along):
+      terms = [None, None]
+      terms[x.axis] = _Term(1.0, x)
+      return cls(terms=tuple(terms))
+    return cls(const=x)
+
+  def plus(self, other, sign: float = 1.0) -> "_Affine":
+    """self + sign * other (sign: 1 or -1)."""
+    other = _Affine.of(other)
+    return _Affine(_scalar_add(self.factor, _scalar_mul(sign, other.factor)),
+                   tuple(_add_terms(a, b, sign) for a, b in zip(self.terms, other.terms)),
+                   _scalar_add(self.const, _scalar_mul(sign, other.const)))
+
+  def times(self, k) -> "_Affine":
+    return _Affine(_scalar_mul(self.factor, k), tuple(t and t.times(k) for t in self.terms),
+                   _scalar_mul(self.const, k))
+
+  def divided(self, k) -> "_Affine":
+    return _Affine(_scalar_div(self.factor, k), tuple(t and t.divided(k) for t in self.terms),
+                   _scalar_div(self.const, k))
+
+  def tile(self):
+    """The value on the tile, where it holds no score (else `_NeedsScoreTile`)."""
+    if not _is_zero(self.factor):
+      raise _NeedsScoreTile()
+    parts = [t.value().tile() for t in self.terms if t is not None]
+    if not parts:
+      return self.const
+    value = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    return value if _is_zero(self.const) else value + self.const
+
+  def split(self, query_axis: int, rest_scale: float = 1.0):
+    """(factor, the term along the keys (an `Along`) or None, the rest: the
+    term along the queries plus the constant (an `Along`, a scalar) or
+    None, times `rest_scale`), with the queries along tile axis
+    `query_axis`. (The rest's scale joins its coefficient: no op on the
+    vector.)"""
+    key, query = self.terms[1 - query_axis], self.terms[query_axis]
+    rest = None if query is None else query.times(rest_scale).value()
+    const = _scalar_mul(self.const, rest_scale)
+    if not _is_zero(const):
+      rest = const if rest is None else rest.with_vector(rest.vector + const)
+    return self.factor, None if key is None else key.value(), rest
+
+
+# The interpreter's values that stand for a tile without being one.
+_STRUCTURED = (Along, _Outer, _Affine)
+
+
+def _relative_difference(outer: _Outer) -> _Affine | None:
+  """float(outer) of an int32 `_Outer` with `Positions` on one side at
+  least, as the two terms of an `_Affine` measured from their origin (the
+  comment above: rounding); None without positions. The origin is the
+  columns' where they are `Positions`: their term is then their offsets,
+  the same for every tile, and the rows, of which a thread holds few (two
+  of a WGMMA tile's 64, against 32 of its 128 columns), take the
+  difference of origins."""
+  sides = {outer.left.axis: outer.left, outer.right.axis: outer.right}
+  ref = next((sides[a] for a in (1, 0) if isinstance(sides[a], Positions)), None)
+  if ref is None:
+    return None
+  other = sides[1 - ref.axis]
+  ref_sign = -1.0 if outer.name == "sub" and ref is outer.right else 1.0
+  other_sign = -1.0 if outer.name == "sub" and other is outer.right else 1.0
+  # left op right = ref_sign * offsets + other_sign * (other + ref_sign * other_sign * origin)
+  if isinstance(other, Positions):
+    start = other.origin + ref.origin if ref_sign == other_sign else other.origin - ref.origin
+    moved = start + other.offsets
+  else:
+    moved = other.vector + ref.origin if ref_sign == other_sign else other.vector - ref.origin
+  terms = [None, None]
+  terms[ref.axis] = _Term(ref_sign, _to_float(ref.with_vector(ref.offsets)))
+  terms[other.axis] = _Term(other_sign, _to_float(other.with_vector(moved)))
+  return _Affine(terms=tuple(terms))
+
+
+def _is_scalar(x) -> bool:
+  return not isinstance(x, _STRUCTURED) and jnp.ndim(x) == 0
+
+
+def _affine_operand(x) -> bool:
+  """Whether `x` may join an `_Affine` by a sum: an `_Affine`, a float
+  `Along` or a scalar (a float `_Outer` may not: formed from large positions
+  without an origin, its two vectors would cancel)."""
+  return (isinstance(x, _Affine) or isinstance(x, Along) and x.dtype == jnp.float32
+          or _is_scalar(x))
+
+
+def _bind_affine(eqn, ins):
+  """The result of an op in the affine form (`_Affine`) where it stays in
+  it, else None: sums and differences with float vectors and scalars, a
+  product or quotient by a scalar, a negation, an int32 difference of
+  positions converted to float."""
+  name, x = eqn.primitive.name, ins[0]
+  if eqn.outvars[0].aval.dtype != jnp.float32:
+    return None
+  if name == "convert_element_type" and isinstance(x, _Outer) and x.left.dtype == jnp.int32:
+    return _relative_difference(x)
+  if name in ("convert_element_type", "copy", "copy_p"):
+    return x if isinstance(x, _Affine) else None
+  if name == "neg":
+    return x.times(-1.0) if isinstance(x, _Affine) else None
+  if name in ("add", "sub") and all(_affine_operand(v) for v in ins):
+    new = any(isinstance(v, _Affine) for v in ins)
+    two_axes = all(isinstance(v, Along) for v in ins) and ins[0].axis != ins[1].axis
+    if new or two_axes:
+      return _Affine.of(x).plus(ins[1], -1.0 if name == "sub" else 1.0)
+    return None
+  if name == "mul":
+    a, b = ins if isinstance(x, _Affine) else ins[::-1]
+    return a.times(b) if isinstance(a, _Affine) and _is_scalar(b) else None
+  if name == "div" and isinstance(x, _Affine) and _is_scalar(ins[1]) and not _is_zero(ins[1]):
+    return x.divided(ins[1])
+  return None
+
+
 # Ops that only reshape a one-element value: each value here stands for one
 # element, so they change nothing.
 _SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims"})
 
 
-def _bind(eqn, ins):
+def _bind(eqn, ins, affine: bool = False):
+  """The outputs of `eqn` on the interpreter's values `ins`; `affine`:
+  keeping the affine form where it can (`_bind_affine`)."""
   name = eqn.primitive.name
   if isinstance(ins[0] if ins else None, _Captured):
     # Indices as they are where the kernel loads per element (a vector stays one).
@@ -847,11 +1203,13 @@ def _bind(eqn, ins):
     if sub is None:
       raise Unsupported(f"the kernels cannot run {name!r} in a `score_mod` or `mask_mod`; "
                         "use implementation='xla'")
-    return _run(sub, ins)
+    return _run(sub, ins, affine)
   if name in _SHAPE_ONLY and math.prod(eqn.outvars[0].aval.shape) == 1:
     return [ins[0]]
-  if any(isinstance(x, (Along, _Outer)) for x in ins):
-    out = _bind_structured(eqn, ins)
+  if any(isinstance(x, _STRUCTURED) for x in ins):
+    out = _bind_affine(eqn, ins) if affine else None
+    if out is None and not any(isinstance(x, _Affine) for x in ins):
+      out = _bind_structured(eqn, ins)
     if out is not None:
       return [out]
     ins = [_tile(x) for x in ins]
@@ -949,7 +1307,7 @@ def _read(view: _Captured):
   of selects over that axis."""
   ref = view.ref
   per_element = [a for a, i in enumerate(view.index)
-                 if isinstance(i, (Along, _Outer)) or jnp.ndim(i) > 0]
+                 if isinstance(i, _STRUCTURED) or jnp.ndim(i) > 0]
   clamp = lambda i, a: jnp.clip(i, 0, ref.shape[a] - 1)
   if len(per_element) == 1 and view.loads_elements:
     return _load_elements(view, per_element[0])

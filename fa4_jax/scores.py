@@ -593,7 +593,7 @@ def exact_alpha(m_old, m_new):
   return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))
 
 
-def online_softmax(s, m, c: float, descale=None):
+def online_softmax(s, m, c: float, descale=None, row_offset=None):
   """One tile's step of the online softmax: (P, new running max, alpha).
 
   `s`: raw logits [rows, keys] (masked ones at -inf, or +inf when c < 0);
@@ -601,15 +601,23 @@ def online_softmax(s, m, c: float, descale=None):
   and the caller rescales its sum and O by `alpha` = exp2(m - m').
   `descale`: None, or a run-time factor >= 0 of c (float8 operands' q and k
   descales): c's sign, static, still picks max or min.
+  `row_offset`: None, or a value per row (a vector, or a scalar for every
+  row) in log2 units added to c s of each of its keys (a score_mod's terms
+  along the queries, `mod_tiles.affine_logits`): it moves the row's max and
+  the exp2's operand, ops per row, not per key.
   """
   row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
   if descale is not None:
     c = c * descale
-  m_grown = jnp.maximum(m, row_best * c)
+  best = row_best * c
+  if row_offset is not None:
+    best = best + row_offset
+  m_grown = jnp.maximum(m, best)
   # Keep the stale max unless it grew enough to risk overflow.
   m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
   alpha = exact_alpha(m, m_new)
-  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  shift = m_new if row_offset is None else m_new - row_offset
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
   return p, m_new, alpha
 
 
@@ -758,6 +766,16 @@ class ScoreFunction:
   def with_score_mod(self, has_score_mod: bool) -> ScoreFunction:
     """This function for a kernel call whose `mods` have (or lack) a score_mod."""
     return dataclasses.replace(self, has_score_mod=has_score_mod)
+
+  def with_affine_score_mod(self, factor: float, per_score: bool) -> ScoreFunction:
+    """This function for a score_mod a * x + R(q_idx) + C(kv_idx) with a
+    fixed a = `factor` (`mod_functions.affine_form`): a joins the scale
+    (so it is also the backward's factor of dQ and dK). Unless the mod needs
+    an op per score (`per_score`: C is there) or there is a soft-cap, the
+    logits are the raw scores with the scale in c, as without a score_mod,
+    and R joins the rows' statistics (`mod_tiles.affine_logits`)."""
+    return dataclasses.replace(self, scale=self.scale * factor,
+                               has_score_mod=per_score or self.cap is not None)
 
   def as_scores(self, **parts) -> Scores:
     """A score value with this scale and these built-in modifications, and

@@ -58,8 +58,9 @@ def _check(ours, reference, args, dout, wrt, *, out_tol=2e-2, grad_tol=2e-2):
     assert relative_error(got, expected) < grad_tol, (index, relative_error(got, expected))
 
 
-def test_alibi_score_mod_gqa_causal_odd_length_with_slope_gradients():
-  b, t, nq, nkv, d = 1, 2000, 8, 2, 128
+@pytest.mark.parametrize("b, t", [(1, 2000), (2, 2049)])
+def test_alibi_score_mod_gqa_causal_odd_length_with_slope_gradients(b, t):
+  nq, nkv, d = 8, 2, 128
   q, k, v, dout = _inputs(b, t, t, nq, nkv, d)
   slopes = _alibi(nq)
   scale = d ** -0.5
@@ -77,6 +78,28 @@ def test_alibi_score_mod_gqa_causal_odd_length_with_slope_gradients():
 
   assert fa4_jax.which_implementation(q, k, v, is_causal=True, score_mod=lambda s, *_: s) == "sm90"
   _check(ours, reference, (q, k, v, slopes), dout, (0, 1, 2, 3))
+
+
+def test_affine_mod_of_twice_the_score_and_row_terms_gqa_causal():
+  """A score_mod a * score + R(q_idx) (`mod_functions.affine_form`): the
+  kernels keep the raw logits with a in the exp2 constant, and R moves the
+  rows' running max and lse (forward) and lse2 (backward): forward and
+  gradients as jax.nn's with twice the scale and R as a bias."""
+  b, t, nq, nkv, d = 2, 2049, 8, 2, 128
+  q, k, v, dout = _inputs(b, t, t, nq, nkv, d, seed=8)
+
+  def ours(q, k, v):
+    return fa4_jax.attention(
+        q, k, v, is_causal=True, implementation="sm90",
+        score_mod=lambda s, b_, h, qi, ki: 2 * s + 1e-3 * qi.astype(jnp.float32) + 0.5)
+
+  def reference(q, k, v):
+    rows = 1e-3 * jnp.arange(t, dtype=jnp.float32)[:, None] + 0.5
+    return jax.nn.dot_product_attention(q, k, v, bias=jnp.broadcast_to(rows, (1, nq, t, t)),
+                                        scale=2 * d ** -0.5, is_causal=True,
+                                        implementation="xla")
+
+  _check(ours, reference, (q, k, v), dout, (0, 1, 2))
 
 
 def test_bucket_table_score_mod_dense_head_dim_64_with_table_gradients():

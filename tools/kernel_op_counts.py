@@ -15,12 +15,20 @@ attributed).
 
     python tools/kernel_op_counts.py forward --head-dim 128 --causal [--by-line 25]
     python tools/kernel_op_counts.py grad --head-dim 256 --causal --kv-heads 4
+
+`--score-mod alibi|constant` adds a score_mod (ALiBi, s - slopes[h] * (q_idx -
+kv_idx); s + 0.5), and `--float-ops` prints per loop of each kernel (the
+loops over key or query blocks: what runs per block) its float ops after the
+passes, counted per element (an op on a vector<2xf32> counts 2) by name:
+what a score_mod adds per score. A multiply and an add listed apart may
+still become one FMA in LLVM (fp-contract).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import math
 import re
 import sys
 import time
@@ -58,6 +66,35 @@ def _lines(ops) -> collections.Counter:
   return counts
 
 
+_FLOAT_OPS = ("arith.mulf", "arith.addf", "arith.subf", "arith.negf", "arith.divf",
+              "arith.maximumf", "arith.minimumf", "math.fma", "arith.sitofp", "arith.uitofp")
+
+
+def _elements(op) -> int:
+  """Elements of an op's result: a vector<AxBxf32>'s A * B, else 1."""
+  kind = str(op.results[0].type) if op.results else ""
+  if not kind.startswith("vector<"):
+    return 1
+  return math.prod(int(n) for n in kind[len("vector<"):].split("x")[:-1])
+
+
+def _loop_float_ops(module) -> list[collections.Counter]:
+  """Per `scf.for` of the module, its float ops by name, counted per element."""
+  loops = []
+
+  def visit(op):
+    if op.name == "scf.for":
+      counts = collections.Counter()
+      for inner in _ops(op):
+        if inner.name in _FLOAT_OPS:
+          counts[inner.name] += _elements(inner)
+      loops.append(counts)
+    return ir.WalkResult.ADVANCE
+
+  module.operation.walk(visit)
+  return loops
+
+
 def measure(fn, specs, by_line: bool) -> tuple[float, float, list[dict]]:
   """(trace s, lower s, one dict per kernel), process CPU seconds."""
   kernels = []
@@ -72,7 +109,8 @@ def measure(fn, specs, by_line: bool) -> tuple[float, float, list[dict]]:
     after = _ops(module)
     kernels.append(dict(before=len(before), after=len(after), passes_s=passes_s,
                         lines_before=lines_before,
-                        lines_after=_lines(after) if by_line else None))
+                        lines_after=_lines(after) if by_line else None,
+                        loop_float_ops=_loop_float_ops(module)))
     return result
 
   mgpu_core.lower_mgpu_module = counting
@@ -98,6 +136,8 @@ def main() -> int:
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--kv-heads", type=int, default=None)
   parser.add_argument("--by-line", type=int, default=0, metavar="N")
+  parser.add_argument("--score-mod", choices=("alibi", "constant"), default=None)
+  parser.add_argument("--float-ops", action="store_true")
   args = parser.parse_args()
   if args.by_line:  # whole call stacks in the locations, so that our frames are found
     jax.config.update("jax_include_full_tracebacks_in_locations", True)
@@ -105,8 +145,14 @@ def main() -> int:
   q = jax.ShapeDtypeStruct((args.batch, args.seq, args.heads, args.head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((args.batch, args.seq, kv_heads, args.head_dim), jnp.bfloat16)
 
+  slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / args.heads) for i in range(args.heads)])
+  score_mod = {None: None, "constant": lambda s, b, h, q_idx, kv_idx: s + 0.5,
+               "alibi": lambda s, b, h, q_idx, kv_idx: (
+                   s - slopes[h] * (q_idx - kv_idx).astype(jnp.float32))}[args.score_mod]
+
   def attend(q, k, v):
-    return fa4_jax.attention(q, k, v, is_causal=args.causal)
+    options = {} if score_mod is None else dict(score_mod=score_mod, implementation="sm90")
+    return fa4_jax.attention(q, k, v, is_causal=args.causal, **options)
 
   fn = attend
   if args.pass_ == "grad":
@@ -121,6 +167,11 @@ def main() -> int:
     if args.by_line:
       for line, n in k["lines_after"].most_common(args.by_line):
         print(f"    {n:6d} {k['lines_before'].get(line, 0):5d}  {line}")
+    if args.float_ops:
+      for j, counts in enumerate(k["loop_float_ops"]):
+        if counts:
+          print(f"    loop {j}: {sum(counts.values())} float ops (per element):",
+                ", ".join(f"{name.split('.')[-1]} {n}" for name, n in sorted(counts.items())))
   return 0
 
 

@@ -45,6 +45,8 @@ Optional arguments, taken by a module that names them in its `FEATURES`
         (empty tiles never loaded, full ones unmasked), the mods evaluated on
         a tile by `mod_functions` (`bind`, `evaluate_in_kernel`); the
         backward's dS times the score_mod's slope (`value_and_slope`). The
+        sm90 kernels run a score_mod a * x + R(q_idx) + C(kv_idx) in its
+        affine form (`mod_functions.affine_form`, `mod_tiles.affine_logits`). The
         gradients of the arrays the mods capture come from one XLA pass
         after the kernel backward (`fa4_jax.backends`).
     "value_head_dim" (forward, backward): v (and the output) may have a head

@@ -51,6 +51,71 @@ def check_mods(kernel: str, mods) -> None:
         raise mod_functions.Unsupported(f"{kernel}: {problem}")
 
 
+def kernel_score_function(score: scores.ScoreFunction, score_mod,
+                          decode_group: int | None = None) -> scores.ScoreFunction:
+  """How the sm90 kernels form the logits of a call with `score_mod` (a
+  `mod_functions.ModFunction` or None) and `score`: where the mod is
+  a * x + R(q_idx) + C(kv_idx) with a fixed a (`mod_functions.affine_form`;
+  `decode_group`: in the decode arrangement's rows) a joins the scale, and
+  without C and soft-cap the logits are the raw scores, as without a mod
+  (`ScoreFunction.with_affine_score_mod`). The forward and the backward
+  both take it, so the lse one saves is what the other reads."""
+  if score_mod is None:
+    return score.with_score_mod(False)
+  form = mod_functions.affine_form(score_mod, decode_group)
+  if form is None or form.factor is None:
+    return score.with_score_mod(True)
+  return score.with_affine_score_mod(form.factor, per_score=form.key_terms)
+
+
+def affine_logits(score_fn, s, q_idx, kv_idx, *, score: scores.ScoreFunction, scale,
+                  query_axis: int, with_slope: bool = False):
+  """(t, row_offset, slope) of a raw Q K^T tile `s` under a score_mod that
+  `mod_functions.affine_form` found to be a * x + R(q_idx) + C(kv_idx)
+  (`score_fn`, a `mod_functions.BoundMod`), for a kernel whose `score` is
+  `kernel_score_function`'s. The queries lie along tile axis `query_axis`
+  (1 in the kernels that own keys); `q_idx`, `kv_idx`: the tile's
+  positions (`mod_functions.Positions`). `scale`: the raw scores' factor
+  (`score.scale`, times a float8 descale).
+
+  t: the softmax's logits: s itself where `score` keeps the scale (and a)
+  in its exp2 constant (the mod has no C, no soft-cap), else
+  s * (scale * a) + C, one FMA per score; with soft-cap R joins it there
+  and t is soft-capped (`ScoreFunction.modified_logits`).
+  row_offset: R and the mod's constant in log2 units (times log2(e)),
+  which the softmax adds to c * t of each query (the forward's running
+  max, the backward's lse: ops per query, not per score): a vector along
+  `query_axis`, a scalar, or None (nothing, or inside t).
+  slope: dt/dx, x the scaled score the mod sees, where it is not 1 (with
+  `with_slope`, for dS): an a read per tile, times the soft-cap's slope."""
+  # R in log2 units, as the softmax's statistics are; with soft-cap it joins t.
+  rest_scale = scores.LOG2_E if score.cap is None else 1.0
+  factor, key, rest = score_fn.affine_parts(q_idx, kv_idx, query_axis, rest_scale)
+  slope = None
+  if not score.has_score_mod:  # a and the scale are in c; there is no C
+    t = s
+  else:
+    fixed = mod_functions.is_number(factor)  # (and then in `score.scale`)
+    multiplier = scale if fixed else scale * factor
+    t = s * (jnp.float32(multiplier) if isinstance(multiplier, float) else multiplier)
+    if key is not None:
+      t = t + key.tile()
+    if score.cap is not None:
+      if rest is not None:
+        t = t + (rest.tile() if isinstance(rest, mod_functions.Along) else rest)
+        rest = None
+      t = score.modified_logits(t)
+    if with_slope and not fixed:
+      slope = factor
+  if with_slope:
+    builtin = score.slope(t)
+    if builtin is not None:
+      slope = builtin if slope is None else slope * builtin
+  if rest is None:
+    return t, None, slope
+  return t, rest.vector if isinstance(rest, mod_functions.Along) else rest, slope
+
+
 @dataclasses.dataclass(frozen=True)
 class ModStatics:
   """The static part of the mods of a kernel: the traced functions and how
@@ -170,6 +235,17 @@ class TileMods:
   def score(self, x, q_idx, kv_idx):
     """(score_mod(x), its derivative in x) on a tile."""
     return self.score_fn.value_and_slope(x, q_idx, kv_idx)
+
+  @property
+  def affine(self) -> bool:
+    """The score_mod is a * x + R(q_idx) + C(kv_idx) (`mod_functions.affine_form`):
+    the sm90 kernels form its logits by `affine_logits`."""
+    return self.score_fn is not None and mod_functions.affine_form(self.score_mod) is not None
+
+  def affine_logits(self, s, q_idx, kv_idx, *, score: scores.ScoreFunction, query_axis: int):
+    """`affine_logits` of a raw tile `s`, with its slope."""
+    return affine_logits(self.score_fn, s, q_idx, kv_idx, score=score, scale=score.scale,
+                         query_axis=query_axis, with_slope=True)
 
   def mask_hook(self):
     """The element mask's `mask_mod` hook (None without a mask_mod)."""

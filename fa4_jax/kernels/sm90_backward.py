@@ -114,6 +114,7 @@ from fa4_jax.kernels.backward_inputs import (check_operands, fine_tile_classes, 
                                              preprocess, segment_operands)
 from fa4_jax.kernels.pipeline import LaunchChain
 from fa4_jax.kernels.schedule import fixed_shares_under_vmap, sm_count
+from fa4_jax.kernels.mod_tiles import kernel_score_function
 from fa4_jax.kernels.sm90_backward_common import ModStatics
 from fa4_jax.kernels.sm90_backward_dkdv import (DkvConfig, _build_dkv_head_split_kernel,
                                                 _build_dkv_kernel)
@@ -415,7 +416,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
   if mods is not None and not mods.has_mods:
     mods = None
-  score = score.with_score_mod(mods is not None and mods.score_mod is not None)
+  score = kernel_score_function(score, None if mods is None else mods.score_mod)
   choose = choose_config if mods is None else choose_mods_config
   # (The tuner's candidates and arrays have one head dim.)
   tunable = mods is None and segment_ids is None and d_value == d

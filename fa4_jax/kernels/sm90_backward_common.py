@@ -190,17 +190,27 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
   exp2(c * t - lse2), c = log2(e) (times the cap; without a score_mod the
   scale stays folded into c as in `tile_softmax`). dS is w.r.t. x: the
   slopes go onto dP - delta as the built-ins' do, and the kernels' factor
-  `scale` in dQ and dK stays."""
+  `scale` in dQ and dK stays. A score_mod a * x + R(q_idx) + C(kv_idx)
+  (`TileMods.affine`) forms t = s * (scale * a) + C by one FMA (or t = s,
+  a and the scale in c) and moves lse2 by R per query, as the forward moved
+  its running max (`mod_tiles.affine_logits`); a fixed a is in `scale`, so
+  its slope is 1."""
   shape = s.shape
   slope = None
   if mods.score_mod is not None:
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
     q_idx, kv_idx = mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
                                   keys_along_rows=keys_along_rows, bound=mods.position_bound)
-    x, slope = mods.score(s * jnp.float32(score.scale), q_idx, kv_idx)
-    t = score.modified_logits(x)
-    if score.modifies_logits:
-      slope = slope * score.slope(t)
+    if mods.affine:  # one FMA per score or none; R leaves P = exp2(c t + R - lse2) per query
+      t, offset, slope = mods.affine_logits(s, q_idx, kv_idx, score=score,
+                                            query_axis=1 if keys_along_rows else 0)
+      if offset is not None:
+        lse2 = lse2 - offset
+    else:
+      x, slope = mods.score(s * jnp.float32(score.scale), q_idx, kv_idx)
+      t = score.modified_logits(x)
+      if score.modifies_logits:
+        slope = slope * score.slope(t)
   else:
     t = score.logits(s)
     slope = score.slope(t)

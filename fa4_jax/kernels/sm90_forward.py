@@ -112,8 +112,15 @@ scale and before the soft-cap (`_ConsumerTile.modified_logits`), and the
 softmax's constant is then log2(e) (cap * log2(e)). The mods see the global
 (batch, head) (`Scores.index_offsets`) and the query and key positions;
 their captured arrays are GMEM operands (`mod_functions.evaluate_in_kernel`).
-Such calls take one CTA per tile (`mods_config`). Without mods the kernel is
-unchanged (`tools/kernel_fingerprints.py`).
+A score_mod that adds to the score terms of the query alone and of the key
+alone, a * x + R(q_idx) + C(kv_idx) (ALiBi, a bias per key, a constant:
+`mod_functions.affine_form`), runs no op of its own per score: the logits
+are s * (scale * a) + C, one FMA (or the raw s, a in the exp2 constant,
+without C), and R moves each row's running max, so the lse holds it
+(`_ConsumerTile.affine_logits`, `mod_tiles.affine_logits`); soft-capped,
+R joins the logits before the tanh. Such calls take one CTA per tile
+(`mods_config`). Without mods the kernel is unchanged
+(`tools/kernel_fingerprints.py`).
 
 A value head dim of its own (`v` [B, S, Nkv, Dv], out [..., Dv]; 192 / 128
 and others, `check_value_head_dim`): the V ring and the accumulator take Dv,
@@ -157,6 +164,7 @@ from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_un
                                      heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels import autotune
+from fa4_jax.kernels.mod_tiles import affine_logits, kernel_score_function
 from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, mod_positions,
                                        padded_head_dim, where_visible)
 from fa4_jax.kernels.tiles import smem_tile, smem_transforms
@@ -629,6 +637,14 @@ class ForwardStatics:
   @property
   def fp8_cache(self) -> bool:
     return self.kv_dtype is not None
+
+  @property
+  def affine_score_mod(self) -> bool:
+    """The score_mod is a * x + R(q_idx) + C(kv_idx) (`mod_functions.affine_form`):
+    its logits take one FMA per score or none, and R moves the rows' running
+    max (`_ConsumerTile.affine_logits`)."""
+    return (self.score_mod is not None
+            and mod_functions.affine_form(self.score_mod, self.decode_group) is not None)
 
   @property
   def exp2_scale(self) -> float:
@@ -1265,10 +1281,13 @@ class _ConsumerTile:
     """
     call = self.ctx.call
     block = j if block is None else block
+    row_offset = None  # a score_mod's terms along the rows (`affine_logits`)
     if call.score_mod is None:
       # (float8 with soft-cap: the descale scales the tanh's argument; without
       # it, c, below.)
       s = call.score.logits(s, self.logit_scale())
+    elif call.affine_score_mod:
+      s, row_offset = self.affine_logits(s, block)
     else:
       s = self.modified_logits(s, block)
     if masked:
@@ -1285,12 +1304,12 @@ class _ConsumerTile:
                         mask_mod=mask_mod)
       if key_ids is not None:
         self.release_k_after_reading_ids(j)
-    if call.fixed_max:
+    if call.fixed_max:  # (soft-capped: no row offset)
       return fixed_max_softmax(s, m, call.exp2_scale), m, None
     descale = None
     if self.qk_descale is not None and call.score.logits_are_raw_scores:
       descale = self.qk_descale  # folded into exp2_scale: no multiply per score
-    return online_softmax(s, m, call.exp2_scale, descale)
+    return online_softmax(s, m, call.exp2_scale, descale, row_offset=row_offset)
 
   def logit_scale(self):
     """The factor of the raw logits before a score_mod or soft-cap: the
@@ -1298,19 +1317,37 @@ class _ConsumerTile:
     scale = self.ctx.call.score.scale
     return scale if self.qk_descale is None else scale * self.qk_descale
 
-  def modified_logits(self, s, block):
-    """A tile of raw Q K^T logits of key block `block` through the scale and
-    `score_mod`, then soft-capped (t = tanh(s / cap)) if the call is: in the
-    units of `ForwardStatics.exp2_scale` (`scores.Scores` has the order)."""
+  def score_mod_positions(self, shape, block):
+    """(q_idx, kv_idx) of a tile of key block `block` as the score_mod sees
+    them: vectors along its rows and columns (`sm90_tiles.mod_positions`)."""
     call, cfg = self.ctx.call, self.ctx.call.config
     # Positions are below the padded extents plus a tile (in the decode
     # arrangement: the keys of every chunk of a sequence).
     kv_extent = call.kv_valid * (1 if call.decode_group is None else call.q_batch_divisor)
     bound = max(call.q_seq, kv_extent) + 2 * max(cfg.block_q, cfg.block_kv)
-    q_idx, kv_idx = mod_positions(s.shape, row_lo=self.q_lo, col_lo=block * cfg.block_kv,
+    q_idx, kv_idx = mod_positions(shape, row_lo=self.q_lo, col_lo=block * cfg.block_kv,
                                   keys_along_rows=False, bound=bound)
     if call.decode_group is not None:
       q_idx, kv_idx = self.decode_positions()(q_idx, kv_idx)
+    return q_idx, kv_idx
+
+  def affine_logits(self, s, block):
+    """(t, row offset) of a raw Q K^T tile of key block `block` under a
+    score_mod a * x + R(q_idx) + C(kv_idx) (`ForwardStatics.affine_score_mod`,
+    `mod_tiles.affine_logits`): t = s * (scale * a) + C, one FMA per score,
+    or s itself; R (in log2 units) moves the rows' running max."""
+    call = self.ctx.call
+    q_idx, kv_idx = self.score_mod_positions(s.shape, block)
+    t, row_offset, _ = affine_logits(self.score_fn, s, q_idx, kv_idx, score=call.score,
+                                     scale=self.logit_scale(), query_axis=0)
+    return t, row_offset
+
+  def modified_logits(self, s, block):
+    """A tile of raw Q K^T logits of key block `block` through the scale and
+    `score_mod`, then soft-capped (t = tanh(s / cap)) if the call is: in the
+    units of `ForwardStatics.exp2_scale` (`scores.Scores` has the order)."""
+    call = self.ctx.call
+    q_idx, kv_idx = self.score_mod_positions(s.shape, block)
     s = self.score_fn(s * jnp.float32(self.logit_scale()), q_idx, kv_idx)
     s = s.astype(jnp.float32)
     if s.shape != q_idx.shape:  # a score_mod that ignores the score
@@ -1332,7 +1369,9 @@ class _ConsumerTile:
 
     def positions(q_idx, kv_idx):
       q_idx = _along_map(q_idx, lambda x: lax.div(x, jnp.int32(g)) if g != 1 else x)
-      if first_key is not None:
+      if first_key is not None and isinstance(kv_idx, mod_functions.Positions):
+        kv_idx = kv_idx.shifted(first_key)  # (positions still: `affine_logits`)
+      elif first_key is not None:
         kv_idx = _along_map(kv_idx, lambda x: x + first_key)
       return q_idx, kv_idx
 
@@ -1686,7 +1725,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
                               f"{(batch, kv_seq)}; got {shapes[0]} and {shapes[1]}")
   if sinks is not None and jnp.shape(sinks) != (num_q_heads,):
     raise KernelUnsupported(f"sinks must be [Nq] = ({num_q_heads},); got {jnp.shape(sinks)}")
-  score = score.with_score_mod(mods is not None and mods.score_mod is not None)
+  score = kernel_score_function(score, None if mods is None else mods.score_mod,
+                                None if mods is None else decode_group)
   # The TMA descriptors tile (sequence, head_dim) by (8, 64): sequence lengths
   # must be multiples of 8 and head dims multiples of 64. Other sizes are
   # zero-padded here (a copy; aligned shapes take no detour). Padded keys are

@@ -18,7 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import KernelUnsupported, check_common
 from fa4_jax.kernels.mod_tiles import bound_mask_hook  # noqa: F401 (sm90_forward's)
-from fa4_jax.mod_functions import Along
+from fa4_jax.mod_functions import Positions
 from fa4_jax.scores import MaskSpec, cdiv, visible
 
 MAX_HEAD_DIM = 256
@@ -132,11 +132,13 @@ def mod_positions(shape, *, row_lo, col_lo, keys_along_rows: bool, bound=None):
   (`mod_functions.Along`, in the row and column layouts of the WGMMA one),
   which the mods' interpreter broadcasts only where an op needs the whole
   tile. Rows start at `row_lo` (keys when `keys_along_rows`), columns at
-  `col_lo`. `bound`: every position is below it (None: unknown)."""
+  `col_lo`. `bound`: every position is below it (None: unknown). Both are
+  `Positions`: a first position and the offsets from it (the affine form
+  of a score_mod measures from it, `mod_functions.affine_form`)."""
   def along(axis, lo):
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
-    iota = lambda: lo + plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout)
-    return Along(iota, axis, tuple(shape), bound)  # traced where the mod reads it
+    offsets = lambda: plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout)
+    return Positions(lo, offsets, axis, tuple(shape), bound)  # traced where the mod reads it
 
   rows, cols = along(0, row_lo), along(1, col_lo)
   return (cols, rows) if keys_along_rows else (rows, cols)
