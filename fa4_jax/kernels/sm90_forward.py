@@ -239,7 +239,7 @@ class ForwardConfig:
   pingpong: bool = True
   # float8 only: P is the P V wgmma's A operand in registers (no SMEM round
   # trip), where the row sums follow the hand-off (`ForwardStatics.
-  # fp8_p_in_registers`). Off by default until measured on hardware.
+  # fp8_p_in_registers`). The heuristic's float8 configs set it (`fp8_config`).
   fp8_p_in_registers: bool = False
 
   def __post_init__(self):
@@ -1758,6 +1758,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
                  and value_dim == head_dim and not heads_major and q_batch_divisor == 1))
     if mods is not None:
       config = mods_config(config)
+    if fp8:
+      config = fp8_config(config, mask, d, dv, segment_ids is not None)
     if (dv != d or fp8) and not config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8):
       config = dataclasses.replace(config, q_buffers=1)
   if fp8_cache:
@@ -1825,6 +1827,22 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
   if dv != value_dim or q_pad != q_seq:
     out = out[:, :q_seq, :, :value_dim]
   return out, lse[..., :q_seq]
+
+
+def fp8_config(config: ForwardConfig, mask: MaskSpec, d: int, dv: int,
+               segment_ids: bool) -> ForwardConfig:
+  """The heuristic's config for all-float8 operands: P handed to the P V
+  wgmma in registers (`fp8_p_in_registers`, with the row sums after the
+  hand-off), and without a band a third K/V stage where SMEM holds it. The
+  SMEM round trip of P is what kept D128 at bfloat16's speed: in float8 the
+  GEMMs take half their bfloat16 time and the hand-off sits between them and
+  the softmax (measured: the performance notes, "P in registers")."""
+  config = dataclasses.replace(config, fp8_p_in_registers=True, sum_before_handoff=False)
+  if mask.is_dense and d <= 128 and config.num_kv_stages == 2:
+    deeper = dataclasses.replace(config, num_kv_stages=3)
+    if deeper.fits_smem(d, 2, segment_ids, dv, fp8=True):
+      return deeper
+  return config
 
 
 def fp8_cache_config(config: ForwardConfig, d: int, dv: int) -> ForwardConfig:
