@@ -44,10 +44,6 @@ from fa4_jax.kernels import sm90_forward  # noqa: E402
 from fa4_jax.scores import MaskSpec, ScoreFunction, Scores  # noqa: E402
 
 import bench_common  # noqa: E402
-from fa4_jax import backends  # noqa: E402
-
-# The arrangement with mods is held back by default until measured: on here.
-backends.MODS_IN_DECODE_ARRANGEMENT = True
 
 B, T, S, HQ, HKV, D, PAGE = 8, 1, 32768, 32, 8, 128, 64
 WINDOW = 4096

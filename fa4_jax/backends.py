@@ -503,15 +503,6 @@ def _untargeted_host() -> bool:
   return default_device().platform != "gpu"
 
 
-# Held back until run on hardware: score_mod / mask_mod in the decode
-# arrangement (contiguous and paged) were built and tested in the interpreter
-# and by cross-lowering only. `tests/test_decode_mods_on_gpu.py` and
-# `benchmarks/bench_decode_mods.py` (both turn this on) are the checks that
-# decide; until then short queries with mods run the forward kernel as it is
-# and paged calls with mods the XLA path.
-MODS_IN_DECODE_ARRANGEMENT = False
-
-
 def _arrangement(name: str, call: CallInfo) -> Backend:
   """Kernel family `name`'s backend for this call: the sm90 decode
   arrangement for short queries without a band or causal bottom-right
@@ -524,7 +515,6 @@ def _arrangement(name: str, call: CallInfo) -> Backend:
   if name == "sm90" and call.values_from_keys and _mla_problem(call) is None:
     return _mla_backend()
   if (name == "sm90" and call.v_head_dim is None
-      and (not call.has_mods or MODS_IN_DECODE_ARRANGEMENT)
       and _packed_mods_problem(call.score_mod, call.mask_mod) is None):
     from fa4_jax.kernels import sm90_decode
     fp8_query = jnp.dtype(call.dtype) in scores.FP8_DTYPES
@@ -601,9 +591,6 @@ def _paged_kernel_problem(args: PagedArguments) -> str | None:
   if args.key_pages.dtype in scores.FP8_DTYPES and args.query.dtype in scores.FP8_DTYPES:
     return ("float8 pages under a float8 query are read by the XLA path; use a 16-bit "
             "query, implementation=None or 'xla'")
-  if args.mods and not MODS_IN_DECODE_ARRANGEMENT:
-    return ("score_mod / mask_mod over pages are read by the XLA path for now; use "
-            "implementation=None or 'xla'")
   mods = args.traced_mods
   if mods is not None:
     problem = _paged_mods_problem(args, mods)

@@ -29,7 +29,6 @@ Specification:
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import backends, mod_functions
+from fa4_jax import mod_functions
 from fa4_jax.kernels import mod_tiles, sm90_decode, sm90_forward
 from fa4_jax.scores import LOG2_E, MaskSpec, ScoreFunction, Scores
 from reference import relative_error
@@ -277,7 +276,6 @@ def test_the_decode_arrangement_combines_chunks_by_the_lse(monkeypatch, run_inte
   # each chunk's positions in the sequence, the chunks' outputs are merged
   # by their lse, and the lse returned (`return_residual`) holds the
   # constant, the same in every chunk.
-  monkeypatch.setattr(backends, "MODS_IN_DECODE_ARRANGEMENT", True)
   monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 128)
   b, t, s, n, kv_heads, d = 1, 1, 512, 8, 2, 64
   q, k, v, _ = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=3)

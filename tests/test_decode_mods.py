@@ -84,13 +84,6 @@ def _check(out, want_out, visible):
   assert np.all(out[blind] == 0.0)
 
 
-@pytest.fixture(autouse=True)
-def mods_in_decode_arrangement(monkeypatch):
-  """These tests check the arrangement that is held back by default until
-  it has run on hardware (`backends.MODS_IN_DECODE_ARRANGEMENT`)."""
-  monkeypatch.setattr(backends, "MODS_IN_DECODE_ARRANGEMENT", True)
-
-
 @pytest.fixture
 def short_chunks(monkeypatch):
   """Chunks of 128 keys: split-K on the interpreter's small caches."""
@@ -252,21 +245,6 @@ def test_selection_takes_the_arrangement_with_mods(hopper):
                            head_dim=64, page_size=16, max_pages=32, lengths=(500,))
   assert fa4_jax.which_paged_implementation(*long_query) == "sm90"
   assert fa4_jax.which_paged_implementation(*long_query, score_mod=alibi) == "xla"
-
-
-def test_held_back_by_default_mods_keep_the_forward_kernel_and_pages_the_xla_path(
-    hopper, monkeypatch):
-  monkeypatch.setattr(backends, "MODS_IN_DECODE_ARRANGEMENT", False)
-  q, k, v = _inputs(7, 2, 1, 2048, 8, 2)
-  alibi = _alibi(_slopes(8))
-  assert fa4_jax.which_implementation(q, k, v) == "sm90_decode"
-  assert fa4_jax.which_implementation(q, k, v, score_mod=alibi) == "sm90"
-  args = paged_cache(8, dtype=jnp.bfloat16, batch=2, t=1, q_heads=8, kv_heads=2, head_dim=64,
-                     page_size=16, max_pages=8, lengths=(100, 7))
-  assert fa4_jax.which_paged_implementation(*args) == "sm90"
-  assert fa4_jax.which_paged_implementation(*args, score_mod=alibi) == "xla"
-  with pytest.raises(ValueError, match="XLA path for now"):
-    fa4_jax.which_paged_implementation(*args, score_mod=alibi, implementation="sm90")
 
 
 def test_bind_rows_gives_each_row_what_bind_gives_its_head():

@@ -27,12 +27,6 @@ ON_HOPPER = (jax.devices()[0].platform == "gpu"
              and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 pytestmark = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 
-@pytest.fixture(autouse=True)
-def mods_in_decode_arrangement(monkeypatch):
-  """The checks that decide `backends.MODS_IN_DECODE_ARRANGEMENT` (off by
-  default until these have passed on hardware)."""
-  from fa4_jax import backends
-  monkeypatch.setattr(backends, "MODS_IN_DECODE_ARRANGEMENT", True)
 
 
 B, S, HQ, HKV, D = 4, 32768, 32, 8, 128

@@ -124,14 +124,10 @@ def test_bucket_table_score_mod_dense_head_dim_64_with_table_gradients():
 
 @pytest.mark.parametrize("bucket", ["clipped", "t5"])
 def test_a_32_entry_table_read_per_element_gqa_causal_head_dim_128_with_table_gradients(
-    bucket, monkeypatch):
+    bucket):
   """The sm90 kernels read table[h, index(q_idx, kv_idx)] by one load per
   element (`sm90_tiles.load_elements`): a clipped relative position (known
-  within the table, read unclamped) and T5's log buckets (clamped). One of
-  the checks that decide `sm90_tiles.PER_ELEMENT_TABLE_LOADS` (off until
-  they pass on hardware)."""
-  from fa4_jax.kernels import sm90_tiles
-  monkeypatch.setattr(sm90_tiles, "PER_ELEMENT_TABLE_LOADS", True)
+  within the table, read unclamped) and T5's log buckets (clamped)."""
   b, t, nq, nkv, d = 2, 2049, 8, 2, 128
   q, k, v, dout = _inputs(b, t, t, nq, nkv, d, seed=6)
   table = jnp.asarray(np.random.default_rng(7).normal(size=(nq, 32)) * 0.5, jnp.float32)

@@ -29,19 +29,12 @@ import pytest
 
 import fa4_jax
 from fa4_jax import mod_functions
-from fa4_jax.kernels import sm90_tiles
 from reference import einsum_attention, relative_error, visible_mask
 
 BUCKETS = 32
 HEADS, KV_HEADS = 4, 2
 TABLE = jnp.asarray(np.random.default_rng(3).normal(size=(HEADS, BUCKETS)) * 0.5, jnp.float32)
 
-
-@pytest.fixture(autouse=True)
-def per_element_table_loads(monkeypatch):
-  """These tests check the loads that are held back by default until they
-  have run on hardware (`sm90_tiles.PER_ELEMENT_TABLE_LOADS`)."""
-  monkeypatch.setattr(sm90_tiles, "PER_ELEMENT_TABLE_LOADS", True)
 
 
 def _relative(table):

@@ -210,12 +210,11 @@ def mask_mod_hook(mask_mod, captured_refs, batch_idx, head_idx):
 # (and the entries' registers: a 32-entry table spilled on an H100).
 
 
-# Held back until the loads have run on hardware: they were built and
-# cross-lowered on a machine without a GPU, and only ptxas and a GPU can show
-# what NVPTX makes of them. `tests/test_mods_on_gpu.py`'s 32-entry-table
-# cases and `benchmarks/bench_mod_costs.py` (both turn this on) are the
-# checks that decide; until then tables are read by the chain of selects.
-PER_ELEMENT_TABLE_LOADS = False
+# Off, tables are read by the chain of selects (what the interpreter and
+# sm100 do); `benchmarks/bench_mod_costs.py` (MOD_COSTS_TABLE_LOADS=0) turns
+# it off to time that chain. Measured: the performance notes, "Table lookups
+# as one load per element".
+PER_ELEMENT_TABLE_LOADS = True
 
 
 def element_loader():
