@@ -158,6 +158,8 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   tiles = -(-rows // sm90_forward.choose_config(d, mask).block_q_cta)
   splits = choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms, streams=streams,
                          granule=granule, tiles=tiles)
+  if fp8_cache and not ragged and _two_ctas_an_sm(d, s, splits, rows):
+    return DecodePlan(2 * splits, fp8_cache_two_ctas_config(d, s // (2 * splits), rows))
   config = None if ragged else choose_config(d, mask, s // splits, rows,
                                              b * kv_heads * splits * tiles,
                                              num_sms=num_sms, streams=streams)
@@ -219,6 +221,28 @@ def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
       if candidate.fits_smem(d, 2, False, d, fp8_cache=True):
         return candidate
   return config
+
+
+def _two_ctas_an_sm(head_dim: int, keys: int, splits: int, rows: int) -> bool:
+  """Whether a float8 cache's plan takes two CTAs an SM
+  (`fp8_cache_two_ctas_config`): head dim 64, packed rows within one
+  consumer's tile, and twice the splits of whole chunks of at least
+  `MIN_CHUNK` keys."""
+  return (sm90_forward.padded_head_dim(head_dim) == 64 and rows <= 64
+          and keys % (2 * splits) == 0 and keys // (2 * splits) >= MIN_CHUNK)
+
+
+def fp8_cache_two_ctas_config(head_dim: int, chunk: int,
+                              rows: int) -> sm90_forward.ForwardConfig:
+  """A float8 cache at head dim 64: one consumer on four 64-key 8-bit slots
+  at 128 registers a thread (producer 24), so that two CTAs share an SM and
+  each one's waits hide behind the other's work; one CTA per item. ptxas
+  fits it in 128 registers without spills, 65 KiB of SMEM; the 128-key
+  variants need about 160 (the performance notes, "ptxas without a GPU",
+  and "The D64 float8 decode: a model")."""
+  config = fp8_cache_decode_config(head_dim, chunk, rows, None)
+  return dataclasses.replace(config, block_kv=64, num_kv_stages=4, consumer_registers=128,
+                             persistent=False, work_queue=False, num_sms=0, q_buffers=1)
 
 
 def band_config(head_dim: int, chunk: int, rows: int) -> sm90_forward.ForwardConfig:
