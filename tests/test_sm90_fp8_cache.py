@@ -95,25 +95,20 @@ def test_decode_on_a_float8_cache_matches_the_dequantized_reference(
   assert_close(got, want, v)
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_the_float8_decode_plan_matches_the_dequantized_reference(run_interpreted, ragged):
-  """The plan `sm90_decode.plan(fp8_cache=True)` makes (one consumer on a
-  deep ring of 128-key slots, `fp8_cache_decode_config`), on the cache cut
-  in two chunks; ragged: one row shorter than a chunk."""
-  rng = np.random.default_rng(11)
-  b, s, n, kv_heads, d = 2, 512, 8, 2, 64
-  q = jnp.asarray(rng.normal(size=(b, 1, n, d)), jnp.bfloat16)
-  k8, k_descale = float8_cache(rng, (b, s, kv_heads, d))
-  v8, v_descale = float8_cache(rng, (b, s, kv_heads, d))
-  lengths = jnp.asarray([s, 200], jnp.int32) if ragged else None
-  plan = sm90_decode.plan(q.shape, k8.shape, MaskSpec(), ragged=ragged, num_sms=132,
-                          fp8_cache=True)
-  config = plan.config
-  assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
+# The interpreter's decode rows: B2 S512 H8/2 D64, the cache cut in two chunks.
+_B, _S, _N, _KV_HEADS, _D = 2, 512, 8, 2, 64
+
+
+def _decode_matches_the_dequantized_reference(run_interpreted, config, lengths, seed):
+  """The decode arrangement under `config` on two chunks of a float8 cache."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(_B, 1, _N, _D)), jnp.bfloat16)
+  k8, k_descale = float8_cache(rng, (_B, _S, _KV_HEADS, _D))
+  v8, v_descale = float8_cache(rng, (_B, _S, _KV_HEADS, _D))
   plan = sm90_decode.DecodePlan(2, config)
 
   def call(q, k, v):
-    out, _ = sm90_decode.forward(q, k, v, None, lengths, score=ScoreFunction(d ** -0.5),
+    out, _ = sm90_decode.forward(q, k, v, None, lengths, score=ScoreFunction(_D ** -0.5),
                                  mask=MaskSpec(), plan=plan,
                                  descales=(None, k_descale, v_descale))
     return out
@@ -123,12 +118,25 @@ def test_the_float8_decode_plan_matches_the_dequantized_reference(run_interprete
   assert_close(got, want, v)
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_float8_decode_plan_matches_the_dequantized_reference(run_interpreted, ragged):
+  """The plan `sm90_decode.plan(fp8_cache=True)` makes on these small rows
+  (one consumer on a deep ring of 128-key slots, `fp8_cache_decode_config`);
+  ragged: one row shorter than a chunk."""
+  plan = sm90_decode.plan((_B, 1, _N, _D), (_B, _S, _KV_HEADS, _D), MaskSpec(), ragged=ragged,
+                          num_sms=132, fp8_cache=True)
+  config = plan.config
+  assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
+  lengths = jnp.asarray([_S, 200], jnp.int32) if ragged else None
+  _decode_matches_the_dequantized_reference(run_interpreted, config, lengths, seed=11)
+
+
 def test_a_float8_cache_at_head_dim_64_plans_two_ctas_an_sm(run_interpreted):
   """At D64 the float8 plan doubles the splits and runs one consumer at 128
   registers on four 64-key slots, so that two CTAs fit an SM (65536
   registers of 256 threads each; SMEM twice over): B8 T1 S32768 H32/8 and
   MQA B16 S16384 H8/1, the rows an H100 measured. The config reads the
-  cache right (interpreter, two chunks of 256 keys)."""
+  cache right (interpreter)."""
   for q_shape, k_shape, splits in (((8, 1, 32, 64), (8, 32768, 8, 64), 4),
                                    ((16, 1, 8, 64), (16, 16384, 1, 64), 16)):
     plan = sm90_decode.plan(q_shape, k_shape, MaskSpec(), num_sms=132, fp8_cache=True)
@@ -137,23 +145,9 @@ def test_a_float8_cache_at_head_dim_64_plans_two_ctas_an_sm(run_interpreted):
     assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 64, 4)
     assert config.producer_registers + config.consumer_registers <= 65536 // 256
     assert 2 * (config.smem_bytes(64, 2, fp8_cache=True) + 1024) <= 228 * 1024
-  rng = np.random.default_rng(12)
-  b, s, n, kv_heads, d = 2, 512, 8, 2, 64
-  q = jnp.asarray(rng.normal(size=(b, 1, n, d)), jnp.bfloat16)
-  k8, k_descale = float8_cache(rng, (b, s, kv_heads, d))
-  v8, v_descale = float8_cache(rng, (b, s, kv_heads, d))
-  lengths = jnp.asarray([s, 300], jnp.int32)
-  plan = sm90_decode.DecodePlan(2, sm90_decode.fp8_cache_two_ctas_config(d, s // 2, 4))
-
-  def call(q, k, v):
-    out, _ = sm90_decode.forward(q, k, v, None, lengths, score=ScoreFunction(d ** -0.5),
-                                 mask=MaskSpec(), plan=plan,
-                                 descales=(None, k_descale, v_descale))
-    return out
-
-  got = run_interpreted(call, q, k8, v8)
-  want, v = dequantized_reference(q, k8, k_descale, v8, v_descale, kv_lengths=lengths)
-  assert_close(got, want, v)
+  config = sm90_decode.fp8_cache_two_ctas_config(_D, _S // 2, 4)
+  _decode_matches_the_dequantized_reference(run_interpreted, config,
+                                            jnp.asarray([_S, 300], jnp.int32), seed=12)
 
 
 def test_the_forward_kernel_on_a_float8_cache_with_bottom_right_causal_rows(run_interpreted):
