@@ -12,8 +12,8 @@ Rows (issue targets in brackets):
 
 Columns: `bf16` (fa4_jax.attention as it picks), `fp8` and `fp8 paged`
 (the sm90 kernel by name; `which_implementation` in the row), `fp8 default`
-(decode rows: what implementation=None runs on a float8 cache, the XLA path
-until `backends.FP8_CACHE_BY_DEFAULT`) and `xla` (our XLA path on the bf16
+(decode rows: what implementation=None runs on a float8 cache: the kernel
+on a Hopper GPU, so it matches `fp8`) and `xla` (our XLA path on the bf16
 inputs, the reference of `max_abs_diff`). Time: the sum of a call's kernel
 durations in a profiler trace, medians of interleaved rounds
 (`bench_common.bandwidth_columns`). `tb_per_s` divides the bytes the
@@ -377,8 +377,7 @@ def case_calls(case, x, configs=False, decode_configs=False):
         q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
         q8, k8, v8, qd, kd, vd)
   else:
-    # The kernel by name: by default a float8 cache stays on the XLA path
-    # until it has run on a GPU (`backends.FP8_CACHE_BY_DEFAULT`).
+    # The kernel by name (`fp8 default` below: what implementation=None picks).
     fp8 = lambda q, k, v, kd, vd: fa4_jax.attention(q, k, v, is_causal=causal, key_descale=kd,
                                                     value_descale=vd, implementation="sm90",
                                                     **alignment)
