@@ -114,7 +114,7 @@ softmax's constant is then log2(e) (cap * log2(e)). The mods see the global
 their captured arrays are GMEM operands (`mod_functions.evaluate_in_kernel`).
 A score_mod that adds to the score terms of the query alone and of the key
 alone, a * x + R(q_idx) + C(kv_idx) (ALiBi, a bias per key, a constant:
-`mod_functions.affine_form`), runs no op of its own per score: the logits
+`mod_functions.affine_form`), runs in place of the mod's own ops: the logits
 are s * (scale * a) + C, one FMA (or the raw s, a in the exp2 constant,
 without C), and R moves each row's running max, so the lse holds it
 (`_ConsumerTile.affine_logits`, `mod_tiles.affine_logits`); soft-capped,
