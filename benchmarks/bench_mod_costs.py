@@ -130,4 +130,5 @@ def main():
                    method="sum of kernel durations in a profiler trace, median of 10 calls, "
                           "median of 2 interleaved rounds", rows=out), f, indent=1)
 
-main()
+if __name__ == "__main__":
+  main()
