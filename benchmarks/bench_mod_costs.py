@@ -13,7 +13,9 @@ ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
     python3 benchmarks/bench_mod_costs.py [--ptxas] [--backward]
 --backward times jax.grad of the outputs' sum (the forward and the backward
 kernels: the kernel-duration sum of the gradient call) instead of the forward
-(no cuDNN row; errors: of the gradients against the XLA path).
+(no cuDNN row; errors: of the gradients against the XLA path), and per row each
+Mosaic GPU kernel's median duration (`bench_common.kernel_medians`: forward,
+dK/dV, dQ), so that a mod's backward cost shows which kernel carries it.
 MOD_COSTS_TREE=DIR imports fa4_jax from DIR (a snapshot of an older commit,
 to compare in one lease); MOD_COSTS_TAG names the output file
 ($OUT or . / mod-costs<TAG>.json)."""
@@ -110,16 +112,23 @@ def main():
       timed["cudnn dense bias32"] = (cudnn, (bias,))
     except Exception as e:  # noqa: BLE001  (no cuDNN attention here: the row is left out)
       print("cudnn dense bias32 left out:", type(e).__name__, str(e)[:300], flush=True)
-  rows = {}
+  rows, kernels = {}, {}
   for rnd in range(2):
     for name, (f, extra) in timed.items():
       ms = bench_common.kernel_sum_ms(f, ns["q"], ns["k"], ns["v"], *extra)
       rows.setdefault(name, []).append(ms)
       print(rnd, name, f"{ms:.3f}", flush=True)
+      if backward:  # which kernel carries the cost: each Mosaic GPU kernel's median
+        _, per_kernel = bench_common.kernel_medians(f, (ns["q"], ns["k"], ns["v"], *extra))
+        mosaic = {n: d for n, _, d in per_kernel if "mosaic" in n}
+        kernels.setdefault(name, []).append(mosaic)
+        print("   ", "  ".join(f"{n.split('_mosaic')[0]} {d:.3f}" for n, d in mosaic.items()))
   import statistics
   base = statistics.median(rows["plain"])
   out = {n: dict(ms=statistics.median(t), rounds=t, vs_plain=statistics.median(t) / base,
                  max_abs_error_vs_xla=errors[n]) for n, t in rows.items()}
+  for n, per_round in kernels.items():
+    out[n]["kernels_ms"] = per_round  # per round: {kernel: median duration}
   for n, r in out.items():
     print(f"{n:22s} {r['ms']:.3f} ms  x{r['vs_plain']:.2f}  err {errors[n]:.2e}")
   import jax
