@@ -191,6 +191,52 @@ def test_float8_pages_match_the_xla_path_through_a_shuffled_table(run_interprete
   assert_close(got, np.asarray(want), v)
 
 
+@pytest.mark.parametrize("d, t, factor", [(64, 1, 1), (64, 4, 2), (128, 1, 2), (128, 4, 1)])
+def test_float8_pages_under_the_contiguous_plan_match_the_xla_path(run_interpreted, monkeypatch,
+                                                                   d, t, factor):
+  """`sm90_decode.FP8_PAGES_SPLITS_FACTOR` (issue #55): float8 pages under
+  the contiguous float8 cache's plan (a CTA per item, chunks of whole pages),
+  with `factor` times its splits. Small rows made to split as B8 S32k does on
+  132 SMs: 8 SMs, chunks of at least 32 keys. D64 takes the two-CTAs config
+  (4 splits of 64 keys, 64-key blocks of four pages), D128 one consumer on
+  128-key blocks (2 splits; chunks of 128 keys take the forward's persistent
+  grid there, as the contiguous cache does); T = 4 is causal bottom-right."""
+  from fa4_jax import backends
+  from fa4_jax.validation import validate_paged
+
+  monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", factor)
+  monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 32)
+  monkeypatch.setattr(sm90_forward, "sm_count", lambda default=132: 8)
+  rng = np.random.default_rng(d + t)
+  b, n, kv_heads, page, max_pages = 2, 8, 2, 16, 16
+  pool = b * max_pages + 3
+  key_pages, k_descale = float8_cache(rng, (pool, page, kv_heads, d))
+  value_pages, v_descale = float8_cache(rng, (pool, page, kv_heads, d))
+  table = jnp.asarray(rng.permutation(pool)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+  lengths = jnp.asarray([200, 37], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  causal = t > 1
+  with gpu_target("sm90"):
+    plan = backends.paged_decode_plan(validate_paged(
+        q, key_pages, value_pages, table, lengths, scale=None, is_causal=causal, sinks=None,
+        logits_soft_cap=None, implementation="sm90"))
+    contiguous = sm90_decode.plan(q.shape, (b, max_pages * page, kv_heads, d), MaskSpec(),
+                                  granule=page, fp8_cache=True)
+  assert contiguous.splits == {64: 4, 128: 2}[d]
+  assert contiguous.config.block_kv == {64: 64, 128: 128}[d]
+  if factor == 1:
+    assert plan == contiguous
+  else:  # beyond the contiguous plan's splits, a CTA per item
+    assert plan.splits == contiguous.splits * factor and not plan.config.persistent
+  attend = lambda implementation, **kw: lambda q, kp, vp: fa4_jax.paged_attention(
+      q, kp, vp, table, lengths, key_descale=k_descale, value_descale=v_descale,
+      is_causal=causal, implementation=implementation, **kw)
+  got = run_interpreted(attend("sm90"), q, key_pages, value_pages)
+  want = attend("xla", output_dtype=jnp.float32)(q, key_pages, value_pages)
+  v = np.asarray(value_pages, np.float32) * np.asarray(v_descale)[None, None, :, None]
+  assert_close(got, np.asarray(want), v)
+
+
 def test_which_float8_cache_calls_the_kernel_takes():
   bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   f8 = lambda *shape: jnp.zeros(shape, E4M3)
