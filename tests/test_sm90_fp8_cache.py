@@ -207,6 +207,7 @@ def test_float8_pages_under_the_contiguous_plan_match_the_xla_path(run_interpret
   monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", factor)
   monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 32)
   monkeypatch.setattr(sm90_forward, "sm_count", lambda default=132: 8)
+  jax.clear_caches()  # no trace of another plan for the same shapes
   rng = np.random.default_rng(d + t)
   b, n, kv_heads, page, max_pages = 2, 8, 2, 16, 16
   pool = b * max_pages + 3
@@ -412,3 +413,47 @@ def test_float8_pages_take_the_float8_decode_config(cross_lower, t):
   assert "cvt.rn.f16x2.e4m3x2" in text and "f32.f16.f16" in text
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
   assert max(lowered.smem_bytes) >= config.smem_bytes(d, 2, fp8_cache=True)
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_float8_pages_under_the_switches_take_the_contiguous_plan_and_lower(cross_lower,
+                                                                          monkeypatch, t):
+  """Issue #55's rows (B8 S32768 H32/8 D128, pages of 64; T = 16 causal)
+  with `FP8_PAGES_SPLITS_FACTOR = 1` and `FP8_CACHE_CONSUMER_REGISTERS =
+  256`: pages take the contiguous float8 cache's plan (2 chunks, a CTA per
+  item on 128 of 132 SMs, one consumer on four 128-key slots) with the
+  consumer on 256 registers, and the call lowers within SMEM."""
+  from fa4_jax.backends import paged_decode_plan
+  from fa4_jax.validation import validate_paged
+
+  monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", 1)
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_CONSUMER_REGISTERS", 256)
+  jax.clear_caches()
+  b, s, n, kv_heads, d, page = 8, 32768, 32, 8, 128, 64
+  causal = t > 1
+  q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
+  pages_spec = jax.ShapeDtypeStruct((b * s // page, page, kv_heads, d), E4M3)
+  table_spec = jax.ShapeDtypeStruct((b, s // page), jnp.int32)
+  lengths_spec = jax.ShapeDtypeStruct((b,), jnp.int32)
+  descale = jax.ShapeDtypeStruct((kv_heads,), jnp.float32)
+  with gpu_target("sm90", num_sms=132):
+    plan = paged_decode_plan(validate_paged(
+        jnp.zeros(q_spec.shape, q_spec.dtype), jnp.zeros(pages_spec.shape, E4M3),
+        jnp.zeros(pages_spec.shape, E4M3), jnp.zeros(table_spec.shape, jnp.int32),
+        jnp.full((b,), s, jnp.int32), scale=None, is_causal=causal, sinks=None,
+        logits_soft_cap=None, implementation="sm90"))
+    contiguous = sm90_decode.plan((b, t, n, d), (b, s, kv_heads, d), MaskSpec(), fp8_cache=True)
+  assert plan == contiguous and plan.splits == 2
+  config = plan.config
+  assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
+  assert not config.persistent and config.consumer_registers == 256
+
+  def call(q, kp, vp, table, lengths, kd, vd):
+    with gpu_target("sm90", num_sms=132):
+      return fa4_jax.paged_attention(q, kp, vp, table, lengths, is_causal=causal,
+                                     key_descale=kd, value_descale=vd, implementation="sm90")
+
+  lowered = cross_lower(call, q_spec, pages_spec, pages_spec, table_spec, lengths_spec,
+                        descale, descale)
+  assert "setmaxnreg.inc.sync.aligned.u32 256;" in "\n".join(lowered.modules)
+  assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
