@@ -96,8 +96,8 @@ def page_of(case) -> int:
 # splits, a CTA per item (ragged rows' balance; x8 is the ragged plan's 16
 # splits without the persistent grid). `regs 256`: the consumer on 256
 # registers (`sm90_decode.FP8_CACHE_CONSUMER_REGISTERS`; local ptxas: no
-# spills left). Rules in PAGE16_RULES only on the page-16 rows; the ragged
-# row takes all.
+# spills left). The page-64 rows take all but `x8`, the page-16 rows
+# PAGE16_RULES, the ragged row all.
 PAGED_RULES = {
     "ragged persistent": (None, {}),
     "ragged persistent regs 256": (None, dict(consumer_registers=256)),
@@ -107,6 +107,7 @@ PAGED_RULES = {
     "contiguous plan x8": (8, {}),
 }
 PAGE16_RULES = ("contiguous plan", "contiguous plan regs 256", "contiguous plan x2")
+PAGE64_RULES = tuple(rule for rule in PAGED_RULES if rule != "contiguous plan x8")
 # Rules whose contiguous twin (`fp8 dec <rule>`) the page-64 rows time.
 CONTIGUOUS_TWINS = ("ragged persistent", "contiguous plan regs 256", "contiguous plan x2")
 # The row every decode candidate runs on (`--decode-configs`): issue #55's.
@@ -505,7 +506,7 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
       ragged, small = name.endswith("ragged"), page_of(case) != PAGE
       calls.update(paged_rule_columns(
           q, k8, v8, x["kp8"], x["vp8"], kd, vd, table, lengths, causal,
-          rules=PAGE16_RULES if small else None,
+          rules=None if ragged else PAGE16_RULES if small else PAGE64_RULES,
           twins=() if ragged or small else CONTIGUOUS_TWINS))
   return calls, served
 
