@@ -362,7 +362,7 @@ def test_float8_cache_decode_plans_fit_and_lower(cross_lower, shape):
 
 
 @pytest.mark.parametrize("t", [1, 16])
-def test_float8_pages_take_the_float8_decode_config(cross_lower, t):
+def test_float8_pages_take_the_float8_decode_config(cross_lower, monkeypatch, t):
   """Pages of 64 keys, B8 S32768 H32/8 D128 (issue #55's paged rows; T = 16
   causal bottom-right, 64 packed rows): `backends.paged_decode_plan` keeps
   the paged call's splits and hands the kernel the float8 decode config
@@ -373,6 +373,8 @@ def test_float8_pages_take_the_float8_decode_config(cross_lower, t):
   from fa4_jax.backends import paged_decode_plan
   from fa4_jax.validation import validate_paged
 
+  # The ragged plan, whatever the default (`FP8_PAGES_SPLITS_FACTOR`, issue #55).
+  monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", None)
   b, s, n, kv_heads, d, page = 8, 32768, 32, 8, 128, 64
   causal = t > 1
   q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
