@@ -96,20 +96,19 @@ def page_of(case) -> int:
 # splits, a CTA per item (ragged rows' balance; x8 is the ragged plan's 16
 # splits without the persistent grid). `regs 256`: the consumer on 256
 # registers (`sm90_decode.FP8_CACHE_CONSUMER_REGISTERS`; local ptxas: no
-# spills left). The page-64 rows take all but `x8`, the page-16 rows
-# PAGE16_RULES, the ragged row all.
+# spill left in the contiguous plan's key loops, a few in the persistent
+# grid's). The page-16 rows take PAGE16_RULES, the others all;
+# CONTIGUOUS_TWINS are also timed on the contiguous cache (page-64 full rows).
 PAGED_RULES = {
     "ragged persistent": (None, {}),
     "ragged persistent regs 256": (None, dict(consumer_registers=256)),
     "contiguous plan": (1, {}),
     "contiguous plan regs 256": (1, dict(consumer_registers=256)),
-    "contiguous plan x2": (2, {}),
-    "contiguous plan x8": (8, {}),
+    "contiguous plan x2 regs 256": (2, dict(consumer_registers=256)),
+    "contiguous plan x8 regs 256": (8, dict(consumer_registers=256)),
 }
-PAGE16_RULES = ("contiguous plan", "contiguous plan regs 256", "contiguous plan x2")
-PAGE64_RULES = tuple(rule for rule in PAGED_RULES if rule != "contiguous plan x8")
-# Rules whose contiguous twin (`fp8 dec <rule>`) the page-64 rows time.
-CONTIGUOUS_TWINS = ("ragged persistent", "contiguous plan regs 256", "contiguous plan x2")
+PAGE16_RULES = ("contiguous plan", "contiguous plan regs 256", "contiguous plan x2 regs 256")
+CONTIGUOUS_TWINS = ("contiguous plan regs 256", "contiguous plan x2 regs 256")
 # The row every decode candidate runs on (`--decode-configs`): issue #55's.
 CASES_DECODE_FIRST = "decode B8 T1 S32768 H32/8 D128"
 
@@ -506,7 +505,7 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
       ragged, small = name.endswith("ragged"), page_of(case) != PAGE
       calls.update(paged_rule_columns(
           q, k8, v8, x["kp8"], x["vp8"], kd, vd, table, lengths, causal,
-          rules=None if ragged else PAGE16_RULES if small else PAGE64_RULES,
+          rules=PAGE16_RULES if small else None,
           twins=() if ragged or small else CONTIGUOUS_TWINS))
   return calls, served
 
