@@ -276,8 +276,8 @@ def fp8_pages_plan(q_shape, k_shape, mask: MaskSpec, factor: int, *, num_sms: in
   2,048 keys take the forward's persistent grid (eight items a CTA, each
   item's Q and epilogue in series, 16 chunks to combine) and, by local
   ptxas, spill more inside the key loop (B8 S32k H32/8 D128, T16 page 64:
-  200 / 284 bytes, 35 reloads in the key loops; this plan 100 / 116 bytes,
-  23, fewer than the contiguous cache's 108 / 124, 25). A row shorter than
+  200 / 284 bytes, 34 reloads in its main key loop; this plan 100 / 116
+  bytes, 23, the contiguous cache 108 / 124, 25). A row shorter than
   its chunks leaves SMs idle for the plan's few splits: `factor` trades that
   back."""
   base = plan(q_shape, k_shape, mask, num_sms=num_sms, streams=streams, granule=granule,
