@@ -40,7 +40,8 @@ paged=True, fp8_pages_factor=)`) and, on the page-64 rows, the contiguous
 float8 cache under the same plan (`fp8 dec <rule>`), so that each rule's
 paged / contiguous ratio is read in one process (issue #55); a column whose
 plan is the default's (`fp8 paged`, `fp8`) is left out (printed). It drops
-the `fp8 default` column on those rows (on a Hopper GPU the same call as `fp8`).
+the `bf16` and `fp8 default` columns on those rows (the latter on a Hopper
+GPU the same call as `fp8`), for the time of one GPU command.
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
                                   [--paged-configs] [--tag NAME]
@@ -466,6 +467,8 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
   xla = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, implementation="xla",
                                          **alignment)
   calls = {"bf16": (bf16, (q, k, v)), "xla": (xla, (q, k, v))}
+  if paged_configs and kind == "paged":  # the float8 columns against each other only
+    del calls["bf16"]
   if kind == "prefill":
     q8, qd = x["q8"], x["qd"]
     fp8 = lambda q, k, v, qd, kd, vd: fa4_jax.attention(
