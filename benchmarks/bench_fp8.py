@@ -7,8 +7,9 @@ Rows (issue targets in brackets):
 * `decode ...`: a bfloat16 query on a float8 KV cache against the bfloat16
   cache, the decode table's shapes [float8 reads >= 90 % of the bfloat16
   call's bytes per second, i.e. about 1.8x its tokens per second];
-* `paged ...`: float8 pages (page 64) against the same float8 cache laid
-  out contiguously [within 5 %].
+* `paged ...`: float8 pages (pages of 64 or 16) against the same float8
+  cache laid out contiguously [within 5 %]; `... ragged`: row lengths from
+  S/16 to S (the contiguous column is then read with those lengths too).
 
 Columns: `bf16` (fa4_jax.attention as it picks), `fp8` and `fp8 paged`
 (the sm90 kernel by name; `which_implementation` in the row), `fp8 default`
@@ -33,8 +34,17 @@ docs/performance-notes.md, "The D64 float8 decode: a model"). On paged
 rows it adds `fp8 paged dec 16-bit plan`:
 float8 pages under their former plan (`paged_plan_columns`).
 
+`--paged-configs` adds, on paged rows, float8 pages under each of
+`PAGED_RULES` (columns `fp8 paged <rule>`, `sm90_decode.plan(...,
+paged=True, fp8_pages_factor=)`) and, on the page-64 rows, the contiguous
+float8 cache under the same plan (`fp8 dec <rule>`), so that each rule's
+paged / contiguous ratio is read in one process (issue #55); a column whose
+plan is the default's (`fp8 paged`, `fp8`) is left out (printed). It drops
+the `bf16` and `fp8 default` columns on those rows (the latter on a Hopper
+GPU the same call as `fp8`), for the time of one GPU command.
+
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
-                                  [--tag NAME]
+                                  [--paged-configs] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -66,8 +76,40 @@ CASES = [
     ("decode B16 T1 S16384 H8/1 D64", "decode", 16, 1, 16384, 8, 1, 64, False),
     ("paged B8 T1 S32768 H32/8 D128 page 64", "paged", 8, 1, 32768, 32, 8, 128, False),
     ("paged B8 T16 S32768 H32/8 D128 page 64", "paged", 8, 16, 32768, 32, 8, 128, True),
+    ("paged B8 T1 S32768 H32/8 D128 page 16", "paged", 8, 1, 32768, 32, 8, 128, False),
+    ("paged B8 T16 S32768 H32/8 D128 page 16", "paged", 8, 16, 32768, 32, 8, 128, True),
+    ("paged B8 T1 S32768 H32/8 D128 page 64 ragged", "paged", 8, 1, 32768, 32, 8, 128, False),
 ]
-PAGE = 64
+PAGE = 64  # a paged row's page size unless its name says `page N`
+
+
+def page_of(case) -> int:
+  """The page size of a paged row: `page N` in its name, else PAGE."""
+  words = case[0].split()
+  return int(words[words.index("page") + 1]) if "page" in words else PAGE
+
+
+# How float8 pages are cut (`--paged-configs`): rule -> (`sm90_decode.plan`'s
+# `fp8_pages_factor` (`sm90_decode.FP8_PAGES_SPLITS_FACTOR`), changes to the
+# plan's config). Factor None: the ragged plan (16 splits on the forward's
+# persistent grid at B8 S32k, the default); 1: the contiguous float8 cache's
+# plan (2 splits, a CTA per item); 2 and 8: that with up to 2x / 8x its
+# splits, a CTA per item (ragged rows' balance; x8 is the ragged plan's 16
+# splits without the persistent grid). `regs 256`: the consumer on 256
+# registers (`sm90_decode.FP8_CACHE_CONSUMER_REGISTERS`; local ptxas: no
+# spill left in the contiguous plan's key loops, a few in the persistent
+# grid's). The page-16 rows take PAGE16_RULES, the others all;
+# CONTIGUOUS_TWINS are also timed on the contiguous cache (page-64 full rows).
+PAGED_RULES = {
+    "ragged persistent": (None, {}),
+    "ragged persistent regs 256": (None, dict(consumer_registers=256)),
+    "contiguous plan": (1, {}),
+    "contiguous plan regs 256": (1, dict(consumer_registers=256)),
+    "contiguous plan x2 regs 256": (2, dict(consumer_registers=256)),
+    "contiguous plan x8 regs 256": (8, dict(consumer_registers=256)),
+}
+PAGE16_RULES = ("contiguous plan", "contiguous plan regs 256", "contiguous plan x2 regs 256")
+CONTIGUOUS_TWINS = ("contiguous plan regs 256", "contiguous plan x2 regs 256")
 # The row every decode candidate runs on (`--decode-configs`): issue #55's.
 CASES_DECODE_FIRST = "decode B8 T1 S32768 H32/8 D128"
 
@@ -313,6 +355,59 @@ def paged_plan_columns(q, kp, vp, kd, vd, table, lengths, causal):
   return {label: (call, (q, kp, vp, kd, vd))}
 
 
+def paged_rule_columns(q, k8, v8, kp, vp, kd, vd, table, lengths, causal, rules=None,
+                       twins=()):
+  """`fp8 paged <rule>` for each of `rules` (None: all of `PAGED_RULES`) and
+  `fp8 dec <rule>` for those in `twins`: float8 pages, and the same float8
+  cache laid out contiguously, under the rule's plan; a plan equal to the
+  default's on that layout (the `fp8 paged` / `fp8` columns) or to an earlier
+  rule's is left out (printed)."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_decode
+  from fa4_jax.scores import MaskSpec
+
+  b, t, n, d = q.shape
+  page = kp.shape[1]
+  k_shape = (b, table.shape[1] * page, kp.shape[2], d)
+  mask = MaskSpec(right=0, offset_from_lengths=True) if causal else MaskSpec()
+  score = ScoreFunction(d ** -0.5)
+  paged_default = sm90_decode.plan(q.shape, k_shape, mask, ragged=True, granule=page,
+                                   fp8_cache=True, paged=True)
+  contiguous_default = sm90_decode.plan(
+      q.shape, k_shape, MaskSpec(right=0, q_offset=k_shape[1] - t) if causal else MaskSpec(),
+      fp8_cache=True)
+  seen_paged, seen_contiguous = {paged_default: "fp8 paged"}, {contiguous_default: "fp8"}
+  columns = {}
+  for rule, (factor, changes) in PAGED_RULES.items():
+    if rules is not None and rule not in rules:
+      continue
+    p = sm90_decode.plan(q.shape, k_shape, mask, ragged=True, granule=page, fp8_cache=True,
+                         paged=True, fp8_pages_factor=factor)
+    if changes:
+      p = sm90_decode.DecodePlan(p.splits, dataclasses.replace(p.config, **changes))
+    print(f"paged rule {rule}: {p}", flush=True)
+    if p in seen_paged:
+      print(f"  pages: the plan of {seen_paged[p]}", flush=True)
+    else:
+      seen_paged[p] = f"fp8 paged {rule}"
+      columns[f"fp8 paged {rule}"] = (
+          lambda q, kp, vp, kd, vd, p=p: sm90_decode.forward(
+              q, kp, vp, None, lengths, score=score, mask=mask, plan=p, page_table=table,
+              descales=(None, kd, vd))[0], (q, kp, vp, kd, vd))
+    if rule not in twins:
+      continue
+    if p in seen_contiguous:
+      print(f"  contiguous: the plan of {seen_contiguous[p]}", flush=True)
+    else:
+      seen_contiguous[p] = f"fp8 dec {rule}"
+      columns[f"fp8 dec {rule}"] = (
+          lambda q, k, v, kd, vd, p=p: sm90_decode.forward(
+              q, k, v, None, lengths, score=score, mask=mask, plan=p,
+              descales=(None, kd, vd))[0], (q, k8, v8, kd, vd))
+  return columns
+
+
 def quantized(x, axis_heads=2):
   """(float8 array, float32 per-head descale) with each head's largest
   magnitude mapped to 448 (e4m3's largest finite value)."""
@@ -340,22 +435,28 @@ def case_inputs(case):
     x["q8"], x["qd"] = quantized(x["q"])
   if kind == "paged":
     table, _ = page_table(case)
-    pages = b * s // PAGE
-    to_pages = lambda a: jnp.zeros((pages, PAGE) + a.shape[2:], a.dtype).at[
-        table.reshape(-1)].set(a.reshape((pages, PAGE) + a.shape[2:]))
+    page = page_of(case)
+    pages = b * s // page
+    to_pages = lambda a: jnp.zeros((pages, page) + a.shape[2:], a.dtype).at[
+        table.reshape(-1)].set(a.reshape((pages, page) + a.shape[2:]))
     x["kp8"], x["vp8"] = to_pages(x["k8"]), to_pages(x["v8"])
   return x
 
 
 def page_table(case):
-  """(table [B, S / PAGE], lengths [B]) of a paged row: its pages in a fixed
-  shuffled order, every row full."""
+  """(table [B, S / page], lengths [B]) of a paged row: its pages in a fixed
+  shuffled order, every row full (`ragged` rows: lengths spread evenly from
+  S/16 to S, in a shuffled order)."""
   name, kind, b, t, s, hq, hkv, d, causal = case
-  order = jnp.asarray(np.random.default_rng(0).permutation(b * s // PAGE), jnp.int32)
-  return order.reshape(b, s // PAGE), jnp.full((b,), s, jnp.int32)
+  page = page_of(case)
+  order = jnp.asarray(np.random.default_rng(0).permutation(b * s // page), jnp.int32)
+  lengths = np.full((b,), s)
+  if name.endswith("ragged"):
+    lengths = np.random.default_rng(1).permutation(np.linspace(s // 16, s, b).astype(int))
+  return order.reshape(b, s // page), jnp.asarray(lengths, jnp.int32)
 
 
-def case_calls(case, x, configs=False, decode_configs=False):
+def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False):
   """(calls, served): the row's columns, name -> (function, its arguments
   from `x`, `case_inputs`), and the implementation that serves the float8
   column (`which_implementation`)."""
@@ -366,6 +467,8 @@ def case_calls(case, x, configs=False, decode_configs=False):
   xla = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, implementation="xla",
                                          **alignment)
   calls = {"bf16": (bf16, (q, k, v)), "xla": (xla, (q, k, v))}
+  if paged_configs and kind == "paged":  # the float8 columns against each other only
+    del calls["bf16"]
   if kind == "prefill":
     q8, qd = x["q8"], x["qd"]
     fp8 = lambda q, k, v, qd, kd, vd: fa4_jax.attention(
@@ -377,14 +480,17 @@ def case_calls(case, x, configs=False, decode_configs=False):
         q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
         q8, k8, v8, qd, kd, vd)
   else:
+    if kind == "paged" and name.endswith("ragged"):  # the contiguous cache at the rows' lengths
+      alignment["key_value_seq_lengths"] = page_table(case)[1]
     # The kernel by name (`fp8 default` below: what implementation=None picks).
     fp8 = lambda q, k, v, kd, vd: fa4_jax.attention(q, k, v, is_causal=causal, key_descale=kd,
                                                     value_descale=vd, implementation="sm90",
                                                     **alignment)
     calls["fp8"] = (fp8, (q, k8, v8, kd, vd))
-    calls["fp8 default"] = (lambda q, k, v, kd, vd: fa4_jax.attention(
-        q, k, v, is_causal=causal, key_descale=kd, value_descale=vd, **alignment),
-        (q, k8, v8, kd, vd))
+    if not (paged_configs and kind == "paged"):
+      calls["fp8 default"] = (lambda q, k, v, kd, vd: fa4_jax.attention(
+          q, k, v, is_causal=causal, key_descale=kd, value_descale=vd, **alignment),
+          (q, k8, v8, kd, vd))
     served = traced(lambda q, k8, v8, kd, vd: fa4_jax.which_implementation(
         q, k8, v8, is_causal=causal, implementation="sm90", key_descale=kd, value_descale=vd,
         **alignment), q, k8, v8, kd, vd)
@@ -398,6 +504,12 @@ def case_calls(case, x, configs=False, decode_configs=False):
     calls["fp8 paged"] = (paged, (q, x["kp8"], x["vp8"], kd, vd))
     if decode_configs:
       calls.update(paged_plan_columns(q, x["kp8"], x["vp8"], kd, vd, table, lengths, causal))
+    if paged_configs:  # the contiguous twins once, on the full page-64 rows
+      ragged, small = name.endswith("ragged"), page_of(case) != PAGE
+      calls.update(paged_rule_columns(
+          q, k8, v8, x["kp8"], x["vp8"], kd, vd, table, lengths, causal,
+          rules=PAGE16_RULES if small else None,
+          twins=() if ragged or small else CONTIGUOUS_TWINS))
   return calls, served
 
 
@@ -409,10 +521,10 @@ def traced(fn, *args):
   return out[0]
 
 
-def run_case(case, rounds, configs=False, decode_configs=False):
+def run_case(case, rounds, configs=False, decode_configs=False, paged_configs=False):
   name, kind, b, t, s, hq, hkv, d, causal = case
   x = case_inputs(case)
-  calls, served = case_calls(case, x, configs, decode_configs)
+  calls, served = case_calls(case, x, configs, decode_configs, paged_configs)
   bf16_bytes = 2 * x["k"].size * x["k"].dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
              flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))
@@ -437,7 +549,8 @@ def markdown(rows):
 def main():
   bench_common.table_main(
       "fp8", CASES,
-      lambda case, args: run_case(case, args.rounds, args.configs, args.decode_configs), markdown,
+      lambda case, args: run_case(case, args.rounds, args.configs, args.decode_configs,
+                                  args.paged_configs), markdown,
       lambda a: ("e4m3 with per-head descales (amax / 448); kernel-duration sums in profiler "
                  f"traces, medians of {a.rounds} interleaved rounds; decode and paged TB/s: the "
                  "bf16 cache's K and V bytes over each column's time"),
@@ -451,6 +564,9 @@ def add_arguments(ap):
   ap.add_argument("--decode-configs", action="store_true",
                   help="decode rows: also the decode arrangement under each of "
                        "_decode_candidates (all of them on the B8 S32k D128 row)")
+  ap.add_argument("--paged-configs", action="store_true",
+                  help="paged rows: also float8 pages (and on page-64 rows the contiguous "
+                       "cache) under each of PAGED_RULES")
 
 
 if __name__ == "__main__":

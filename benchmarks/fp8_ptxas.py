@@ -7,7 +7,8 @@ lowers each of `bench_fp8`'s calls for sm_90a under `fa4_jax.gpu_target`
 prints one row per call and Mosaic GPU kernel. Calls: the row's defaults
 (`bf16`, `fp8`, `fp8 default`, `fp8 paged`: `bench_fp8.case_calls`, what
 `fa4_jax.attention` / `paged_attention` run today) and the candidates of `--configs`
-(`CONFIG_CANDIDATES`) and `--decode-configs` (`_decode_candidates`), built on
+(`CONFIG_CANDIDATES`), `--decode-configs` (`_decode_candidates`) and
+`--paged-configs` (`PAGED_RULES`, paged rows), built on
 the rows' shapes only (`jax.eval_shape`).
 
 Columns: `grid x threads` and `SMEM` (the launch's dynamic bytes) from the
@@ -133,7 +134,8 @@ def main() -> None:
     x = jax.eval_shape(lambda case=case: bench_fp8.case_inputs(case))
     with gpu_target("sm90", num_sms=132):
       calls, _ = bench_fp8.case_calls(case, x, configs=kind == "prefill",
-                                           decode_configs=kind != "prefill")
+                                           decode_configs=kind != "prefill",
+                                           paged_configs=kind == "paged")
       if kind == "decode" and d == 64 and args.d64_registers:
         calls.update(d64_register_columns(x, *map(int, args.d64_registers.split("/"))))
     for label, (fn, specs) in calls.items():

@@ -643,7 +643,9 @@ def paged_decode_plan(args: PagedArguments):
   under a 16-bit query take the float8 decode config
   (`sm90_decode.fp8_cache_decode_config`, as a contiguous float8 cache
   does) on the paged call's splits (measured in the performance notes,
-  "A float8 cache under a 16-bit query")."""
+  "A float8 cache under a 16-bit query"), or, as
+  `sm90_decode.FP8_PAGES_SPLITS_FACTOR` switches it, the contiguous float8
+  cache's plan (`sm90_decode.fp8_pages_plan`)."""
   from fa4_jax.kernels import sm90_decode
 
   b, _, _, d = args.query.shape
@@ -652,7 +654,7 @@ def paged_decode_plan(args: PagedArguments):
   fp8_cache = (jnp.dtype(args.key_pages.dtype) in scores.FP8_DTYPES
                and jnp.dtype(args.query.dtype) not in scores.FP8_DTYPES)
   return sm90_decode.plan(args.query.shape, k_shape, args.static.kernel_mask(args.query.shape),
-                          ragged=True, granule=page_size, fp8_cache=fp8_cache)
+                          ragged=True, granule=page_size, fp8_cache=fp8_cache, paged=True)
 
 
 def paged_mla_problem(args: PagedArguments) -> str | None:

@@ -39,8 +39,18 @@ def test_float8_cache_decode_at_scale(b, s, n, kv_heads, d, cache_dtype):
   assert_close(got, want, v)
 
 
+@pytest.mark.parametrize("factor, registers", [
+    (None, None),  # the defaults
+    (1, 224), (1, 256), (2, 256),  # issue #55's switches (`sm90_decode.fp8_pages_plan`)
+], ids=["default", "contiguous_plan", "contiguous_plan_regs256", "contiguous_plan_x2_regs256"])
 @pytest.mark.parametrize("t", [1, 16])
-def test_float8_pages_at_scale(t):
+def test_float8_pages_at_scale(t, factor, registers, monkeypatch):
+  from fa4_jax.kernels import sm90_decode
+
+  if registers is not None:
+    monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", factor)
+    monkeypatch.setattr(sm90_decode, "FP8_CACHE_CONSUMER_REGISTERS", registers)
+    jax.clear_caches()  # no trace of another plan for the same shapes
   rng = np.random.default_rng(t)
   b, n, kv_heads, d, page, max_pages = 8, 32, 8, 128, 64, 64
   pool = b * max_pages

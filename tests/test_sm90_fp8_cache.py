@@ -191,6 +191,53 @@ def test_float8_pages_match_the_xla_path_through_a_shuffled_table(run_interprete
   assert_close(got, np.asarray(want), v)
 
 
+@pytest.mark.parametrize("d, t, factor", [(64, 1, 1), (64, 4, 2), (128, 1, 2), (128, 4, 1)])
+def test_float8_pages_under_the_contiguous_plan_match_the_xla_path(run_interpreted, monkeypatch,
+                                                                   d, t, factor):
+  """`sm90_decode.FP8_PAGES_SPLITS_FACTOR` (issue #55): float8 pages under
+  the contiguous float8 cache's plan (a CTA per item, chunks of whole pages),
+  with `factor` times its splits. Small rows made to split as B8 S32k does on
+  132 SMs: 8 SMs, chunks of at least 32 keys. D64 takes the two-CTAs config
+  (4 splits of 64 keys, 64-key blocks of four pages), D128 one consumer on
+  128-key blocks (2 splits; chunks of 128 keys take the forward's persistent
+  grid there, as the contiguous cache does); T = 4 is causal bottom-right."""
+  from fa4_jax import backends
+  from fa4_jax.validation import validate_paged
+
+  monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", factor)
+  monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 32)
+  monkeypatch.setattr(sm90_forward, "sm_count", lambda default=132: 8)
+  jax.clear_caches()  # no trace of another plan for the same shapes
+  rng = np.random.default_rng(d + t)
+  b, n, kv_heads, page, max_pages = 2, 8, 2, 16, 16
+  pool = b * max_pages + 3
+  key_pages, k_descale = float8_cache(rng, (pool, page, kv_heads, d))
+  value_pages, v_descale = float8_cache(rng, (pool, page, kv_heads, d))
+  table = jnp.asarray(rng.permutation(pool)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+  lengths = jnp.asarray([200, 37], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  causal = t > 1
+  with gpu_target("sm90"):
+    plan = backends.paged_decode_plan(validate_paged(
+        q, key_pages, value_pages, table, lengths, scale=None, is_causal=causal, sinks=None,
+        logits_soft_cap=None, implementation="sm90"))
+    contiguous = sm90_decode.plan(q.shape, (b, max_pages * page, kv_heads, d), MaskSpec(),
+                                  granule=page, fp8_cache=True)
+  assert contiguous.splits == {64: 4, 128: 2}[d]
+  assert contiguous.config.block_kv == {64: 64, 128: 128}[d]
+  if factor == 1:
+    assert plan == contiguous
+  else:  # beyond the contiguous plan's splits, a CTA per item
+    assert plan.splits == contiguous.splits * factor and not plan.config.persistent
+  attend = lambda implementation, **kw: lambda q, kp, vp: fa4_jax.paged_attention(
+      q, kp, vp, table, lengths, key_descale=k_descale, value_descale=v_descale,
+      is_causal=causal, implementation=implementation, **kw)
+  got = run_interpreted(attend("sm90"), q, key_pages, value_pages)
+  want = attend("xla", output_dtype=jnp.float32)(q, key_pages, value_pages)
+  v = np.asarray(value_pages, np.float32) * np.asarray(v_descale)[None, None, :, None]
+  assert_close(got, np.asarray(want), v)
+
+
 def test_which_float8_cache_calls_the_kernel_takes():
   bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   f8 = lambda *shape: jnp.zeros(shape, E4M3)
@@ -315,7 +362,7 @@ def test_float8_cache_decode_plans_fit_and_lower(cross_lower, shape):
 
 
 @pytest.mark.parametrize("t", [1, 16])
-def test_float8_pages_take_the_float8_decode_config(cross_lower, t):
+def test_float8_pages_take_the_float8_decode_config(cross_lower, monkeypatch, t):
   """Pages of 64 keys, B8 S32768 H32/8 D128 (issue #55's paged rows; T = 16
   causal bottom-right, 64 packed rows): `backends.paged_decode_plan` keeps
   the paged call's splits and hands the kernel the float8 decode config
@@ -326,6 +373,8 @@ def test_float8_pages_take_the_float8_decode_config(cross_lower, t):
   from fa4_jax.backends import paged_decode_plan
   from fa4_jax.validation import validate_paged
 
+  # The ragged plan, whatever the default (`FP8_PAGES_SPLITS_FACTOR`, issue #55).
+  monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", None)
   b, s, n, kv_heads, d, page = 8, 32768, 32, 8, 128, 64
   causal = t > 1
   q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
@@ -366,3 +415,47 @@ def test_float8_pages_take_the_float8_decode_config(cross_lower, t):
   assert "cvt.rn.f16x2.e4m3x2" in text and "f32.f16.f16" in text
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
   assert max(lowered.smem_bytes) >= config.smem_bytes(d, 2, fp8_cache=True)
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_float8_pages_under_the_switches_take_the_contiguous_plan_and_lower(cross_lower,
+                                                                          monkeypatch, t):
+  """Issue #55's rows (B8 S32768 H32/8 D128, pages of 64; T = 16 causal)
+  with `FP8_PAGES_SPLITS_FACTOR = 1` and `FP8_CACHE_CONSUMER_REGISTERS =
+  256`: pages take the contiguous float8 cache's plan (2 chunks, a CTA per
+  item on 128 of 132 SMs, one consumer on four 128-key slots) with the
+  consumer on 256 registers, and the call lowers within SMEM."""
+  from fa4_jax.backends import paged_decode_plan
+  from fa4_jax.validation import validate_paged
+
+  monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", 1)
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_CONSUMER_REGISTERS", 256)
+  jax.clear_caches()
+  b, s, n, kv_heads, d, page = 8, 32768, 32, 8, 128, 64
+  causal = t > 1
+  q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
+  pages_spec = jax.ShapeDtypeStruct((b * s // page, page, kv_heads, d), E4M3)
+  table_spec = jax.ShapeDtypeStruct((b, s // page), jnp.int32)
+  lengths_spec = jax.ShapeDtypeStruct((b,), jnp.int32)
+  descale = jax.ShapeDtypeStruct((kv_heads,), jnp.float32)
+  with gpu_target("sm90", num_sms=132):
+    plan = paged_decode_plan(validate_paged(
+        jnp.zeros(q_spec.shape, q_spec.dtype), jnp.zeros(pages_spec.shape, E4M3),
+        jnp.zeros(pages_spec.shape, E4M3), jnp.zeros(table_spec.shape, jnp.int32),
+        jnp.full((b,), s, jnp.int32), scale=None, is_causal=causal, sinks=None,
+        logits_soft_cap=None, implementation="sm90"))
+    contiguous = sm90_decode.plan((b, t, n, d), (b, s, kv_heads, d), MaskSpec(), fp8_cache=True)
+  assert plan == contiguous and plan.splits == 2
+  config = plan.config
+  assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
+  assert not config.persistent and config.consumer_registers == 256
+
+  def call(q, kp, vp, table, lengths, kd, vd):
+    with gpu_target("sm90", num_sms=132):
+      return fa4_jax.paged_attention(q, kp, vp, table, lengths, is_causal=causal,
+                                     key_descale=kd, value_descale=vd, implementation="sm90")
+
+  lowered = cross_lower(call, q_spec, pages_spec, pages_spec, table_spec, lengths_spec,
+                        descale, descale)
+  assert "setmaxnreg.inc.sync.aligned.u32 256;" in "\n".join(lowered.modules)
+  assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES

@@ -95,6 +95,28 @@ MAX_PACKED_ROWS = 256
 # A chunk keeps at least this many keys: shorter ones spend more time in the
 # pipeline's fill and drain and in the combine than they save.
 MIN_CHUNK = 512
+# How float8 pages (a float8 cache under a 16-bit query read through a page
+# table, `plan(fp8_cache=True, paged=True)`) are cut (issue #55). None: as
+# any ragged cache, the paged call's splits (up to 8 waves of the SMs) on the
+# forward's persistent grid for the chunk, with the float8 config; an H100
+# read pages of 64 at 0.86 (T1) and 0.77 (T16 causal) of the contiguous
+# float8 cache's rate that way (2026-12-07). k >= 1: the contiguous cache's
+# own plan (`fp8_pages_plan`: every SM, one CTA per item) with up to k times
+# its splits; local ptxas: the persistent grid's extra spills in the key loop
+# go. To be set from the H100 run of `bench_fp8.py --only paged
+# --paged-configs` (columns `fp8 paged <rule>` beside `fp8 dec <rule>`).
+FP8_PAGES_SPLITS_FACTOR: int | None = None
+# `plan(fp8_pages_factor=)`'s default: FP8_PAGES_SPLITS_FACTOR as it is at the call.
+AS_SWITCHED = "as switched"
+# The consumer warpgroup's registers in `fp8_cache_decode_config` (one
+# consumer, one CTA an SM by its 225 KiB of SMEM, so nothing else wants the
+# registers: 24 + 256 of the 64 K a 256-thread CTA holds). Local ptxas
+# (13.0), B8 S32k H32/8 D128: at 224 the float8 decode spills in its key loop
+# (pages of 64, contiguous plan: T1 44 / 44 bytes, T16 causal 100 / 116;
+# the contiguous cache at T16 108 / 124), at 240 T1 and at 256 both without a
+# spill. Unmeasured on a GPU (issue #55: `bench_fp8.py --paged-configs`,
+# rules `... regs 256`); to be set from that run.
+FP8_CACHE_CONSUMER_REGISTERS = 224
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +131,8 @@ class DecodePlan:
 def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
          ragged: bool = False, num_sms: int | None = None, streams: int | None = None,
          granule: int = 1, choices: device_tables.DecodeChoices | None = None,
-         fp8_cache: bool = False) -> DecodePlan | None:
+         fp8_cache: bool = False, paged: bool = False,
+         fp8_pages_factor: int | None | str = AS_SWITCHED) -> DecodePlan | None:
   """The decode plan for a call, or None when the forward kernel serves it.
 
   `mask`: without a band, or causal bottom-right (`serves_mask`), which is
@@ -144,6 +167,11 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   rows = t * (n // kv_heads)
   if has_segment_ids or not serves_mask(mask, t, s) or rows > MAX_PACKED_ROWS:
     return None
+  if fp8_cache and paged:
+    factor = FP8_PAGES_SPLITS_FACTOR if fp8_pages_factor == AS_SWITCHED else fp8_pages_factor
+    if factor is not None:
+      return fp8_pages_plan(q_shape, k_shape, mask, factor, num_sms=num_sms, streams=streams,
+                            granule=granule, choices=choices)
   banded = not mask.is_dense and t > 1
   mask = MaskSpec()  # a band is cut as the band-free call is (`band_config`)
   if num_sms is None:
@@ -158,7 +186,7 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   tiles = -(-rows // sm90_forward.choose_config(d, mask).block_q_cta)
   splits = choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms, streams=streams,
                          granule=granule, tiles=tiles)
-  if fp8_cache and not ragged and _two_ctas_an_sm(d, s, splits, rows):
+  if fp8_cache and not ragged and _two_ctas_an_sm(d, s, splits, rows, granule):
     return DecodePlan(2 * splits, fp8_cache_two_ctas_config(d, s // (2 * splits), rows))
   config = None if ragged else choose_config(d, mask, s // splits, rows,
                                              b * kv_heads * splits * tiles,
@@ -214,7 +242,8 @@ def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
   if config is None:
     config = sm90_forward.choose_config(d, MaskSpec(), kv_seq=chunk, q_seq=rows)
   one = dataclasses.replace(config, num_consumers=1, pingpong=False, producer_registers=24,
-                            consumer_registers=224, block_q=64, block_kv=128)
+                            consumer_registers=FP8_CACHE_CONSUMER_REGISTERS, block_q=64,
+                            block_kv=128)
   for stages in (4, 3, 2):
     for q_buffers in dict.fromkeys((one.q_buffers, 1)):
       candidate = dataclasses.replace(one, num_kv_stages=stages, q_buffers=q_buffers)
@@ -223,13 +252,50 @@ def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
   return config
 
 
-def _two_ctas_an_sm(head_dim: int, keys: int, splits: int, rows: int) -> bool:
+def _two_ctas_an_sm(head_dim: int, keys: int, splits: int, rows: int, granule: int = 1) -> bool:
   """Whether a float8 cache's plan takes two CTAs an SM
   (`fp8_cache_two_ctas_config`): head dim 64, packed rows within one
-  consumer's tile, and twice the splits of whole chunks of at least
-  `MIN_CHUNK` keys."""
+  consumer's tile, and twice the splits of whole chunks (of whole
+  `granule`s: pages) of at least `MIN_CHUNK` keys."""
   return (sm90_forward.padded_head_dim(head_dim) == 64 and rows <= 64
-          and keys % (2 * splits) == 0 and keys // (2 * splits) >= MIN_CHUNK)
+          and keys % (2 * splits * granule) == 0 and keys // (2 * splits) >= MIN_CHUNK)
+
+
+def fp8_pages_plan(q_shape, k_shape, mask: MaskSpec, factor: int, *, num_sms: int | None = None,
+                   streams: int | None = None, granule: int = 1,
+                   choices: device_tables.DecodeChoices | None = None) -> DecodePlan | None:
+  """Float8 pages under the contiguous float8 cache's plan (`plan(...,
+  fp8_cache=True)` without `ragged`, chunks of whole pages of `granule`
+  keys), with up to `factor` (a power of two) times its splits while chunks
+  keep whole pages and at least `MIN_CHUNK` keys; beyond its own splits,
+  one CTA per item (the block scheduler, not a persistent grid's fixed order,
+  deals out chunks of rows of unequal lengths).
+
+  Why (issue #55): the ragged plan reads pages of 64 at 0.86 (T1) / 0.77
+  (T16 causal) of the contiguous cache (H100, 2026-12-07); its chunks of
+  2,048 keys take the forward's persistent grid (eight items a CTA, each
+  item's Q and epilogue in series, 16 chunks to combine) and, by local
+  ptxas, spill more inside the key loop (B8 S32k H32/8 D128, T16 page 64:
+  200 / 284 bytes, 34 reloads in its main key loop; this plan 100 / 116
+  bytes, 23, the contiguous cache 108 / 124, 25). A row shorter than
+  its chunks leaves SMs idle for the plan's few splits: `factor` trades that
+  back."""
+  base = plan(q_shape, k_shape, mask, num_sms=num_sms, streams=streams, granule=granule,
+              choices=choices, fp8_cache=True)
+  if base is None or factor <= 1:
+    return base
+  keys, splits = k_shape[1], base.splits
+  more = 1
+  while (more * 2 <= factor and keys % (splits * more * 2 * granule) == 0
+         and keys // (splits * more * 2) >= MIN_CHUNK):
+    more *= 2
+  if more == 1:
+    return base
+  config = base.config
+  if config is not None:
+    config = dataclasses.replace(config, persistent=False, work_queue=False, num_sms=0,
+                                 q_buffers=1)
+  return DecodePlan(splits * more, config)
 
 
 def fp8_cache_two_ctas_config(head_dim: int, chunk: int,
