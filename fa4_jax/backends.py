@@ -640,12 +640,10 @@ def paged_decode_plan(args: PagedArguments):
   than `sm90_decode.MAX_PACKED_ROWS` packed rows). Causal calls with T > 1
   (chunked prefill, speculative decoding) take it too, with the band
   aligned by each row's length (`PagedStatic.kernel_mask`). float8 pages
-  under a 16-bit query take the float8 decode config
-  (`sm90_decode.fp8_cache_decode_config`, as a contiguous float8 cache
-  does) on the paged call's splits (measured in the performance notes,
-  "A float8 cache under a 16-bit query"), or, as
-  `sm90_decode.FP8_PAGES_SPLITS_FACTOR` switches it, the contiguous float8
-  cache's plan (`sm90_decode.fp8_pages_plan`)."""
+  under a 16-bit query take the contiguous float8 cache's plan
+  (`sm90_decode.fp8_pages_plan`, as `sm90_decode.FP8_PAGES_SPLITS_FACTOR`
+  sets it; measured in the performance notes, "Float8 pages under the
+  contiguous cache's plan")."""
   from fa4_jax.kernels import sm90_decode
 
   b, _, _, d = args.query.shape

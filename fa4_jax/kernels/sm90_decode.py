@@ -96,16 +96,17 @@ MAX_PACKED_ROWS = 256
 # pipeline's fill and drain and in the combine than they save.
 MIN_CHUNK = 512
 # How float8 pages (a float8 cache under a 16-bit query read through a page
-# table, `plan(fp8_cache=True, paged=True)`) are cut (issue #55). None: as
-# any ragged cache, the paged call's splits (up to 8 waves of the SMs) on the
-# forward's persistent grid for the chunk, with the float8 config; an H100
-# read pages of 64 at 0.86 (T1) and 0.77 (T16 causal) of the contiguous
-# float8 cache's rate that way (2026-12-07). k >= 1: the contiguous cache's
-# own plan (`fp8_pages_plan`: every SM, one CTA per item) with up to k times
-# its splits; local ptxas: the persistent grid's extra spills in the key loop
-# go. To be set from the H100 run of `bench_fp8.py --only paged
-# --paged-configs` (columns `fp8 paged <rule>` beside `fp8 dec <rule>`).
-FP8_PAGES_SPLITS_FACTOR: int | None = None
+# table, `plan(fp8_cache=True, paged=True)`) are cut (issue #55). k >= 1: the
+# contiguous cache's own plan (`fp8_pages_plan`: every SM, one CTA per item)
+# with up to k times its splits. None: as any ragged cache, the paged call's
+# splits (up to 8 waves of the SMs) on the forward's persistent grid.
+# H100, 2026-12-07 (`bench_fp8.py --only "page 64" --paged-configs`, B8
+# S32768 H32/8 D128, pages of 64, 256 consumer registers; TB/s): k = 1 reads
+# 4.84 (T1) / 4.89 (T16 causal), 0.955 / 0.958 of the contiguous cache under
+# the same config; None 4.47 / 4.09, k = 2 4.68 / 4.71, k = 8 4.33 / 4.17.
+# Lengths from S/16 to S favour more splits (k = 1 4.89, 2 5.65, 8 6.96, None
+# 4.72), but the lengths are run-time data and k = 1 still beats None there.
+FP8_PAGES_SPLITS_FACTOR: int | None = 1
 # `plan(fp8_pages_factor=)`'s default: FP8_PAGES_SPLITS_FACTOR as it is at the call.
 AS_SWITCHED = "as switched"
 # The consumer warpgroup's registers in `fp8_cache_decode_config` (one
@@ -114,9 +115,9 @@ AS_SWITCHED = "as switched"
 # (13.0), B8 S32k H32/8 D128: at 224 the float8 decode spills in its key loop
 # (pages of 64, contiguous plan: T1 44 / 44 bytes, T16 causal 100 / 116;
 # the contiguous cache at T16 108 / 124), at 240 T1 and at 256 both without a
-# spill. Unmeasured on a GPU (issue #55: `bench_fp8.py --paged-configs`,
-# rules `... regs 256`); to be set from that run.
-FP8_CACHE_CONSUMER_REGISTERS = 224
+# spill. H100, 2026-12-07 (same run as above): the contiguous float8 cache
+# 5.07 / 5.10 TB/s (T1 / T16 causal) at 256 against 4.98 / 4.84 at 224.
+FP8_CACHE_CONSUMER_REGISTERS = 256
 
 
 @dataclasses.dataclass(frozen=True)
