@@ -303,7 +303,7 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   delta then dies before the wait instead of living across it beside lse2
   (`stats_first`). ptxas (local, B2 S4096 H16 D128): the ALiBi dK/dV
   kernel spills 12 / 8 bytes instead of 184 / 180 (24 spill loads in its
-  key loop before, none after), causal 16 / 12 instead of 252 / 248, a
+  FULL key loop before, one after), causal 16 / 12 instead of 252 / 248, a
   32-entry table 72 / 76 instead of 332 / 340; the loop loses the 32
   subtractions dP - delta (docs/performance-notes.md, "The ALiBi backward's
   registers"). Calls with a mask_mod alone keep the loads before the wait.
