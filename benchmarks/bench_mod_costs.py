@@ -6,6 +6,9 @@ dense bias32" is cuDNN (jax.nn.dot_product_attention) given table32's bias as a 
 MOD_COSTS_TABLE_LOADS=0: tables by the chain of selects (the default of
 `sm90_tiles.PER_ELEMENT_TABLE_LOADS`), else by one load per element.
 MOD_COSTS_ONLY="a|b": only the rows whose names contain one of these (and "plain").
+MOD_COSTS_FOLD_DELTA=0: score_mod calls' dK/dV kernel as before #52's fold of delta
+(`sm90_backward.FOLD_DELTA_WITH_SCORE_MOD`); MOD_COSTS_DQ3=1: score_mod calls without a
+mask_mod on the plain call's three dQ consumers (`THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD`).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
 ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
@@ -34,6 +37,14 @@ import fa4_jax
 from fa4_jax.kernels import sm90_tiles
 # Tables read by one load per element (held back by default until measured).
 sm90_tiles.PER_ELEMENT_TABLE_LOADS = os.environ.get("MOD_COSTS_TABLE_LOADS", "1") == "1"
+from fa4_jax.kernels import sm90_backward
+# MOD_COSTS_FOLD_DELTA=0: the dK/dV kernel of a score_mod call loads lse and delta
+# before its wait, as the plain call does, instead of folding delta into dP^T.
+if hasattr(sm90_backward, "FOLD_DELTA_WITH_SCORE_MOD"):
+  sm90_backward.FOLD_DELTA_WITH_SCORE_MOD = os.environ.get("MOD_COSTS_FOLD_DELTA", "1") == "1"
+# MOD_COSTS_DQ3=1: calls without a mask_mod keep the plain call's three dQ consumers.
+if hasattr(sm90_backward, "THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD"):
+  sm90_backward.THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = os.environ.get("MOD_COSTS_DQ3") == "1"
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)

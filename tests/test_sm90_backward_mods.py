@@ -215,6 +215,18 @@ def test_gradients_match_reference(name, run_interpreted):
   _check(CASES[name], run_interpreted)
 
 
+def test_a_score_mod_alone_on_three_dq_consumers(monkeypatch, run_interpreted):
+  """A call with a score_mod and no mask_mod may keep the plain call's three
+  dQ consumers (192-row CTA tiles, `THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD`):
+  its lists, made from 64-row tiles, nest with them. 200 rows: a second,
+  partial CTA tile under a causal mask."""
+  monkeypatch.setattr(sm90_backward, "THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD", True)
+  config = sm90_backward.choose_mods_config(64, MaskSpec(right=0), 2, score_mod=True,
+                                            mask_mod=False)
+  assert config.dq.num_consumers == 3
+  _check(Case(q_seq=200, kv_seq=200, alibi=True, is_causal=True, q_heads=2), run_interpreted)
+
+
 def test_backward_is_the_sm90_kernel_for_mods():
   case = CASES["alibi_chunked_causal_lengths_gqa_soft_cap"]
   q, k, v, _, slopes = case.inputs()
@@ -302,3 +314,17 @@ def test_mods_configs_fit_smem_and_use_wgmma_and_tma(d, config, packed, cross_lo
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
   assert lowered.has("cp.async.bulk.tensor")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_three_dq_consumers_with_a_score_mod_fit(d, causal, monkeypatch, cross_lower):
+  """The configs of `THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD` (off by default,
+  so not among `mods_configs`) fit as the others do."""
+  monkeypatch.setattr(sm90_backward, "THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD", True)
+  mask = MaskSpec(right=0) if causal else MaskSpec()
+  config = sm90_backward.choose_mods_config(d, mask, 2, score_mod=True, mask_mod=False)
+  assert config.dq.num_consumers == 3
+  lowered = _cross_lower_mods(cross_lower, d, config, mask, 2, packed=False)
+  assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("wgmma.mma_async")

@@ -133,6 +133,14 @@ FEATURES = frozenset({"score_function", "mods", "value_head_dim"})
 # one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 
+# `choose_mods_config`: calls with a score_mod fold delta into the dK/dV
+# kernel's dP^T accumulator. A switch for benchmarks (bench_mod_costs.py's
+# MOD_COSTS_FOLD_DELTA=0 times the loads before the wait, as before).
+FOLD_DELTA_WITH_SCORE_MOD = True
+# `choose_mods_config`: calls without a mask_mod keep the plain call's three
+# dQ consumers. Off until measured (bench_mod_costs.py's MOD_COSTS_DQ3=1).
+THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = False
+
 
 # --- configuration -------------------------------------------------------------
 
@@ -273,19 +281,41 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
 
 def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
                        segment_ids: bool = False, raw_scores: bool = False,
-                       value_head_dim: int | None = None) -> BackwardConfig:
+                       value_head_dim: int | None = None,
+                       score_mod: bool = False, mask_mod: bool = True) -> BackwardConfig:
   """The config of a call with a `score_mod` or `mask_mod`: the plain call's
-  (`choose_config`) without the variants the block lists do not drive (the
-  work queue) or that need the raw S^T folded (`fold_stats`), and with two
-  dQ consumers at head dim <= 128, so that the dQ kernel's CTA tiles (128
-  rows) and the dK/dV kernel's (128 keys) nest with the 128 x 128 tiles of
-  a `create_block_mask` block mask (three consumers' 192 rows do not: the
-  mask_mod would be evaluated anew). Unmeasured on hardware."""
+  (`choose_config`) without the variant the block lists do not drive (the
+  work queue), and with two dQ consumers at head dim <= 128, so that the dQ
+  kernel's CTA tiles (128 rows) and the dK/dV kernel's (128 keys) nest with
+  the 128 x 128 tiles of a `create_block_mask` block mask (three
+  consumers' 192 rows do not: the mask_mod would be evaluated anew).
+  A call without a `mask_mod` (`mask_mod=False`; so without a block mask)
+  has only the built-in masks' classes, computed at any tile: with
+  `THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD` it keeps the plain call's dQ kernel
+  (three consumers on 160 registers; ptxas, local: ALiBi's then spills 92 /
+  112 bytes, 9 spill loads in its key loop).
+
+  The softmax with mods takes the raw S^T and lse2 (a score_mod's R moves
+  lse2 per query: `sm90_backward_common._tile_softmax_with_mods`), so lse2
+  is never folded into the S^T accumulator. With a `score_mod` (`score_mod`)
+  delta alone is folded into the dP^T one (`fold_stats` on the raw-scores
+  branch of `transposed_scores`) where the consumers own whole key tiles:
+  delta then dies before the wait instead of living across it beside lse2
+  (`stats_first`). ptxas (local, B2 S4096 H16 D128): the ALiBi dK/dV
+  kernel spills 12 / 8 bytes instead of 184 / 180 (24 spill loads in its
+  FULL key loop before, one after), causal 16 / 12 instead of 252 / 248, a
+  32-entry table 72 / 76 instead of 332 / 340; the loop loses the 32
+  subtractions dP - delta (docs/performance-notes.md, "The ALiBi backward's
+  registers"). Calls with a mask_mod alone keep the loads before the wait.
+  Unmeasured on hardware."""
   config = choose_config(head_dim, mask, group, segment_ids=segment_ids, raw_scores=raw_scores,
                          value_head_dim=value_head_dim)
-  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=False)
+  fold_delta = (score_mod and FOLD_DELTA_WITH_SCORE_MOD
+                and config.dkv.dk_dv != "head_dim_split")
+  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold_delta)
   dq = config.dq
-  if dq.num_consumers != 2:
+  keep_dq = not mask_mod and THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD
+  if dq.num_consumers != 2 and not keep_dq:
     dq = dataclasses.replace(dq, num_consumers=2, producer_registers=24, consumer_registers=240)
   return dataclasses.replace(config, dkv=dkv, dq=dq)
 
@@ -298,7 +328,9 @@ def mods_configs() -> list[tuple[int, BackwardConfig]]:
       for group in (1, 4):
         for raw_scores in (False, True):
           for segment_ids in (False, True):
-            seen[(d, choose_mods_config(d, mask, group, segment_ids, raw_scores))] = None
+            for score_mod, mask_mod in ((False, True), (True, True), (True, False)):
+              seen[(d, choose_mods_config(d, mask, group, segment_ids, raw_scores,
+                                          score_mod=score_mod, mask_mod=mask_mod))] = None
   return list(seen)
 
 
@@ -417,7 +449,9 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   if mods is not None and not mods.has_mods:
     mods = None
   score = kernel_score_function(score, None if mods is None else mods.score_mod)
-  choose = choose_config if mods is None else choose_mods_config
+  choose = choose_config if mods is None else functools.partial(
+      choose_mods_config, score_mod=mods.score_mod is not None,
+      mask_mod=mods.mask_mod is not None)
   # (The tuner's candidates and arrays have one head dim.)
   tunable = mods is None and segment_ids is None and d_value == d
   config = config or autotune.sm90_backward_config(  # the heuristic's, unless switched on
@@ -426,9 +460,9 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
       q_shape=q.shape, k_shape=k.shape, dtype=dtype, mask=mask, score=score,
       has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
       tunable=tunable)
-  if mods is not None and (config.dkv.work_queue or config.dkv.fold_stats):
-    raise ValueError("with a score_mod or mask_mod the dK/dV kernel's config takes neither "
-                     f"work_queue nor fold_stats; got {config.dkv}")
+  if mods is not None and config.dkv.work_queue:
+    raise ValueError("with a score_mod or mask_mod the dK/dV kernel's config takes no "
+                     f"work_queue; got {config.dkv}")
   if config.dkv.work_queue and not config.dkv.num_sms:
     config = dataclasses.replace(config, dkv=dataclasses.replace(
         config.dkv, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"])))
