@@ -361,6 +361,47 @@ def test_float8_cache_decode_plans_fit_and_lower(cross_lower, shape):
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
 
 
+class _Issue55PagedRow:
+  """Issue #55's paged rows: B8 S32768 H32/8 D128 under a bf16 query, pages
+  of 64 keys of a float8 (or `validated`'s) cache, full lengths; T = 16 is
+  causal (bottom-right)."""
+
+  def __init__(self, t: int):
+    self.b, self.s, self.n, self.kv_heads, self.d, self.page = 8, 32768, 32, 8, 128, 64
+    self.t, self.causal = t, t > 1
+
+  def _specs(self, pages_dtype):
+    b, s, page = self.b, self.s, self.page
+    return (jax.ShapeDtypeStruct((b, self.t, self.n, self.d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b * s // page, page, self.kv_heads, self.d), pages_dtype),
+            jax.ShapeDtypeStruct((b, s // page), jnp.int32),
+            jax.ShapeDtypeStruct((b,), jnp.int32))
+
+  def validated(self, pages_dtype):
+    """`validation.validate_paged` of the row (zeros), as `paged_attention` sees it."""
+    from fa4_jax.validation import validate_paged
+    q, pages, table, _ = self._specs(pages_dtype)
+    zeros = lambda spec: jnp.zeros(spec.shape, spec.dtype)
+    return validate_paged(zeros(q), zeros(pages), zeros(pages), zeros(table),
+                          jnp.full((self.b,), self.s, jnp.int32), scale=None,
+                          is_causal=self.causal, sinks=None, logits_soft_cap=None,
+                          implementation="sm90")
+
+  def cross_lower(self, cross_lower, **target):
+    """The float8 row's `paged_attention` (per-head descales) cross-lowered
+    for sm90 under `gpu_target("sm90", **target)`."""
+    q, pages, table, lengths = self._specs(E4M3)
+    descale = jax.ShapeDtypeStruct((self.kv_heads,), jnp.float32)
+
+    def call(q, kp, vp, table, lengths, kd, vd):
+      with gpu_target("sm90", **target):
+        return fa4_jax.paged_attention(q, kp, vp, table, lengths, is_causal=self.causal,
+                                       key_descale=kd, value_descale=vd,
+                                       implementation="sm90")
+
+    return cross_lower(call, q, pages, pages, table, lengths, descale, descale)
+
+
 @pytest.mark.parametrize("t", [1, 16])
 def test_float8_pages_take_the_float8_decode_config(cross_lower, monkeypatch, t):
   """Pages of 64 keys, B8 S32768 H32/8 D128 (issue #55's paged rows; T = 16
@@ -371,27 +412,15 @@ def test_float8_pages_take_the_float8_decode_config(cross_lower, monkeypatch, t)
   4.42 TB/s of bf16 bytes, against 3.77 under the 16-bit config the kernel
   shrank). bfloat16 pages keep their plan."""
   from fa4_jax.backends import paged_decode_plan
-  from fa4_jax.validation import validate_paged
 
   # The ragged plan, whatever the default (`FP8_PAGES_SPLITS_FACTOR`, issue #55).
   monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", None)
-  b, s, n, kv_heads, d, page = 8, 32768, 32, 8, 128, 64
-  causal = t > 1
-  q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
-  pages_spec = jax.ShapeDtypeStruct((b * s // page, page, kv_heads, d), E4M3)
-  table_spec = jax.ShapeDtypeStruct((b, s // page), jnp.int32)
-  lengths_spec = jax.ShapeDtypeStruct((b,), jnp.int32)
-  descale = jax.ShapeDtypeStruct((kv_heads,), jnp.float32)
+  row = _Issue55PagedRow(t)
+  s, n, kv_heads, d = row.s, row.n, row.kv_heads, row.d
 
   def plan_of(pages_dtype):
-    args = validate_paged(jnp.zeros(q_spec.shape, q_spec.dtype),
-                          jnp.zeros(pages_spec.shape, pages_dtype),
-                          jnp.zeros(pages_spec.shape, pages_dtype),
-                          jnp.zeros(table_spec.shape, jnp.int32),
-                          jnp.full((b,), s, jnp.int32), scale=None, is_causal=causal,
-                          sinks=None, logits_soft_cap=None, implementation="sm90")
     with gpu_target("sm90"):
-      return paged_decode_plan(args)
+      return paged_decode_plan(row.validated(pages_dtype))
 
   plan, bf16_plan = plan_of(E4M3), plan_of(jnp.bfloat16)
   assert plan.splits == bf16_plan.splits
@@ -404,13 +433,7 @@ def test_float8_pages_take_the_float8_decode_config(cross_lower, monkeypatch, t)
   assert config.fits_smem(d, 2, False, d, fp8_cache=True)
   assert sm90_forward.fp8_cache_config(config, d, d) == config  # taken as it is
 
-  def call(q, kp, vp, table, lengths, kd, vd):
-    with gpu_target("sm90"):
-      return fa4_jax.paged_attention(q, kp, vp, table, lengths, is_causal=causal,
-                                     key_descale=kd, value_descale=vd, implementation="sm90")
-
-  lowered = cross_lower(call, q_spec, pages_spec, pages_spec, table_spec, lengths_spec,
-                        descale, descale)
+  lowered = row.cross_lower(cross_lower)
   text = "\n".join(lowered.modules)
   assert "cvt.rn.f16x2.e4m3x2" in text and "f32.f16.f16" in text
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
@@ -422,40 +445,24 @@ def test_float8_pages_under_the_switches_take_the_contiguous_plan_and_lower(cros
                                                                           monkeypatch, t):
   """Issue #55's rows (B8 S32768 H32/8 D128, pages of 64; T = 16 causal)
   with `FP8_PAGES_SPLITS_FACTOR = 1` and `FP8_CACHE_CONSUMER_REGISTERS =
-  256`: pages take the contiguous float8 cache's plan (2 chunks, a CTA per
+  256` (the defaults since the H100 run of 2026-12-07, pinned): pages take the contiguous float8 cache's plan (2 chunks, a CTA per
   item on 128 of 132 SMs, one consumer on four 128-key slots) with the
   consumer on 256 registers, and the call lowers within SMEM."""
   from fa4_jax.backends import paged_decode_plan
-  from fa4_jax.validation import validate_paged
 
   monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", 1)
   monkeypatch.setattr(sm90_decode, "FP8_CACHE_CONSUMER_REGISTERS", 256)
   jax.clear_caches()
-  b, s, n, kv_heads, d, page = 8, 32768, 32, 8, 128, 64
-  causal = t > 1
-  q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
-  pages_spec = jax.ShapeDtypeStruct((b * s // page, page, kv_heads, d), E4M3)
-  table_spec = jax.ShapeDtypeStruct((b, s // page), jnp.int32)
-  lengths_spec = jax.ShapeDtypeStruct((b,), jnp.int32)
-  descale = jax.ShapeDtypeStruct((kv_heads,), jnp.float32)
+  row = _Issue55PagedRow(t)
+  b, s, n, kv_heads, d = row.b, row.s, row.n, row.kv_heads, row.d
   with gpu_target("sm90", num_sms=132):
-    plan = paged_decode_plan(validate_paged(
-        jnp.zeros(q_spec.shape, q_spec.dtype), jnp.zeros(pages_spec.shape, E4M3),
-        jnp.zeros(pages_spec.shape, E4M3), jnp.zeros(table_spec.shape, jnp.int32),
-        jnp.full((b,), s, jnp.int32), scale=None, is_causal=causal, sinks=None,
-        logits_soft_cap=None, implementation="sm90"))
+    plan = paged_decode_plan(row.validated(E4M3))
     contiguous = sm90_decode.plan((b, t, n, d), (b, s, kv_heads, d), MaskSpec(), fp8_cache=True)
   assert plan == contiguous and plan.splits == 2
   config = plan.config
   assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
   assert not config.persistent and config.consumer_registers == 256
 
-  def call(q, kp, vp, table, lengths, kd, vd):
-    with gpu_target("sm90", num_sms=132):
-      return fa4_jax.paged_attention(q, kp, vp, table, lengths, is_causal=causal,
-                                     key_descale=kd, value_descale=vd, implementation="sm90")
-
-  lowered = cross_lower(call, q_spec, pages_spec, pages_spec, table_spec, lengths_spec,
-                        descale, descale)
+  lowered = row.cross_lower(cross_lower, num_sms=132)
   assert "setmaxnreg.inc.sync.aligned.u32 256;" in "\n".join(lowered.modules)
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
