@@ -92,18 +92,20 @@ def page_of(case) -> int:
 # How float8 pages are cut (`--paged-configs`): rule -> (`sm90_decode.plan`'s
 # `fp8_pages_factor` (`sm90_decode.FP8_PAGES_SPLITS_FACTOR`), changes to the
 # plan's config). Factor None: the ragged plan (16 splits on the forward's
-# persistent grid at B8 S32k, the default); 1: the contiguous float8 cache's
-# plan (2 splits, a CTA per item); 2 and 8: that with up to 2x / 8x its
-# splits, a CTA per item (ragged rows' balance; x8 is the ragged plan's 16
-# splits without the persistent grid). `regs 256`: the consumer on 256
-# registers (`sm90_decode.FP8_CACHE_CONSUMER_REGISTERS`; local ptxas: no
-# spill left in the contiguous plan's key loops, a few in the persistent
-# grid's). The page-16 rows take PAGE16_RULES, the others all;
-# CONTIGUOUS_TWINS are also timed on the contiguous cache (page-64 full rows).
+# persistent grid at B8 S32k; the default until 2026-12-07); 1: the
+# contiguous float8 cache's plan (2 splits, a CTA per item; the default
+# since); 2 and 8: that with up to 2x / 8x its splits, a CTA per item
+# (ragged rows' balance; x8 is the ragged plan's 16 splits without the
+# persistent grid). Registers: the consumer's, 224 (the default until
+# 2026-12-07) or 256 (`sm90_decode.FP8_CACHE_CONSUMER_REGISTERS` since; local
+# ptxas: no spill left in the contiguous plan's key loops, a few in the
+# persistent grid's). The page-16 rows take PAGE16_RULES, the others all;
+# CONTIGUOUS_TWINS are also timed on the contiguous cache (page-64 full
+# rows). A rule whose plan is the default's is printed, not timed twice.
 PAGED_RULES = {
-    "ragged persistent": (None, {}),
+    "ragged persistent": (None, dict(consumer_registers=224)),
     "ragged persistent regs 256": (None, dict(consumer_registers=256)),
-    "contiguous plan": (1, {}),
+    "contiguous plan": (1, dict(consumer_registers=224)),
     "contiguous plan regs 256": (1, dict(consumer_registers=256)),
     "contiguous plan x2 regs 256": (2, dict(consumer_registers=256)),
     "contiguous plan x8 regs 256": (8, dict(consumer_registers=256)),
@@ -379,6 +381,17 @@ def paged_rule_columns(q, k8, v8, kp, vp, kd, vd, table, lengths, causal, rules=
       fp8_cache=True)
   seen_paged, seen_contiguous = {paged_default: "fp8 paged"}, {contiguous_default: "fp8"}
   columns = {}
+
+  def add(columns, seen, label, p, args, **layout):
+    """Column `label`: the decode kernel under plan `p` on `args` (q, k or key
+    pages, v or value pages, descales), unless `seen` has the plan already."""
+    if p in seen:
+      print(f"  {label}: the plan of {seen[p]}", flush=True)
+      return
+    seen[p] = label
+    columns[label] = (lambda q, k, v, kd, vd: sm90_decode.forward(
+        q, k, v, None, lengths, score=score, mask=mask, plan=p, descales=(None, kd, vd),
+        **layout)[0], args)
   for rule, (factor, changes) in PAGED_RULES.items():
     if rules is not None and rule not in rules:
       continue
@@ -387,24 +400,9 @@ def paged_rule_columns(q, k8, v8, kp, vp, kd, vd, table, lengths, causal, rules=
     if changes:
       p = sm90_decode.DecodePlan(p.splits, dataclasses.replace(p.config, **changes))
     print(f"paged rule {rule}: {p}", flush=True)
-    if p in seen_paged:
-      print(f"  pages: the plan of {seen_paged[p]}", flush=True)
-    else:
-      seen_paged[p] = f"fp8 paged {rule}"
-      columns[f"fp8 paged {rule}"] = (
-          lambda q, kp, vp, kd, vd, p=p: sm90_decode.forward(
-              q, kp, vp, None, lengths, score=score, mask=mask, plan=p, page_table=table,
-              descales=(None, kd, vd))[0], (q, kp, vp, kd, vd))
-    if rule not in twins:
-      continue
-    if p in seen_contiguous:
-      print(f"  contiguous: the plan of {seen_contiguous[p]}", flush=True)
-    else:
-      seen_contiguous[p] = f"fp8 dec {rule}"
-      columns[f"fp8 dec {rule}"] = (
-          lambda q, k, v, kd, vd, p=p: sm90_decode.forward(
-              q, k, v, None, lengths, score=score, mask=mask, plan=p,
-              descales=(None, kd, vd))[0], (q, k8, v8, kd, vd))
+    add(columns, seen_paged, f"fp8 paged {rule}", p, (q, kp, vp, kd, vd), page_table=table)
+    if rule in twins:
+      add(columns, seen_contiguous, f"fp8 dec {rule}", p, (q, k8, v8, kd, vd))
   return columns
 
 

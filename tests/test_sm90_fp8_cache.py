@@ -166,29 +166,48 @@ def test_the_forward_kernel_on_a_float8_cache_with_bottom_right_causal_rows(run_
   assert_close(got, want, v)
 
 
+class _ShuffledFloat8Pages:
+  """A bf16 query of `t` tokens, 8 heads, against float8 pages of 16 keys,
+  2 KV heads, in a pool with 3 spare pages, B = 2 rows of `lengths` keys
+  whose `max_pages` pages the table deals out shuffled."""
+
+  def __init__(self, rng, t: int, d: int, max_pages: int, lengths):
+    b, n, kv_heads, self.page = 2, 8, 2, 16
+    pool = b * max_pages + 3
+    self.key_pages, self.k_descale = float8_cache(rng, (pool, self.page, kv_heads, d))
+    self.value_pages, self.v_descale = float8_cache(rng, (pool, self.page, kv_heads, d))
+    self.table = jnp.asarray(rng.permutation(pool)[:b * max_pages].reshape(b, max_pages),
+                             jnp.int32)
+    self.lengths = jnp.asarray(lengths, jnp.int32)
+    self.q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+    self.contiguous_shape = (b, max_pages * self.page, kv_heads, d)
+
+  @property
+  def arguments(self):
+    """`paged_attention`'s positional arguments."""
+    return self.q, self.key_pages, self.value_pages, self.table, self.lengths
+
+  def check_against_the_xla_path(self, run_interpreted, **options):
+    """The sm90 kernels (interpreted) against the XLA path's f32 output."""
+    attend = lambda implementation, **kw: lambda q, kp, vp: fa4_jax.paged_attention(
+        q, kp, vp, self.table, self.lengths, key_descale=self.k_descale,
+        value_descale=self.v_descale, implementation=implementation, **options, **kw)
+    got = run_interpreted(attend("sm90"), self.q, self.key_pages, self.value_pages)
+    want = attend("xla", output_dtype=jnp.float32)(self.q, self.key_pages, self.value_pages)
+    v = np.asarray(self.value_pages, np.float32) * np.asarray(self.v_descale)[None, None, :, None]
+    assert_close(got, np.asarray(want), v)
+
+
 @pytest.mark.parametrize("t", [1, 5])
 def test_float8_pages_match_the_xla_path_through_a_shuffled_table(run_interpreted, t):
   """T = 1: the decode arrangement reading pages; T = 5 causal: chunked
   prefill, the forward kernel reading pages."""
-  rng = np.random.default_rng(t)
-  b, n, kv_heads, d, page, max_pages = 2, 8, 2, 64, 16, 8
-  pool = b * max_pages + 3
-  key_pages, k_descale = float8_cache(rng, (pool, page, kv_heads, d))
-  value_pages, v_descale = float8_cache(rng, (pool, page, kv_heads, d))
-  table = jnp.asarray(rng.permutation(pool)[:b * max_pages].reshape(b, max_pages), jnp.int32)
-  lengths = jnp.asarray([100, 37], jnp.int32)
-  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
-  attend = lambda implementation, **kw: lambda q, kp, vp: fa4_jax.paged_attention(
-      q, kp, vp, table, lengths, key_descale=k_descale, value_descale=v_descale,
-      implementation=implementation, **kw)
+  pages = _ShuffledFloat8Pages(np.random.default_rng(t), t, d=64, max_pages=8, lengths=[100, 37])
   with gpu_target("sm90"):
-    assert which_paged_implementation(q, key_pages, value_pages, table, lengths,
-                                      key_descale=k_descale, value_descale=v_descale,
+    assert which_paged_implementation(*pages.arguments, key_descale=pages.k_descale,
+                                      value_descale=pages.v_descale,
                                       implementation="sm90") == "sm90"
-  got = run_interpreted(attend("sm90"), q, key_pages, value_pages)
-  want = attend("xla", output_dtype=jnp.float32)(q, key_pages, value_pages)
-  v = np.asarray(value_pages, np.float32) * np.asarray(v_descale)[None, None, :, None]
-  assert_close(got, np.asarray(want), v)
+  pages.check_against_the_xla_path(run_interpreted, is_causal=True)
 
 
 @pytest.mark.parametrize("d, t, factor", [(64, 1, 1), (64, 4, 2), (128, 1, 2), (128, 4, 1)])
@@ -208,34 +227,22 @@ def test_float8_pages_under_the_contiguous_plan_match_the_xla_path(run_interpret
   monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 32)
   monkeypatch.setattr(sm90_forward, "sm_count", lambda default=132: 8)
   jax.clear_caches()  # no trace of another plan for the same shapes
-  rng = np.random.default_rng(d + t)
-  b, n, kv_heads, page, max_pages = 2, 8, 2, 16, 16
-  pool = b * max_pages + 3
-  key_pages, k_descale = float8_cache(rng, (pool, page, kv_heads, d))
-  value_pages, v_descale = float8_cache(rng, (pool, page, kv_heads, d))
-  table = jnp.asarray(rng.permutation(pool)[:b * max_pages].reshape(b, max_pages), jnp.int32)
-  lengths = jnp.asarray([200, 37], jnp.int32)
-  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  pages = _ShuffledFloat8Pages(np.random.default_rng(d + t), t, d, max_pages=16,
+                               lengths=[200, 37])
   causal = t > 1
   with gpu_target("sm90"):
     plan = backends.paged_decode_plan(validate_paged(
-        q, key_pages, value_pages, table, lengths, scale=None, is_causal=causal, sinks=None,
-        logits_soft_cap=None, implementation="sm90"))
-    contiguous = sm90_decode.plan(q.shape, (b, max_pages * page, kv_heads, d), MaskSpec(),
-                                  granule=page, fp8_cache=True)
+        *pages.arguments, scale=None, is_causal=causal, sinks=None, logits_soft_cap=None,
+        implementation="sm90"))
+    contiguous = sm90_decode.plan(pages.q.shape, pages.contiguous_shape, MaskSpec(),
+                                  granule=pages.page, fp8_cache=True)
   assert contiguous.splits == {64: 4, 128: 2}[d]
   assert contiguous.config.block_kv == {64: 64, 128: 128}[d]
   if factor == 1:
     assert plan == contiguous
   else:  # beyond the contiguous plan's splits, a CTA per item
     assert plan.splits == contiguous.splits * factor and not plan.config.persistent
-  attend = lambda implementation, **kw: lambda q, kp, vp: fa4_jax.paged_attention(
-      q, kp, vp, table, lengths, key_descale=k_descale, value_descale=v_descale,
-      is_causal=causal, implementation=implementation, **kw)
-  got = run_interpreted(attend("sm90"), q, key_pages, value_pages)
-  want = attend("xla", output_dtype=jnp.float32)(q, key_pages, value_pages)
-  v = np.asarray(value_pages, np.float32) * np.asarray(v_descale)[None, None, :, None]
-  assert_close(got, np.asarray(want), v)
+  pages.check_against_the_xla_path(run_interpreted, is_causal=causal)
 
 
 def test_which_float8_cache_calls_the_kernel_takes():
