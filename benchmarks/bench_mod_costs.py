@@ -6,9 +6,11 @@ dense bias32" is cuDNN (jax.nn.dot_product_attention) given table32's bias as a 
 MOD_COSTS_TABLE_LOADS=0: tables by the chain of selects (the default of
 `sm90_tiles.PER_ELEMENT_TABLE_LOADS`), else by one load per element.
 MOD_COSTS_ONLY="a|b": only the rows whose names contain one of these (and "plain").
+The row "prefix-lm mask" is a mask_mod, not a score_mod.
 MOD_COSTS_FOLD_DELTA=0: score_mod calls' dK/dV kernel as before #52's fold of delta
 (`sm90_backward.FOLD_DELTA_WITH_SCORE_MOD`); MOD_COSTS_DQ3=1: score_mod calls without a
 mask_mod on the plain call's three dQ consumers (`THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD`).
+MOD_COSTS_FOLD_MASK=1: a mask_mod alone folds lse2 and delta (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
 ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
@@ -45,6 +47,10 @@ if hasattr(sm90_backward, "FOLD_DELTA_WITH_SCORE_MOD"):
 # MOD_COSTS_DQ3=1: calls without a mask_mod keep the plain call's three dQ consumers.
 if hasattr(sm90_backward, "THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD"):
   sm90_backward.THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = os.environ.get("MOD_COSTS_DQ3") == "1"
+# MOD_COSTS_FOLD_MASK=1: a call with a mask_mod alone folds lse2 and delta into
+# the dK/dV kernel's accumulators (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
+if hasattr(sm90_backward, "FOLD_STATS_WITH_MASK_MOD_ALONE"):
+  sm90_backward.FOLD_STATS_WITH_MASK_MOD_ALONE = os.environ.get("MOD_COSTS_FOLD_MASK") == "1"
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
@@ -66,14 +72,19 @@ MODS = {
   "table32 clip": (False, lambda s, b, h, q, k: s + table[h, jnp.clip(k - q + 16, 0, 31)]),
   "log bucket no table": (False, lambda s, b, h, q, k: s + bucket(q, k).astype(jnp.float32) * 0.01),
   "relative 32": (False, lambda s, b, h, q, k: s + table[h, bucket(q, k)]),
+  # A mask_mod (third item): prefix-LM, 1024 keys every query sees, causal
+  # after them (53 % of the pairs visible at S4096).
+  "prefix-lm mask": (False, None, lambda b, h, q, k: (k < 1024) | (k <= q)),
 }
 keys = jax.random.split(jax.random.PRNGKey(0), 3)
 q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, H, D), jnp.bfloat16)
 v = jax.random.normal(keys[2], (B, S, H, D), jnp.bfloat16)
 def fwd(name, implementation="sm90"):
-  causal, mod = MODS[name]
+  causal, mod, *mask_mod = MODS[name]
+  mask_mod = mask_mod[0] if mask_mod else None
   return jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod,
+                                                   mask_mod=mask_mod,
                                                    implementation=implementation))
 _only = [w for w in os.environ.get("MOD_COSTS_ONLY", "").split("|") if w]
 if _only:

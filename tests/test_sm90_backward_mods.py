@@ -227,6 +227,20 @@ def test_a_score_mod_alone_on_three_dq_consumers(monkeypatch, run_interpreted):
   _check(Case(q_seq=200, kv_seq=200, alibi=True, is_causal=True, q_heads=2), run_interpreted)
 
 
+@pytest.mark.parametrize("name", ["prefix_lm_mask_mod_fp16", "block_mask_block_sparse_per_head",
+                                  "prefix_lm_soft_cap_head_dim_192"])
+def test_a_mask_mod_alone_may_fold_lse_and_delta(name, monkeypatch, run_interpreted):
+  """`FOLD_STATS_WITH_MASK_MOD_ALONE`: a call whose only mod is a mask_mod
+  starts the dK/dV kernel's S^T and dP^T accumulators at -lse2 / c and
+  -delta, as plain GQA causal calls do (a mask needs no raw S^T; with
+  soft-cap, whose tanh does, delta alone is folded). The gradients stay the
+  reference's."""
+  monkeypatch.setattr(sm90_backward, "FOLD_STATS_WITH_MASK_MOD_ALONE", True)
+  config = sm90_backward.choose_mods_config(64, MaskSpec(), score_mod=False, mask_mod=True)
+  assert config.dkv.fold_stats
+  _check(CASES[name], run_interpreted)
+
+
 def test_backward_is_the_sm90_kernel_for_mods():
   case = CASES["alibi_chunked_causal_lengths_gqa_soft_cap"]
   q, k, v, _, slopes = case.inputs()

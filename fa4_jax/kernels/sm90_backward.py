@@ -140,6 +140,10 @@ FOLD_DELTA_WITH_SCORE_MOD = True
 # `choose_mods_config`: calls without a mask_mod keep the plain call's three
 # dQ consumers. Off until measured (bench_mod_costs.py's MOD_COSTS_DQ3=1).
 THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = False
+# `choose_mods_config`: calls with a mask_mod and no score_mod start the dK/dV
+# kernel's S^T and dP^T accumulators at -lse2 / c and -delta (`fold_stats`,
+# as plain GQA causal calls do: a mask needs no raw S^T). Off until measured.
+FOLD_STATS_WITH_MASK_MOD_ALONE = False
 
 
 # --- configuration -------------------------------------------------------------
@@ -306,13 +310,14 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   FULL key loop before, one after), causal 16 / 12 instead of 252 / 248, a
   32-entry table 72 / 76 instead of 332 / 340; the loop loses the 32
   subtractions dP - delta (docs/performance-notes.md, "The ALiBi backward's
-  registers"). Calls with a mask_mod alone keep the loads before the wait.
-  Unmeasured on hardware."""
+  registers"). Calls with a mask_mod alone keep the loads before the wait,
+  or with `FOLD_STATS_WITH_MASK_MOD_ALONE` fold both lse2 and delta (their
+  softmax needs no raw S^T). Unmeasured on hardware."""
   config = choose_config(head_dim, mask, group, segment_ids=segment_ids, raw_scores=raw_scores,
                          value_head_dim=value_head_dim)
-  fold_delta = (score_mod and FOLD_DELTA_WITH_SCORE_MOD
-                and config.dkv.dk_dv != "head_dim_split")
-  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold_delta)
+  fold = FOLD_DELTA_WITH_SCORE_MOD if score_mod else FOLD_STATS_WITH_MASK_MOD_ALONE
+  fold = fold and config.dkv.dk_dv != "head_dim_split"
+  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold)
   dq = config.dq
   keep_dq = not mask_mod and THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD
   if dq.num_consumers != 2 and not keep_dq:

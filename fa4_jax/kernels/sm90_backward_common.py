@@ -217,7 +217,11 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
   if slope is not None and dp is not None:
     delta = per_query_tile(delta, shape, keys_along_rows)
     dp, delta = scores_grad(slope, dp, delta), None
-  logits2 = t * c - per_query_tile(lse2, shape, keys_along_rows)
+  if lse2 is None:  # already in s (`fold_stats`): a mask_mod alone needs no raw S
+    assert mods.score_mod is None, "lse2 cannot be folded into the raw S a score_mod needs"
+    logits2 = t * c
+  else:
+    logits2 = t * c - per_query_tile(lse2, shape, keys_along_rows)
   if masked:
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
     logits2 = where_visible(logits2, -jnp.inf, mask=mask, row_lo=row_lo, col_lo=col_lo,

@@ -423,13 +423,14 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
     bars.consumer_q_do(step)
 
-    # With mods the softmax takes the raw S^T and lse2 (`_tile_softmax_with_mods`):
-    # `fold_stats` folds delta alone.
+    # With a score_mod the softmax takes the raw S^T and lse2
+    # (`_tile_softmax_with_mods`): `fold_stats` folds delta alone.
     s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
         k_operand, v_operand, q_tile, do_tile,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
-        needs_raw_scores=kp.score.needs_raw_scores or kp.mods is not None)
+        needs_raw_scores=(kp.score.needs_raw_scores
+                          or (kp.mods is not None and kp.mods.score_mod is not None)))
     seg = block_segments(slot) if masked else None
     mods = {} if tile_mods is None else dict(mods=tile_mods)
     softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
