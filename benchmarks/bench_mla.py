@@ -30,6 +30,7 @@ rounds (interleaved). Nothing here has been measured yet.
 
 Usage (GPU machine, repository root):
     python3 benchmarks/bench_mla.py [--only SUBSTRING] [--tag NAME] [--rounds N]
+        [--configs overlap,waves1,...] [--layout both|contiguous|paged] [--no-xla] [--no-gqa]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fa4_jax  # noqa: E402
+from fa4_jax.kernels import sm90_mla_decode as mla  # noqa: E402
 
 import bench_common  # noqa: E402
 
@@ -77,7 +79,15 @@ def case_inputs(b, t, n, s, paged):
   return q, latent, table, lengths
 
 
-def implementations(t, paged):
+def under_config(name, f):
+  """f with `sm90_mla_decode.CONFIGS[name]` in force while it is traced."""
+  def g(*args):
+    with mla.use_config(name):
+      return f(*args)
+  return g
+
+
+def implementations(t, paged, configs=(), xla=True):
   causal = dict(is_causal=t > 1, causal_alignment="bottom_right")
   if paged:
     call = lambda impl: (lambda q, pages, table, n: fa4_jax.paged_attention(
@@ -87,7 +97,12 @@ def implementations(t, paged):
     call = lambda impl: (lambda q, k, table, n: fa4_jax.attention(
         q, k, None, value_head_dim=DV, scale=SCALE, key_value_seq_lengths=n,
         implementation=impl, **causal))
-  return {"default": call(None), "xla": call("xla")}
+  out = {"default": call(None)}
+  if xla:
+    out["xla"] = call("xla")
+  for name in configs:
+    out[f"cfg {name}"] = under_config(name, call(None))
+  return out
 
 
 def gqa_inputs(b, t, n, s):
@@ -102,7 +117,7 @@ def visible_keys(b, t, s):
   return b * sum(s - (t - 1 - i) for i in range(t))
 
 
-def run_case(name, b, t, n, s, paged, rounds):
+def run_case(name, b, t, n, s, paged, rounds, configs=(), xla=True, gqa=True):
   q, cache, table, lengths = case_inputs(b, t, n, s, paged)
   if paged:
     chosen = fa4_jax.which_paged_implementation(q, cache, None, table, lengths,
@@ -116,8 +131,26 @@ def run_case(name, b, t, n, s, paged, rounds):
   flops = visible_keys(b, t, s) * n * 2 * (D + DV)
   row = dict(case=name, B=b, T=t, Hq=n, S=s, paged=paged, cache_bytes=nbytes, flops=flops,
              chosen=chosen)
-  calls = {c: (f, (q, cache, table, lengths)) for c, f in implementations(t, paged).items()}
-  row.update(bench_common.bandwidth_columns(calls, rounds, nbytes, "xla"))
+  calls = {c: (f, (q, cache, table, lengths))
+           for c, f in implementations(t, paged, configs, xla).items()}
+  row.update(bench_common.bandwidth_columns(calls, rounds, nbytes, "xla" if xla else "default"))
+  for c in configs:
+    with mla.use_config(c):
+      row[f"cfg {c} plan"] = str(mla.choose_plan((b, t, n, D), (b, s, 1, D), ragged=True,
+                                                 page_size=PAGE if paged else None))
+  for column in [c for c in calls if c.startswith("cfg ")]:
+    result = row.get(column)
+    if isinstance(result, dict) and "ms" in result:
+      result["gb_per_s"] = result["tb_per_s"] * 1e3
+      result["tflops"] = flops / result["ms"] / 1e9
+  if not gqa:
+    for column in ("default", "xla"):
+      result = row.get(column)
+      if isinstance(result, dict) and "ms" in result:
+        result["gb_per_s"] = result["tb_per_s"] * 1e3
+        result["tflops"] = flops / result["ms"] / 1e9
+    print(json.dumps(row), flush=True)
+    return row
   gq, gk, gv = gqa_inputs(b, t, n, s)
   gqa_bytes = 2 * b * s * GQA_D * 2
   gqa = bench_common.bandwidth_columns(
@@ -138,7 +171,9 @@ def run_case(name, b, t, n, s, paged, rounds):
 
 
 def markdown(rows):
-  columns = ("default", "xla", "gqa decode")
+  columns = ["default", "xla"] + sorted({c for r in rows for c in r
+                                         if c.startswith("cfg ") and not c.endswith(" plan")})
+  columns += ["gqa decode"]
   head = " | ".join(f"{c} GB/s | {c} TFLOP/s" if c != "gqa decode" else f"{c} GB/s"
                     for c in columns)
   lines = [f"| case | chosen | {head} |", "|" + "---|" * (2 + 2 * len(columns) - 1)]
@@ -154,11 +189,23 @@ def markdown(rows):
 
 def main():
   bench_common.table_main(
-      "mla", CASES, lambda case, args: [run_case(*case, args.rounds)], markdown,
+      "mla", CASES, lambda case, args: [run_case(
+          *case, args.rounds, [c for c in args.configs.split(",") if c], not args.no_xla,
+          not args.no_gqa)] if args.layout in ("both", ("paged" if case[-1] else "contiguous"))
+      else [], markdown,
       lambda args: ("sum of kernel durations in a profiler trace, median of "
                     f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; GB/s = latent "
                     "cache bytes read once / time; TFLOP/s = 2 x (576 + 512) per visible "
-                    "(query head, key) pair / time; bf16"))
+                    "(query head, key) pair / time; bf16"), add_arguments=_arguments)
+
+
+def _arguments(ap):
+  ap.add_argument("--configs", default="",
+                  help="comma-separated sm90_mla_decode.CONFIGS names: a column each")
+  ap.add_argument("--layout", choices=("both", "contiguous", "paged"), default="both",
+                  help="which rows of the selected cases: contiguous, paged or both")
+  ap.add_argument("--no-xla", action="store_true", help="no XLA column")
+  ap.add_argument("--no-gqa", action="store_true", help="no GQA decode column")
 
 
 if __name__ == "__main__":

@@ -88,3 +88,32 @@ def test_latent_pages_equal_the_xla_path(name, b, t, n, s):
   run = lambda impl: jax.jit(lambda q, p, tb, n: fa4_jax.paged_attention(
       q, p, None, tb, n, implementation=impl, **options))(q, pool, table, lengths)
   _check(run(None), run("xla"))
+
+
+CONFIG_CASES = [CASES[1], CASES[2]]  # memory-bound S32k; compute-bound T2 causal
+
+
+@pytest.mark.parametrize("name, b, t, n, s", CONFIG_CASES)
+@pytest.mark.parametrize("config", ["overlap", "waves1", "overlap waves1"])
+def test_configs_equal_the_xla_path(config, name, b, t, n, s):
+  """`sm90_mla_decode.CONFIGS` candidates (bench_mla.py's columns), contiguous
+  and paged, against the XLA path."""
+  from fa4_jax.kernels import sm90_mla_decode as mla
+  q, latent, lengths = _inputs(2, b, t, n, s, jnp.bfloat16)
+  pool, table = _paged(latent, seed=b)
+
+  def under_config(f):
+    def g(*args):
+      with mla.use_config(config):
+        return f(*args)
+    return jax.jit(g)
+
+  options = dict(value_head_dim=DV, scale=SCALE, is_causal=t > 1)
+  contiguous = lambda impl: under_config(lambda q, k, n: fa4_jax.attention(
+      q, k, None, implementation=impl, key_value_seq_lengths=n,
+      causal_alignment="bottom_right", **options))(q, latent, lengths)
+  paged = lambda impl: under_config(lambda q, p, tb, n: fa4_jax.paged_attention(
+      q, p, None, tb, n, implementation=impl, **options))(q, pool, table, lengths)
+  want = contiguous("xla")
+  _check(contiguous(None), want)
+  _check(paged(None), want)

@@ -56,6 +56,7 @@ element mask. A row that sees no key of its chunk ends with zeros and lse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -95,6 +96,9 @@ class MlaPlan:
   splits: int = 1
   block_kv: int = 64
   num_stages: int = 2
+  # Warpgroup 0 issues S of block j + 1 before it waits for P V_lo of block
+  # j, and rescales O after that wait (`MlaConfig.overlap`).
+  overlap: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     q = ROWS * head_dim * itemsize
@@ -106,6 +110,46 @@ class MlaPlan:
 
   def fits_smem(self, head_dim: int, itemsize: int = 2) -> bool:
     return self.smem_bytes(head_dim, itemsize) <= SMEM_LIMIT_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+  """Switches of `choose_plan`, for side-by-side measurement (`CONFIGS`;
+  the module's `CONFIG` is what calls get; `use_config` sets it while a call
+  is traced). The default is the kernel as first measured (2026-12-06).
+
+  block_kv: keys a block (the ring takes as many slots as SMEM holds: 2 at
+    64 keys at D 576).
+  waves: the splits rule's waves for ragged lengths (None:
+    `sm90_decode.RAGGED_WAVES`, 8); 1 gives one CTA per SM's worth of items
+    (the rule for equal lengths).
+  overlap: `MlaPlan.overlap`."""
+
+  block_kv: int = 64
+  waves: int | None = None
+  overlap: bool = False
+
+
+# (block_kv 32, 4 slots, was a candidate: jax 0.11.2's Mosaic GPU layout
+# inference finds no layouts for it, with either schedule; not pursued.)
+CONFIGS = {
+    "default": MlaConfig(),
+    "waves1": MlaConfig(waves=1),
+    "overlap": MlaConfig(overlap=True),
+    "overlap waves1": MlaConfig(overlap=True, waves=1),
+}
+CONFIG = CONFIGS["default"]
+
+
+@contextlib.contextmanager
+def use_config(config):
+  """`CONFIG` = config (a `MlaConfig` or a name in `CONFIGS`) inside the block."""
+  global CONFIG
+  old, CONFIG = CONFIG, CONFIGS[config] if isinstance(config, str) else config
+  try:
+    yield CONFIG
+  finally:
+    CONFIG = old
 
 
 def check_supported(q_shape, k_shape, dtype, value_head_dim: int, mask: MaskSpec,
@@ -146,16 +190,19 @@ def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None 
   tile); narrower head dims get more slots."""
   b, t, n, d = q_shape
   s = k_shape[1]
-  block_kv = 64
+  config = CONFIG
+  block_kv = config.block_kv
   stages = 2
   while MlaPlan(1, block_kv, stages + 1).fits_smem(d) and stages < 4:
     stages += 1
   granule = max(block_kv, page_size or 1)
   tiles = cdiv(t * n, ROWS)
-  splits = sm90_decode.choose_splits(b, 1, s, ragged=ragged,
-                                     num_sms=sm_count(H100_SMS) if num_sms is None else num_sms,
-                                     granule=granule, tiles=tiles)
-  return MlaPlan(splits, block_kv, stages)
+  sms = sm_count(H100_SMS) if num_sms is None else num_sms
+  if ragged and config.waves is not None:  # the rule's slots: waves x SMs
+    ragged, sms = False, sms * config.waves
+  splits = sm90_decode.choose_splits(b, 1, s, ragged=ragged, num_sms=sms, granule=granule,
+                                     tiles=tiles)
+  return MlaPlan(splits, block_kv, stages, config.overlap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,35 +403,42 @@ def _row_vector(value):
   return plgpu.layout_cast(jnp.full((ROWS,), value, jnp.float32), _ROW_LAYOUT)
 
 
+def _block_softmax(ctx: _Ctx, s, m, l, j, limits, masked: bool):
+  """(P in the input dtype, new running max, new running sum, alpha) of the
+  logits s of block j."""
+  st, bkv, c = ctx.st, ctx.st.plan.block_kv, ctx.st.exp2_c
+  if masked:
+    keys = j * bkv + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1,
+                                            layout=plgpu.Layout.WGMMA)
+    lim = limits if not st.causal else lax.broadcast_in_dim(limits, s.shape, [0])
+    s = jnp.where(keys < lim, s, _MASKED)
+  m_new = jnp.maximum(m, s.max(axis=1) * c)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw no key yet
+  alpha = jnp.exp2(m - m_use)
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  l = l * alpha + p.sum(axis=1)
+  return p.astype(st.dtype), m_new, l, alpha
+
+
 def _softmax_consumer(ctx: _Ctx) -> None:
   """Warpgroup 0: S, the softmax, P to SMEM, O[:, :half] += P V_lo."""
   st, bars, bkv = ctx.st, ctx.bars, ctx.st.plan.block_kv
   n_blocks, full_blocks = ctx.block_range()
   limits = ctx.row_limits()
-  c = st.exp2_c
 
   def step(j, carry, masked: bool):
     acc, m, l = carry
     slot = bars.slot("kv_full", j)
     bars.consumer_kv(j)
     s = _mma(None, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)), (ROWS, bkv), st.interpreting)
-    if masked:
-      keys = j * bkv + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1,
-                                              layout=plgpu.Layout.WGMMA)
-      lim = limits if not st.causal else lax.broadcast_in_dim(limits, s.shape, [0])
-      s = jnp.where(keys < lim, s, _MASKED)
-    m_new = jnp.maximum(m, s.max(axis=1) * c)
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw no key yet
-    alpha = jnp.exp2(m - m_use)
-    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    l = l * alpha + p.sum(axis=1)
+    p, m_new, l, alpha = _block_softmax(ctx, s, m, l, j, limits, masked)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     @pl.when(j > 0)
     def _():
       bars.producer_p_acquire()  # wg 1 is done with P of block j - 1
 
-    ctx.p_smem[...] = p.astype(st.dtype)
+    ctx.p_smem[...] = p
     ctx.factor_smem[...] = alpha
     bars.producer_p()
     acc = _mma(acc, ctx.p_smem, ctx.ring.at[slot, :, pl.ds(0, st.half)], acc.shape,
@@ -392,10 +446,73 @@ def _softmax_consumer(ctx: _Ctx) -> None:
     bars.consumer_kv_release(j)
     return acc, m_new, l
 
+  def overlap_step(j, carry, masked: bool):
+    """`MlaPlan.overlap`: issue S of block j, then P V_lo of block j - 1
+    (P of j - 1 is in SMEM; at j = 0 a tile of zeros times block 0's V),
+    wait for S only and run block j's softmax while P V_lo runs; then wait
+    for it, release block j - 1's slot, rescale O and hand P of j over."""
+    acc, m, l = carry
+    slot = bars.slot("kv_full", j)
+    prev = bars.slot("kv_full", jnp.maximum(j - 1, 0))
+    v_lo = ctx.ring.at[prev, :, pl.ds(0, st.half)]
+    bars.consumer_kv(j)
+    if st.interpreting:
+      acc = _mma(acc, ctx.p_smem, v_lo, acc.shape, True)
+      s = _mma(None, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)), (ROWS, bkv), True)
+      p, m, l, alpha = _block_softmax(ctx, s, m, l, j, limits, masked)
+    else:
+      def with_s(s_ref):
+        plgpu.wgmma(s_ref, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)))
+
+        def pv(refs):
+          acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
+          plgpu.wgmma(acc_ref, ctx.p_smem, v_lo)
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done, P V_lo in flight
+          p, m_new, l_new, alpha = _block_softmax(ctx, s, m_ref[...], l_ref[...], j, limits,
+                                                  masked)
+          m_ref[...] = m_new
+          l_ref[...] = l_new
+          p_ref[...] = p
+          alpha_ref[...] = alpha
+
+        return pl.run_state(pv)((plgpu.ACC.init(acc), m, l, _p_zeros(st), _row_vector(1.0)))
+
+      acc, m, l, p, alpha = pl.run_scoped(with_s, plgpu.ACC((ROWS, bkv), jnp.float32))
+
+    @pl.when(j > 0)
+    def _():
+      bars.consumer_kv_release(j - 1)
+      bars.producer_p_acquire()  # wg 1 is done with P of block j - 1
+
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    ctx.p_smem[...] = p
+    ctx.factor_smem[...] = alpha
+    bars.producer_p()
+    return acc, m, l
+
   carry = (_zeros((ROWS, st.half)), _row_vector(-jnp.inf), _row_vector(0.0))
   bars.consumer_q()
-  carry = lax.fori_loop(0, full_blocks, functools.partial(step, masked=False), carry)
-  acc, m, l = lax.fori_loop(full_blocks, n_blocks, functools.partial(step, masked=True), carry)
+  if st.plan.overlap:
+    ctx.p_smem[...] = _p_zeros(st)  # block 0's P V_lo adds zeros
+    plgpu.commit_smem()
+    carry = lax.fori_loop(0, full_blocks, functools.partial(overlap_step, masked=False), carry)
+    carry = lax.fori_loop(full_blocks, n_blocks, functools.partial(overlap_step, masked=True),
+                          carry)
+    acc, m, l = carry
+    last = jnp.maximum(n_blocks - 1, 0)
+    # The last block's P V_lo. With no block it multiplies the zeros in P
+    # by slot 0, never filled (possibly NaN): the select drops that result.
+    acc_last = _mma(acc, ctx.p_smem, ctx.ring.at[bars.slot("kv_full", last), :,
+                                                 pl.ds(0, st.half)], acc.shape, st.interpreting)
+    some = _row_vector(0.0) + jnp.where(n_blocks > 0, 1.0, 0.0) > 0.5
+    acc = jnp.where(lax.broadcast_in_dim(some, acc.shape, [0]), acc_last, _zeros(acc.shape))
+
+    @pl.when(n_blocks > 0)
+    def _():
+      bars.consumer_kv_release(last)
+  else:
+    carry = lax.fori_loop(0, full_blocks, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(full_blocks, n_blocks, functools.partial(step, masked=True), carry)
   if st.has_q_lengths:  # rows of tokens past the row's query length: zeros, lse -inf
     rows = ctx.tile * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=_ROW_LAYOUT)
     l = jnp.where(lax.div(rows, jnp.int32(st.heads)) < ctx.q_lens[ctx.batch_row], l, 0.0)
@@ -413,6 +530,10 @@ def _softmax_consumer(ctx: _Ctx) -> None:
   plgpu.copy_smem_to_gmem(ctx.lse_smem.at[pl.ds(0, r)],
                           ctx.lse.at[ctx.item, pl.ds(ctx.tile * ROWS, r)])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _p_zeros(st: _Statics):
+  return plgpu.layout_cast(jnp.zeros((ROWS, st.plan.block_kv), st.dtype), plgpu.Layout.WGMMA)
 
 
 def _second_half_consumer(ctx: _Ctx) -> None:
