@@ -30,7 +30,7 @@ rounds (interleaved). Nothing here has been measured yet.
 
 Usage (GPU machine, repository root):
     python3 benchmarks/bench_mla.py [--only SUBSTRING] [--tag NAME] [--rounds N]
-        [--configs overlap,waves1,...] [--layout both|contiguous|paged] [--no-xla] [--no-gqa]
+        [--configs waves8,...] [--layout both|contiguous|paged] [--no-xla] [--no-gqa]
 """
 
 from __future__ import annotations

@@ -235,22 +235,6 @@ def test_barrier_table_lists_every_arrive_and_wait(monkeypatch):
                              mla, monkeypatch, indent=12, named_only=("drain_kv",))
 
 
-def test_overlapped_schedule_matches_an_f32_einsum_without_races(run_interpreted):
-  """`MlaPlan.overlap` (warpgroup 0 issues S of block j before P V_lo of
-  j - 1): two tokens causal (the masked loop), two chunks, rows of length
-  0 (no block in either chunk: the last P V_lo is dropped), 1, 70 (no
-  block in the second chunk) and 256."""
-  b, t, n, s, splits = 4, 2, 16, 256, 2
-  q, k = _inputs(4, b, t, n, s)
-  lengths = jnp.asarray((0, 1, 70, 256), jnp.int32)
-  mask = MaskSpec(right=0, offset_from_lengths=True)
-  out, lse = run_interpreted(lambda q, k, n: mla.forward(
-      q, k, None, n, value_head_dim=DV, score=ScoreFunction(SCALE), mask=mask,
-      plan=mla.MlaPlan(splits=splits, overlap=True)), q, k, lengths)
-  want, want_lse = _reference(q, k, lengths, causal=True)
-  _check(out, want, lse, want_lse)
-
-
 @pytest.mark.parametrize("config", sorted(mla.CONFIGS))
 def test_each_config_plans_and_lowers_the_serving_rows(config, cross_lower):
   """Every `CONFIGS` entry: its plan fits and tiles the cache, and the
@@ -259,13 +243,11 @@ def test_each_config_plans_and_lowers_the_serving_rows(config, cross_lower):
     q = jax.ShapeDtypeStruct((b, t, n, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((b, s, 1, D), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-    with mla.use_config(config) as c:
+    with mla.use_config(config):
       plan = mla.choose_plan(q.shape, k.shape, num_sms=132)
-      assert plan.overlap == c.overlap and plan.fits_smem(D)
+      assert plan.fits_smem(D)
       assert s % (plan.splits * plan.block_kv) == 0
       lowered = cross_lower(lambda q, k, n: fa4_jax.attention(
           q, k, None, value_head_dim=DV, scale=SCALE, key_value_seq_lengths=n,
           is_causal=t > 1, causal_alignment="bottom_right", implementation="sm90"), q, k, lengths)
     assert lowered.has("wgmma.mma_async")
-    if c.overlap:
-      assert lowered.has("wgmma.wait_group.sync.aligned 1")

@@ -96,9 +96,6 @@ class MlaPlan:
   splits: int = 1
   block_kv: int = 64
   num_stages: int = 2
-  # Warpgroup 0 issues S of block j + 1 before it waits for P V_lo of block
-  # j, and rescales O after that wait (`MlaConfig.overlap`).
-  overlap: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     q = ROWS * head_dim * itemsize
@@ -116,27 +113,31 @@ class MlaPlan:
 class MlaConfig:
   """Switches of `choose_plan`, for side-by-side measurement (`CONFIGS`;
   the module's `CONFIG` is what calls get; `use_config` sets it while a call
-  is traced). The default is the kernel as first measured (2026-12-06).
+  is traced).
 
   block_kv: keys a block (the ring takes as many slots as SMEM holds: 2 at
     64 keys at D 576).
-  waves: the splits rule's waves for ragged lengths (None:
-    `sm90_decode.RAGGED_WAVES`, 8); 1 gives one CTA per SM's worth of items
-    (the rule for equal lengths).
-  overlap: `MlaPlan.overlap`."""
+  waves: the splits rule's waves of the SMs for calls with lengths (None:
+    `sm90_decode.RAGGED_WAVES`, 8, the GQA decode's rule for ragged rows);
+    1, the default, cuts the cache as for equal lengths: one CTA per SM's
+    worth of items. H100, 2026-12-07 (`bench_mla.py --configs`, full
+    lengths): B32 T1 Hq16 S32k 3,016 GB/s against 2,294 under 8 waves, B128
+    T1 Hq16 S16k 3,099 against 3,003, B128 T1 Hq128 S8k 369 TFLOP/s against
+    342 (the 8 waves' fill, drain and 32-way combine were the loss).
+    Unequal lengths were not measured under either rule."""
 
   block_kv: int = 64
-  waves: int | None = None
-  overlap: bool = False
+  waves: int | None = 1
 
 
-# (block_kv 32, 4 slots, was a candidate: jax 0.11.2's Mosaic GPU layout
-# inference finds no layouts for it, with either schedule; not pursued.)
+# Lost, and left the code (docs/performance-notes.md, "MLA decode on Hopper:
+# a model of the bound"): warpgroup 0 issuing S of block j before P V_lo of
+# block j - 1, to run the softmax under P V ("overlap": 2-3 % slower on all
+# three rows, with one wave or eight); 32-key blocks through 4 slots (jax
+# 0.11.2's Mosaic GPU layout inference finds no layouts for them).
 CONFIGS = {
     "default": MlaConfig(),
-    "waves1": MlaConfig(waves=1),
-    "overlap": MlaConfig(overlap=True),
-    "overlap waves1": MlaConfig(overlap=True, waves=1),
+    "waves8": MlaConfig(waves=None),
 }
 CONFIG = CONFIGS["default"]
 
@@ -185,7 +186,8 @@ def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None 
          num_sms: int | None = None) -> MlaPlan:
   """Chunks of the cache: `sm90_decode.choose_splits` over B x (row tiles)
   items, chunks of whole blocks and pages, at least `sm90_decode.MIN_CHUNK`
-  keys (the GQA decode's rule: not measured for MLA yet). Blocks of 64
+  keys, with `MlaConfig.waves` waves of the SMs where lengths are passed
+  (one: measured, `MlaConfig`). Blocks of 64
   keys through 2 slots (the largest ring SMEM holds beside the 64 x 576 Q
   tile); narrower head dims get more slots."""
   b, t, n, d = q_shape
@@ -202,7 +204,7 @@ def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None 
     ragged, sms = False, sms * config.waves
   splits = sm90_decode.choose_splits(b, 1, s, ragged=ragged, num_sms=sms, granule=granule,
                                      tiles=tiles)
-  return MlaPlan(splits, block_kv, stages, config.overlap)
+  return MlaPlan(splits, block_kv, stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,73 +448,10 @@ def _softmax_consumer(ctx: _Ctx) -> None:
     bars.consumer_kv_release(j)
     return acc, m_new, l
 
-  def overlap_step(j, carry, masked: bool):
-    """`MlaPlan.overlap`: issue S of block j, then P V_lo of block j - 1
-    (P of j - 1 is in SMEM; at j = 0 a tile of zeros times block 0's V),
-    wait for S only and run block j's softmax while P V_lo runs; then wait
-    for it, release block j - 1's slot, rescale O and hand P of j over."""
-    acc, m, l = carry
-    slot = bars.slot("kv_full", j)
-    prev = bars.slot("kv_full", jnp.maximum(j - 1, 0))
-    v_lo = ctx.ring.at[prev, :, pl.ds(0, st.half)]
-    bars.consumer_kv(j)
-    if st.interpreting:
-      acc = _mma(acc, ctx.p_smem, v_lo, acc.shape, True)
-      s = _mma(None, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)), (ROWS, bkv), True)
-      p, m, l, alpha = _block_softmax(ctx, s, m, l, j, limits, masked)
-    else:
-      def with_s(s_ref):
-        plgpu.wgmma(s_ref, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)))
-
-        def pv(refs):
-          acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
-          plgpu.wgmma(acc_ref, ctx.p_smem, v_lo)
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done, P V_lo in flight
-          p, m_new, l_new, alpha = _block_softmax(ctx, s, m_ref[...], l_ref[...], j, limits,
-                                                  masked)
-          m_ref[...] = m_new
-          l_ref[...] = l_new
-          p_ref[...] = p
-          alpha_ref[...] = alpha
-
-        return pl.run_state(pv)((plgpu.ACC.init(acc), m, l, _p_zeros(st), _row_vector(1.0)))
-
-      acc, m, l, p, alpha = pl.run_scoped(with_s, plgpu.ACC((ROWS, bkv), jnp.float32))
-
-    @pl.when(j > 0)
-    def _():
-      bars.consumer_kv_release(j - 1)
-      bars.producer_p_acquire()  # wg 1 is done with P of block j - 1
-
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    ctx.p_smem[...] = p
-    ctx.factor_smem[...] = alpha
-    bars.producer_p()
-    return acc, m, l
-
   carry = (_zeros((ROWS, st.half)), _row_vector(-jnp.inf), _row_vector(0.0))
   bars.consumer_q()
-  if st.plan.overlap:
-    ctx.p_smem[...] = _p_zeros(st)  # block 0's P V_lo adds zeros
-    plgpu.commit_smem()
-    carry = lax.fori_loop(0, full_blocks, functools.partial(overlap_step, masked=False), carry)
-    carry = lax.fori_loop(full_blocks, n_blocks, functools.partial(overlap_step, masked=True),
-                          carry)
-    acc, m, l = carry
-    last = jnp.maximum(n_blocks - 1, 0)
-    # The last block's P V_lo. With no block it multiplies the zeros in P
-    # by slot 0, never filled (possibly NaN): the select drops that result.
-    acc_last = _mma(acc, ctx.p_smem, ctx.ring.at[bars.slot("kv_full", last), :,
-                                                 pl.ds(0, st.half)], acc.shape, st.interpreting)
-    some = _row_vector(0.0) + jnp.where(n_blocks > 0, 1.0, 0.0) > 0.5
-    acc = jnp.where(lax.broadcast_in_dim(some, acc.shape, [0]), acc_last, _zeros(acc.shape))
-
-    @pl.when(n_blocks > 0)
-    def _():
-      bars.consumer_kv_release(last)
-  else:
-    carry = lax.fori_loop(0, full_blocks, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(full_blocks, n_blocks, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(0, full_blocks, functools.partial(step, masked=False), carry)
+  acc, m, l = lax.fori_loop(full_blocks, n_blocks, functools.partial(step, masked=True), carry)
   if st.has_q_lengths:  # rows of tokens past the row's query length: zeros, lse -inf
     rows = ctx.tile * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=_ROW_LAYOUT)
     l = jnp.where(lax.div(rows, jnp.int32(st.heads)) < ctx.q_lens[ctx.batch_row], l, 0.0)
@@ -530,10 +469,6 @@ def _softmax_consumer(ctx: _Ctx) -> None:
   plgpu.copy_smem_to_gmem(ctx.lse_smem.at[pl.ds(0, r)],
                           ctx.lse.at[ctx.item, pl.ds(ctx.tile * ROWS, r)])
   plgpu.wait_smem_to_gmem(0)
-
-
-def _p_zeros(st: _Statics):
-  return plgpu.layout_cast(jnp.zeros((ROWS, st.plan.block_kv), st.dtype), plgpu.Layout.WGMMA)
 
 
 def _second_half_consumer(ctx: _Ctx) -> None:
