@@ -10,7 +10,8 @@ The row "prefix-lm mask" is a mask_mod, not a score_mod.
 MOD_COSTS_FOLD_DELTA=0: score_mod calls' dK/dV kernel as before #52's fold of delta
 (`sm90_backward.FOLD_DELTA_WITH_SCORE_MOD`); MOD_COSTS_DQ3=1: score_mod calls without a
 mask_mod on the plain call's three dQ consumers (`THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD`).
-MOD_COSTS_FOLD_MASK=1: a mask_mod alone folds lse2 and delta (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
+MOD_COSTS_FOLD_MASK=0: a mask_mod alone loads lse2 and delta before the wait instead of
+folding them (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
 ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
@@ -47,10 +48,10 @@ if hasattr(sm90_backward, "FOLD_DELTA_WITH_SCORE_MOD"):
 # MOD_COSTS_DQ3=1: calls without a mask_mod keep the plain call's three dQ consumers.
 if hasattr(sm90_backward, "THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD"):
   sm90_backward.THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = os.environ.get("MOD_COSTS_DQ3") == "1"
-# MOD_COSTS_FOLD_MASK=1: a call with a mask_mod alone folds lse2 and delta into
-# the dK/dV kernel's accumulators (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
+# MOD_COSTS_FOLD_MASK=0: a call with a mask_mod alone loads lse2 and delta
+# before the wait instead of folding them (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
 if hasattr(sm90_backward, "FOLD_STATS_WITH_MASK_MOD_ALONE"):
-  sm90_backward.FOLD_STATS_WITH_MASK_MOD_ALONE = os.environ.get("MOD_COSTS_FOLD_MASK") == "1"
+  sm90_backward.FOLD_STATS_WITH_MASK_MOD_ALONE = os.environ.get("MOD_COSTS_FOLD_MASK", "1") == "1"
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)

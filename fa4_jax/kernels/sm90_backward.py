@@ -142,8 +142,11 @@ FOLD_DELTA_WITH_SCORE_MOD = True
 THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = False
 # `choose_mods_config`: calls with a mask_mod and no score_mod start the dK/dV
 # kernel's S^T and dP^T accumulators at -lse2 / c and -delta (`fold_stats`,
-# as plain GQA causal calls do: a mask needs no raw S^T). Off until measured.
-FOLD_STATS_WITH_MASK_MOD_ALONE = False
+# as plain GQA causal calls do: a mask needs no raw S^T). Local ptxas,
+# prefix-LM B2 S4096 H16 D128: dK/dV spills 52 / 56 bytes -> 0 / 0; H100
+# (2026-12-07, bench_mod_costs.py --backward, MOD_COSTS_FOLD_MASK=1 / 0):
+# dK/dV 0.451-0.456 ms against 0.455-0.464, the gradient 2.532 against 2.547.
+FOLD_STATS_WITH_MASK_MOD_ALONE = True
 
 
 # --- configuration -------------------------------------------------------------
@@ -310,9 +313,8 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   FULL key loop before, one after), causal 16 / 12 instead of 252 / 248, a
   32-entry table 72 / 76 instead of 332 / 340; the loop loses the 32
   subtractions dP - delta (docs/performance-notes.md, "The ALiBi backward's
-  registers"). Calls with a mask_mod alone keep the loads before the wait,
-  or with `FOLD_STATS_WITH_MASK_MOD_ALONE` fold both lse2 and delta (their
-  softmax needs no raw S^T). Unmeasured on hardware."""
+  registers"). Calls with a mask_mod alone fold both lse2 and delta
+  (`FOLD_STATS_WITH_MASK_MOD_ALONE`: their softmax needs no raw S^T)."""
   config = choose_config(head_dim, mask, group, segment_ids=segment_ids, raw_scores=raw_scores,
                          value_head_dim=value_head_dim)
   fold = FOLD_DELTA_WITH_SCORE_MOD if score_mod else FOLD_STATS_WITH_MASK_MOD_ALONE
