@@ -839,7 +839,11 @@ class Positions(Along):
   for every tile). Each is given as a value or a function of no arguments
   and made only if read; `vector` is origin + offsets. The affine form
   (`affine_form`) measures position differences from an origin, so that
-  they stay as small as the tile is far from the diagonal."""
+  they stay as small as the tile is far from the diagonal.
+
+  In the affine form an int32 or bool function of one axis' positions
+  alone is `Positions` too (`_bind_positions`): `origin` its value at the
+  axis' first position, `offsets` vector - origin (bools have no offsets)."""
 
   def __init__(self, origin, offsets, axis: int, shape: tuple, bound: int | None = None,
                vector=None):
@@ -862,6 +866,13 @@ class Positions(Along):
     """These positions plus `delta` (an int32 scalar)."""
     return Positions(lambda: self.origin + delta, lambda: self.offsets, self.axis, self.shape,
                      self.bound, vector=lambda: self.vector + delta)
+
+  def tile(self):
+    if self.dtype != jnp.bool_:
+      return super().tile()
+    # Mosaic GPU broadcasts no bool vector (its i1 registers): as `_BoolRows`.
+    ones = jnp.where(self.vector, jnp.int32(1), jnp.int32(0))
+    return lax.broadcast_in_dim(ones, self.shape, [self.axis]) != 0
 
 
 class _BoolRows(Along):
@@ -1145,6 +1156,42 @@ def _is_scalar(x) -> bool:
   return not isinstance(x, _STRUCTURED) and jnp.ndim(x) == 0
 
 
+def _bind_positions(eqn, ins):
+  """An int32 or bool elementwise op on `Positions` of one axis and scalars,
+  as `Positions` again (the affine form only), else None.
+
+  Why: `context_parallel_attention` rewrites a mod's positions per ring step
+  (`context_parallel._at_global_positions`): local `i` is global
+  `i + select(i < chunk, first, second - chunk)`. On whole tiles that is
+  several ops per score, and the positions lose their origin, so ALiBi is no
+  longer affine. Kept along its axis, each op runs on the axis' vector, and
+  its value at the axis' first position (an op on the origins) is the new
+  origin: a difference of such positions is split at it as before
+  (`_relative_difference`). In a tile that does not straddle the chunk
+  boundary the shift is the same for every position, so the offsets are the
+  tile's own (0, 1, ...) and the rounding is that of plain positions; in one
+  that straddles it (chunk not a multiple of the kernel's tile) the values
+  are still exact integers, but the offsets jump by the distance between the
+  chunks, and the terms are rounded as large as that."""
+  name, out_dtype = eqn.primitive.name, eqn.outvars[0].aval.dtype
+  if name not in ELEMENTWISE or name in _REWRITES or out_dtype not in (jnp.int32, jnp.bool_):
+    return None
+  positions = [x for x in ins if isinstance(x, Positions)]
+  if (not positions or len({p.axis for p in positions}) > 1
+      or not all(isinstance(x, Positions) or _is_scalar(x) for x in ins)):
+    return None
+  first = positions[0]
+  if name in ("add", "sub") and positions == [ins[0]] and out_dtype == jnp.int32:
+    return first.shifted(ins[1] if name == "add" else -ins[1])  # the offsets stay
+  if name == "add" and positions == [ins[1]]:
+    return first.shifted(ins[0])
+  on = lambda part: eqn.primitive.bind(
+      *_broadcast_all([part(x) if isinstance(x, Positions) else x for x in ins]), **eqn.params)
+  out = Positions(lambda: on(lambda p: p.origin), lambda: out.vector - out.origin,
+                  first.axis, first.shape, vector=lambda: on(lambda p: p.vector))
+  return out
+
+
 def _affine_operand(x) -> bool:
   """Whether `x` may join an `_Affine` by a sum: an `_Affine`, a float
   `Along` or a scalar (a float `_Outer` may not: formed from large positions
@@ -1207,7 +1254,10 @@ def _bind(eqn, ins, affine: bool = False):
   if name in _SHAPE_ONLY and math.prod(eqn.outvars[0].aval.shape) == 1:
     return [ins[0]]
   if any(isinstance(x, _STRUCTURED) for x in ins):
-    out = _bind_affine(eqn, ins) if affine else None
+    out = None
+    if affine:
+      out = _bind_positions(eqn, ins)
+      out = _bind_affine(eqn, ins) if out is None else out
     if out is None and not any(isinstance(x, _Affine) for x in ins):
       out = _bind_structured(eqn, ins)
     if out is not None:
