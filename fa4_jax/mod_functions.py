@@ -843,12 +843,20 @@ class Positions(Along):
 
   In the affine form an int32 or bool function of one axis' positions
   alone is `Positions` too (`_bind_positions`): `origin` its value at the
-  axis' first position, `offsets` vector - origin (bools have no offsets)."""
+  axis' first position, `offsets` vector - origin (bools have no offsets).
+
+  `align`: the origin is a multiple of it (a kernel's tiles start at
+  multiples of their extents), where known; then a comparison with a
+  multiple of it is the same for the whole tile (`_uniform_comparison`)."""
 
   def __init__(self, origin, offsets, axis: int, shape: tuple, bound: int | None = None,
-               vector=None):
-    self._origin, self._offsets = origin, offsets
+               vector=None, align: int | None = None, dtype=jnp.int32):
+    self._origin, self._offsets, self.align, self._dtype = origin, offsets, align, dtype
     super().__init__(vector or (lambda: self.origin + self.offsets), axis, shape, bound)
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self._dtype)  # known without tracing the vector
 
   @property
   def origin(self):
@@ -1180,6 +1188,9 @@ def _bind_positions(eqn, ins):
   if (not positions or len({p.axis for p in positions}) > 1
       or not all(isinstance(x, Positions) or _is_scalar(x) for x in ins)):
     return None
+  uniform = _uniform_comparison(eqn, ins)
+  if uniform is not None:
+    return uniform
   first = positions[0]
   if name in ("add", "sub") and positions == [ins[0]] and out_dtype == jnp.int32:
     return first.shifted(ins[1] if name == "add" else -ins[1])  # the offsets stay
@@ -1188,7 +1199,8 @@ def _bind_positions(eqn, ins):
   on = lambda part: eqn.primitive.bind(
       *_broadcast_all([part(x) if isinstance(x, Positions) else x for x in ins]), **eqn.params)
   out = Positions(lambda: on(lambda p: p.origin), lambda: out.vector - out.origin,
-                  first.axis, first.shape, vector=lambda: on(lambda p: p.vector))
+                  first.axis, first.shape, vector=lambda: on(lambda p: p.vector),
+                  dtype=out_dtype)
   return out
 
 
@@ -1198,6 +1210,26 @@ def _affine_operand(x) -> bool:
   without an origin, its two vectors would cancel)."""
   return (isinstance(x, _Affine) or isinstance(x, Along) and x.dtype == jnp.float32
           or _is_scalar(x))
+
+
+def _uniform_comparison(eqn, ins):
+  """`p < c` (>=, or c > p, c <= p) of `Positions` p whose origin is a
+  multiple of `p.align`, no fewer than the tile's extent, and a literal c
+  that is a multiple of it too: the tile's positions lie in [origin, origin
+  + align), which c does not cut, so every one compares as the origin does:
+  a scalar (else None). In a ring step (`_bind_positions`) the chunk
+  boundary is such a c when the chunk is a multiple of the kernel's tile:
+  the shift is then a scalar, and the positions keep their offsets, with no
+  op on the vector."""
+  name = eqn.primitive.name
+  if name not in ("lt", "ge", "gt", "le") or len(ins) != 2:
+    return None
+  p, c = ins if name in ("lt", "ge") else ins[::-1]
+  if not isinstance(p, Positions) or p.align is None or not is_number(c):
+    return None
+  if p.shape[p.axis] > p.align or int(c) % p.align != 0:
+    return None
+  return eqn.primitive.bind(*[p.origin if x is p else x for x in ins], **eqn.params)
 
 
 def _bind_affine(eqn, ins):

@@ -198,21 +198,30 @@ FAR = 2 ** 17
 STARTS = (FAR, FAR + 7 * CHUNK, FAR + 2 * CHUNK, FAR + 5 * CHUNK)
 
 
-@pytest.mark.parametrize("query_axis", [0, 1])
-@pytest.mark.parametrize("q0, k0", [(0, 0), (256, 128), (448, 0), (224, 200)],
-                         ids=["first-first", "second-first", "second-first-far", "straddling"])
-def test_a_ring_step_forms_the_global_logits(q0, k0, query_axis):
-  # Tiles within one chunk each: as plain positions, within 4 roundings of
-  # slope (|q - k| + 2 w). A tile across the chunk boundary (only where the
-  # chunk is no multiple of the kernel's tile) is exact up to the rounding of
-  # terms as large as the distance between the chunks.
+def _ring_step_logits(q0, k0, query_axis, aligned):
+  """(ALiBi's logits, slope 0.5, by the affine form of a ring step on a tile
+  whose local rows start at q0 and keys at k0; the scores; the exact logits
+  at the global positions, float64; |q - k| there). `aligned`: the tile's
+  positions say their origins are multiples of its extents (as the kernels'
+  do), and reading their vectors fails."""
   slope = 0.5
   fn = lambda s, b, h, q, k: s - jnp.float32(slope) * (q - k).astype(jnp.float32)
   starts = [mod_functions.kernel_operand(jnp.int32(x)) for x in STARTS]
   bound = mod_functions.bind(_ring_step(fn), starts, 0, 0)
   key_axis = 1 - query_axis
-  positions = lambda origin, axis: mod_functions.Positions(
-      jnp.int32(origin), jnp.arange(SHAPE[axis], dtype=jnp.int32), axis, SHAPE)
+
+  def positions(origin, axis):
+    if not aligned:
+      return mod_functions.Positions(
+          jnp.int32(origin), jnp.arange(SHAPE[axis], dtype=jnp.int32), axis, SHAPE)
+    assert origin % SHAPE[axis] == 0
+
+    def no_vector():
+      raise AssertionError("a ring step on an aligned tile read a position vector")
+
+    return mod_functions.Positions(jnp.int32(origin), jnp.arange(SHAPE[axis], dtype=jnp.int32),
+                                   axis, SHAPE, vector=no_vector, align=SHAPE[axis])
+
   factor, key, rest = bound.affine_parts(positions(q0, query_axis), positions(k0, key_axis),
                                          query_axis)
   s = np.random.default_rng(3).normal(size=SHAPE).astype(np.float32) * 4
@@ -223,8 +232,29 @@ def test_a_ring_step_forms_the_global_logits(q0, k0, query_axis):
   q = at_global(local(q0, query_axis), *STARTS[:2])
   k = at_global(local(k0, key_axis), *STARTS[2:])
   exact = s.astype(np.float64) - slope * (q - k).astype(np.float64)
-  straddles = (q0, k0) == (224, 200)
-  distance = np.abs(q - k) + (STARTS[1] - STARTS[0] if straddles else 0)
+  return logits, s, exact, np.abs(q - k), slope
+
+
+@pytest.mark.parametrize("query_axis", [0, 1])
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("q0, k0", [(0, 0), (256, 128), (384, 0)],
+                         ids=["first-first", "second-first", "second-first-far"])
+def test_a_ring_step_forms_the_global_logits(q0, k0, aligned, query_axis):
+  # Tiles within one chunk each: as plain positions, within 4 roundings of
+  # slope (|q - k| + 2 w); aligned ones with a scalar shift, no op on the
+  # position vectors.
+  logits, s, exact, distance, slope = _ring_step_logits(q0, k0, query_axis, aligned)
+  allowed = 4 * 2.0 ** -24 * (np.abs(s) + slope * (distance + 2 * max(SHAPE)))
+  assert np.all(np.abs(logits - exact) <= allowed)
+
+
+@pytest.mark.parametrize("query_axis", [0, 1])
+def test_a_ring_step_forms_the_global_logits_across_the_chunk_boundary(query_axis):
+  # A tile across it (only where the chunk is no multiple of the kernel's
+  # tile): exact integers still, the terms rounded as large as the distance
+  # between the chunks.
+  logits, s, exact, distance, slope = _ring_step_logits(224, 200, query_axis, aligned=False)
+  distance = distance + STARTS[1] - STARTS[0]
   allowed = 4 * 2.0 ** -24 * (np.abs(s) + slope * (distance + 2 * max(SHAPE)))
   assert np.all(np.abs(logits - exact) <= allowed)
 

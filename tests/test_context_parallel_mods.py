@@ -222,14 +222,25 @@ def test_bad_mods_raise_what_attention_raises(host_devices, kwargs):
   assert str(from_ring.value) == str(from_attention.value)
 
 
-def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices):
+# ALiBi as a * score + R(q_idx) + C(kv_idx) (`mod_functions.affine_form`): on
+# a causal ring the same as `alibi_of`'s |q - k| wherever a key is visible.
+affine_alibi_of = lambda slopes: lambda score, b, h, q_idx, kv_idx: (
+    score - slopes[h] * (q_idx - kv_idx).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("alibi", [alibi_of, affine_alibi_of], ids=["abs", "affine"])
+@pytest.mark.parametrize("t", [256, 192], ids=["tiles-in-chunks", "tiles-across-chunks"])
+def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices, t, alibi):
   """The ring's mods through a kernel (the tests above take the XLA path):
   the sm90 forward in Pallas' interpreter, on one device (the interpreter
-  keeps one GPU's state). Its second query chunk sits at positions 128-255
-  and its block mask is the global one's slice: ALiBi and a sliding window
-  at those positions equal the reference's."""
+  keeps one GPU's state). Its second query chunk sits at positions t/2 to
+  t - 1 and, with t = 256, its block mask is the global one's slice: ALiBi
+  and a sliding window at those positions equal the reference's. ALiBi
+  either per score or in the affine form (the ring's remap of positions a
+  scalar shift per tile where chunks of 128 hold whole tiles, else per
+  position, t = 192: chunks of 96)."""
   mesh = jax.make_mesh((1,), ("seq",))
-  t, n, window = 256, 2, 96
+  n, window = 2, 96
   rng = np.random.default_rng(6)
   q, k, v = (normal(rng, (1, t, heads, 64)).astype(jnp.bfloat16) for heads in (n, 1, 1))
   slopes = jnp.asarray([0.25, 0.0625], jnp.float32)
@@ -237,7 +248,7 @@ def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices):
   block_mask = fa4_jax.create_block_mask(sliding, None, None, t, t)  # 128-tiles: one a chunk
   ring = lambda q, k, v: fa4_jax.context_parallel_attention(
       q, k, v, mesh=mesh, axis_name="seq", is_causal=True, implementation="sm90",
-      score_mod=alibi_of(slopes), block_mask=block_mask)
+      score_mod=alibi(slopes), block_mask=block_mask)
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
   distance = jnp.asarray(np.abs(i - j), jnp.float32)
   want = einsum_attention(q, k, v, (j <= i) & (i - j <= window),
