@@ -19,10 +19,11 @@ attributed).
 `--score-mod alibi|constant|alibi-cp` adds a score_mod (ALiBi, s - slopes[h] *
 (q_idx - kv_idx); s + 0.5; ALiBi as one ring step of
 `context_parallel_attention` calls it: at the global positions of two
-chunks of seq / 2 each, `context_parallel._at_global_positions`), and `--float-ops` prints per loop of each kernel (the
-loops over key or query blocks: what runs per block) its float ops after the
-passes, counted per element (an op on a vector<2xf32> counts 2) by name:
-what a score_mod adds per score. A multiply and an add listed apart may
+chunks of seq / 2 each, `context_parallel._at_global_positions`), and
+`--float-ops` prints per loop of each kernel (the loops over key or query
+blocks: what runs per block) its float ops after the passes, counted per
+element (an op on a vector<2xf32> counts 2) by name: what a score_mod adds
+per score. A multiply and an add listed apart may
 still become one FMA in LLVM (fp-contract).
 """
 
