@@ -420,7 +420,11 @@ def _at_global_positions(mod, chunk: int):
   pair's local positions: its last captured inputs are the global starts of
   the pair's row chunks and key chunks, and local position `i` is global
   `i + start_0` below `chunk`, `i - chunk + start_1` from it on. Only
-  scalar, elementwise ops are added, so a kernel runs it as it runs `mod`."""
+  scalar, elementwise ops are added, so a kernel runs it as it runs `mod`.
+  A score_mod in the affine form (ALiBi) keeps it: the kernels' analysis
+  keeps these ops along their axis, and where `chunk` is a multiple of a
+  kernel's tile the select is one scalar per tile
+  (`mod_functions._bind_positions`, `_uniform_comparison`)."""
   num_captured = len(mod.captured_avals)
   original = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(mod.jaxpr, ()))
 

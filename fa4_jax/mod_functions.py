@@ -839,12 +839,24 @@ class Positions(Along):
   for every tile). Each is given as a value or a function of no arguments
   and made only if read; `vector` is origin + offsets. The affine form
   (`affine_form`) measures position differences from an origin, so that
-  they stay as small as the tile is far from the diagonal."""
+  they stay as small as the tile is far from the diagonal.
+
+  In the affine form an int32 or bool function of one axis' positions
+  alone is `Positions` too (`_bind_positions`): `origin` its value at the
+  axis' first position, `offsets` vector - origin (bools have no offsets).
+
+  `align`: the origin is a multiple of it (a kernel's tiles start at
+  multiples of their extents), where known; then a comparison with a
+  multiple of it is the same for the whole tile (`_uniform_comparison`)."""
 
   def __init__(self, origin, offsets, axis: int, shape: tuple, bound: int | None = None,
-               vector=None):
-    self._origin, self._offsets = origin, offsets
+               vector=None, align: int | None = None, dtype=jnp.int32):
+    self._origin, self._offsets, self.align, self._dtype = origin, offsets, align, dtype
     super().__init__(vector or (lambda: self.origin + self.offsets), axis, shape, bound)
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self._dtype)  # known without tracing the vector
 
   @property
   def origin(self):
@@ -862,6 +874,13 @@ class Positions(Along):
     """These positions plus `delta` (an int32 scalar)."""
     return Positions(lambda: self.origin + delta, lambda: self.offsets, self.axis, self.shape,
                      self.bound, vector=lambda: self.vector + delta)
+
+  def tile(self):
+    if self.dtype != jnp.bool_:
+      return super().tile()
+    # Mosaic GPU broadcasts no bool vector (its i1 registers): as `_BoolRows`.
+    ones = jnp.where(self.vector, jnp.int32(1), jnp.int32(0))
+    return lax.broadcast_in_dim(ones, self.shape, [self.axis]) != 0
 
 
 class _BoolRows(Along):
@@ -1145,12 +1164,72 @@ def _is_scalar(x) -> bool:
   return not isinstance(x, _STRUCTURED) and jnp.ndim(x) == 0
 
 
+def _bind_positions(eqn, ins):
+  """An int32 or bool elementwise op on `Positions` of one axis and scalars,
+  as `Positions` again (the affine form only), else None.
+
+  Why: `context_parallel_attention` rewrites a mod's positions per ring step
+  (`context_parallel._at_global_positions`): local `i` is global
+  `i + select(i < chunk, first, second - chunk)`. On whole tiles that is
+  several ops per score, and the positions lose their origin, so ALiBi is no
+  longer affine. Kept along its axis, each op runs on the axis' vector, and
+  its value at the axis' first position (an op on the origins) is the new
+  origin: a difference of such positions is split at it as before
+  (`_relative_difference`). In a tile that does not straddle the chunk
+  boundary the shift is the same for every position, so the offsets are the
+  tile's own (0, 1, ...) and the rounding is that of plain positions; in one
+  that straddles it (chunk not a multiple of the kernel's tile) the values
+  are still exact integers, but the offsets jump by the distance between the
+  chunks, and the terms are rounded as large as that."""
+  name, out_dtype = eqn.primitive.name, eqn.outvars[0].aval.dtype
+  if name not in ELEMENTWISE or name in _REWRITES or out_dtype not in (jnp.int32, jnp.bool_):
+    return None
+  positions = [x for x in ins if isinstance(x, Positions)]
+  if (not positions or len({p.axis for p in positions}) > 1
+      or not all(isinstance(x, Positions) or _is_scalar(x) for x in ins)):
+    return None
+  uniform = _uniform_comparison(eqn, ins)
+  if uniform is not None:
+    return uniform
+  first = positions[0]
+  if name in ("add", "sub") and positions == [ins[0]] and out_dtype == jnp.int32:
+    return first.shifted(ins[1] if name == "add" else -ins[1])  # the offsets stay
+  if name == "add" and positions == [ins[1]]:
+    return first.shifted(ins[0])
+  on = lambda part: eqn.primitive.bind(
+      *_broadcast_all([part(x) if isinstance(x, Positions) else x for x in ins]), **eqn.params)
+  out = Positions(lambda: on(lambda p: p.origin), lambda: out.vector - out.origin,
+                  first.axis, first.shape, vector=lambda: on(lambda p: p.vector),
+                  dtype=out_dtype)
+  return out
+
+
 def _affine_operand(x) -> bool:
   """Whether `x` may join an `_Affine` by a sum: an `_Affine`, a float
   `Along` or a scalar (a float `_Outer` may not: formed from large positions
   without an origin, its two vectors would cancel)."""
   return (isinstance(x, _Affine) or isinstance(x, Along) and x.dtype == jnp.float32
           or _is_scalar(x))
+
+
+def _uniform_comparison(eqn, ins):
+  """`p < c` (>=, or c > p, c <= p) of `Positions` p whose origin is a
+  multiple of `p.align`, no fewer than the tile's extent, and a literal c
+  that is a multiple of it too: the tile's positions lie in [origin, origin
+  + align), which c does not cut, so every one compares as the origin does:
+  a scalar (else None). In a ring step (`_bind_positions`) the chunk
+  boundary is such a c when the chunk is a multiple of the kernel's tile:
+  the shift is then a scalar, and the positions keep their offsets, with no
+  op on the vector."""
+  name = eqn.primitive.name
+  if name not in ("lt", "ge", "gt", "le") or len(ins) != 2:
+    return None
+  p, c = ins if name in ("lt", "ge") else ins[::-1]
+  if not isinstance(p, Positions) or p.align is None or not is_number(c):
+    return None
+  if p.shape[p.axis] > p.align or int(c) % p.align != 0:
+    return None
+  return eqn.primitive.bind(*[p.origin if x is p else x for x in ins], **eqn.params)
 
 
 def _bind_affine(eqn, ins):
@@ -1207,7 +1286,10 @@ def _bind(eqn, ins, affine: bool = False):
   if name in _SHAPE_ONLY and math.prod(eqn.outvars[0].aval.shape) == 1:
     return [ins[0]]
   if any(isinstance(x, _STRUCTURED) for x in ins):
-    out = _bind_affine(eqn, ins) if affine else None
+    out = None
+    if affine:
+      out = _bind_positions(eqn, ins)
+      out = _bind_affine(eqn, ins) if out is None else out
     if out is None and not any(isinstance(x, _Affine) for x in ins):
       out = _bind_structured(eqn, ins)
     if out is not None:

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import mod_functions
+from fa4_jax import context_parallel, mod_functions
 from fa4_jax.kernels import mod_tiles, sm90_decode, sm90_forward
 from fa4_jax.scores import LOG2_E, MaskSpec, ScoreFunction, Scores
 from reference import relative_error
@@ -168,6 +168,95 @@ def test_splitting_at_position_0_would_not_be():
   naive = (s - np.float32(slope) * q) + np.float32(slope) * k
   allowed = 4 * 2.0 ** -24 * (np.abs(s) + slope * (distance + 2 * max(SHAPE)))
   assert np.any(np.abs(naive - exact) > allowed)
+
+
+# --- context_parallel_attention's ring steps ---------------------------------------
+# Each ring step calls the kernels with the mod at the pair's global positions
+# (`context_parallel._at_global_positions`): local i is global
+# i + select(i < chunk, first, second - chunk).
+
+CHUNK = 256  # a multiple of SHAPE's 64 and 128: tiles at multiples of them do not straddle
+
+
+def _ring_step(fn):
+  mod, _ = mod_functions.trace(fn, "score_mod")
+  return context_parallel._at_global_positions(mod, CHUNK)
+
+
+def test_a_ring_step_keeps_the_affine_form():
+  assert mod_functions.affine_form(_ring_step(AFFINE["alibi"][0])) == mod_functions.AffineForm(
+      factor=1.0, key_terms=True)
+  assert mod_functions.affine_form(_ring_step(AFFINE["a constant"][0])) == (
+      mod_functions.AffineForm(factor=1.0, key_terms=False))
+  for name in ("alibi of |q - k|", "the score squared", "a relative-position table"):
+    assert mod_functions.affine_form(_ring_step(NOT_AFFINE[name])) is None, name
+
+
+# (first, second) chunk starts of the rows and of the keys: chunks 0 and 7 of
+# a ring of 4 against chunks 2 and 5, at 2**17 + ... far from position 0.
+FAR = 2 ** 17
+STARTS = (FAR, FAR + 7 * CHUNK, FAR + 2 * CHUNK, FAR + 5 * CHUNK)
+
+
+def _ring_step_logits(q0, k0, query_axis, aligned):
+  """(ALiBi's logits, slope 0.5, by the affine form of a ring step on a tile
+  whose local rows start at q0 and keys at k0; the scores; the exact logits
+  at the global positions, float64; |q - k| there). `aligned`: the tile's
+  positions say their origins are multiples of its extents (as the kernels'
+  do), and reading their vectors fails."""
+  slope = 0.5
+  fn = lambda s, b, h, q, k: s - jnp.float32(slope) * (q - k).astype(jnp.float32)
+  starts = [mod_functions.kernel_operand(jnp.int32(x)) for x in STARTS]
+  bound = mod_functions.bind(_ring_step(fn), starts, 0, 0)
+  key_axis = 1 - query_axis
+
+  def positions(origin, axis):
+    if not aligned:
+      return mod_functions.Positions(
+          jnp.int32(origin), jnp.arange(SHAPE[axis], dtype=jnp.int32), axis, SHAPE)
+    assert origin % SHAPE[axis] == 0
+
+    def no_vector():
+      raise AssertionError("a ring step on an aligned tile read a position vector")
+
+    return mod_functions.Positions(jnp.int32(origin), jnp.arange(SHAPE[axis], dtype=jnp.int32),
+                                   axis, SHAPE, vector=no_vector, align=SHAPE[axis])
+
+  factor, key, rest = bound.affine_parts(positions(q0, query_axis), positions(k0, key_axis),
+                                         query_axis)
+  s = np.random.default_rng(3).normal(size=SHAPE).astype(np.float32) * 4
+  logits = np.asarray((jnp.asarray(s) * factor + key.tile()) + rest.tile(), np.float64)
+  at_global = lambda i, first, second: i + np.where(i < CHUNK, first, second - CHUNK)
+  local = lambda origin, axis: origin + np.arange(SHAPE[axis]).reshape(
+      (-1, 1) if axis == 0 else (1, -1))
+  q = at_global(local(q0, query_axis), *STARTS[:2])
+  k = at_global(local(k0, key_axis), *STARTS[2:])
+  exact = s.astype(np.float64) - slope * (q - k).astype(np.float64)
+  return logits, s, exact, np.abs(q - k), slope
+
+
+@pytest.mark.parametrize("query_axis", [0, 1])
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("q0, k0", [(0, 0), (256, 128), (384, 0)],
+                         ids=["first-first", "second-first", "second-first-far"])
+def test_a_ring_step_forms_the_global_logits(q0, k0, aligned, query_axis):
+  # Tiles within one chunk each: as plain positions, within 4 roundings of
+  # slope (|q - k| + 2 w); aligned ones with a scalar shift, no op on the
+  # position vectors.
+  logits, s, exact, distance, slope = _ring_step_logits(q0, k0, query_axis, aligned)
+  allowed = 4 * 2.0 ** -24 * (np.abs(s) + slope * (distance + 2 * max(SHAPE)))
+  assert np.all(np.abs(logits - exact) <= allowed)
+
+
+@pytest.mark.parametrize("query_axis", [0, 1])
+def test_a_ring_step_forms_the_global_logits_across_the_chunk_boundary(query_axis):
+  # A tile across it (only where the chunk is no multiple of the kernel's
+  # tile): exact integers still, the terms rounded as large as the distance
+  # between the chunks.
+  logits, s, exact, distance, slope = _ring_step_logits(224, 200, query_axis, aligned=False)
+  distance = distance + STARTS[1] - STARTS[0]
+  allowed = 4 * 2.0 ** -24 * (np.abs(s) + slope * (distance + 2 * max(SHAPE)))
+  assert np.all(np.abs(logits - exact) <= allowed)
 
 
 # --- the kernels, interpreted -----------------------------------------------------------

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
 from fa4_jax import backends, context_parallel, mod_functions, vjp
-from reference import einsum_attention, visible_mask
+from reference import einsum_attention, relative_error, visible_mask
 
 B, T, N, KV_HEADS, H = 2, 32, 4, 2, 8  # GQA; T = 32: chunks of 4 on 4 devices
 
@@ -222,14 +222,25 @@ def test_bad_mods_raise_what_attention_raises(host_devices, kwargs):
   assert str(from_ring.value) == str(from_attention.value)
 
 
-def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices):
+# ALiBi as a * score + R(q_idx) + C(kv_idx) (`mod_functions.affine_form`): on
+# a causal ring the same as `alibi_of`'s |q - k| wherever a key is visible.
+affine_alibi_of = lambda slopes: lambda score, b, h, q_idx, kv_idx: (
+    score - slopes[h] * (q_idx - kv_idx).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("alibi", [alibi_of, affine_alibi_of], ids=["abs", "affine"])
+@pytest.mark.parametrize("t", [256, 192], ids=["tiles-in-chunks", "tiles-across-chunks"])
+def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices, t, alibi):
   """The ring's mods through a kernel (the tests above take the XLA path):
   the sm90 forward in Pallas' interpreter, on one device (the interpreter
-  keeps one GPU's state). Its second query chunk sits at positions 128-255
-  and its block mask is the global one's slice: ALiBi and a sliding window
-  at those positions equal the reference's."""
+  keeps one GPU's state). Its second query chunk sits at positions t/2 to
+  t - 1 and, with t = 256, its block mask is the global one's slice: ALiBi
+  and a sliding window at those positions equal the reference's. ALiBi
+  either per score or in the affine form (the ring's remap of positions a
+  scalar shift per tile where chunks of 128 hold whole tiles, else per
+  position, t = 192: chunks of 96)."""
   mesh = jax.make_mesh((1,), ("seq",))
-  t, n, window = 256, 2, 96
+  n, window = 2, 96
   rng = np.random.default_rng(6)
   q, k, v = (normal(rng, (1, t, heads, 64)).astype(jnp.bfloat16) for heads in (n, 1, 1))
   slopes = jnp.asarray([0.25, 0.0625], jnp.float32)
@@ -237,7 +248,7 @@ def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices):
   block_mask = fa4_jax.create_block_mask(sliding, None, None, t, t)  # 128-tiles: one a chunk
   ring = lambda q, k, v: fa4_jax.context_parallel_attention(
       q, k, v, mesh=mesh, axis_name="seq", is_causal=True, implementation="sm90",
-      score_mod=alibi_of(slopes), block_mask=block_mask)
+      score_mod=alibi(slopes), block_mask=block_mask)
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
   distance = jnp.asarray(np.abs(i - j), jnp.float32)
   want = einsum_attention(q, k, v, (j <= i) & (i - j <= window),
@@ -249,3 +260,33 @@ def test_ring_runs_the_sm90_kernels_with_mods_in_the_interpreter(host_devices):
   # the same bf16 inputs.
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2,
                              rtol=2e-2)
+
+
+@pytest.mark.parametrize("t", [256, 192], ids=["tiles-in-chunks", "tiles-across-chunks"])
+def test_ring_affine_alibi_gradients_through_the_sm90_kernels_in_the_interpreter(
+    host_devices, t):
+  """The ring's affine ALiBi through the sm90 backward kernels too (in the
+  interpreter, one device): the gradients of q, k, v and the slopes equal
+  the f32 reference's, with chunks that hold whole tiles and with chunks
+  that do not."""
+  mesh = jax.make_mesh((1,), ("seq",))
+  n = 2
+  rng = np.random.default_rng(7)
+  q, k, v = (normal(rng, (1, t, heads, 64)).astype(jnp.bfloat16) for heads in (n, 1, 1))
+  slopes = jnp.asarray([0.25, 0.0625], jnp.float32)
+  ring = lambda q, k, v, slopes: fa4_jax.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=True, implementation="sm90",
+      score_mod=affine_alibi_of(slopes))
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  distance = jnp.asarray(i - j, jnp.float32)
+  reference = lambda q, k, v, slopes: einsum_attention(
+      q, k, v, j <= i, bias=-slopes[None, :, None, None] * distance)[0]
+  loss = lambda attend: lambda *a: jnp.sum(
+      attend(*a).astype(jnp.float32) * jnp.cos(jnp.arange(64, dtype=jnp.float32)))
+  put, restore = on_ring(mesh, 1, P(None, "seq"))
+  with fa4_jax.interpret_mode():
+    got = jax.jit(jax.grad(loss(ring), (0, 1, 2, 3)))(put(q), put(k), put(v), slopes)
+  got = [restore(g) for g in got]
+  want = jax.grad(loss(reference), (0, 1, 2, 3))(q, k, v, slopes)
+  for label, g, w in zip(("q", "k", "v", "slopes"), got, want):
+    assert relative_error(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 2e-2, label

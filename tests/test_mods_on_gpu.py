@@ -102,6 +102,32 @@ def test_affine_mod_of_twice_the_score_and_row_terms_gqa_causal():
   _check(ours, reference, (q, k, v), dout, (0, 1, 2))
 
 
+@pytest.mark.parametrize("t", [4096, 4000], ids=["tiles-in-chunks", "tiles-across-chunks"])
+def test_alibi_on_a_ring_of_one_gpu_in_the_affine_form(t):
+  """ALiBi through `context_parallel_attention` on a ring of one GPU: its
+  rows and keys are two chunks of t / 2, and the ring's remap of their
+  positions (`context_parallel._at_global_positions`) keeps the affine form
+  (`mod_functions._bind_positions`): a scalar shift per tile where chunks
+  of 2048 hold whole tiles, per position where chunks of 2000 do not."""
+  nq, nkv, d = 8, 2, 128
+  q, k, v, dout = _inputs(1, t, t, nq, nkv, d, seed=9)
+  slopes = _alibi(nq)
+  mesh = jax.make_mesh((1,), ("seq",), devices=jax.devices()[:1])  # chunks 0, 1: natural order
+
+  def ours(q, k, v, slopes):
+    return fa4_jax.context_parallel_attention(
+        q, k, v, mesh=mesh, axis_name="seq", is_causal=True, implementation="sm90",
+        score_mod=lambda s, b_, h, qi, ki: s - slopes[h] * (qi - ki).astype(jnp.float32))
+
+  def reference(q, k, v, slopes):
+    distance = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :]).astype(jnp.float32)
+    bias = -slopes[None, :, None, None] * distance[None, None]
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=d ** -0.5, is_causal=True,
+                                        implementation="xla")
+
+  _check(ours, reference, (q, k, v, slopes), dout, (0, 1, 2, 3))
+
+
 def test_bucket_table_score_mod_dense_head_dim_64_with_table_gradients():
   b, t, s, nq, nkv, d = 2, 777, 1500, 4, 4, 64
   q, k, v, dout = _inputs(b, t, s, nq, nkv, d, seed=1)

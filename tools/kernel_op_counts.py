@@ -16,11 +16,14 @@ attributed).
     python tools/kernel_op_counts.py forward --head-dim 128 --causal [--by-line 25]
     python tools/kernel_op_counts.py grad --head-dim 256 --causal --kv-heads 4
 
-`--score-mod alibi|constant` adds a score_mod (ALiBi, s - slopes[h] * (q_idx -
-kv_idx); s + 0.5), and `--float-ops` prints per loop of each kernel (the
-loops over key or query blocks: what runs per block) its float ops after the
-passes, counted per element (an op on a vector<2xf32> counts 2) by name:
-what a score_mod adds per score. A multiply and an add listed apart may
+`--score-mod alibi|constant|alibi-cp` adds a score_mod (ALiBi, s - slopes[h] *
+(q_idx - kv_idx); s + 0.5; ALiBi as one ring step of
+`context_parallel_attention` calls it: at the global positions of two
+chunks of seq / 2 each, `context_parallel._at_global_positions`), and
+`--float-ops` prints per loop of each kernel (the loops over key or query
+blocks: what runs per block) its float ops after the passes, counted per
+element (an op on a vector<2xf32> counts 2) by name: what a score_mod adds
+per score. A multiply and an add listed apart may
 still become one FMA in LLVM (fp-contract).
 """
 
@@ -39,7 +42,8 @@ from jax._src.lib.mlir import ir
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
 import fa4_jax
-from fa4_jax import testing
+from fa4_jax import context_parallel, mod_functions, testing
+from jax.extend import core as jex_core
 
 _FRAME = re.compile(r'"([^"]*fa4_jax/[^"]*)":(\d+)')
 
@@ -126,6 +130,17 @@ def measure(fn, specs, by_line: bool) -> tuple[float, float, list[dict]]:
   return traced_at - start, lowered_at - traced_at, kernels
 
 
+def _ring_step(score_mod, chunk: int):
+  """`score_mod` as a ring step of `context_parallel_attention` calls the
+  kernels (load-balanced, 4 devices): rows at global chunks 0 and 7, keys at
+  chunks 2 and 5, of `chunk` positions each."""
+  mod, captured = mod_functions.trace(score_mod, "score_mod")
+  step = context_parallel._at_global_positions(mod, chunk)
+  run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(step.jaxpr, ()))
+  starts = [jnp.int32(c * chunk) for c in (0, 7, 2, 5)]  # captured again, as the ring's
+  return lambda s, b, h, q_idx, kv_idx: run(*captured, *starts, s, b, h, q_idx, kv_idx)[0]
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("pass_", choices=("forward", "grad"), metavar="forward|grad")
@@ -136,7 +151,7 @@ def main() -> int:
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--kv-heads", type=int, default=None)
   parser.add_argument("--by-line", type=int, default=0, metavar="N")
-  parser.add_argument("--score-mod", choices=("alibi", "constant"), default=None)
+  parser.add_argument("--score-mod", choices=("alibi", "constant", "alibi-cp"), default=None)
   parser.add_argument("--float-ops", action="store_true")
   args = parser.parse_args()
   if args.by_line:  # whole call stacks in the locations, so that our frames are found
@@ -148,7 +163,10 @@ def main() -> int:
   slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / args.heads) for i in range(args.heads)])
   score_mod = {None: None, "constant": lambda s, b, h, q_idx, kv_idx: s + 0.5,
                "alibi": lambda s, b, h, q_idx, kv_idx: (
-                   s - slopes[h] * (q_idx - kv_idx).astype(jnp.float32))}[args.score_mod]
+                   s - slopes[h] * (q_idx - kv_idx).astype(jnp.float32))}.get(args.score_mod)
+  if args.score_mod == "alibi-cp":
+    score_mod = _ring_step(lambda s, b, h, q_idx, kv_idx: (
+        s - slopes[h] * (q_idx - kv_idx).astype(jnp.float32)), args.seq // 2)
 
   def attend(q, k, v):
     options = {} if score_mod is None else dict(score_mod=score_mod, implementation="sm90")

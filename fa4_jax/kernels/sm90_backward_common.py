@@ -142,7 +142,10 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   have P = 0 and a finite slope, so dS = 0 there.
 
   `mods`: the call's `score_mod` / `mask_mod` on this tile (`TileMods`;
-  `_tile_softmax_with_mods`).
+  `_tile_softmax_with_mods`). `q_lo` and `k_lo`, the tile's first query and
+  key, are multiples of its extents along them (every caller's are: block
+  indices times block sizes), which the mods' positions rely on
+  (`Positions.align`).
   """
   if mods is not None:
     return _tile_softmax_with_mods(
@@ -200,7 +203,8 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
   if mods.score_mod is not None:
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
     q_idx, kv_idx = mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
-                                  keys_along_rows=keys_along_rows, bound=mods.position_bound)
+                                  keys_along_rows=keys_along_rows, bound=mods.position_bound,
+                                  aligned=True)  # (`tile_softmax`: q_lo, k_lo)
     if mods.affine:  # one FMA per score or none; R leaves P = exp2(c t + R - lse2) per query
       t, offset, slope = mods.affine_logits(s, q_idx, kv_idx, score=score,
                                             query_axis=1 if keys_along_rows else 0)

@@ -1325,8 +1325,10 @@ class _ConsumerTile:
     # arrangement: the keys of every chunk of a sequence).
     kv_extent = call.kv_valid * (1 if call.decode_group is None else call.q_batch_divisor)
     bound = max(call.q_seq, kv_extent) + 2 * max(cfg.block_q, cfg.block_kv)
+    # q_lo and the key block's start are multiples of block_q and block_kv.
     q_idx, kv_idx = mod_positions(shape, row_lo=self.q_lo, col_lo=block * cfg.block_kv,
-                                  keys_along_rows=False, bound=bound)
+                                  keys_along_rows=False, bound=bound,
+                                  aligned=tuple(shape) == (cfg.block_q, cfg.block_kv))
     if call.decode_group is not None:
       q_idx, kv_idx = self.decode_positions()(q_idx, kv_idx)
     return q_idx, kv_idx

@@ -126,7 +126,8 @@ def chunk_shape(tile_shape) -> tuple[int, int]:
   return tile_shape[0], ID_CHUNK
 
 
-def mod_positions(shape, *, row_lo, col_lo, keys_along_rows: bool, bound=None):
+def mod_positions(shape, *, row_lo, col_lo, keys_along_rows: bool, bound=None,
+                  aligned: bool = False):
   """(q_idx, kv_idx) of a wgmma tile of `shape` as a `score_mod` or
   `mask_mod` sees them: vectors along the tile's rows and columns
   (`mod_functions.Along`, in the row and column layouts of the WGMMA one),
@@ -134,11 +135,14 @@ def mod_positions(shape, *, row_lo, col_lo, keys_along_rows: bool, bound=None):
   tile. Rows start at `row_lo` (keys when `keys_along_rows`), columns at
   `col_lo`. `bound`: every position is below it (None: unknown). Both are
   `Positions`: a first position and the offsets from it (the affine form
-  of a score_mod measures from it, `mod_functions.affine_form`)."""
+  of a score_mod measures from it, `mod_functions.affine_form`).
+  `aligned`: `row_lo` and `col_lo` are multiples of the tile's extents
+  along their axes (`Positions.align`)."""
   def along(axis, lo):
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
     offsets = lambda: plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout)
-    return Positions(lo, offsets, axis, tuple(shape), bound)  # traced where the mod reads it
+    return Positions(lo, offsets, axis, tuple(shape), bound,  # traced where the mod reads it
+                     align=shape[axis] if aligned else None)
 
   rows, cols = along(0, row_lo), along(1, col_lo)
   return (cols, rows) if keys_along_rows else (rows, cols)
