@@ -382,7 +382,7 @@ def paged_rule_columns(q, k8, v8, kp, vp, kd, vd, table, lengths, causal, rules=
   seen_paged, seen_contiguous = {paged_default: "fp8 paged"}, {contiguous_default: "fp8"}
   columns = {}
 
-  def add(columns, seen, label, p, args, **layout):
+  def add(seen, label, p, args, **layout):
     """Column `label`: the decode kernel under plan `p` on `args` (q, k or key
     pages, v or value pages, descales), unless `seen` has the plan already."""
     if p in seen:
@@ -400,9 +400,9 @@ def paged_rule_columns(q, k8, v8, kp, vp, kd, vd, table, lengths, causal, rules=
     if changes:
       p = sm90_decode.DecodePlan(p.splits, dataclasses.replace(p.config, **changes))
     print(f"paged rule {rule}: {p}", flush=True)
-    add(columns, seen_paged, f"fp8 paged {rule}", p, (q, kp, vp, kd, vd), page_table=table)
+    add(seen_paged, f"fp8 paged {rule}", p, (q, kp, vp, kd, vd), page_table=table)
     if rule in twins:
-      add(columns, seen_contiguous, f"fp8 dec {rule}", p, (q, k8, v8, kd, vd))
+      add(seen_contiguous, f"fp8 dec {rule}", p, (q, k8, v8, kd, vd))
   return columns
 
 

@@ -26,7 +26,8 @@ Figures: GB/s = the cache bytes a call must read (each row's keys once,
 keys x 2 x (576 + 512) / time (causal tokens count the keys they see).
 Time: the sum of a call's kernel durations in a profiler trace (the split-K
 combine included), median of `bench_common.ITERATIONS` calls, median of the
-rounds (interleaved). Nothing here has been measured yet.
+rounds (interleaved). Measured on an H100: docs/performance-notes.md, the MLA
+sections, and `results/mla-*`.
 
 Usage (GPU machine, repository root):
     python3 benchmarks/bench_mla.py [--only SUBSTRING] [--tag NAME] [--rounds N]
@@ -138,29 +139,16 @@ def run_case(name, b, t, n, s, paged, rounds, configs=(), xla=True, gqa=True):
     with mla.use_config(c):
       row[f"cfg {c} plan"] = str(mla.choose_plan((b, t, n, D), (b, s, 1, D), ragged=True,
                                                  page_size=PAGE if paged else None))
-  for column in [c for c in calls if c.startswith("cfg ")]:
-    result = row.get(column)
-    if isinstance(result, dict) and "ms" in result:
-      result["gb_per_s"] = result["tb_per_s"] * 1e3
-      result["tflops"] = flops / result["ms"] / 1e9
-  if not gqa:
-    for column in ("default", "xla"):
-      result = row.get(column)
-      if isinstance(result, dict) and "ms" in result:
-        result["gb_per_s"] = result["tb_per_s"] * 1e3
-        result["tflops"] = flops / result["ms"] / 1e9
-    print(json.dumps(row), flush=True)
-    return row
-  gq, gk, gv = gqa_inputs(b, t, n, s)
-  gqa_bytes = 2 * b * s * GQA_D * 2
-  gqa = bench_common.bandwidth_columns(
-      {"gqa decode": (lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=t > 1,
-                                                        causal_alignment="bottom_right"),
-                      (gq, gk, gv))}, rounds, gqa_bytes, "gqa decode")
-  row.update(gqa)
-  row["gqa_decode_chosen"] = fa4_jax.which_implementation(gq, gk, gv, is_causal=t > 1,
-                                                          causal_alignment="bottom_right")
-  for column in ("default", "xla", "gqa decode"):
+  if gqa:  # our GQA decode reading K and V of the same bytes
+    gq, gk, gv = gqa_inputs(b, t, n, s)
+    gqa_bytes = 2 * b * s * GQA_D * 2
+    row.update(bench_common.bandwidth_columns(
+        {"gqa decode": (lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=t > 1,
+                                                          causal_alignment="bottom_right"),
+                        (gq, gk, gv))}, rounds, gqa_bytes, "gqa decode"))
+    row["gqa_decode_chosen"] = fa4_jax.which_implementation(gq, gk, gv, is_causal=t > 1,
+                                                            causal_alignment="bottom_right")
+  for column in [*calls, "gqa decode"]:
     result = row.get(column)
     if isinstance(result, dict) and "ms" in result:
       result["gb_per_s"] = result["tb_per_s"] * 1e3
