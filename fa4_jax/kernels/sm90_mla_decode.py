@@ -115,8 +115,6 @@ class MlaConfig:
   the module's `CONFIG` is what calls get; `use_config` sets it while a call
   is traced).
 
-  block_kv: keys a block (the ring takes as many slots as SMEM holds: 2 at
-    64 keys at D 576).
   waves: the splits rule's waves of the SMs for calls with lengths (None:
     `sm90_decode.RAGGED_WAVES`, 8, the GQA decode's rule for ragged rows);
     1, the default, cuts the cache as for equal lengths: one CTA per SM's
@@ -126,7 +124,6 @@ class MlaConfig:
     342 (the 8 waves' fill, drain and 32-way combine were the loss).
     Unequal lengths were not measured under either rule."""
 
-  block_kv: int = 64
   waves: int | None = 1
 
 
@@ -193,7 +190,7 @@ def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None 
   b, t, n, d = q_shape
   s = k_shape[1]
   config = CONFIG
-  block_kv = config.block_kv
+  block_kv = 64
   stages = 2
   while MlaPlan(1, block_kv, stages + 1).fits_smem(d) and stages < 4:
     stages += 1
