@@ -517,8 +517,8 @@ def test_tiles_walk_only_the_key_blocks_their_documents_meet(mask):
 # --- sinks and soft-cap -------------------------------------------------------
 
 # (case, options, config changes). The heuristic's choices cover both kinds of
-# consumers here: D = 128 and short causal D = 64 take turns on the tensor
-# core (ping-pong), dense D = 64 runs three consumers without turns.
+# consumers here: D = 128 takes turns on the tensor core (ping-pong), D = 64
+# runs three consumers without turns.
 OPTION_CASES = {
     "soft_cap_causal_gqa_taking_turns": (
         Case(q_heads=4, kv_heads=2, head_dim=128, is_causal=True, q_seq=128, kv_seq=192),

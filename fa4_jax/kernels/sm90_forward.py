@@ -325,12 +325,7 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
   SMEM: Q tiles + 2 * stages * block_kv * head_dim * 2 bytes must fit 227 KiB.
   """
   d = padded_head_dim(head_dim)
-  short_causal = mask.right is not None and kv_seq is not None and kv_seq < 4096
-  if d <= 64 and short_causal:
-    # Short causal rows: 128-key blocks, four stages; 256-key blocks waste
-    # half of each diagonal block ("Short causal rows at D = 64").
-    config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=4)
-  elif d <= 64:
+  if d <= 64:
     # Half the GEMM work per softmax element of D = 128, so the softmax
     # outlasts the other consumer's GEMMs: taking turns (ping-pong) would
     # serialize the two softmaxes and idle the tensor core half the time.
@@ -338,6 +333,9 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
     # tensor core busy; 160 registers each hold S (64), P (32) and O (32) of
     # a 128-key block without spills. With three consumers the conditional
     # rescale pays at D = 64 too ("D = 64: three consumers without turns").
+    # Short causal rows too: they had two ping-pong consumers on four stages
+    # of 128-key blocks, 7-13 % slower at S 512-2048 ("Short causal rows at
+    # D = 64").
     config = ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3,
                            pingpong=False, producer_registers=24, consumer_registers=160,
                            sum_before_handoff=True, conditional_rescale=True)
