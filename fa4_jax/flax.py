@@ -108,7 +108,7 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                       implementation: api.Implementation = None,
                       ignore_precision: bool = False, logits_soft_cap: float | None = None,
                       causal_alignment: str = "top_left", score_mod=None, mask_mod=None,
-                      block_mask=None):
+                      block_mask=None, deterministic_backward: bool = True):
   """An `attention_fn` for Flax's attention modules with fixed fa4_jax options.
 
   Args:
@@ -129,6 +129,10 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
     score_mod, mask_mod, block_mask: passed to `fa4_jax.attention` on every
       call (programmable attention: ALiBi, prefix-LM, ...). With several
       leading batch dims, `batch` is the index into them flattened.
+    deterministic_backward: `fa4_jax.attention`'s `deterministic` on every
+      call (`False`: the sm90 backward may sum dQ in float32 in arrival
+      order, a one-kernel backward). Named apart from Flax's own
+      `deterministic`, which is about dropout.
 
   Returns:
     A function with Flax's `attention_fn` signature.
@@ -136,7 +140,11 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
   options = dict(always_causal=is_causal, local_window_size=local_window_size,
                  implementation=implementation, ignore_precision=ignore_precision,
                  logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
-                 score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+                 score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                 deterministic_backward=deterministic_backward)
+  if not isinstance(deterministic_backward, bool):
+    raise ValueError(f"{_PREFIX}: `deterministic_backward` must be True or False; got "
+                     f"{deterministic_backward!r}")
 
   # Every argument is named, not swallowed by **kwargs: linen passes only the
   # keyword arguments that appear in the function's signature.
@@ -271,7 +279,7 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                always_causal=False, logits_soft_cap=None,
                local_window_size=None, causal_alignment="top_left",
                implementation=None, ignore_precision=False, score_mod=None, mask_mod=None,
-               block_mask=None) -> _FlaxCall:
+               block_mask=None, deterministic_backward=True) -> _FlaxCall:
   """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
   _check_supported(dropout_rate, deterministic, precision, module,
                    einsum_dot_general, qk_attn_weights_einsum,
@@ -327,7 +335,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                     query_descale=descales[0], key_descale=descales[1],
                     value_descale=descales[2],
                     causal_alignment=causal_alignment, score_mod=score_mod,
-                    mask_mod=mask_mod, block_mask=block_mask),
+                    mask_mod=mask_mod, block_mask=block_mask,
+                    deterministic=deterministic_backward),
                batch_shape)
 
 
