@@ -75,6 +75,7 @@ gets zeros (Flax and `jax.nn` return the mean of all values).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 
@@ -225,13 +226,14 @@ def _attend(call):
   key lengths, which the kernels serve: decided in Python for a concrete
   mask, by `lax.cond` for a traced one (both branches are compiled; the
   predicate is a reduction over [batch, kv_length])."""
+  attention = functools.partial(api.attention, deterministic=call.deterministic)
   keys = _key_mask_as_lengths(call)
   if keys is None:
-    return api.attention(*call.arrays, **call.kwargs)
+    return attention(*call.arrays, **call.kwargs)
   by_lengths, by_mask, prefix = keys
   if not isinstance(prefix, jax.core.Tracer):
-    return (by_lengths if bool(prefix) else by_mask)(api.attention)
-  return jax.lax.cond(prefix, lambda: by_lengths(api.attention), lambda: by_mask(api.attention))
+    return (by_lengths if bool(prefix) else by_mask)(attention)
+  return jax.lax.cond(prefix, lambda: by_lengths(attention), lambda: by_mask(attention))
 
 
 def _key_mask_as_lengths(call):
@@ -264,10 +266,11 @@ def _known_false(x) -> bool:
 class _FlaxCall:
   """`fa4_jax.attention` arguments, with leading batch dims flattened to one."""
 
-  def __init__(self, arrays, kwargs, batch_shape):
+  def __init__(self, arrays, kwargs, batch_shape, deterministic: bool = True):
     self.arrays = arrays  # query, key, value, bias, mask
-    self.kwargs = kwargs
+    self.kwargs = kwargs  # those `which_implementation` takes too
     self.batch_shape = batch_shape  # the query's leading dims, restored after
+    self.deterministic = deterministic  # `attention`'s alone
 
 
 def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
@@ -335,9 +338,8 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                     query_descale=descales[0], key_descale=descales[1],
                     value_descale=descales[2],
                     causal_alignment=causal_alignment, score_mod=score_mod,
-                    mask_mod=mask_mod, block_mask=block_mask,
-                    deterministic=deterministic_backward),
-               batch_shape)
+                    mask_mod=mask_mod, block_mask=block_mask),
+               batch_shape, deterministic=deterministic_backward)
 
 
 def _ids_array(x, name, batch_shape, length):
