@@ -57,6 +57,17 @@ dim 128 (B2 S8192 H16: 5.14 against 4.69 ms; 2-15 % behind without a
 window, 32 % under a 1024-key one): it left the package, its code is at
 commit `dcef065` and the measurements in docs/performance-notes.md.
 
+`deterministic=False` (opt-in, `fa4_jax.attention(deterministic=False)`):
+one kernel after all, at head dim 128 (`sm90_backward_fused_dq`): the dK/dV
+kernel's consumers also add dQ, each its half of dQ's columns over both
+key halves once both have published their dS^T, in float32, with TMA
+reduce-adds into a zeroed buffer that XLA converts afterwards: no int32
+conversion, no bounds, and no wait on a reduce-add but before its staging
+tile is rewritten. dQ is then summed in arrival order (not bit-reproducible;
+dK and dV still are). Five tile GEMMs per step. Where it cannot serve a call
+(`sm90_backward_fused_dq.fused_dq_problem`: other head dims, a value head
+dim of its own, score_mod / mask_mod) the two kernels run.
+
 This module holds the configuration (`BackwardConfig`; each kernel's own,
 `DkvConfig` and `DqConfig`, is in that kernel's module), the heuristic and
 the entry point; what the kernels share (block walk, one tile's softmax and
@@ -335,9 +346,9 @@ def choose_fused_dq_config(head_dim: int, mask: MaskSpec, group: int = 1,
   plain dK/dV kernel's tiles, stages and registers (`choose_config`; two
   stages, 24 / 240 registers), no work queue, and lse and delta folded into
   the S^T and dP^T accumulators for every mask (`fold_stats`; delta alone
-  with soft-cap). ptxas (local, B2 S4096 H16 D128): dense 0 spill bytes
-  with the fold, 32 / 68 with lse and delta loaded after the wait, 384 / 452
-  before it (an earlier build of the kernel: 148 / 184, 152 / 200, 384 / 452)."""
+  with soft-cap). ptxas (local, B2 S4096 H16 D128 dense, spill stores /
+  loads): 0 / 0 with the fold, 4 / 12 with lse and delta loaded after the
+  S^T / dP^T wait, 24 / 40 before it (three reloads in the step loops)."""
   dkv = choose_config(head_dim, mask, group, raw_scores=raw_scores).dkv
   dkv = dataclasses.replace(dkv, work_queue=False, operands_in_registers=False, fold_stats=True)
   return FusedDqConfig(dkv=dkv)
