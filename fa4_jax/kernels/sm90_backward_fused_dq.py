@@ -17,7 +17,7 @@ step's 64 x head_dim dQ tile over both halves of the key tile (the
 arrangement of FlashAttention-3's backward): 64 x 64 x 128 of tensor work,
 32 fp32 accumulator registers that live only inside the dQ step, while S^T
 and dP^T are dead. The partial tiles of every CTA that sees a query block
-land in one float32 buffer (`dq_acc`, zeros, a `jax.Ref` operand) by TMA
+land in one float32 buffer (`dq_acc`: zeros, a Ref of `pl.run_state`) by TMA
 reduce-adds (`cp.reduce.async.bulk.tensor ... .add`), which L2 performs in
 arrival order: **dQ is not bit-deterministic** (dK and dV are: each is
 written by one CTA). XLA converts dQ to the inputs' dtype after the kernel.
@@ -54,8 +54,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork
 from fa4_jax.kernels.build_cache import cached_build
-from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, NO_CHAIN, PUBLISH, RING, SYNC, WAIT,
-                                     Barrier, check_register_split)
+from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, NO_CHAIN, PUBLISH, RING, SYNC, WAIT, Barrier,
+                                     check_register_split)
 from fa4_jax.kernels.sm90_backward_common import launch
 from fa4_jax.kernels.sm90_backward_dkdv import (DkvBarrierTable, DkvConfig, _DkvPass, _DkvSmem,
                                                 _dkv_consumer, _dkv_epilogue, _dkv_producer)
