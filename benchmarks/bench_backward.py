@@ -26,7 +26,12 @@ Usage (on the GPU machine, from the repository root):
         [--config key=value,... (repeatable: one column per config; a kernel's
          fields as dkv.KEY=... or dq.KEY=...)] [--tag NAME]
         [--rounds N (measure the columns N times, interleaved)] [--no-check | --check-all]
-        [--timing span|cupti]
+        [--timing span|cupti] [--nondeterministic]
+`--nondeterministic` adds the column `fa4_sm90_nd`: `deterministic=False`'s
+one kernel (dQ summed in float32 by TMA reduce-adds,
+`sm90_backward_fused_dq`; the config text "nd", whose overrides
+`--config nd,ds_slots=1,dkv.KEY=...` take too), beside the default and cuDNN;
+rows it cannot serve (head dims other than 128) record its error.
 Writes benchmarks/results/backward[-NAME]-<device>-<date>.json (or $OUT/ when
 OUT is set) and prints a Markdown table. cuDNN runs as XLA configures it: its
 non-deterministic backward unless XLA_FLAGS has --xla_gpu_deterministic_ops=true.
@@ -120,23 +125,47 @@ def errors(grads, ref):
   return out
 
 
+# The first item of a `--config` text that asks for the one kernel with dQ
+# summed in float32 (`deterministic=False`: `sm90_backward_fused_dq`).
+NONDETERMINISTIC = "nd"
+
+
 def config_for(text, head_dim, mask, group=1):
   """The heuristic's config for (head dim, mask, GQA group), with the
   `key=value,...` overrides of `text`: a `BackwardConfig` field
   (`delta_in_dq=False`) or one of a kernel's, prefixed with its name
-  (`dkv.stats_first=False`, `dq.num_consumers=2`)."""
-  config = sm90_backward.choose_config(head_dim, mask, group)
+  (`dkv.stats_first=False`, `dq.num_consumers=2`). A text whose first item
+  is "nd" (`NONDETERMINISTIC`) gives the one kernel's `FusedDqConfig`
+  instead (`sm90_backward.choose_fused_dq_config`; its fields `ds_slots=`,
+  `dq_stages=`, its dK/dV part's `dkv.KEY=`)."""
+  items = list(filter(None, text.split(",")))
+  one_kernel = bool(items) and items[0] == NONDETERMINISTIC
+  if one_kernel:
+    items = items[1:]
+    config = sm90_backward.choose_fused_dq_config(head_dim, mask, group)
+  else:
+    config = sm90_backward.choose_config(head_dim, mask, group)
   changes = {"": {}, "dkv": {}, "dq": {}}
-  for item in filter(None, text.split(",")):
+  for item in items:
     key, value = item.split("=")
     kernel, _, field = key.rpartition(".")
     if value in ("True", "False"):
       changes[kernel][field] = value == "True"
     else:
       changes[kernel][field] = int(value) if value.lstrip("-").isdigit() else value
+  if one_kernel:
+    return dataclasses.replace(config, dkv=dataclasses.replace(config.dkv, **changes["dkv"]),
+                               **changes[""])
   return dataclasses.replace(
       config, dkv=dataclasses.replace(config.dkv, **changes["dkv"]),
       dq=dataclasses.replace(config.dq, **changes["dq"]), **changes[""])
+
+
+def column_name(i: int, text: str) -> str:
+  """The results' key of config override `text` (the `i`-th)."""
+  if text == NONDETERMINISTIC:
+    return "fa4_sm90_nd"
+  return "fa4_sm90" if i == 0 else f"fa4_sm90[{text}]"
 
 
 class CaseSetup:
@@ -169,8 +198,7 @@ class CaseSetup:
               q, k, v, o, l, do, None, None, score=ScoreFunction(scale), mask=mask,
               config=config),
           config=config))
-      self.impls.append(("fa4_sm90" if i == 0 else f"fa4_sm90[{text}]",
-                         f, (self.q, self.k, self.v, out, lse, self.do)))
+      self.impls.append((column_name(i, text), f, (self.q, self.k, self.v, out, lse, self.do)))
     cudnn_fwd = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")
     self.cudnn_error = None
@@ -208,8 +236,12 @@ def main():
                   help="span: first kernel's start to last kernel's end in a profiler "
                        "trace (kernels of one call overlap); cupti: sum of the kernels' "
                        "CUPTI durations (DESIGN.md's method, double-counts overlap)")
+  ap.add_argument("--nondeterministic", action="store_true",
+                  help="also time deterministic=False's one kernel (column fa4_sm90_nd)")
   args = ap.parse_args()
   overrides = args.config or [""]
+  if args.nondeterministic and NONDETERMINISTIC not in overrides:
+    overrides = [*overrides, NONDETERMINISTIC]
   timer = span_times if args.timing == "span" else kernel_times
 
   device = jax.devices()[0]
@@ -273,6 +305,8 @@ def _cell(r, fmt_fn):
 
 
 def markdown(rows):
+  if any(column_name(1, NONDETERMINISTIC) in r for r in rows):
+    return _markdown_with_nondeterministic(rows)
   lines = ["| case | ours TFLOP/s | cuDNN TFLOP/s | ours dq/dk/dv rel err | cuDNN rel err |",
            "|---|---|---|---|---|"]
   errs = lambda r: ("/".join(f"{r['errors'][g]['rel_l2']:.1e}" for g in ("dq", "dk", "dv"))
@@ -282,6 +316,20 @@ def markdown(rows):
     ours, cud = r.get("fa4_sm90"), r.get("cudnn")
     lines.append(f"| {r['case']} | {_cell(ours, tflops)} | {_cell(cud, tflops)} | "
                  f"{_cell(ours, errs)} | {_cell(cud, errs)} |")
+  return "\n".join(lines)
+
+
+def _markdown_with_nondeterministic(rows):
+  nd = column_name(1, NONDETERMINISTIC)
+  lines = ["| case | ours TFLOP/s | ours, deterministic=False | cuDNN TFLOP/s | "
+           "ours / nd / cuDNN dq/dk/dv rel err |", "|---|---|---|---|---|"]
+  errs = lambda r: ("/".join(f"{r['errors'][g]['rel_l2']:.1e}" for g in ("dq", "dk", "dv"))
+                    if "errors" in r else "-")
+  tflops = lambda r: f"{r['tflops']:.0f}"
+  for r in rows:
+    cells = [r.get("fa4_sm90"), r.get(nd), r.get("cudnn")]
+    lines.append(f"| {r['case']} | " + " | ".join(_cell(c, tflops) for c in cells) + " | "
+                 + " ; ".join(_cell(c, errs) for c in cells) + " |")
   return "\n".join(lines)
 
 

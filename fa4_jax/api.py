@@ -8,7 +8,7 @@ import jax
 from jax import lax
 
 from fa4_jax import backends, mod_functions, scores
-from fa4_jax.validation import Arguments, validate
+from fa4_jax.validation import Arguments, check_deterministic, validate
 from fa4_jax.vjp import CoreConfig, attention_core, current_matmul_precision
 
 Implementation = Literal["xla", "sm90", "sm100", "cudnn"] | None
@@ -41,6 +41,7 @@ def attention(
     value_descale=None,
     output_dtype=None,
     value_head_dim=None,
+    deterministic: bool = True,
 ):
   """Scaled dot-product attention, `softmax(scale * Q K^T + bias) V`.
 
@@ -130,6 +131,19 @@ def attention(
     output_dtype: the output's dtype for float8 operands: bfloat16 (default
       for a float8 query; a bfloat16 / float16 query's own dtype otherwise),
       float16 or float32. Not part of `jax.nn`.
+    deterministic: `True` (default): the gradients are bit-identical from
+      run to run (every backward kernel writes each gradient element from
+      one place, in a fixed order). `False`: the sm90 (Hopper) backward may
+      run its one-kernel variant, which adds dQ in float32 from every key
+      tile by TMA reduce-adds in arrival order (as cuDNN's and
+      FlashAttention's default backwards do): dQ may differ in its last bits
+      between runs; dK and dV stay deterministic. It serves head dims that
+      pad to 128 with a value head dim as wide, every built-in mask,
+      lengths, GQA, segment ids and soft-cap; elsewhere (other head dims, a
+      `score_mod` / `mask_mod`) the deterministic kernels run. It changes
+      nothing on the XLA path, the sm100 backward, context-parallel ring
+      steps or `implementation="cudnn"` (XLA's flags decide cuDNN's). A
+      Python bool. Not part of `jax.nn`.
 
   Returns:
     The attention output, shaped like `query` but for its head dim, the
@@ -143,6 +157,7 @@ def attention(
   keyword callers keep working.
   """
   named = _validated_arguments(locals())
+  check_deterministic(deterministic)
   if implementation == "cudnn":
     given = [name for name in _NOT_IN_JAX_NN if named[name] is not None]
     if causal_alignment != "top_left":
@@ -159,7 +174,8 @@ def attention(
         return_residual=return_residual)
 
   args, backend = _prepare(query, key, value, bias, mask, implementation, **named)
-  config = CoreConfig(backend=backend, matmul_precision=current_matmul_precision())
+  config = CoreConfig(backend=backend, matmul_precision=current_matmul_precision(),
+                      deterministic=deterministic)
   out, lse = attention_core(args.query, args.key, args.value, args.bias, args.mask,
                             args.scores, config)
   out = out.reshape(args.output_shape)

@@ -105,7 +105,15 @@ class CallInfo:
                has_fp8=scores_.has_fp8)
 
 
-XLA = Backend("xla", xla_attention.forward, xla_attention.backward)
+def _xla_backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
+                  deterministic: bool = True):
+  """The XLA backward as a backend's (`deterministic` changes nothing: its
+  sums have a fixed order)."""
+  del deterministic
+  return xla_attention.backward(q, k, v, bias, mask, scores_, out, lse, dout)
+
+
+XLA = Backend("xla", xla_attention.forward, _xla_backward)
 
 
 def _forward_warning_on_cuda(q, *operands, **static):
@@ -115,7 +123,7 @@ def _forward_warning_on_cuda(q, *operands, **static):
 
 # The XLA path where a host without a GPU chose it for lack of one: lowering
 # it for CUDA warns that the kernels need `fa4_jax.gpu_target`.
-XLA_UNTARGETED = Backend("xla", _forward_warning_on_cuda, xla_attention.backward)
+XLA_UNTARGETED = Backend("xla", _forward_warning_on_cuda, _xla_backward)
 
 
 @functools.cache
@@ -133,14 +141,20 @@ def _kernel_backend(name: str) -> Backend:
       out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
     return out, lse
 
-  def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout):
+  def backward(q, k, v, bias, mask, scores_: Scores, out, lse, dout, *,
+               deterministic: bool = True):
     # The fused backward where it supports the call, else the XLA backward
     # (which takes the kernel's lse): decided here, at trace time.
+    # `deterministic=False` reaches a module with the "nondeterministic"
+    # feature (sm90: the one kernel where it serves the call, else its two
+    # deterministic kernels); the others are deterministic either way.
     bwd_module = fused_backward(name, CallInfo.of(q, k, bias, mask, scores_, v))
     if bwd_module is None:
       return xla_attention.backward(q, k, v, bias, mask, scores_, out, lse, dout)
     options = _options(bwd_module, scores_)
     options.pop("sinks", None)  # the lse holds them
+    if not deterministic and "nondeterministic" in _features(bwd_module):
+      options["deterministic"] = False
     operands = (q, k, v, out, lse, dout)
     padded = _pads_value_head_dim(bwd_module, q.shape[-1], v.shape[-1])
     if padded:
@@ -269,7 +283,7 @@ def _mla_backend() -> Backend:
       out, lse = scores.add_sinks(out, lse, scores_.sinks, scores_.q_lengths)
     return out, lse
 
-  return Backend("sm90_mla", forward, xla_attention.backward)
+  return Backend("sm90_mla", forward, _xla_backward)
 
 
 def _mla_problem(call: CallInfo) -> str | None:

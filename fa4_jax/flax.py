@@ -75,6 +75,7 @@ gets zeros (Flax and `jax.nn` return the mean of all values).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 
@@ -108,7 +109,7 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                       implementation: api.Implementation = None,
                       ignore_precision: bool = False, logits_soft_cap: float | None = None,
                       causal_alignment: str = "top_left", score_mod=None, mask_mod=None,
-                      block_mask=None):
+                      block_mask=None, deterministic_backward: bool = True):
   """An `attention_fn` for Flax's attention modules with fixed fa4_jax options.
 
   Args:
@@ -129,6 +130,10 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
     score_mod, mask_mod, block_mask: passed to `fa4_jax.attention` on every
       call (programmable attention: ALiBi, prefix-LM, ...). With several
       leading batch dims, `batch` is the index into them flattened.
+    deterministic_backward: `fa4_jax.attention`'s `deterministic` on every
+      call (`False`: the sm90 backward may sum dQ in float32 in arrival
+      order, a one-kernel backward). Named apart from Flax's own
+      `deterministic`, which is about dropout.
 
   Returns:
     A function with Flax's `attention_fn` signature.
@@ -136,7 +141,11 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
   options = dict(always_causal=is_causal, local_window_size=local_window_size,
                  implementation=implementation, ignore_precision=ignore_precision,
                  logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
-                 score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+                 score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                 deterministic_backward=deterministic_backward)
+  if not isinstance(deterministic_backward, bool):
+    raise ValueError(f"{_PREFIX}: `deterministic_backward` must be True or False; got "
+                     f"{deterministic_backward!r}")
 
   # Every argument is named, not swallowed by **kwargs: linen passes only the
   # keyword arguments that appear in the function's signature.
@@ -217,13 +226,14 @@ def _attend(call):
   key lengths, which the kernels serve: decided in Python for a concrete
   mask, by `lax.cond` for a traced one (both branches are compiled; the
   predicate is a reduction over [batch, kv_length])."""
+  attention = functools.partial(api.attention, deterministic=call.deterministic)
   keys = _key_mask_as_lengths(call)
   if keys is None:
-    return api.attention(*call.arrays, **call.kwargs)
+    return attention(*call.arrays, **call.kwargs)
   by_lengths, by_mask, prefix = keys
   if not isinstance(prefix, jax.core.Tracer):
-    return (by_lengths if bool(prefix) else by_mask)(api.attention)
-  return jax.lax.cond(prefix, lambda: by_lengths(api.attention), lambda: by_mask(api.attention))
+    return (by_lengths if bool(prefix) else by_mask)(attention)
+  return jax.lax.cond(prefix, lambda: by_lengths(attention), lambda: by_mask(attention))
 
 
 def _key_mask_as_lengths(call):
@@ -256,10 +266,11 @@ def _known_false(x) -> bool:
 class _FlaxCall:
   """`fa4_jax.attention` arguments, with leading batch dims flattened to one."""
 
-  def __init__(self, arrays, kwargs, batch_shape):
+  def __init__(self, arrays, kwargs, batch_shape, deterministic: bool = True):
     self.arrays = arrays  # query, key, value, bias, mask
-    self.kwargs = kwargs
+    self.kwargs = kwargs  # those `which_implementation` takes too
     self.batch_shape = batch_shape  # the query's leading dims, restored after
+    self.deterministic = deterministic  # `attention`'s alone
 
 
 def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
@@ -271,7 +282,7 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                always_causal=False, logits_soft_cap=None,
                local_window_size=None, causal_alignment="top_left",
                implementation=None, ignore_precision=False, score_mod=None, mask_mod=None,
-               block_mask=None) -> _FlaxCall:
+               block_mask=None, deterministic_backward=True) -> _FlaxCall:
   """Checks Flax's arguments and maps them onto `fa4_jax.attention`'s."""
   _check_supported(dropout_rate, deterministic, precision, module,
                    einsum_dot_general, qk_attn_weights_einsum,
@@ -328,7 +339,7 @@ def _translate(query, key, value, bias, mask, *, dropout_rate=0.0,
                     value_descale=descales[2],
                     causal_alignment=causal_alignment, score_mod=score_mod,
                     mask_mod=mask_mod, block_mask=block_mask),
-               batch_shape)
+               batch_shape, deterministic=deterministic_backward)
 
 
 def _ids_array(x, name, batch_shape, length):

@@ -232,7 +232,11 @@ def _call_backend_at(call: _PartitionedCall, arrays, index_offsets):
 
     dq, dk, dv, dbias = jax.jvp(xla_backward, primals, tangents)[1]
     return (dq, dk, dv) + ((dbias,) if "dbias_t" in call.results else ())
-  dq, dk, dv, dbias, dcaptured = cfg.backend.backward(*common, a["out"], a["lse"], a["dout"])
+  # `deterministic` reaches the backend only where it is False (the default
+  # needs no keyword from backends that have no non-deterministic backward).
+  options = {} if cfg.deterministic else dict(deterministic=False)
+  dq, dk, dv, dbias, dcaptured = cfg.backend.backward(*common, a["out"], a["lse"], a["dout"],
+                                                      **options)
   grads = dict(dq=dq, dk=dk, dv=dv, dbias=dbias)
   for i, g in enumerate(dcaptured or ()):
     grads[f"dcaptured.{i}"] = g

@@ -579,3 +579,11 @@ def _check_integer(x, name: str, rank: int, layout: str) -> jax.Array:
   if x.ndim != rank:
     raise ValueError(f"`{name}` must be rank {rank}, {layout}; got shape {x.shape}")
   return x.astype(jnp.int32)
+
+
+def check_deterministic(deterministic) -> None:
+  """`fa4_jax.attention(deterministic=...)` must be a Python bool (it is
+  static: it picks the backward's kernels when the call is traced)."""
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise ValueError(f"`deterministic` must be True or False (a Python bool); got "
+                     f"{deterministic!r}")

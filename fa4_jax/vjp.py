@@ -75,6 +75,12 @@ class CoreConfig:
   # none set): the backward is traced later, often outside that scope, and
   # re-enters it so that its matmuls match the forward's (`precision_scope`).
   matmul_precision: str | None = None
+  # `fa4_jax.attention(deterministic=...)`: False lets a kernel backend's
+  # backward sum dQ in float32 in arrival order (the sm90 one kernel,
+  # `fa4_jax.kernels.sm90_backward_fused_dq`); every other backward is
+  # deterministic either way. Reaches the backends through
+  # `sharding.backward` (`Backend.backward(..., deterministic=)`).
+  deterministic: bool = True
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6,))

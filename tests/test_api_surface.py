@@ -10,7 +10,10 @@ import pytest
 import fa4_jax
 from fa4_jax import api, validation
 
-OWN = {"attention": {"implementation", "return_residual"},
+# `deterministic` picks among the sm90 backward's kernels, after validation
+# and backend selection (`which_implementation(part="backward")` names the
+# family, "sm90" either way).
+OWN = {"attention": {"implementation", "return_residual", "deterministic"},
        "which_implementation": {"implementation", "part"}}
 
 

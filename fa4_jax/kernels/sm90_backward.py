@@ -57,6 +57,17 @@ dim 128 (B2 S8192 H16: 5.14 against 4.69 ms; 2-15 % behind without a
 window, 32 % under a 1024-key one): it left the package, its code is at
 commit `dcef065` and the measurements in docs/performance-notes.md.
 
+`deterministic=False` (opt-in, `fa4_jax.attention(deterministic=False)`):
+one kernel after all, at head dim 128 (`sm90_backward_fused_dq`): the dK/dV
+kernel's consumers also add dQ, each its half of dQ's columns over both
+key halves once both have published their dS^T, in float32, with TMA
+reduce-adds into a zeroed buffer that XLA converts afterwards: no int32
+conversion, no bounds, and no wait on a reduce-add but before its staging
+tile is rewritten. dQ is then summed in arrival order (not bit-reproducible;
+dK and dV still are). Five tile GEMMs per step. Where it cannot serve a call
+(`sm90_backward_fused_dq.fused_dq_problem`: other head dims, a value head
+dim of its own, score_mod / mask_mod) the two kernels run.
+
 This module holds the configuration (`BackwardConfig`; each kernel's own,
 `DkvConfig` and `DqConfig`, is in that kernel's module), the heuristic and
 the entry point; what the kernels share (block walk, one tile's softmax and
@@ -119,12 +130,14 @@ from fa4_jax.kernels.sm90_backward_common import ModStatics
 from fa4_jax.kernels.sm90_backward_dkdv import (DkvConfig, _build_dkv_head_split_kernel,
                                                 _build_dkv_kernel)
 from fa4_jax.kernels.sm90_backward_dq import DqConfig, _build_dq_kernel
+from fa4_jax.kernels.sm90_backward_fused_dq import FusedDqConfig, fused_dq_problem
+from fa4_jax.kernels import sm90_backward_fused_dq
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
 from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
-FEATURES = frozenset({"score_function", "mods", "value_head_dim"})
+FEATURES = frozenset({"score_function", "mods", "value_head_dim", "nondeterministic"})
 
 # dK and dV of a 64-key tile take (head_dim + value_head_dim) / 2 fp32
 # registers per thread together (64 rows x width x 4 B / 128 threads each);
@@ -327,6 +340,20 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   return dataclasses.replace(config, dkv=dkv, dq=dq)
 
 
+def choose_fused_dq_config(head_dim: int, mask: MaskSpec, group: int = 1,
+                           raw_scores: bool = False) -> FusedDqConfig:
+  """The one kernel's config (`deterministic=False`, head dim 128): the
+  plain dK/dV kernel's tiles, stages and registers (`choose_config`; two
+  stages, 24 / 240 registers), no work queue, and lse and delta folded into
+  the S^T and dP^T accumulators for every mask (`fold_stats`; delta alone
+  with soft-cap). ptxas (local, B2 S4096 H16 D128 dense, spill stores /
+  loads): 0 / 0 with the fold, 4 / 12 with lse and delta loaded after the
+  S^T / dP^T wait, 24 / 40 before it (three reloads in the step loops)."""
+  dkv = choose_config(head_dim, mask, group, raw_scores=raw_scores).dkv
+  dkv = dataclasses.replace(dkv, work_queue=False, operands_in_registers=False, fold_stats=True)
+  return FusedDqConfig(dkv=dkv)
+
+
 def mods_configs() -> list[tuple[int, BackwardConfig]]:
   """Every (padded head dim, config) `choose_mods_config` can pick (for tests)."""
   seen = {}
@@ -422,8 +449,8 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
 
 
 def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunction,
-             mask: MaskSpec, config: BackwardConfig | None = None, segment_ids=None,
-             mods=None):
+             mask: MaskSpec, config: BackwardConfig | FusedDqConfig | None = None,
+             segment_ids=None, mods=None, deterministic: bool = True):
   """Gradients (dq, dk, dv) of attention. See `fa4_jax.kernels` for the contract.
 
   q: [B, Tq, Nq, D]; out, dout: [B, Tq, Nq, Dv]; k: [B, Tk, Nkv, D]; v:
@@ -440,6 +467,11 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   arguments above): the kernels recompute P with the modified score and
   walk block lists (`sm90_backward_common`, "score_mod and mask_mod");
   the captured arrays' gradients are the caller's (`backends`).
+  deterministic: True (default), the two kernels above, bit-reproducible.
+  False: the one kernel with dQ summed in float32 by TMA reduce-adds
+  (`sm90_backward_fused_dq`) where it serves the call (head dim 128 after
+  padding, V as wide, no score_mod / mask_mod: `fused_dq_problem`), else the
+  two kernels. A `FusedDqConfig` as `config` asks for the one kernel.
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
   check_operands(q, k, v, own_value_head_dim=True)
@@ -461,6 +493,17 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
       mask_mod=mods.mask_mod is not None)
   # (The tuner's candidates and arrays have one head dim.)
   tunable = mods is None and segment_ids is None and d_value == d
+  one_kernel = isinstance(config, FusedDqConfig) or (
+      not deterministic and config is None
+      and fused_dq_problem(d, d_value, mods is not None) is None)
+  if one_kernel:
+    problem = fused_dq_problem(d, d_value, mods is not None)
+    if problem is not None:
+      raise KernelUnsupported(f"sm90 backward: the one kernel with dQ cannot take {problem}")
+    config = config or choose_fused_dq_config(d, mask, num_q_heads // num_kv_heads,
+                                              raw_scores=score.needs_raw_scores)
+    return _one_kernel_backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, score=score,
+                                mask=mask, config=config, segment_ids=segment_ids)
   config = config or autotune.sm90_backward_config(  # the heuristic's, unless switched on
       choose(d, mask, num_q_heads // num_kv_heads, segment_ids=segment_ids is not None,
              raw_scores=score.needs_raw_scores, value_head_dim=d_value),
@@ -535,4 +578,41 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
     dk = dk[:, :kv_seq, :, :head_dim]
   if d_value != value_dim or kv_pad != kv_seq:
     dv = dv[:, :kv_seq, :, :value_dim]
+  return dq, dk, dv
+
+
+def _one_kernel_backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *,
+                         score: ScoreFunction, mask: MaskSpec, config: FusedDqConfig,
+                         segment_ids):
+  """`backward` with the one kernel (`sm90_backward_fused_dq`): delta by
+  XLA, dK and dV from the kernel, dQ summed in float32 and cast here."""
+  batch, q_seq, num_q_heads, head_dim = q.shape
+  _, kv_seq, num_kv_heads, _ = k.shape
+  value_dim = v.shape[-1]
+  dtype = q.dtype
+  dout = dout.astype(dtype)
+  d = padded_head_dim(head_dim)
+  q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
+  lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=True)
+
+  def pad(x, t_pad):
+    if d == x.shape[-1] and t_pad == x.shape[1]:
+      return x
+    return jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, d - x.shape[-1])])
+
+  q, dout, k, v = pad(q, q_pad), pad(dout, q_pad), pad(k, kv_pad), pad(v, kv_pad)
+  common = dict(
+      batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
+      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=d,
+      dtype=dtype, score=score, mask=mask,
+      has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
+  if segment_ids is not None:
+    common["has_segments"] = True
+  dkv_segments, _ = _kernel_segments(segment_ids, BackwardConfig(dkv=config.dkv), q_pad, kv_pad)
+  lengths = [jnp.asarray(x, jnp.int32) for x in (q_lengths, kv_lengths) if x is not None]
+  args = [q, k, v, dout, lse2, delta, *lengths]
+  dq, dk, dv = sm90_backward_fused_dq.backward_kernels(args, dkv_segments, common=common,
+                                                       config=config, kv_pad=kv_pad)
+  dq = dq[:, :q_seq, :, :head_dim].astype(dtype)
+  dk, dv = dk[:, :kv_seq, :, :head_dim], dv[:, :kv_seq, :, :value_dim]
   return dq, dk, dv

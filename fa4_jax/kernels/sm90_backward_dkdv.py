@@ -125,23 +125,29 @@ class DkvConfig:
                          self.consumer_registers)
 
 
-def _dk_dv_update(dk, dv, softmax: TileSoftmax, q_tile, do_tile, staging):
+def _dk_dv_update(dk, dv, softmax: TileSoftmax, q_tile, do_tile, staging, publish_ds=None):
   """dV += P^T dO and dK += dS^T Q with dS^T = `softmax.grad()` (keys along
   rows: `softmax.probs` is P^T).
 
   On hardware the dV wgmma is issued first and dS is computed while it runs;
-  one wait covers both.
+  one wait covers both. `publish_ds(ds)`, if given, is called with dS^T (in
+  the operands' dtype) before the dK wgmma is issued (the one kernel with
+  dQ, `sm90_backward_fused_dq`, stores it for the dQ wgmmas there).
   """
   dtype = q_tile.dtype
   if is_interpreting():
     dv = mma_accumulate(dv, softmax.probs.astype(dtype), do_tile, staging)
     ds = softmax.grad().astype(dtype)
+    if publish_ds is not None:
+      publish_ds(ds)
     return mma_accumulate(dk, ds, q_tile, staging), dv
 
   def body(refs):
     dk_ref, dv_ref = refs
     plgpu.wgmma(dv_ref, softmax.probs.astype(dtype), do_tile)
     ds = softmax.grad().astype(dtype)
+    if publish_ds is not None:
+      publish_ds(ds)
     plgpu.wgmma(dk_ref, ds, q_tile)
 
   return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
@@ -389,14 +395,18 @@ def _key_tile_segments(segments: SegmentRefs | None, batch_idx, k_lo, bk: int, q
 
 def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
                   work: KeyTileWork, segments: SegmentRefs | None, item=0, step0=0,
-                  mod_refs: ModRefs | None = None):
+                  mod_refs: ModRefs | None = None, dq=None):
   """Consumer `wg`: the dK and/or dV of its `block_kv` keys over every step
   of work item `item` (steps its keys cannot see only keep the ring going),
   whose first step sits at ring position `step0`. Returns (accumulators by
   name, its first key). A queued consumer waited for its resident copy
   already (the item's unit rides with it); otherwise the wait is here,
   after the ranges' reads. With mods the consumer walks each query head's
-  block list of the CTA (`walk_block_list`), with the CTA's classes."""
+  block list of the CTA (`walk_block_list`), with the CTA's classes.
+  `dq` (the one kernel with dQ, `sm90_backward_fused_dq.DqAdder`; not with
+  mods): every step also hands dS^T to it (`publish`, zeros on a skipped
+  step) and then adds this consumer's share of dQ (`add`)."""
+  assert dq is None or kp.mods is None, "the one kernel with dQ walks no block lists"
   cfg, bk, bq, c, mask = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.exp2_constant, kp.mask
   lo, hi, blocks_per_head = work.lo, work.hi, work.blocks_per_head
   k_lo = work.k_lo + wg * bk
@@ -416,8 +426,8 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
     k_operand = load_operand(k_tile)
     v_operand = load_operand(v_tile) if kp.with_dk else None
 
-  def block_fn(step, qb, acc, *, masked, tile_mods=None):
-    """Query block qb at ring position `step`."""
+  def block_fn(step, qb, acc, *, masked, tile_mods=None, head=None):
+    """Query block qb (of query head `head`, with `dq`) at ring position `step`."""
     acc = dict(acc)
     slot = bars.slot("q_do_full", step)
     q_tile, do_tile = smem.q_ring.at[slot], smem.do_ring.at[slot]
@@ -437,13 +447,16 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
                          kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
                          dp=dp, delta=delta, **mods)
     if kp.with_dk and kp.with_dv:
+      publish = None if dq is None else functools.partial(dq.publish, step)
       acc["dk"], acc["dv"] = _dk_dv_update(acc["dk"], acc["dv"], softmax, q_tile, do_tile,
-                                           stage)
+                                           stage, publish_ds=publish)
     elif kp.with_dk:
       acc["dk"] = mma_accumulate(acc["dk"], softmax.grad().astype(kp.dtype), q_tile, stage)
     else:
       acc["dv"] = mma_accumulate(acc["dv"], softmax.probs.astype(kp.dtype), do_tile, stage)
     bars.consumer_q_do_release(step)
+    if dq is not None:
+      dq.add(step, head, qb)
     return acc
 
   width = dict(dk=kp.head_dim, dv=kp.value_head_dim)
@@ -462,21 +475,24 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
                            (zero_acc(), jnp.asarray(step0, jnp.int32)))
     return acc, k_lo
 
-  def step_fn(qb, acc, *, masked, head_step0):
+  def step_fn(qb, acc, *, masked, head_step0, head):
     step = head_step0 + (qb - lo)
-    return block_fn(step, qb, acc, masked=masked)
+    return block_fn(step, qb, acc, masked=masked, head=head)
 
-  def skip_fn(qb, acc, *, head_step0):
+  def skip_fn(qb, acc, *, head_step0, head):
     step = head_step0 + (qb - lo)
     bars.consumer_q_do(step)
     bars.consumer_q_do_release(step)
+    if dq is not None:  # the other consumer's keys see the block: its dS^T counts
+      dq.skip(step, head, qb)
     return acc
 
   def one_head(g, acc):
     head_step0 = step0 + g * blocks_per_head
+    head = work.kv_head * kp.group + g
     return walk_blocks(lo, hi, own,
-                functools.partial(step_fn, head_step0=head_step0),
-                functools.partial(skip_fn, head_step0=head_step0), acc)
+                functools.partial(step_fn, head_step0=head_step0, head=head),
+                functools.partial(skip_fn, head_step0=head_step0, head=head), acc)
 
   acc = lax.fori_loop(0, kp.group, one_head, zero_acc())
   return acc, k_lo
