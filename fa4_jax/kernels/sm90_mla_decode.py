@@ -96,6 +96,8 @@ class MlaPlan:
   splits: int = 1
   block_kv: int = 64
   num_stages: int = 2
+  # The row tiles of an item as CUDA's fastest grid axis (`MlaConfig`).
+  tiles_adjacent: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     q = ROWS * head_dim * itemsize
@@ -122,9 +124,18 @@ class MlaConfig:
     lengths): B32 T1 Hq16 S32k 3,016 GB/s against 2,294 under 8 waves, B128
     T1 Hq16 S16k 3,099 against 3,003, B128 T1 Hq128 S8k 369 TFLOP/s against
     342 (the 8 waves' fill, drain and 32-way combine were the loss).
-    Unequal lengths were not measured under either rule."""
+    Unequal lengths were not measured under either rule.
+  tiles_adjacent: the grid's row tiles vary fastest in CUDA's launch order,
+    so the T * Hq / 64 CTAs of one item (batch row, chunk) start together
+    and all but the first find the item's cache blocks in L2. False, the
+    default: the items vary fastest (`plgpu.kernel` makes the last grid
+    axis CUDA's x), so at B128 Hq128 tile 0 of every item runs in the first
+    wave and tile 1 a wave later, reading the cache from HBM again
+    (docs/performance-notes.md, "MLA decode: the second row tile reads
+    HBM"). Changes no CTA's code or barriers; with one row tile, nothing."""
 
   waves: int | None = 1
+  tiles_adjacent: bool = False
 
 
 # Lost, and left the code (docs/performance-notes.md, "MLA decode on Hopper:
@@ -135,6 +146,7 @@ class MlaConfig:
 CONFIGS = {
     "default": MlaConfig(),
     "waves8": MlaConfig(waves=None),
+    "tiles_adjacent": MlaConfig(tiles_adjacent=True),
 }
 CONFIG = CONFIGS["default"]
 
@@ -201,7 +213,7 @@ def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None 
     ragged, sms = False, sms * config.waves
   splits = sm90_decode.choose_splits(b, 1, s, ragged=ragged, num_sms=sms, granule=granule,
                                      tiles=tiles)
-  return MlaPlan(splits, block_kv, stages)
+  return MlaPlan(splits, block_kv, stages, tiles_adjacent=config.tiles_adjacent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,6 +542,14 @@ def _kernel(st: _Statics, *refs) -> None:
     pl.when(wg == 1)(functools.partial(_second_half_consumer, ctx))
 
 
+def _grid(tiles: int, items: int, tiles_adjacent: bool) -> dict:
+  """`plgpu.kernel`'s grid: its last axis is CUDA's x, which the block
+  scheduler walks fastest, so the last axis' CTAs launch side by side."""
+  if tiles_adjacent:
+    return dict(grid=(items, tiles), grid_names=("items", "tiles"))
+  return dict(grid=(tiles, items), grid_names=("tiles", "items"))
+
+
 @cached_build
 def _build(st: _Statics):
   check_register_split("sm90 MLA decode", PRODUCER_REGISTERS, NUM_CONSUMERS, CONSUMER_REGISTERS)
@@ -551,8 +571,7 @@ def _build(st: _Statics):
       compile_ahead.named(kernel, "sm90_mla_decode"),
       out_type=out_type,
       scratch_types=(smem, MlaBarrierTable.scratch_types(st)),
-      grid=(st.tiles, items),
-      grid_names=("tiles", "items"),
+      **_grid(st.tiles, items, pl_.tiles_adjacent),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
