@@ -90,11 +90,13 @@ def test_latent_pages_equal_the_xla_path(name, b, t, n, s):
   _check(run(None), run("xla"))
 
 
-CONFIG_CASES = [CASES[1], CASES[2]]  # memory-bound S32k; compute-bound T2 causal
+CONFIG_CASES = [CASES[1], CASES[2], CASES[3]]  # memory-bound S32k; compute-bound T2 causal, T1
+# The non-default CONFIGS (a plain list: this file imports no kernel module at collection).
+NON_DEFAULT_CONFIGS = ["waves8", "tiles_adjacent", "alternate tiles_adjacent"]
 
 
 @pytest.mark.parametrize("name, b, t, n, s", CONFIG_CASES)
-@pytest.mark.parametrize("config", ["waves8"])  # the non-default CONFIGS
+@pytest.mark.parametrize("config", NON_DEFAULT_CONFIGS)
 def test_configs_equal_the_xla_path(config, name, b, t, n, s):
   """`sm90_mla_decode.CONFIGS` candidates (bench_mla.py's columns), contiguous
   and paged, against the XLA path."""

@@ -251,3 +251,136 @@ def test_each_config_plans_and_lowers_the_serving_rows(config, cross_lower):
           q, k, None, value_head_dim=DV, scale=SCALE, key_value_seq_lengths=n,
           is_causal=t > 1, causal_alignment="bottom_right", implementation="sm90"), q, k, lengths)
     assert lowered.has("wgmma.mma_async")
+
+
+def test_tiles_adjacent_contiguous_matches_an_f32_einsum_without_races(run_interpreted):
+  """`CONFIGS["tiles_adjacent"]` (row tiles as CUDA's fastest grid axis)
+  through `fa4_jax.attention`: T1 Hq128 (two row tiles), ragged lengths
+  (0 and 1 included), the config in force while the call is traced."""
+  b, t, n, s = 4, 1, 128, 256
+  q, k = _inputs(4, b, t, n, s)
+  lengths = jnp.asarray((1, 256, 70, 0), jnp.int32)
+
+  def call(q, k, n):
+    with mla.use_config("tiles_adjacent"):
+      assert mla.choose_plan(q.shape, k.shape).tiles_adjacent
+      return fa4_jax.attention(q, k, None, value_head_dim=DV, scale=SCALE,
+                               key_value_seq_lengths=n, implementation="sm90",
+                               return_residual=True)
+
+  out, lse = run_interpreted(call, q, k, lengths)
+  want, want_lse = _reference(q, k, lengths, causal=False)
+  _check(out, want, np.asarray(lse, np.float32).transpose(0, 2, 1), want_lse)
+
+
+@pytest.mark.parametrize("t, n, page_size", [(2, 64, 16), (4, 32, 128)])
+def test_tiles_adjacent_paged_causal_matches_an_f32_einsum_without_races(t, n, page_size,
+                                                                         run_interpreted):
+  """The same grid order over a shuffled page table, bottom-right causal,
+  two row tiles (T x Hq = 128) and two chunks (the combine); pages smaller
+  and larger than a block."""
+  b, s, splits = 3, 256, 2
+  q, k = _inputs(5 + t, b, t, n, s)
+  pool, table = _paged(k, page_size, seed=t)
+  lengths = jnp.asarray((3, 130, 256), jnp.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True)
+  plan = mla.MlaPlan(splits=splits, tiles_adjacent=True)
+  out, lse = run_interpreted(lambda q, p, tb, n: mla.forward(
+      q, p, None, n, value_head_dim=DV, score=ScoreFunction(SCALE), mask=mask, page_table=tb,
+      plan=plan), q, pool, table, lengths)
+  want, want_lse = _reference(q, k, lengths, causal=True)
+  _check(out, want, lse, want_lse)
+
+
+def _launch_grid(module: str) -> tuple[int, ...]:
+  """(x, y, z) CTAs of the module's one `gpu.launch`."""
+  line = module[module.index("gpu.launch"):].split("\n")[0]
+  sizes = line.split(" in (")[1].split(")")[0]
+  return tuple(int(part.split("%c")[1]) for part in sizes.split(", "))
+
+
+@pytest.mark.parametrize("config, want", [("default", (128, 2, 1)),
+                                          ("tiles_adjacent", (2, 128, 1))])
+def test_tiles_adjacent_puts_the_row_tiles_on_cudas_x_axis(config, want, cross_lower):
+  """B128 T1 Hq128 S8k (one chunk, two row tiles): the default launches the
+  items along x (tile 1 of an item a wave after tile 0); `tiles_adjacent`
+  launches the two tiles of an item side by side. Same SMEM either way."""
+  b, t, n, s = 128, 1, 128, 8192
+  q = jax.ShapeDtypeStruct((b, t, n, D), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, s, 1, D), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+  def call(q, k, n):
+    with mla.use_config(config):
+      return fa4_jax.attention(q, k, None, value_head_dim=DV, scale=SCALE,
+                               key_value_seq_lengths=n, implementation="sm90")
+
+  with mla.use_config(config):
+    assert mla.choose_plan(q.shape, k.shape, num_sms=132).splits == 1
+  lowered = cross_lower(call, q, k, lengths)
+  assert len(lowered.modules) == 1
+  assert _launch_grid(lowered.modules[0]) == want
+  assert lowered.max_smem_bytes == 231480
+
+
+ALTERNATE = mla.MlaPlan(schedule="alternate")
+
+
+@pytest.mark.parametrize("lengths", [(1, 256, 70, 0), (128, 192, 65, 64)])
+def test_alternate_schedule_contiguous_matches_an_f32_einsum_without_races(lengths,
+                                                                           run_interpreted):
+  """`schedule="alternate"` (both warpgroups compute S, every other block):
+  T1 Hq64, per-row lengths giving odd and even block counts (1, 4, 2 and 0
+  blocks; 2, 3, 2 and 1), masked last blocks and unmasked pairs."""
+  b, t, n, s = 4, 1, 64, 256
+  q, k = _inputs(6, b, t, n, s)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  out, lse = run_interpreted(lambda q, k, n: mla.forward(
+      q, k, None, n, value_head_dim=DV, score=ScoreFunction(SCALE), mask=MaskSpec(),
+      plan=ALTERNATE), q, k, lengths)
+  want, want_lse = _reference(q, k, lengths, causal=False)
+  _check(out, want, lse, want_lse)
+
+
+@pytest.mark.parametrize("t, n, page_size", [(2, 64, 16), (4, 16, 128)])
+def test_alternate_schedule_paged_causal_matches_an_f32_einsum_without_races(t, n, page_size,
+                                                                            run_interpreted):
+  """The alternate schedule with adjacent tiles over a shuffled page table,
+  bottom-right causal, two chunks; T2 Hq64 (two row tiles) and T4 Hq16."""
+  b, s = 3, 512
+  q, k = _inputs(8 + t, b, t, n, s)
+  pool, table = _paged(k, page_size, seed=t + 1)
+  lengths = jnp.asarray((3, 300, 512), jnp.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True)
+  plan = mla.MlaPlan(splits=2, tiles_adjacent=True, schedule="alternate")
+  out, lse = run_interpreted(lambda q, p, tb, n: mla.forward(
+      q, p, None, n, value_head_dim=DV, score=ScoreFunction(SCALE), mask=mask, page_table=tb,
+      plan=plan), q, pool, table, lengths)
+  want, want_lse = _reference(q, k, lengths, causal=True)
+  _check(out, want, lse, want_lse)
+
+
+def test_alternate_barrier_table_lists_every_arrive_and_wait(monkeypatch):
+  st = types.SimpleNamespace(plan=ALTERNATE, copies_per_block=4)
+  barrier_tables.check_table(mla.MlaAlternateBarrierTable,
+                             lambda refs: mla.MlaAlternateBarrierTable(st, refs), mla,
+                             monkeypatch, indent=12, named_only=("drain_kv", "drain_p"))
+
+
+def test_alternate_schedule_lowers_within_smem(cross_lower):
+  """B128 T1 Hq128 S8k: one kernel with wgmma, 231,512 B of SMEM (the
+  default's 231,480, P single, the two warpgroups' m and l beside it)."""
+  b, t, n, s = 128, 1, 128, 8192
+  q = jax.ShapeDtypeStruct((b, t, n, D), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, s, 1, D), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+  def call(q, k, n):
+    with mla.use_config("alternate tiles_adjacent"):
+      return fa4_jax.attention(q, k, None, value_head_dim=DV, scale=SCALE,
+                               key_value_seq_lengths=n, implementation="sm90")
+
+  lowered = cross_lower(call, q, k, lengths)
+  assert len(lowered.modules) == 1 and lowered.has("wgmma.mma_async")
+  assert lowered.max_smem_bytes == 231512 <= testing.SMEM_LIMIT_BYTES
+  assert _launch_grid(lowered.modules[0]) == (2, 128, 1)

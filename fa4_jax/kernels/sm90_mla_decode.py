@@ -96,13 +96,19 @@ class MlaPlan:
   splits: int = 1
   block_kv: int = 64
   num_stages: int = 2
+  # The row tiles of an item as CUDA's fastest grid axis (`MlaConfig`).
+  tiles_adjacent: bool = False
+  # "handoff" (wg 0 computes every S) or "alternate" (`MlaConfig.schedule`).
+  schedule: str = "handoff"
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     q = ROWS * head_dim * itemsize
     ring = self.num_stages * self.block_kv * head_dim * itemsize
     p = ROWS * self.block_kv * itemsize
-    rows = 2 * ROWS * 4  # the rescale factors and the lse
-    barriers = 8 * (2 * self.num_stages + 3)
+    if self.schedule == "alternate":  # m and l of each warpgroup, the lse
+      rows, barriers = 5 * ROWS * 4, 8 * (2 * self.num_stages + 7)
+    else:  # the rescale factors and the lse
+      rows, barriers = 2 * ROWS * 4, 8 * (2 * self.num_stages + 3)
     return q + ring + p + rows + barriers
 
   def fits_smem(self, head_dim: int, itemsize: int = 2) -> bool:
@@ -122,9 +128,26 @@ class MlaConfig:
     lengths): B32 T1 Hq16 S32k 3,016 GB/s against 2,294 under 8 waves, B128
     T1 Hq16 S16k 3,099 against 3,003, B128 T1 Hq128 S8k 369 TFLOP/s against
     342 (the 8 waves' fill, drain and 32-way combine were the loss).
-    Unequal lengths were not measured under either rule."""
+    Unequal lengths were not measured under either rule.
+  tiles_adjacent: the grid's row tiles vary fastest in CUDA's launch order,
+    so the T * Hq / 64 CTAs of one item (batch row, chunk) start together
+    and all but the first find the item's cache blocks in L2. False, the
+    default: the items vary fastest (`plgpu.kernel` makes the last grid
+    axis CUDA's x), so at B128 Hq128 tile 0 of every item runs in the first
+    wave and tile 1 a wave later, reading the cache from HBM again
+    (docs/performance-notes.md, "MLA decode: the second row tile reads
+    HBM"). Changes no CTA's code or barriers; with one row tile, nothing.
+  schedule: "handoff", the default: warpgroup 0 computes every S and hands
+    P to warpgroup 1 (`MlaBarrierTable`). "alternate": FlashMLA's order,
+    each warpgroup computes S and the softmax of every other block (wg w
+    the blocks j with j % 2 == w), issuing its next S before it adds the
+    other's P V, and the running row max passes between them through SMEM
+    with P (`MlaAlternateBarrierTable`): each softmax runs beside the other
+    warpgroup's GEMMs."""
 
   waves: int | None = 1
+  tiles_adjacent: bool = False
+  schedule: str = "handoff"
 
 
 # Lost, and left the code (docs/performance-notes.md, "MLA decode on Hopper:
@@ -135,6 +158,9 @@ class MlaConfig:
 CONFIGS = {
     "default": MlaConfig(),
     "waves8": MlaConfig(waves=None),
+    "tiles_adjacent": MlaConfig(tiles_adjacent=True),
+    "alternate": MlaConfig(schedule="alternate"),
+    "alternate tiles_adjacent": MlaConfig(tiles_adjacent=True, schedule="alternate"),
 }
 CONFIG = CONFIGS["default"]
 
@@ -192,7 +218,7 @@ def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None 
   config = CONFIG
   block_kv = 64
   stages = 2
-  while MlaPlan(1, block_kv, stages + 1).fits_smem(d) and stages < 4:
+  while MlaPlan(1, block_kv, stages + 1, schedule=config.schedule).fits_smem(d) and stages < 4:
     stages += 1
   granule = max(block_kv, page_size or 1)
   tiles = cdiv(t * n, ROWS)
@@ -201,7 +227,8 @@ def choose_plan(q_shape, k_shape, *, ragged: bool = True, page_size: int | None 
     ragged, sms = False, sms * config.waves
   splits = sm90_decode.choose_splits(b, 1, s, ragged=ragged, num_sms=sms, granule=granule,
                                      tiles=tiles)
-  return MlaPlan(splits, block_kv, stages)
+  return MlaPlan(splits, block_kv, stages, tiles_adjacent=config.tiles_adjacent,
+                 schedule=config.schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +323,67 @@ class MlaBarrierTable(BarrierTable):
   def drain_kv(self, num_blocks) -> None:
     """Producer: observe the kv_free phases of the last lap."""
     self._drain_last_lap(num_blocks, "kv_free")
+
+
+class MlaAlternateBarrierTable(BarrierTable):
+  """Every mbarrier of the MLA decode kernel under `schedule="alternate"`
+  (`MlaConfig`): warpgroup w computes S and the softmax of the blocks j
+  with j % 2 == w ("its own"), and adds P V of every block to its half of O.
+  The producer and the ring are those of `MlaBarrierTable`. In SMEM beside
+  P: the running row max after each block (`stats` rows 0 and 1, by the
+  writer's parity) and, at the end, each warpgroup's row sum (rows 2, 3).
+
+  name     count   arrivals   arrived on by                       waited on by
+  q_full   1       1 (TMA)    producer: producer_q (TMA of the Q  both consumers: consumer_q, once
+                                tile)                               (both stage O in Q's tile)
+  kv_full  stages  kv copies  producer: producer_kv (TMAs of      both consumers: consumer_kv,
+                     (TMA)      block j, as in MlaBarrierTable)     every block (its S or P V)
+  kv_free  stages  2          each consumer: consumer_kv_release  producer: producer_kv_acquire
+                                after its P V of block j            (before it refills the slot),
+                                                                    drain_kv*
+  p_full   2       1          wg w: producer_p(w) (P of its own   wg 1 - w: consumer_p(w), before
+                                block j and the row max after j     its P V of block j (every
+                                in stats[w])                        phase)
+  p_free   2       1          wg w: consumer_p_release(w) after   wg 1 - w: producer_p_acquire(w)
+                                its P V of its own block j (P is    before it writes P of block
+                                read; stats[w] read by wg 1 - w     j + 1; drain_p* (the phase of
+                                before that)                        the last block, if it is w's)
+  l_full   2       1          wg w: producer_l(w) (its row sum,   wg 1 - w: consumer_l(w), once
+                                stats[2 + w], after its last S:     (then O is staged in Q's tile)
+                                Q is free of wg w)
+
+  stages, kv copies: as in MlaBarrierTable; barrier w of p_full, p_free
+  and l_full is arrived on by warpgroup w. * interpreter only.
+  """
+
+  ALLOCATION_ORDER = "as declared"
+  BARRIERS = {
+      "q_full": Barrier("one", 1, False, arrive={"producer_q": TMA}, wait={"consumer_q": WAIT}),
+      "kv_full": Barrier("stage", "kv copies", False, arrive={"producer_kv": FILL},
+                         wait={"consumer_kv": WAIT}, index=RING),
+      "kv_free": Barrier("stage", "consumers", False, arrive={"consumer_kv_release": ARRIVE},
+                         wait={"producer_kv_acquire": ACQUIRE}, index=RING),
+      "p_full": Barrier("consumers", 1, False, arrive={"producer_p": PUBLISH},
+                        wait={"consumer_p": WAIT}),
+      "p_free": Barrier("consumers", 1, False, arrive={"consumer_p_release": ARRIVE},
+                        wait={"producer_p_acquire": WAIT}),
+      "l_full": Barrier("consumers", 1, False, arrive={"producer_l": PUBLISH},
+                        wait={"consumer_l": WAIT}),
+  }
+
+  barrier_counts = staticmethod(MlaBarrierTable.barrier_counts)
+  drain_kv = MlaBarrierTable.drain_kv
+
+  def drain_p(self, num_blocks, other: int) -> None:
+    """Interpreter only: a consumer observes the other's p_free phase of
+    the last block when that block is the other's (no block of its own
+    follows to wait for it)."""
+    if not self._interpreting:
+      return
+
+    @pl.when((num_blocks > 0) & (lax.rem(num_blocks - 1, 2) == other))
+    def _():
+      plgpu.barrier_wait(self._refs["p_free"].at[other])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,6 +581,101 @@ def _second_half_consumer(ctx: _Ctx) -> None:
   plgpu.wait_smem_to_gmem(0)
 
 
+def _alternate_consumer(ctx: _Ctx, w: int) -> None:
+  """Consumer warpgroup w under `schedule="alternate"`: S and the softmax of
+  its own blocks (j % 2 == w), P V of every block into O[:, w * half:].
+  At the other's block j it first issues S of block j + 1 (its own), then
+  waits for P of j and adds P V; at its own block it runs the softmax of
+  the S it holds, publishes P and the row max, and adds P V."""
+  st, bars, bkv = ctx.st, ctx.bars, ctx.st.plan.block_kv
+  other = 1 - w
+  n_blocks, full_blocks = ctx.block_range()
+  limits = ctx.row_limits()
+  cols = pl.ds(w * st.half, st.half)
+  bcast = lambda v, x: lax.broadcast_in_dim(v, x.shape, [0])
+
+  def scores(j):
+    bars.consumer_kv(j)
+    slot = bars.slot("kv_full", j)
+    return _mma(None, ctx.q_smem, ctx.ring.at[slot].transpose((1, 0)), (ROWS, bkv),
+                st.interpreting)
+
+  def add_pv(acc, j):
+    acc = _mma(acc, ctx.p_smem, ctx.ring.at[bars.slot("kv_full", j), :, cols], acc.shape,
+               st.interpreting)
+    bars.consumer_kv_release(j)
+    return acc
+
+  def own(j, carry, masked: bool):
+    acc, m, l, s = carry
+    p, m_new, l, alpha = _block_softmax(ctx, s, m, l, j, limits, masked)
+    acc = acc * bcast(alpha, acc)
+
+    @pl.when(j > 0)
+    def _():
+      bars.producer_p_acquire(other)  # the other's P V of block j - 1 read P
+
+    ctx.p_smem[...] = p
+    ctx.factor_smem.at[w][...] = m_new
+    bars.producer_p(w)
+    acc = add_pv(acc, j)
+    bars.consumer_p_release(w)
+    return acc, m_new, l, s
+
+  def others(j, carry, lookahead):
+    """lookahead: True (block j + 1 exists), False (it does not) or None
+    (it may: a cond on S alone)."""
+    acc, m, l, s = carry
+    if lookahead is None:
+      s = lax.cond(j + 1 < n_blocks, lambda: scores(j + 1), lambda: _zeros(s.shape))
+    elif lookahead:
+      s = scores(j + 1)
+    bars.consumer_p(other)
+    m_j = plgpu.load(ctx.factor_smem.at[other], layout=_ROW_LAYOUT)
+    alpha = jnp.exp2(m - jnp.where(m_j == -jnp.inf, 0.0, m_j))
+    acc = add_pv(acc * bcast(alpha, acc), j)
+    return acc, m_j, l * alpha, s
+
+  def pair(i, carry, masked: bool):
+    """Blocks 2i (wg 0's) and 2i + 1 (wg 1's), both present."""
+    j = 2 * i
+    if w == 0:
+      return others(j + 1, own(j, carry, masked), None)
+    return own(j + 1, others(j, carry, True), masked)
+
+  def last(carry):
+    """Block n - 1 of an odd count (wg 0's), masked."""
+    j = n_blocks - 1
+    return own(j, carry, True) if w == 0 else others(j, carry, False)
+
+  bars.consumer_q()
+  s0 = _zeros((ROWS, bkv))
+  if w == 0:  # block 0 is wg 0's: its S before the loop
+    s0 = lax.cond(n_blocks > 0, lambda: scores(0), lambda: s0)
+  carry = (_zeros((ROWS, st.half)), _row_vector(-jnp.inf), _row_vector(0.0), s0)
+  full_pairs, pairs = lax.div(full_blocks, 2), lax.div(n_blocks, 2)
+  carry = lax.fori_loop(0, full_pairs, functools.partial(pair, masked=False), carry)
+  carry = lax.fori_loop(full_pairs, pairs, functools.partial(pair, masked=True), carry)
+  acc, m, l, _ = lax.cond(lax.rem(n_blocks, 2) == 1, last, lambda c: c, carry)
+  bars.drain_p(n_blocks, other)
+  ctx.factor_smem.at[2 + w][...] = l
+  bars.producer_l(w)  # after this warpgroup's last S: Q is free of it
+  bars.consumer_l(other)
+  l = l + plgpu.load(ctx.factor_smem.at[2 + other], layout=_ROW_LAYOUT)
+  if st.has_q_lengths:  # rows of tokens past the row's query length: zeros, lse -inf
+    rows = ctx.tile * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=_ROW_LAYOUT)
+    l = jnp.where(lax.div(rows, jnp.int32(st.heads)) < ctx.q_lens[ctx.batch_row], l, 0.0)
+  inv_l, lse = finish_rows(m, l)
+  _store_half(ctx, acc * bcast(inv_l, acc), w)
+  if w == 0:
+    ctx.lse_smem[...] = lse
+    plgpu.commit_smem()
+    r = st.tile_rows
+    plgpu.copy_smem_to_gmem(ctx.lse_smem.at[pl.ds(0, r)],
+                            ctx.lse.at[ctx.item, pl.ds(ctx.tile * ROWS, r)])
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _store_half(ctx: _Ctx, out, half_index: int) -> None:
   """A consumer's columns of O through Q's SMEM tile (no S reads it now)."""
   st = ctx.st
@@ -517,17 +700,30 @@ def _kernel(st: _Statics, *refs) -> None:
   q_lens = refs.pop(0) if st.has_q_lengths else None
   out, lse, smem, barrier_refs = refs
   q_smem, ring, p_smem, factor_smem, lse_smem = smem
+  alternate = st.plan.schedule == "alternate"
+  bars = (MlaAlternateBarrierTable if alternate else MlaBarrierTable)(st, barrier_refs)
   ctx = _Ctx(st, q, k, table, ends, diags, q_lens, out, lse, q_smem, ring, p_smem, factor_smem,
-             lse_smem, MlaBarrierTable(st, barrier_refs), lax.axis_index("tiles"),
-             lax.axis_index("items"))
+             lse_smem, bars, lax.axis_index("tiles"), lax.axis_index("items"))
   wg = lax.axis_index("wg")
   pl.when(wg == NUM_CONSUMERS)(functools.partial(_producer, ctx))
 
   @pl.when(wg < NUM_CONSUMERS)
   def _():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    pl.when(wg == 0)(functools.partial(_softmax_consumer, ctx))
-    pl.when(wg == 1)(functools.partial(_second_half_consumer, ctx))
+    if alternate:
+      for w in range(NUM_CONSUMERS):
+        pl.when(wg == w)(functools.partial(_alternate_consumer, ctx, w))
+    else:
+      pl.when(wg == 0)(functools.partial(_softmax_consumer, ctx))
+      pl.when(wg == 1)(functools.partial(_second_half_consumer, ctx))
+
+
+def _grid(tiles: int, items: int, tiles_adjacent: bool) -> dict:
+  """`plgpu.kernel`'s grid: its last axis is CUDA's x, which the block
+  scheduler walks fastest, so the last axis' CTAs launch side by side."""
+  if tiles_adjacent:
+    return dict(grid=(items, tiles), grid_names=("items", "tiles"))
+  return dict(grid=(tiles, items), grid_names=("tiles", "items"))
 
 
 @cached_build
@@ -542,7 +738,9 @@ def _build(st: _Statics):
   smem = (smem_tile((ROWS, d), st.dtype),  # Q, then O
           smem_tile((pl_.num_stages, bkv, d), st.dtype),  # the K (and V) ring
           smem_tile((ROWS, bkv), st.dtype, swizzle=min(128, bkv * 2)),  # P
-          plgpu.SMEM((ROWS,), jnp.float32),  # the rescale factors, then 1 / l
+          # handoff: the rescale factors, then 1 / l; alternate: m of wg 0, 1, l of wg 0, 1
+          plgpu.SMEM((ROWS,) if pl_.schedule != "alternate" else (2 * NUM_CONSUMERS, ROWS),
+                     jnp.float32),
           plgpu.SMEM((ROWS,), jnp.float32))  # lse
   tiles_rows = st.tiles * ROWS if st.rows > ROWS else st.rows
   out_type = (jax.ShapeDtypeStruct((items, tiles_rows, st.value_head_dim), st.dtype),
@@ -550,9 +748,9 @@ def _build(st: _Statics):
   return plgpu.kernel(
       compile_ahead.named(kernel, "sm90_mla_decode"),
       out_type=out_type,
-      scratch_types=(smem, MlaBarrierTable.scratch_types(st)),
-      grid=(st.tiles, items),
-      grid_names=("tiles", "items"),
+      scratch_types=(smem, (MlaAlternateBarrierTable if pl_.schedule == "alternate"
+                            else MlaBarrierTable).scratch_types(st)),
+      **_grid(st.tiles, items, pl_.tiles_adjacent),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
