@@ -254,15 +254,15 @@ def test_each_config_plans_and_lowers_the_serving_rows(config, cross_lower):
 
 
 def test_tiles_adjacent_contiguous_matches_an_f32_einsum_without_races(run_interpreted):
-  """`CONFIGS["tiles_adjacent"]` (row tiles as CUDA's fastest grid axis)
-  through `fa4_jax.attention`: T1 Hq128 (two row tiles), ragged lengths
-  (0 and 1 included), the config in force while the call is traced."""
+  """The default plan (row tiles as CUDA's fastest grid axis) through
+  `fa4_jax.attention`: T1 Hq128 (two row tiles), ragged lengths (0 and 1
+  included)."""
   b, t, n, s = 4, 1, 128, 256
   q, k = _inputs(4, b, t, n, s)
   lengths = jnp.asarray((1, 256, 70, 0), jnp.int32)
 
   def call(q, k, n):
-    with mla.use_config("tiles_adjacent"):
+    with mla.use_config("default"):
       assert mla.choose_plan(q.shape, k.shape).tiles_adjacent
       return fa4_jax.attention(q, k, None, value_head_dim=DV, scale=SCALE,
                                key_value_seq_lengths=n, implementation="sm90",
@@ -299,12 +299,13 @@ def _launch_grid(module: str) -> tuple[int, ...]:
   return tuple(int(part.split("%c")[1]) for part in sizes.split(", "))
 
 
-@pytest.mark.parametrize("config, want", [("default", (128, 2, 1)),
-                                          ("tiles_adjacent", (2, 128, 1))])
+@pytest.mark.parametrize("config, want", [("items_first", (128, 2, 1)),
+                                          ("default", (2, 128, 1))])
 def test_tiles_adjacent_puts_the_row_tiles_on_cudas_x_axis(config, want, cross_lower):
-  """B128 T1 Hq128 S8k (one chunk, two row tiles): the default launches the
-  items along x (tile 1 of an item a wave after tile 0); `tiles_adjacent`
-  launches the two tiles of an item side by side. Same SMEM either way."""
+  """B128 T1 Hq128 S8k (one chunk, two row tiles): "items_first" launches
+  the items along x (tile 1 of an item a wave after tile 0); the default
+  (`tiles_adjacent`) launches the two tiles of an item side by side. Same
+  SMEM either way."""
   b, t, n, s = 128, 1, 128, 8192
   q = jax.ShapeDtypeStruct((b, t, n, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((b, s, 1, D), jnp.bfloat16)
@@ -376,7 +377,7 @@ def test_alternate_schedule_lowers_within_smem(cross_lower):
   lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
 
   def call(q, k, n):
-    with mla.use_config("alternate tiles_adjacent"):
+    with mla.use_config("alternate"):
       return fa4_jax.attention(q, k, None, value_head_dim=DV, scale=SCALE,
                                key_value_seq_lengths=n, implementation="sm90")
 
