@@ -21,9 +21,8 @@ from fa4_jax.kernels import exp2_split, sm90_forward
 from fa4_jax.scores import RESCALE_THRESHOLD, MaskSpec, ScoreFunction
 from test_sm90_fp8 import E4M3, assert_close_to_p_rounding, dequantized_reference, fp8_inputs
 
-# Half an ulp of P in bfloat16 (8 significant bits) and in e4m3 (4): the
-# rounding the polynomial's error must stay below.
-BF16_ROUNDING, E4M3_ROUNDING = 2.0 ** -9, 2.0 ** -4
+ROUNDING = {name: exp2_split.unit_roundoff(dtype) for name, dtype in (
+    ("e4m3", E4M3), ("bf16", jnp.bfloat16), ("f16", jnp.float16))}
 
 
 def softmax_inputs():
@@ -36,16 +35,17 @@ def softmax_inputs():
   return np.concatenate([grid, edges, far]).astype(np.float32)
 
 
+@pytest.mark.parametrize("degree", [3, 2])
 @pytest.mark.parametrize("jit", [False, True])
-def test_the_polynomial_matches_numpy_exp2_over_the_softmax_range(jit):
+def test_the_polynomial_matches_numpy_exp2_over_the_softmax_range(jit, degree):
   x = softmax_inputs()
-  fn = jax.jit(exp2_split.polynomial_exp2_array) if jit else exp2_split.polynomial_exp2_array
-  got = np.asarray(fn(jnp.asarray(x)), np.float64)
+  fn = lambda x: exp2_split.polynomial_exp2_array(x, degree)
+  got = np.asarray((jax.jit(fn) if jit else fn)(jnp.asarray(x)), np.float64)
   want = np.exp2(x.astype(np.float64))
   normal = x >= -125.0
   relative = np.abs(got[normal] / want[normal] - 1.0)
-  assert relative.max() <= exp2_split.MAX_RELATIVE_ERROR
-  assert exp2_split.MAX_RELATIVE_ERROR < BF16_ROUNDING / 16 < E4M3_ROUNDING
+  assert relative.max() <= exp2_split.MAX_RELATIVE_ERROR[degree]
+  assert relative.max() > 0.9 * exp2_split.MAX_RELATIVE_ERROR[degree]  # the bound is tight
   # Below the normal range: never negative, never above 2^-125, and exactly
   # zero from the clamp down (masked scores: a row that sees no key sums to 0).
   assert (got >= 0).all() and got[~normal].max() <= 2.0 ** -125
@@ -56,7 +56,20 @@ def test_the_polynomial_matches_numpy_exp2_over_the_softmax_range(jit):
 def test_up_to_the_top_of_the_exponent_range():
   x = np.linspace(9.0, 127.0, 100_001).astype(np.float32)
   got = np.asarray(exp2_split.polynomial_exp2_array(jnp.asarray(x)), np.float64)
-  assert np.abs(got / np.exp2(x.astype(np.float64)) - 1.0).max() <= exp2_split.MAX_RELATIVE_ERROR
+  assert np.abs(got / np.exp2(x.astype(np.float64)) - 1.0).max() <= exp2_split.MAX_RELATIVE_ERROR[3]
+
+
+def test_the_error_is_below_a_quarter_of_the_rounding_of_p():
+  """Degree 3 for every P (float16's 2^-11 the finest), degree 2 for a
+  float8 P only: `exp2_function` refuses it for a 16-bit one."""
+  errors = exp2_split.MAX_RELATIVE_ERROR
+  assert errors[3] < ROUNDING["f16"] / 4 and errors[2] < ROUNDING["e4m3"] / 16
+  assert errors[2] > ROUNDING["bf16"] / 4
+  exp2_split.exp2_function(4, 2, p_dtype=E4M3)
+  exp2_split.exp2_function(4, 3, p_dtype=jnp.float16)
+  with pytest.raises(ValueError, match="exp2_fma_degree=2"):
+    exp2_split.exp2_function(4, 2, p_dtype=jnp.bfloat16)
+  assert exp2_split.exp2_function(0, 2, p_dtype=jnp.bfloat16) is jnp.exp2
 
 
 def test_the_fma_columns_are_eighths_of_the_tile_spread_evenly():
@@ -76,13 +89,15 @@ def test_config_takes_eighths_of_whole_column_groups():
     dataclasses.replace(config, exp2_fma_eighths=9)
   with pytest.raises(ValueError, match="block_kv"):
     dataclasses.replace(config, block_kv=96, exp2_fma_eighths=2)
+  with pytest.raises(ValueError, match="exp2_fma_degree"):
+    dataclasses.replace(config, exp2_fma_degree=4)
 
 
-def fp8_forward(mask, eighths, t, s, kv_lengths=None):
+def fp8_forward(mask, eighths, t, s, kv_lengths=None, degree=3):
   config = sm90_forward.fp8_config(sm90_forward.choose_config(128, mask, s, t), mask, 128, 128,
                                    False)
   config = dataclasses.replace(config, persistent=False, work_queue=False,
-                               exp2_fma_eighths=eighths)
+                               exp2_fma_eighths=eighths, exp2_fma_degree=degree)
 
   def call(q, k, v, descales):
     return sm90_forward.forward(
@@ -92,13 +107,15 @@ def fp8_forward(mask, eighths, t, s, kv_lengths=None):
   return call
 
 
-@pytest.mark.parametrize("causal, eighths", [(False, 3), (True, 3), (True, 8)])
-def test_fp8_forward_with_a_share_on_the_fma_pipe(run_interpreted, causal, eighths):
+@pytest.mark.parametrize("causal, eighths, degree", [
+    (False, 3, 3), (True, 3, 3), (True, 8, 3), (False, 4, 2)])
+def test_fp8_forward_with_a_share_on_the_fma_pipe(run_interpreted, causal, eighths, degree):
   """GQA, an odd length, dense and causal: 3/8 of the columns, and all of
-  them, through the polynomial."""
+  them, through the polynomial; half of them through the degree-2 one."""
   (q8, k8, v8), descales = fp8_inputs(1, 150, 150, 4, 2, 128, seed=5)
   mask = MaskSpec(right=0) if causal else MaskSpec()
-  got = run_interpreted(fp8_forward(mask, eighths, 150, 150), q8, k8, v8, descales)
+  got = run_interpreted(fp8_forward(mask, eighths, 150, 150, degree=degree), q8, k8, v8,
+                        descales)
   want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
   assert_close_to_p_rounding(got, want, v)
   rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
@@ -116,6 +133,27 @@ def test_fp8_forward_with_short_key_lengths_masks_through_the_polynomial(run_int
     sl = slice(b, b + 1)
     want, v = dequantized_reference(q8[sl], k8[sl, :n], v8[sl, :n], descales, causal=False)
     assert_close_to_p_rounding(got[sl], want, v)
+
+
+def test_bf16_forward_with_half_of_its_exp2_on_the_fma_pipe(run_interpreted):
+  """The 16-bit kernel takes the same option (degree 3): against an f32
+  softmax, as close as with every exp2 on MUFU."""
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 150, 2, 64)), jnp.bfloat16) for _ in range(3))
+  mask = MaskSpec(right=0)
+
+  def call(eighths):
+    config = dataclasses.replace(sm90_forward.choose_config(64, mask, 150, 150),
+                                 persistent=False, work_queue=False, exp2_fma_eighths=eighths)
+    return lambda q, k, v: sm90_forward.forward(q, k, v, None, None,
+                                                score=ScoreFunction(64 ** -0.5), mask=mask,
+                                                config=config)[0]
+
+  f32 = lambda x: np.asarray(x, np.float32)
+  want = f32(jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                          is_causal=True))
+  errors = [np.abs(f32(run_interpreted(call(e), q, k, v)) - want).max() for e in (0, 4)]
+  assert errors[1] <= max(1.5 * errors[0], 2.0 ** -7), errors
 
 
 def lowered_counts(eighths, causal):

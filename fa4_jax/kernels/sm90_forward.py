@@ -246,6 +246,9 @@ class ForwardConfig:
   # emulation, for where MUFU bounds the softmax: float8 at D = 128). 0: all
   # on MUFU, the kernel as before. Not measured on a GPU yet (issue #55).
   exp2_fma_eighths: int = 0
+  # The polynomial's degree: 3 (relative error 1e-4), or 2 (2e-3: one FMA
+  # fewer a score, for a float8 P only, whose rounding is 2^-4).
+  exp2_fma_degree: int = 3
 
   def __post_init__(self):
     if self.pingpong and self.num_consumers != 2:
@@ -261,7 +264,7 @@ class ForwardConfig:
       raise ValueError(f"ForwardConfig.q_buffers must be 1 or 2; got {self.q_buffers}")
     check_register_split("ForwardConfig", self.producer_registers, self.num_consumers,
                          self.consumer_registers)
-    exp2_split.check_eighths(self.exp2_fma_eighths, self.block_kv)
+    exp2_split.check_config(self.exp2_fma_eighths, self.exp2_fma_degree, self.block_kv)
 
   @property
   def q_depth(self) -> int:
@@ -1310,7 +1313,8 @@ class _ConsumerTile:
                         mask_mod=mask_mod)
       if key_ids is not None:
         self.release_k_after_reading_ids(j)
-    exp2 = exp2_split.exp2_function(call.config.exp2_fma_eighths)
+    exp2 = exp2_split.exp2_function(call.config.exp2_fma_eighths, call.config.exp2_fma_degree,
+                                    p_dtype=jnp.float8_e4m3fn if call.fp8 else call.dtype)
     if call.fixed_max:  # (soft-capped: no row offset)
       return fixed_max_softmax(s, m, call.exp2_scale, exp2), m, None
     descale = None
