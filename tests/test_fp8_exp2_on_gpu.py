@@ -45,10 +45,10 @@ def xla_reference(q8, k8, v8, descales, causal, kv_lengths=None):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("eighths, degree", [(3, 3), (4, 2)])
+@pytest.mark.parametrize("eighths, degree", [(3, 3), (2, 2)])
 def test_fp8_exp2_share_at_scale(causal, eighths, degree):
   """B2 S4096 H16/4 D128, GQA: the bench's shape class at a size the test
-  keeps short; 3/8 of the exp2 by the degree-3 polynomial, 1/2 by the
+  keeps short; 3/8 of the exp2 by the degree-3 polynomial, 1/4 by the
   degree-2 one."""
   (q8, k8, v8), descales = fp8_inputs(2, 4096, 4096, 16, 4, 128, E4M3, seed=11)
   got = kernel(q8, k8, v8, descales, causal, eighths, degree=degree)

@@ -14,7 +14,7 @@ ops the softmax is made of. The key-block loops are the ones with wgmmas:
 a block's steps, whatever ptxas unrolled.
 
     python3 tools/exp2_sass_counts.py --nvdisasm /tmp/nvd/bin/nvdisasm \\
-        [--head-dim 128] [--causal] [--candidates 0 2 3 4 2:2 4:2] [--keep DIR]
+        [--head-dim 128] [--causal] [--candidates 0 1 2 3 4 1:2 2:2] [--keep DIR]
 
 Shapes: B2 S8192 H32/8 (the bench's prefill row), e4m3, the heuristic's
 float8 config (`sm90_forward.fp8_config`) with `exp2_fma_eighths` and
@@ -96,7 +96,7 @@ def main() -> int:
   ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--causal", action="store_true")
-  ap.add_argument("--candidates", nargs="+", default=["0", "2", "3", "4", "2:2", "4:2"],
+  ap.add_argument("--candidates", nargs="+", default=["0", "1", "2", "3", "4", "1:2", "2:2"],
                   help="EIGHTHS[:DEGREE] of the exp2 on the FMA pipe")
   ap.add_argument("--keep", default=None, help="write each kernel's PTX and SASS here")
   args = ap.parse_args()
