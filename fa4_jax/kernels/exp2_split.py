@@ -40,8 +40,13 @@ from __future__ import annotations
 
 import numpy as np
 
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fa4_jax.interpret import is_interpreting
 
 # Degree -> (c1, c2[, c3]) of p(f) = 1 + f (c1 + f (c2 + f c3)) ~ 2^f on
 # [-1/2, 1/2]: a linear program minimizing the largest relative error with
@@ -87,8 +92,8 @@ def polynomial_exp2_array(x, degree: int = 3):
 
 def fma_column_groups(num_keys: int, eighths: int) -> tuple[int, ...]:
   """Which 8-key column groups of a [rows, num_keys] tile take the
-  polynomial: eighths / 8 of them, spread evenly (1/4 of 16 groups: 1, 5,
-  9, 13)."""
+  polynomial: eighths / 8 of them, spread evenly (1/4 of 16 groups: 3, 7,
+  11, 15)."""
   groups = num_keys // COLUMN_GROUP
   n = groups * eighths // 8
   return tuple(g for g in range(groups) if (g * n) // groups != ((g + 1) * n) // groups)
@@ -113,8 +118,6 @@ def exp2_split(x, eighths: int, degree: int = 3):
   `approx_math`)."""
   if not eighths:
     return jnp.exp2(x)
-  from fa4_jax.interpret import is_interpreting
-
   if is_interpreting():  # `fma_column_groups`' test on the column index (no array constants)
     g = lax.broadcasted_iota(jnp.int32, x.shape, 1) // COLUMN_GROUP
     n, groups = x.shape[1] // COLUMN_GROUP * eighths // 8, x.shape[1] // COLUMN_GROUP
@@ -124,10 +127,6 @@ def exp2_split(x, eighths: int, degree: int = 3):
 
 
 def _exp2_split_registers(x, groups, degree):
-  import jax.experimental.mosaic.gpu as mgpu
-  from jax._src.lib.mlir import ir
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
   layout = plgpu.Layout.WGMMA
 
   @plgpu.inline_mgpu(arg_types=(layout,),
