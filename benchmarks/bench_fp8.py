@@ -34,13 +34,6 @@ docs/performance-notes.md, "The D64 float8 decode: a model"). On paged
 rows it adds `fp8 paged dec 16-bit plan`:
 float8 pages under their former plan (`paged_plan_columns`).
 
-`--exp2-shares` adds, on the D128 prefill rows, the float8 kernel under its
-heuristic config (`sm90_forward.fp8_config`) with `exp2_fma_eighths` set to
-each of `EXP2_FMA_CANDIDATES` (columns `fp8 exp2 fma N/8`: N eighths of each
-score tile's exp2 on the FMA pipe, `fa4_jax.kernels.exp2_split`, `deg2`
-with the degree-2 polynomial; issue #55). `--no-xla` drops the XLA column (the slowest to compile and run);
-`max_abs_diff` is then taken against the `fp8` column.
-
 `--paged-configs` adds, on paged rows, float8 pages under each of
 `PAGED_RULES` (columns `fp8 paged <rule>`, `sm90_decode.plan(...,
 paged=True, fp8_pages_factor=)`) and, on the page-64 rows, the contiguous
@@ -51,7 +44,7 @@ the `bf16` and `fp8 default` columns on those rows (the latter on a Hopper
 GPU the same call as `fp8`), for the time of one GPU command.
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
-                                  [--paged-configs] [--exp2-shares] [--no-xla] [--tag NAME]
+                                  [--paged-configs] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -176,38 +169,6 @@ def config_columns(q8, k8, v8, descales, d, causal):
         q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
         descales=(qd, kd, vd))[0]
     columns[f"fp8 {label}"] = (call, (q8, k8, v8, *descales))
-  return columns
-
-
-# (eighths of each score tile's exp2 on the FMA pipe, the polynomial's
-# degree) under `--exp2-shares`: 0 (all on MUFU, the default kernel called by
-# name), 1/8, 1/4, 3/8 and 1/2 with degree 3, and 1/8 and 1/4 with degree 2
-# (one FMA fewer a score; its 2e-3 error is 1/32 of e4m3's rounding of P).
-# The SASS counts put the balance of MUFU and issue slots near 1/16 (docs/
-# performance-notes.md, "The float8 forward's exp2 on the FMA pipe"), hence
-# the small shares.
-EXP2_FMA_CANDIDATES = ((0, 3), (1, 3), (2, 3), (3, 3), (4, 3), (1, 2), (2, 2))
-
-
-def exp2_share_columns(q8, k8, v8, descales, d, causal):
-  """`fp8 exp2 fma N/8[ deg2]` columns: the heuristic's float8 config with N
-  eighths of the softmax's exp2 computed by the polynomial of degree 3 [2]
-  (`ForwardConfig.exp2_fma_eighths`, `exp2_fma_degree`)."""
-  import dataclasses
-
-  from fa4_jax.kernels import sm90_forward
-
-  mask, _ = bench_common.case_mask(causal, None)
-  base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
-                                 mask, d, d, False)
-  columns = {}
-  for eighths, degree in EXP2_FMA_CANDIDATES:
-    config = dataclasses.replace(base, exp2_fma_eighths=eighths, exp2_fma_degree=degree)
-    call = lambda q, k, v, qd, kd, vd, config=config: sm90_forward.forward(
-        q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
-        descales=(qd, kd, vd))[0]
-    label = f"fp8 exp2 fma {eighths}/8" + ("" if degree == 3 else f" deg{degree}")
-    columns[label] = (call, (q8, k8, v8, *descales))
   return columns
 
 
@@ -493,8 +454,7 @@ def page_table(case):
   return order.reshape(b, s // page), jnp.asarray(lengths, jnp.int32)
 
 
-def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False,
-               exp2_shares=False, xla_column=True):
+def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False):
   """(calls, served): the row's columns, name -> (function, its arguments
   from `x`, `case_inputs`), and the implementation that serves the float8
   column (`which_implementation`)."""
@@ -505,8 +465,6 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
   xla = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, implementation="xla",
                                          **alignment)
   calls = {"bf16": (bf16, (q, k, v)), "xla": (xla, (q, k, v))}
-  if not xla_column:
-    del calls["xla"]
   if paged_configs and kind == "paged":  # the float8 columns against each other only
     del calls["bf16"]
   if kind == "prefill":
@@ -516,8 +474,6 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
     calls["fp8"] = (fp8, (q8, k8, v8, qd, kd, vd))
     if configs:
       calls.update(config_columns(q8, k8, v8, (qd, kd, vd), d, causal))
-    if exp2_shares and d == 128:
-      calls.update(exp2_share_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     served = traced(lambda q8, k8, v8, qd, kd, vd: fa4_jax.which_implementation(
         q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
         q8, k8, v8, qd, kd, vd)
@@ -563,17 +519,14 @@ def traced(fn, *args):
   return out[0]
 
 
-def run_case(case, rounds, configs=False, decode_configs=False, paged_configs=False,
-             exp2_shares=False, xla_column=True):
+def run_case(case, rounds, configs=False, decode_configs=False, paged_configs=False):
   name, kind, b, t, s, hq, hkv, d, causal = case
   x = case_inputs(case)
-  calls, served = case_calls(case, x, configs, decode_configs, paged_configs, exp2_shares,
-                             xla_column)
+  calls, served = case_calls(case, x, configs, decode_configs, paged_configs)
   bf16_bytes = 2 * x["k"].size * x["k"].dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
              flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))
-  row.update(bench_common.bandwidth_columns(calls, rounds, bf16_bytes,
-                                            "xla" if "xla" in calls else "fp8"))
+  row.update(bench_common.bandwidth_columns(calls, rounds, bf16_bytes, "xla"))
   return [row]
 
 
@@ -595,8 +548,7 @@ def main():
   bench_common.table_main(
       "fp8", CASES,
       lambda case, args: run_case(case, args.rounds, args.configs, args.decode_configs,
-                                  args.paged_configs, args.exp2_shares, not args.no_xla),
-      markdown,
+                                  args.paged_configs), markdown,
       lambda a: ("e4m3 with per-head descales (amax / 448); kernel-duration sums in profiler "
                  f"traces, medians of {a.rounds} interleaved rounds; decode and paged TB/s: the "
                  "bf16 cache's K and V bytes over each column's time"),
@@ -610,11 +562,6 @@ def add_arguments(ap):
   ap.add_argument("--decode-configs", action="store_true",
                   help="decode rows: also the decode arrangement under each of "
                        "_decode_candidates (all of them on the B8 S32k D128 row)")
-  ap.add_argument("--exp2-shares", action="store_true",
-                  help="D128 prefill rows: also the float8 kernel with each of "
-                       "EXP2_FMA_CANDIDATES (a share of its exp2 on the FMA pipe)")
-  ap.add_argument("--no-xla", action="store_true",
-                  help="leave out the XLA column (max_abs_diff then against `fp8`)")
   ap.add_argument("--paged-configs", action="store_true",
                   help="paged rows: also float8 pages (and on page-64 rows the contiguous "
                        "cache) under each of PAGED_RULES")

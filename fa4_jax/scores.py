@@ -593,7 +593,7 @@ def exact_alpha(m_old, m_new):
   return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))
 
 
-def online_softmax(s, m, c: float, descale=None, row_offset=None, exp2=jnp.exp2):
+def online_softmax(s, m, c: float, descale=None, row_offset=None):
   """One tile's step of the online softmax: (P, new running max, alpha).
 
   `s`: raw logits [rows, keys] (masked ones at -inf, or +inf when c < 0);
@@ -605,8 +605,6 @@ def online_softmax(s, m, c: float, descale=None, row_offset=None, exp2=jnp.exp2)
   row) in log2 units added to c s of each of its keys (a score_mod's terms
   along the queries, `mod_tiles.affine_logits`): it moves the row's max and
   the exp2's operand, ops per row, not per key.
-  `exp2`: the tile's 2^x (a kernel may split it between MUFU and a
-  polynomial on the FMA pipe: `fa4_jax.kernels.exp2_split`).
   """
   row_best = s.max(axis=1) if c >= 0 else s.min(axis=1)
   if descale is not None:
@@ -619,7 +617,7 @@ def online_softmax(s, m, c: float, descale=None, row_offset=None, exp2=jnp.exp2)
   m_new = jnp.where(m_grown - m > RESCALE_THRESHOLD, m_grown, m)
   alpha = exact_alpha(m, m_new)
   shift = m_new if row_offset is None else m_new - row_offset
-  p = exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
   return p, m_new, alpha
 
 
@@ -659,12 +657,12 @@ def fixed_max_is_exact(dtype, cap: float | None, num_keys: int) -> bool:
   return float(cap) * LOG2_E + math.log2(max(int(num_keys), 1)) <= FIXED_MAX_LOG2_BUDGET
 
 
-def fixed_max_softmax(s, m, c: float, exp2=jnp.exp2):
+def fixed_max_softmax(s, m, c: float):
   """P = exp2(c s - m) of a tile of soft-capped logits `s` (t of
   `softmax_logits`, masked ones at -inf) against the rows' fixed max `m`
   (`initial_row_stats(fixed_max=True)`): the running sum adds P.sum(1), O
-  adds P V, and neither is rescaled. `exp2`: as `online_softmax`'s."""
-  return exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
+  adds P V, and neither is rescaled."""
+  return jnp.exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
 
 
 def _inverse_sum(l):

@@ -163,7 +163,7 @@ from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, RING, SYNC, WAIT, B
 from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
                                      heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
-from fa4_jax.kernels import autotune, exp2_split
+from fa4_jax.kernels import autotune
 from fa4_jax.kernels.mod_tiles import affine_logits, kernel_score_function
 from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, mod_positions,
                                        padded_head_dim, where_visible)
@@ -241,14 +241,6 @@ class ForwardConfig:
   # trip), where the row sums follow the hand-off (`ForwardStatics.
   # fp8_p_in_registers`). The heuristic's float8 configs set it (`fp8_config`).
   fp8_p_in_registers: bool = False
-  # Eighths of each score tile's key columns whose exp2 is a polynomial on
-  # the FMA pipe instead of MUFU's ex2 (`fa4_jax.kernels.exp2_split`: FA4's
-  # emulation, for where MUFU bounds the softmax: float8 at D = 128). 0: all
-  # on MUFU, the kernel as before. Not measured on a GPU yet (issue #55).
-  exp2_fma_eighths: int = 0
-  # The polynomial's degree: 3 (relative error 1e-4), or 2 (2e-3: one FMA
-  # fewer a score, for a float8 P only, whose rounding is 2^-4).
-  exp2_fma_degree: int = 3
 
   def __post_init__(self):
     if self.pingpong and self.num_consumers != 2:
@@ -264,7 +256,6 @@ class ForwardConfig:
       raise ValueError(f"ForwardConfig.q_buffers must be 1 or 2; got {self.q_buffers}")
     check_register_split("ForwardConfig", self.producer_registers, self.num_consumers,
                          self.consumer_registers)
-    exp2_split.check_config(self.exp2_fma_eighths, self.exp2_fma_degree, self.block_kv)
 
   @property
   def q_depth(self) -> int:
@@ -1311,14 +1302,12 @@ class _ConsumerTile:
                         mask_mod=mask_mod)
       if key_ids is not None:
         self.release_k_after_reading_ids(j)
-    exp2 = exp2_split.exp2_function(call.config.exp2_fma_eighths, call.config.exp2_fma_degree,
-                                    p_dtype=jnp.float8_e4m3fn if call.fp8 else call.dtype)
     if call.fixed_max:  # (soft-capped: no row offset)
-      return fixed_max_softmax(s, m, call.exp2_scale, exp2), m, None
+      return fixed_max_softmax(s, m, call.exp2_scale), m, None
     descale = None
     if self.qk_descale is not None and call.score.logits_are_raw_scores:
       descale = self.qk_descale  # folded into exp2_scale: no multiply per score
-    return online_softmax(s, m, call.exp2_scale, descale, row_offset=row_offset, exp2=exp2)
+    return online_softmax(s, m, call.exp2_scale, descale, row_offset=row_offset)
 
   def logit_scale(self):
     """The factor of the raw logits before a score_mod or soft-cap: the
