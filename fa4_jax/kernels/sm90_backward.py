@@ -518,20 +518,10 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
         config.dkv, num_sms=sm_count(DEFAULT_NUM_SMS["sm90"])))
   lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=not config.delta_in_dq)
 
-  def pad(x, t_pad, width):
-    if width == x.shape[-1] and t_pad == x.shape[1]:
-      return x
-    return jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, width - x.shape[-1])])
-
-  q, dout = pad(q, q_pad, d), pad(dout, q_pad, d_value)
-  k, v = pad(k, kv_pad, d), pad(v, kv_pad, d_value)
-  common = dict(
-      batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
-      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=d_value,
-      dtype=dtype, score=score, mask=mask,
-      has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
-  if segment_ids is not None:
-    common["has_segments"] = True
+  q, k, v, dout, common = _padded_operands(q, k, v, dout, d=d, d_value=d_value, q_pad=q_pad,
+                                           kv_pad=kv_pad, score=score, mask=mask,
+                                           q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                           segment_ids=segment_ids)
   dkv_segments, dq_segments = _kernel_segments(segment_ids, config, q_pad, kv_pad)
   dkv_mods = dq_mods = []
   if mods is not None:
@@ -545,7 +535,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   dkv_common = dict(common, config=config.dkv)
   dq_common = dict(common, config=config.dq, with_delta=config.delta_in_dq)
   if config.delta_in_dq:  # the dQ kernel first: it computes delta for both
-    o = pad(out.astype(dtype), q_pad, d_value)
+    o = _pad_to_tiles(out.astype(dtype), q_pad, d_value)
     dq, delta = _build_dq_kernel(**dq_common)(q, k, v, dout, lse2, o, *lengths, *dq_segments,
                                               *dq_mods)
   args = [q, k, v, dout, lse2, delta, *lengths]
@@ -581,6 +571,32 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   return dq, dk, dv
 
 
+def _pad_to_tiles(x, t_pad, width):
+  """x [B, T, H, D] padded to `t_pad` rows and `width` features (no copy if aligned)."""
+  if width == x.shape[-1] and t_pad == x.shape[1]:
+    return x
+  return jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, width - x.shape[-1])])
+
+
+def _padded_operands(q, k, v, dout, *, d, d_value, q_pad, kv_pad, score, mask, q_lengths,
+                     kv_lengths, segment_ids):
+  """q, k, v, dout padded to the kernels' tiles (sequences to `q_pad` /
+  `kv_pad`, head dims to `d` / `d_value`; a copy only where unaligned) and
+  the static arguments every backward kernel builder takes."""
+  batch, q_seq, num_q_heads, _ = q.shape
+  _, kv_seq, num_kv_heads, _ = k.shape
+
+  common = dict(
+      batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
+      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=d_value,
+      dtype=q.dtype, score=score, mask=mask,
+      has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
+  if segment_ids is not None:
+    common["has_segments"] = True
+  return (_pad_to_tiles(q, q_pad, d), _pad_to_tiles(k, kv_pad, d), _pad_to_tiles(v, kv_pad, d_value),
+          _pad_to_tiles(dout, q_pad, d_value), common)
+
+
 def _one_kernel_backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *,
                          score: ScoreFunction, mask: MaskSpec, config: FusedDqConfig,
                          segment_ids):
@@ -594,20 +610,10 @@ def _one_kernel_backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *,
   d = padded_head_dim(head_dim)
   q_pad, kv_pad = cdiv(q_seq, 8) * 8, cdiv(kv_seq, 8) * 8
   lse2, delta = preprocess(out, lse, dout, q_lengths, q_pad, with_delta=True)
-
-  def pad(x, t_pad):
-    if d == x.shape[-1] and t_pad == x.shape[1]:
-      return x
-    return jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, d - x.shape[-1])])
-
-  q, dout, k, v = pad(q, q_pad), pad(dout, q_pad), pad(k, kv_pad), pad(v, kv_pad)
-  common = dict(
-      batch=batch, q_seq=q_pad, kv_seq=kv_pad, kv_valid=kv_seq,
-      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=d, value_head_dim=d,
-      dtype=dtype, score=score, mask=mask,
-      has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
-  if segment_ids is not None:
-    common["has_segments"] = True
+  q, k, v, dout, common = _padded_operands(q, k, v, dout, d=d, d_value=d, q_pad=q_pad,
+                                           kv_pad=kv_pad, score=score, mask=mask,
+                                           q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                           segment_ids=segment_ids)
   dkv_segments, _ = _kernel_segments(segment_ids, BackwardConfig(dkv=config.dkv), q_pad, kv_pad)
   lengths = [jnp.asarray(x, jnp.int32) for x in (q_lengths, kv_lengths) if x is not None]
   args = [q, k, v, dout, lse2, delta, *lengths]

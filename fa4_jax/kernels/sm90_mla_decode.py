@@ -359,11 +359,8 @@ class MlaAlternateBarrierTable(BarrierTable):
 
   ALLOCATION_ORDER = "as declared"
   BARRIERS = {
-      "q_full": Barrier("one", 1, False, arrive={"producer_q": TMA}, wait={"consumer_q": WAIT}),
-      "kv_full": Barrier("stage", "kv copies", False, arrive={"producer_kv": FILL},
-                         wait={"consumer_kv": WAIT}, index=RING),
-      "kv_free": Barrier("stage", "consumers", False, arrive={"consumer_kv_release": ARRIVE},
-                         wait={"producer_kv_acquire": ACQUIRE}, index=RING),
+      # The producer's three, as in MlaBarrierTable.
+      **{name: MlaBarrierTable.BARRIERS[name] for name in ("q_full", "kv_full", "kv_free")},
       "p_full": Barrier("consumers", 1, False, arrive={"producer_p": PUBLISH},
                         wait={"consumer_p": WAIT}),
       "p_free": Barrier("consumers", 1, False, arrive={"consumer_p_release": ARRIVE},
