@@ -493,11 +493,10 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
       mask_mod=mods.mask_mod is not None)
   # (The tuner's candidates and arrays have one head dim.)
   tunable = mods is None and segment_ids is None and d_value == d
+  problem = fused_dq_problem(d, d_value, mods is not None)
   one_kernel = isinstance(config, FusedDqConfig) or (
-      not deterministic and config is None
-      and fused_dq_problem(d, d_value, mods is not None) is None)
+      not deterministic and config is None and problem is None)
   if one_kernel:
-    problem = fused_dq_problem(d, d_value, mods is not None)
     if problem is not None:
       raise KernelUnsupported(f"sm90 backward: the one kernel with dQ cannot take {problem}")
     config = config or choose_fused_dq_config(d, mask, num_q_heads // num_kv_heads,
