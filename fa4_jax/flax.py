@@ -82,7 +82,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from fa4_jax import api
+from fa4_jax import api, validation
 from fa4_jax.scores import FP8_DTYPES
 
 _PREFIX = "fa4_jax.flax.attention_fn"
@@ -143,9 +143,8 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                  logits_soft_cap=logits_soft_cap, causal_alignment=causal_alignment,
                  score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                  deterministic_backward=deterministic_backward)
-  if not isinstance(deterministic_backward, bool):
-    raise ValueError(f"{_PREFIX}: `deterministic_backward` must be True or False; got "
-                     f"{deterministic_backward!r}")
+  validation.check_deterministic(deterministic_backward, "deterministic_backward",
+                                 prefix=f"{_PREFIX}: ")
 
   # Every argument is named, not swallowed by **kwargs: linen passes only the
   # keyword arguments that appear in the function's signature.

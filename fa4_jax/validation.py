@@ -581,9 +581,10 @@ def _check_integer(x, name: str, rank: int, layout: str) -> jax.Array:
   return x.astype(jnp.int32)
 
 
-def check_deterministic(deterministic) -> None:
-  """`fa4_jax.attention(deterministic=...)` must be a Python bool (it is
-  static: it picks the backward's kernels when the call is traced)."""
+def check_deterministic(deterministic, name: str = "deterministic", prefix: str = "") -> None:
+  """`fa4_jax.attention(deterministic=...)` (and Flax's
+  `deterministic_backward`) must be a Python bool: it is static, it picks
+  the backward's kernels when the call is traced."""
   if not isinstance(deterministic, (bool, np.bool_)):
-    raise ValueError(f"`deterministic` must be True or False (a Python bool); got "
+    raise ValueError(f"{prefix}`{name}` must be True or False (a Python bool); got "
                      f"{deterministic!r}")
