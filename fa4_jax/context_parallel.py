@@ -864,6 +864,10 @@ class _Sharded:
     per_subtree = jax.tree.map(lambda spec, subtree: [spec] * len(jax.tree.leaves(subtree)),
                                tuple(specs), tuple(operands))
     leaf_specs = jax.tree.leaves(per_subtree)
+    # Under Explicit mesh axes shard_map takes only inputs already laid out
+    # as its specs say; a caller's replicated or unsharded arrays are moved
+    # there first (a no-op for arrays that already are).
+    leaves = [self.laid_out(x, spec) for x, spec in zip(leaves, leaf_specs)]
     local = lambda *leaves: fn(*jax.tree.unflatten(tree, leaves))
     return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(leaf_specs),
                          out_specs=out_specs, check_vma=False)(*leaves)

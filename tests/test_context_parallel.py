@@ -90,6 +90,21 @@ def test_ring_attention_equals_unsharded_attention(host_devices, devices, is_cau
   assert "all-gather" not in hlo
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_arrays_not_yet_on_the_ring_are_laid_out_by_the_call(host_devices, devices):
+  """On a `jax.make_mesh` mesh (Explicit axes, where shard_map takes only
+  inputs already sharded as its specs say) the caller's unsharded arrays
+  are moved onto the ring by the call: output and gradients equal
+  unsharded attention's. (On a GPU this failed inside shard_map.)"""
+  mesh = jax.make_mesh((devices,), ("seq",))
+  q, k, v, dout = qkv_and_cotangent(seed=11)
+  ring = out_and_grads(lambda q, k, v: fa4_jax.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=True, load_balanced=False))
+  reference = out_and_grads(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True))
+  assert_close(ring(q, k, v, dout), reference(q, k, v, dout))
+
+
 @pytest.mark.parametrize("devices", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("is_causal, load_balanced", [(True, True), (True, False),
                                                       (False, True)])
