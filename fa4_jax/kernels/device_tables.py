@@ -51,9 +51,14 @@ DECODE = {
     # B8 T16 3.087 vs 3.006; B1 S131k 8 chunks 3.03 vs 16 chunks 2.99; D256
     # 3.13 vs 3.08. A grid whose CTAs share items unevenly loses (88 CTAs:
     # 2.84). More CTAs win at D64 (B8 S32k: 2 chunks 3.02, 1 chunk 2.36) and
-    # with 128 rows (B8 T32: 2.98 vs 2.85). The one-consumer rule was not
-    # measured on an H100: it stays off there.
-    "NVIDIA H100 80GB HBM3": DecodeChoices(streaming_ctas=64),
+    # with 128 rows (B8 T32: 2.98 vs 2.85).
+    # * One consumer warpgroup, 4 K/V slots at D64 (2026-12-07, 2
+    #   interleaved rounds, `bench_decode_tuning.py --mode sweep --only D64`;
+    #   notes: "#54 on an H100, 2026-12-07 (session from 14:20 UTC)"): B64
+    #   S1024 H8/2 3.441 vs 3.149 for three consumers (cuDNN 3.114); MQA B16
+    #   S16k H8/1 2.517 vs 2.499 (cuDNN 2.271); B8 S32k H32/8 3.060-3.074 vs
+    #   3.092 (cuDNN 3.044), the one row it does not win, by 1 %.
+    "NVIDIA H100 80GB HBM3": DecodeChoices(streaming_ctas=64, one_consumer_max_rows=8),
     # H200 (141 GB HBM3e), bf16, T1, TB/s of K/V read once, sum of kernel
     # durations in a profiler trace, 3 interleaved rounds, cuDNN in the same
     # process (notes: "Decode choices per device kind"):
