@@ -139,8 +139,11 @@ def attention(
       FlashAttention's default backwards do): dQ may differ in its last bits
       between runs; dK and dV stay deterministic. It serves head dims that
       pad to 128 with a value head dim as wide, every built-in mask,
-      lengths, GQA, segment ids and soft-cap; elsewhere (other head dims, a
-      `score_mod` / `mask_mod`) the deterministic kernels run. It changes
+      lengths, GQA, segment ids and soft-cap, and runs where it measured
+      faster than the two deterministic kernels (dense rows of 4096 keys or
+      more, causal rows of 16384 or more without GQA); elsewhere (shorter
+      rows, windows, causal GQA, other head dims, a `score_mod` /
+      `mask_mod`) the deterministic kernels run. It changes
       nothing on the XLA path, the sm100 backward, context-parallel ring
       steps or `implementation="cudnn"` (XLA's flags decide cuDNN's). A
       Python bool. Not part of `jax.nn`.

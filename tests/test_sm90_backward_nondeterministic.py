@@ -10,6 +10,9 @@ fa4_jax/kernels/sm90_backward_fused_dq.py), checked on the CPU.
 * Fallback: where the one kernel cannot serve a call (head dims other than
   128, a value head dim of its own, score_mod / mask_mod), `deterministic=False`
   runs the two deterministic kernels.
+* Where it runs: only where it was measured faster
+  (`sm90_backward.one_kernel_is_faster`); the other tests here take it at
+  every shape it can serve, to check the kernel at small ones.
 * The barrier table (`barrier_tables`).
 """
 
@@ -31,6 +34,27 @@ from fa4_jax.kernels import sm90_backward, sm90_backward_fused_dq
 from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
 from fa4_jax.testing import SMEM_LIMIT_BYTES, cross_lower
 from reference import KernelCase, einsum_attention, relative_error
+
+
+_measured_rule = sm90_backward.one_kernel_is_faster
+
+
+@pytest.fixture(autouse=True)
+def one_kernel_wherever_it_serves(monkeypatch):
+  """The kernel at the small shapes these tests afford, where the measured
+  rule would run the two kernels."""
+  monkeypatch.setattr(sm90_backward, "one_kernel_is_faster", lambda *args: True)
+
+
+def test_the_one_kernel_runs_only_where_it_measured_faster():
+  dense, causal = MaskSpec(), MaskSpec(right=0)
+  assert _measured_rule(dense, 8192, 1) and _measured_rule(dense, 8192, 4)
+  assert not _measured_rule(dense, 2048, 1)  # a tie at B8 S2048
+  assert _measured_rule(causal, 16384, 1)
+  assert not _measured_rule(causal, 8192, 1)
+  assert not _measured_rule(causal, 16384, 4)  # causal GQA: the two kernels won
+  assert not _measured_rule(MaskSpec(left=1023, right=0), 16384, 1)  # a window
+  assert not _measured_rule(MaskSpec(left=100, right=100), 16384, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -354,6 +354,29 @@ def choose_fused_dq_config(head_dim: int, mask: MaskSpec, group: int = 1,
   return FusedDqConfig(dkv=dkv)
 
 
+# Keys from which `deterministic=False` takes the one kernel. H100,
+# 2026-12-07, `bench_backward.py --nondeterministic --rounds 2`, TFLOP/s of
+# the one kernel / the two kernels / cuDNN's default backward:
+#   dense:  B2 S8192 H16 619 / 590 / 574; B1 S16384 634 / 592 / 597;
+#           GQA 32/8 S8192 586 / 575 / 551; B8 S2048 528 / 531 / 468.
+#   causal: B1 S16384 574 / 559 / 571; B2 S8192 541 / 546 / 507;
+#           GQA 32/8 S8192 512 / 544 / 509; B8 S2048 403 / 451 / 349.
+#   window of 1024 keys, B1 S16384: 386 / 413 / 344.
+# Below these lengths, under GQA with a causal mask and under windows the
+# two kernels were as fast or faster, and they are deterministic besides.
+ONE_KERNEL_MIN_KEYS = {"dense": 4096, "causal": 16384}
+
+
+def one_kernel_is_faster(mask: MaskSpec, kv_seq: int, group: int) -> bool:
+  """Whether `deterministic=False` runs the one kernel (where it can serve
+  the call) rather than the two: where it measured faster."""
+  if mask.right is None and mask.left is None:
+    return kv_seq >= ONE_KERNEL_MIN_KEYS["dense"]
+  if mask.right == 0 and mask.left is None and group == 1:
+    return kv_seq >= ONE_KERNEL_MIN_KEYS["causal"]
+  return False
+
+
 def mods_configs() -> list[tuple[int, BackwardConfig]]:
   """Every (padded head dim, config) `choose_mods_config` can pick (for tests)."""
   seen = {}
@@ -470,8 +493,10 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   deterministic: True (default), the two kernels above, bit-reproducible.
   False: the one kernel with dQ summed in float32 by TMA reduce-adds
   (`sm90_backward_fused_dq`) where it serves the call (head dim 128 after
-  padding, V as wide, no score_mod / mask_mod: `fused_dq_problem`), else the
-  two kernels. A `FusedDqConfig` as `config` asks for the one kernel.
+  padding, V as wide, no score_mod / mask_mod: `fused_dq_problem`) and was
+  measured faster (`one_kernel_is_faster`: long dense rows, long causal
+  rows without GQA), else the two kernels. A `FusedDqConfig` as `config`
+  asks for the one kernel.
   """
   check_supported(q.shape, k.shape, q.dtype, mask)
   check_operands(q, k, v, own_value_head_dim=True)
@@ -495,7 +520,8 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   tunable = mods is None and segment_ids is None and d_value == d
   problem = fused_dq_problem(d, d_value, mods is not None)
   one_kernel = isinstance(config, FusedDqConfig) or (
-      not deterministic and config is None and problem is None)
+      not deterministic and config is None and problem is None
+      and one_kernel_is_faster(mask, kv_seq, num_q_heads // num_kv_heads))
   if one_kernel:
     if problem is not None:
       raise KernelUnsupported(f"sm90 backward: the one kernel with dQ cannot take {problem}")
