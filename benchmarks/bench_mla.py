@@ -1,8 +1,9 @@
 """MLA decode (absorbed form): Hq query heads of 576 features against one
 latent head whose first 512 features are the values, on one GPU.
 
-Rows (bf16, scale 1/sqrt(192), every row's cache full; `paged`: pages of 64
-tokens at shuffled physical positions):
+Rows (bf16, scale 1/sqrt(192), every row's cache full but in `ragged` rows,
+whose lengths are drawn between S / 16 and S; `paged`: pages of 64 tokens
+at shuffled physical positions):
 
 * memory-bound: B32-128, Hq 16, S 4k-32k, one new token;
 * compute-bound: B64-128, Hq 128, one or two new tokens (two: bottom-right
@@ -23,7 +24,8 @@ Columns, in one process:
 
 Figures: GB/s = the cache bytes a call must read (each row's keys once,
 576 features; `gqa decode`: its K and V) / time; TFLOP/s = B x T x Hq x
-keys x 2 x (576 + 512) / time (causal tokens count the keys they see).
+keys x 2 x (576 + 512) / time (causal tokens count the keys they see;
+ragged rows count their own keys, in bytes too).
 Time: the sum of a call's kernel durations in a profiler trace (the split-K
 combine included), median of `bench_common.ITERATIONS` calls, median of the
 rounds (interleaved). Measured on an H100: docs/performance-notes.md, the MLA
@@ -55,22 +57,36 @@ D, DV, PAGE = 576, 512, 64
 SCALE = 192 ** -0.5
 GQA_D = 256
 
-# (name, B, T, Hq, S, paged)
+# (name, B, T, Hq, S, paged, ragged): ragged rows hold between S / 16 and S
+# keys each (fixed seed), the rest a full cache.
 CASES = [
-    (f"{bound} B{b} T{t} Hq{n} S{s // 1024}k{' paged' if paged else ''}", b, t, n, s, paged)
+    (f"{bound} B{b} T{t} Hq{n} S{s // 1024}k{' paged' if paged else ''}", b, t, n, s, paged,
+     False)
     for bound, rows in (("memory", [(32, 1, 16, 4096), (32, 1, 16, 32768), (64, 1, 16, 16384),
                                     (128, 1, 16, 4096), (128, 1, 16, 16384)]),
                         ("compute", [(64, 1, 128, 4096), (64, 2, 128, 4096), (64, 1, 128, 8192),
                                      (128, 1, 128, 8192), (128, 2, 128, 8192)]))
     for b, t, n, s in rows for paged in (False, True)
+] + [
+    (f"{bound} B{b} T1 Hq{n} S{s // 1024}k ragged{' paged' if paged else ''}", b, 1, n, s,
+     paged, True)
+    for bound, b, n, s in (("memory", 32, 16, 32768), ("compute", 128, 128, 8192))
+    for paged in (False, True)
 ]
 
 
-def case_inputs(b, t, n, s, paged):
+def row_lengths(b, s, ragged):
+  """Keys per batch row: all S, or (ragged) drawn between S / 16 and S."""
+  if not ragged:
+    return np.full((b,), s, np.int32)
+  return np.random.default_rng(1).integers(s // 16, s + 1, size=b).astype(np.int32)
+
+
+def case_inputs(b, t, n, s, paged, ragged=False):
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, t, n, D), jnp.bfloat16)
   latent = jax.random.normal(keys[1], (b, s, 1, D), jnp.bfloat16)
-  lengths = jnp.full((b,), s, jnp.int32)
+  lengths = jnp.asarray(row_lengths(b, s, ragged))
   table = None
   if paged:
     order = np.random.default_rng(0).permutation(b * s // PAGE)
@@ -113,13 +129,13 @@ def gqa_inputs(b, t, n, s):
           jax.random.normal(keys[2], (b, s, 1, GQA_D), jnp.bfloat16))
 
 
-def visible_keys(b, t, s):
-  """Keys the B x T queries see: a full cache, the last T tokens causal."""
-  return b * sum(s - (t - 1 - i) for i in range(t))
+def visible_keys(lengths, t):
+  """Keys the B x T queries see: each row's cache, its last T tokens causal."""
+  return int(sum(int(n) - (t - 1 - i) for n in lengths for i in range(t)))
 
 
-def run_case(name, b, t, n, s, paged, rounds, configs=(), xla=True, gqa=True):
-  q, cache, table, lengths = case_inputs(b, t, n, s, paged)
+def run_case(name, b, t, n, s, paged, ragged, rounds, configs=(), xla=True, gqa=True):
+  q, cache, table, lengths = case_inputs(b, t, n, s, paged, ragged)
   if paged:
     chosen = fa4_jax.which_paged_implementation(q, cache, None, table, lengths,
                                                 value_head_dim=DV, scale=SCALE,
@@ -128,10 +144,10 @@ def run_case(name, b, t, n, s, paged, rounds, configs=(), xla=True, gqa=True):
     chosen = fa4_jax.which_implementation(q, cache, None, value_head_dim=DV, scale=SCALE,
                                           key_value_seq_lengths=lengths, is_causal=t > 1,
                                           causal_alignment="bottom_right")
-  nbytes = b * s * D * 2
-  flops = visible_keys(b, t, s) * n * 2 * (D + DV)
-  row = dict(case=name, B=b, T=t, Hq=n, S=s, paged=paged, cache_bytes=nbytes, flops=flops,
-             chosen=chosen)
+  nbytes = int(np.sum(row_lengths(b, s, ragged))) * D * 2
+  flops = visible_keys(row_lengths(b, s, ragged), t) * n * 2 * (D + DV)
+  row = dict(case=name, B=b, T=t, Hq=n, S=s, paged=paged, ragged=ragged, cache_bytes=nbytes,
+             flops=flops, chosen=chosen)
   calls = {c: (f, (q, cache, table, lengths))
            for c, f in implementations(t, paged, configs, xla).items()}
   row.update(bench_common.bandwidth_columns(calls, rounds, nbytes, "xla" if xla else "default"))
@@ -139,7 +155,7 @@ def run_case(name, b, t, n, s, paged, rounds, configs=(), xla=True, gqa=True):
     with mla.use_config(c):
       row[f"cfg {c} plan"] = str(mla.choose_plan((b, t, n, D), (b, s, 1, D), ragged=True,
                                                  page_size=PAGE if paged else None))
-  if gqa:  # our GQA decode reading K and V of the same bytes
+  if gqa and not ragged:  # our GQA decode reading K and V of the same bytes
     gq, gk, gv = gqa_inputs(b, t, n, s)
     gqa_bytes = 2 * b * s * GQA_D * 2
     row.update(bench_common.bandwidth_columns(
@@ -179,7 +195,7 @@ def main():
   bench_common.table_main(
       "mla", CASES, lambda case, args: [run_case(
           *case, args.rounds, [c for c in args.configs.split(",") if c], not args.no_xla,
-          not args.no_gqa)] if args.layout in ("both", ("paged" if case[-1] else "contiguous"))
+          not args.no_gqa)] if args.layout in ("both", ("paged" if case[5] else "contiguous"))
       else [], markdown,
       lambda args: ("sum of kernel durations in a profiler trace, median of "
                     f"{bench_common.ITERATIONS}, median of {args.rounds} rounds; GB/s = latent "

@@ -92,7 +92,7 @@ def test_latent_pages_equal_the_xla_path(name, b, t, n, s):
 
 CONFIG_CASES = [CASES[1], CASES[2], CASES[3]]  # memory-bound S32k; compute-bound T2 causal, T1
 # The non-default CONFIGS (a plain list: this file imports no kernel module at collection).
-NON_DEFAULT_CONFIGS = ["waves8", "items_first", "alternate"]
+NON_DEFAULT_CONFIGS = ["waves8", "items_first", "alternate", "waves2", "waves8_adjacent"]
 
 
 @pytest.mark.parametrize("name, b, t, n, s", CONFIG_CASES)

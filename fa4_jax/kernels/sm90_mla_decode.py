@@ -162,6 +162,10 @@ CONFIGS = {
     "waves8": MlaConfig(waves=None, tiles_adjacent=False),
     "items_first": MlaConfig(tiles_adjacent=False),
     "alternate": MlaConfig(schedule="alternate"),
+    # For rows of unequal lengths (unmeasured under any rule): more waves
+    # of splits, so that short rows' chunks leave SMs to long rows' chunks.
+    "waves2": MlaConfig(waves=2),
+    "waves8_adjacent": MlaConfig(waves=None),
 }
 CONFIG = CONFIGS["default"]
 
