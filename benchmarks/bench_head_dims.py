@@ -19,7 +19,8 @@ rounds (`bench_common`).
 
 On a Hopper GPU the 192/128 rows run the sm90 kernels, forward and
 backward, at both head dims (no padding since issue #56); the MLA rows the
-XLA path (README).
+sm90 MLA decode kernel (`sm90_mla_decode`; `bench_mla.py` times it in more
+rows and configurations).
 
   python3 benchmarks/bench_head_dims.py [--only mla] [--rounds 3] [--tag NAME]
 """
