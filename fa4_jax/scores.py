@@ -955,6 +955,22 @@ def mask_mod_classes(mask_mod, captured, batch: int, heads: int, q_len: int, kv_
   return jnp.moveaxis(classes, 0, 2)
 
 
+def broadcast_extents(mask_mod, batch: int, heads: int) -> tuple[int, int]:
+  """(batch, heads) at which `mask_mod`'s classes need evaluating: 1 for an
+  index the function provably ignores (`mod_functions.index_dependence`),
+  since the result is then the same for every row / head. Every consumer
+  takes such classes as they are, as it takes a `create_block_mask(batch=
+  None, heads=None)` block mask's: `tile_classes` broadcasts them against
+  the built-ins' [B, 1, ...], and a kernel whose classes have one head
+  walks that one list for every head (`ModStatics.per_head`). Most masks
+  (causal variants, prefix-LM, chunked local, a sliding window with global
+  tokens) ignore both: q_len x kv_len pairs evaluated instead of batch x
+  heads times as many."""
+  from fa4_jax import mod_functions
+  on_batch, on_head = mod_functions.index_dependence(mask_mod)
+  return batch if on_batch else 1, heads if on_head else 1
+
+
 # Pairs one step of `mask_mod_classes` evaluates at most: 2**24 booleans (16
 # MiB, and a few times that in the mod's temporaries).
 MASK_MOD_STEP_ELEMENTS = 1 << 24
@@ -1132,7 +1148,9 @@ class Scores:
                   kv_block: int):
     """int8 [Bm, Hm, nq, nk] classes of `mask_mod` alone at these tiles: the
     block mask's where it nests with them (a sharded call holds its shard's
-    part of it), else `mask_mod` evaluated anew; None without a `mask_mod`."""
+    part of it), else `mask_mod` evaluated anew, at one batch row (Bm = 1)
+    where it ignores its `batch` argument and at one head (Hm = 1) where it
+    ignores `head` (`broadcast_extents`); None without a `mask_mod`."""
     if self.mask_mod is None:
       return None
     nq, nk = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
@@ -1144,6 +1162,7 @@ class Scores:
     # made of such blocks: large tiles (the XLA path's) cost no more memory.
     fine = lambda size: DEFAULT_MASK_BLOCK if size % DEFAULT_MASK_BLOCK == 0 else size
     b0, h0 = self.global_indices(0, 0)
+    batch, heads = broadcast_extents(self.mask_mod, batch, heads)
     classes = mask_mod_classes(self.mask_mod, self.mask_captured, batch, heads, q_len, kv_len,
                                fine(q_block), fine(kv_block), first_batch=b0, first_head=h0)
     classes = _regroup_axis(classes, 2, fine(q_block), q_block, nq)
