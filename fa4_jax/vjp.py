@@ -123,6 +123,11 @@ def _core_jvp(config, primals, tangents):
   """(out, lse) from the backend's forward; their tangent from a linear map
   that evaluates with the XLA path and transposes to the fused backward."""
   q, k, v, bias, mask, scores_ = primals
+  # The forward and the backward read one evaluation of a mask_mod's
+  # classes (where it ignores batch and head), not one each.
+  scores_ = scores.with_shared_mod_classes(scores_, q.shape[0], q.shape[2], q.shape[1],
+                                           k.shape[1])
+  primals = (q, k, v, bias, mask, scores_)
   if scores_.has_fp8:
     raise ValueError(
         "fa4_jax.attention has no derivative with float8 operands (they serve inference "
