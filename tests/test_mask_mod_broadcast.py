@@ -15,8 +15,8 @@
   (`scores.with_shared_mod_classes`): the cross-lowered sm90 gradient holds
   the mask_mod's XLA evaluation once.
 * Outputs and gradients against `jax.nn.dot_product_attention(implementation=
-  "xla")` with the explicit mask: on the XLA path, and for the sm90 kernels
-  in the GPU interpreter at tiny shapes.
+  "xla")` with the explicit mask: on the XLA path (sharded too), and for
+  the sm90 kernels in the GPU interpreter at tiny shapes.
 """
 
 import re
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
 from fa4_jax import mod_functions, scores
@@ -170,6 +171,21 @@ def _reference(name, q, k, v, dout):
   f32 = lambda x: x.astype(jnp.float32)
   attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
   return jax.jit(_output_and_grads(attend, dout))(f32(q), f32(k), f32(v))
+
+
+def test_a_sharded_gradient_reads_the_shared_classes(host_devices):
+  """Batch and heads sharded 2 x 2: every device reads the one [1, 1]
+  evaluation made before the partitioned forward and backward."""
+  del host_devices
+  mesh = jax.make_mesh((2, 2), ("d", "m"))
+  q, k, v, dout = _inputs(B, 72, 100, N, D, jnp.float32)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("d", None, "m")))
+  attend = lambda q, k, v: fa4_jax.attention(q, k, v, mask_mod=prefix_lm)
+  out, grads = jax.jit(_output_and_grads(attend, dout))(put(q), put(k), put(v))
+  want_out, want_grads = _reference("prefix_lm", q, k, v, dout)
+  np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=1e-4 * float(jnp.abs(w).max()), rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["prefix_lm", "per_row_prefix", "per_head_window"])
