@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from fa4_jax import backends, mod_functions, scores
@@ -261,7 +262,11 @@ def create_block_mask(mask_mod, batch: int | None, heads: int | None, q_len: int
   EMPTY (no pair visible: never loaded), PARTIAL (the element mask runs) or
   FULL (every pair visible: `mask_mod` is not evaluated there). `batch` /
   `heads` None: the mask is the same for every batch row / head (it is
-  evaluated at index 0 and broadcast). Reusable across layers and calls,
+  evaluated at index 0 and broadcast; the classes' axis is 1). Given a
+  number where `mask_mod` provably ignores that index (no data flow from
+  it to the result), it is still evaluated at one row / head only, and the
+  classes are that one broadcast to the shape asked for, so `classes` is
+  [batch, heads, ...] as asked either way. Reusable across layers and calls,
   under `jit` too (it is a pytree of arrays); a kernel whose tiles differ
   from `q_block` x `kv_block` regroups it where the sizes nest, else
   evaluates `mask_mod` anew."""
@@ -273,7 +278,10 @@ def create_block_mask(mask_mod, batch: int | None, heads: int | None, q_len: int
   for name, value in (("batch", batch), ("heads", heads)):
     if value is not None and (not isinstance(value, int) or value < 1):
       raise ValueError(f"`{name}` must be a positive int or None (broadcast); got {value!r}")
-  classes = scores.mask_mod_classes(mod, captured, batch or 1, heads or 1, q_len, kv_len,
-                                    q_block, kv_block)
+  shape = (batch or 1, heads or 1)
+  at = scores.broadcast_extents(mod, *shape)
+  classes = scores.mask_mod_classes(mod, captured, *at, q_len, kv_len, q_block, kv_block)
+  if at != shape:
+    classes = jnp.broadcast_to(classes, shape + classes.shape[2:])
   return scores.BlockMask(classes=classes, mask_captured=captured, q_block=q_block,
                           kv_block=kv_block, q_len=q_len, kv_len=kv_len, mask_mod=mod)

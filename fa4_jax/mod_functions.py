@@ -525,6 +525,42 @@ def _dependents(jaxpr, var) -> frozenset:
   return frozenset(found)
 
 
+def index_dependence(mod: ModFunction) -> tuple[bool, bool]:
+  """(whether `mod`'s result may depend on its `batch` argument, whether on
+  its `head` argument), by data flow through its jaxpr: a value computed
+  from the index depends on it, a captured array's entry read at it too
+  (`lengths[batch]`), and so does everything computed from such values.
+  Into calls (`jit`, `custom_jvp_call`) the flow is followed through their
+  own jaxprs; any other op with a jaxpr of its own (`cond`, `while`) counts
+  each of its results as depending on every input. False is a proof: the
+  result is the same whatever that index is."""
+  own = mod.jaxpr.invars[len(mod.captured_avals):]
+  batch, head = own[-4], own[-3]
+  out = mod.jaxpr.outvars[0]
+  depends = lambda var: not isinstance(out, jex_core.Literal) and out in _flows_from(
+      mod.jaxpr, {var})
+  return depends(batch), depends(head)
+
+
+def _flows_from(jaxpr, sources) -> set:
+  """The variables of `jaxpr` whose value may depend on those in `sources`
+  (themselves included), following calls into their jaxprs."""
+  found = set(sources)
+  for eqn in jaxpr.eqns:
+    hit = [not isinstance(v, jex_core.Literal) and v in found for v in eqn.invars]
+    if not any(hit):
+      continue
+    sub = _call_jaxpr(eqn) if eqn.primitive.name in CALLS else None
+    if sub is not None and len(sub.jaxpr.invars) == len(eqn.invars) and len(
+        sub.jaxpr.outvars) == len(eqn.outvars):
+      inner = _flows_from(sub.jaxpr, {v for v, h in zip(sub.jaxpr.invars, hit) if h})
+      found.update(o for o, inner_out in zip(eqn.outvars, sub.jaxpr.outvars)
+                   if not isinstance(inner_out, jex_core.Literal) and inner_out in inner)
+    else:
+      found.update(eqn.outvars)
+  return found
+
+
 def _tile_vars(mod: ModFunction):
   """The jaxpr's inputs that vary per element: (score,) q_idx, kv_idx."""
   own = mod.jaxpr.invars[len(mod.captured_avals):]

@@ -909,6 +909,10 @@ class BlockMask:
   q_len: int = dataclasses.field(default=0, metadata=dict(static=True))
   kv_len: int = dataclasses.field(default=0, metadata=dict(static=True))
   mask_mod: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  # Made by a differentiated call itself (`with_shared_mod_classes`), not
+  # by the user: read only at tiles that are unions of its own, where
+  # regrouping is exact; at finer tiles `mask_mod` is evaluated anew.
+  unions_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def shape(self):
@@ -955,6 +959,22 @@ def mask_mod_classes(mask_mod, captured, batch: int, heads: int, q_len: int, kv_
   return jnp.moveaxis(classes, 0, 2)
 
 
+def broadcast_extents(mask_mod, batch: int, heads: int) -> tuple[int, int]:
+  """(batch, heads) at which `mask_mod`'s classes need evaluating: 1 for an
+  index the function provably ignores (`mod_functions.index_dependence`),
+  since the result is then the same for every row / head. Every consumer
+  takes such classes as they are, as it takes a `create_block_mask(batch=
+  None, heads=None)` block mask's: `tile_classes` broadcasts them against
+  the built-ins' [B, 1, ...], and a kernel whose classes have one head
+  walks that one list for every head (`ModStatics.per_head`). Most masks
+  (causal variants, prefix-LM, chunked local, a sliding window with global
+  tokens) ignore both: q_len x kv_len pairs evaluated instead of batch x
+  heads times as many."""
+  from fa4_jax import mod_functions
+  on_batch, on_head = mod_functions.index_dependence(mask_mod)
+  return batch if on_batch else 1, heads if on_head else 1
+
+
 # Pairs one step of `mask_mod_classes` evaluates at most: 2**24 booleans (16
 # MiB, and a few times that in the mod's temporaries).
 MASK_MOD_STEP_ELEMENTS = 1 << 24
@@ -998,9 +1018,47 @@ def _regroup_axis(classes, axis: int, size_from: int, size_to: int, count_to: in
 
 
 def block_mask_nests(block_mask: BlockMask, q_block: int, kv_block: int) -> bool:
-  """Whether `block_mask`'s tiles and tiles of (q_block, kv_block) nest."""
+  """Whether `block_mask`'s tiles and tiles of (q_block, kv_block) nest
+  (for a `unions_only` one: whether the latter are unions of the former)."""
+  if block_mask.unions_only:
+    return q_block % block_mask.q_block == 0 and kv_block % block_mask.kv_block == 0
   nests = lambda a, b: a % b == 0 or b % a == 0
   return nests(block_mask.q_block, q_block) and nests(block_mask.kv_block, kv_block)
+
+
+# The tiles of `with_shared_mod_classes`' classes: they divide every tile
+# of the kernels that read classes (multiples of 32: the sm90 backward's
+# finest is 64 x 32) and the XLA path's blocks from 32 positions on.
+SHARED_MASK_BLOCK = 32
+
+
+def with_shared_mod_classes(scores_: "Scores", batch: int, heads: int, q_len: int,
+                            kv_len: int) -> "Scores":
+  """`scores_` with its `mask_mod`'s classes evaluated here, once, as a
+  `unions_only` block mask of small tiles, where it has a `mask_mod`, no
+  block mask, and the mod ignores both batch and head (`broadcast_extents`:
+  the classes are then [1, 1, nq, nk], the same on every device of a
+  sharded call); else `scores_` as it is.
+
+  For a differentiated call (`vjp._core_jvp`): its forward and its
+  backward each classified their tiles at their own tile sizes, so
+  `jax.grad` evaluated `mask_mod` over every pair twice; each now regroups
+  these classes to its own tiles (exactly: its tiles are unions of them).
+  A tile size that is no multiple of these (the decode arrangement's rows,
+  the XLA path's blocks of a short sequence) evaluates anew as before."""
+  if scores_.mask_mod is None or scores_.block_mask is not None:
+    return scores_
+  if broadcast_extents(scores_.mask_mod, batch, heads) != (1, 1):
+    return scores_
+  block = lambda n: math.gcd(SHARED_MASK_BLOCK, max(8, cdiv(n, 8) * 8))
+  q_block, kv_block = block(q_len), block(kv_len)
+  b0, h0 = scores_.global_indices(0, 0)
+  classes = mask_mod_classes(scores_.mask_mod, scores_.mask_captured, 1, 1, q_len, kv_len,
+                             q_block, kv_block, first_batch=b0, first_head=h0)
+  return scores_.replace(block_mask=BlockMask(
+      classes=classes, mask_captured=scores_.mask_captured, q_block=q_block,
+      kv_block=kv_block, q_len=q_len, kv_len=kv_len, mask_mod=scores_.mask_mod,
+      unions_only=True))
 
 
 def block_lists(classes):
@@ -1132,7 +1190,9 @@ class Scores:
                   kv_block: int):
     """int8 [Bm, Hm, nq, nk] classes of `mask_mod` alone at these tiles: the
     block mask's where it nests with them (a sharded call holds its shard's
-    part of it), else `mask_mod` evaluated anew; None without a `mask_mod`."""
+    part of it), else `mask_mod` evaluated anew, at one batch row (Bm = 1)
+    where it ignores its `batch` argument and at one head (Hm = 1) where it
+    ignores `head` (`broadcast_extents`); None without a `mask_mod`."""
     if self.mask_mod is None:
       return None
     nq, nk = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
@@ -1144,6 +1204,7 @@ class Scores:
     # made of such blocks: large tiles (the XLA path's) cost no more memory.
     fine = lambda size: DEFAULT_MASK_BLOCK if size % DEFAULT_MASK_BLOCK == 0 else size
     b0, h0 = self.global_indices(0, 0)
+    batch, heads = broadcast_extents(self.mask_mod, batch, heads)
     classes = mask_mod_classes(self.mask_mod, self.mask_captured, batch, heads, q_len, kv_len,
                                fine(q_block), fine(kv_block), first_batch=b0, first_head=h0)
     classes = _regroup_axis(classes, 2, fine(q_block), q_block, nq)

@@ -128,6 +128,11 @@ def _core_jvp(config, primals, tangents):
         "fa4_jax.attention has no derivative with float8 operands (they serve inference "
         "and prefill); to differentiate, dequantize first: "
         "x.astype(jnp.bfloat16) * descale, and pass bfloat16 arrays")
+  # The forward and the backward read one evaluation of a mask_mod's
+  # classes (where it ignores batch and head), not one each.
+  scores_ = scores.with_shared_mod_classes(scores_, q.shape[0], q.shape[2], q.shape[1],
+                                           k.shape[1])
+  primals = (q, k, v, bias, mask, scores_)
   out, lse = attention_core(*primals, config)
   dq, dk, dv, dbias, _, dscores = tangents
   # Of the score value only the sinks and the score_mod's float captured
