@@ -146,6 +146,22 @@ FEATURES = frozenset({"score_function", "mods", "value_head_dim", "nondeterminis
 # one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 
+# 192 / 128 (DeepSeek's training head dims, issue #56): the fused dK/dV
+# kernel on 32-row query tiles instead of two passes. dK 96 + dV 64 + S^T 16
+# + dP^T 16 = 192 accumulator registers of 240, as at D = 128; four tile
+# GEMMs a query block instead of five (1152 multiply-adds per score element
+# with the dQ kernel's 512, against 1344), but S^T = K Q^T and dP^T = V dO^T
+# become N = 32 wgmmas that read their SMEM operands at 1.5x the bytes per
+# multiply-add of N = 64. lse2 and delta start the S^T / dP^T accumulators
+# (`fold_stats`: dense no spills; causal 8 / 32 bytes stored / loaded against
+# 16 / 44 with the stats loaded after the wait, none in a loop). Off until
+# timed on a GPU: `benchmarks/bench_backward.py --only D192/128 --config
+# dkv.dk_dv=fused,dkv.block_q=32,...` times both (docs/performance-notes.md,
+# "Value head dims of their own").
+FUSED_DK_DV_AT_192_128 = False
+FUSED_DKV_192_128 = DkvConfig(block_kv=64, block_q=32, num_stages=2, producer_registers=24,
+                              consumer_registers=240, fold_stats=True)
+
 # `choose_mods_config`: calls with a score_mod fold delta into the dK/dV
 # kernel's dP^T accumulator. A switch for benchmarks (bench_mod_costs.py's
 # MOD_COSTS_FOLD_DELTA=0 times the loads before the wait, as before).
@@ -277,6 +293,10 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
     # D = 128 dK/dV kernel; dQ and the kernels' order as at 192. Unmeasured
     # (docs/performance-notes.md, "Value head dims of their own").
     return BackwardConfig(fused_dkv, dq_192)
+  if d == 192 and dv == 128 and FUSED_DK_DV_AT_192_128:
+    # 192 / 128, switched on: the fused dK/dV kernel on 32-row query tiles
+    # (`FUSED_DKV_192_128`); dQ and the kernels' order as at 192.
+    return BackwardConfig(FUSED_DKV_192_128, dq_192)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV (of dV's own,
     # 128 or 256). SMEM at 256 / 256: K, V

@@ -1,0 +1,130 @@
+"""The 192 / 128 backward configurations under test for issue #56, on the CPU.
+
+The heuristic runs 192 / 128 as two dK/dV passes and the dQ kernel
+(`sm90_backward.choose_config`); these are the candidates the GPU is to
+time beside it (`benchmarks/bench_backward.py --only D192/128 --config ...`):
+
+* the fused dK/dV kernel on 32-row query tiles, lse2 and delta folded into
+  the S^T / dP^T accumulators (`sm90_backward.FUSED_DKV_192_128`, what
+  `FUSED_DK_DV_AT_192_128` switches on), and its variants: the stats loaded
+  after the wait instead of folded, four stages;
+* two passes with three stages of Q and dO.
+
+Each runs in Pallas' GPU interpreter with race detection at small shapes
+(dense with lengths that are not multiples of 8 and kv lengths, causal with
+GQA, one soft-capped) against jax.grad of an f32 einsum attention
+(`reference.einsum_attention`), and cross-lowers for sm_90 within the SMEM
+limit with the wgmma widths its scheme implies.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fa4_jax.kernels import sm90_backward
+from fa4_jax.kernels.sm90_backward_dkdv import DkvConfig
+from fa4_jax.scores import MaskSpec, ScoreFunction
+from fa4_jax.testing import SMEM_LIMIT_BYTES
+from reference import einsum_attention, relative_error, visible_mask
+
+D, DV = 192, 128
+CAUSAL = MaskSpec(right=0)
+
+
+def _candidate(name: str, mask: MaskSpec) -> sm90_backward.BackwardConfig:
+  base = sm90_backward.choose_config(D, mask, value_head_dim=DV)
+  fused = sm90_backward.FUSED_DKV_192_128
+  dkv = {
+      "fused_q32_fold": fused,
+      "fused_q32_stats_after_wait": dataclasses.replace(fused, fold_stats=False),
+      "fused_q32_fold_4_stages": dataclasses.replace(fused, num_stages=4),
+      "two_passes_3_stages": dataclasses.replace(base.dkv, num_stages=3),
+  }[name]
+  return dataclasses.replace(base, dkv=dkv)
+
+
+# (candidate, causal, (t, s), query heads, kv heads, kv lengths, soft-cap)
+CASES = {
+    "fused_q32_fold_dense_odd_lengths": ("fused_q32_fold", False, (75, 93), 1, 1, (93, 41), None),
+    "fused_q32_fold_causal_gqa_soft_cap": ("fused_q32_fold", True, (93, 93), 2, 1, None, 20.0),
+    "fused_q32_stats_after_wait_causal_gqa": ("fused_q32_stats_after_wait", True, (93, 93), 2, 1,
+                                              None, None),
+    "fused_q32_fold_4_stages_dense_gqa": ("fused_q32_fold_4_stages", False, (75, 93), 2, 1,
+                                          (93, 41), None),
+    "two_passes_3_stages_causal_gqa": ("two_passes_3_stages", True, (93, 93), 2, 1, None, None),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gradients_match_an_f32_einsum(run_interpreted, name):
+  candidate, causal, (t, s), n, k, kv_lengths, soft_cap = CASES[name]
+  b = 1 if kv_lengths is None else len(kv_lengths)
+  rng = np.random.default_rng(0)
+  make = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, key, v, dout = make(b, t, n, D), make(b, s, k, D), make(b, s, k, DV), make(b, t, n, DV)
+  mask = CAUSAL if causal else MaskSpec()
+  config = _candidate(candidate, mask)
+  kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+  visible = visible_mask(t, s, is_causal=causal, kv_lengths=kv_lengths, batch=b)
+  scale = D ** -0.5
+  out, lse = einsum_attention(q, key, v, visible, scale=scale, soft_cap=soft_cap)
+  grads = run_interpreted(
+      lambda *xs: sm90_backward.backward(*xs, None, kv_len, score=ScoreFunction(scale, soft_cap),
+                                         mask=mask, config=config),
+      q, key, v, out.astype(q.dtype), lse, dout)
+  loss = lambda q, key, v: (einsum_attention(q, key, v, visible, scale=scale,
+                                             soft_cap=soft_cap)[0]
+                            * dout.astype(jnp.float32)).sum()
+  f32 = lambda x: x.astype(jnp.float32)
+  want = jax.grad(loss, argnums=(0, 1, 2))(f32(q), f32(key), f32(v))
+  # bf16 operands, P and dS rounded to bf16 before their GEMMs, f32
+  # accumulation: 2-3e-3 (as in test_sm90_backward_value_head_dim.py).
+  for g_name, got, w, x in zip(("dq", "dk", "dv"), grads, want, (q, key, v)):
+    assert got.shape == x.shape and got.dtype == x.dtype, g_name
+    assert relative_error(got, w) < 1e-2, (g_name, relative_error(got, w))
+
+
+@pytest.mark.parametrize("candidate", ["fused_q32_fold_4_stages", "two_passes_3_stages"])
+def test_candidates_cross_lower_within_smem(cross_lower, candidate):
+  config = _candidate(candidate, CAUSAL)
+  q = jax.ShapeDtypeStruct((1, 1024, 2, D), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 1024, 2, DV), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 2, 1024), jnp.float32)
+  lowered = cross_lower(
+      lambda q, k, v, o, lse: sm90_backward.backward(
+          q, k, v, o, lse, o, None, None, score=ScoreFunction(0.1), mask=CAUSAL, config=config),
+      q, q, v, v, lse, arch="sm_90")
+  assert 0 < lowered.max_smem_bytes <= SMEM_LIMIT_BYTES, lowered.smem_bytes
+  widths = [collections.Counter(int(n) for n in re.findall(
+      r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", m)) for m in lowered.modules]
+  if config.dkv.dk_dv == "fused":
+    # One dK/dV kernel: S^T and dP^T at N = 32 (the query tile), dV at Dv,
+    # dK at D; then the dQ kernel.
+    assert len(widths) == 2 and set(widths[0]) == {32, DV, D}, widths
+  else:
+    assert len(widths) == 3 and set(widths[1]) == {64, DV}, widths
+
+
+def test_the_switch_changes_192_128_alone(monkeypatch):
+  masks = (MaskSpec(), CAUSAL, MaskSpec(left=255, right=0))
+  pairs = [(64, None), (128, None), (128, 64), (192, None), (192, 64), (192, 128), (256, None),
+           (256, 128)]
+  before = {(d, dv, m, g): sm90_backward.choose_config(d, m, g, value_head_dim=dv)
+            for d, dv in pairs for m in masks for g in (1, 4)}
+  assert all(c.dkv.dk_dv == "two_passes" for (d, dv, _, _), c in before.items()
+             if (d, dv) == (192, 128))
+  monkeypatch.setattr(sm90_backward, "FUSED_DK_DV_AT_192_128", True)
+  for (d, dv, m, g), config in before.items():
+    now = sm90_backward.choose_config(d, m, g, value_head_dim=dv)
+    if (d, dv) == (192, 128):
+      assert now.dkv == sm90_backward.FUSED_DKV_192_128 and now.dq == config.dq
+    else:
+      assert now == config, (d, dv, m, g)
+  assert isinstance(sm90_backward.FUSED_DKV_192_128, DkvConfig)
