@@ -6,8 +6,11 @@ time beside it (`benchmarks/bench_backward.py --only D192/128 --config ...`):
 
 * the fused dK/dV kernel on 32-row query tiles, lse2 and delta folded into
   the S^T / dP^T accumulators (`sm90_backward.FUSED_DKV_192_128`, what
-  `FUSED_DK_DV_AT_192_128` switches on), and its variants: the stats loaded
-  after the wait instead of folded, four stages;
+  `FUSED_DK_DV_AT_192_128` switches on);
+* the head-split kernel's CTA with warpgroup 0 keeping dV (and computing
+  P^T and dS^T) and warpgroup 1 keeping dK (`sm90_backward.
+  DV_DK_SPLIT_192_128`, "dv_dk_split"), and with 64 of dK's columns on
+  warpgroup 0 (`wg0_dk_columns=64`);
 * two passes with three stages of Q and dO.
 
 Each runs in Pallas' GPU interpreter with race detection at small shapes
@@ -43,9 +46,10 @@ def _candidate(name: str, mask: MaskSpec) -> sm90_backward.BackwardConfig:
   fused = sm90_backward.FUSED_DKV_192_128
   dkv = {
       "fused_q32_fold": fused,
-      "fused_q32_stats_after_wait": dataclasses.replace(fused, fold_stats=False),
-      "fused_q32_fold_4_stages": dataclasses.replace(fused, num_stages=4),
       "two_passes_3_stages": dataclasses.replace(base.dkv, num_stages=3),
+      "dv_dk_split": sm90_backward.DV_DK_SPLIT_192_128,
+      "dv_dk_split_wg0_64": dataclasses.replace(sm90_backward.DV_DK_SPLIT_192_128,
+                                                wg0_dk_columns=64),
   }[name]
   return dataclasses.replace(base, dkv=dkv)
 
@@ -54,11 +58,10 @@ def _candidate(name: str, mask: MaskSpec) -> sm90_backward.BackwardConfig:
 CASES = {
     "fused_q32_fold_dense_odd_lengths": ("fused_q32_fold", False, (75, 93), 1, 1, (93, 41), None),
     "fused_q32_fold_causal_gqa_soft_cap": ("fused_q32_fold", True, (93, 93), 2, 1, None, 20.0),
-    "fused_q32_stats_after_wait_causal_gqa": ("fused_q32_stats_after_wait", True, (93, 93), 2, 1,
-                                              None, None),
-    "fused_q32_fold_4_stages_dense_gqa": ("fused_q32_fold_4_stages", False, (75, 93), 2, 1,
-                                          (93, 41), None),
     "two_passes_3_stages_causal_gqa": ("two_passes_3_stages", True, (93, 93), 2, 1, None, None),
+    "dv_dk_split_dense_odd_lengths": ("dv_dk_split", False, (75, 93), 2, 1, (93, 41), None),
+    "dv_dk_split_causal_gqa_soft_cap": ("dv_dk_split", True, (93, 93), 2, 1, None, 20.0),
+    "dv_dk_split_wg0_64_causal_gqa": ("dv_dk_split_wg0_64", True, (93, 93), 2, 1, None, None),
 }
 
 
@@ -91,7 +94,7 @@ def test_gradients_match_an_f32_einsum(run_interpreted, name):
     assert relative_error(got, w) < 1e-2, (g_name, relative_error(got, w))
 
 
-@pytest.mark.parametrize("candidate", ["fused_q32_fold_4_stages", "two_passes_3_stages"])
+@pytest.mark.parametrize("candidate", ["fused_q32_fold", "two_passes_3_stages", "dv_dk_split"])
 def test_candidates_cross_lower_within_smem(cross_lower, candidate):
   config = _candidate(candidate, CAUSAL)
   q = jax.ShapeDtypeStruct((1, 1024, 2, D), jnp.bfloat16)
@@ -108,6 +111,9 @@ def test_candidates_cross_lower_within_smem(cross_lower, candidate):
     # One dK/dV kernel: S^T and dP^T at N = 32 (the query tile), dV at Dv,
     # dK at D; then the dQ kernel.
     assert len(widths) == 2 and set(widths[0]) == {32, DV, D}, widths
+  elif config.dkv.dk_dv == "dv_dk_split":
+    # S^T and dP^T at N = 64, dV whole (Dv), dK whole (D): no half widths.
+    assert len(widths) == 2 and set(widths[0]) == {64, DV, D}, widths
   else:
     assert len(widths) == 3 and set(widths[1]) == {64, DV}, widths
 

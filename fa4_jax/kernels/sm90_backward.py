@@ -162,6 +162,16 @@ FUSED_DK_DV_AT_192_128 = False
 FUSED_DKV_192_128 = DkvConfig(block_kv=64, block_q=32, num_stages=2, producer_registers=24,
                               consumer_registers=240, fold_stats=True)
 
+# The other 192 / 128 candidate (`benchmarks/bench_backward.py --config
+# dkv.dk_dv=dv_dk_split,...`; not chosen by `choose_config`): the head-split
+# kernel's CTA of 64 keys and two consumers, warpgroup 0 computing S^T, dP^T,
+# P^T and dS^T and keeping dV (64 + 32 + 32 registers), warpgroup 1 keeping
+# dK (96) from dS^T handed over through SMEM. Four tile GEMMs a block, every
+# one at N >= 64 (`sm90_backward_dkdv.DkvConfig`, "dv_dk_split"); ptxas
+# (local, B2 S8192 H16, dense and causal): no spills.
+DV_DK_SPLIT_192_128 = DkvConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
+                                consumer_registers=240, dk_dv="dv_dk_split")
+
 # `choose_mods_config`: calls with a score_mod fold delta into the dK/dV
 # kernel's dP^T accumulator. A switch for benchmarks (bench_mod_costs.py's
 # MOD_COSTS_FOLD_DELTA=0 times the loads before the wait, as before).
@@ -351,7 +361,7 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   config = choose_config(head_dim, mask, group, segment_ids=segment_ids, raw_scores=raw_scores,
                          value_head_dim=value_head_dim)
   fold = FOLD_DELTA_WITH_SCORE_MOD if score_mod else FOLD_STATS_WITH_MASK_MOD_ALONE
-  fold = fold and config.dkv.dk_dv != "head_dim_split"
+  fold = fold and not config.dkv.split_consumers
   dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold)
   dq = config.dq
   keep_dq = not mask_mod and THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD
@@ -428,7 +438,7 @@ def _kernel_segments(segment_ids, config: BackwardConfig, q_pad: int, kv_pad: in
     return [], []
   q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
   dkv_config, dq_config = config.dkv, config.dq
-  nc = 1 if dkv_config.dk_dv == "head_dim_split" else dkv_config.num_consumers
+  nc = 1 if dkv_config.split_consumers else dkv_config.num_consumers
   dkv = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=dkv_config.block_kv,
                          consumers=nc, num_ctas=cdiv(kv_pad, nc * dkv_config.block_kv),
                          block_cols=dkv_config.block_q)
@@ -447,7 +457,7 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
   divide both kernels' CTA tiles, and each kernel's block lists."""
   dkv_config, dq_config = config.dkv, config.dq
   dq_rows = dq_config.num_consumers * dq_config.block_q
-  dkv_keys = dkv_config.block_kv * (1 if dkv_config.dk_dv == "head_dim_split"
+  dkv_keys = dkv_config.block_kv * (1 if dkv_config.split_consumers
                                     else dkv_config.num_consumers)
   fine = (min(dkv_config.block_q, dq_rows), min(dq_config.block_kv, dkv_keys))
   assert dq_rows % fine[0] == 0 and dkv_config.block_q % fine[0] == 0, (config, fine)
@@ -574,7 +584,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
     if config.dkv.work_queue:
       dkv_call = fixed_shares_under_vmap(dkv_call, lambda: build_dkv(queue_counter=False))
     dk, dv = dkv_call(*dkv_args)
-  elif config.dkv.dk_dv == "head_dim_split":
+  elif config.dkv.split_consumers:  # "head_dim_split", "dv_dk_split"
     dk, dv = _build_dkv_head_split_kernel(**dkv_common, chain=first_dkv)(*dkv_args)
   else:
     (dk,) = _build_dkv_kernel(**dkv_common, outputs=("dk",), chain=first_dkv)(*dkv_args)
