@@ -146,29 +146,30 @@ FEATURES = frozenset({"score_function", "mods", "value_head_dim", "nondeterminis
 # one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 
-# 192 / 128 (DeepSeek's training head dims, issue #56): the fused dK/dV
-# kernel on 32-row query tiles instead of two passes. dK 96 + dV 64 + S^T 16
-# + dP^T 16 = 192 accumulator registers of 240, as at D = 128; four tile
-# GEMMs a query block instead of five (1152 multiply-adds per score element
+# 192 / 128 (DeepSeek's training head dims, issue #56): the dK/dV kernel's
+# config there, instead of the two passes, where set (None: the two passes).
+# Two candidates, off until timed on a GPU (`benchmarks/bench_backward.py
+# --only D192/128 --config ...` builds each; docs/performance-notes.md,
+# "192 / 128: candidates screened on the CPU"):
+#
+# `FUSED_DKV_192_128`: the fused kernel on 32-row query tiles. dK 96 + dV 64
+# + S^T 16 + dP^T 16 = 192 accumulator registers of 240, as at D = 128; four
+# tile GEMMs a block instead of five (1152 multiply-adds per score element
 # with the dQ kernel's 512, against 1344), but S^T = K Q^T and dP^T = V dO^T
 # become N = 32 wgmmas that read their SMEM operands at 1.5x the bytes per
 # multiply-add of N = 64. lse2 and delta start the S^T / dP^T accumulators
-# (`fold_stats`: dense no spills; causal 8 / 32 bytes stored / loaded against
-# 16 / 44 with the stats loaded after the wait, none in a loop). Off until
-# timed on a GPU: `benchmarks/bench_backward.py --only D192/128 --config
-# dkv.dk_dv=fused,dkv.block_q=32,...` times both (docs/performance-notes.md,
-# "Value head dims of their own").
-FUSED_DK_DV_AT_192_128 = False
+# (`fold_stats`; ptxas, local, B2 S8192 H16: dense no spills, causal 8 / 32
+# bytes stored / loaded against 16 / 44 with the stats loaded after the
+# wait, none in a loop).
+#
+# `DV_DK_SPLIT_192_128`: the head-split kernel's CTA of 64 keys and two
+# consumers, warpgroup 0 computing S^T, dP^T, P^T and dS^T and keeping dV
+# (64 + 32 + 32 registers), warpgroup 1 keeping dK (96) from dS^T handed over
+# through SMEM ("dv_dk_split"). Four tile GEMMs a block, every one at N >= 64;
+# ptxas (local, B2 S8192 H16, dense and causal): no spills.
+DKV_AT_192_128: DkvConfig | None = None
 FUSED_DKV_192_128 = DkvConfig(block_kv=64, block_q=32, num_stages=2, producer_registers=24,
                               consumer_registers=240, fold_stats=True)
-
-# The other 192 / 128 candidate (`benchmarks/bench_backward.py --config
-# dkv.dk_dv=dv_dk_split,...`; not chosen by `choose_config`): the head-split
-# kernel's CTA of 64 keys and two consumers, warpgroup 0 computing S^T, dP^T,
-# P^T and dS^T and keeping dV (64 + 32 + 32 registers), warpgroup 1 keeping
-# dK (96) from dS^T handed over through SMEM. Four tile GEMMs a block, every
-# one at N >= 64 (`sm90_backward_dkdv.DkvConfig`, "dv_dk_split"); ptxas
-# (local, B2 S8192 H16, dense and causal): no spills.
 DV_DK_SPLIT_192_128 = DkvConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
                                 consumer_registers=240, dk_dv="dv_dk_split")
 
@@ -303,10 +304,10 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
     # D = 128 dK/dV kernel; dQ and the kernels' order as at 192. Unmeasured
     # (docs/performance-notes.md, "Value head dims of their own").
     return BackwardConfig(fused_dkv, dq_192)
-  if d == 192 and dv == 128 and FUSED_DK_DV_AT_192_128:
-    # 192 / 128, switched on: the fused dK/dV kernel on 32-row query tiles
-    # (`FUSED_DKV_192_128`); dQ and the kernels' order as at 192.
-    return BackwardConfig(FUSED_DKV_192_128, dq_192)
+  if d == 192 and dv == 128 and DKV_AT_192_128 is not None:
+    # 192 / 128, switched on: `DKV_AT_192_128` (one of the candidates above
+    # it); dQ and the kernels' order as at 192.
+    return BackwardConfig(DKV_AT_192_128, dq_192)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV (of dV's own,
     # 128 or 256). SMEM at 256 / 256: K, V
