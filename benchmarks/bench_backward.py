@@ -16,6 +16,15 @@ own with its start offset; for cuDNN the kernels of its VJP, given saved
 residuals. TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
 causal; a causal window counts 2.5 x 4*B*H*S*W*D (W = window + 1).
 
+The rows `B2 S8192 H16 D192/128 [causal]` give V, O, dO and dV a head dim of
+their own (`VALUE_HEAD_DIMS`; DeepSeek's 192 / 128, issue #56): TFLOP/s count
+2.5 x 2*B*H*S^2*(D + Dv), and `--config` starts from
+`sm90_backward.choose_config` at that pair (two passes); the candidates of
+docs/performance-notes.md ("192 / 128: candidates screened on the CPU"),
+e.g. `--config dkv.dk_dv=dv_dk_split,dkv.producer_registers=24,
+dkv.consumer_registers=240`. cuDNN's column there records jax.nn's refusal
+(one head dim).
+
 Errors (cases marked `check`): dq, dk, dv of both implementations on the same
 bf16 inputs against an f32 reference (fa4_jax's memory-linear XLA forward and
 backward on the upcast inputs at "highest" matmul precision): max absolute

@@ -7,6 +7,10 @@ ITERATIONS calls, summing every kernel a call launches. TFLOP/s counts
 heads (the full f32 logits would not fit at S=16k), for both implementations
 on the same bf16 inputs.
 
+The rows `B2 S8192 H16 D192/128 [causal]` give V and O a head dim of their
+own (`VALUE_HEAD_DIMS`; issue #56): TFLOP/s count 2*B*H*S^2*(D + Dv), halved
+when causal; cuDNN (jax.nn, one head dim) refuses them (`--no-cudnn`).
+
 Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_forward.py [--quick] [--only SUBSTRING (repeatable)]
         [--short] [--config key=value,... (repeatable: one column per config)]
