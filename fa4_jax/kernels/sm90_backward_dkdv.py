@@ -766,6 +766,29 @@ def _mma_accumulate_smem(acc, a_smem, b_smem):
   return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 
+def _dv_first_then_dk(acc, softmax: TileSoftmax, dp, delta, dtype, do_cols, q_cols, ds_tile,
+                      acquire, publish):
+  """Warpgroup 0 of "dv_dk_split" on hardware: dV += P^T dO with P^T in
+  registers is issued first; dS^T is computed while it runs, written to the
+  ring slot (`acquire` before, `publish` after: warpgroup 1 takes it from
+  there), and, where warpgroup 0 keeps dK columns (`q_cols`), dK += dS^T Q
+  follows from the slot. One wait covers both. Returns (dk, dv)."""
+  p = softmax.probs.astype(dtype)
+
+  def body(refs):
+    dk_ref, dv_ref = refs
+    plgpu.wgmma(dv_ref, p, do_cols)
+    ds = scores_grad(softmax.ds_weight, dp, delta)
+    acquire()
+    ds_tile[...] = ds.astype(dtype)
+    publish()
+    if dk_ref is not None:
+      plgpu.wgmma(dk_ref, ds_tile, q_cols)
+
+  dk, dv = acc
+  return pl.run_state(body)((None if dk is None else plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+
+
 def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
                          bars: HeadSplitBarrierTable, work: KeyTileWork, keys, num_steps,
                          head_walk=None, group: int = 1):
@@ -816,6 +839,11 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
   cfg, bk, bq, c = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.exp2_constant
   (dk_lo, dk_w), (dv_lo, dv_w) = kp.split_columns(h)
   cols, cols_v = pl.ds(dk_lo, dk_w), pl.ds(dv_lo, dv_w)
+  # "dv_dk_split" on hardware: warpgroup 0 alone reads P^T, so it stays in
+  # registers as the dV wgmma's A operand (no P^T tile written or read), and
+  # that wgmma runs while dS^T is computed (`_dv_first_then_dk`). The
+  # interpreter, which has no register A operands, goes through the P^T ring.
+  p_in_registers = h == 0 and cfg.dk_dv == "dv_dk_split" and not kp.interpreting
   lo, hi = work.lo, work.hi
   # Only warpgroup 0 computes P^T and needs the ids.
   block_segments = _key_tile_segments(segments if h == 0 else None, work.batch_idx, work.k_lo,
@@ -837,6 +865,14 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
                            kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
                            **mods)
+      if p_in_registers:
+        dk, dv = _dv_first_then_dk(acc, softmax, dp, delta, kp.dtype, do_tile.at[:, cols_v],
+                                   q_tile.at[:, cols] if dk_w else None, ds_tile,
+                                   lambda: bars.producer_p_ds_acquire(step),
+                                   lambda: bars.producer_p_ds(step))
+        bars.consumer_q_do_release(step)
+        bars.consumer_p_ds_release(step)
+        return dk, dv
       ds = scores_grad(softmax.ds_weight, dp, delta)
       bars.producer_p_ds_acquire(step)
       p_tile[...] = softmax.probs.astype(kp.dtype)
