@@ -16,6 +16,15 @@ own with its start offset; for cuDNN the kernels of its VJP, given saved
 residuals. TFLOP/s counts 2.5 x the forward's 4*B*H*S^2*D, halved when
 causal; a causal window counts 2.5 x 4*B*H*S*W*D (W = window + 1).
 
+The rows `B2 S8192 H16 D192/128 [causal]` give V, O, dO and dV a head dim of
+their own (`VALUE_HEAD_DIMS`; DeepSeek's 192 / 128, issue #56): TFLOP/s count
+2.5 x 2*B*H*S^2*(D + Dv), and `--config` starts from
+`sm90_backward.choose_config` at that pair (two passes); the candidates of
+docs/performance-notes.md ("192 / 128: candidates screened on the CPU"),
+e.g. `--config dkv.dk_dv=dv_dk_split,dkv.producer_registers=24,
+dkv.consumer_registers=240`. cuDNN's column there records jax.nn's refusal
+(one head dim).
+
 Errors (cases marked `check`): dq, dk, dv of both implementations on the same
 bf16 inputs against an f32 reference (fa4_jax's memory-linear XLA forward and
 backward on the upcast inputs at "highest" matmul precision): max absolute
@@ -84,13 +93,24 @@ CASES = [
     # not in DESIGN.md's table: the two-pass dK/dV scheme of head dim 192
     ("B2 S8192 H8 D192", 2, 8192, 8, 8, 192, False, None, True),
     ("B2 S8192 H8 D192 causal", 2, 8192, 8, 8, 192, True, None, False),
+    # DeepSeek's training head dims (issue #56): V, O, dO and dV 128 wide
+    # beside Q and K at 192 (`VALUE_HEAD_DIMS`)
+    ("B2 S8192 H16 D192/128", 2, 8192, 16, 16, 192, False, None, True),
+    ("B2 S8192 H16 D192/128 causal", 2, 8192, 16, 16, 192, True, None, True),
 ]
 
+# V's head dim of the cases where it is not D, by name: the tuples above keep
+# their nine fields for the tools that unpack them.
+VALUE_HEAD_DIMS = {"B2 S8192 H16 D192/128": 128, "B2 S8192 H16 D192/128 causal": 128}
 
-def flops(B, S, H, D, causal, window_left):
+
+def flops(B, S, H, D, causal, window_left, value_head_dim=None):
+  """2.5 x the forward's 4*B*H*S^2*D (2*B*H*S^2*(D + Dv) where V has a head
+  dim of its own, `value_head_dim`), halved when causal."""
+  width = 2 * D if value_head_dim is None else D + value_head_dim
   if window_left is not None:
-    return 2.5 * 4 * B * H * S * (window_left + 1) * D
-  return 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+    return 2.5 * 2 * B * H * S * (window_left + 1) * width
+  return 2.5 * 2 * B * H * S * S * width / (2 if causal else 1)
 
 
 def kernel_times(f, *args):
@@ -130,21 +150,22 @@ def errors(grads, ref):
 NONDETERMINISTIC = "nd"
 
 
-def config_for(text, head_dim, mask, group=1):
+def config_for(text, head_dim, mask, group=1, value_head_dim=None):
   """The heuristic's config for (head dim, mask, GQA group), with the
   `key=value,...` overrides of `text`: a `BackwardConfig` field
   (`delta_in_dq=False`) or one of a kernel's, prefixed with its name
   (`dkv.stats_first=False`, `dq.num_consumers=2`). A text whose first item
   is "nd" (`NONDETERMINISTIC`) gives the one kernel's `FusedDqConfig`
   instead (`sm90_backward.choose_fused_dq_config`; its fields `ds_slots=`,
-  `dq_stages=`, its dK/dV part's `dkv.KEY=`)."""
+  `dq_stages=`, its dK/dV part's `dkv.KEY=`). `value_head_dim`: V's where it
+  has its own (192 / 128; `sm90_backward.choose_config`)."""
   items = list(filter(None, text.split(",")))
   one_kernel = bool(items) and items[0] == NONDETERMINISTIC
   if one_kernel:
     items = items[1:]
     config = sm90_backward.choose_fused_dq_config(head_dim, mask, group)
   else:
-    config = sm90_backward.choose_config(head_dim, mask, group)
+    config = sm90_backward.choose_config(head_dim, mask, group, value_head_dim=value_head_dim)
   changes = {"": {}, "dkv": {}, "dq": {}}
   for item in items:
     key, value = item.split("=")
@@ -176,12 +197,13 @@ class CaseSetup:
   cuDNN is missing when it refused the case."""
 
   def __init__(self, case, overrides=("",)):
-    _, B, S, Hq, Hkv, D, causal, window_left, _ = case
+    name, B, S, Hq, Hkv, D, causal, window_left, _ = case
+    self.value_head_dim = Dv = VALUE_HEAD_DIMS.get(name, D)
     keys = jax.random.split(jax.random.key(0), 4)
     self.q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
     self.k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
-    self.v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
-    self.do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
+    self.v = jax.random.normal(keys[2], (B, S, Hkv, Dv), jnp.bfloat16)
+    self.do = jax.random.normal(keys[3], (B, S, Hq, Dv), jnp.bfloat16)
     self.scale = scale = 1 / math.sqrt(D)
     mask, window = bench_common.case_mask(causal, window_left)
     self.mask = mask
@@ -191,7 +213,7 @@ class CaseSetup:
 
     self.impls, self.configs = [], []
     for i, text in enumerate(overrides):
-      config = config_for(text, D, mask, Hq // Hkv)
+      config = config_for(text, D, mask, Hq // Hkv, value_head_dim=Dv if Dv != D else None)
       self.configs.append(dataclasses.asdict(config))
       f = jax.jit(functools.partial(
           lambda q, k, v, o, l, do, config: sm90_backward.backward(
@@ -254,7 +276,9 @@ def main():
     setup = CaseSetup(case, overrides)
     row = dict(case=name, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
                window_left=window_left, dtype="bfloat16", config=setup.configs[0])
-    fl = flops(B, S, Hq, D, causal, window_left)
+    if setup.value_head_dim != D:
+      row["Dv"] = setup.value_head_dim
+    fl = flops(B, S, Hq, D, causal, window_left, setup.value_head_dim)
     ref = setup.reference() if (check or args.check_all) and not args.no_check else None
     impls = setup.impls
     if setup.cudnn_error:

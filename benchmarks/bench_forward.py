@@ -7,6 +7,10 @@ ITERATIONS calls, summing every kernel a call launches. TFLOP/s counts
 heads (the full f32 logits would not fit at S=16k), for both implementations
 on the same bf16 inputs.
 
+The rows `B2 S8192 H16 D192/128 [causal]` give V and O a head dim of their
+own (`VALUE_HEAD_DIMS`; issue #56): TFLOP/s count 2*B*H*S^2*(D + Dv), halved
+when causal; cuDNN (jax.nn, one head dim) refuses them (`--no-cudnn`).
+
 Usage (on the GPU machine, from the repository root):
     python3 benchmarks/bench_forward.py [--quick] [--only SUBSTRING (repeatable)]
         [--short] [--config key=value,... (repeatable: one column per config)]
@@ -52,7 +56,14 @@ CASES = [
     ("B2 S8192 H32/8 D128 (GQA)", 2, 8192, 32, 8, 128, False, None),
     ("B2 S8192 H32/8 D128 (GQA) causal", 2, 8192, 32, 8, 128, True, None),
     ("B1 S16384 H16 D128 causal window 1024", 1, 16384, 16, 16, 128, True, 1023),
+    # DeepSeek's training head dims (issue #56): V and O 128 wide beside Q and K at 192
+    ("B2 S8192 H16 D192/128", 2, 8192, 16, 16, 192, False, None),
+    ("B2 S8192 H16 D192/128 causal", 2, 8192, 16, 16, 192, True, None),
 ]
+
+# V's (and O's) head dim of the cases where it is not D, by name: the tuples
+# above keep their eight fields for the tools that unpack them.
+VALUE_HEAD_DIMS = {"B2 S8192 H16 D192/128": 128, "B2 S8192 H16 D192/128 causal": 128}
 
 
 def short_cases():
@@ -63,10 +74,13 @@ def short_cases():
           for c in bench_common.gpu_cases(quick=False) if c.S <= 4096 and c.D <= 128]
 
 
-def flops(B, S, H, D, causal, window_left):
+def flops(B, S, H, D, causal, window_left, value_head_dim=None):
+  """4*B*H*S^2*D, halved when causal; 2*B*H*S^2*(D + Dv) where V has a head
+  dim of its own (`value_head_dim`)."""
+  width = 2 * D if value_head_dim is None else D + value_head_dim
   if window_left is not None:
-    return 4 * B * H * S * (window_left + 1) * D
-  return 4 * B * H * S * S * D / (2 if causal else 1)
+    return 2 * B * H * S * (window_left + 1) * width
+  return 2 * B * H * S * S * width / (2 if causal else 1)
 
 
 kernel_ms = bench_common.kernel_ms
@@ -126,7 +140,8 @@ def main():
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.bfloat16)
+    Dv = VALUE_HEAD_DIMS.get(name, D)
+    v = jax.random.normal(keys[2], (B, S, Hkv, Dv), jnp.bfloat16)
     scale = 1 / math.sqrt(D)
     mask, window = bench_common.case_mask(causal, window_left)
     configs = [config_for(text, D, mask, S) for text in overrides]
@@ -137,7 +152,9 @@ def main():
     row = dict(case=name, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
                window_left=window_left, dtype="bfloat16",
                config=dataclasses.asdict(configs[0]))
-    fl = flops(B, S, Hq, D, causal, window_left)
+    if Dv != D:
+      row["Dv"] = Dv
+    fl = flops(B, S, Hq, D, causal, window_left, Dv)
     impls = []
     for i, config in enumerate(configs):
       ours = jax.jit(functools.partial(

@@ -152,13 +152,16 @@ def _call(args):
   q = jax.ShapeDtypeStruct((args.batch, args.seq, args.heads, args.head_dim), dtype)
   kv = jax.ShapeDtypeStruct((args.batch, args.seq, args.kv_heads or args.heads, args.head_dim),
                             dtype)
+  dv = args.value_head_dim or args.head_dim
+  vs = jax.ShapeDtypeStruct((args.batch, args.seq, args.kv_heads or args.heads, dv), dtype)
+  os_ = jax.ShapeDtypeStruct((args.batch, args.seq, args.heads, dv), dtype)
   if args.kernel == "attention":
     def fwd(q, k, v):
       return fa4_jax.attention(q, k, v, is_causal=args.causal, logits_soft_cap=args.soft_cap)
     if args.grad:
       return jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(),
-                      argnums=(0, 1, 2)), (q, kv, kv)
-    return fwd, (q, kv, kv)
+                      argnums=(0, 1, 2)), (q, kv, vs)
+    return fwd, (q, kv, vs)
 
   sys.path.insert(0, BENCHMARKS)
   from fa4_jax.kernels import sm90_backward, sm90_forward
@@ -169,13 +172,15 @@ def _call(args):
     import bench_forward
     config = bench_forward.config_for(args.config_text, args.head_dim, mask, args.seq)
     return (lambda q, k, v: sm90_forward.forward(
-        q, k, v, None, None, score=score, mask=mask, config=config)[0]), (q, kv, kv)
+        q, k, v, None, None, score=score, mask=mask, config=config)[0]), (q, kv, vs)
   import bench_backward
   group = args.heads // (args.kv_heads or args.heads)
-  config = bench_backward.config_for(args.config_text, args.head_dim, mask, group)
+  config = bench_backward.config_for(args.config_text, args.head_dim, mask, group,
+                                     value_head_dim=args.value_head_dim)
   lse = jax.ShapeDtypeStruct((args.batch, args.heads, args.seq), jnp.float32)
-  return (lambda q, k, v, lse: sm90_backward.backward(
-      q, k, v, q, lse, q, None, None, score=score, mask=mask, config=config)), (q, kv, kv, lse)
+  return (lambda q, k, v, o, lse: sm90_backward.backward(
+      q, k, v, o, lse, o, None, None, score=score, mask=mask, config=config)), (q, kv, vs, os_,
+                                                                              lse)
 
 
 def capture(fn, specs, arch: str, into: pathlib.Path) -> list[pathlib.Path]:
@@ -307,6 +312,8 @@ def main() -> int:
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--kv-heads", type=int, default=None)
   ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--value-head-dim", type=int, default=None,
+                  help="V's (and O's, dO's) head dim where it has its own (192 / 128)")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--soft-cap", type=float, default=None)
@@ -334,7 +341,8 @@ def main() -> int:
       files = capture(*_call(args), args.arch, pathlib.Path(tmp))
       ptx = compile_to_ptx(files, plugin, stub_dir, args.arch)
       print(f"== {args.kernel}{' grad' if args.grad else ''} B{args.batch} S{args.seq} "
-            f"H{args.heads} D{args.head_dim} {args.dtype}{' causal' if args.causal else ''} "
+            f"H{args.heads} D{args.head_dim}"
+            f"{'/' + str(args.value_head_dim) if args.value_head_dim else ''} {args.dtype}{' causal' if args.causal else ''} "
             f"{args.arch} config [{text}]: {len(files)} kernel(s)", flush=True)
       for f in files:
         name = f.stem

@@ -146,6 +146,33 @@ FEATURES = frozenset({"score_function", "mods", "value_head_dim", "nondeterminis
 # one accumulator each.
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 
+# 192 / 128 (DeepSeek's training head dims, issue #56): the dK/dV kernel's
+# config there, instead of the two passes, where set (None: the two passes).
+# Two candidates, off until timed on a GPU (`benchmarks/bench_backward.py
+# --only D192/128 --config ...` builds each; docs/performance-notes.md,
+# "192 / 128: candidates screened on the CPU"):
+#
+# `FUSED_DKV_192_128`: the fused kernel on 32-row query tiles. dK 96 + dV 64
+# + S^T 16 + dP^T 16 = 192 accumulator registers of 240, as at D = 128; four
+# tile GEMMs a block instead of five (1152 multiply-adds per score element
+# with the dQ kernel's 512, against 1344), but S^T = K Q^T and dP^T = V dO^T
+# become N = 32 wgmmas that read their SMEM operands at 1.5x the bytes per
+# multiply-add of N = 64. lse2 and delta start the S^T / dP^T accumulators
+# (`fold_stats`; ptxas, local, B2 S8192 H16: dense no spills, causal 8 / 32
+# bytes stored / loaded against 16 / 44 with the stats loaded after the
+# wait, none in a loop).
+#
+# `DV_DK_SPLIT_192_128`: the head-split kernel's CTA of 64 keys and two
+# consumers, warpgroup 0 computing S^T, dP^T, P^T and dS^T and keeping dV
+# (64 + 32 + 32 registers), warpgroup 1 keeping dK (96) from dS^T handed over
+# through SMEM ("dv_dk_split"). Four tile GEMMs a block, every one at N >= 64;
+# ptxas (local, B2 S8192 H16, dense and causal): no spills.
+DKV_AT_192_128: DkvConfig | None = None
+FUSED_DKV_192_128 = DkvConfig(block_kv=64, block_q=32, num_stages=2, producer_registers=24,
+                              consumer_registers=240, fold_stats=True)
+DV_DK_SPLIT_192_128 = DkvConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
+                                consumer_registers=240, dk_dv="dv_dk_split")
+
 # `choose_mods_config`: calls with a score_mod fold delta into the dK/dV
 # kernel's dP^T accumulator. A switch for benchmarks (bench_mod_costs.py's
 # MOD_COSTS_FOLD_DELTA=0 times the loads before the wait, as before).
@@ -277,6 +304,10 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
     # D = 128 dK/dV kernel; dQ and the kernels' order as at 192. Unmeasured
     # (docs/performance-notes.md, "Value head dims of their own").
     return BackwardConfig(fused_dkv, dq_192)
+  if d == 192 and dv == 128 and DKV_AT_192_128 is not None:
+    # 192 / 128, switched on: `DKV_AT_192_128` (one of the candidates above
+    # it); dQ and the kernels' order as at 192.
+    return BackwardConfig(DKV_AT_192_128, dq_192)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV (of dV's own,
     # 128 or 256). SMEM at 256 / 256: K, V
@@ -331,7 +362,7 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   config = choose_config(head_dim, mask, group, segment_ids=segment_ids, raw_scores=raw_scores,
                          value_head_dim=value_head_dim)
   fold = FOLD_DELTA_WITH_SCORE_MOD if score_mod else FOLD_STATS_WITH_MASK_MOD_ALONE
-  fold = fold and config.dkv.dk_dv != "head_dim_split"
+  fold = fold and not config.dkv.split_consumers
   dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold)
   dq = config.dq
   keep_dq = not mask_mod and THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD
@@ -431,7 +462,7 @@ def _kernel_segments(segment_ids, config: BackwardConfig, q_pad: int, kv_pad: in
     return [], []
   q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in segment_ids)
   dkv_config, dq_config = config.dkv, config.dq
-  nc = 1 if dkv_config.dk_dv == "head_dim_split" else dkv_config.num_consumers
+  nc = 1 if dkv_config.split_consumers else dkv_config.num_consumers
   dkv = segment_operands(q_ids, kv_ids, keys_are_rows=True, block_rows=dkv_config.block_kv,
                          consumers=nc, num_ctas=cdiv(kv_pad, nc * dkv_config.block_kv),
                          block_cols=dkv_config.block_q)
@@ -450,7 +481,7 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
   divide both kernels' CTA tiles, and each kernel's block lists."""
   dkv_config, dq_config = config.dkv, config.dq
   dq_rows = dq_config.num_consumers * dq_config.block_q
-  dkv_keys = dkv_config.block_kv * (1 if dkv_config.dk_dv == "head_dim_split"
+  dkv_keys = dkv_config.block_kv * (1 if dkv_config.split_consumers
                                     else dkv_config.num_consumers)
   fine = (min(dkv_config.block_q, dq_rows), min(dq_config.block_kv, dkv_keys))
   assert dq_rows % fine[0] == 0 and dkv_config.block_q % fine[0] == 0, (config, fine)
@@ -580,7 +611,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
     if config.dkv.work_queue:
       dkv_call = fixed_shares_under_vmap(dkv_call, lambda: build_dkv(queue_counter=False))
     dk, dv = dkv_call(*dkv_args)
-  elif config.dkv.dk_dv == "head_dim_split":
+  elif config.dkv.split_consumers:  # "head_dim_split", "dv_dk_split"
     dk, dv = _build_dkv_head_split_kernel(**dkv_common, chain=first_dkv)(*dkv_args)
   else:
     (dk,) = _build_dkv_kernel(**dkv_common, outputs=("dk",), chain=first_dkv)(*dkv_args)

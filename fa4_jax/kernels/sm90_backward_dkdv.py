@@ -48,7 +48,10 @@ from fa4_jax.kernels.tiles import smem_tile
 from fa4_jax.scores import cdiv, walk_blocks
 
 
-DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes")
+DK_DV_SCHEMES = ("fused", "head_dim_split", "two_passes", "dv_dk_split")
+# The schemes whose two consumers share one key tile and split its columns
+# (`_build_dkv_head_split_kernel`).
+SPLIT_SCHEMES = ("head_dim_split", "dv_dk_split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,10 @@ class DkvConfig:
     the head dim of their dK and dV (`_build_dkv_head_split_kernel`).
   - "two_passes": the fused kernel runs twice, accumulating dK only, then dV
     only (S^T is computed twice: 5 tile GEMMs per query block instead of 4).
+  - "dv_dk_split": as "head_dim_split", but warpgroup 0 keeps all of dV and
+    the first `wg0_dk_columns` columns of dK, warpgroup 1 the other dK
+    columns (192 / 128: dV 64 + S^T 32 + dP^T 32 registers against dK's 96;
+    four tile GEMMs a block, all at N >= 64).
   """
 
   # --- tiles, stages and warpgroups (the heuristic's choice by shape) ---
@@ -106,6 +113,14 @@ class DkvConfig:
   # (no CTA launch, no K/V load latency between tiles).
   work_queue: bool = False
   num_sms: int = 0
+  # "dv_dk_split": the dK columns warpgroup 0 keeps beside dV (a multiple of
+  # 64, the swizzle tiles' width; 0: warpgroup 1 keeps all of dK).
+  wg0_dk_columns: int = 0
+
+  @property
+  def split_consumers(self) -> bool:
+    """The consumers share one key tile and split its columns (`SPLIT_SCHEMES`)."""
+    return self.dk_dv in SPLIT_SCHEMES
 
   def __post_init__(self):
     if self.dk_dv not in DK_DV_SCHEMES:
@@ -113,11 +128,14 @@ class DkvConfig:
     if self.work_queue and self.dk_dv != "fused":
       raise ValueError(f"work_queue is a choice of the 'fused' dK/dV kernel; got "
                        f"dk_dv={self.dk_dv!r}: set work_queue=False")
-    if self.fold_stats and self.dk_dv == "head_dim_split":
+    if self.wg0_dk_columns % 64 or (self.wg0_dk_columns and self.dk_dv != "dv_dk_split"):
+      raise ValueError(f"wg0_dk_columns is a multiple of 64 for the 'dv_dk_split' scheme; "
+                       f"got {self.wg0_dk_columns} with dk_dv={self.dk_dv!r}")
+    if self.fold_stats and self.split_consumers:
       raise ValueError(f"fold_stats is a choice of the dK/dV kernels whose consumers own whole "
                        f"key tiles ('fused' and 'two_passes'); got dk_dv={self.dk_dv!r}: "
                        f"set fold_stats=False")
-    if self.operands_in_registers and self.dk_dv == "head_dim_split":
+    if self.operands_in_registers and self.split_consumers:
       raise ValueError(f"operands_in_registers is a choice of the dK/dV kernel of the 'fused' "
                        f"and 'two_passes' schemes; got dk_dv={self.dk_dv!r}: "
                        f"set operands_in_registers=False")
@@ -188,6 +206,15 @@ class _DkvPass(BackwardStatics):
     """Copies of each consumer's K (and V) tile: the queued grid loads the
     next tile's while the current one runs."""
     return QUEUED_RESIDENT_COPIES if self.queued else 1
+
+  def split_columns(self, h: int):
+    """Split schemes: ((first, count) of dK's columns, (first, count) of
+    dV's) that consumer `h` keeps; a count may be 0 ("dv_dk_split")."""
+    d, dv = self.head_dim, self.value_head_dim
+    if self.cfg.dk_dv == "head_dim_split":
+      return (h * d // 2, d // 2), (h * dv // 2, dv // 2)
+    a = self.cfg.wg0_dk_columns
+    return ((0, a), (0, dv)) if h == 0 else ((a, d - a), (0, 0))
 
   @property
   def with_dk(self) -> bool:
@@ -723,6 +750,45 @@ class _HeadSplitSmem(NamedTuple):
     return cls(k, v, q_ring, do_ring, stats.at[0], stats.at[1], p, ds, q_ids)
 
 
+def _mma_accumulate_smem(acc, a_smem, b_smem):
+  """acc + a_smem @ b_smem, both operands in SMEM (in place on hardware; the
+  interpreter, without `run_state`, adds a fresh product)."""
+  if is_interpreting():
+    def fresh(ref):
+      plgpu.wgmma(ref, a_smem, b_smem)
+      return ref[...]
+
+    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+  def in_place(ref):
+    plgpu.wgmma(ref, a_smem, b_smem)
+
+  return pl.run_state(in_place)(plgpu.ACC.init(acc))
+
+
+def _dv_first_then_dk(acc, softmax: TileSoftmax, dp, delta, dtype, do_cols, q_cols, ds_tile,
+                      acquire, publish):
+  """Warpgroup 0 of "dv_dk_split" on hardware: dV += P^T dO with P^T in
+  registers is issued first; dS^T is computed while it runs, written to the
+  ring slot (`acquire` before, `publish` after: warpgroup 1 takes it from
+  there), and, where warpgroup 0 keeps dK columns (`q_cols`), dK += dS^T Q
+  follows from the slot. One wait covers both. Returns (dk, dv)."""
+  p = softmax.probs.astype(dtype)
+
+  def body(refs):
+    dk_ref, dv_ref = refs
+    plgpu.wgmma(dv_ref, p, do_cols)
+    ds = scores_grad(softmax.ds_weight, dp, delta)
+    acquire()
+    ds_tile[...] = ds.astype(dtype)
+    publish()
+    if dk_ref is not None:
+      plgpu.wgmma(dk_ref, ds_tile, q_cols)
+
+  dk, dv = acc
+  return pl.run_state(body)((None if dk is None else plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+
+
 def _head_split_producer(cfg, gmem: KernelRefs, smem: _HeadSplitSmem,
                          bars: HeadSplitBarrierTable, work: KeyTileWork, keys, num_steps,
                          head_walk=None, group: int = 1):
@@ -771,8 +837,13 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
   warpgroup 0 walks each query head's block list; warpgroup 1 takes the
   `num_steps` steps in order."""
   cfg, bk, bq, c = kp.cfg, kp.cfg.block_kv, kp.cfg.block_q, kp.exp2_constant
-  half, half_v = kp.head_dim // 2, kp.value_head_dim // 2
-  cols, cols_v = pl.ds(h * half, half), pl.ds(h * half_v, half_v)
+  (dk_lo, dk_w), (dv_lo, dv_w) = kp.split_columns(h)
+  cols, cols_v = pl.ds(dk_lo, dk_w), pl.ds(dv_lo, dv_w)
+  # "dv_dk_split" on hardware: warpgroup 0 alone reads P^T, so it stays in
+  # registers as the dV wgmma's A operand (no P^T tile written or read), and
+  # that wgmma runs while dS^T is computed (`_dv_first_then_dk`). The
+  # interpreter, which has no register A operands, goes through the P^T ring.
+  p_in_registers = h == 0 and cfg.dk_dv == "dv_dk_split" and not kp.interpreting
   lo, hi = work.lo, work.hi
   # Only warpgroup 0 computes P^T and needs the ids.
   block_segments = _key_tile_segments(segments if h == 0 else None, work.batch_idx, work.k_lo,
@@ -794,6 +865,14 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
                            kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
                            **mods)
+      if p_in_registers:
+        dk, dv = _dv_first_then_dk(acc, softmax, dp, delta, kp.dtype, do_tile.at[:, cols_v],
+                                   q_tile.at[:, cols] if dk_w else None, ds_tile,
+                                   lambda: bars.producer_p_ds_acquire(step),
+                                   lambda: bars.producer_p_ds(step))
+        bars.consumer_q_do_release(step)
+        bars.consumer_p_ds_release(step)
+        return dk, dv
       ds = scores_grad(softmax.ds_weight, dp, delta)
       bars.producer_p_ds_acquire(step)
       p_tile[...] = softmax.probs.astype(kp.dtype)
@@ -801,8 +880,13 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
       bars.producer_p_ds(step)
     else:
       bars.consumer_p_ds(step)
-    dk, dv = mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
-                                 acc[1], p_tile, do_tile.at[:, cols_v])
+    if dk_w and dv_w:
+      dk, dv = mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
+                                   acc[1], p_tile, do_tile.at[:, cols_v])
+    elif dk_w:  # ("dv_dk_split": warpgroup 1, or 0 without dK columns)
+      dk, dv = _mma_accumulate_smem(acc[0], ds_tile, q_tile.at[:, cols]), acc[1]
+    else:
+      dk, dv = acc[0], _mma_accumulate_smem(acc[1], p_tile, do_tile.at[:, cols_v])
     bars.consumer_q_do_release(step)
     bars.consumer_p_ds_release(step)
     return dk, dv
@@ -826,7 +910,8 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
 
   plgpu.set_max_registers(cfg.consumer_registers, action="increase")
   bars.consumer_kv()
-  zero_acc = lambda: (zeros((bk, half)), zeros((bk, half_v)))
+  zero_acc = lambda: (zeros((bk, dk_w)) if dk_w else None,
+                      zeros((bk, dv_w)) if dv_w else None)
   if kp.mods is not None and h == 0:
     (dk, dv), _ = lax.fori_loop(0, kp.group, one_head_list, (zero_acc(), jnp.int32(0)))
   elif kp.mods is not None:  # warpgroup 1 needs no block index
@@ -846,9 +931,11 @@ def _head_split_epilogue(h: int, kp: _DkvPass, dk, dv, smem: _HeadSplitSmem,
   warpgroup 0 reads K and V, and its last reads completed before it published
   the last pds slot that warpgroup 1 waited for; both waited for K and V to
   have landed, so a CTA with no work cannot race their TMA."""
-  half, half_v = kp.head_dim // 2, kp.value_head_dim // 2
-  smem.k.at[:, pl.ds(h * half, half)][...] = (dk * kp.score.scale).astype(kp.dtype)
-  smem.v.at[:, pl.ds(h * half_v, half_v)][...] = dv.astype(kp.dtype)
+  (dk_lo, dk_w), (dv_lo, dv_w) = kp.split_columns(h)
+  if dk_w:
+    smem.k.at[:, pl.ds(dk_lo, dk_w)][...] = (dk * kp.score.scale).astype(kp.dtype)
+  if dv_w:
+    smem.v.at[:, pl.ds(dv_lo, dv_w)][...] = dv.astype(kp.dtype)
   plgpu.commit_smem()
   bars.consumer_dk_dv_sync()
   out_tile, out_ref = (smem.k, dk_ref) if h == 0 else (smem.v, dv_ref)

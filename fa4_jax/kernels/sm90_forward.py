@@ -178,6 +178,15 @@ from fa4_jax.scores import (MaskSpec, ScoreFunction, TileRanges, cdiv, fixed_max
 # them only when set.
 FEATURES = frozenset({"sinks", "score_function", "mods", "value_head_dim", "fp8"})
 
+def o_rows_in_q_tile(block_q: int, head_dim: int, value_head_dim: int) -> int:
+  """Rows of `value_head_dim` that hold a (block_q, head_dim) Q tile's bytes,
+  where O, narrower than Q, can be staged in them (`ForwardConfig.
+  o_in_q_tile`): whole 8-row tiles, at least block_q of them; else 0."""
+  if value_head_dim >= head_dim or (block_q * head_dim) % (8 * value_head_dim):
+    return 0
+  return block_q * head_dim // value_head_dim
+
+
 # P of a float8 call, whatever V's float8 type: e4m3 keeps a mantissa bit
 # more than e5m2, and P in [0, 1] needs no range (wgmma mixes the two).
 FP8_P_DTYPE = jnp.float8_e4m3fn
@@ -241,6 +250,14 @@ class ForwardConfig:
   # trip), where the row sums follow the hand-off (`ForwardStatics.
   # fp8_p_in_registers`). The heuristic's float8 configs set it (`fp8_config`).
   fp8_p_in_registers: bool = False
+  # O narrower than Q (a value head dim of its own, 192 / 128): stage it in
+  # the first Dv columns of the consumer's Q tile, as O of Q's width is,
+  # instead of in tiles of its own (`ForwardStatics.separate_o_tiles`). Frees
+  # num_consumers * block_q * Dv * 2 bytes (32 KiB at 192 / 128), what
+  # 128-key blocks on two stages need there (208 KiB instead of 240). Not on
+  # a persistent grid or in float8 (their O tiles are separate anyway).
+  # Off until timed on a GPU (issue #56).
+  o_in_q_tile: bool = False
 
   def __post_init__(self):
     if self.pingpong and self.num_consumers != 2:
@@ -293,7 +310,10 @@ class ForwardConfig:
       kv_ring += self.num_consumers * self.block_kv * (head_dim + value_head_dim) * 2
     # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`).
     lse = (self.num_consumers + self.work_queue) * self.block_q * 4
-    separate_o_tiles = self.persistent or value_head_dim != head_dim or fp8 or fp8_cache
+    narrower_o_in_q = (self.o_in_q_tile and not self.persistent
+                       and o_rows_in_q_tile(self.block_q, head_dim, value_head_dim) > 0)
+    separate_o_tiles = (self.persistent or (value_head_dim != head_dim and not narrower_o_in_q)
+                        or fp8 or fp8_cache)
     o_tiles = (self.num_consumers * self.block_q * value_head_dim * o_itemsize
                if separate_o_tiles else 0)
     if fp8 and not self.p_operand_in_registers:
@@ -668,9 +688,21 @@ class ForwardStatics:
   def separate_o_tiles(self) -> bool:
     """O is staged in tiles of its own (else in the consumer's Q tile): on a
     persistent grid (the next item's Q lands during the epilogue) and when
-    O's head dim or dtype is not Q's."""
-    return (self.config.persistent or self.out_dim != self.head_dim or self.fp8
-            or self.fp8_cache)
+    O's head dim or dtype is not Q's, unless O is narrower and
+    `ForwardConfig.o_in_q_tile` stages it in the Q tile's first columns."""
+    cfg = self.config
+    narrower_o_in_q = (cfg.o_in_q_tile and not cfg.persistent
+                       and o_rows_in_q_tile(cfg.block_q, self.head_dim, self.out_dim) > 0)
+    return (self.config.persistent or (self.out_dim != self.head_dim and not narrower_o_in_q)
+            or self.fp8 or self.fp8_cache)
+
+  @property
+  def o_view_of_q_tiles(self) -> bool:
+    """O, narrower than Q, is staged in the consumer's Q tile through a view
+    of the Q tiles' bytes as `o_rows_in_q_tile` rows of Dv (`ForwardConfig.
+    o_in_q_tile`): TMA stores from a contiguous tile only, and the first Dv
+    columns of a (rows, D) tile are not one."""
+    return not self.separate_o_tiles and self.out_dim != self.head_dim
 
   @property
   def fp8_p_in_registers(self) -> bool:
@@ -759,6 +791,8 @@ class _Refs:
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.separate_o_tiles else None
+    if call.o_view_of_q_tiles:  # (Q tiles, O's view of their bytes)
+      q_smem, o_smem = q_smem
     p_smem = optional_smem.pop(0) if call.stages_p else None
     kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
     k16_smem, v16_smem = optional_smem if call.fp8_cache else (None, None)
@@ -779,8 +813,14 @@ def _scratch_smem(call: ForwardStatics) -> list:
       return plgpu.SMEM(shape, call.kv_dtype, transforms=smem_transforms(call.kv_dtype, shape[-1]))
     return smem_tile(shape, dtype)
 
+  q_tiles = smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype)  # Q tiles (then O)
+  if call.o_view_of_q_tiles:
+    # O narrower than Q: consumer i's O is the first block_q rows of view i,
+    # whose bytes are Q tile i's (`ForwardConfig.o_in_q_tile`).
+    rows = o_rows_in_q_tile(bq, d, call.out_dim)
+    q_tiles = plgpu.RefUnion(q_tiles, smem_tile((cfg.num_consumers, rows, call.out_dim), dtype))
   smem = [
-      smem_tile((cfg.q_depth * cfg.num_consumers, bq, d), dtype),  # Q tiles (then O)
+      q_tiles,
       ring((cfg.num_kv_stages, bk, d)),  # K ring
       ring((cfg.num_kv_stages, bk, call.out_dim)),  # V ring
       # LSE rows (then, with a work queue, a row of its cells)
@@ -1142,7 +1182,12 @@ class _ConsumerTile:
     cfg, wg = ctx.call.config, ctx.wg
     item = ctx.item(i, unit)
     q_tile = ctx.refs.q_smem.at[ctx.bars.slot("q_full", i, wg)]
-    o_tile = ctx.refs.o_smem.at[wg] if ctx.call.separate_o_tiles else q_tile
+    if ctx.call.separate_o_tiles:
+      o_tile = ctx.refs.o_smem.at[wg]
+    elif ctx.call.o_view_of_q_tiles:  # `ForwardConfig.o_in_q_tile`
+      o_tile = ctx.refs.o_smem.at[wg, pl.ds(0, cfg.block_q)]
+    else:
+      o_tile = q_tile
     q_lo = item.cta_q_lo + wg * cfg.block_q
     own = score_fn = mask_fn = None
     if ctx.call.mods:  # both consumers walk the CTA's list (`walk_block_list`)
