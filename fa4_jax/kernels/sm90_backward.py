@@ -147,31 +147,21 @@ FEATURES = frozenset({"score_function", "mods", "value_head_dim", "nondeterminis
 MAX_FUSED_DK_DV_HEAD_DIM = 128
 
 # 192 / 128 (DeepSeek's training head dims, issue #56): the dK/dV kernel's
-# config there, instead of the two passes, where set (None: the two passes).
-# Two candidates, off until timed on a GPU (`benchmarks/bench_backward.py
-# --only D192/128 --config ...` builds each; docs/performance-notes.md,
-# "192 / 128: candidates screened on the CPU"):
-#
-# `FUSED_DKV_192_128`: the fused kernel on 32-row query tiles. dK 96 + dV 64
-# + S^T 16 + dP^T 16 = 192 accumulator registers of 240, as at D = 128; four
-# tile GEMMs a block instead of five (1152 multiply-adds per score element
-# with the dQ kernel's 512, against 1344), but S^T = K Q^T and dP^T = V dO^T
-# become N = 32 wgmmas that read their SMEM operands at 1.5x the bytes per
-# multiply-add of N = 64. lse2 and delta start the S^T / dP^T accumulators
-# (`fold_stats`; ptxas, local, B2 S8192 H16: dense no spills, causal 8 / 32
-# bytes stored / loaded against 16 / 44 with the stats loaded after the
-# wait, none in a loop).
-#
-# `DV_DK_SPLIT_192_128`: the head-split kernel's CTA of 64 keys and two
-# consumers, warpgroup 0 computing S^T, dP^T, P^T and dS^T and keeping dV
-# (64 + 32 + 32 registers), warpgroup 1 keeping dK (96) from dS^T handed over
-# through SMEM ("dv_dk_split"). Four tile GEMMs a block, every one at N >= 64;
-# ptxas (local, B2 S8192 H16, dense and causal): no spills.
-DKV_AT_192_128: DkvConfig | None = None
-FUSED_DKV_192_128 = DkvConfig(block_kv=64, block_q=32, num_stages=2, producer_registers=24,
-                              consumer_registers=240, fold_stats=True)
-DV_DK_SPLIT_192_128 = DkvConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
-                                consumer_registers=240, dk_dv="dv_dk_split")
+# config there ("dv_dk_split"): the head-split kernel's CTA of 64 keys and two
+# consumers, warpgroup 0 computing S^T, dP^T, P^T and dS^T and keeping dV and
+# 64 of dK's columns (64 + 32 + 32 + 32 registers), warpgroup 1 keeping dK's
+# other 128 columns from dS^T handed over through SMEM. Four tile GEMMs a
+# block, every one at N >= 64 (1152 multiply-adds per score element with the
+# dQ kernel's 512, against the two passes' 1344); ptxas (local, B2 S8192
+# H16, dense and causal): no spills. Measured on an H100, 2026-12-07
+# (`bench_backward.py --only D192/128 --config ...`, one process, one round,
+# B2 S8192 H16, TFLOP/s dense / causal): this config 484 / 459; dK wholly on
+# warpgroup 1 478 / 456; the fused kernel on 32-row query tiles with lse2
+# and delta folded 469 / 460; the two passes (before) 424 / 420, with three
+# stages 403 / 413. The losers left the code; the notes keep them
+# ("192 / 128: candidates screened on the CPU" and after).
+DKV_AT_192_128 = DkvConfig(block_kv=64, block_q=64, num_stages=2, producer_registers=24,
+                           consumer_registers=240, dk_dv="dv_dk_split", wg0_dk_columns=64)
 
 # `choose_mods_config`: calls with a score_mod fold delta into the dK/dV
 # kernel's dP^T accumulator. A switch for benchmarks (bench_mod_costs.py's
@@ -304,9 +294,8 @@ def choose_config(head_dim: int, mask: MaskSpec, group: int = 1,
     # D = 128 dK/dV kernel; dQ and the kernels' order as at 192. Unmeasured
     # (docs/performance-notes.md, "Value head dims of their own").
     return BackwardConfig(fused_dkv, dq_192)
-  if d == 192 and dv == 128 and DKV_AT_192_128 is not None:
-    # 192 / 128, switched on: `DKV_AT_192_128` (one of the candidates above
-    # it); dQ and the kernels' order as at 192.
+  if d == 192 and dv == 128:
+    # 192 / 128: `DKV_AT_192_128`; dQ and the kernels' order as at 192.
     return BackwardConfig(DKV_AT_192_128, dq_192)
   if d % 128 == 0:
     # 256: each consumer keeps half the head dim of dK and dV (of dV's own,

@@ -256,7 +256,7 @@ class ForwardConfig:
   # num_consumers * block_q * Dv * 2 bytes (32 KiB at 192 / 128), what
   # 128-key blocks on two stages need there (208 KiB instead of 240). Not on
   # a persistent grid or in float8 (their O tiles are separate anyway).
-  # Off until timed on a GPU (issue #56).
+  # `value_head_dim_config` sets it at 192 / 128.
   o_in_q_tile: bool = False
 
   def __post_init__(self):
@@ -386,6 +386,22 @@ def choose_config(head_dim: int, mask: MaskSpec, kv_seq: int | None = None,
       if double.fits_smem(d, 2, segment_ids):
         config = double
   return config
+
+
+def value_head_dim_config(config: ForwardConfig, head_dim: int,
+                          value_head_dim: int) -> ForwardConfig:
+  """At 192 / 128 (DeepSeek's training head dims, issue #56): 128-key
+  blocks, O staged in the consumer's own Q tile (`o_in_q_tile`, which frees
+  the 32 KiB they need) and the row sums after the hand-off, as at D = 128.
+  H100, 2026-12-07, B2 S8192 H16 (`bench_forward.py --only D192/128
+  --config ...`, one process), TFLOP/s dense / causal: 757 / 738 against
+  645 / 641 for the 192 rule's 64-key blocks; with the sums before the
+  hand-off 747 / 726; three stages of 64-key blocks 635 / 584. Measured
+  without sinks, segment ids, mods, pages or float8, which keep the 192
+  rule. Other pairs: `config` unchanged."""
+  if (head_dim, value_head_dim) != (192, 128) or config.persistent:
+    return config
+  return dataclasses.replace(config, block_kv=128, o_in_q_tile=True, sum_before_handoff=False)
 
 
 # Packed rows walk short documents whatever the row's length, so the mean
@@ -1801,6 +1817,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
         has_kv_lengths=kv_lengths is not None, has_sinks=sinks is not None,
         tunable=(mods is None and segment_ids is None and page_table is None and mode is None
                  and value_dim == head_dim and not heads_major and q_batch_divisor == 1))
+    if (mods is None and segment_ids is None and sinks is None and page_table is None
+        and mode is None and not fp8 and not heads_major and decode_group is None):
+      config = value_head_dim_config(config, d, dv)
     if mods is not None:
       config = mods_config(config)
     if fp8:
