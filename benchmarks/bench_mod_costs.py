@@ -14,7 +14,8 @@ MOD_COSTS_FOLD_MASK=0: a mask_mod alone loads lse2 and delta before the wait ins
 folding them (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
 MOD_COSTS_HEAVY_FIRST=1: the backward kernels' CTAs take their tiles longest block list
 first (`sm90_backward.HEAVY_TILES_FIRST_WITH_MODS`); =both: every mask_mod row twice in
-one process, the second named "<row> heavy-first" with the switch on.
+one process, the second named "<row> heavy-first" with the switch on, the third
+"<row> heavy-first dq3" with `THREE_DQ_CONSUMERS_WITH_MASK_MOD` on as well.
 MOD_COSTS_SEQ: the sequence length (default 4096).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
@@ -66,12 +67,14 @@ def switches(name):
   if not hasattr(sm90_backward, "HEAVY_TILES_FIRST_WITH_MODS"):
     yield
     return
-  saved = sm90_backward.HEAVY_TILES_FIRST_WITH_MODS
-  sm90_backward.HEAVY_TILES_FIRST_WITH_MODS = _HEAVY == "1" or name.endswith(" heavy-first")
+  saved = sm90_backward.HEAVY_TILES_FIRST_WITH_MODS, sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD
+  sm90_backward.HEAVY_TILES_FIRST_WITH_MODS = _HEAVY == "1" or " heavy-first" in name
+  sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD = name.endswith(" dq3")
   try:
     yield
   finally:
-    sm90_backward.HEAVY_TILES_FIRST_WITH_MODS = saved
+    (sm90_backward.HEAVY_TILES_FIRST_WITH_MODS,
+     sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD) = saved
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
@@ -103,7 +106,8 @@ MODS = {
   "block-sparse50 mask": (False, None, lambda b, h, q, k: _sparse50[(q // 128) % 8 * 8 + (k // 128) % 8]),
 }
 if _HEAVY == "both":
-  MODS.update({n + " heavy-first": m for n, m in MODS.items() if len(m) > 2})
+  MODS.update({n + suffix: m for suffix in (" heavy-first", " heavy-first dq3")
+               for n, m in list(MODS.items()) if len(m) > 2})
 keys = jax.random.split(jax.random.PRNGKey(0), 3)
 q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, H, D), jnp.bfloat16)
@@ -158,7 +162,7 @@ def main():
   wants = {}  # the XLA path's, once per variant (a switch changes our kernels only)
   for name in ns["MODS"]:  # max |kernel - XLA path| (bf16 values of unit scale)
     args = (ns["q"], ns["k"], ns["v"])
-    base = name.removesuffix(" heavy-first")
+    base = name.split(" heavy-first")[0]
     if base not in wants:
       wants[base] = timed_fn(base, "xla")(*args)
     got, want = fns[name](*args), wants[base]

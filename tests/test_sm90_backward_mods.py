@@ -364,3 +364,14 @@ def test_heavy_tiles_first_order():
   counts[1, :, :, 1] = [[0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
   order = np.asarray(heavy_tiles_first(jnp.asarray(counts)))
   np.testing.assert_array_equal(order, [[2, 1, 3, 0, 4], [4, 3, 2, 1, 0]])
+
+
+def test_a_mask_mod_on_three_dq_consumers(monkeypatch, run_interpreted):
+  """`THREE_DQ_CONSUMERS_WITH_MASK_MOD` (with the tiles heavy first): a
+  mask_mod call's dQ kernel on 192-row CTA tiles, whose lists are unions of
+  the 64-row fine tiles'. 136 rows: one partial CTA tile."""
+  monkeypatch.setattr(sm90_backward, "THREE_DQ_CONSUMERS_WITH_MASK_MOD", True)
+  monkeypatch.setattr(sm90_backward, "HEAVY_TILES_FIRST_WITH_MODS", True)
+  config = sm90_backward.choose_mods_config(64, MaskSpec(), score_mod=False, mask_mod=True)
+  assert config.dq.num_consumers == 3
+  _check(CASES["prefix_lm_mask_mod_fp16"], run_interpreted)

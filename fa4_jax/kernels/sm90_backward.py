@@ -170,6 +170,17 @@ FOLD_STATS_WITH_MASK_MOD_ALONE = True
 # over a perfect split in the grid's order, +0.6 % heavy first.
 # Off until timed (bench_mod_costs.py's MOD_COSTS_HEAVY_FIRST).
 HEAVY_TILES_FIRST_WITH_MODS = False
+# `choose_mods_config`: calls with a mask_mod keep the plain call's three dQ
+# consumers (192-row CTA tiles, 160 registers) too. The lists come from
+# 64-row fine tiles, so they nest; but a 128 x 128 block mask's FULL / EMPTY
+# tiles then meet in one CTA tile and make it PARTIAL (bench_mods' 50 %
+# block-sparse pattern: about 0.75 of the key blocks walked instead of 0.5),
+# so it is for masks without that block structure (prefix-LM, windows).
+# Local ptxas, prefix-LM B2 S8192 H16 D128: the dQ kernel without spills, its
+# FULL and PARTIAL loops as on two consumers (289 / 402 SASS instructions).
+# The plain dense dQ kernel measured 2.03 ms on three against 2.18 on two.
+# Off until timed (bench_mod_costs.py, the " dq3" rows of MOD_COSTS_HEAVY_FIRST=both).
+THREE_DQ_CONSUMERS_WITH_MASK_MOD = False
 
 
 # --- configuration -------------------------------------------------------------
@@ -344,7 +355,8 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   fold = fold and config.dkv.dk_dv != "head_dim_split"
   dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold)
   dq = config.dq
-  keep_dq = not mask_mod and THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD
+  keep_dq = (THREE_DQ_CONSUMERS_WITH_MASK_MOD if mask_mod
+             else THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD)
   if dq.num_consumers != 2 and not keep_dq:
     dq = dataclasses.replace(dq, num_consumers=2, producer_registers=24, consumer_registers=240)
   return dataclasses.replace(config, dkv=dkv, dq=dq)
