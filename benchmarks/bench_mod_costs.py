@@ -12,6 +12,11 @@ MOD_COSTS_FOLD_DELTA=0: score_mod calls' dK/dV kernel as before #52's fold of de
 mask_mod on the plain call's three dQ consumers (`THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD`).
 MOD_COSTS_FOLD_MASK=0: a mask_mod alone loads lse2 and delta before the wait instead of
 folding them (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
+MOD_COSTS_HEAVY_FIRST=1: the backward kernels' CTAs take their tiles longest block list
+first (`sm90_backward.HEAVY_TILES_FIRST_WITH_MODS`); =both: every mask_mod row twice in
+one process, the second named "<row> heavy-first" with the switch on, the third
+"<row> heavy-first dq3" with `THREE_DQ_CONSUMERS_WITH_MASK_MOD` on as well.
+MOD_COSTS_SEQ: the sequence length (default 4096).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
 ptxas dumps (tests/ptxas_dumps) and prints registers and spills.
@@ -52,10 +57,31 @@ if hasattr(sm90_backward, "THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD"):
 # before the wait instead of folding them (`FOLD_STATS_WITH_MASK_MOD_ALONE`).
 if hasattr(sm90_backward, "FOLD_STATS_WITH_MASK_MOD_ALONE"):
   sm90_backward.FOLD_STATS_WITH_MASK_MOD_ALONE = os.environ.get("MOD_COSTS_FOLD_MASK", "1") == "1"
+# MOD_COSTS_HEAVY_FIRST=1: the backward's CTAs take the longest block lists first; =both:
+# each mask_mod row also as "<row> heavy-first" (the switch set while it is traced).
+_HEAVY = os.environ.get("MOD_COSTS_HEAVY_FIRST", "0")
+import contextlib
+@contextlib.contextmanager
+def switches(name):
+  """The module switches of row `name` while its call is traced."""
+  if not hasattr(sm90_backward, "HEAVY_TILES_FIRST_WITH_MODS"):
+    yield
+    return
+  saved = sm90_backward.HEAVY_TILES_FIRST_WITH_MODS, sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD
+  sm90_backward.HEAVY_TILES_FIRST_WITH_MODS = _HEAVY == "1" or " heavy-first" in name
+  sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD = name.endswith(" dq3")
+  try:
+    yield
+  finally:
+    (sm90_backward.HEAVY_TILES_FIRST_WITH_MODS,
+     sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD) = saved
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
 table8 = table[:, :8]
+_rng = np.random.default_rng(1)
+_sparse = {d: jnp.asarray(_rng.random(64) < d) for d in (0.25, 0.5)}  # as bench_mods.py draws them
+_sparse50 = _sparse[0.5]
 def bucket(q, k):
   rel = k - q
   sign_part = jnp.where(rel > 0, 16, 0)
@@ -76,7 +102,12 @@ MODS = {
   # A mask_mod (third item): prefix-LM, 1024 keys every query sees, causal
   # after them (53 % of the pairs visible at S4096).
   "prefix-lm mask": (False, None, lambda b, h, q, k: (k < 1024) | (k <= q)),
+  # bench_mods.py's block-sparse 50 %: an 8 x 8 pattern of 128-token tiles, repeated.
+  "block-sparse50 mask": (False, None, lambda b, h, q, k: _sparse50[(q // 128) % 8 * 8 + (k // 128) % 8]),
 }
+if _HEAVY == "both":
+  MODS.update({n + suffix: m for suffix in (" heavy-first", " heavy-first dq3")
+               for n, m in list(MODS.items()) if len(m) > 2})
 keys = jax.random.split(jax.random.PRNGKey(0), 3)
 q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, H, D), jnp.bfloat16)
@@ -84,9 +115,11 @@ v = jax.random.normal(keys[2], (B, S, H, D), jnp.bfloat16)
 def fwd(name, implementation="sm90"):
   causal, mod, *mask_mod = MODS[name]
   mask_mod = mask_mod[0] if mask_mod else None
-  return jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod,
-                                                   mask_mod=mask_mod,
-                                                   implementation=implementation))
+  def call(q, k, v):
+    with switches(name):
+      return fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod, mask_mod=mask_mod,
+                               implementation=implementation)
+  return jax.jit(call)
 _only = [w for w in os.environ.get("MOD_COSTS_ONLY", "").split("|") if w]
 if _only:
   MODS = {n: m for n, m in MODS.items() if n == "plain" or any(w in n for w in _only)}
@@ -94,7 +127,11 @@ items = {name: (lambda name=name: fwd(name)(q, k, v)) for name in MODS}
 def grad(name, implementation="sm90"):
   """jax.grad of the outputs' sum, to q, k and v."""
   attend = lambda q, k, v: fwd(name, implementation)(q, k, v).astype(jnp.float32).sum()
-  return jax.jit(jax.grad(attend, argnums=(0, 1, 2)))
+  gradient = jax.grad(attend, argnums=(0, 1, 2))
+  def call(q, k, v):
+    with switches(name):  # around the whole trace: the backward's too
+      return gradient(q, k, v)
+  return jax.jit(call)
 def cudnn_bias():
   """(cuDNN's forward with table32's bias as a dense array, that bias)."""
   rel = jnp.clip(jnp.arange(S)[None, :] - jnp.arange(S)[:, None] + 16, 0, 31)
@@ -120,12 +157,18 @@ def main():
   backward = "--backward" in sys.argv
   timed_fn = ns["grad"] if backward else ns["fwd"]
   rows, errors = {}, {}
+  # One jitted function a row, compiled once: checked here, timed below.
+  fns = {name: timed_fn(name) for name in ns["MODS"]}
+  wants = {}  # the XLA path's, once per variant (a switch changes our kernels only)
   for name in ns["MODS"]:  # max |kernel - XLA path| (bf16 values of unit scale)
     args = (ns["q"], ns["k"], ns["v"])
-    got, want = timed_fn(name)(*args), timed_fn(name, "xla")(*args)
+    base = name.split(" heavy-first")[0]
+    if base not in wants:
+      wants[base] = timed_fn(base, "xla")(*args)
+    got, want = fns[name](*args), wants[base]
     errors[name] = max(float(abs(g.astype("float32") - w.astype("float32")).max())
                        for g, w in zip(*map(ns["jax"].tree_util.tree_leaves, (got, want))))
-  timed = {name: (timed_fn(name), ()) for name in ns["MODS"]}
+  timed = {name: (fns[name], ()) for name in ns["MODS"]}
   if not backward and os.environ.get("MOD_COSTS_CUDNN", "1") != "0":
     try:
       cudnn, bias = ns["cudnn_bias"]()
@@ -157,7 +200,7 @@ def main():
   import jax
   tag = os.environ.get("MOD_COSTS_TAG", "") + ("-backward" if backward else "")
   with open(os.path.join(os.environ.get("OUT", "."), f"mod-costs{tag}.json"), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, shape="B2 S4096 H16 D128 bf16",
+    json.dump(dict(device=jax.devices()[0].device_kind, shape=f"B2 S{ns['S']} H16 D128 bf16",
                    timed="jax.grad of the outputs' sum" if backward else "forward",
                    method="sum of kernel durations in a profiler trace, median of 10 calls, "
                           "median of 2 interleaved rounds", rows=out), f, indent=1)

@@ -342,3 +342,36 @@ def test_three_dq_consumers_with_a_score_mod_fit(d, causal, monkeypatch, cross_l
   lowered = _cross_lower_mods(cross_lower, d, config, mask, 2, packed=False)
   assert lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
   assert lowered.has("wgmma.mma_async")
+
+
+@pytest.mark.parametrize("name", ["prefix_lm_mask_mod_fp16", "block_mask_block_sparse_per_head",
+                                  "alibi_chunked_head_dim_256"])
+def test_heavy_tiles_first(name, monkeypatch, run_interpreted):
+  """`HEAVY_TILES_FIRST_WITH_MODS`: the CTAs of both kernels take their tiles
+  in the order of `heavy_tiles_first` (longest block lists first; the
+  head-split dK/dV kernel at 256 too). The gradients stay the reference's."""
+  monkeypatch.setattr(sm90_backward, "HEAVY_TILES_FIRST_WITH_MODS", True)
+  _check(CASES[name], run_interpreted)
+
+
+def test_heavy_tiles_first_order():
+  """Tiles with more listed blocks (summed over the heads) come first; ties
+  keep the grid's order; every tile once per batch row."""
+  from fa4_jax.kernels.backward_inputs import heavy_tiles_first
+  counts = np.zeros((2, 2, 5, 2), np.int32)
+  counts[0, 0, :, 1] = [1, 4, 2, 4, 0]  # batch 0: tiles 1 and 3 tie
+  counts[0, 1, :, 0] = [0, 0, 3, 0, 0]  # head 1's partial blocks make tile 2 the heaviest
+  counts[1, :, :, 1] = [[0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+  order = np.asarray(heavy_tiles_first(jnp.asarray(counts)))
+  np.testing.assert_array_equal(order, [[2, 1, 3, 0, 4], [4, 3, 2, 1, 0]])
+
+
+def test_a_mask_mod_on_three_dq_consumers(monkeypatch, run_interpreted):
+  """`THREE_DQ_CONSUMERS_WITH_MASK_MOD` (with the tiles heavy first): a
+  mask_mod call's dQ kernel on 192-row CTA tiles, whose lists are unions of
+  the 64-row fine tiles'. 136 rows: one partial CTA tile."""
+  monkeypatch.setattr(sm90_backward, "THREE_DQ_CONSUMERS_WITH_MASK_MOD", True)
+  monkeypatch.setattr(sm90_backward, "HEAVY_TILES_FIRST_WITH_MODS", True)
+  config = sm90_backward.choose_mods_config(64, MaskSpec(), score_mod=False, mask_mod=True)
+  assert config.dq.num_consumers == 3
+  _check(CASES["prefix_lm_mask_mod_fp16"], run_interpreted)

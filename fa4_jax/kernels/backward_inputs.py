@@ -82,15 +82,27 @@ def fine_tile_classes(mods, batch: int, heads: int, q_len: int, kv_len: int, q_b
   return scores.tile_classes(mods, batch, heads, q_len, kv_len, q_block, kv_block)
 
 
+def heavy_tiles_first(counts):
+  """int32 [B, tiles]: a kernel's CTA tiles, those with the most blocks in
+  their lists (`scores.block_lists`' counts [B, Hm, tiles, 2], summed over
+  the heads) first, ties in the grid's order: the order in which the CTAs of
+  the grid's tile axis take them (`mod_tiles.ModRefs.cta_tile`), so that
+  the long walks do not start in the grid's last wave (prefix-LM's last
+  query tiles see every key)."""
+  work = counts.sum(axis=(1, 3))
+  return jnp.argsort(-work, axis=-1, stable=True).astype(jnp.int32)
+
+
 def mod_operands(mods, fine, fine_blocks, *, q_block: int, kv_block: int, num_q: int,
-                 num_kv: int, keys_are_rows: bool):
+                 num_kv: int, keys_are_rows: bool, tile_order: bool = False):
   """The mods' operands of one backward kernel (`mod_tiles.ModRefs`):
   the block lists of its CTA tiles of `q_block` queries by `kv_block` keys
   (`num_q` x `num_kv` of them: the kernels' padded counts), rows per query
   tile, or per key tile when `keys_are_rows` (dK/dV), the (batch, head)
   offsets if any, then the captured arrays of score_mod and of mask_mod (0-d
   ones as shape (1,)). `fine`: `fine_tile_classes` at `fine_blocks`
-  (q_block, kv_block), which divide this kernel's."""
+  (q_block, kv_block), which divide this kernel's. `tile_order`: the CTAs'
+  tile order (`heavy_tiles_first`) follows the lists."""
   fq, fk = fine_blocks
   classes = scores._regroup_axis(fine, 2, fq, q_block, num_q)  # noqa: SLF001
   classes = scores._regroup_axis(classes, 3, fk, kv_block, num_kv)  # noqa: SLF001
@@ -98,6 +110,8 @@ def mod_operands(mods, fine, fine_blocks, *, q_block: int, kv_block: int, num_q:
     classes = jnp.swapaxes(classes, -1, -2)
   counts, order = scores.block_lists(classes)
   operands = [counts, order]
+  if tile_order:
+    operands.append(heavy_tiles_first(counts))
   if mods.index_offsets is not None:
     operands.append(jnp.asarray(mods.index_offsets, jnp.int32).reshape(2))
   operands += [mod_functions.kernel_operand(x)

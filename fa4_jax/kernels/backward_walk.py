@@ -108,10 +108,14 @@ class KeyTileWork:
   group: int
 
   @classmethod
-  def of_this_cta(cls, **statics):
-    """The CTA at grid position (heads, kv_tiles, batch)."""
-    return cls.at(lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("kv_tiles"),
-                  **statics)
+  def of_this_cta(cls, tile_of=None, **statics):
+    """The CTA at grid position (heads, kv_tiles, batch). `tile_of(batch,
+    position)`: the key tile the CTA at that position along the grid's tile
+    axis takes (`mod_tiles.ModRefs.cta_tile`); None: the position."""
+    head, batch_idx, tile = (lax.axis_index(a) for a in ("heads", "batch", "kv_tiles"))
+    if tile_of is not None:
+      tile = tile_of(batch_idx, tile)
+    return cls.at(head, batch_idx, tile, **statics)
 
   @classmethod
   def at(cls, kv_head, batch_idx, kv_tile, *, num_keys, block_q, mask, gmem: KernelRefs, q_seq,

@@ -132,6 +132,11 @@ class ModStatics:
   # exactly by its two vectors below 2**24 (`mod_functions.Along`). None:
   # unknown, no such rewrite.
   position_bound: int | None = None
+  # The kernels' CTAs take their tiles in an order given as data: one int32
+  # [B, tiles] operand per kernel after the block lists (`ModRefs.tile_order`,
+  # `backward_inputs.heavy_tiles_first`), the tiles with the longest lists
+  # first. False: the grid's own order.
+  tile_order: bool = False
 
   @classmethod
   def of(cls, mods, classes) -> "ModStatics":
@@ -161,7 +166,8 @@ class BlockList:
 class ModRefs:
   """The mods' inputs of a kernel, after its segment ids: the block lists
   (`scores.block_lists` of its CTA tiles: counts int32 [B, Hm, tiles, 2],
-  order int32 [B, Hm, tiles, blocks]), the (batch, head) offsets if any, the
+  order int32 [B, Hm, tiles, blocks]), the CTAs' tile order with
+  `ModStatics.tile_order`, the (batch, head) offsets if any, the
   score_mod's captured arrays, the mask_mod's (0-d ones as shape (1,))."""
 
   counts: Any
@@ -169,6 +175,14 @@ class ModRefs:
   offsets: Any  # None without offsets
   score_captured: tuple
   mask_captured: tuple
+  tile_order: Any = None  # int32 [B, tiles] (`ModStatics.tile_order`); None: the grid's
+
+  def cta_tile(self, batch_idx, position):
+    """The tile the CTA at grid `position` along the tiles' axis takes:
+    `tile_order`'s entry, or the position itself without one."""
+    if self.tile_order is None:
+      return position
+    return self.tile_order[batch_idx, position]
 
   @classmethod
   def split(cls, refs, statics: ModStatics | None):
@@ -177,10 +191,11 @@ class ModRefs:
     if statics is None:
       return None, refs
     counts, order = refs.pop(0), refs.pop(0)
+    tile_order = refs.pop(0) if statics.tile_order else None
     offsets = refs.pop(0) if statics.has_offsets else None
     score_captured = tuple(refs.pop(0) for _ in range(statics.num_score_captured))
     mask_captured = tuple(refs.pop(0) for _ in range(statics.num_mask_captured))
-    return cls(counts, order, offsets, score_captured, mask_captured), refs
+    return cls(counts, order, offsets, score_captured, mask_captured, tile_order), refs
 
   def walk(self, statics: ModStatics, batch_idx, head, tile) -> BlockList:
     """The block list of CTA tile `tile` of (`batch_idx`, query `head`)."""

@@ -177,6 +177,27 @@ THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = False
 # (2026-12-07, bench_mod_costs.py --backward, MOD_COSTS_FOLD_MASK=1 / 0):
 # dK/dV 0.451-0.456 ms against 0.455-0.464, the gradient 2.532 against 2.547.
 FOLD_STATS_WITH_MASK_MOD_ALONE = True
+# `_kernel_mods`: with a score_mod or mask_mod, both kernels' CTAs take
+# their tiles longest list first (`backward_inputs.heavy_tiles_first`, an
+# operand built from the lists' counts) instead of in the grid's order.
+# Without it a mask_mod on the dense base (prefix-LM) runs its dQ kernel's
+# heaviest query tiles in the last wave, where the plain causal call
+# reverses its tiles; list scheduling on 132 SMs (fixed cost per CTA plus a
+# cost per block, the packed-rows fit): prefix-LM B2 S8192 H16 dQ tail +6.0 %
+# over a perfect split in the grid's order, +0.6 % heavy first.
+# Off until timed (bench_mod_costs.py's MOD_COSTS_HEAVY_FIRST).
+HEAVY_TILES_FIRST_WITH_MODS = False
+# `choose_mods_config`: calls with a mask_mod keep the plain call's three dQ
+# consumers (192-row CTA tiles, 160 registers) too. The lists come from
+# 64-row fine tiles, so they nest; but a 128 x 128 block mask's FULL / EMPTY
+# tiles then meet in one CTA tile and make it PARTIAL (bench_mods' 50 %
+# block-sparse pattern: about 0.75 of the key blocks walked instead of 0.5),
+# so it is for masks without that block structure (prefix-LM, windows).
+# Local ptxas, prefix-LM B2 S8192 H16 D128: the dQ kernel without spills, its
+# FULL and PARTIAL loops as on two consumers (289 / 402 SASS instructions).
+# The plain dense dQ kernel measured 2.03 ms on three against 2.18 on two.
+# Off until timed (bench_mod_costs.py, the " dq3" rows of MOD_COSTS_HEAVY_FIRST=both).
+THREE_DQ_CONSUMERS_WITH_MASK_MOD = False
 
 
 # --- configuration -------------------------------------------------------------
@@ -354,7 +375,8 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
   fold = fold and not config.dkv.split_consumers
   dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold)
   dq = config.dq
-  keep_dq = not mask_mod and THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD
+  keep_dq = (THREE_DQ_CONSUMERS_WITH_MASK_MOD if mask_mod
+             else THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD)
   if dq.num_consumers != 2 and not keep_dq:
     dq = dataclasses.replace(dq, num_consumers=2, producer_registers=24, consumer_registers=240)
   return dataclasses.replace(config, dkv=dkv, dq=dq)
@@ -476,7 +498,8 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
   assert dq_rows % fine[0] == 0 and dkv_config.block_q % fine[0] == 0, (config, fine)
   assert dkv_keys % fine[1] == 0 and dq_config.block_kv % fine[1] == 0, (config, fine)
   classes = fine_tile_classes(mods, batch, num_q_heads, q_seq, kv_seq, *fine)
-  operands = functools.partial(mod_operands, mods, classes, fine)
+  tile_order = HEAVY_TILES_FIRST_WITH_MODS
+  operands = functools.partial(mod_operands, mods, classes, fine, tile_order=tile_order)
   dkv = operands(q_block=dkv_config.block_q, kv_block=dkv_keys,
                  num_q=cdiv(q_pad, dkv_config.block_q), num_kv=cdiv(kv_pad, dkv_keys),
                  keys_are_rows=True)
@@ -487,7 +510,8 @@ def _kernel_mods(mods, config: BackwardConfig, batch: int, num_q_heads: int, q_s
                        has_offsets=mods.index_offsets is not None,
                        num_score_captured=len(mods.score_captured),
                        num_mask_captured=len(mods.mask_captured),
-                       position_bound=max(q_pad, kv_pad) + 2 * max(dq_rows, dkv_keys))
+                       position_bound=max(q_pad, kv_pad) + 2 * max(dq_rows, dkv_keys),
+                       tile_order=tile_order)
   return statics, dkv, dq
 
 

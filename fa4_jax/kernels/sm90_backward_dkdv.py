@@ -548,6 +548,12 @@ def _dkv_epilogue(kp: _DkvPass, wg, acc, k_lo, smem: _DkvSmem, bars: DkvBarrierT
     plgpu.wait_smem_to_gmem(0)
 
 
+def _tile_of(mods, mod_refs: ModRefs | None):
+  """`KeyTileWork.of_this_cta`'s `tile_of`: with mods whose `tile_order` is
+  given, the key tile that order puts at a CTA's position; else None."""
+  return mod_refs.cta_tile if mods is not None and mods.tile_order else None
+
+
 def dkv_persistent_work(cfg, batch: int, num_kv_heads: int, kv_seq: int) -> PersistentWork:
   """The queued dK/dV grid's units: key tiles of `num_consumers * block_kv`
   keys, heads fastest, then tiles (in order: under causal masks the first
@@ -603,7 +609,7 @@ def _build_dkv_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_hea
         batch_idx, kv_head, kv_tile = persistent.unit_coords(unit)
         return KeyTileWork.at(kv_head, batch_idx, kv_tile, gmem=gmem, **statics)
     else:
-      work = KeyTileWork.of_this_cta(gmem=gmem, **statics)
+      work = KeyTileWork.of_this_cta(gmem=gmem, tile_of=_tile_of(mods, mod_refs), **statics)
 
     @pl.when(wg == nc)
     def _producer():
@@ -986,8 +992,8 @@ def _build_dkv_head_split_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads,
     smem = _HeadSplitSmem.unpack(smem, has_segments)
     bars = HeadSplitBarrierTable(kp, barrier_refs)
     work = KeyTileWork.of_this_cta(
-        num_keys=bk, block_q=cfg.block_q, mask=mask, gmem=gmem, q_seq=q_seq,
-        kv_valid=kv_valid, group=kp.group)
+        tile_of=_tile_of(mods, mod_refs), num_keys=bk, block_q=cfg.block_q, mask=mask,
+        gmem=gmem, q_seq=q_seq, kv_valid=kv_valid, group=kp.group)
     # Once per CTA, outside the roles (as the roles' loops use them).
     blocks_per_head, num_steps = work.blocks_per_head, work.num_steps
     head_walk = None

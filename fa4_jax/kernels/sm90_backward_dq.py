@@ -156,14 +156,18 @@ class _QueryTileWork:
   ranges: TileRanges
 
   @classmethod
-  def of_this_cta(cls, kd: _DqKernel, *, gmem: KernelRefs, q_seq, kv_valid):
-    """The CTA at grid position (heads, q_tiles, batch)."""
+  def of_this_cta(cls, kd: _DqKernel, *, gmem: KernelRefs, q_seq, kv_valid,
+                  mod_refs: ModRefs | None = None):
+    """The CTA at grid position (heads, q_tiles, batch); with mods whose
+    `tile_order` is given, the tile that order puts at that position."""
     nc, bq = kd.cfg.num_consumers, kd.cfg.block_q
     head = lax.axis_index("heads")
     batch_idx = lax.axis_index("batch")
     tile = lax.axis_index("q_tiles")
+    if kd.mods is not None and kd.mods.tile_order:
+      tile = mod_refs.cta_tile(batch_idx, tile)  # the longest lists first
     # Heavy tiles first: with a right bound (causal), later rows see more keys.
-    if kd.mask.right is not None and kd.mask.left is None:
+    elif kd.mask.right is not None and kd.mask.left is None:
       tile = kd.num_q_tiles - 1 - tile
     kv_head = lax.div(head, jnp.int32(kd.group))
     q_len, kv_len = sequence_lengths(gmem.q_len, gmem.kv_len, batch_idx, q_seq, kv_valid)
@@ -370,7 +374,8 @@ def _build_dq_kernel(*, batch, q_seq, kv_seq, kv_valid, num_q_heads, num_kv_head
     mod_refs, (dq_ref, *delta_out, smem, barrier_refs) = ModRefs.split(rest, mods)
     smem = _DqSmem.unpack(smem, kd.with_delta, has_segments)
     bars = DqBarrierTable(kd, barrier_refs)
-    work = _QueryTileWork.of_this_cta(kd, gmem=gmem, q_seq=q_seq, kv_valid=kv_valid)
+    work = _QueryTileWork.of_this_cta(kd, gmem=gmem, q_seq=q_seq, kv_valid=kv_valid,
+                                      mod_refs=mod_refs)
     wg = lax.axis_index("wg")
 
     pl.when(wg == nc)(lambda: _dq_producer(kd, gmem, smem, bars, work, mod_refs))
