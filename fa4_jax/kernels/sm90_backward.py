@@ -184,9 +184,12 @@ FOLD_STATS_WITH_MASK_MOD_ALONE = True
 # heaviest query tiles in the last wave, where the plain causal call
 # reverses its tiles; list scheduling on 132 SMs (fixed cost per CTA plus a
 # cost per block, the packed-rows fit): prefix-LM B2 S8192 H16 dQ tail +6.0 %
-# over a perfect split in the grid's order, +0.6 % heavy first.
-# Off until timed (bench_mod_costs.py's MOD_COSTS_HEAVY_FIRST).
-HEAVY_TILES_FIRST_WITH_MODS = False
+# over a perfect split in the grid's order, +0.6 % heavy first. H100,
+# 2026-12-07, that row (bench_mod_costs.py, MOD_COSTS_HEAVY_FIRST=both, two
+# rounds): dQ 1.125-1.126 ms against 1.157-1.158, dK/dV 1.499-1.509 against
+# 1.515; the backward kernels at 0.89 of the dense kernels' rate per
+# visible pair against 0.88.
+HEAVY_TILES_FIRST_WITH_MODS = True
 # `choose_mods_config`: calls with a mask_mod keep the plain call's three dQ
 # consumers (192-row CTA tiles, 160 registers) too. The lists come from
 # 64-row fine tiles, so they nest; but a 128 x 128 block mask's FULL / EMPTY
@@ -196,7 +199,10 @@ HEAVY_TILES_FIRST_WITH_MODS = False
 # Local ptxas, prefix-LM B2 S8192 H16 D128: the dQ kernel without spills, its
 # FULL and PARTIAL loops as on two consumers (289 / 402 SASS instructions).
 # The plain dense dQ kernel measured 2.03 ms on three against 2.18 on two.
-# Off until timed (bench_mod_costs.py, the " dq3" rows of MOD_COSTS_HEAVY_FIRST=both).
+# H100, 2026-12-07, prefix-LM B2 S8192 (with heavy tiles first): dQ 1.075 ms
+# against 1.125, the backward kernels at 0.907 of the dense rate per visible
+# pair. Off: the block-structured masks it would slow were not measured, and
+# which kind a call's mask is, is run-time data.
 THREE_DQ_CONSUMERS_WITH_MASK_MOD = False
 
 
