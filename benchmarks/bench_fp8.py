@@ -47,7 +47,8 @@ GPU the same call as `fp8`), for the time of one GPU command.
 config (`sm90_forward.fp8_config`) with the row sums on the tensor core
 (column `fp8 row sums on tc`: `ForwardConfig.fp8_row_sums_on_tensor_core`,
 issue #55), beside `fp8` (the same config with the sums by FADDs while
-`FP8_ROW_SUMS_ON_TENSOR_CORE` is off). `--no-xla` drops the XLA column (the
+`FP8_ROW_SUMS_ON_TENSOR_CORE` is off), and on dense D128 rows the same with
+192 and 256 keys per block (`fp8 row sums on tc kvN`, `ROW_SUM_BLOCKS`). `--no-xla` drops the XLA column (the
 slowest to compile and run); `max_abs_diff` is then taken against `fp8`.
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
@@ -179,9 +180,19 @@ def config_columns(q8, k8, v8, descales, d, causal):
   return columns
 
 
+# Keys per block beside the heuristic's 128 under `--row-sums`, dense D128
+# rows only: without the FADD sums (which kept the f32 P alive past the
+# hand-off) 192- and 256-key blocks fit the consumers' registers without a
+# spill (with them, they spill); causal rows spill in their masked blocks
+# (tools/fp8_sass_counts.py --set block_kv=N).
+ROW_SUM_BLOCKS = (192, 256)
+
+
 def row_sum_columns(q8, k8, v8, descales, d, causal):
-  """`fp8 row sums on tc`: the heuristic's float8 config with the row sums
-  on the tensor core (`ForwardConfig.fp8_row_sums_on_tensor_core`)."""
+  """`fp8 row sums on tc[ kvN]`: the heuristic's float8 config with the row
+  sums on the tensor core (`ForwardConfig.fp8_row_sums_on_tensor_core`),
+  and on dense D128 rows with `ROW_SUM_BLOCKS` keys per block (three stages
+  where SMEM holds them, else two)."""
   import dataclasses
 
   from fa4_jax.kernels import sm90_forward
@@ -189,11 +200,21 @@ def row_sum_columns(q8, k8, v8, descales, d, causal):
   mask, _ = bench_common.case_mask(causal, None)
   base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
                                  mask, d, d, False)
-  config = dataclasses.replace(base, fp8_row_sums_on_tensor_core=True)
-  call = lambda q, k, v, qd, kd, vd: sm90_forward.forward(
-      q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
-      descales=(qd, kd, vd))[0]
-  return {"fp8 row sums on tc": (call, (q8, k8, v8, *descales))}
+  base = dataclasses.replace(base, fp8_row_sums_on_tensor_core=True)
+  configs = {"fp8 row sums on tc": base}
+  if d == 128 and not causal:
+    for block_kv in ROW_SUM_BLOCKS:
+      config = dataclasses.replace(base, block_kv=block_kv)
+      if not config.fits_smem(d, 2, False, d, fp8=True):
+        config = dataclasses.replace(config, num_kv_stages=2)
+      configs[f"fp8 row sums on tc kv{block_kv}"] = config
+  columns = {}
+  for label, config in configs.items():
+    call = lambda q, k, v, qd, kd, vd, config=config: sm90_forward.forward(
+        q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
+        descales=(qd, kd, vd))[0]
+    columns[label] = (call, (q8, k8, v8, *descales))
+  return columns
 
 
 # label -> how the decode arrangement cuts a float8 decode row (`--decode-configs`):

@@ -29,7 +29,7 @@ def row_sums_on(monkeypatch):
 
 
 @pytest.mark.parametrize("b, t, s, n, kv_heads, d, causal, dtype", [
-    (1, 150, 150, 4, 2, 128, False, E4M3),  # dense, GQA, two key blocks, the last one short
+    (1, 150, 150, 2, 1, 128, False, E4M3),  # dense, GQA, two key blocks, the last one short
     (1, 100, 100, 2, 1, 64, True, E5M2),     # causal, GQA, odd length, e5m2 (P stays e4m3)
 ])
 def test_row_sums_on_the_tensor_core_match_the_dequantized_reference(
@@ -84,3 +84,26 @@ def test_the_switch_makes_the_heuristic_add_a_narrow_row_sum_wgmma(cross_lower, 
   shapes = {(m.group(1), m.group(2)) for m in re.finditer(
       r"m64n(\d+)k32\.f32\.e4m3\.e4m3 \{[$\d,]+\}, (\S)", text)}
   assert shapes == {("128", "$"), ("128", "{"), ("8", "{")}  # Q K^T, P V, P ones
+
+
+def test_row_sums_on_the_tensor_core_with_wide_key_blocks(run_interpreted):
+  """192 and 256 keys per block (`bench_fp8.ROW_SUM_BLOCKS`: without the FADD
+  sums they fit the registers): the ones tile and P's key order span the
+  wider block (two blocks, the last one short; 192-byte rows swizzle by 64)."""
+  import dataclasses
+
+  from fa4_jax.scores import ScoreFunction
+
+  (q8, k8, v8), descales = fp8_inputs(1, 60, 300, 1, 1, 128, seed=8)
+  mask = MaskSpec()
+  base = sm90_forward.fp8_config(sm90_forward.choose_config(128, mask, 300, 60), mask, 128,
+                                 128, False)
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=False)
+  for block_kv in (192, 256):
+    config = dataclasses.replace(base, block_kv=block_kv, num_kv_stages=2, persistent=False,
+                                 work_queue=False, q_buffers=1, fp8_row_sums_on_tensor_core=True)
+    call = lambda q, k, v, config=config: sm90_forward.forward(
+        q, k, v, None, None, score=ScoreFunction(128 ** -0.5), mask=mask, config=config,
+        descales=tuple(descales[x] for x in ("query_descale", "key_descale",
+                                             "value_descale")))[0]
+    assert_close_to_p_rounding(run_interpreted(call, q8, k8, v8), want, v)

@@ -15,7 +15,7 @@ of. The key-block loops are the ones with wgmmas (both arms of the
 conditional rescale are counted: most blocks skip O's multiply).
 
     python3 tools/fp8_sass_counts.py --nvdisasm PATH [--head-dim 128] [--causal] \\
-        [--candidates off on] [--keep DIR]
+        [--candidates off on] [--set block_kv=192 ...] [--keep DIR]
 
 Shapes: B2 S8192 H32/8 (`bench_fp8.py`'s prefill row), e4m3, the heuristic's
 float8 config (`sm90_forward.fp8_config`); candidates: `off` (as it is) and
@@ -72,7 +72,7 @@ def loop_table(listing: str) -> list[tuple[str, int, collections.Counter]]:
   return sorted(rows, key=lambda r: (r[0], r[2]["all"]))
 
 
-def fp8_call(d: int, causal: bool, row_sums_on_tensor_core: bool):
+def fp8_call(d: int, causal: bool, row_sums_on_tensor_core: bool, changes=None):
   import jax
   import jax.numpy as jnp
 
@@ -85,6 +85,8 @@ def fp8_call(d: int, causal: bool, row_sums_on_tensor_core: bool):
                                    False)
   if row_sums_on_tensor_core:
     config = dataclasses.replace(config, fp8_row_sums_on_tensor_core=True)
+  if changes:
+    config = dataclasses.replace(config, **changes)
   q = jax.ShapeDtypeStruct((2, seq, 32, d), jnp.float8_e4m3fn)
   kv = jax.ShapeDtypeStruct((2, seq, 8, d), jnp.float8_e4m3fn)
   fn = lambda q, k, v: sm90_forward.forward(q, k, v, None, None, score=ScoreFunction(d ** -0.5),
@@ -99,6 +101,9 @@ def main() -> int:
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--candidates", nargs="+", default=["off", "on"], choices=("off", "on"),
                   help="the row sums by FADDs (off) or on the tensor core (on)")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                  help="a ForwardConfig field (int or bool as 0/1) instead of the heuristic's, "
+                       "e.g. block_kv=192; repeatable")
   ap.add_argument("--keep", default=None, help="write each kernel's PTX and SASS here")
   args = ap.parse_args()
   if not args.nvdisasm:
@@ -109,7 +114,8 @@ def main() -> int:
   ptxas = shutil.which("ptxas") or f"{local_ptxas.CUDA_ROOT}/bin/ptxas"
   print("ops per loop:", ", ".join(OPS), flush=True)
   for candidate in args.candidates:
-    fn, specs, config = fp8_call(args.head_dim, args.causal, candidate == "on")
+    changes = {k: int(v) for k, v in (x.split("=") for x in args.set)}
+    fn, specs, config = fp8_call(args.head_dim, args.causal, candidate == "on", changes)
     print(f"\n## D{args.head_dim} {'causal' if args.causal else 'dense'} row sums on the "
           f"tensor core: {candidate} ({config})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
