@@ -43,8 +43,18 @@ plan is the default's (`fp8 paged`, `fp8`) is left out (printed). It drops
 the `bf16` and `fp8 default` columns on those rows (the latter on a Hopper
 GPU the same call as `fp8`), for the time of one GPU command.
 
+`--row-sums` adds, on prefill rows, the float8 kernel under its heuristic
+config (`sm90_forward.fp8_config`) with the row sums on the tensor core
+(column `fp8 row sums on tc`: `ForwardConfig.fp8_row_sums_on_tensor_core`,
+issue #55), beside `fp8` (the same config with the sums by FADDs while
+they are off: at head dims outside `FP8_ROW_SUMS_HEAD_DIMS`; at D128,
+where they are the default, `fp8` and this column are the same config but
+for 256-key blocks), and on dense D128 rows the same with
+192 and 256 keys per block (`fp8 row sums on tc kvN`, `ROW_SUM_BLOCKS`). `--no-xla` drops the XLA column (the
+slowest to compile and run); `max_abs_diff` is then taken against `fp8`.
+
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
-                                  [--paged-configs] [--tag NAME]
+                                  [--paged-configs] [--row-sums] [--no-xla] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -169,6 +179,43 @@ def config_columns(q8, k8, v8, descales, d, causal):
         q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
         descales=(qd, kd, vd))[0]
     columns[f"fp8 {label}"] = (call, (q8, k8, v8, *descales))
+  return columns
+
+
+# Keys per block beside the heuristic's 128 under `--row-sums`, dense D128
+# rows only: without the FADD sums (which kept the f32 P alive past the
+# hand-off) 192- and 256-key blocks fit the consumers' registers without a
+# spill (with them, they spill); causal rows spill in their masked blocks
+# (tools/fp8_sass_counts.py --set block_kv=N).
+ROW_SUM_BLOCKS = (192, 256)
+
+
+def row_sum_columns(q8, k8, v8, descales, d, causal):
+  """`fp8 row sums on tc[ kvN]`: the heuristic's float8 config with the row
+  sums on the tensor core (`ForwardConfig.fp8_row_sums_on_tensor_core`),
+  and on dense D128 rows with `ROW_SUM_BLOCKS` keys per block (three stages
+  where SMEM holds them, else two)."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+
+  mask, _ = bench_common.case_mask(causal, None)
+  base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
+                                 mask, d, d, False)
+  base = dataclasses.replace(base, fp8_row_sums_on_tensor_core=True)
+  configs = {"fp8 row sums on tc": base}
+  if d == 128 and not causal:
+    for block_kv in ROW_SUM_BLOCKS:
+      config = dataclasses.replace(base, block_kv=block_kv)
+      if not config.fits_smem(d, 2, False, d, fp8=True):
+        config = dataclasses.replace(config, num_kv_stages=2)
+      configs[f"fp8 row sums on tc kv{block_kv}"] = config
+  columns = {}
+  for label, config in configs.items():
+    call = lambda q, k, v, qd, kd, vd, config=config: sm90_forward.forward(
+        q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
+        descales=(qd, kd, vd))[0]
+    columns[label] = (call, (q8, k8, v8, *descales))
   return columns
 
 
@@ -454,7 +501,8 @@ def page_table(case):
   return order.reshape(b, s // page), jnp.asarray(lengths, jnp.int32)
 
 
-def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False):
+def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False,
+               row_sums=False, xla_column=True):
   """(calls, served): the row's columns, name -> (function, its arguments
   from `x`, `case_inputs`), and the implementation that serves the float8
   column (`which_implementation`)."""
@@ -465,6 +513,8 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
   xla = lambda q, k, v: fa4_jax.attention(q, k, v, is_causal=causal, implementation="xla",
                                          **alignment)
   calls = {"bf16": (bf16, (q, k, v)), "xla": (xla, (q, k, v))}
+  if not xla_column:
+    del calls["xla"]
   if paged_configs and kind == "paged":  # the float8 columns against each other only
     del calls["bf16"]
   if kind == "prefill":
@@ -474,6 +524,8 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
     calls["fp8"] = (fp8, (q8, k8, v8, qd, kd, vd))
     if configs:
       calls.update(config_columns(q8, k8, v8, (qd, kd, vd), d, causal))
+    if row_sums:
+      calls.update(row_sum_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     served = traced(lambda q8, k8, v8, qd, kd, vd: fa4_jax.which_implementation(
         q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
         q8, k8, v8, qd, kd, vd)
@@ -519,14 +571,17 @@ def traced(fn, *args):
   return out[0]
 
 
-def run_case(case, rounds, configs=False, decode_configs=False, paged_configs=False):
+def run_case(case, rounds, configs=False, decode_configs=False, paged_configs=False,
+             row_sums=False, xla_column=True):
   name, kind, b, t, s, hq, hkv, d, causal = case
   x = case_inputs(case)
-  calls, served = case_calls(case, x, configs, decode_configs, paged_configs)
+  calls, served = case_calls(case, x, configs, decode_configs, paged_configs, row_sums,
+                             xla_column)
   bf16_bytes = 2 * x["k"].size * x["k"].dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
              flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))
-  row.update(bench_common.bandwidth_columns(calls, rounds, bf16_bytes, "xla"))
+  row.update(bench_common.bandwidth_columns(calls, rounds, bf16_bytes,
+                                            "xla" if "xla" in calls else "fp8"))
   return [row]
 
 
@@ -548,7 +603,8 @@ def main():
   bench_common.table_main(
       "fp8", CASES,
       lambda case, args: run_case(case, args.rounds, args.configs, args.decode_configs,
-                                  args.paged_configs), markdown,
+                                  args.paged_configs, args.row_sums, not args.no_xla),
+      markdown,
       lambda a: ("e4m3 with per-head descales (amax / 448); kernel-duration sums in profiler "
                  f"traces, medians of {a.rounds} interleaved rounds; decode and paged TB/s: the "
                  "bf16 cache's K and V bytes over each column's time"),
@@ -565,6 +621,11 @@ def add_arguments(ap):
   ap.add_argument("--paged-configs", action="store_true",
                   help="paged rows: also float8 pages (and on page-64 rows the contiguous "
                        "cache) under each of PAGED_RULES")
+  ap.add_argument("--row-sums", action="store_true",
+                  help="prefill rows: also the float8 kernel with the row sums on the tensor "
+                       "core (ForwardConfig.fp8_row_sums_on_tensor_core)")
+  ap.add_argument("--no-xla", action="store_true",
+                  help="leave out the XLA column (max_abs_diff then against `fp8`)")
 
 
 if __name__ == "__main__":

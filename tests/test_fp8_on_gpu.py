@@ -62,6 +62,41 @@ def test_fp8_p_in_registers_at_scale(causal):
   assert rms(np.asarray(got, np.float32) - want) < 2.0 ** -4 / np.sqrt(3) * rms(want)
 
 
+
+@pytest.mark.parametrize("b, t, n, kv_heads, d, causal", [
+    (2, 2050, 8, 2, 128, False),
+    (2, 2050, 8, 2, 128, True),
+    (1, 3001, 4, 4, 64, False),
+    (1, 2053, 4, 1, 256, True),
+])
+def test_fp8_row_sums_on_the_tensor_core_at_scale(b, t, n, kv_heads, d, causal):
+  """`ForwardConfig.fp8_row_sums_on_tensor_core` (`FP8_ROW_SUMS_HEAD_DIMS`):
+  l summed by an m64n8 wgmma of the P registers against e4m3 ones, in the
+  hardware's float8 accumulation and register layout (the interpreter
+  checks neither). Its error is the FADD sums' or smaller: the sum is of
+  the rounded P, as O's numerator is (measured in the interpreter)."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.scores import MaskSpec
+
+  (q8, k8, v8), descales = fp8_inputs(b, t, t, n, kv_heads, d, E4M3, seed=7)
+  mask = MaskSpec(right=0) if causal else MaskSpec()
+  base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, t, t), mask, d, d, False)
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
+  rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
+  errors = {}
+  for on in (False, True):
+    config = dataclasses.replace(base, fp8_row_sums_on_tensor_core=on)
+    got, _ = sm90_forward.forward(
+        q8, k8, v8, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
+        descales=tuple(descales[x] for x in ("query_descale", "key_descale", "value_descale")))
+    assert_close_to_p_rounding(got, want, v)
+    errors[on] = rms(np.asarray(got, np.float32) - want)
+  print(f"RMS error, sums by FADDs {errors[False]:.4g}, on the tensor core {errors[True]:.4g}")
+  assert errors[True] <= 1.05 * errors[False]
+
+
 _COMPILE_FP8_KERNELS = r"""
 import os
 import jax, jax.numpy as jnp

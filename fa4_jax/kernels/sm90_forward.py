@@ -191,6 +191,26 @@ def o_rows_in_q_tile(block_q: int, head_dim: int, value_head_dim: int) -> int:
 # more than e5m2, and P in [0, 1] needs no range (wgmma mixes the two).
 FP8_P_DTYPE = jnp.float8_e4m3fn
 
+# Issue #55: the heuristic's float8 configs (`fp8_config`) at these head
+# dims take `ForwardConfig.fp8_row_sums_on_tensor_core`, the softmax's row
+# sums computed by the P V wgmma instead of one FADD per score (about 70 of
+# the 520 instructions a consumer warp issued per 128-key block at D128,
+# `tools/fp8_sass_counts.py`). H100, 2026-12-07, B2 S8192 H32/8 D128
+# (`bench_fp8.py --row-sums`, 3 rounds), TFLOP/s: causal 909 against 882,
+# dense 899 against 905 (a tie), and dense with 256-key blocks, which fit
+# the registers only once the sums left the softmax, 942 (192-key blocks
+# 915). D64 and D256 fewer instructions too, but not timed: they keep the
+# FADDs.
+FP8_ROW_SUMS_HEAD_DIMS = (128,)
+# Keys per block of dense float8 calls at those head dims (two stages):
+# with the row sums on the tensor core 256-key blocks run without spills in
+# the unmasked loop (ptxas, local); masked blocks (causal diagonals, segment
+# ids) spill, so those calls keep 128.
+FP8_DENSE_BLOCK_KV = 256
+# The accumulator's columns that hold the row sums (the narrowest wgmma N):
+# each holds the same sum, P times a column of ones.
+FP8_ROW_SUM_COLUMNS = 8
+
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
 H100_SMS = 132
@@ -258,6 +278,17 @@ class ForwardConfig:
   # a persistent grid or in float8 (their O tiles are separate anyway).
   # `value_head_dim_config` sets it at 192 / 128.
   o_in_q_tile: bool = False
+  # float8 with P in registers only (`p_operand_in_registers`): the rows'
+  # running sums l are not added up by the softmax (one FADD per score) but
+  # by the tensor core. The P V wgmma's accumulator gets
+  # `FP8_ROW_SUM_COLUMNS` more columns, and a second, narrow wgmma with the
+  # same P registers as its A operand adds P times a tile of e4m3 ones into
+  # them: each of those columns is then l. O's rescale by alpha (the max's
+  # correction) rescales them with O, and the epilogue reads l from them.
+  # The sum is of the e4m3-rounded P, the values the numerator P V sums.
+  # The ones tile is each consumer's own (`_fill_ones_tile`). Set by
+  # `fp8_config` at the head dims of `FP8_ROW_SUMS_HEAD_DIMS`.
+  fp8_row_sums_on_tensor_core: bool = False
 
   def __post_init__(self):
     if self.pingpong and self.num_consumers != 2:
@@ -290,6 +321,12 @@ class ForwardConfig:
     pins the order, so P is staged in SMEM)."""
     return self.fp8_p_in_registers and not self.sum_before_handoff
 
+  @property
+  def row_sums_on_tensor_core(self) -> bool:
+    """`fp8_row_sums_on_tensor_core` where it applies: P is the P V wgmma's
+    operand in registers (float8 only: `ForwardStatics.row_sums_on_tensor_core`)."""
+    return self.fp8_row_sums_on_tensor_core and self.p_operand_in_registers
+
   def smem_bytes(self, head_dim: int, itemsize: int, segment_ids: bool = False,
                  value_head_dim: int | None = None, *, fp8: bool = False,
                  fp8_cache: bool = False) -> int:
@@ -318,6 +355,8 @@ class ForwardConfig:
                if separate_o_tiles else 0)
     if fp8 and not self.p_operand_in_registers:
       o_tiles += self.num_consumers * self.block_q * self.block_kv  # P tiles
+    if fp8 and self.row_sums_on_tensor_core:
+      o_tiles += self.num_consumers * self.block_q * self.block_kv  # the ones tiles
     # Mosaic GPU starts every scratch buffer at a multiple of 1 KiB: the
     # small ring takes a whole one at block_kv 64 (the LSE rows' padding is
     # in SMEM_RESERVE_BYTES).
@@ -728,6 +767,18 @@ class ForwardStatics:
     return self.fp8 and self.config.p_operand_in_registers
 
   @property
+  def row_sums_on_tensor_core(self) -> bool:
+    """The rows' sums are accumulated by the tensor core in the accumulator's
+    last `FP8_ROW_SUM_COLUMNS` columns (`ForwardConfig.fp8_row_sums_on_tensor_core`)."""
+    return self.fp8 and self.config.row_sums_on_tensor_core
+
+  @property
+  def acc_dim(self) -> int:
+    """Columns of a consumer's accumulator: O's, and the row sums' where the
+    tensor core adds them up."""
+    return self.out_dim + (FP8_ROW_SUM_COLUMNS if self.row_sums_on_tensor_core else 0)
+
+  @property
   def stages_p(self) -> bool:
     """P goes through SMEM for the P V wgmma: in the interpreter (which takes
     no A operand in registers) and a float8 P not in registers."""
@@ -769,6 +820,9 @@ class _Refs:
   # and V tiles, widened from the rings; None otherwise.
   k16_smem: Any = None
   v16_smem: Any = None
+  # Each consumer's tile of e4m3 ones (`ForwardStatics.row_sums_on_tensor_core`
+  # only, `_fill_ones_tile`); None otherwise.
+  ones_smem: Any = None
   # Programmable scores only (`ForwardStatics.mods`), in GMEM: the block lists
   # (`scores.block_lists`: counts int32 [B, Hm, tiles, 2], order int32
   # [B, Hm, tiles, nk]), the (batch, head) offsets the mods add (int32 [2]),
@@ -811,10 +865,11 @@ class _Refs:
       q_smem, o_smem = q_smem
     p_smem = optional_smem.pop(0) if call.stages_p else None
     kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
+    ones_smem = optional_smem.pop(0) if call.row_sums_on_tensor_core else None
     k16_smem, v16_smem = optional_smem if call.fp8_cache else (None, None)
     return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table,
                descales, out, lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem,
-               kv_ids_smem, k16_smem, v16_smem, **mod_refs), barrier_refs
+               kv_ids_smem, k16_smem, v16_smem, ones_smem=ones_smem, **mod_refs), barrier_refs
 
 
 def _scratch_smem(call: ForwardStatics) -> list:
@@ -876,6 +931,11 @@ def _fp8_scratch_smem(call: ForwardStatics) -> list:
     smem.append(tile((cfg.num_consumers, bq, bk), FP8_P_DTYPE))  # P staging
   if call.has_segment_ids:
     smem.append(id_ring(cfg.num_kv_stages, bk))
+  if call.row_sums_on_tensor_core:
+    # Each consumer's tile of ones (`_fill_ones_tile`): the row sums' wgmma
+    # reads its first FP8_ROW_SUM_COLUMNS rows as its B operand; it has
+    # block_q rows so that the WGMMA layout's store can fill it.
+    smem.append(tile((cfg.num_consumers, bq, bk), FP8_P_DTYPE))
   return smem
 
 
@@ -1146,12 +1206,29 @@ def _consumer(ctx: _Context) -> None:
   """Warpgroups 0 .. num_consumers - 1: consumer `wg` computes the rows
   [wg * block_q, (wg + 1) * block_q) of every work item of the CTA."""
   plgpu.set_max_registers(ctx.call.config.consumer_registers, action="increase")
+  if ctx.call.row_sums_on_tensor_core:
+    _fill_ones_tile(ctx)
   if ctx.queue is not None:
     ctx.queue.consumer_loop(ctx.bars.consumer_q, ctx.wg,
                             lambda i, unit, step0: _consume_item(ctx, i, step0, unit))
   else:
     ctx.item_loop(functools.partial(_consume_item, ctx), jnp.int32(0))
   plgpu.wait_smem_to_gmem(0)
+
+
+def _fill_ones_tile(ctx: _Context) -> None:
+  """The consumer's tile of e4m3 ones, written once before its first work
+  item (`ForwardConfig.fp8_row_sums_on_tensor_core`). Only this consumer's
+  row-sum wgmmas read it and nothing writes it again, so no barrier guards
+  it: `commit_smem` (a proxy fence and a warpgroup barrier) makes the
+  warpgroup's stores visible to its wgmmas."""
+  cfg = ctx.call.config
+  # Stored as P is staged (an f32 WGMMA array cast to e4m3): a layout the
+  # swizzled tile's store takes.
+  ones = plgpu.layout_cast(jnp.full((cfg.block_q, cfg.block_kv), 1.0, jnp.float32),
+                           plgpu.Layout.WGMMA)
+  ctx.refs.ones_smem.at[ctx.wg][...] = ones.astype(FP8_P_DTYPE)
+  plgpu.commit_smem()
 
 
 def _consume_item(ctx: _Context, i, step0, unit=None):
@@ -1241,8 +1318,14 @@ class _ConsumerTile:
     # only m and l start from a run-time scalar; nothing more lives in the loop.
     m, l = initial_row_stats(bq, place=lambda x: plgpu.layout_cast(x, _ROW_LAYOUT),
                              sink=self.sink, fixed_max=self.ctx.call.fixed_max)
-    acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.out_dim), 0.0, jnp.float32),
+    acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.acc_dim), 0.0, jnp.float32),
                             plgpu.Layout.WGMMA)
+    if self.ctx.call.row_sums_on_tensor_core:
+      # The row-sum columns start from l (1 with a sink); l itself is not
+      # updated in the walk (`softmax_and_hand_off`).
+      col = plgpu.broadcasted_iota(jnp.int32, acc.shape, 1, layout=plgpu.Layout.WGMMA)
+      acc = jnp.where(col >= self.ctx.call.out_dim, lax.broadcast_in_dim(l, acc.shape, [0]),
+                      acc)
 
     @pl.when(hi > lo)
     def _():
@@ -1472,7 +1555,8 @@ class _ConsumerTile:
       self.hand_off(self.ring_step(j))
     else:
       self.hand_off(self.ring_step(j))
-      l = _add_row_sums(l, alpha, p)
+      if not self.ctx.call.row_sums_on_tensor_core:  # else the P V wgmma sums P
+        l = _add_row_sums(l, alpha, p)
     return p16, m_new, l, acc
 
   def hand_off(self, step):
@@ -1488,19 +1572,30 @@ class _ConsumerTile:
       v_tile = v_tile.transpose((1, 0))  # the V^T slot as the [keys, Dv] operand
     if call.interpreting and (call.fp8_p_in_registers or not call.fp8):
       p = self.stage_p(p)
+    def issue(acc_ref):
+      if not call.row_sums_on_tensor_core:
+        plgpu.wgmma(acc_ref, p, v_tile)
+        return
+      # O's columns += P V; the row-sum columns += P times ones (B: the first
+      # FP8_ROW_SUM_COLUMNS rows of the consumer's ones tile, as [keys, N]).
+      dv, n = call.out_dim, FP8_ROW_SUM_COLUMNS
+      ones = self.ctx.refs.ones_smem.at[self.ctx.wg].at[pl.ds(0, n)].transpose((1, 0))
+      plgpu.wgmma(acc_ref.at[:, pl.ds(0, dv)], p, v_tile)
+      plgpu.wgmma(acc_ref.at[:, pl.ds(dv, n)], p, ones)
+
     if call.interpreting:
       # The interpreter rejects wgmma with run_state: add a fresh accumulator.
 
       def pv_delta(delta_ref):
-        plgpu.wgmma(delta_ref, p, v_tile)
+        issue(delta_ref)
         while_running()
         return delta_ref[...]
 
       return acc + pl.run_scoped(pv_delta,
-                                 plgpu.ACC((call.config.block_q, call.out_dim), jnp.float32))
+                                 plgpu.ACC((call.config.block_q, call.acc_dim), jnp.float32))
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p, v_tile)
+      issue(acc_ref)
       while_running()
 
     return pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -1550,6 +1645,11 @@ def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
   """O / l and the lse of the consumer's rows, stored through SMEM by TMA."""
   call, refs, wg = ctx.call, ctx.refs, ctx.wg
   bq = call.config.block_q
+  if call.row_sums_on_tensor_core:
+    # Every row-sum column holds l (P times a column of ones): their max is
+    # l exactly, whatever order they are read in.
+    l = acc[:, call.out_dim:].max(axis=1)
+    acc = acc[:, :call.out_dim]
   if call.has_q_lengths:
     rows = tile.q_lo + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW_LAYOUT)
     # Rows past the length: zeros and lse -inf, also when a sink started their sum at 1.
@@ -1901,7 +2001,13 @@ def fp8_config(config: ForwardConfig, mask: MaskSpec, d: int, dv: int,
   SMEM round trip of P is what kept D128 at bfloat16's speed: in float8 the
   GEMMs take half their bfloat16 time and the hand-off sits between them and
   the softmax (measured: the performance notes, "P in registers")."""
-  config = dataclasses.replace(config, fp8_p_in_registers=True, sum_before_handoff=False)
+  row_sums = d in FP8_ROW_SUMS_HEAD_DIMS
+  config = dataclasses.replace(config, fp8_p_in_registers=True, sum_before_handoff=False,
+                               fp8_row_sums_on_tensor_core=row_sums)
+  if row_sums and mask.is_dense and not segment_ids and not config.persistent:
+    wide = dataclasses.replace(config, block_kv=FP8_DENSE_BLOCK_KV, num_kv_stages=2)
+    if wide.fits_smem(d, 2, segment_ids, dv, fp8=True):
+      return wide
   if mask.is_dense and d <= 128 and config.num_kv_stages == 2:
     deeper = dataclasses.replace(config, num_kv_stages=3)
     if deeper.fits_smem(d, 2, segment_ids, dv, fp8=True):
