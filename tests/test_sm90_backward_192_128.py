@@ -21,13 +21,12 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from fa4_jax.kernels import sm90_backward
 from fa4_jax.scores import MaskSpec, ScoreFunction
 from fa4_jax.testing import SMEM_LIMIT_BYTES
-from reference import einsum_attention, relative_error, visible_mask
+from test_sm90_backward_value_head_dim import check_gradients as value_head_dim_check
 
 D, DV = 192, 128
 CAUSAL = MaskSpec(right=0)
@@ -55,29 +54,8 @@ def check_gradients(run_interpreted, case):
   jax.grad of the f32 einsum attention."""
   candidate, causal, (t, s), n, k, kv_lengths, soft_cap = case
   b = 1 if kv_lengths is None else len(kv_lengths)
-  rng = np.random.default_rng(0)
-  make = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-  q, key, v, dout = make(b, t, n, D), make(b, s, k, D), make(b, s, k, DV), make(b, t, n, DV)
-  mask = CAUSAL if causal else MaskSpec()
-  config = _candidate(candidate, mask)
-  kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
-  visible = visible_mask(t, s, is_causal=causal, kv_lengths=kv_lengths, batch=b)
-  scale = D ** -0.5
-  out, lse = einsum_attention(q, key, v, visible, scale=scale, soft_cap=soft_cap)
-  grads = run_interpreted(
-      lambda *xs: sm90_backward.backward(*xs, None, kv_len, score=ScoreFunction(scale, soft_cap),
-                                         mask=mask, config=config),
-      q, key, v, out.astype(q.dtype), lse, dout)
-  loss = lambda q, key, v: (einsum_attention(q, key, v, visible, scale=scale,
-                                             soft_cap=soft_cap)[0]
-                            * dout.astype(jnp.float32)).sum()
-  f32 = lambda x: x.astype(jnp.float32)
-  want = jax.grad(loss, argnums=(0, 1, 2))(f32(q), f32(key), f32(v))
-  # bf16 operands, P and dS rounded to bf16 before their GEMMs, f32
-  # accumulation: 2-3e-3 (as in test_sm90_backward_value_head_dim.py).
-  for g_name, got, w, x in zip(("dq", "dk", "dv"), grads, want, (q, key, v)):
-    assert got.shape == x.shape and got.dtype == x.dtype, g_name
-    assert relative_error(got, w) < 1e-2, (g_name, relative_error(got, w))
+  value_head_dim_check(run_interpreted, (b, t, s, n, k), D, DV, causal, kv_lengths, soft_cap,
+                       config=_candidate(candidate, CAUSAL if causal else MaskSpec()))
 
 
 @pytest.mark.parametrize("candidate", ["dv_dk_split", "dv_dk_split_wg0_64"])

@@ -45,8 +45,8 @@ def _inputs(b, t, s, n, k, d, dv, seed=0):
 # for the interpreter, each scheme once, the pairs of the issue under both
 # masks.
 CASES = {
-    "192_128_two_passes_dense_kv_lengths": (192, 128, False, 2, 1, (96, 57), None),
-    "192_128_two_passes_causal_gqa_soft_cap": (192, 128, True, 4, 2, None, 20.0),
+    "192_128_dv_dk_split_dense_kv_lengths": (192, 128, False, 2, 1, (96, 57), None),
+    "192_128_dv_dk_split_causal_gqa_soft_cap": (192, 128, True, 4, 2, None, 20.0),
     "128_64_fused_dense_gqa_kv_lengths": (128, 64, False, 4, 2, (96, 70), None),
     "128_64_fused_causal_delta_in_dq": (128, 64, True, 2, 1, None, None),
     "192_64_fused": (192, 64, True, 2, 1, None, None),
@@ -54,10 +54,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_gradients_match_an_f32_einsum(run_interpreted, name):
-  d, dv, causal, n, k, kv_lengths, soft_cap = CASES[name]
-  b, t, s = (1, 128, 128) if kv_lengths is None else (2, 80, 96)
+def check_gradients(run_interpreted, shape, d, dv, causal, kv_lengths, soft_cap, config=None):
+  """dq, dk, dv of the sm90 backward (`config`, or the heuristic's) in the
+  interpreter against jax.grad of an f32 einsum attention; `shape`: (b, t,
+  s, query heads, kv heads)."""
+  b, t, s, n, k = shape
   q, key, v, dout = _inputs(b, t, s, n, k, d, dv)
   mask = CAUSAL if causal else MaskSpec()
   kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
@@ -65,8 +66,8 @@ def test_gradients_match_an_f32_einsum(run_interpreted, name):
   scale = d ** -0.5
   out, lse = einsum_attention(q, key, v, visible, scale=scale, soft_cap=soft_cap)
   grads = run_interpreted(
-      lambda *xs: sm90_backward.backward(*xs, None, kv_len,
-                                         score=ScoreFunction(scale, soft_cap), mask=mask),
+      lambda *xs: sm90_backward.backward(*xs, None, kv_len, score=ScoreFunction(scale, soft_cap),
+                                         mask=mask, config=config),
       q, key, v, out.astype(q.dtype), lse, dout)
   loss = lambda q, key, v: (einsum_attention(q, key, v, visible, scale=scale,
                                              soft_cap=soft_cap)[0]
@@ -80,6 +81,13 @@ def test_gradients_match_an_f32_einsum(run_interpreted, name):
   for g_name, got, w, x in zip(("dq", "dk", "dv"), grads, want, (q, key, v)):
     assert got.shape == x.shape and got.dtype == x.dtype, g_name
     assert relative_error(got, w) < 1e-2, (g_name, relative_error(got, w))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gradients_match_an_f32_einsum(run_interpreted, name):
+  d, dv, causal, n, k, kv_lengths, soft_cap = CASES[name]
+  b, t, s = (1, 128, 128) if kv_lengths is None else (2, 80, 96)
+  check_gradients(run_interpreted, (b, t, s, n, k), d, dv, causal, kv_lengths, soft_cap)
 
 
 def _wgmma_widths(module: str) -> collections.Counter:

@@ -275,17 +275,24 @@ def mma_accumulate(acc, a, b_smem, staging):
   if is_interpreting():
     staging[...] = a
     plgpu.commit_smem()
+    a = staging
+  return mma_accumulate_smem(acc, a, b_smem)
 
-    def body(ref):
-      plgpu.wgmma(ref, staging, b_smem)
+
+def mma_accumulate_smem(acc, a, b_smem):
+  """acc + a @ b_smem, `a` in SMEM (or, on hardware, in registers): in place
+  on hardware; the interpreter, without `run_state`, adds a fresh product."""
+  if is_interpreting():
+    def fresh(ref):
+      plgpu.wgmma(ref, a, b_smem)
       return ref[...]
 
-    return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
+    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
 
-  def body(ref):
+  def in_place(ref):
     plgpu.wgmma(ref, a, b_smem)
 
-  return pl.run_state(body)(plgpu.ACC.init(acc))
+  return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 
 def mma_accumulate_pair(acc0, a0, b0, acc1, a1, b1):

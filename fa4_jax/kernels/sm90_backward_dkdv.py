@@ -39,7 +39,7 @@ from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, NO_CHAIN, PUBLISH, 
 from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork, SegmentRefs, narrow
 from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, launch,
-                                                  load_operand, mma_accumulate,
+                                                  load_operand, mma_accumulate, mma_accumulate_smem,
                                                   mma_accumulate_pair, scores_grad,
                                                   stats_of_slot, TileSoftmax, transposed_scores,
                                                   walk_block_list, zeros)
@@ -756,22 +756,6 @@ class _HeadSplitSmem(NamedTuple):
     return cls(k, v, q_ring, do_ring, stats.at[0], stats.at[1], p, ds, q_ids)
 
 
-def _mma_accumulate_smem(acc, a_smem, b_smem):
-  """acc + a_smem @ b_smem, both operands in SMEM (in place on hardware; the
-  interpreter, without `run_state`, adds a fresh product)."""
-  if is_interpreting():
-    def fresh(ref):
-      plgpu.wgmma(ref, a_smem, b_smem)
-      return ref[...]
-
-    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-
-  def in_place(ref):
-    plgpu.wgmma(ref, a_smem, b_smem)
-
-  return pl.run_state(in_place)(plgpu.ACC.init(acc))
-
-
 def _dv_first_then_dk(acc, softmax: TileSoftmax, dp, delta, dtype, do_cols, q_cols, ds_tile,
                       acquire, publish):
   """Warpgroup 0 of "dv_dk_split" on hardware: dV += P^T dO with P^T in
@@ -890,9 +874,9 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
       dk, dv = mma_accumulate_pair(acc[0], ds_tile, q_tile.at[:, cols],
                                    acc[1], p_tile, do_tile.at[:, cols_v])
     elif dk_w:  # ("dv_dk_split": warpgroup 1, or 0 without dK columns)
-      dk, dv = _mma_accumulate_smem(acc[0], ds_tile, q_tile.at[:, cols]), acc[1]
+      dk, dv = mma_accumulate_smem(acc[0], ds_tile, q_tile.at[:, cols]), acc[1]
     else:
-      dk, dv = acc[0], _mma_accumulate_smem(acc[1], p_tile, do_tile.at[:, cols_v])
+      dk, dv = acc[0], mma_accumulate_smem(acc[1], p_tile, do_tile.at[:, cols_v])
     bars.consumer_q_do_release(step)
     bars.consumer_p_ds_release(step)
     return dk, dv
