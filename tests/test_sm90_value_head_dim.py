@@ -120,7 +120,8 @@ def test_heuristic_configs_cross_lower(cross_lower, d, dv, kv_seq):
                                             mask=CAUSAL)
   lowered = cross_lower(fn, q, k, v, arch="sm_90")
   assert lowered.has("wgmma.mma_async") and lowered.has("cp.async.bulk.tensor")
-  config = sm90_forward.choose_config(max(d, dv), CAUSAL, kv_seq, kv_seq)
+  config = sm90_forward.value_head_dim_config(
+      sm90_forward.choose_config(max(d, dv), CAUSAL, kv_seq, kv_seq), d, dv)
   if not config.fits_smem(d, 2, False, dv):
     config = config.__class__(**{**config.__dict__, "q_buffers": 1})
   estimate = config.smem_bytes(d, 2, False, dv)
