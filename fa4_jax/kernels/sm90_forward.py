@@ -321,6 +321,17 @@ class ForwardConfig:
     pins the order, so P is staged in SMEM)."""
     return self.fp8_p_in_registers and not self.sum_before_handoff
 
+  def separate_o_tiles(self, head_dim: int, value_head_dim: int, fp8: bool = False,
+                       fp8_cache: bool = False) -> bool:
+    """O is staged in tiles of its own (else in the consumer's Q tile): on a
+    persistent grid (the next item's Q lands during the epilogue) and when
+    O's head dim or dtype is not Q's, unless O is narrower and `o_in_q_tile`
+    stages it in the Q tile's bytes (`o_rows_in_q_tile`)."""
+    narrower_o_in_q = (self.o_in_q_tile and not self.persistent
+                       and o_rows_in_q_tile(self.block_q, head_dim, value_head_dim) > 0)
+    return (self.persistent or (value_head_dim != head_dim and not narrower_o_in_q)
+            or fp8 or fp8_cache)
+
   @property
   def row_sums_on_tensor_core(self) -> bool:
     """`fp8_row_sums_on_tensor_core` where it applies: P is the P V wgmma's
@@ -347,12 +358,8 @@ class ForwardConfig:
       kv_ring += self.num_consumers * self.block_kv * (head_dim + value_head_dim) * 2
     # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`).
     lse = (self.num_consumers + self.work_queue) * self.block_q * 4
-    narrower_o_in_q = (self.o_in_q_tile and not self.persistent
-                       and o_rows_in_q_tile(self.block_q, head_dim, value_head_dim) > 0)
-    separate_o_tiles = (self.persistent or (value_head_dim != head_dim and not narrower_o_in_q)
-                        or fp8 or fp8_cache)
     o_tiles = (self.num_consumers * self.block_q * value_head_dim * o_itemsize
-               if separate_o_tiles else 0)
+               if self.separate_o_tiles(head_dim, value_head_dim, fp8, fp8_cache) else 0)
     if fp8 and not self.p_operand_in_registers:
       o_tiles += self.num_consumers * self.block_q * self.block_kv  # P tiles
     if fp8 and self.row_sums_on_tensor_core:
@@ -741,15 +748,8 @@ class ForwardStatics:
 
   @property
   def separate_o_tiles(self) -> bool:
-    """O is staged in tiles of its own (else in the consumer's Q tile): on a
-    persistent grid (the next item's Q lands during the epilogue) and when
-    O's head dim or dtype is not Q's, unless O is narrower and
-    `ForwardConfig.o_in_q_tile` stages it in the Q tile's first columns."""
-    cfg = self.config
-    narrower_o_in_q = (cfg.o_in_q_tile and not cfg.persistent
-                       and o_rows_in_q_tile(cfg.block_q, self.head_dim, self.out_dim) > 0)
-    return (self.config.persistent or (self.out_dim != self.head_dim and not narrower_o_in_q)
-            or self.fp8 or self.fp8_cache)
+    """O is staged in tiles of its own (`ForwardConfig.separate_o_tiles`)."""
+    return self.config.separate_o_tiles(self.head_dim, self.out_dim, self.fp8, self.fp8_cache)
 
   @property
   def o_view_of_q_tiles(self) -> bool:
