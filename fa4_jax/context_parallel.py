@@ -311,7 +311,6 @@ def context_parallel_attention(
                load_balanced=load_balanced, score=args.scores.score_function,
                backend=backends.select(implementation, block_call), mods=mods)
   plan = _Sharded(ring=ring, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
-  mod_arrays = plan.laid_out_mods(mod_arrays)
   out, _ = _ring_core(
       plan, (q, k, v, args.query_segment_ids, args.key_value_segment_ids, mod_arrays),
       args.sinks)
@@ -851,10 +850,6 @@ class _Sharded:
     return dataclasses.replace(spec, classes=PartitionSpec(
         self.batch_axis if bm > 1 else None, self.head_axis if hm > 1 else None))
 
-  def laid_out_mods(self, mod_arrays):
-    return None if mod_arrays is None else jax.tree.map(self.laid_out, mod_arrays,
-                                                        self.mods_spec(mod_arrays))
-
   def run(self, fn, operands, specs, out_specs):
     """`fn(*operands)` on every device's shards (shard_map). `operands` are
     pytrees (None: absent, e.g. no segment ids) and `specs` give each of
@@ -865,8 +860,9 @@ class _Sharded:
                                tuple(specs), tuple(operands))
     leaf_specs = jax.tree.leaves(per_subtree)
     # Under Explicit mesh axes shard_map takes only inputs already laid out
-    # as its specs say; a caller's replicated or unsharded arrays are moved
-    # there first (a no-op for arrays that already are).
+    # as its specs say; a caller's replicated or unsharded arrays, and the
+    # tangents JAX makes, are moved there first (a no-op for arrays that
+    # already are).
     leaves = [self.laid_out(x, spec) for x, spec in zip(leaves, leaf_specs)]
     local = lambda *leaves: fn(*jax.tree.unflatten(tree, leaves))
     return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(leaf_specs),
@@ -881,8 +877,9 @@ class _Sharded:
 
   def laid_out(self, x, spec):
     """`x` with the sharding `spec` where the mesh's axes are Explicit
-    (shard_map takes nothing else there): for tangents, which JAX makes
-    (`jax.jacfwd`'s basis is replicated) rather than the caller."""
+    (shard_map takes nothing else there): every operand of `run`, the
+    caller's arrays and the tangents JAX makes (`jax.jacfwd`'s basis is
+    replicated) alike."""
     if x is None or AxisType.Explicit not in tuple(getattr(self.mesh, "axis_types", ())):
       return x
     return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
@@ -935,9 +932,8 @@ def _ring_tangent(plan: _Sharded, residuals, linear, partitioned=True):
   key sums, finished as the XLA path finishes them (sinks, normalization)."""
   del partitioned  # the ring is always partitioned, and plain jnp
   operands, sinks, out, lse = residuals
-  dq, dk, dv = (plan.laid_out(x, plan.sequence_spec) for x in linear[:3])
+  dq, dk, dv = linear[:3]
   dsinks, dcaptured = linear[3], linear[4]
-  dcaptured = tuple(plan.laid_out(t, PartitionSpec()) for t in dcaptured)
   with vjp.precision_scope(plan.ring.matmul_precision):
     sums = plan.run(functools.partial(_tangent_sums, plan.ring),
                     (*operands, lse, dq, dk, dv, dcaptured),
