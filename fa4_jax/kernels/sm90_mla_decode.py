@@ -162,8 +162,12 @@ CONFIGS = {
     "waves8": MlaConfig(waves=None, tiles_adjacent=False),
     "items_first": MlaConfig(tiles_adjacent=False),
     "alternate": MlaConfig(schedule="alternate"),
-    # For rows of unequal lengths (unmeasured under any rule): more waves
-    # of splits, so that short rows' chunks leave SMs to long rows' chunks.
+    # For rows of unequal lengths: more waves of splits, so that short rows'
+    # chunks leave SMs to long rows' chunks. H100, 2026-12-07, lengths S/16..S
+    # (bench_mla.py --only ragged): memory-bound B32 Hq16 S32k one wave 2643
+    # GB/s, two 2272, eight 1852; compute-bound B128 Hq128 S8k 403 / 402 /
+    # 456 TFLOP/s. No rule: the call knows lengths were passed, not how
+    # ragged they are.
     "waves2": MlaConfig(waves=2),
     "waves8_adjacent": MlaConfig(waves=None),
 }
