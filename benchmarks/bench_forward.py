@@ -110,7 +110,11 @@ def reference_rows(q, k, v, causal, window_left, heads):
 
 def config_for(text, head_dim, mask, kv_seq):
   """The heuristic's config, with `key=value,...` overrides (e.g. num_kv_stages=3)."""
-  config = sm90_forward.choose_config(head_dim, mask, kv_seq)
+  return apply_overrides(sm90_forward.choose_config(head_dim, mask, kv_seq), text)
+
+
+def apply_overrides(config, text):
+  """`config` with `key=value,...` overrides."""
   changes = {}
   for item in filter(None, text.split(",")):
     key, value = item.split("=")
