@@ -3,7 +3,8 @@
 Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
 mask and grouping the heuristics distinguish, the kernels of packed
-rows (segment ids), a few calls with score modifications (soft-cap, a
+rows (segment ids), the float8 forwards (all-e4m3 prefill and a 16-bit
+query on an e4m3 cache), a few calls with score modifications (soft-cap, a
 `score_mod`, sinks; the sm90 decode arrangement with a soft-cap, causal
 bottom-right over several tokens, and ALiBi with a mask_mod, contiguous and
 paged), the sm90 MLA decode
@@ -88,6 +89,25 @@ def _forward(kernel, d, mask, seq, lengths, segments=False, group=2, sinks=False
                           mask=mask, segment_ids=_segments(ids, segments),
                           **({"sinks": sink_logits} if sinks else {}), **options)
   return f, (q, kv, kv, ln, ln, ids, sink_logits)
+
+
+def _fp8_forward(d, mask, seq, cache_only=False):
+  """The sm90 forward on e4m3 K and V with per-head descales, Q in e4m3 too
+  (prefill) or in bf16 (`cache_only`: the cache widened in SMEM); GQA 4/2.
+  The forward picks the float8 configs itself (`sm90_forward.fp8_config`,
+  `fp8_cache_config`)."""
+  from fa4_jax.kernels import sm90_forward
+  f8 = jnp.float8_e4m3fn
+  q = jax.ShapeDtypeStruct((2, seq, 4, d), jnp.bfloat16 if cache_only else f8)
+  kv = jax.ShapeDtypeStruct((2, seq, 2, d), f8)
+  qd = jax.ShapeDtypeStruct((4,), jnp.float32)
+  kvd = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+  def f(q, k, v, qd, kd, vd):
+    return sm90_forward.forward(q, k, v, None, None, mask=mask, score=ScoreFunction(0.125),
+                                descales=(None if cache_only else qd, kd, vd),
+                                out_dtype=jnp.bfloat16)
+  return f, (q, kv, kv, qd, kvd, kvd)
 
 
 def _backward(kernel, d, mask, seq, lengths, group=1, segments=False, dv=None, **options):
@@ -245,6 +265,12 @@ def cases():
     yield (f"sm90 forward d128 causal s{seq} segment ids g4", "sm_90",
            _forward("sm90_forward", 128, MASKS["causal"], seq, seq == 1000, segments=True,
                     group=4))
+  for d in (64, 128, 256):  # float8: the default rule per head dim and mask
+    for mname in ("dense", "causal"):
+      yield (f"sm90 forward fp8 d{d} {mname} s8192", "sm_90",
+             _fp8_forward(d, MASKS[mname], 8192))
+  yield ("sm90 forward fp8 cache d128 dense s8192", "sm_90",
+         _fp8_forward(128, MASKS["dense"], 8192, cache_only=True))
   for d in (64, 128, 256):
     for mname, mask in MASKS.items():
       for seq in (1000, 4096):
