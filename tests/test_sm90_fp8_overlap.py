@@ -8,7 +8,7 @@ In the interpreter, against the f32 einsum on the dequantized operands,
 under `tests/test_sm90_fp8.py`'s bound (the e4m3 rounding of P). The cases
 cover a consumer with several blocks (masked and full ones), with one block
 (the first step, then the last P V), with none (its rows past the query
-length), a short key length, the FADD row sums and a sink (whose initial
+length), a short key length, the FADD row sums, no turns between the consumers and a sink (whose initial
 row-sum columns the first block rescales). The wgmmas' order and ptxas's
 verdict (no serialized wgmma) are the cross-lowering test's and the GPU's.
 """
@@ -74,6 +74,8 @@ def forward(config, mask, d, descales, sinks=None):
     (120, 50, False, {}),
     # the row sums by FADDs (no ones wgmma: one commit group per P V).
     (200, 200, True, dict(block_kv=128, fp8_row_sums_on_tensor_core=False)),
+    # without the consumers' turns (their barrier operations do nothing).
+    (250, 260, True, dict(block_kv=128, pingpong=False)),
 ])
 def test_overlap_matches_the_dequantized_reference(run_interpreted, t, s, causal, changes):
   d = 128

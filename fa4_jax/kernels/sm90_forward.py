@@ -289,14 +289,15 @@ class ForwardConfig:
   # The ones tile is each consumer's own (`_fill_ones_tile`). Set by
   # `fp8_config` at the head dims of `FP8_ROW_SUMS_HEAD_DIMS`.
   fp8_row_sums_on_tensor_core: bool = False
-  # float8 with P in registers and the consumers' turns only (`ForwardStatics.
-  # overlaps_pv`): FA3's intra-warpgroup overlap. Block j's turn issues S_j =
-  # Q K_j^T and then O += P_{j-1} V_{j-1}, waits only for S_j, and runs the
-  # softmax of S_j while the P V wgmma runs; then it waits for O, rescales
-  # it by alpha_j and keeps P_j (packed) for the next block. The first
-  # block of a consumer's range only computes P, the last P V runs after
-  # the walk (`_ConsumerTile.walk_overlapped`). Off by default (issue #55:
-  # not yet timed; commit dcef065 has the bfloat16 schedule that lost).
+  # float8 with P in registers only (`ForwardStatics.overlaps_pv`): FA3's
+  # intra-warpgroup overlap, with the consumers' turns or without them
+  # (`pingpong`). Block j's step issues S_j = Q K_j^T and then O += P_{j-1}
+  # V_{j-1}, waits only for S_j, and runs the softmax of S_j while the P V
+  # wgmma runs; then it waits for O, rescales it by alpha_j and keeps P_j
+  # (packed) for the next block. The first block of a consumer's range only
+  # computes P, the last P V runs after the walk (`_ConsumerTile.
+  # walk_overlapped`). Off by default (issue #55: not yet timed; commit
+  # dcef065 has the bfloat16 schedule that lost to serialized wgmmas).
   overlap_pv_with_softmax: bool = False
 
   def __post_init__(self):
@@ -784,12 +785,10 @@ class ForwardStatics:
   @property
   def overlaps_pv(self) -> bool:
     """Each consumer overlaps its P V wgmma with the next block's softmax
-    (`ForwardConfig.overlap_pv_with_softmax`): float8 with P in registers,
-    the consumers' turns, and the walk over a tile's block ranges (not the
-    block lists of programmable scores)."""
-    cfg = self.config
-    return (cfg.overlap_pv_with_softmax and self.fp8_p_in_registers and cfg.pingpong
-            and not self.mods)
+    (`ForwardConfig.overlap_pv_with_softmax`): float8 with P in registers
+    and the walk over a tile's block ranges (not the block lists of
+    programmable scores); with or without the consumers' turns."""
+    return self.config.overlap_pv_with_softmax and self.fp8_p_in_registers and not self.mods
 
   @property
   def acc_dim(self) -> int:
