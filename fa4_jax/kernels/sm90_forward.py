@@ -1426,14 +1426,15 @@ class _ConsumerTile:
     return fori(own.hi, hi, self.skip_step, carry[:3])
 
   def overlapped_softmax(self, s, m, l, j, *, masked: bool, key_ids=None, block=None):
-    """Softmax of block j, P packed as the A operand, the hand-off, and the
-    FADD row sums after it (unless the tensor core sums P): (P, m, l, alpha)."""
+    """Softmax of block j, the hand-off, and the FADD row sums after it
+    (unless the tensor core sums P): (P in f32, m, l, alpha). P is packed
+    into the A operand's registers once the previous P V has completed
+    (`pack_p`)."""
     p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
-    p8 = fp8_p_operand(p, FP8_P_DTYPE)
     self.hand_off(self.ring_step(j))
     if not self.ctx.call.row_sums_on_tensor_core:
       l = _add_row_sums(l, alpha, p)
-    return p8, m_new, l, alpha
+    return p, m_new, l, alpha
 
   def first_overlapped_step(self, j, carry):
     """The first block of the consumer's range: S, softmax, P (no P V)."""
@@ -1447,12 +1448,12 @@ class _ConsumerTile:
     key_ids = self.key_ids(step)
     if key_ids is None:
       bars.consumer_k_release(step)
-    p8, m_new, l, alpha = self.overlapped_softmax(s, m, l, j, masked=True, key_ids=key_ids,
-                                                  block=block)
+    p, m_new, l, alpha = self.overlapped_softmax(s, m, l, j, masked=True, key_ids=key_ids,
+                                                 block=block)
     if alpha is not None:  # (the initial l columns of a sink)
       acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     self.wait_next_k(j)
-    return acc, m_new, l, p8
+    return acc, m_new, l, self.pack_p(p)
 
   def overlapped_step(self, j, carry, *, masked: bool):
     """S_j = Q K_j^T, then O += P_{j-1} V_{j-1} while the softmax of S_j runs."""
@@ -1477,7 +1478,7 @@ class _ConsumerTile:
       s = pl.run_scoped(functools.partial(self.qk, k_tile=k_tile),
                         plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
       acc = self.p_times_v(acc, p_prev, v_prev, lambda: None)
-      p8, m_new, l, alpha = after_qk(s)
+      p, m_new, l, alpha = after_qk(s)
     else:
       fixed = call.fixed_max  # no alpha
 
@@ -1495,13 +1496,24 @@ class _ConsumerTile:
         for ref, value in zip(out_refs, outs[:3] if fixed else outs):
           ref[...] = value
 
-      outs_like = (p_prev, m, l) if fixed else (p_prev, m, l, m)
+      p_like = plgpu.layout_cast(jnp.zeros((cfg.block_q, cfg.block_kv), jnp.float32),
+                                 plgpu.Layout.WGMMA)
+      outs_like = (p_like, m, l) if fixed else (p_like, m, l, m)
       acc, outs = pl.run_state(body)((plgpu.ACC.init(acc), outs_like))
-      p8, m_new, l, alpha = outs if not fixed else (*outs, None)
+      p, m_new, l, alpha = outs if not fixed else (*outs, None)
     bars.consumer_v_release(step - 1)
     if alpha is not None:
       acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-    return acc, m_new, l, p8
+    return acc, m_new, l, self.pack_p(p)
+
+  def pack_p(self, p):
+    """P (f32) as the float8 A operand of the next P V wgmma, packed after
+    the previous P V has completed: the packed P is the loop's carry, whose
+    registers that wgmma reads until then. Packed before (in the softmax),
+    ptxas converts into temporaries and merges them into the carry with 16
+    PRMTs after the wait (128-key blocks: 456 instructions a block against
+    440; tools/fp8_sass_counts.py)."""
+    return fp8_p_operand(p, FP8_P_DTYPE)
 
   def last_pv(self, j, carry):
     """O += P V of the range's last block (its V waited in its hand-off)."""
