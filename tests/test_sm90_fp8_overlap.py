@@ -8,7 +8,8 @@ In the interpreter, against the f32 einsum on the dequantized operands,
 under `tests/test_sm90_fp8.py`'s bound (the e4m3 rounding of P). The cases
 cover a consumer with several blocks (masked and full ones), with one block
 (the first step, then the last P V), with none (its rows past the query
-length), a short key length, the FADD row sums, no turns between the consumers and a sink (whose initial
+length), a short key length, the FADD row sums, no turns between the consumers, a sliding
+window (skip steps before a consumer's first block) and a sink (whose initial
 row-sum columns the first block rescales). The wgmmas' order and ptxas's
 verdict (no serialized wgmma) are the cross-lowering test's and the GPU's.
 """
@@ -136,3 +137,23 @@ def test_overlap_issues_p_v_after_the_next_q_k(cross_lower, causal, cap):
   runs = [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]  # one per wgmma
   # S = Q K^T (SMEM A), P V (register A), the ones wgmma, then the S-only wait.
   assert "n128s n128r n8r w2" in " ".join(runs), runs
+
+
+def test_overlap_with_a_sliding_window(run_interpreted):
+  """A window of 40 keys to the left: a consumer's own blocks may start after
+  the CTA's first block (skip steps before its first block, as well as
+  after its last), rows 256.. see blocks 1 and 2 only."""
+  d, t = 128, 300
+  mask = MaskSpec(left=40, right=0)
+  (q8, k8, v8), descales = growing_inputs(1, t, t, 2, 1, d, seed=13)
+  config = overlapped(d, mask, t, t, block_kv=128)
+  got = run_interpreted(forward(config, mask, d, descales), q8, k8, v8)
+  f32 = lambda x, dsc: np.asarray(x, np.float32) * np.asarray(dsc)[None, None, :, None]
+  q, k, v = (f32(x, descales[n]) for x, n in zip((q8, k8, v8), DESCALES))
+  k, v = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
+  logits = np.einsum("btnd,bsnd->bnts", q, k) * d ** -0.5
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  logits = np.where((j <= i) & (j >= i - 40), logits, -np.inf)
+  w = np.exp(logits - logits.max(-1, keepdims=True))
+  want = np.einsum("bnts,bsnd->btnd", w / w.sum(-1, keepdims=True), v)
+  assert_close_to_p_rounding(got, want, v)
