@@ -53,8 +53,15 @@ for 256-key blocks), and on dense D128 rows the same with
 192 and 256 keys per block (`fp8 row sums on tc kvN`, `ROW_SUM_BLOCKS`). `--no-xla` drops the XLA column (the
 slowest to compile and run); `max_abs_diff` is then taken against `fp8`.
 
+`--overlap` adds, on D128 prefill rows, the float8 kernel with FA3's
+intra-warpgroup overlap (`ForwardConfig.overlap_pv_with_softmax`: each
+consumer's P V wgmma runs beside its next block's softmax; issue #55) on
+the heuristic's config under `OVERLAP_BLOCKS` (columns `fp8 overlap kvN[
+sM][ no turns]`, and the serial controls `fp8 serial kv128[ no turns]`).
+
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
-                                  [--paged-configs] [--row-sums] [--no-xla] [--tag NAME]
+                                  [--paged-configs] [--row-sums] [--overlap] [--no-xla]
+                                  [--tag NAME]
 """
 
 from __future__ import annotations
@@ -212,6 +219,60 @@ def row_sum_columns(q8, k8, v8, descales, d, causal):
       configs[f"fp8 row sums on tc kv{block_kv}"] = config
   columns = {}
   for label, config in configs.items():
+    call = lambda q, k, v, qd, kd, vd, config=config: sm90_forward.forward(
+        q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
+        descales=(qd, kd, vd))[0]
+    columns[label] = (call, (q8, k8, v8, *descales))
+  return columns
+
+
+# `--overlap` (issue #55): FA3's intra-warpgroup overlap
+# (`ForwardConfig.overlap_pv_with_softmax`) on the heuristic's float8 config
+# (row sums on the tensor core at D128), D128 prefill rows. Local ptxas 13.0
+# (tools/fp8_sass_counts.py --set overlap_pv_with_softmax=1 --set block_kv=N
+# --set num_kv_stages=M, B2 S8192 H32/8): 128-key blocks, two or three
+# stages, no spill and no wgmma serialized, dense and causal; 192-key blocks
+# none in the unmasked loop but 22-24 spill loads in the masked one (the
+# length-edge block; causal rows 106, so dense only); 256-key blocks (the
+# heuristic's dense blocks) spill in the main loop and serialize: left out.
+# Without the consumers' turns (`pingpong=False`, "no turns") each
+# consumer's own softmax still overlaps its P V, and the two softmaxes may
+# run at once; same local figures (128-key blocks: no spill). The `serial`
+# columns are the controls: dense rows' `fp8` has 256-key blocks (causal
+# rows' `fp8` is `serial kv128`). Entries: label -> (changes to the
+# heuristic's float8 config, on causal rows too).
+OVERLAP_BLOCKS = {
+    "fp8 serial kv128": (dict(block_kv=128, num_kv_stages=2), False),
+    "fp8 overlap kv128": (dict(block_kv=128, num_kv_stages=2, overlap_pv_with_softmax=True),
+                          True),
+    "fp8 overlap kv128 s3": (dict(block_kv=128, num_kv_stages=3,
+                                  overlap_pv_with_softmax=True), True),
+    "fp8 overlap kv192": (dict(block_kv=192, num_kv_stages=2, overlap_pv_with_softmax=True),
+                          False),
+    "fp8 serial kv128 no turns": (dict(block_kv=128, num_kv_stages=2, pingpong=False), True),
+    "fp8 overlap kv128 no turns": (dict(block_kv=128, num_kv_stages=2, pingpong=False,
+                                        overlap_pv_with_softmax=True), True),
+}
+
+
+def overlap_columns(q8, k8, v8, descales, d, causal):
+  """`fp8 overlap ...`: the heuristic's float8 config with the P V wgmma
+  overlapped with the next block's softmax, and the serial controls, under
+  `OVERLAP_BLOCKS`."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+
+  if d != 128:
+    return {}
+  mask, _ = bench_common.case_mask(causal, None)
+  base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
+                                 mask, d, d, False)
+  columns = {}
+  for label, (changes, with_causal) in OVERLAP_BLOCKS.items():
+    config = dataclasses.replace(base, **changes)
+    if (causal and not with_causal) or not config.fits_smem(d, 2, False, d, fp8=True):
+      continue
     call = lambda q, k, v, qd, kd, vd, config=config: sm90_forward.forward(
         q, k, v, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
         descales=(qd, kd, vd))[0]
@@ -502,7 +563,7 @@ def page_table(case):
 
 
 def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False,
-               row_sums=False, xla_column=True):
+               row_sums=False, xla_column=True, overlap=False):
   """(calls, served): the row's columns, name -> (function, its arguments
   from `x`, `case_inputs`), and the implementation that serves the float8
   column (`which_implementation`)."""
@@ -526,6 +587,8 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
       calls.update(config_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     if row_sums:
       calls.update(row_sum_columns(q8, k8, v8, (qd, kd, vd), d, causal))
+    if overlap:
+      calls.update(overlap_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     served = traced(lambda q8, k8, v8, qd, kd, vd: fa4_jax.which_implementation(
         q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
         q8, k8, v8, qd, kd, vd)
@@ -572,11 +635,11 @@ def traced(fn, *args):
 
 
 def run_case(case, rounds, configs=False, decode_configs=False, paged_configs=False,
-             row_sums=False, xla_column=True):
+             row_sums=False, xla_column=True, overlap=False):
   name, kind, b, t, s, hq, hkv, d, causal = case
   x = case_inputs(case)
   calls, served = case_calls(case, x, configs, decode_configs, paged_configs, row_sums,
-                             xla_column)
+                             xla_column, overlap)
   bf16_bytes = 2 * x["k"].size * x["k"].dtype.itemsize
   row = dict(case=name, kind=kind, served_by=served, bf16_kv_bytes=bf16_bytes,
              flops=4 * b * hq * t * s * d * (0.5 if causal and t == s else 1.0))
@@ -603,7 +666,8 @@ def main():
   bench_common.table_main(
       "fp8", CASES,
       lambda case, args: run_case(case, args.rounds, args.configs, args.decode_configs,
-                                  args.paged_configs, args.row_sums, not args.no_xla),
+                                  args.paged_configs, args.row_sums, not args.no_xla,
+                                  args.overlap),
       markdown,
       lambda a: ("e4m3 with per-head descales (amax / 448); kernel-duration sums in profiler "
                  f"traces, medians of {a.rounds} interleaved rounds; decode and paged TB/s: the "
@@ -624,6 +688,10 @@ def add_arguments(ap):
   ap.add_argument("--row-sums", action="store_true",
                   help="prefill rows: also the float8 kernel with the row sums on the tensor "
                        "core (ForwardConfig.fp8_row_sums_on_tensor_core)")
+  ap.add_argument("--overlap", action="store_true",
+                  help="D128 prefill rows: also the float8 kernel with the P V wgmma overlapped "
+                       "with the next block's softmax (ForwardConfig.overlap_pv_with_softmax), "
+                       "under OVERLAP_BLOCKS")
   ap.add_argument("--no-xla", action="store_true",
                   help="leave out the XLA column (max_abs_diff then against `fp8`)")
 

@@ -23,6 +23,7 @@ note) from `ptxas -v`. Decode rows:
 (C <= 128 launches at <= 128), to see whether it then fits without spills.
 
   python3 benchmarks/fp8_ptxas.py [--only NAME ...] [--d64-registers 24/128 | --d64-registers ""]
+                                  [--overlap]
 
 The default rows (80 calls, one kernel each) take about 3 minutes on two CPU cores.
 """
@@ -119,6 +120,9 @@ def main() -> None:
                   help="rows of bench_fp8.CASES whose name contains this (default: ROWS)")
   ap.add_argument("--d64-registers", default="24/128",
                   help="PRODUCER/CONSUMER registers for extra D64 candidate rows ('' for none)")
+  ap.add_argument("--overlap", action="store_true",
+                  help="prefill rows: bench_fp8.py --overlap's columns (OVERLAP_BLOCKS) "
+                       "instead of CONFIG_CANDIDATES")
   args = ap.parse_args()
   from fa4_jax.target import gpu_target
 
@@ -133,9 +137,10 @@ def main() -> None:
     name, kind, d = case[0], case[1], case[7]
     x = jax.eval_shape(lambda case=case: bench_fp8.case_inputs(case))
     with gpu_target("sm90", num_sms=132):
-      calls, _ = bench_fp8.case_calls(case, x, configs=kind == "prefill",
+      calls, _ = bench_fp8.case_calls(case, x, configs=kind == "prefill" and not args.overlap,
                                            decode_configs=kind != "prefill",
-                                           paged_configs=kind == "paged")
+                                           paged_configs=kind == "paged",
+                                           overlap=args.overlap)
       if kind == "decode" and d == 64 and args.d64_registers:
         calls.update(d64_register_columns(x, *map(int, args.d64_registers.split("/"))))
     for label, (fn, specs) in calls.items():

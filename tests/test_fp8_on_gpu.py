@@ -115,3 +115,78 @@ for d in (64, 128, 256):
 def test_no_fp8_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
   calls = ptxas_dumps.compile_items(_COMPILE_FP8_KERNELS, tmp_path, timeout=400)
   ptxas_dumps.check_no_serialized_wgmmas(calls)
+
+
+@pytest.mark.parametrize("t, causal, block_kv, stages, growing, turns", [
+    (2050, False, 256, 2, False, True),  # the heuristic's dense blocks (two S tiles of 256 keys)
+    (2050, True, 128, 2, True, True),    # the heuristic's causal blocks; logits growing
+    (3001, False, 128, 3, True, True),
+    (2053, False, 192, 2, False, True),  # the length-edge block masked
+    (2050, True, 128, 2, True, False),   # no turns between the consumers
+])
+def test_fp8_overlap_pv_with_softmax_at_scale(t, causal, block_kv, stages, growing, turns):
+  """`ForwardConfig.overlap_pv_with_softmax` (FA3's intra-warpgroup overlap):
+  the P V wgmma of block j - 1 runs, reading P from registers, while the
+  softmax of block j overwrites the registers around it; a register reused
+  too early, or O read before its wgmma landed, shows here (the interpreter
+  runs the wgmmas in order). With `growing` logits the max moves in most
+  blocks, so O's late rescale by alpha_j is exercised. Against the
+  dequantized reference and the same config without the overlap."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.scores import MaskSpec
+  from test_sm90_fp8_overlap import growing_inputs
+
+  d, n, kv_heads = 128, 8, 2
+  inputs = growing_inputs if growing else fp8_inputs
+  (q8, k8, v8), descales = inputs(2, t, t, n, kv_heads, d, seed=21)
+  mask = MaskSpec(right=0) if causal else MaskSpec()
+  base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, t, t), mask, d, d, False)
+  base = dataclasses.replace(base, block_kv=block_kv, num_kv_stages=stages, pingpong=turns)
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
+  rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
+  outs = {}
+  for on in (False, True):
+    config = dataclasses.replace(base, overlap_pv_with_softmax=on)
+    got, _ = sm90_forward.forward(
+        q8, k8, v8, None, None, score=ScoreFunction(d ** -0.5), mask=mask, config=config,
+        descales=tuple(descales[x] for x in ("query_descale", "key_descale", "value_descale")))
+    got = np.asarray(got, np.float32)
+    assert_close_to_p_rounding(got, want, v)
+    outs[on] = got
+  print(f"RMS error, serial {rms(outs[False] - want):.4g}, overlapped {rms(outs[True] - want):.4g}; "
+        f"max |overlapped - serial| {np.abs(outs[True] - outs[False]).max():.4g}")
+  # The same P and V in the same order: only the accumulation's rounding differs.
+  assert rms(outs[True] - outs[False]) <= 0.05 * rms(want)
+
+
+_COMPILE_FP8_OVERLAP_KERNELS = r"""
+import dataclasses
+import jax, jax.numpy as jnp
+from fa4_jax.kernels import sm90_forward
+from fa4_jax.scores import MaskSpec, ScoreFunction
+
+items = {}
+for causal in (False, True):
+  for block_kv, stages, turns in ((128, 2, True), (128, 3, True), (128, 2, False)):
+    def run(causal=causal, block_kv=block_kv, stages=stages, turns=turns):
+      mask = MaskSpec(right=0) if causal else MaskSpec()
+      config = sm90_forward.fp8_config(sm90_forward.choose_config(128, mask, 4096, 4096), mask,
+                                       128, 128, False)
+      config = dataclasses.replace(config, block_kv=block_kv, num_kv_stages=stages,
+                                   pingpong=turns, overlap_pv_with_softmax=True)
+      q = jnp.ones((1, 4096, 4, 128), jnp.float8_e4m3fn)
+      one = jnp.ones((4,), jnp.float32)
+      return sm90_forward.forward(q, q, q, None, None, score=ScoreFunction(128 ** -0.5),
+                                  mask=mask, config=config, descales=(one, one, one))[0]
+    items[f"fp8 overlap causal={causal} kv{block_kv} s{stages} turns={turns}"] = run
+"""
+
+
+def test_no_fp8_overlap_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
+  """The overlap issues the register-A P V wgmma right after the Q K^T one:
+  ptxas serializes both (C7513) if any instruction defines P's registers
+  between them (what the bfloat16 schedule of 2026-11-22 lost to)."""
+  calls = ptxas_dumps.compile_items(_COMPILE_FP8_OVERLAP_KERNELS, tmp_path, timeout=400)
+  ptxas_dumps.check_no_serialized_wgmmas(calls)  # (prints each kernel's spill bytes)
