@@ -1,11 +1,11 @@
-"""The sm90 dQ kernel under ptxas and nvdisasm, per backward `--config`, without a GPU.
+"""The sm90 dQ (or dK/dV) kernel under ptxas and nvdisasm, per backward `--config`, without a GPU.
 
 Issue #56: screens dQ-kernel candidates at a head-dim pair (default 192 /
 128, B2 S8192 H16, dense and causal) before they are timed. Each `--config`
 text (as `benchmarks/bench_backward.py --config` takes it: `dq.KEY=VALUE,...`
 on `sm90_backward.choose_config`'s config) is cross-lowered for sm_90a
 (`tools/local_ptxas.py`: `capture`, `compile_to_ptx`), only the dQ kernel's
-module is compiled by ptxas to a cubin and decoded by `nvdisasm` (the
+module (`--kernel dkv`: the dK/dV kernel's, each pass) is compiled by ptxas to a cubin and decoded by `nvdisasm` (the
 `nvidia-cuda-nvdisasm` pip wheel, `--nvdisasm PATH`), and printed: ptxas's
 registers and spill bytes, whether it serialized a wgmma (C7510-C7515), the
 local-memory accesses in loops (`tools/sass_loops.py`), and every loop past
@@ -13,7 +13,7 @@ an mbarrier spin that holds a wgmma (the key-block loops: masked and
 unmasked) with its instruction counts.
 
     python3 tools/dq_sass_counts.py --nvdisasm PATH [--causal] [--head-dim 192] \\
-        [--value-head-dim 128] --config "" --config "dq.block_kv=96" [--keep DIR]
+        [--value-head-dim 128] [--kernel dkv] --config "" --config "dq.block_kv=96" [--keep DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import fp8_sass_counts  # noqa: E402
 import local_ptxas  # noqa: E402
 import sass_loops  # noqa: E402
 
+# The capture's file stems by kernel (`launch`'s role names).
+KERNEL_STEMS = {"dq": "_dq", "dkv": "_dkdv"}
 OPS = ("HGMMA", "MUFU.EX2", "FFMA", "FADD", "FMUL", "F2FP", "SYNCS", "BAR", "STL", "LDL")
 
 
@@ -46,6 +48,9 @@ def main() -> int:
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--config", action="append", default=None)
+  ap.add_argument("--kernel", choices=("dq", "dkv"), default="dq",
+                  help="which backward kernel's module to compile: dQ (default) or dK/dV "
+                       "(every dK/dV pass)")
   ap.add_argument("--keep", default=None, help="write each dQ kernel's PTX and SASS here")
   args = ap.parse_args()
   if not args.nvdisasm:
@@ -67,7 +72,7 @@ def main() -> int:
         print(f"[{text}] {'causal' if args.causal else 'dense'}: does not lower: "
               f"{str(e).splitlines()[-1][:200]}", flush=True)
         continue
-      files = [f for f in files if "_dq" in f.stem]
+      files = [f for f in files if KERNEL_STEMS[args.kernel] in f.stem]
       ptx = local_ptxas.compile_to_ptx(files, plugin, stub_dir, "sm_90")
       for f in files:
         src, cubin = tmp / "k.ptx", tmp / "k.cubin"
@@ -81,7 +86,7 @@ def main() -> int:
           keep = pathlib.Path(args.keep)
           keep.mkdir(parents=True, exist_ok=True)
           tag = "".join(c if c.isalnum() or c in "=._-" else "_" for c in text) or "default"
-          stem = f"d{args.head_dim}-{args.value_head_dim}{'c' if args.causal else ''}-{tag}"
+          stem = f"{args.kernel}-{f.stem}-d{args.head_dim}-{args.value_head_dim}{'c' if args.causal else ''}-{tag}"
           (keep / f"{stem}.ptx").write_text(ptx[f])
           (keep / f"{stem}.sass").write_text(listing)
           (keep / f"{stem}.ptxas").write_text(log.stdout + log.stderr)
