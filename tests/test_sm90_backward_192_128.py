@@ -47,6 +47,10 @@ def _candidate(name: str, mask: MaskSpec) -> sm90_backward.BackwardConfig:
       "wg1_dv_kv_in_registers": dataclasses.replace(
           sm90_backward.DKV_AT_192_128, wg0_dk_columns=0, wg1_dv=True,
           operands_in_registers=True),
+      "wg1_dv_fold_stats": dataclasses.replace(
+          sm90_backward.DKV_AT_192_128, wg0_dk_columns=0, wg1_dv=True,
+          operands_in_registers=True, fold_stats=True),
+      "fold_stats": dataclasses.replace(sm90_backward.DKV_AT_192_128, fold_stats=True),
       "k_in_registers": dataclasses.replace(sm90_backward.DKV_AT_192_128, k_in_registers=True),
       "kv_in_registers_wg0_256": dataclasses.replace(
           sm90_backward.DKV_AT_192_128, wg0_dk_columns=0, operands_in_registers=True,
@@ -64,6 +68,10 @@ CASES = {
     "wg1_dv_wg0_64_causal_gqa_soft_cap": ("wg1_dv_wg0_64", True, (93, 93), 2, 1, None, 20.0),
     "wg1_dv_kv_in_registers_causal": ("wg1_dv_kv_in_registers", True, (93, 93), 1, 1, None,
                                       None),
+    "wg1_dv_fold_stats_causal_gqa": ("wg1_dv_fold_stats", True, (93, 93), 2, 1, None, None),
+    "wg1_dv_fold_stats_dense_soft_cap": ("wg1_dv_fold_stats", False, (75, 93), 2, 1, (93, 41),
+                                         20.0),
+    "fold_stats_causal": ("fold_stats", True, (93, 93), 1, 1, None, None),
 }
 
 
@@ -78,7 +86,8 @@ def check_gradients(run_interpreted, case):
 
 @pytest.mark.parametrize("candidate", ["dv_dk_split", "dv_dk_split_wg0_64", "wg1_dv",
                                        "wg1_dv_wg0_64", "wg1_dv_kv_in_registers",
-                                       "k_in_registers", "kv_in_registers_wg0_256"])
+                                       "wg1_dv_fold_stats", "fold_stats", "k_in_registers",
+                                       "kv_in_registers_wg0_256"])
 def test_candidates_cross_lower_within_smem(cross_lower, candidate):
   config = _candidate(candidate, CAUSAL)
   q = jax.ShapeDtypeStruct((1, 1024, 2, D), jnp.bfloat16)

@@ -3,7 +3,9 @@
 detection: warpgroup 0 keeping no gradient (only S^T, dP^T, P^T and dS^T),
 or 64 of dK's columns, and with K and V as its register A operands (which
 the interpreter keeps in SMEM: the case checks that config's barriers and
-SMEM path; the registers run on hardware only). The cases and the check are
+SMEM path; the registers run on hardware only), and with lse2 and delta
+folded into warpgroup 0's S^T and dP^T accumulators (`fold_stats`; delta
+alone under soft-cap). The cases and the check are
 those of test_sm90_backward_192_128.py (which cross-lowers them); a file of
 their own keeps each file's interpreter time short.
 """
@@ -15,6 +17,6 @@ import pytest
 from test_sm90_backward_192_128 import CASES, check_gradients
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("wg1_dv")])
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith(("wg1_dv", "fold_stats"))])
 def test_gradients_match_an_f32_einsum(run_interpreted, name):
   check_gradients(run_interpreted, CASES[name])

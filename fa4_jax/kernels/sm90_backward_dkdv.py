@@ -81,7 +81,7 @@ class DkvConfig:
   consumer_registers: int = 232
   # --- which algorithm runs ---
   dk_dv: str = "fused"
-  # "fused" scheme: load a block's lse and delta from SMEM before waiting for
+  # "fused" and "dv_dk_split" schemes: load a block's lse and delta from SMEM before waiting for
   # its S^T and dP^T GEMMs rather than after (Nsight Compute: the first FFMA
   # of P^T waited on those loads). Holds them in registers across the wait:
   # 32 more per thread at block_q 64.
@@ -146,10 +146,11 @@ class DkvConfig:
     if self.wg0_dk_columns % 64 or (self.wg0_dk_columns and self.dk_dv != "dv_dk_split"):
       raise ValueError(f"wg0_dk_columns is a multiple of 64 for the 'dv_dk_split' scheme; "
                        f"got {self.wg0_dk_columns} with dk_dv={self.dk_dv!r}")
-    if self.fold_stats and self.split_consumers:
-      raise ValueError(f"fold_stats is a choice of the dK/dV kernels whose consumers own whole "
-                       f"key tiles ('fused' and 'two_passes'); got dk_dv={self.dk_dv!r}: "
-                       f"set fold_stats=False")
+    if (self.fold_stats or self.stats_first) and self.dk_dv == "head_dim_split":
+      raise ValueError(f"fold_stats and stats_first are choices of the dK/dV kernels whose "
+                       f"consumers own whole key tiles ('fused' and 'two_passes') and of "
+                       f"'dv_dk_split' (warpgroup 0's S^T and dP^T); got dk_dv={self.dk_dv!r}: "
+                       f"set them False")
     if (self.operands_in_registers or self.k_in_registers) and self.dk_dv == "head_dim_split":
       raise ValueError(f"operands_in_registers and k_in_registers are choices of the 'fused', "
                        f"'two_passes' and 'dv_dk_split' schemes; got dk_dv={self.dk_dv!r}: "
@@ -877,9 +878,14 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
     ds_tile = smem.ds.at[bars.slot("p_ds_full", step)]
     bars.consumer_q_do(step)
     if h == 0:
+      # ("dv_dk_split" may fold lse2 and delta into the accumulators or load
+      # them first, as the fused kernel; `sm90_backward.choose_mods_config`
+      # folds nothing here.)
       s, dp, lse2, delta = transposed_scores(
-          operands[0], operands[1], q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
-          c=c, fold_stats=False, stats_first=False)
+          *operands, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
+          c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
+          needs_raw_scores=(kp.score.needs_raw_scores
+                            or (kp.mods is not None and kp.mods.score_mod is not None)))
       seg = block_segments(slot) if masked else None
       mods = {} if tile_mods is None else dict(mods=tile_mods)
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
