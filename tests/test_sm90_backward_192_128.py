@@ -72,6 +72,9 @@ CASES = {
     "wg1_dv_fold_stats_dense_soft_cap": ("wg1_dv_fold_stats", False, (75, 93), 2, 1, (93, 41),
                                          20.0),
     "fold_stats_causal": ("fold_stats", True, (93, 93), 1, 1, None, None),
+    "k_in_registers_dense": ("k_in_registers", False, (75, 93), 1, 1, (93, 41), None),
+    "kv_in_registers_wg0_256_causal_gqa": ("kv_in_registers_wg0_256", True, (93, 93), 2, 1,
+                                           None, None),
 }
 
 
