@@ -5,8 +5,8 @@ Issue #56: screens dQ-kernel candidates at a head-dim pair (default 192 /
 text (as `benchmarks/bench_backward.py --config` takes it: `dq.KEY=VALUE,...`
 on `sm90_backward.choose_config`'s config) is cross-lowered for sm_90a
 (`tools/local_ptxas.py`: `capture`, `compile_to_ptx`), only the dQ kernel's
-module (`--kernel dkv`: the dK/dV kernel's, each pass) is compiled by ptxas to a cubin and decoded by `nvdisasm` (the
-`nvidia-cuda-nvdisasm` pip wheel, `--nvdisasm PATH`), and printed: ptxas's
+module (`--kernel dkv`: the dK/dV kernel's, each pass) is compiled by ptxas
+to a cubin and decoded by `nvdisasm` (the `nvidia-cuda-nvdisasm` pip wheel, `--nvdisasm PATH`), and printed: ptxas's
 registers and spill bytes, whether it serialized a wgmma (C7510-C7515), the
 local-memory accesses in loops (`tools/sass_loops.py`), and every loop past
 an mbarrier spin that holds a wgmma (the key-block loops: masked and
@@ -51,7 +51,7 @@ def main() -> int:
   ap.add_argument("--kernel", choices=("dq", "dkv"), default="dq",
                   help="which backward kernel's module to compile: dQ (default) or dK/dV "
                        "(every dK/dV pass)")
-  ap.add_argument("--keep", default=None, help="write each dQ kernel's PTX and SASS here")
+  ap.add_argument("--keep", default=None, help="write each kernel's PTX and SASS here")
   args = ap.parse_args()
   if not args.nvdisasm:
     ap.error("needs nvdisasm (--nvdisasm PATH; pip download nvidia-cuda-nvdisasm)")
@@ -86,7 +86,8 @@ def main() -> int:
           keep = pathlib.Path(args.keep)
           keep.mkdir(parents=True, exist_ok=True)
           tag = "".join(c if c.isalnum() or c in "=._-" else "_" for c in text) or "default"
-          stem = f"{args.kernel}-{f.stem}-d{args.head_dim}-{args.value_head_dim}{'c' if args.causal else ''}-{tag}"
+          stem = (f"{args.kernel}-{f.stem}-d{args.head_dim}-{args.value_head_dim}"
+                  f"{'c' if args.causal else ''}-{tag}")
           (keep / f"{stem}.ptx").write_text(ptx[f])
           (keep / f"{stem}.sass").write_text(listing)
           (keep / f"{stem}.ptxas").write_text(log.stdout + log.stderr)
