@@ -6,8 +6,8 @@ text (as `benchmarks/bench_backward.py --config` takes it: `dq.KEY=VALUE,...`
 on `sm90_backward.choose_config`'s config) is cross-lowered for sm_90a
 (`tools/local_ptxas.py`: `capture`, `compile_to_ptx`), only the dQ kernel's
 module (`--kernel dkv`: the dK/dV kernel's, each pass) is compiled by ptxas
-to a cubin and decoded by `nvdisasm` (the `nvidia-cuda-nvdisasm` pip wheel, `--nvdisasm PATH`), and printed: ptxas's
-registers and spill bytes, whether it serialized a wgmma (C7510-C7515), the
+to a cubin and decoded by `nvdisasm` (the `nvidia-cuda-nvdisasm` pip
+wheel, `--nvdisasm PATH`), and printed: ptxas's registers and spill bytes, whether it serialized a wgmma (C7510-C7515), the
 local-memory accesses in loops (`tools/sass_loops.py`), and every loop past
 an mbarrier spin that holds a wgmma (the key-block loops: masked and
 unmasked) with its instruction counts.
