@@ -235,12 +235,28 @@ def test_soft_cap_folds_delta_under_causal_masks_at_128(head_dim):
 
 
 def test_dk_dv_register_options_need_a_kernel_that_has_them():
-  """The head-dim split at 256 has neither option."""
+  """The head-dim split at 256 has neither option; dv_dk_split's warpgroup
+  0 has them (issue #56's candidates), and warpgroup placements and
+  registers of its own are the split schemes' alone."""
   for option, others in (("fold_stats", [dict(dk_dv="head_dim_split")]),
-                         ("operands_in_registers", [dict(dk_dv="head_dim_split")])):
+                         ("operands_in_registers", [dict(dk_dv="head_dim_split")]),
+                         ("k_in_registers", [dict(dk_dv="head_dim_split")]),
+                         ("wg1_dv", [dict(), dict(dk_dv="head_dim_split")])):
     for other in others:
       with pytest.raises(ValueError, match=option):
         sm90_backward.DkvConfig(**{option: True}, **other)
+  for option in ("fold_stats", "stats_first", "operands_in_registers", "k_in_registers",
+                 "wg1_dv"):
+    sm90_backward.DkvConfig(dk_dv="dv_dk_split", producer_registers=24, consumer_registers=240,
+                            **{option: True})
+  with pytest.raises(ValueError, match="wg0_registers"):
+    sm90_backward.DkvConfig(wg0_registers=200)
+  # A 24-register producer, warpgroup 0 on 256 and warpgroup 1 on 224: 64512.
+  sm90_backward.DkvConfig(dk_dv="dv_dk_split", producer_registers=24, consumer_registers=224,
+                          wg0_registers=256)
+  with pytest.raises(ValueError, match="registers exceeds the 64512"):
+    sm90_backward.DkvConfig(dk_dv="dv_dk_split", producer_registers=24, consumer_registers=232,
+                            wg0_registers=256)
 
 
 def test_overlapped_kernels_must_not_read_each_others_outputs():

@@ -37,6 +37,24 @@ def _candidate(name: str, mask: MaskSpec) -> sm90_backward.BackwardConfig:
   dkv = {
       "dv_dk_split": dataclasses.replace(sm90_backward.DKV_AT_192_128, wg0_dk_columns=0),
       "dv_dk_split_wg0_64": sm90_backward.DKV_AT_192_128,
+      # Issue #56's dK/dV candidates (branch h56k): dV on warpgroup 1 too,
+      # beside all of dK or its last 128 columns; K (and V) as warpgroup 0's
+      # register A operands (on hardware only: the interpreter keeps them in
+      # SMEM), and warpgroup 0 on registers of its own.
+      "wg1_dv": dataclasses.replace(sm90_backward.DKV_AT_192_128, wg0_dk_columns=0,
+                                    wg1_dv=True),
+      "wg1_dv_wg0_64": dataclasses.replace(sm90_backward.DKV_AT_192_128, wg1_dv=True),
+      "wg1_dv_kv_in_registers": dataclasses.replace(
+          sm90_backward.DKV_AT_192_128, wg0_dk_columns=0, wg1_dv=True,
+          operands_in_registers=True),
+      "wg1_dv_fold_stats": dataclasses.replace(
+          sm90_backward.DKV_AT_192_128, wg0_dk_columns=0, wg1_dv=True,
+          operands_in_registers=True, fold_stats=True),
+      "fold_stats": dataclasses.replace(sm90_backward.DKV_AT_192_128, fold_stats=True),
+      "k_in_registers": dataclasses.replace(sm90_backward.DKV_AT_192_128, k_in_registers=True),
+      "kv_in_registers_wg0_256": dataclasses.replace(
+          sm90_backward.DKV_AT_192_128, wg0_dk_columns=0, operands_in_registers=True,
+          wg0_registers=256, consumer_registers=224),
   }[name]
   return dataclasses.replace(base, dkv=dkv)
 
@@ -46,6 +64,17 @@ CASES = {
     "dv_dk_split_dense_odd_lengths": ("dv_dk_split", False, (75, 93), 2, 1, (93, 41), None),
     "dv_dk_split_causal_gqa_soft_cap": ("dv_dk_split", True, (93, 93), 2, 1, None, 20.0),
     "dv_dk_split_wg0_64_causal_gqa": ("dv_dk_split_wg0_64", True, (93, 93), 2, 1, None, None),
+    "wg1_dv_dense_odd_lengths": ("wg1_dv", False, (75, 93), 2, 1, (93, 41), None),
+    "wg1_dv_wg0_64_causal_gqa_soft_cap": ("wg1_dv_wg0_64", True, (93, 93), 2, 1, None, 20.0),
+    "wg1_dv_kv_in_registers_causal": ("wg1_dv_kv_in_registers", True, (93, 93), 1, 1, None,
+                                      None),
+    "wg1_dv_fold_stats_causal_gqa": ("wg1_dv_fold_stats", True, (93, 93), 2, 1, None, None),
+    "wg1_dv_fold_stats_dense_soft_cap": ("wg1_dv_fold_stats", False, (75, 93), 2, 1, (93, 41),
+                                         20.0),
+    "fold_stats_causal": ("fold_stats", True, (93, 93), 1, 1, None, None),
+    "k_in_registers_dense": ("k_in_registers", False, (75, 93), 1, 1, (93, 41), None),
+    "kv_in_registers_wg0_256_causal_gqa": ("kv_in_registers_wg0_256", True, (93, 93), 2, 1,
+                                           None, None),
 }
 
 
@@ -58,7 +87,10 @@ def check_gradients(run_interpreted, case):
                        config=_candidate(candidate, CAUSAL if causal else MaskSpec()))
 
 
-@pytest.mark.parametrize("candidate", ["dv_dk_split", "dv_dk_split_wg0_64"])
+@pytest.mark.parametrize("candidate", ["dv_dk_split", "dv_dk_split_wg0_64", "wg1_dv",
+                                       "wg1_dv_wg0_64", "wg1_dv_kv_in_registers",
+                                       "wg1_dv_fold_stats", "fold_stats", "k_in_registers",
+                                       "kv_in_registers_wg0_256"])
 def test_candidates_cross_lower_within_smem(cross_lower, candidate):
   config = _candidate(candidate, CAUSAL)
   q = jax.ShapeDtypeStruct((1, 1024, 2, D), jnp.bfloat16)

@@ -81,7 +81,7 @@ class DkvConfig:
   consumer_registers: int = 232
   # --- which algorithm runs ---
   dk_dv: str = "fused"
-  # "fused" scheme: load a block's lse and delta from SMEM before waiting for
+  # "fused" and "dv_dk_split" schemes: load a block's lse and delta from SMEM before waiting for
   # its S^T and dP^T GEMMs rather than after (Nsight Compute: the first FFMA
   # of P^T waited on those loads). Holds them in registers across the wait:
   # 32 more per thread at block_q 64.
@@ -116,6 +116,21 @@ class DkvConfig:
   # "dv_dk_split": the dK columns warpgroup 0 keeps beside dV (a multiple of
   # 64, the swizzle tiles' width; 0: warpgroup 1 keeps all of dK).
   wg0_dk_columns: int = 0
+  # K alone in registers as S^T's A operand (`operands_in_registers` keeps
+  # V there too): head_dim / 4 registers per thread. In "dv_dk_split" only
+  # warpgroup 0 computes S^T and dP^T, so only it holds them; there
+  # `operands_in_registers` is taken too. Issue #56's SMEM model of one
+  # 64 x 64 block at 192 / 128: K read by S^T's wgmmas is 24 of the 184 KB
+  # the default kernel moves through SMEM, V 16 KB.
+  k_in_registers: bool = False
+  # "dv_dk_split": warpgroup 1 keeps dV too (P^T through the pds ring, as
+  # "head_dim_split" has it), beside dK's columns past `wg0_dk_columns`;
+  # with wg0_dk_columns=0 warpgroup 0 only computes S^T, dP^T, P^T and dS^T
+  # (640 of a block's 1280 tensor clocks on each warpgroup at 192 / 128).
+  wg1_dv: bool = False
+  # The split schemes: warpgroup 0's registers (0: `consumer_registers`, as
+  # warpgroup 1's); producer + warpgroup 0 + warpgroup 1 must fit the CTA.
+  wg0_registers: int = 0
 
   @property
   def split_consumers(self) -> bool:
@@ -131,16 +146,27 @@ class DkvConfig:
     if self.wg0_dk_columns % 64 or (self.wg0_dk_columns and self.dk_dv != "dv_dk_split"):
       raise ValueError(f"wg0_dk_columns is a multiple of 64 for the 'dv_dk_split' scheme; "
                        f"got {self.wg0_dk_columns} with dk_dv={self.dk_dv!r}")
-    if self.fold_stats and self.split_consumers:
-      raise ValueError(f"fold_stats is a choice of the dK/dV kernels whose consumers own whole "
-                       f"key tiles ('fused' and 'two_passes'); got dk_dv={self.dk_dv!r}: "
-                       f"set fold_stats=False")
-    if self.operands_in_registers and self.split_consumers:
-      raise ValueError(f"operands_in_registers is a choice of the dK/dV kernel of the 'fused' "
-                       f"and 'two_passes' schemes; got dk_dv={self.dk_dv!r}: "
-                       f"set operands_in_registers=False")
-    check_register_split("DkvConfig", self.producer_registers, self.num_consumers,
-                         self.consumer_registers)
+    if (self.fold_stats or self.stats_first) and self.dk_dv == "head_dim_split":
+      raise ValueError(f"fold_stats and stats_first are choices of the dK/dV kernels whose "
+                       f"consumers own whole key tiles ('fused' and 'two_passes') and of "
+                       f"'dv_dk_split' (warpgroup 0's S^T and dP^T); got dk_dv={self.dk_dv!r}: "
+                       f"set them False")
+    if (self.operands_in_registers or self.k_in_registers) and self.dk_dv == "head_dim_split":
+      raise ValueError(f"operands_in_registers and k_in_registers are choices of the 'fused', "
+                       f"'two_passes' and 'dv_dk_split' schemes; got dk_dv={self.dk_dv!r}: "
+                       f"set them False")
+    if self.wg1_dv and self.dk_dv != "dv_dk_split":
+      raise ValueError(f"wg1_dv is a choice of the 'dv_dk_split' scheme; got "
+                       f"dk_dv={self.dk_dv!r}: set wg1_dv=False")
+    if self.wg0_registers and not self.split_consumers:
+      raise ValueError(f"wg0_registers is a choice of the split schemes {SPLIT_SCHEMES}; got "
+                       f"dk_dv={self.dk_dv!r}: set wg0_registers=0")
+    if self.wg0_registers:
+      check_register_split("DkvConfig", self.producer_registers, self.num_consumers - 1,
+                           self.consumer_registers, other=self.wg0_registers)
+    else:
+      check_register_split("DkvConfig", self.producer_registers, self.num_consumers,
+                           self.consumer_registers)
 
 
 def _dk_dv_update(dk, dv, softmax: TileSoftmax, q_tile, do_tile, staging, publish_ds=None):
@@ -213,8 +239,10 @@ class _DkvPass(BackwardStatics):
     d, dv = self.head_dim, self.value_head_dim
     if self.cfg.dk_dv == "head_dim_split":
       return (h * d // 2, d // 2), (h * dv // 2, dv // 2)
-    a = self.cfg.wg0_dk_columns
-    return ((0, a), (0, dv)) if h == 0 else ((a, d - a), (0, 0))
+    a, wg1_dv = self.cfg.wg0_dk_columns, self.cfg.wg1_dv
+    if h == 0:
+      return (0, a), (0, 0 if wg1_dv else dv)
+    return (a, d - a), (0, dv if wg1_dv else 0)
 
   @property
   def with_dk(self) -> bool:
@@ -449,8 +477,9 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
   if not kp.queued:
     bars.consumer_kv(item, wg)
   k_operand, v_operand = k_tile, v_tile  # the A operands of S^T and dP^T
-  if cfg.operands_in_registers and not kp.interpreting:
+  if (cfg.operands_in_registers or cfg.k_in_registers) and not kp.interpreting:
     k_operand = load_operand(k_tile)
+  if cfg.operands_in_registers and not kp.interpreting:
     v_operand = load_operand(v_tile) if kp.with_dk else None
 
   def block_fn(step, qb, acc, *, masked, tile_mods=None, head=None):
@@ -833,7 +862,9 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
   # registers as the dV wgmma's A operand (no P^T tile written or read), and
   # that wgmma runs while dS^T is computed (`_dv_first_then_dk`). The
   # interpreter, which has no register A operands, goes through the P^T ring.
-  p_in_registers = h == 0 and cfg.dk_dv == "dv_dk_split" and not kp.interpreting
+  # (With `wg1_dv` warpgroup 1 reads P^T from the ring.)
+  p_in_registers = (h == 0 and cfg.dk_dv == "dv_dk_split" and not cfg.wg1_dv
+                    and not kp.interpreting)
   lo, hi = work.lo, work.hi
   # Only warpgroup 0 computes P^T and needs the ids.
   block_segments = _key_tile_segments(segments if h == 0 else None, work.batch_idx, work.k_lo,
@@ -847,9 +878,14 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
     ds_tile = smem.ds.at[bars.slot("p_ds_full", step)]
     bars.consumer_q_do(step)
     if h == 0:
+      # ("dv_dk_split" may fold lse2 and delta into the accumulators or load
+      # them first, as the fused kernel; `sm90_backward.choose_mods_config`
+      # folds nothing here.)
       s, dp, lse2, delta = transposed_scores(
-          smem.k, smem.v, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
-          c=c, fold_stats=False, stats_first=False)
+          *operands, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
+          c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
+          needs_raw_scores=(kp.score.needs_raw_scores
+                            or (kp.mods is not None and kp.mods.score_mod is not None)))
       seg = block_segments(slot) if masked else None
       mods = {} if tile_mods is None else dict(mods=tile_mods)
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
@@ -875,8 +911,10 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
                                    acc[1], p_tile, do_tile.at[:, cols_v])
     elif dk_w:  # ("dv_dk_split": warpgroup 1, or 0 without dK columns)
       dk, dv = mma_accumulate_smem(acc[0], ds_tile, q_tile.at[:, cols]), acc[1]
-    else:
+    elif dv_w:
       dk, dv = acc[0], mma_accumulate_smem(acc[1], p_tile, do_tile.at[:, cols_v])
+    else:  # ("dv_dk_split" with wg1_dv: warpgroup 0 keeps nothing)
+      dk, dv = acc
     bars.consumer_q_do_release(step)
     bars.consumer_p_ds_release(step)
     return dk, dv
@@ -898,8 +936,16 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
     return walk_blocks(lo, hi, work.ranges, functools.partial(step_fn, head_step0=head_step0),
                 lambda qb, acc: acc, acc)
 
-  plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+  registers = cfg.wg0_registers if h == 0 and cfg.wg0_registers else cfg.consumer_registers
+  plgpu.set_max_registers(registers, action="increase")
   bars.consumer_kv()
+  # The A operands of S^T and dP^T (warpgroup 0's): SMEM tiles, or in
+  # registers (`k_in_registers`, `operands_in_registers`; not in the
+  # interpreter, which has no register A operands).
+  operands = (smem.k, smem.v)
+  if h == 0 and (cfg.k_in_registers or cfg.operands_in_registers) and not kp.interpreting:
+    operands = (load_operand(smem.k),
+                load_operand(smem.v) if cfg.operands_in_registers else smem.v)
   zero_acc = lambda: (zeros((bk, dk_w)) if dk_w else None,
                       zeros((bk, dv_w)) if dv_w else None)
   if kp.mods is not None and h == 0:

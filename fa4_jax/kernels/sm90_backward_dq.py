@@ -60,6 +60,19 @@ class DqConfig:
   # why it pays at head dim 64 only, `DkvConfig.operands_in_registers`. The
   # interpreter, which has no register A operands, keeps the tiles in SMEM.
   operands_in_registers: bool = False
+  # Q alone in registers (S = Q K^T's A operand; dP = dO V^T keeps reading
+  # dO from SMEM): 48 registers at head dim 192 instead of the 80 of Q and
+  # dO at 192 / 128, for the SMEM reads of S's wgmmas halved (issue #56).
+  q_in_registers: bool = False
+  # Issue the next key block's S and dP wgmmas right behind this block's dQ
+  # wgmma, before waiting for it (`_walk_issue_ahead`): the consumer's tensor
+  # work stays queued across the dQ wait instead of the wait, the slot's
+  # release and the next block's issue running with its wgmmas drained
+  # (the SASS of the 192 / 128 kernel: `WARPGROUP.DEPBAR.LE gsb0, 0x0` after
+  # dQ's last HGMMA, then the release and the loop's back edge). S and dP
+  # of the next block then live across the step (64 more registers at
+  # 64-key tiles). Not with a score_mod / mask_mod (their block lists).
+  issue_ahead: bool = False
 
   def __post_init__(self):
     check_register_split("DqConfig", self.producer_registers, self.num_consumers,
@@ -290,6 +303,8 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
   q_operand, do_operand = q_tile, do_tile  # the A operands of S and dP
   if cfg.operands_in_registers and not kd.interpreting:
     q_operand, do_operand = load_operand(q_tile), load_operand(do_tile)
+  elif cfg.q_in_registers and not kd.interpreting:
+    q_operand = load_operand(q_tile)
   lse2 = plgpu.load(smem.lse.at[wg], layout=row_layout)
   if kd.with_delta:
     # delta of this consumer's rows, for itself and (through GMEM) for
@@ -335,7 +350,93 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
     bars.consumer_kv_release(j - lo)
     return dq
 
+  if cfg.issue_ahead:
+    def tiles(step):
+      slot = bars.slot("kv_full", step)
+      return slot, smem.k_ring.at[slot], smem.v_ring.at[slot]
+
+    def ds_of(j, s, dp, *, masked):
+      slot, _, _ = tiles(j - lo)
+      seg = block_segments(slot) if masked else None
+      ds = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+                      kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
+                      dp=dp, delta=delta).grad()
+      return ds.astype(kd.dtype)
+
+    def scores_of(step):
+      """S and dP of the block at ring position `step`, once its tiles are in."""
+      _, k_tile, v_tile = tiles(step)
+      bars.consumer_kv(step)
+      return mma_pair(q_operand, k_tile.transpose((1, 0)), do_operand,
+                      v_tile.transpose((1, 0)), (bq, bk))
+
+    def ahead_fn(j, carry, *, masked):
+      """Block j's dS and dQ wgmma, then block j + 1's S and dP behind it."""
+      dq, s, dp = carry
+      ds = ds_of(j, s, dp, masked=masked)
+      step = j - lo
+      _, k_tile, _ = tiles(step)
+      if kd.interpreting:  # no run_state there: the same order, one GEMM at a time
+        dq = mma_accumulate(dq, ds, k_tile, stage)
+        bars.consumer_kv_release(step)
+        return (dq, *scores_of(step + 1))
+      _, k_next, v_next = tiles(step + 1)
+
+      def scoped(refs):
+        s_ref, dp_ref = refs
+
+        def in_place(dq_ref):
+          plgpu.wgmma(dq_ref, ds, k_tile)
+          bars.consumer_kv(step + 1)
+          plgpu.wgmma(s_ref, q_operand, k_next.transpose((1, 0)))
+          plgpu.wgmma(dp_ref, do_operand, v_next.transpose((1, 0)))
+          plgpu.wgmma_wait(2)  # dQ's group has completed: slot j is read
+          bars.consumer_kv_release(step)
+
+        new_dq = pl.run_state(in_place)(plgpu.ACC.init(dq))
+        return new_dq, s_ref[...], dp_ref[...]
+
+      return pl.run_scoped(scoped, (plgpu.ACC((bq, bk), jnp.float32),
+                                    plgpu.ACC((bq, bk), jnp.float32)))
+
+    def last_fn(j, carry, *, masked):
+      dq, s, dp = carry
+      ds = ds_of(j, s, dp, masked=masked)
+      _, k_tile, _ = tiles(j - lo)
+      dq = mma_accumulate(dq, ds, k_tile, stage)
+      bars.consumer_kv_release(j - lo)
+      return dq
+
+    return _walk_issue_ahead(lo, hi, own, scores_of, ahead_fn, last_fn, skip_fn,
+                             zeros((bq, kd.head_dim))), q_lo
+
   return walk_blocks(lo, hi, own, step_fn, skip_fn, zeros((bq, kd.head_dim))), q_lo
+
+
+def _walk_issue_ahead(lo, hi, own: TileRanges, scores_of, ahead_fn, last_fn, skip_fn, dq):
+  """`walk_blocks` for `DqConfig.issue_ahead`: the consumer's own blocks
+  [own.lo, own.hi) carry (dQ, S, dP), S and dP those of the block about to
+  be differentiated, issued during the previous step (`ahead_fn`) or before
+  the first (`scores_of`); the last own block issues nothing ahead
+  (`last_fn`, masked or not as it falls). Blocks of the CTA's range outside
+  its own only keep the ring going (`skip_fn`), as in `walk_blocks`."""
+  fori = lambda a, b, body, carry: lax.fori_loop(a, jnp.maximum(a, b), body, carry)
+  dq = fori(lo, own.lo, skip_fn, dq)
+
+  def own_blocks(dq):
+    last = own.hi - 1
+    carry = (dq, *scores_of(own.lo - lo))
+    carry = fori(own.lo, jnp.minimum(own.full_lo, last),
+                 functools.partial(ahead_fn, masked=True), carry)
+    carry = fori(own.full_lo, jnp.minimum(own.full_hi, last),
+                 functools.partial(ahead_fn, masked=False), carry)
+    carry = fori(own.full_hi, last, functools.partial(ahead_fn, masked=True), carry)
+    last_is_full = (own.full_lo <= last) & (last < own.full_hi)
+    return lax.cond(last_is_full, functools.partial(last_fn, last, masked=False),
+                    functools.partial(last_fn, last, masked=True), carry)
+
+  dq = lax.cond(own.lo < own.hi, own_blocks, lambda dq: dq, dq)
+  return fori(own.hi, hi, skip_fn, dq)
 
 
 def _dq_epilogue(kd: _DqKernel, wg, dq, q_lo, smem: _DqSmem, dq_ref, work: _QueryTileWork):
