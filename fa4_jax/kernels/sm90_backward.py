@@ -177,6 +177,13 @@ THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = False
 # (2026-12-07, bench_mod_costs.py --backward, MOD_COSTS_FOLD_MASK=1 / 0):
 # dK/dV 0.451-0.456 ms against 0.455-0.464, the gradient 2.532 against 2.547.
 FOLD_STATS_WITH_MASK_MOD_ALONE = True
+# `choose_mods_config`: calls with a score_mod start the S^T (dK/dV) and S
+# (dQ) accumulators at an affine score_mod's terms and lse2, and the dQ
+# kernel's dP at -delta (`DkvConfig.fold_affine`, `DqConfig.fold_affine`;
+# mods not in the affine form, or with a soft-cap, ignore it). A switch for
+# benchmarks (bench_mod_costs.py's MOD_COSTS_FOLD_AFFINE=0, or a row's
+# " no-affine-fold" suffix: as before).
+FOLD_AFFINE_SCORE_MOD = True
 # `_kernel_mods`: with a score_mod or mask_mod, both kernels' CTAs take
 # their tiles longest list first (`backward_inputs.heavy_tiles_first`, an
 # operand built from the lists' counts) instead of in the grid's order.
@@ -379,8 +386,10 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
                          value_head_dim=value_head_dim)
   fold = FOLD_DELTA_WITH_SCORE_MOD if score_mod else FOLD_STATS_WITH_MASK_MOD_ALONE
   fold = fold and not config.dkv.split_consumers
-  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold)
-  dq = config.dq
+  fold_affine = score_mod and FOLD_AFFINE_SCORE_MOD
+  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold,
+                            fold_affine=fold_affine)
+  dq = dataclasses.replace(config.dq, fold_affine=fold_affine)
   keep_dq = (THREE_DQ_CONSUMERS_WITH_MASK_MOD if mask_mod
              else THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD)
   if dq.num_consumers != 2 and not keep_dq:

@@ -30,8 +30,10 @@ from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, NO_CHAIN, RING, WAIT, Barrier,
                                      BarrierTable, check_register_split, sequence_lengths)
 from fa4_jax.kernels.backward_walk import KernelRefs, narrow
-from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, launch,
-                                                  load_operand, mma_accumulate, mma_pair,
+from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs,
+                                                  affine_scores_start, folds_affine, launch,
+                                                  load_operand, mma_accumulate,
+                                                  mma_accumulate_pair, mma_pair,
                                                   walk_block_list, zeros)
 from fa4_jax.kernels.sm90_tiles import element_loader, id_ring, load_ids, swizzle_bytes
 from fa4_jax.kernels.tiles import smem_tile
@@ -60,6 +62,11 @@ class DqConfig:
   # why it pays at head dim 64 only, `DkvConfig.operands_in_registers`. The
   # interpreter, which has no register A operands, keeps the tiles in SMEM.
   operands_in_registers: bool = False
+  # A score_mod in the affine form with a fixed a and no soft-cap: start the
+  # S accumulator at (R2 - lse2 + c C) / k (a vector along the rows plus one
+  # along the columns) and the dP one at -delta, so that P = exp2(k * acc)
+  # costs one multiply a score and dS = P * dP (`DkvConfig.fold_affine`).
+  fold_affine: bool = False
 
   def __post_init__(self):
     check_register_split("DqConfig", self.producer_registers, self.num_consumers,
@@ -306,18 +313,34 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
   if kd.mods is not None:
     tile_mods = mod_refs.on_rows(kd.mods, work.batch_idx, work.head, element_loader())
 
+  # An affine score_mod (`DqConfig.fold_affine`): S starts at its terms and
+  # lse2, dP at -delta (`affine_scores_start`).
+  fold_affine = (cfg.fold_affine and tile_mods is not None
+                 and folds_affine(tile_mods.score_mod, kd.score))
+
   def block_fn(step, j, dq, *, masked):
     """Key block j at ring position `step`."""
     slot = bars.slot("kv_full", step)
     k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
-    bars.consumer_kv(step)
-    s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
-                     do_operand, v_tile.transpose((1, 0)), (bq, bk))
-    seg = block_segments(slot) if masked else None
     mods = {} if tile_mods is None else dict(mods=tile_mods)
-    ds = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+    stats = dict(lse2=lse2, delta=delta)
+    if fold_affine:
+      start, mods["affine_k"] = affine_scores_start(
+          tile_mods, kd.score, lse2, shape=(bq, bk), q_lo=q_lo, k_lo=j * bk,
+          keys_along_rows=False)
+      stats = dict(lse2=None, delta=None)
+    bars.consumer_kv(step)
+    if fold_affine:
+      s, dp = mma_accumulate_pair(start, q_operand, k_tile.transpose((1, 0)),
+                                  lax.broadcast_in_dim(-delta, (bq, bk), [0]),
+                                  do_operand, v_tile.transpose((1, 0)))
+    else:
+      s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
+                       do_operand, v_tile.transpose((1, 0)), (bq, bk))
+    seg = block_segments(slot) if masked else None
+    ds = kd.softmax(s, stats["lse2"], q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
                     kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
-                    dp=dp, delta=delta, **mods).grad()
+                    dp=dp, delta=stats["delta"], **mods).grad()
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
     bars.consumer_kv_release(step)
     return dq
