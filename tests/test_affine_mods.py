@@ -341,9 +341,9 @@ def test_a_key_table_with_lengths_gets_its_gradient(run_interpreted):
 FAR = 300_000  # positions moved this far, times 0.01
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,scores", [(False, True), (True, True), (True, False)])
 def test_the_backward_folds_large_key_and_row_terms_into_its_accumulators(
-    causal, monkeypatch, run_interpreted):
+    causal, scores, monkeypatch, run_interpreted):
   # GQA 2/1 with key lengths (dense) or causal: PARTIAL and FULL steps;
   # ALiBi beside the large terms; each kernel starts S (S^T) at the form's
   # terms. The slopes' gradient is checked under the causal mask: dense,
@@ -356,6 +356,8 @@ def test_the_backward_folds_large_key_and_row_terms_into_its_accumulators(
   if causal:  # square, without lengths (jax.nn's causal mask is top-left)
     t, lengths = s, None
   q, k, v, dout = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=6)
+  from fa4_jax.kernels import sm90_backward
+  monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORES", scores)  # False: dQ's delta alone
   started = []
   init = mod_tiles.affine_scores_init
   monkeypatch.setattr(mod_tiles, "affine_scores_init",
@@ -384,9 +386,29 @@ def test_the_backward_folds_large_key_and_row_terms_into_its_accumulators(
 
   got = run_interpreted(grads(ours), q, k, v, SLOPES[:n])
   want = grads(reference)(q, k, v, SLOPES[:n])
-  assert sorted(set(started)) == [0, 1]  # the dQ kernel (queries along rows) and dK/dV
+  # the dQ kernel (queries along rows) and dK/dV
+  assert sorted(set(started)) == ([0, 1] if scores else [])
   names = ("dq", "dk", "dv", "dslopes") if causal else ("dq", "dk", "dv")
   _check_grads(got, want, names)
+
+
+def test_the_backward_of_a_mod_without_key_terms_folds_delta_alone(run_interpreted):
+  # 2 s + R(q) + 0.5: no key term, so S starts at 0 (the logits are the raw
+  # S) and only the dQ kernel's dP starts at -delta; factor 2 in the scale.
+  b, t, s, n, kv_heads, d = 1, 72, 136, 2, 1, 64
+  q, k, v, dout = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=7)
+
+  def grads(attend):
+    def loss(q, k, v):
+      return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+  mod = lambda s_, bb, h, qi, kv: 2 * s_ + ROW_BIAS[jnp.minimum(qi, 63)] + 0.5
+  ours = lambda q, k, v: fa4_jax.attention(q, k, v, score_mod=mod, implementation="sm90")
+  bias = jnp.broadcast_to(ROW_BIAS[jnp.minimum(jnp.arange(t), 63)][:, None] + 0.5, (1, n, t, s))
+  reference = lambda q, k, v: _jax_nn(q, k, v, bias, scale=2 * d ** -0.5)
+  _check_grads(run_interpreted(grads(ours), q, k, v), grads(reference)(q, k, v),
+               ("dq", "dk", "dv"))
 
 
 def test_the_affine_fold_is_a_switch_of_the_score_mod_configs(monkeypatch):
@@ -396,9 +418,9 @@ def test_the_affine_fold_is_a_switch_of_the_score_mod_configs(monkeypatch):
     monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORE_MOD", switch)
     config = sm90_backward.choose_mods_config(128, MaskSpec(right=0), score_mod=True,
                                               mask_mod=False)
-    assert config.dkv.fold_affine == config.dq.fold_affine == switch
+    assert config.dkv.fold_affine == config.dq.fold_affine == config.dq.fold_delta == switch
   config = sm90_backward.choose_mods_config(128, MaskSpec(), score_mod=False)
-  assert not config.dkv.fold_affine and not config.dq.fold_affine
+  assert not (config.dkv.fold_affine or config.dq.fold_affine or config.dq.fold_delta)
   mod = lambda fn: mod_functions.trace(fn, "score_mod")[0]
   alibi = mod(AFFINE["alibi"][0])
   assert folds_affine(alibi, ScoreFunction(0.125))

@@ -14,7 +14,7 @@ spill accesses in loops (`tools/sass_loops.py`), and every loop past an
 mbarrier spin that holds a wgmma: its size and its counts of `OPS`.
 
     python3 tools/affine_sass_counts.py --nvdisasm PATH [--variants alibi "alibi causal"] \\
-        [--switch off on] [--seq 4096] [--keep DIR]
+        [--switch off delta on] [--seq 4096] [--keep DIR]
 
 Variants: plain, plain causal, alibi, alibi causal, add const (B2 S4096 H16
 D128 bf16, `bench_mod_costs.py`'s mods).
@@ -91,8 +91,9 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
   ap.add_argument("--variants", nargs="+", default=["alibi", "alibi causal"])
-  ap.add_argument("--switch", nargs="+", default=["off", "on"], choices=("off", "on"),
-                  help="sm90_backward.FOLD_AFFINE_SCORE_MOD")
+  ap.add_argument("--switch", nargs="+", default=["off", "on"], choices=("off", "delta", "on"),
+                  help="sm90_backward.FOLD_AFFINE_SCORE_MOD (delta: on, with "
+                       "FOLD_AFFINE_SCORES off: dQ's dP from -delta alone)")
   ap.add_argument("--seq", type=int, default=4096)
   ap.add_argument("--keep", default=None, help="write each kernel's PTX and SASS here")
   args = ap.parse_args()
@@ -107,7 +108,8 @@ def main() -> int:
   print("ops per loop:", ", ".join(OPS), flush=True)
   for variant in args.variants:
     for switch in args.switch:
-      sm90_backward.FOLD_AFFINE_SCORE_MOD = switch == "on"
+      sm90_backward.FOLD_AFFINE_SCORE_MOD = switch != "off"
+      sm90_backward.FOLD_AFFINE_SCORES = switch == "on"
       fn, specs = call(variant, args.seq)
       print(f"\n## {variant}, B2 S{args.seq} H16 D128, fold_affine {switch}", flush=True)
       with tempfile.TemporaryDirectory() as tmp:

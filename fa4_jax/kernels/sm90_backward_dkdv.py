@@ -472,14 +472,16 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
 
     # With a score_mod the softmax takes the raw S^T and lse2
     # (`_tile_softmax_with_mods`): `fold_stats` folds delta alone. An affine
-    # one with `fold_affine` starts S^T at its terms and lse2 instead, on
-    # unmasked steps only: on masked ones the positions' vectors then lived
-    # across the wait beside the mask's (local ptxas, ALiBi causal B2 S4096
-    # H16 D128: the PARTIAL loop 564 -> 697 instructions, 6 spill accesses
-    # in it; 564 and 1 unfolded).
+    # one with a key term C and `fold_affine` starts S^T at its terms and
+    # lse2 instead, on unmasked steps only: on masked ones the positions'
+    # vectors then lived across the wait beside the mask's (local ptxas,
+    # ALiBi causal B2 S4096 H16 D128: the PARTIAL loop 564 -> 697
+    # instructions, 6 spill accesses in it; 564 and 1 unfolded). Without C
+    # the start would cost a write per element for nothing (`s + 0.5`: the
+    # FULL loop 329 -> 361 instructions).
     mods = {} if tile_mods is None else dict(mods=tile_mods)
     start, affine = None, {}
-    if (cfg.fold_affine and tile_mods is not None and not masked
+    if (cfg.fold_affine and tile_mods is not None and not masked and kp.score.has_score_mod
         and folds_affine(tile_mods.score_mod, kp.score)):
       def start(lse2):
         v, affine["affine_k"] = affine_scores_start(

@@ -62,10 +62,14 @@ class DqConfig:
   # why it pays at head dim 64 only, `DkvConfig.operands_in_registers`. The
   # interpreter, which has no register A operands, keeps the tiles in SMEM.
   operands_in_registers: bool = False
-  # A score_mod in the affine form with a fixed a and no soft-cap: start the
-  # S accumulator at (R2 - lse2 + c C) / k (a vector along the rows plus one
-  # along the columns) and the dP one at -delta, so that P = exp2(k * acc)
-  # costs one multiply a score and dS = P * dP (`DkvConfig.fold_affine`).
+  # A score_mod in the affine form with a fixed a and no soft-cap
+  # (`mod_tiles.folds_affine`): `fold_delta` starts the dP accumulator at
+  # -delta (dS = P * dP: the mods' dQ kernel zeroed dP register by register
+  # anyway), `fold_affine` the S one, where the mod has a key term C, at
+  # (R2 - lse2 + c C) / k (a vector along the rows plus one along the
+  # columns), so that P = exp2(k * acc) costs one multiply a score
+  # (`DkvConfig.fold_affine`).
+  fold_delta: bool = False
   fold_affine: bool = False
 
   def __post_init__(self):
@@ -313,22 +317,29 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
   if kd.mods is not None:
     tile_mods = mod_refs.on_rows(kd.mods, work.batch_idx, work.head, element_loader())
 
-  # An affine score_mod (`DqConfig.fold_affine`): S starts at its terms and
-  # lse2, dP at -delta (`affine_scores_start`).
-  fold_affine = (cfg.fold_affine and tile_mods is not None
+  # An affine score_mod (`DqConfig.fold_delta`, `fold_affine`): dP starts at
+  # -delta, and where the mod has a key term C, S at its terms and lse2
+  # (`affine_scores_start`). Without C the logits are the raw S, whose
+  # softmax takes lse2 - R in its one FFMA as it is: a start would cost a
+  # write per element for nothing (local ptxas, `s + 0.5`: 293 instructions
+  # in the FULL loop with the start, as without the fold).
+  fold_affine = ((cfg.fold_delta or cfg.fold_affine) and tile_mods is not None
                  and folds_affine(tile_mods.score_mod, kd.score))
+  start_scores = fold_affine and cfg.fold_affine and kd.score.has_score_mod
 
   def block_fn(step, j, dq, *, masked):
     """Key block j at ring position `step`."""
     slot = bars.slot("kv_full", step)
     k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
     mods = {} if tile_mods is None else dict(mods=tile_mods)
-    stats = dict(lse2=lse2, delta=delta)
-    if fold_affine:
+    stats = dict(lse2=lse2, delta=None if fold_affine else delta)
+    if start_scores:
       start, mods["affine_k"] = affine_scores_start(
           tile_mods, kd.score, lse2, shape=(bq, bk), q_lo=q_lo, k_lo=j * bk,
           keys_along_rows=False)
-      stats = dict(lse2=None, delta=None)
+      stats["lse2"] = None
+    elif fold_affine:
+      start = zeros((bq, bk))
     bars.consumer_kv(step)
     if fold_affine:
       s, dp = mma_accumulate_pair(start, q_operand, k_tile.transpose((1, 0)),
