@@ -16,6 +16,11 @@ MOD_COSTS_HEAVY_FIRST=1: the backward kernels' CTAs take their tiles longest blo
 first (`sm90_backward.HEAVY_TILES_FIRST_WITH_MODS`); =both: every mask_mod row twice in
 one process, the second named "<row> heavy-first" with the switch on, the third
 "<row> heavy-first dq3" with `THREE_DQ_CONSUMERS_WITH_MASK_MOD` on as well.
+MOD_COSTS_FOLD_AFFINE=0: an affine score_mod's backward kernels form t = s * scale + C per
+score as before instead of starting S^T / S at the form's terms and lse2
+(`sm90_backward.FOLD_AFFINE_SCORE_MOD`); =delta: only the dQ kernel's dP starts at -delta
+(`FOLD_AFFINE_SCORES` off); =both: every score_mod row twice in one process, the second
+named "<row> no-affine-fold" with the switch off; =all: also "<row> delta-only".
 MOD_COSTS_SEQ: the sequence length (default 4096).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
@@ -60,21 +65,29 @@ if hasattr(sm90_backward, "FOLD_STATS_WITH_MASK_MOD_ALONE"):
 # MOD_COSTS_HEAVY_FIRST=1: the backward's CTAs take the longest block lists first; =both:
 # each mask_mod row also as "<row> heavy-first" (the switch set while it is traced).
 _HEAVY = os.environ.get("MOD_COSTS_HEAVY_FIRST", "0")
+# MOD_COSTS_FOLD_AFFINE=0: an affine score_mod's backward forms t per score as before
+# (`sm90_backward.FOLD_AFFINE_SCORE_MOD` off); =delta: dQ's dP from -delta alone
+# (`FOLD_AFFINE_SCORES` off); =both: each score_mod row also as "<row> no-affine-fold"
+# (the switch off while it is traced); =all: also "<row> delta-only".
+_AFFINE = os.environ.get("MOD_COSTS_FOLD_AFFINE", "1")
 import contextlib
 @contextlib.contextmanager
 def switches(name):
-  """The module switches of row `name` while its call is traced."""
-  if not hasattr(sm90_backward, "HEAVY_TILES_FIRST_WITH_MODS"):
-    yield
-    return
-  saved = sm90_backward.HEAVY_TILES_FIRST_WITH_MODS, sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD
-  sm90_backward.HEAVY_TILES_FIRST_WITH_MODS = _HEAVY == "1" or " heavy-first" in name
-  sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD = name.endswith(" dq3")
+  """The module switches of row `name` while its call is traced (those the tree has)."""
+  saved = {}
+  def put(attr, value):
+    if hasattr(sm90_backward, attr):
+      saved[attr] = getattr(sm90_backward, attr)
+      setattr(sm90_backward, attr, value)
+  put("HEAVY_TILES_FIRST_WITH_MODS", _HEAVY == "1" or " heavy-first" in name)
+  put("THREE_DQ_CONSUMERS_WITH_MASK_MOD", name.endswith(" dq3"))
+  put("FOLD_AFFINE_SCORE_MOD", _AFFINE != "0" and " no-affine-fold" not in name)
+  put("FOLD_AFFINE_SCORES", _AFFINE != "delta" and " delta-only" not in name)
   try:
     yield
   finally:
-    (sm90_backward.HEAVY_TILES_FIRST_WITH_MODS,
-     sm90_backward.THREE_DQ_CONSUMERS_WITH_MASK_MOD) = saved
+    for attr, value in saved.items():
+      setattr(sm90_backward, attr, value)
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
@@ -108,6 +121,10 @@ MODS = {
 if _HEAVY == "both":
   MODS.update({n + suffix: m for suffix in (" heavy-first", " heavy-first dq3")
                for n, m in list(MODS.items()) if len(m) > 2})
+if _AFFINE in ("both", "all"):
+  MODS.update({n + suffix: m for suffix in ((" no-affine-fold",) if _AFFINE == "both" else
+                                            (" no-affine-fold", " delta-only"))
+               for n, m in list(MODS.items()) if m[1] is not None})
 keys = jax.random.split(jax.random.PRNGKey(0), 3)
 q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, H, D), jnp.bfloat16)
@@ -162,7 +179,7 @@ def main():
   wants = {}  # the XLA path's, once per variant (a switch changes our kernels only)
   for name in ns["MODS"]:  # max |kernel - XLA path| (bf16 values of unit scale)
     args = (ns["q"], ns["k"], ns["v"])
-    base = name.split(" heavy-first")[0]
+    base = name.split(" heavy-first")[0].split(" no-affine-fold")[0].split(" delta-only")[0]
     if base not in wants:
       wants[base] = timed_fn(base, "xla")(*args)
     got, want = fns[name](*args), wants[base]

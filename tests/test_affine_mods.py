@@ -334,6 +334,102 @@ def test_a_key_table_with_lengths_gets_its_gradient(run_interpreted):
   _check_grads(got, want, ("dq", "dk", "dv", "dtable"))
 
 
+# Key and query terms each near +-3000 (natural units: 24000 in raw-score
+# units at d 64) whose sum stays moderate, beside ALiBi: the backward's
+# accumulators start at C / m + (R2 - lse2) / k (`DkvConfig.fold_affine`),
+# two large numbers that cancel where P matters.
+FAR = 300_000  # positions moved this far, times 0.01
+
+
+@pytest.mark.parametrize("causal,scores", [(False, True), (True, True), (True, False)])
+def test_the_backward_folds_large_key_and_row_terms_into_its_accumulators(
+    causal, scores, monkeypatch, run_interpreted):
+  # GQA 2/1 with key lengths (dense) or causal: PARTIAL and FULL steps;
+  # ALiBi beside the large terms; each kernel starts S (S^T) at the form's
+  # terms. The slopes' gradient is checked under the causal mask: dense,
+  # where the last keys dominate every row, it is a sum of dS * (k - q)
+  # whose terms cancel, and the XLA path's own bf16 gradient is off by
+  # tens of percent with or without the fold (the notes, "The ALiBi
+  # backward's registers").
+  b, t, s, n, kv_heads, d = 1, 72, 136, 2, 1, 64
+  lengths = jnp.asarray([101], jnp.int32)
+  if causal:  # square, without lengths (jax.nn's causal mask is top-left)
+    t, lengths = s, None
+  q, k, v, dout = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=6)
+  from fa4_jax.kernels import sm90_backward
+  monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORES", scores)  # False: dQ's delta alone
+  started = []
+  init = mod_tiles.affine_scores_init
+  monkeypatch.setattr(mod_tiles, "affine_scores_init",
+                      lambda *a, **kw: started.append(kw["query_axis"]) or init(*a, **kw))
+
+  def grads(attend):
+    def loss(q, k, v, slopes):
+      out = attend(q, k, v, slopes)
+      return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+  def ours(q, k, v, slopes):
+    def mod(s_, bb, h, qi, kv):
+      alibi = slopes[h] * (kv - qi).astype(jnp.float32)
+      far = 0.01 * (kv + FAR).astype(jnp.float32) - 0.01 * (qi + FAR).astype(jnp.float32)
+      return s_ + alibi + far
+    return fa4_jax.attention(q, k, v, is_causal=causal, key_value_seq_lengths=lengths,
+                             score_mod=mod, implementation="sm90")
+
+  def reference(q, k, v, slopes):
+    rel = (jnp.arange(s)[None, :] - jnp.arange(t)[:, None]).astype(jnp.float32)
+    far = (0.01 * (jnp.arange(s) + FAR).astype(jnp.float32)[None, :]
+           - 0.01 * (jnp.arange(t) + FAR).astype(jnp.float32)[:, None])
+    bias = slopes[None, :, None, None] * rel + far
+    return _jax_nn(q, k, v, bias, is_causal=causal, key_value_seq_lengths=lengths)
+
+  got = run_interpreted(grads(ours), q, k, v, SLOPES[:n])
+  want = grads(reference)(q, k, v, SLOPES[:n])
+  # the dQ kernel (queries along rows) and dK/dV
+  assert sorted(set(started)) == ([0, 1] if scores else [])
+  names = ("dq", "dk", "dv", "dslopes") if causal else ("dq", "dk", "dv")
+  _check_grads(got, want, names)
+
+
+def test_the_backward_of_a_mod_without_key_terms_folds_delta_alone(run_interpreted):
+  # 2 s + R(q) + 0.5: no key term, so S starts at 0 (the logits are the raw
+  # S) and only the dQ kernel's dP starts at -delta; factor 2 in the scale.
+  b, t, s, n, kv_heads, d = 1, 72, 136, 2, 1, 64
+  q, k, v, dout = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=7)
+
+  def grads(attend):
+    def loss(q, k, v):
+      return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+  mod = lambda s_, bb, h, qi, kv: 2 * s_ + ROW_BIAS[jnp.minimum(qi, 63)] + 0.5
+  ours = lambda q, k, v: fa4_jax.attention(q, k, v, score_mod=mod, implementation="sm90")
+  bias = jnp.broadcast_to(ROW_BIAS[jnp.minimum(jnp.arange(t), 63)][:, None] + 0.5, (1, n, t, s))
+  reference = lambda q, k, v: _jax_nn(q, k, v, bias, scale=2 * d ** -0.5)
+  _check_grads(run_interpreted(grads(ours), q, k, v), grads(reference)(q, k, v),
+               ("dq", "dk", "dv"))
+
+
+def test_the_affine_fold_is_a_switch_of_the_score_mod_configs(monkeypatch):
+  from fa4_jax.kernels import sm90_backward
+  from fa4_jax.kernels.mod_tiles import folds_affine
+  for switch in (True, False):
+    monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORE_MOD", switch)
+    config = sm90_backward.choose_mods_config(128, MaskSpec(right=0), score_mod=True,
+                                              mask_mod=False)
+    assert config.dkv.fold_affine == config.dq.fold_affine == config.dq.fold_delta == switch
+  config = sm90_backward.choose_mods_config(128, MaskSpec(), score_mod=False)
+  assert not (config.dkv.fold_affine or config.dq.fold_affine or config.dq.fold_delta)
+  mod = lambda fn: mod_functions.trace(fn, "score_mod")[0]
+  alibi = mod(AFFINE["alibi"][0])
+  assert folds_affine(alibi, ScoreFunction(0.125))
+  assert not folds_affine(alibi, ScoreFunction(0.125, cap=30.0))  # the tanh needs the raw S
+  assert not folds_affine(mod(lambda s, b, h, q, k: s * SLOPES[h]), ScoreFunction(0.125))
+  assert not folds_affine(mod(lambda s, b, h, q, k: s * s), ScoreFunction(0.125))
+  assert not folds_affine(None, ScoreFunction(0.125))
+
+
 def test_a_row_bias_and_a_constant_with_sinks_keep_the_lse(run_interpreted):
   # No key terms: raw logits, twice the scale in the exp2 constant, and
   # R + 0.5 in the rows' running max, which starts at the sink.

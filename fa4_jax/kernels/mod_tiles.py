@@ -116,6 +116,53 @@ def affine_logits(score_fn, s, q_idx, kv_idx, *, score: scores.ScoreFunction, sc
   return t, rest.vector if isinstance(rest, mod_functions.Along) else rest, slope
 
 
+def folds_affine(score_mod, score: scores.ScoreFunction) -> bool:
+  """Whether a backward kernel can start its S (S^T) accumulator at the
+  affine form's terms and lse2 (`affine_scores_init`): `score_mod` is
+  a * x + R(q_idx) + C(kv_idx) with a fixed a (`mod_functions.affine_form`)
+  and no soft-cap's tanh needs the raw scores."""
+  if score_mod is None or score.cap is not None:
+    return False
+  form = mod_functions.affine_form(score_mod)
+  return form is not None and form.factor is not None
+
+
+def affine_scores_init(score_fn, q_idx, kv_idx, lse2, *, score: scores.ScoreFunction,
+                       query_axis: int):
+  """(V, k) such that P = exp2(k * (V + s)) for a raw Q K^T tile s under a
+  score_mod that `folds_affine` admits, for a kernel whose `score` is
+  `kernel_score_function`'s: a backward kernel starts its S (S^T) wgmma
+  accumulator at V and forms P with one multiply a score.
+
+  `affine_logits` gives t = s * m + C (m = scale * a; t = s, m = 1, where
+  the mod has no C: the scale is then in c) and P = exp2(c t + R2 - lse2),
+  R2 = R times log2(e) (with the mod's constant). So k = c m and
+  V = C / m + (R2 - lse2) / k: a vector along the keys plus one along the
+  queries (`query_axis`), one add per element. `lse2`: a vector along the
+  queries (+inf on rows that see no key: V = +-inf, k * V = -inf, P = 0).
+
+  Rounding: V + s is what the tensor core accumulates onto V. Where P is
+  not negligible, k (V + s) = log2 P lies in [-~30, 0], so |V| <= |s| +
+  30 / |k| even where C and R2 - lse2 are each large (ALiBi's slope times a
+  distance): the accumulator holds a value of the size of the plain fold's
+  (`DkvConfig.fold_stats`: -lse2 / c). The two vectors are rounded once
+  each before the add (as t and lse2 - R are today): an error of about
+  2 u (|c C| + |R2 - lse2|) in log2 P, u = 2^-24."""
+  factor, key, rest = score_fn.affine_parts(q_idx, kv_idx, query_axis, scores.LOG2_E)
+  assert mod_functions.is_number(factor) and score.cap is None, "not an affine fold"
+  m = score.scale if score.has_score_mod else 1.0
+  k = score.exp2_constant * m
+  if rest is None:
+    queries = -lse2
+  else:
+    queries = (rest.vector if isinstance(rest, mod_functions.Along) else rest) - lse2
+  init = lax.broadcast_in_dim(queries * jnp.float32(1.0 / k), q_idx.shape, [query_axis])
+  if key is not None:  # (has_score_mod: C is there)
+    init = init + lax.broadcast_in_dim(key.vector * jnp.float32(1.0 / m), q_idx.shape,
+                                       [key.axis])
+  return init, k
+
+
 @dataclasses.dataclass(frozen=True)
 class ModStatics:
   """The static part of the mods of a kernel: the traced functions and how
@@ -261,6 +308,12 @@ class TileMods:
     """`affine_logits` of a raw tile `s`, with its slope."""
     return affine_logits(self.score_fn, s, q_idx, kv_idx, score=score, scale=score.scale,
                          query_axis=query_axis, with_slope=True)
+
+  def affine_scores_init(self, q_idx, kv_idx, lse2, *, score: scores.ScoreFunction,
+                         query_axis: int):
+    """`affine_scores_init` of this tile's score_mod."""
+    return affine_scores_init(self.score_fn, q_idx, kv_idx, lse2, score=score,
+                              query_axis=query_axis)
 
   def mask_hook(self):
     """The element mask's `mask_mod` hook (None without a mask_mod)."""

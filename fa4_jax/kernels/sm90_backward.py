@@ -177,6 +177,19 @@ THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD = False
 # (2026-12-07, bench_mod_costs.py --backward, MOD_COSTS_FOLD_MASK=1 / 0):
 # dK/dV 0.451-0.456 ms against 0.455-0.464, the gradient 2.532 against 2.547.
 FOLD_STATS_WITH_MASK_MOD_ALONE = True
+# `choose_mods_config`: calls with a score_mod in the affine form (a fixed
+# a, no soft-cap: `mod_tiles.folds_affine`; others ignore it) start the dQ
+# kernel's dP accumulator at -delta (`DqConfig.fold_delta`) and, with
+# `FOLD_AFFINE_SCORES` and a key term C, the S^T (dK/dV, unmasked steps) and
+# S (dQ) accumulators at the form's terms and lse2 (`DkvConfig.fold_affine`,
+# `DqConfig.fold_affine`). Switches for benchmarks (bench_mod_costs.py's
+# MOD_COSTS_FOLD_AFFINE=0 / delta, rows "<row> no-affine-fold" and
+# "<row> delta-only"). Local ptxas / SASS, B2 S4096 H16 D128, instructions
+# in the FULL key loops: ALiBi dK/dV 381 -> 379 (its 2 spill loads gone),
+# dQ 343 -> 311 (causal 337 -> 303); `s + 0.5` dQ 295 -> 261
+# (docs/performance-notes.md, "The affine form in the backward's accumulators").
+FOLD_AFFINE_SCORE_MOD = True
+FOLD_AFFINE_SCORES = True
 # `_kernel_mods`: with a score_mod or mask_mod, both kernels' CTAs take
 # their tiles longest list first (`backward_inputs.heavy_tiles_first`, an
 # operand built from the lists' counts) instead of in the grid's order.
@@ -379,8 +392,11 @@ def choose_mods_config(head_dim: int, mask: MaskSpec, group: int = 1,
                          value_head_dim=value_head_dim)
   fold = FOLD_DELTA_WITH_SCORE_MOD if score_mod else FOLD_STATS_WITH_MASK_MOD_ALONE
   fold = fold and not config.dkv.split_consumers
-  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold)
-  dq = config.dq
+  fold_delta = score_mod and FOLD_AFFINE_SCORE_MOD
+  fold_affine = fold_delta and FOLD_AFFINE_SCORES
+  dkv = dataclasses.replace(config.dkv, work_queue=False, fold_stats=fold,
+                            fold_affine=fold_affine)
+  dq = dataclasses.replace(config.dq, fold_delta=fold_delta, fold_affine=fold_affine)
   keep_dq = (THREE_DQ_CONSUMERS_WITH_MASK_MOD if mask_mod
              else THREE_DQ_CONSUMERS_WITHOUT_MASK_MOD)
   if dq.num_consumers != 2 and not keep_dq:

@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fa4_jax.interpret import is_interpreting
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.mod_tiles import (BlockList, ModRefs, ModStatics,  # noqa: F401 (shared)
-                                      TileMods, walk_block_list)
+                                      TileMods, folds_affine, walk_block_list)
 from fa4_jax.kernels.sm90_tiles import mod_positions, where_visible
 from fa4_jax.scores import MaskSpec, ScoreFunction
 
@@ -109,7 +109,8 @@ def per_query_tile(x, shape, keys_along_rows: bool):
 
 def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, mask: MaskSpec,
                  c: float, masked: bool, score: ScoreFunction, segments=None, dp=None,
-                 delta=None, mods: "TileMods | None" = None) -> TileSoftmax:
+                 delta=None, mods: "TileMods | None" = None,
+                 affine_k: float | None = None) -> TileSoftmax:
   """P = exp2(c * t - lse2) of one tile (S^T when `keys_along_rows`, as in
   the kernels that own keys; S in the dQ kernel) with t the logits of
   `score` (`ScoreFunction.logits`: s, or tanh(s * scale / cap) with soft-cap;
@@ -142,7 +143,8 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
   have P = 0 and a finite slope, so dS = 0 there.
 
   `mods`: the call's `score_mod` / `mask_mod` on this tile (`TileMods`;
-  `_tile_softmax_with_mods`). `q_lo` and `k_lo`, the tile's first query and
+  `_tile_softmax_with_mods`). `affine_k`: s holds V + S of an affine
+  score_mod (`affine_scores_start`), P = exp2(affine_k * s); lse2 None. `q_lo` and `k_lo`, the tile's first query and
   key, are multiples of its extents along them (every caller's are: block
   indices times block sizes), which the mods' positions rely on
   (`Positions.align`).
@@ -151,7 +153,7 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
     return _tile_softmax_with_mods(
         s, lse2, q_lo=q_lo, k_lo=k_lo, keys_along_rows=keys_along_rows, kv_len=kv_len,
         q_len=q_len, mask=mask, c=c, masked=masked, segments=segments, score=score,
-        dp=dp, delta=delta, mods=mods)
+        dp=dp, delta=delta, mods=mods, affine_k=affine_k)
   t = score.logits(s)
   if score.modifies_logits and dp is not None:
     delta = per_query_tile(delta, s.shape, keys_along_rows)
@@ -185,7 +187,8 @@ def tile_softmax(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len, m
 
 def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_len, q_len,
                             mask: MaskSpec, c: float, masked: bool, segments,
-                            score: ScoreFunction, dp, delta, mods: TileMods) -> TileSoftmax:
+                            score: ScoreFunction, dp, delta, mods: TileMods,
+                            affine_k: float | None = None) -> TileSoftmax:
   """`tile_softmax` with a `score_mod` and/or `mask_mod`, in the forward's
   order: x = scale * s, x = score_mod(x) (with its slope), then the built-in
   modifications (soft-cap: t = tanh(x / cap), slope times 1 - t^2), then the
@@ -197,10 +200,15 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
   (`TileMods.affine`) forms t = s * (scale * a) + C by one FMA (or t = s,
   a and the scale in c) and moves lse2 by R per query, as the forward moved
   its running max (`mod_tiles.affine_logits`); a fixed a is in `scale`, so
-  its slope is 1."""
+  its slope is 1. With `affine_k` the kernel started the accumulator at the
+  form's terms and lse2 (`affine_scores_start`): s holds V + S and
+  P = exp2(affine_k * s), one multiply a score."""
   shape = s.shape
   slope = None
-  if mods.score_mod is not None:
+  if affine_k is not None:
+    assert lse2 is None and mods.affine, "an affine fold without its score_mod"
+    logits2 = s * jnp.float32(affine_k)
+  elif mods.score_mod is not None:
     row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
     q_idx, kv_idx = mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
                                   keys_along_rows=keys_along_rows, bound=mods.position_bound,
@@ -221,7 +229,9 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
   if slope is not None and dp is not None:
     delta = per_query_tile(delta, shape, keys_along_rows)
     dp, delta = scores_grad(slope, dp, delta), None
-  if lse2 is None:  # already in s (`fold_stats`): a mask_mod alone needs no raw S
+  if affine_k is not None:
+    pass  # logits2 above
+  elif lse2 is None:  # already in s (`fold_stats`): a mask_mod alone needs no raw S
     assert mods.score_mod is None, "lse2 cannot be folded into the raw S a score_mod needs"
     logits2 = t * c
   else:
@@ -235,6 +245,21 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
   if slope is not None and dp is None:  # a caller that forms dS itself: w = P * slope
     return TileSoftmax(p, p * slope)
   return TileSoftmax(p, p, dp, delta, keys_along_rows)
+
+
+def affine_scores_start(mods: TileMods, score: ScoreFunction, lse2, *, shape, q_lo, k_lo,
+                        keys_along_rows: bool):
+  """(V, k): the start of a tile's S (S^T when `keys_along_rows`) accumulator
+  under an affine score_mod that `folds_affine` admits, and the factor of
+  P = exp2(k * (V + S)) (`mod_tiles.affine_scores_init`); positions as
+  `_tile_softmax_with_mods` forms them. `lse2`: a vector along the
+  queries."""
+  row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
+  q_idx, kv_idx = mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
+                                keys_along_rows=keys_along_rows, bound=mods.position_bound,
+                                aligned=True)
+  return mods.affine_scores_init(q_idx, kv_idx, lse2, score=score,
+                                 query_axis=1 if keys_along_rows else 0)
 
 
 def mma(a, b, shape):
@@ -333,7 +358,8 @@ def stats_of_slot(lse_ring, delta_ring, slot):
 
 
 def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: float,
-                       fold_stats: bool, stats_first: bool, needs_raw_scores: bool = False):
+                       fold_stats: bool, stats_first: bool, needs_raw_scores: bool = False,
+                       scores_start=None):
   """S^T = K Q^T and, given `v_operand`, dP^T = V dO^T of one step of a
   kernel that owns keys ([keys, queries] tiles), with the statistics the
   softmax needs: (s, dp, lse2, delta), delta broadcast along the keys.
@@ -347,10 +373,27 @@ def transposed_scores(k_operand, v_operand, q_tile, do_tile, load_stats, *, c: f
   and lse2 is loaded after the wait (ptxas, D128 causal
   GQA: 92 spill bytes as without soft-cap; 180 when lse2 was loaded before
   the wait and held across it).
+
+  `scores_start(lse2)`: the S^T accumulator's start, an affine score_mod's
+  terms and lse2 (`affine_scores_start`, `DkvConfig.fold_affine`); lse2 is
+  loaded before the wgmmas and returned None, and with `fold_stats` dP^T
+  starts at -delta as above.
   """
   bk, bq = k_operand.shape[0], q_tile.shape[0]
   along_keys = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
   q_t, do_t = q_tile.transpose((1, 0)), do_tile.transpose((1, 0))
+  if scores_start is not None:
+    fold_delta = fold_stats and v_operand is not None
+    lse2, delta = load_stats(delta=fold_delta)
+    start = scores_start(lse2)
+    if v_operand is None:
+      return mma_accumulate_smem(start, k_operand, q_t), None, None, None
+    dp_start = along_keys(-delta) if fold_delta else zeros((bk, bq))
+    s, dp = mma_accumulate_pair(start, k_operand, q_t, dp_start, v_operand, do_t)
+    if fold_delta:
+      return s, dp, None, None
+    _, delta = load_stats(lse=False)
+    return s, dp, None, (None if delta is None else along_keys(delta))
   if fold_stats and v_operand is not None and needs_raw_scores:
     _, delta = load_stats(lse=False)
     s, dp = mma_accumulate_pair(zeros((bk, bq)), k_operand, q_t,

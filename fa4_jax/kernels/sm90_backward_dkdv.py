@@ -38,7 +38,8 @@ from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, NO_CHAIN, PUBLISH, 
                                      WAIT, Barrier, BarrierTable, Copies, check_register_split)
 from fa4_jax.kernels.schedule import PersistentWork, WorkQueue
 from fa4_jax.kernels.backward_walk import KernelRefs, KeyTileWork, SegmentRefs, narrow
-from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, launch,
+from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs,
+                                                  affine_scores_start, folds_affine, launch,
                                                   load_operand, mma_accumulate, mma_accumulate_smem,
                                                   mma_accumulate_pair, scores_grad,
                                                   stats_of_slot, TileSoftmax, transposed_scores,
@@ -94,6 +95,15 @@ class DkvConfig:
   # subtractions leave the softmax. Rows with lse2 = +inf start at -inf and
   # keep P = 0.
   fold_stats: bool = False
+  # A score_mod in the affine form a * x + R(q_idx) + C(kv_idx) with a fixed
+  # a and no soft-cap (`mod_tiles.affine_scores_init`): start the S^T
+  # accumulator at (c C + R2 - lse2) / k, a vector along the keys plus one
+  # along the queries (one add per element, where the accumulator was zeroed
+  # register by register), so that P^T = exp2(k * acc) costs one multiply a
+  # score, as in the plain kernel, instead of t = s * (scale a) + C and
+  # c t - lse2 (two FMAs) and the subtraction lse2 - R per query. Calls
+  # without such a mod ignore it. (`sm90_backward.FOLD_AFFINE_SCORE_MOD`.)
+  fold_affine: bool = False
   # Keep the tiles a consumer holds for its whole loop, K and V, in
   # registers, as the A operands of its first two GEMMs (S^T = K Q^T,
   # dP^T = V dO^T; not "head_dim_split"), instead of having every wgmma read
@@ -490,15 +500,32 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
     bars.consumer_q_do(step)
 
     # With a score_mod the softmax takes the raw S^T and lse2
-    # (`_tile_softmax_with_mods`): `fold_stats` folds delta alone.
+    # (`_tile_softmax_with_mods`): `fold_stats` folds delta alone. An affine
+    # one with a key term C and `fold_affine` starts S^T at its terms and
+    # lse2 instead, on unmasked steps only: on masked ones the positions'
+    # vectors then lived across the wait beside the mask's (local ptxas,
+    # ALiBi causal B2 S4096 H16 D128: the PARTIAL loop 564 -> 697
+    # instructions, 6 spill accesses in it; 564 and 1 unfolded). Without C
+    # the start would cost a write per element for nothing (`s + 0.5`: the
+    # FULL loop 329 -> 361 instructions).
+    mods = {} if tile_mods is None else dict(mods=tile_mods)
+    start, affine = None, {}
+    if (cfg.fold_affine and tile_mods is not None and not masked and kp.score.has_score_mod
+        and folds_affine(tile_mods.score_mod, kp.score)):
+      def start(lse2):
+        v, affine["affine_k"] = affine_scores_start(
+            tile_mods, kp.score, lse2, shape=(bk, bq), q_lo=qb * bq, k_lo=k_lo,
+            keys_along_rows=True)
+        return v
     s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
         k_operand, v_operand, q_tile, do_tile,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
         needs_raw_scores=(kp.score.needs_raw_scores
-                          or (kp.mods is not None and kp.mods.score_mod is not None)))
+                          or (kp.mods is not None and kp.mods.score_mod is not None)),
+        scores_start=start)
+    mods.update(affine)
     seg = block_segments(slot) if masked else None
-    mods = {} if tile_mods is None else dict(mods=tile_mods)
     softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
                          kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
                          dp=dp, delta=delta, **mods)

@@ -30,8 +30,10 @@ from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, NO_CHAIN, RING, WAIT, Barrier,
                                      BarrierTable, check_register_split, sequence_lengths)
 from fa4_jax.kernels.backward_walk import KernelRefs, narrow
-from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs, launch,
-                                                  load_operand, mma_accumulate, mma_pair,
+from fa4_jax.kernels.sm90_backward_common import (BackwardStatics, ModRefs,
+                                                  affine_scores_start, folds_affine, launch,
+                                                  load_operand, mma_accumulate,
+                                                  mma_accumulate_pair, mma_pair,
                                                   walk_block_list, zeros)
 from fa4_jax.kernels.sm90_tiles import element_loader, id_ring, load_ids, swizzle_bytes
 from fa4_jax.kernels.tiles import smem_tile
@@ -73,6 +75,15 @@ class DqConfig:
   # of the next block then live across the step (64 more registers at
   # 64-key tiles). Not with a score_mod / mask_mod (their block lists).
   issue_ahead: bool = False
+  # A score_mod in the affine form with a fixed a and no soft-cap
+  # (`mod_tiles.folds_affine`): `fold_delta` starts the dP accumulator at
+  # -delta (dS = P * dP: the mods' dQ kernel zeroed dP register by register
+  # anyway), `fold_affine` the S one, where the mod has a key term C, at
+  # (R2 - lse2 + c C) / k (a vector along the rows plus one along the
+  # columns), so that P = exp2(k * acc) costs one multiply a score
+  # (`DkvConfig.fold_affine`).
+  fold_delta: bool = False
+  fold_affine: bool = False
 
   def __post_init__(self):
     check_register_split("DqConfig", self.producer_registers, self.num_consumers,
@@ -321,18 +332,41 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
   if kd.mods is not None:
     tile_mods = mod_refs.on_rows(kd.mods, work.batch_idx, work.head, element_loader())
 
+  # An affine score_mod (`DqConfig.fold_delta`, `fold_affine`): dP starts at
+  # -delta, and where the mod has a key term C, S at its terms and lse2
+  # (`affine_scores_start`). Without C the logits are the raw S, whose
+  # softmax takes lse2 - R in its one FFMA as it is: a start would cost a
+  # write per element for nothing (local ptxas, `s + 0.5`: 293 instructions
+  # in the FULL loop with the start, as without the fold).
+  fold_affine = ((cfg.fold_delta or cfg.fold_affine) and tile_mods is not None
+                 and folds_affine(tile_mods.score_mod, kd.score))
+  start_scores = fold_affine and cfg.fold_affine and kd.score.has_score_mod
+
   def block_fn(step, j, dq, *, masked):
     """Key block j at ring position `step`."""
     slot = bars.slot("kv_full", step)
     k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
-    bars.consumer_kv(step)
-    s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
-                     do_operand, v_tile.transpose((1, 0)), (bq, bk))
-    seg = block_segments(slot) if masked else None
     mods = {} if tile_mods is None else dict(mods=tile_mods)
-    ds = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+    stats = dict(lse2=lse2, delta=None if fold_affine else delta)
+    if start_scores:
+      start, mods["affine_k"] = affine_scores_start(
+          tile_mods, kd.score, lse2, shape=(bq, bk), q_lo=q_lo, k_lo=j * bk,
+          keys_along_rows=False)
+      stats["lse2"] = None
+    elif fold_affine:
+      start = zeros((bq, bk))
+    bars.consumer_kv(step)
+    if fold_affine:
+      s, dp = mma_accumulate_pair(start, q_operand, k_tile.transpose((1, 0)),
+                                  lax.broadcast_in_dim(-delta, (bq, bk), [0]),
+                                  do_operand, v_tile.transpose((1, 0)))
+    else:
+      s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
+                       do_operand, v_tile.transpose((1, 0)), (bq, bk))
+    seg = block_segments(slot) if masked else None
+    ds = kd.softmax(s, stats["lse2"], q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
                     kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
-                    dp=dp, delta=delta, **mods).grad()
+                    dp=dp, delta=stats["delta"], **mods).grad()
     dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
     bars.consumer_kv_release(step)
     return dq
