@@ -188,7 +188,9 @@ FOLD_STATS_WITH_MASK_MOD_ALONE = True
 # in the FULL key loops: ALiBi dK/dV 381 -> 379 (its 2 spill loads gone),
 # dQ 343 -> 311 (causal 337 -> 303); `s + 0.5` dQ 295 -> 261
 # (docs/performance-notes.md, "The affine form in the backward's accumulators").
-FOLD_AFFINE_SCORE_MOD = True
+# Off until timed on a GPU (it changes the default ALiBi kernels); the
+# interpreter tests run it switched on.
+FOLD_AFFINE_SCORE_MOD = False
 FOLD_AFFINE_SCORES = True
 # `_kernel_mods`: with a score_mod or mask_mod, both kernels' CTAs take
 # their tiles longest list first (`backward_inputs.heavy_tiles_first`, an
