@@ -23,11 +23,9 @@ D128 bf16, `bench_mod_costs.py`'s mods).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -35,35 +33,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import local_ptxas  # noqa: E402
-import sass_loops  # noqa: E402
+import local_sass  # noqa: E402
 
 OPS = ("MUFU.EX2", "FFMA", "FADD", "FMUL", "FSEL", "I2F", "IMAD", "MOV", "R2UR", "F2FP",
        "HGMMA", "WARPGROUP", "STL", "LDL")
-
-
-def opcode_counts(instructions, body) -> collections.Counter:
-  counts = collections.Counter()
-  for i in body:
-    op = instructions[i][1].split()[0] if instructions[i][1] else ""
-    for name in OPS:
-      if op == name or op.startswith(name + "."):
-        counts[name] += 1
-  counts["all"] = len(body)
-  return counts
-
-
-def loop_table(listing: str):
-  """(function, loop head address, counts) of each loop past a spin holding a wgmma."""
-  rows = []
-  for function, lines in sass_loops._functions(listing):
-    instructions, labels = sass_loops._parse(lines)
-    for head, body in sass_loops._loops(sass_loops._successors(instructions, labels)):
-      if len(body) <= sass_loops.SPIN_LOOP_SIZE:
-        continue
-      counts = opcode_counts(instructions, body)
-      if counts["HGMMA"]:
-        rows.append((function, instructions[head][0], counts))
-  return sorted(rows, key=lambda r: (r[0], r[1]))
 
 
 def call(variant: str, seq: int):
@@ -103,8 +76,7 @@ def main() -> int:
 
   from fa4_jax.kernels import sm90_backward
 
-  plugin, stub_dir = local_ptxas.setup(local_ptxas._cache_dir(None), jax.__version__)
-  ptxas = shutil.which("ptxas") or f"{local_ptxas.CUDA_ROOT}/bin/ptxas"
+  tools = local_sass.toolchain(jax.__version__)
   print("ops per loop:", ", ".join(OPS), flush=True)
   for variant in args.variants:
     for switch in args.switch:
@@ -115,27 +87,10 @@ def main() -> int:
       with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         files = local_ptxas.capture(fn, specs, "sm_90", tmp)
-        ptx = local_ptxas.compile_to_ptx(files, plugin, stub_dir, "sm_90")
-        for f in files:
-          src, cubin = tmp / "k.ptx", tmp / "k.cubin"
-          src.write_text(ptx[f])
-          log = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", str(cubin), str(src)],
-                               capture_output=True, text=True)
-          figures = local_ptxas.parse(log.stdout + log.stderr)
-          listing = subprocess.run([args.nvdisasm, str(cubin)], capture_output=True,
-                                   text=True, check=True).stdout
+        for kernel in local_sass.compiled(files, tools, tmp, args.nvdisasm):
           if args.keep:
-            keep = pathlib.Path(args.keep)
-            keep.mkdir(parents=True, exist_ok=True)
-            stem = f"{variant.replace(' ', '_')}-{switch}-{f.stem}"
-            (keep / f"{stem}.ptx").write_text(ptx[f])
-            (keep / f"{stem}.sass").write_text(listing)
-          print(f"{f.stem}: registers {figures['registers']}, spill stores/loads "
-                f"{figures['spill_stores']}/{figures['spill_loads']}, serialized "
-                f"{figures['serialized']}; loop spills {sass_loops.summary(listing)}")
-          for function, head, counts in loop_table(listing):
-            ops = " ".join(f"{k} {counts[k]}" for k in OPS if counts[k])
-            print(f"  loop at {head:#07x}: {counts['all']} instructions; {ops}")
+            local_sass.keep(kernel, args.keep, f"{variant.replace(' ', '_')}-{switch}-{kernel.name}")
+          local_sass.report(kernel.name, kernel, OPS, marks=("HGMMA",))
   return 0
 
 

@@ -22,7 +22,6 @@ import argparse
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -30,9 +29,8 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import fp8_sass_counts  # noqa: E402
 import local_ptxas  # noqa: E402
-import sass_loops  # noqa: E402
+import local_sass  # noqa: E402
 
 # The capture's file stems by kernel (`launch`'s role names).
 KERNEL_STEMS = {"dq": "_dq", "dkv": "_dkdv"}
@@ -57,49 +55,29 @@ def main() -> int:
     ap.error("needs nvdisasm (--nvdisasm PATH; pip download nvidia-cuda-nvdisasm)")
   import jax
 
-  plugin, stub_dir = local_ptxas.setup(local_ptxas._cache_dir(None), jax.__version__)
-  ptxas = shutil.which("ptxas") or f"{local_ptxas.CUDA_ROOT}/bin/ptxas"
+  tools = local_sass.toolchain(jax.__version__)
   for text in args.config or [""]:
     call = types.SimpleNamespace(
         kernel="backward", batch=2, seq=args.seq, heads=args.heads, kv_heads=None,
         head_dim=args.head_dim, value_head_dim=args.value_head_dim, dtype="bfloat16",
         causal=args.causal, soft_cap=None, config_text=text, grad=False)
+    mask_name = "causal" if args.causal else "dense"
     with tempfile.TemporaryDirectory() as tmp:
       tmp = pathlib.Path(tmp)
       try:
         files = local_ptxas.capture(*local_ptxas._call(call), "sm_90", tmp)
       except Exception as e:  # a config that does not lower: say why, go on
-        print(f"[{text}] {'causal' if args.causal else 'dense'}: does not lower: "
-              f"{str(e).splitlines()[-1][:200]}", flush=True)
+        print(f"[{text}] {mask_name}: does not lower: {str(e).splitlines()[-1][:200]}",
+              flush=True)
         continue
       files = [f for f in files if KERNEL_STEMS[args.kernel] in f.stem]
-      ptx = local_ptxas.compile_to_ptx(files, plugin, stub_dir, "sm_90")
-      for f in files:
-        src, cubin = tmp / "k.ptx", tmp / "k.cubin"
-        src.write_text(ptx[f])
-        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", str(cubin), str(src)],
-                             capture_output=True, text=True)
-        figures = local_ptxas.parse(log.stdout + log.stderr)
-        listing = subprocess.run([args.nvdisasm, str(cubin)], capture_output=True,
-                                 text=True, check=True).stdout
+      for kernel in local_sass.compiled(files, tools, tmp, args.nvdisasm):
         if args.keep:
-          keep = pathlib.Path(args.keep)
-          keep.mkdir(parents=True, exist_ok=True)
           tag = "".join(c if c.isalnum() or c in "=._-" else "_" for c in text) or "default"
-          stem = (f"{args.kernel}-{f.stem}-d{args.head_dim}-{args.value_head_dim}"
-                  f"{'c' if args.causal else ''}-{tag}")
-          (keep / f"{stem}.ptx").write_text(ptx[f])
-          (keep / f"{stem}.sass").write_text(listing)
-          (keep / f"{stem}.ptxas").write_text(log.stdout + log.stderr)
-        print(f"[{text}] {'causal' if args.causal else 'dense'} {f.stem}: registers "
-              f"{figures['registers']}, spill stores/loads {figures['spill_stores']}/"
-              f"{figures['spill_loads']}, serialized {figures['serialized']}; "
-              f"{sass_loops.summary(listing)}", flush=True)
-        for note in figures["notes"]:
-          print(f"  {note.strip()[:160]}")
-        for _, head, counts in fp8_sass_counts.loop_table(listing):
-          ops = " ".join(f"{k} {counts[k]}" for k in OPS if counts[k])
-          print(f"  loop at {head:#07x}: {counts['all']} instructions; {ops}", flush=True)
+          local_sass.keep(kernel, args.keep,
+                          f"{args.kernel}-{kernel.name}-d{args.head_dim}-{args.value_head_dim}"
+                          f"{'c' if args.causal else ''}-{tag}")
+        local_sass.report(f"[{text}] {mask_name} {kernel.name}", kernel, OPS, notes=True)
   return 0
 
 
