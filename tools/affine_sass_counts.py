@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 
@@ -62,21 +61,16 @@ def call(variant: str, seq: int):
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
+  local_sass.add_arguments(ap)
   ap.add_argument("--variants", nargs="+", default=["alibi", "alibi causal"])
   ap.add_argument("--switch", nargs="+", default=["off", "on"], choices=("off", "delta", "on"),
                   help="sm90_backward.FOLD_AFFINE_SCORE_MOD (delta: on, with "
                        "FOLD_AFFINE_SCORES off: dQ's dP from -delta alone)")
   ap.add_argument("--seq", type=int, default=4096)
-  ap.add_argument("--keep", default=None, help="write each kernel's PTX and SASS here")
   args = ap.parse_args()
-  if not args.nvdisasm:
-    ap.error("needs nvdisasm (--nvdisasm PATH; pip download nvidia-cuda-nvdisasm)")
-  import jax
-
   from fa4_jax.kernels import sm90_backward
 
-  tools = local_sass.toolchain(jax.__version__)
+  tools = local_sass.toolchain(ap, args)
   print("ops per loop:", ", ".join(OPS), flush=True)
   for variant in args.variants:
     for switch in args.switch:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 import types
@@ -39,7 +38,7 @@ OPS = ("HGMMA", "MUFU.EX2", "FFMA", "FADD", "FMUL", "F2FP", "SYNCS", "BAR", "STL
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
+  local_sass.add_arguments(ap)
   ap.add_argument("--head-dim", type=int, default=192)
   ap.add_argument("--value-head-dim", type=int, default=128)
   ap.add_argument("--seq", type=int, default=8192)
@@ -49,13 +48,8 @@ def main() -> int:
   ap.add_argument("--kernel", choices=("dq", "dkv"), default="dq",
                   help="which backward kernel's module to compile: dQ (default) or dK/dV "
                        "(every dK/dV pass)")
-  ap.add_argument("--keep", default=None, help="write each kernel's PTX and SASS here")
   args = ap.parse_args()
-  if not args.nvdisasm:
-    ap.error("needs nvdisasm (--nvdisasm PATH; pip download nvidia-cuda-nvdisasm)")
-  import jax
-
-  tools = local_sass.toolchain(jax.__version__)
+  tools = local_sass.toolchain(ap, args)
   for text in args.config or [""]:
     call = types.SimpleNamespace(
         kernel="backward", batch=2, seq=args.seq, heads=args.heads, kv_heads=None,

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 
@@ -67,7 +66,7 @@ def fp8_call(d: int, causal: bool, row_sums_on_tensor_core: bool, changes=None):
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
+  local_sass.add_arguments(ap)
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--candidates", nargs="+", default=["off", "on"], choices=("off", "on"),
@@ -75,13 +74,8 @@ def main() -> int:
   ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                   help="a ForwardConfig field (int or bool as 0/1) instead of the heuristic's, "
                        "e.g. block_kv=192; repeatable")
-  ap.add_argument("--keep", default=None, help="write each kernel's PTX and SASS here")
   args = ap.parse_args()
-  if not args.nvdisasm:
-    ap.error("needs nvdisasm (--nvdisasm PATH; pip download nvidia-cuda-nvdisasm)")
-  import jax
-
-  tools = local_sass.toolchain(jax.__version__)
+  tools = local_sass.toolchain(ap, args)
   print("ops per loop:", ", ".join(OPS), flush=True)
   for candidate in args.candidates:
     changes = {k: int(v) for k, v in (x.split("=") for x in args.set)}

@@ -33,9 +33,19 @@ class Kernel:
   listing: str  # nvdisasm's SASS
 
 
-def toolchain(jax_version: str):
-  """(plugin, stub dir, ptxas path) for `compiled`."""
-  plugin, stub_dir = local_ptxas.setup(local_ptxas._cache_dir(None), jax_version)
+def add_arguments(ap) -> None:
+  """The tools' shared options: --nvdisasm PATH, --keep DIR."""
+  ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
+  ap.add_argument("--keep", default=None, help="write each kernel's PTX, SASS and ptxas log here")
+
+
+def toolchain(ap, args):
+  """(plugin, stub dir, ptxas path) for `compiled`; an argparse error without nvdisasm."""
+  if not args.nvdisasm:
+    ap.error("needs nvdisasm (--nvdisasm PATH; pip download nvidia-cuda-nvdisasm)")
+  import jax
+
+  plugin, stub_dir = local_ptxas.setup(local_ptxas._cache_dir(None), jax.__version__)
   return plugin, stub_dir, shutil.which("ptxas") or f"{local_ptxas.CUDA_ROOT}/bin/ptxas"
 
 
