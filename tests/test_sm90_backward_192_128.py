@@ -87,12 +87,9 @@ def check_gradients(run_interpreted, case):
                        config=_candidate(candidate, CAUSAL if causal else MaskSpec()))
 
 
-@pytest.mark.parametrize("candidate", ["dv_dk_split", "dv_dk_split_wg0_64", "wg1_dv",
-                                       "wg1_dv_wg0_64", "wg1_dv_kv_in_registers",
-                                       "wg1_dv_fold_stats", "fold_stats", "k_in_registers",
-                                       "kv_in_registers_wg0_256"])
-def test_candidates_cross_lower_within_smem(cross_lower, candidate):
-  config = _candidate(candidate, CAUSAL)
+def causal_backward_within_smem(cross_lower, config):
+  """The causal 192 / 128 backward under `config`, cross-lowered for sm_90
+  (B1 S1024 H2), after checking that every kernel fits SMEM."""
   q = jax.ShapeDtypeStruct((1, 1024, 2, D), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((1, 1024, 2, DV), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, 2, 1024), jnp.float32)
@@ -101,6 +98,16 @@ def test_candidates_cross_lower_within_smem(cross_lower, candidate):
           q, k, v, o, lse, o, None, None, score=ScoreFunction(0.1), mask=CAUSAL, config=config),
       q, q, v, v, lse, arch="sm_90")
   assert 0 < lowered.max_smem_bytes <= SMEM_LIMIT_BYTES, lowered.smem_bytes
+  return lowered
+
+
+@pytest.mark.parametrize("candidate", ["dv_dk_split", "dv_dk_split_wg0_64", "wg1_dv",
+                                       "wg1_dv_wg0_64", "wg1_dv_kv_in_registers",
+                                       "wg1_dv_fold_stats", "fold_stats", "k_in_registers",
+                                       "kv_in_registers_wg0_256"])
+def test_candidates_cross_lower_within_smem(cross_lower, candidate):
+  config = _candidate(candidate, CAUSAL)
+  lowered = causal_backward_within_smem(cross_lower, config)
   widths = [collections.Counter(int(n) for n in re.findall(
       r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", m)) for m in lowered.modules]
   # S^T and dP^T at N = 64, dV whole (Dv); dK whole (D) on warpgroup 1, or

@@ -26,13 +26,11 @@ import collections
 import dataclasses
 import re
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from fa4_jax.kernels import sm90_backward
-from fa4_jax.scores import MaskSpec, ScoreFunction
-from fa4_jax.testing import SMEM_LIMIT_BYTES
+from fa4_jax.scores import MaskSpec
+from test_sm90_backward_192_128 import causal_backward_within_smem
 from test_sm90_backward_value_head_dim import check_gradients as value_head_dim_check
 
 D, DV = 192, 128
@@ -73,15 +71,7 @@ def test_gradients_match_an_f32_einsum(run_interpreted, name):
 
 
 def _dq_module(cross_lower, name):
-  config = _config(name, CAUSAL)
-  q = jax.ShapeDtypeStruct((1, 1024, 2, D), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((1, 1024, 2, DV), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((1, 2, 1024), jnp.float32)
-  lowered = cross_lower(
-      lambda q, k, v, o, lse: sm90_backward.backward(
-          q, k, v, o, lse, o, None, None, score=ScoreFunction(0.1), mask=CAUSAL, config=config),
-      q, q, v, v, lse, arch="sm_90")
-  assert 0 < lowered.max_smem_bytes <= SMEM_LIMIT_BYTES, lowered.smem_bytes
+  lowered = causal_backward_within_smem(cross_lower, _config(name, CAUSAL))
   (dq,) = [m for m in lowered.modules if "sm90_dq" in m]
   return dq
 
