@@ -209,10 +209,7 @@ def _tile_softmax_with_mods(s, lse2, *, q_lo, k_lo, keys_along_rows: bool, kv_le
     assert lse2 is None and mods.affine, "an affine fold without its score_mod"
     logits2 = s * jnp.float32(affine_k)
   elif mods.score_mod is not None:
-    row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
-    q_idx, kv_idx = mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
-                                  keys_along_rows=keys_along_rows, bound=mods.position_bound,
-                                  aligned=True)  # (`tile_softmax`: q_lo, k_lo)
+    q_idx, kv_idx = _score_mod_positions(mods, shape, q_lo, k_lo, keys_along_rows)
     if mods.affine:  # one FMA per score or none; R leaves P = exp2(c t + R - lse2) per query
       t, offset, slope = mods.affine_logits(s, q_idx, kv_idx, score=score,
                                             query_axis=1 if keys_along_rows else 0)
@@ -254,12 +251,17 @@ def affine_scores_start(mods: TileMods, score: ScoreFunction, lse2, *, shape, q_
   P = exp2(k * (V + S)) (`mod_tiles.affine_scores_init`); positions as
   `_tile_softmax_with_mods` forms them. `lse2`: a vector along the
   queries."""
-  row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
-  q_idx, kv_idx = mod_positions(shape, row_lo=row_lo, col_lo=col_lo,
-                                keys_along_rows=keys_along_rows, bound=mods.position_bound,
-                                aligned=True)
+  q_idx, kv_idx = _score_mod_positions(mods, shape, q_lo, k_lo, keys_along_rows)
   return mods.affine_scores_init(q_idx, kv_idx, lse2, score=score,
                                  query_axis=1 if keys_along_rows else 0)
+
+
+def _score_mod_positions(mods: TileMods, shape, q_lo, k_lo, keys_along_rows: bool):
+  """(q_idx, kv_idx) of a tile's elements for its score_mod; `q_lo`, `k_lo`
+  multiples of the tile's extents (`tile_softmax`)."""
+  row_lo, col_lo = (k_lo, q_lo) if keys_along_rows else (q_lo, k_lo)
+  return mod_positions(shape, row_lo=row_lo, col_lo=col_lo, keys_along_rows=keys_along_rows,
+                       bound=mods.position_bound, aligned=True)
 
 
 def mma(a, b, shape):
