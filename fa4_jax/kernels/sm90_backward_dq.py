@@ -342,10 +342,29 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
                  and folds_affine(tile_mods.score_mod, kd.score))
   start_scores = fold_affine and cfg.fold_affine and kd.score.has_score_mod
 
+  def tiles(step):
+    """(slot, K tile, V tile) of ring position `step`."""
+    slot = bars.slot("kv_full", step)
+    return slot, smem.k_ring.at[slot], smem.v_ring.at[slot]
+
+  def ds_of(step, j, s, dp, *, masked, lse2=lse2, delta=delta, mods=None):
+    """dS (in the kernel's dtype) of key block j at ring position `step`,
+    from its S and dP."""
+    seg = block_segments(tiles(step)[0]) if masked else None
+    ds = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
+                    kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
+                    dp=dp, delta=delta, **(mods or {})).grad()
+    return ds.astype(kd.dtype)
+
+  def accumulate(dq, ds, step):
+    """dQ += dS K of the block at ring position `step`; its slot released."""
+    dq = mma_accumulate(dq, ds, tiles(step)[1], stage)
+    bars.consumer_kv_release(step)
+    return dq
+
   def block_fn(step, j, dq, *, masked):
     """Key block j at ring position `step`."""
-    slot = bars.slot("kv_full", step)
-    k_tile, v_tile = smem.k_ring.at[slot], smem.v_ring.at[slot]
+    _, k_tile, v_tile = tiles(step)
     mods = {} if tile_mods is None else dict(mods=tile_mods)
     stats = dict(lse2=lse2, delta=None if fold_affine else delta)
     if start_scores:
@@ -363,13 +382,9 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
     else:
       s, dp = mma_pair(q_operand, k_tile.transpose((1, 0)),
                        do_operand, v_tile.transpose((1, 0)), (bq, bk))
-    seg = block_segments(slot) if masked else None
-    ds = kd.softmax(s, stats["lse2"], q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
-                    kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
-                    dp=dp, delta=stats["delta"], **mods).grad()
-    dq = mma_accumulate(dq, ds.astype(kd.dtype), k_tile, stage)
-    bars.consumer_kv_release(step)
-    return dq
+    ds = ds_of(step, j, s, dp, masked=masked, lse2=stats["lse2"], delta=stats["delta"],
+               mods=mods)
+    return accumulate(dq, ds, step)
 
   if kd.mods is not None:
     walk = mod_refs.walk(kd.mods, work.batch_idx, work.head, work.q_tile)
@@ -385,18 +400,6 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
     return dq
 
   if cfg.issue_ahead:
-    def tiles(step):
-      slot = bars.slot("kv_full", step)
-      return slot, smem.k_ring.at[slot], smem.v_ring.at[slot]
-
-    def ds_of(j, s, dp, *, masked):
-      slot, _, _ = tiles(j - lo)
-      seg = block_segments(slot) if masked else None
-      ds = kd.softmax(s, lse2, q_lo=q_lo, k_lo=j * bk, keys_along_rows=False,
-                      kv_len=work.kv_len, q_len=work.q_len, masked=masked, segments=seg,
-                      dp=dp, delta=delta).grad()
-      return ds.astype(kd.dtype)
-
     def scores_of(step):
       """S and dP of the block at ring position `step`, once its tiles are in."""
       _, k_tile, v_tile = tiles(step)
@@ -407,13 +410,11 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
     def ahead_fn(j, carry, *, masked):
       """Block j's dS and dQ wgmma, then block j + 1's S and dP behind it."""
       dq, s, dp = carry
-      ds = ds_of(j, s, dp, masked=masked)
       step = j - lo
-      _, k_tile, _ = tiles(step)
+      ds = ds_of(step, j, s, dp, masked=masked)
       if kd.interpreting:  # no run_state there: the same order, one GEMM at a time
-        dq = mma_accumulate(dq, ds, k_tile, stage)
-        bars.consumer_kv_release(step)
-        return (dq, *scores_of(step + 1))
+        return (accumulate(dq, ds, step), *scores_of(step + 1))
+      _, k_tile, _ = tiles(step)
       _, k_next, v_next = tiles(step + 1)
 
       def scoped(refs):
@@ -435,11 +436,7 @@ def _dq_consumer(kd: _DqKernel, wg, smem: _DqSmem, bars: DqBarrierTable,
 
     def last_fn(j, carry, *, masked):
       dq, s, dp = carry
-      ds = ds_of(j, s, dp, masked=masked)
-      _, k_tile, _ = tiles(j - lo)
-      dq = mma_accumulate(dq, ds, k_tile, stage)
-      bars.consumer_kv_release(j - lo)
-      return dq
+      return accumulate(dq, ds_of(j - lo, j, s, dp, masked=masked), j - lo)
 
     return _walk_issue_ahead(lo, hi, own, scores_of, ahead_fn, last_fn, skip_fn,
                              zeros((bq, kd.head_dim))), q_lo
