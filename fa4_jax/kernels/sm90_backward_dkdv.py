@@ -259,6 +259,13 @@ class _DkvPass(BackwardStatics):
     return "dk" in self.outputs
 
   @property
+  def needs_raw_scores(self) -> bool:
+    """Whether the softmax reads the raw S^T (soft-cap's tanh, a score_mod),
+    so that `fold_stats` folds delta alone (`transposed_scores`)."""
+    return self.score.needs_raw_scores or (self.mods is not None
+                                           and self.mods.score_mod is not None)
+
+  @property
   def with_dv(self) -> bool:
     return "dv" in self.outputs
 
@@ -509,21 +516,23 @@ def _dkv_consumer(kp: _DkvPass, wg, smem: _DkvSmem, bars: DkvBarrierTable,
     # the start would cost a write per element for nothing (`s + 0.5`: the
     # FULL loop 329 -> 361 instructions).
     mods = {} if tile_mods is None else dict(mods=tile_mods)
-    start, affine = None, {}
-    if (cfg.fold_affine and tile_mods is not None and not masked and kp.score.has_score_mod
-        and folds_affine(tile_mods.score_mod, kp.score)):
-      def start(lse2):
-        v, affine["affine_k"] = affine_scores_start(
-            tile_mods, kp.score, lse2, shape=(bk, bq), q_lo=qb * bq, k_lo=k_lo,
-            keys_along_rows=True)
-        return v
+    affine = {}
+    starts_at_affine_terms = (cfg.fold_affine and tile_mods is not None and not masked
+                              and kp.score.has_score_mod
+                              and folds_affine(tile_mods.score_mod, kp.score))
+
+    def affine_start(lse2):
+      v, affine["affine_k"] = affine_scores_start(
+          tile_mods, kp.score, lse2, shape=(bk, bq), q_lo=qb * bq, k_lo=k_lo,
+          keys_along_rows=True)
+      return v
+
     s, dp, lse2, delta = transposed_scores(  # delta: only a pass with dK has it
         k_operand, v_operand, q_tile, do_tile,
         stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
         c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
-        needs_raw_scores=(kp.score.needs_raw_scores
-                          or (kp.mods is not None and kp.mods.score_mod is not None)),
-        scores_start=start)
+        needs_raw_scores=kp.needs_raw_scores,
+        scores_start=affine_start if starts_at_affine_terms else None)
     mods.update(affine)
     seg = block_segments(slot) if masked else None
     softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=k_lo, keys_along_rows=True,
@@ -911,8 +920,7 @@ def _head_split_consumer(h: int, kp: _DkvPass, smem: _HeadSplitSmem, bars: HeadS
       s, dp, lse2, delta = transposed_scores(
           *operands, q_tile, do_tile, stats_of_slot(smem.lse_ring, smem.delta_ring, slot),
           c=c, fold_stats=cfg.fold_stats, stats_first=cfg.stats_first,
-          needs_raw_scores=(kp.score.needs_raw_scores
-                            or (kp.mods is not None and kp.mods.score_mod is not None)))
+          needs_raw_scores=kp.needs_raw_scores)
       seg = block_segments(slot) if masked else None
       mods = {} if tile_mods is None else dict(mods=tile_mods)
       softmax = kp.softmax(s, lse2, q_lo=qb * bq, k_lo=work.k_lo, keys_along_rows=True,
