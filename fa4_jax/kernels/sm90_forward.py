@@ -202,7 +202,18 @@ FP8_P_DTYPE = jnp.float8_e4m3fn
 # 915). D64 and D256 fewer instructions too, but not timed: they keep the
 # FADDs.
 FP8_ROW_SUMS_HEAD_DIMS = (128,)
-# Keys per block of dense float8 calls at those head dims (two stages):
+# Issue #55: float8 calls at those head dims, dense or causal, without
+# segment ids or mods, take FA3's intra-warpgroup overlap
+# (`ForwardConfig.overlap_pv_with_softmax`) on 128-key blocks, two stages;
+# causal ones without the consumers' turns. H100, 2026-12-07, GQA 32/8 e4m3
+# (`bench_fp8.py --overlap`, CUPTI, three runs of B2 S8192, one of B1
+# S16384), TFLOP/s against the serial default: dense 976-984 against
+# 940-942 (256-key blocks), B1 S16384 1009 against 933; causal without
+# turns 933-937 against 904-916, B1 S16384 987 against 968 (with turns
+# 887-905 / 975: the turns serialize what the overlap frees).
+FP8_OVERLAP_BLOCK_KV = 128
+# Keys per block of dense float8 calls at those head dims that the overlap
+# does not take (with mods; two stages):
 # with the row sums on the tensor core 256-key blocks run without spills in
 # the unmasked loop (ptxas, local); masked blocks (causal diagonals, segment
 # ids) spill, so those calls keep 128.
@@ -2080,7 +2091,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
     if mods is not None:
       config = mods_config(config)
     if fp8:
-      config = fp8_config(config, mask, d, dv, segment_ids is not None)
+      config = fp8_config(config, mask, d, dv, segment_ids is not None, mods is not None)
     if (dv != d or fp8) and not config.fits_smem(d, 2, segment_ids is not None, dv, fp8=fp8):
       config = dataclasses.replace(config, q_buffers=1)
   if fp8_cache:
@@ -2151,16 +2162,24 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
 
 
 def fp8_config(config: ForwardConfig, mask: MaskSpec, d: int, dv: int,
-               segment_ids: bool) -> ForwardConfig:
+               segment_ids: bool, mods: bool = False) -> ForwardConfig:
   """The heuristic's config for all-float8 operands: P handed to the P V
   wgmma in registers (`fp8_p_in_registers`, with the row sums after the
   hand-off), and without a band a third K/V stage where SMEM holds it. The
   SMEM round trip of P is what kept D128 at bfloat16's speed: in float8 the
   GEMMs take half their bfloat16 time and the hand-off sits between them and
-  the softmax (measured: the performance notes, "P in registers")."""
+  the softmax (measured: the performance notes, "P in registers"). Dense
+  and causal calls at `FP8_ROW_SUMS_HEAD_DIMS` without segment ids or `mods`
+  overlap each consumer's P V with its next softmax (`FP8_OVERLAP_BLOCK_KV`)."""
   row_sums = d in FP8_ROW_SUMS_HEAD_DIMS
   config = dataclasses.replace(config, fp8_p_in_registers=True, sum_before_handoff=False,
                                fp8_row_sums_on_tensor_core=row_sums)
+  if (row_sums and (mask.is_dense or mask.is_causal) and not segment_ids and not mods
+      and not config.persistent):
+    overlapped = dataclasses.replace(config, block_kv=FP8_OVERLAP_BLOCK_KV, num_kv_stages=2,
+                                     overlap_pv_with_softmax=True, pingpong=mask.is_dense)
+    if overlapped.fits_smem(d, 2, segment_ids, dv, fp8=True):
+      return overlapped
   if row_sums and mask.is_dense and not segment_ids and not config.persistent:
     wide = dataclasses.replace(config, block_kv=FP8_DENSE_BLOCK_KV, num_kv_stages=2)
     if wide.fits_smem(d, 2, segment_ids, dv, fp8=True):
