@@ -357,7 +357,7 @@ def test_the_backward_folds_large_key_and_row_terms_into_its_accumulators(
     t, lengths = s, None
   q, k, v, dout = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=6)
   from fa4_jax.kernels import sm90_backward
-  monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORE_MOD", True)  # off by default until timed
+  monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORE_MOD", True)  # the default
   monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORES", scores)  # False: dQ's delta alone
   started = []
   init = mod_tiles.affine_scores_init
@@ -395,7 +395,7 @@ def test_the_backward_folds_large_key_and_row_terms_into_its_accumulators(
 
 def test_the_backward_of_a_mod_without_key_terms_folds_delta_alone(monkeypatch, run_interpreted):
   from fa4_jax.kernels import sm90_backward
-  monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORE_MOD", True)  # off by default until timed
+  monkeypatch.setattr(sm90_backward, "FOLD_AFFINE_SCORE_MOD", True)  # the default
   # 2 s + R(q) + 0.5: no key term, so S starts at 0 (the logits are the raw
   # S) and only the dQ kernel's dP starts at -delta; factor 2 in the scale.
   b, t, s, n, kv_heads, d = 1, 72, 136, 2, 1, 64

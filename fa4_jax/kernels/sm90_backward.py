@@ -188,9 +188,15 @@ FOLD_STATS_WITH_MASK_MOD_ALONE = True
 # in the FULL key loops: ALiBi dK/dV 381 -> 379 (its 2 spill loads gone),
 # dQ 343 -> 311 (causal 337 -> 303); `s + 0.5` dQ 295 -> 261
 # (docs/performance-notes.md, "The affine form in the backward's accumulators").
-# Off until timed on a GPU (it changes the default ALiBi kernels); the
-# interpreter tests run it switched on.
-FOLD_AFFINE_SCORE_MOD = False
+# H100, 2026-12-07, B2 S4096 H16 D128 bf16 ALiBi backward (forward + both
+# kernels, CUPTI, `bench_mod_costs.py --backward`, MOD_COSTS_FOLD_AFFINE=all):
+# dense 1.888 -> 1.809 ms (x1.13 -> x1.08 of the plain call), causal 1.115
+# -> 1.061 ms (x1.16 -> x1.10 of plain causal); the dK/dV kernel gains most
+# (0.832 -> 0.762, causal 0.476 -> 0.435 ms), dQ 0.564 -> 0.538; the delta
+# fold alone gains nothing (1.896 / 1.115). Largest |gradient - XLA path's|
+# the same with and without (0.5 dense, the bf16 cancellation of the notes;
+# 0.0156 causal).
+FOLD_AFFINE_SCORE_MOD = True
 FOLD_AFFINE_SCORES = True
 # `_kernel_mods`: with a score_mod or mask_mod, both kernels' CTAs take
 # their tiles longest list first (`backward_inputs.heavy_tiles_first`, an
