@@ -15,11 +15,13 @@ At D = 64 the softmax takes longer than the other's GEMMs, so taking turns
 would serialize the softmaxes; there three consumers (warpgroups 0-2, the
 producer is warpgroup 3) run without turns (`ForwardConfig.pingpong`).
 Inside a warpgroup the GEMMs run in order (S = Q K^T, softmax, O += P V),
-and the wait for the next K tile is issued while P V runs. FA3's
-intra-warpgroup overlap (the softmax of block j while O += P_{j-1} V_{j-1}
-runs), a back-to-back issue of both GEMMs and P staged through SMEM all
-measured slower on an H100 (docs/performance-notes.md) and were removed; commit dcef065
-still has them.
+and the wait for the next K tile is issued while P V runs. In bfloat16,
+FA3's intra-warpgroup overlap (the softmax of block j while O += P_{j-1}
+V_{j-1} runs), a back-to-back issue of both GEMMs and P staged through SMEM
+all measured slower on an H100 (docs/performance-notes.md) and were removed;
+commit dcef065 still has them. In float8, with P in registers, the overlap
+wins and is the D128 default (`ForwardConfig.overlap_pv_with_softmax`,
+`FP8_OVERLAP_BLOCK_KV`).
 
 Every barrier, who arrives on it and who waits on it is declared once in
 `ForwardBarrierTable` (the form of `fa4_jax.kernels.pipeline.BarrierTable`).
@@ -307,8 +309,9 @@ class ForwardConfig:
   # wgmma runs; then it waits for O, rescales it by alpha_j and keeps P_j
   # (packed) for the next block. The first block of a consumer's range only
   # computes P, the last P V runs after the walk (`_ConsumerTile.
-  # walk_overlapped`). Off by default (issue #55: not yet timed; commit
-  # dcef065 has the bfloat16 schedule that lost to serialized wgmmas).
+  # walk_overlapped`). `fp8_config` sets it at D128, dense and causal
+  # (`FP8_OVERLAP_BLOCK_KV`, measured); commit dcef065 has the bfloat16
+  # schedule that lost to serialized wgmmas.
   overlap_pv_with_softmax: bool = False
 
   def __post_init__(self):
