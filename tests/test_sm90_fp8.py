@@ -231,3 +231,33 @@ def test_fp8_under_vmap_with_descales_of_each_call(run_interpreted):
     want, v = dequantized_reference(q8[i:i + 1], k8[i:i + 1], v8[i:i + 1],
                                     dict(descales, query_descale=query_descales[i]), causal=True)
     assert_close_to_p_rounding(got[i:i + 1], want, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_three_consumers_without_turns_at_d128(run_interpreted, causal):
+  """`bench_fp8.py --overlap`'s candidate "fp8 serial kv128 3 consumers"
+  (issue #55: three softmaxes beside the GEMMs, as bf16 D64 does): 192-row
+  CTAs, P in registers, the row sums on the tensor core; 300 rows leave the
+  second CTA's third consumer with no row and its second with a part."""
+  import dataclasses
+
+  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.scores import MaskSpec
+
+  (q8, k8, v8), descales = fp8_inputs(1, 300, 300, 2, 1, 128, seed=31)
+  mask = MaskSpec(right=0) if causal else MaskSpec()
+  config = sm90_forward.fp8_config(sm90_forward.choose_config(128, mask, 300, 300), mask,
+                                   128, 128, False)
+  config = dataclasses.replace(config, num_consumers=3, pingpong=False, block_kv=128,
+                               num_kv_stages=2, overlap_pv_with_softmax=False,
+                               producer_registers=24, consumer_registers=160)
+  assert config.row_sums_on_tensor_core
+
+  def call(q, k, v):
+    return sm90_forward.forward(
+        q, k, v, None, None, score=ScoreFunction(128 ** -0.5), mask=mask, config=config,
+        descales=tuple(descales[x] for x in ("query_descale", "key_descale", "value_descale")))[0]
+
+  got = run_interpreted(call, q8, k8, v8)
+  want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
+  assert_close_to_p_rounding(got, want, v)
