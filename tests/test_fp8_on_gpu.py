@@ -118,11 +118,12 @@ def test_no_fp8_kernel_has_its_wgmmas_serialized_by_ptxas(tmp_path):
 
 
 @pytest.mark.parametrize("t, causal, block_kv, stages, growing, turns", [
-    (2050, False, 256, 2, False, True),  # the heuristic's dense blocks (two S tiles of 256 keys)
-    (2050, True, 128, 2, True, True),    # the heuristic's causal blocks; logits growing
+    (2050, False, 256, 2, False, True),  # the dense serial default's blocks before 2026-12-07
+    (2050, False, 128, 2, True, True),   # the heuristic's dense config since; logits growing
+    (2050, True, 128, 2, True, True),    # causal blocks, with turns; logits growing
     (3001, False, 128, 3, True, True),
     (2053, False, 192, 2, False, True),  # the length-edge block masked
-    (2050, True, 128, 2, True, False),   # no turns between the consumers
+    (2050, True, 128, 2, True, False),   # the heuristic's causal config: no turns
 ])
 def test_fp8_overlap_pv_with_softmax_at_scale(t, causal, block_kv, stages, growing, turns):
   """`ForwardConfig.overlap_pv_with_softmax` (FA3's intra-warpgroup overlap):
