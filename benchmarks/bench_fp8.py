@@ -48,8 +48,8 @@ config (`sm90_forward.fp8_config`) with the row sums on the tensor core
 (column `fp8 row sums on tc`: `ForwardConfig.fp8_row_sums_on_tensor_core`,
 issue #55), beside `fp8` (the same config with the sums by FADDs while
 they are off: at head dims outside `FP8_ROW_SUMS_HEAD_DIMS`; at D128,
-where they are the default, `fp8` and this column are the same config but
-for 256-key blocks), and on dense D128 rows the same with
+where they are the default, this column is the serial schedule and `fp8`
+the overlapped one since 2026-12-07), and on dense D128 rows the same with
 192 and 256 keys per block (`fp8 row sums on tc kvN`, `ROW_SUM_BLOCKS`). `--no-xla` drops the XLA column (the
 slowest to compile and run); `max_abs_diff` is then taken against `fp8`.
 
