@@ -184,3 +184,43 @@ def test_the_heuristic_overlaps_dense_and_causal_d128_calls_only():
   for case in serial:
     chosen, base = config(**case, with_base=True)
     assert not chosen.overlap_pv_with_softmax and chosen.pingpong == base.pingpong, case
+
+
+def test_overlap_with_soft_cap_bottom_right_causal_and_key_lengths(run_interpreted):
+  """The heuristic's causal config (no turns) on what it also serves at long
+  lengths: a soft-cap (its tanh in the overlapped softmax), queries aligned
+  bottom-right, and per-row key lengths (a row of 190 keys, one of 77:
+  masked edge blocks, and consumers whose rows see no key)."""
+  import jax.numpy as jnp
+
+  d, t, s, cap = 128, 130, 190, 20.0
+  lengths = np.asarray([190, 77], np.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True)
+  (q8, k8, v8), descales = growing_inputs(2, t, s, 2, 1, d, seed=14)
+  config = overlapped(d, mask, t, s, block_kv=128, pingpong=False)
+
+  def call(q, k, v):
+    # bottom-right with lengths: each row's offset is kv_len - q_len, so the
+    # query lengths are given too (`validation._align` fills them with t)
+    return sm90_forward.forward(q, k, v, jnp.full((2,), t, jnp.int32), jnp.asarray(lengths),
+                                score=ScoreFunction(d ** -0.5, cap), mask=mask, config=config,
+                                descales=tuple(descales[x] for x in DESCALES))[0]
+
+  got = np.asarray(run_interpreted(call, q8, k8, v8), np.float32)
+  f32 = lambda x, dsc: np.asarray(x, np.float32) * np.asarray(dsc)[None, None, :, None]
+  q, k, v = (f32(x, descales[n]) for x, n in zip((q8, k8, v8), DESCALES))
+  k, v = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
+  logits = np.einsum("btnd,bsnd->bnts", q, k) * d ** -0.5
+  logits = cap * np.tanh(logits / cap)
+  i, j = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
+  position = lengths[:, None, None] - t + i  # each query's place among its row's keys
+  visible = (j <= position) & (j < lengths[:, None, None])  # [B, t, s]
+  logits = np.where(visible[:, None], logits, -np.inf)
+  top = logits.max(-1, keepdims=True)
+  w = np.exp(logits - np.where(np.isfinite(top), top, 0.0))
+  total = w.sum(-1, keepdims=True)
+  want = np.einsum("bnts,bsnd->btnd", w / np.where(total > 0, total, 1.0), v)
+  assert_close_to_p_rounding(got, want, v)
+  sees_nothing = ~visible.any(-1)  # row 1's first 53 queries
+  assert sees_nothing[1, :53].all() and not sees_nothing[0].any()
+  assert (got[1, :53] == 0).all()
