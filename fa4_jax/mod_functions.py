@@ -391,7 +391,9 @@ class BoundMod:
     does depend on it reads by the chain of selects."""
     if not self.loads:
       return jax.jvp(lambda s: self(s, q_idx, kv_idx), (score,), (jnp.ones_like(score),))
-    on_score = _dependents(self.mod.jaxpr, _tile_vars(self.mod)[0])
+    # Whole equations (`_evaluate` runs a call whole, keyed by its first
+    # output): a call that reads the score runs inside the JVP.
+    on_score = _flows_from(self.mod.jaxpr, {_tile_vars(self.mod)[0]}, into_calls=False)
     env = self._evaluate(self._start((score, q_idx, kv_idx)), self.varying - on_score)
     env = {var: dataclasses.replace(value, loader=None) if isinstance(value, _Captured) else value
            for var, value in env.items()}
@@ -516,15 +518,6 @@ def _decided(eqn, ins, ranges):
   return None
 
 
-def _dependents(jaxpr, var) -> frozenset:
-  """The variables of `jaxpr` computed from `var` (itself included)."""
-  found = {var}
-  for eqn in jaxpr.eqns:
-    if any(not isinstance(v, jex_core.Literal) and v in found for v in eqn.invars):
-      found.update(eqn.outvars)
-  return frozenset(found)
-
-
 def index_dependence(mod: ModFunction) -> tuple[bool, bool]:
   """(whether `mod`'s result may depend on its `batch` argument, whether on
   its `head` argument), by data flow through its jaxpr: a value computed
@@ -542,15 +535,17 @@ def index_dependence(mod: ModFunction) -> tuple[bool, bool]:
   return depends(batch), depends(head)
 
 
-def _flows_from(jaxpr, sources) -> set:
+def _flows_from(jaxpr, sources, into_calls: bool = True) -> set:
   """The variables of `jaxpr` whose value may depend on those in `sources`
-  (themselves included), following calls into their jaxprs."""
+  (themselves included). `into_calls`: following calls into their jaxprs
+  (an output counts only where its own flow reaches it); else every output
+  of an equation that reads one of them counts, the call's too."""
   found = set(sources)
   for eqn in jaxpr.eqns:
     hit = [not isinstance(v, jex_core.Literal) and v in found for v in eqn.invars]
     if not any(hit):
       continue
-    sub = _call_jaxpr(eqn) if eqn.primitive.name in CALLS else None
+    sub = _call_jaxpr(eqn) if into_calls and eqn.primitive.name in CALLS else None
     if sub is not None and len(sub.jaxpr.invars) == len(eqn.invars) and len(
         sub.jaxpr.outvars) == len(eqn.outvars):
       inner = _flows_from(sub.jaxpr, {v for v, h in zip(sub.jaxpr.invars, hit) if h})
@@ -629,7 +624,7 @@ def bind_rows(mod: ModFunction, captured_refs, batch, heads, member) -> BoundMod
   first = bound[0]
   jaxpr = mod.jaxpr
   index_vars = jaxpr.invars[len(mod.captured_avals):]
-  dependent = _dependents(jaxpr, index_vars[-3])  # on the head
+  dependent = _flows_from(jaxpr, {index_vars[-3]}, into_calls=False)  # on the head
   # The values the per-element part reads (and the result, where it is one):
   # of a hoisted lookup (`BoundMod.rows`) only its per-element index. They
   # are merged here, before the kernel's loop over key blocks: a vector made
