@@ -1391,7 +1391,7 @@ class _ConsumerTile:
 
   def compute_step(self, j, carry, *, masked: bool):
     """S = Q K^T, softmax, O += P V, one after the other."""
-    cfg, bars = self.ctx.call.config, self.ctx.bars
+    bars = self.ctx.bars
     acc, m, l = carry
     step = self.ring_step(j)
     # The key block at walk position j (j itself without programmable
@@ -1399,8 +1399,7 @@ class _ConsumerTile:
     block = self.ctx.kv_block(self.item, j)
     k_slot = bars.slot("k_full", step)
     k_tile = self.widened(self.ctx.refs.k_smem.at[k_slot], self.ctx.refs.k16_smem)
-    s = pl.run_scoped(functools.partial(self.qk, k_tile=k_tile),
-                      plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
+    s = self.qk(k_tile)
     key_ids = self.key_ids(step) if masked else None
     if key_ids is None:
       bars.consumer_k_release(step)
@@ -1441,11 +1440,14 @@ class _ConsumerTile:
     carry = fori(jnp.maximum(own.hi - 1, own.lo), own.hi, self.last_pv, carry)
     return fori(own.hi, hi, self.skip_step, carry[:3])
 
-  def overlapped_softmax(self, s, m, l, j, *, masked: bool, key_ids=None, block=None):
-    """Softmax of block j, the hand-off, and the FADD row sums after it
-    (unless the tensor core sums P): (P in f32, m, l, alpha). P is packed
-    into the A operand's registers once the previous P V has completed
-    (`pack_p`)."""
+  def overlapped_softmax(self, s, m, l, j, step, *, masked: bool, key_ids=None, block=None):
+    """Once S of block j (ring position `step`) is read: its K slot released
+    (with `key_ids`, by `block_softmax` once the mask has read them), its
+    softmax, the hand-off, and the FADD row sums after it (unless the tensor
+    core sums P): (P in f32, m, l, alpha). P is packed into the A operand's
+    registers once the previous P V has completed (`pack_p`)."""
+    if key_ids is None:
+      self.ctx.bars.consumer_k_release(step)
     p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
     self.hand_off(self.ring_step(j))
     if not self.ctx.call.row_sums_on_tensor_core:
@@ -1458,14 +1460,9 @@ class _ConsumerTile:
     acc, m, l, _ = carry
     step = self.ring_step(j)
     block = self.ctx.kv_block(self.item, j)
-    k_tile = self.ctx.refs.k_smem.at[bars.slot("k_full", step)]
-    s = pl.run_scoped(functools.partial(self.qk, k_tile=k_tile),
-                      plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
-    key_ids = self.key_ids(step)
-    if key_ids is None:
-      bars.consumer_k_release(step)
-    p, m_new, l, alpha = self.overlapped_softmax(s, m, l, j, masked=True, key_ids=key_ids,
-                                                 block=block)
+    s = self.qk(self.ctx.refs.k_smem.at[bars.slot("k_full", step)])
+    p, m_new, l, alpha = self.overlapped_softmax(s, m, l, j, step, masked=True,
+                                                 key_ids=self.key_ids(step), block=block)
     if alpha is not None:  # (the initial l columns of a sink)
       acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     self.wait_next_k(j)
@@ -1482,17 +1479,15 @@ class _ConsumerTile:
     key_ids = self.key_ids(step) if masked else None
 
     def after_qk(s):
-      if key_ids is None:
-        bars.consumer_k_release(step)
-      outs = self.overlapped_softmax(s, m, l, j, masked=masked, key_ids=key_ids, block=block)
+      outs = self.overlapped_softmax(s, m, l, j, step, masked=masked, key_ids=key_ids,
+                                     block=block)
       self.wait_next_k(j)
       return outs
 
     if call.interpreting:
       # No register A operand, no run_state with wgmma: the same order of
       # barrier operations, P staged through SMEM (`p_times_v`).
-      s = pl.run_scoped(functools.partial(self.qk, k_tile=k_tile),
-                        plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
+      s = self.qk(k_tile)
       acc = self.p_times_v(acc, p_prev, v_prev, lambda: None)
       p, m_new, l, alpha = after_qk(s)
     else:
@@ -1553,10 +1548,16 @@ class _ConsumerTile:
     self.wait_next_k(j)
     return carry
 
-  def qk(self, s_ref, k_tile):
-    plgpu.wgmma(s_ref, self.q_tile, k_tile.transpose((1, 0)))
-    self.ctx.bars.consumer_sync_turn()  # the other consumer's softmax ends here
-    return s_ref[...]
+  def qk(self, k_tile):
+    """S = Q K^T against `k_tile` (f32, in a scoped accumulator)."""
+    cfg = self.ctx.call.config
+
+    def issue(s_ref):
+      plgpu.wgmma(s_ref, self.q_tile, k_tile.transpose((1, 0)))
+      self.ctx.bars.consumer_sync_turn()  # the other consumer's softmax ends here
+      return s_ref[...]
+
+    return pl.run_scoped(issue, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
 
   def key_ids(self, step):
     """The slot holding the segment ids of the keys of `step` (beside its K
