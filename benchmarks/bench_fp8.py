@@ -265,6 +265,10 @@ OVERLAP_BLOCKS = {
     "fp8 serial kv128 3 consumers": (dict(block_kv=128, num_kv_stages=2, num_consumers=3,
                                           producer_registers=24, consumer_registers=160,
                                           **{**_SERIAL, "pingpong": False}), True),
+    # the same with three stages: 440 instructions a block, no spill (dense)
+    "fp8 serial kv128 s3 3 consumers": (dict(block_kv=128, num_kv_stages=3, num_consumers=3,
+                                             producer_registers=24, consumer_registers=160,
+                                             **{**_SERIAL, "pingpong": False}), True),
 }
 
 
