@@ -279,6 +279,18 @@ def test_pingpong_needs_exactly_two_consumers():
     sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3)
 
 
+def test_a_band_aligned_by_the_lengths_needs_query_lengths():
+  """Without them the kernel would align each row by its padded query
+  length: wrong, silently (the public API always fills them)."""
+  from fa4_jax.scores import MaskSpec
+
+  q = jnp.zeros((2, 130, 2, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="needs q_lengths"):
+    sm90_forward.forward(q, q, q, None, jnp.asarray([130, 77], jnp.int32),
+                         score=ScoreFunction(128 ** -0.5),
+                         mask=MaskSpec(right=0, offset_from_lengths=True))
+
+
 def test_q_buffers_are_one_or_two():
   with pytest.raises(ValueError, match="q_buffers must be 1 or 2"):
     sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, q_buffers=3)
