@@ -519,6 +519,16 @@ def visible(mask: MaskSpec, q_idx, k_idx, kv_len, q_segment=None, kv_segment=Non
   return ok
 
 
+def check_query_lengths_for_alignment(mask: MaskSpec, q_lengths, kernel: str) -> None:
+  """A band aligned by the lengths (`offset_from_lengths`: row b's offset is
+  kv_len[b] - q_len[b]) needs the query lengths: a kernel given none would
+  align each row by its padded query length, silently wrong. The public
+  API always passes them (`validation._align` fills them with T)."""
+  if mask.offset_from_lengths and q_lengths is None:
+    raise ValueError(f"{kernel}: a mask aligned by the lengths (offset_from_lengths) needs "
+                     f"q_lengths")
+
+
 def key_length_to_compare(kv_len, block_kv: int, mask: MaskSpec, *, segment_ids: bool):
   """The key length an element mask of key blocks of `block_kv` compares
   keys with (`visible`'s `kv_len`), or None where that compare cannot fail:

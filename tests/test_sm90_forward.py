@@ -279,16 +279,28 @@ def test_pingpong_needs_exactly_two_consumers():
     sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2, num_consumers=3)
 
 
-def test_a_band_aligned_by_the_lengths_needs_query_lengths():
-  """Without them the kernel would align each row by its padded query
-  length: wrong, silently (the public API always fills them)."""
+@pytest.mark.parametrize("entry", ["sm90 forward", "sm90 backward", "sm100 forward",
+                                   "sm100 backward"])
+def test_a_band_aligned_by_the_lengths_needs_query_lengths(entry):
+  """Without them a kernel would align each row by its padded query length:
+  wrong, silently (the public API always fills them: `validation._align`)."""
+  from fa4_jax.kernels import sm90_backward, sm100_backward, sm100_forward
   from fa4_jax.scores import MaskSpec
 
   q = jnp.zeros((2, 130, 2, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="needs q_lengths"):
-    sm90_forward.forward(q, q, q, None, jnp.asarray([130, 77], jnp.int32),
-                         score=ScoreFunction(128 ** -0.5),
-                         mask=MaskSpec(right=0, offset_from_lengths=True))
+  lse = jnp.zeros((2, 2, 130), jnp.float32)
+  kv_lengths = jnp.asarray([130, 77], jnp.int32)
+  common = dict(score=ScoreFunction(128 ** -0.5), mask=MaskSpec(right=0, offset_from_lengths=True))
+  calls = {
+      "sm90 forward": lambda: sm90_forward.forward(q, q, q, None, kv_lengths, **common),
+      "sm90 backward": lambda: sm90_backward.backward(q, q, q, q, lse, q, None, kv_lengths,
+                                                      **common),
+      "sm100 forward": lambda: sm100_forward.forward(q, q, q, None, kv_lengths, **common),
+      "sm100 backward": lambda: sm100_backward.backward(q, q, q, q, lse, q, None, kv_lengths,
+                                                        **common),
+  }
+  with pytest.raises(ValueError, match=f"{entry}: .*needs q_lengths"):
+    calls[entry]()
 
 
 def test_q_buffers_are_one_or_two():

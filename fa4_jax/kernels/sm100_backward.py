@@ -64,7 +64,7 @@ from fa4_jax.kernels.sm100_forward import kernel_scores
 from fa4_jax.kernels import sm100_backward_dkdv, sm100_backward_dq
 from fa4_jax.kernels.sm100_backward_dkdv import BLOCK_KV, build_dkv_kernel, dkv_segment_operands
 from fa4_jax.kernels.sm100_backward_dq import BLOCK_Q, build_dq_kernel, dq_segment_operands
-from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv
+from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv, check_query_lengths_for_alignment
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
 FEATURES = frozenset({"score_function", "mods"})
@@ -121,6 +121,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
     mods = None
   if mods is not None:
     check_mods("sm100 backward", mods)
+  check_query_lengths_for_alignment(mask, q_lengths, "sm100 backward")
   check_supported(q.shape, k.shape, q.dtype, mask)
   check_operands(q, k, v)
   score = score.with_score_mod(mods is not None and mods.score_mod is not None)

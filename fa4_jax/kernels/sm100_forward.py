@@ -1230,6 +1230,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: scores.ScoreFunction, mask
     mods = None
   if mods is not None:
     check_mods("sm100 forward", mods)
+  scores.check_query_lengths_for_alignment(mask, q_lengths, "sm100 forward")
   check_supported(q.shape, k.shape, q.dtype, mask)
   if k.dtype != q.dtype or v.dtype != q.dtype or v.shape != k.shape:
     raise KernelUnsupported(

@@ -133,7 +133,7 @@ from fa4_jax.kernels.sm90_backward_dq import DqConfig, _build_dq_kernel
 from fa4_jax.kernels.sm90_backward_fused_dq import FusedDqConfig, fused_dq_problem
 from fa4_jax.kernels import sm90_backward_fused_dq
 from fa4_jax.kernels.sm90_tiles import padded_head_dim
-from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv
+from fa4_jax.scores import MaskSpec, ScoreFunction, cdiv, check_query_lengths_for_alignment
 from fa4_jax.target import DEFAULT_NUM_SMS
 
 # The optional arguments of `backward` (`fa4_jax.kernels`: the contract).
@@ -572,6 +572,7 @@ def backward(q, k, v, out, lse, dout, q_lengths, kv_lengths, *, score: ScoreFunc
   rows without GQA), else the two kernels. A `FusedDqConfig` as `config`
   asks for the one kernel.
   """
+  check_query_lengths_for_alignment(mask, q_lengths, "sm90 backward")
   check_supported(q.shape, k.shape, q.dtype, mask)
   check_operands(q, k, v, own_value_head_dim=True)
   batch, q_seq, num_q_heads, head_dim = q.shape

@@ -2022,11 +2022,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
     mods = None
   if mods is not None:
     check_mods(mods, config, page_table, heads_major, q_batch_divisor, decode_group)
-  if mask.offset_from_lengths and q_lengths is None:
-    # Each row's band offset is kv_len - q_len: without query lengths the
-    # kernel would take its padded query length (`validation._align` fills them).
-    raise ValueError("sm90 forward: a mask aligned by the lengths (offset_from_lengths) "
-                     "needs q_lengths")
+  score_lib.check_query_lengths_for_alignment(mask, q_lengths, "sm90 forward")
   if q_batch_divisor < 1:
     raise KernelUnsupported(f"sm90 forward: q_batch_divisor must be >= 1; got {q_batch_divisor}")
   if heads_major:
