@@ -212,7 +212,7 @@ FP8_ROW_SUMS_HEAD_DIMS = (128,)
 # S16384), TFLOP/s against the serial default: dense 976-984 against
 # 940-942 (256-key blocks), B1 S16384 1009 against 933; causal without
 # turns 933-937 against 904-916, B1 S16384 987 against 968 (with turns
-# 887-905 / 975: the turns serialize what the overlap frees). Calls the
+# 887-905 / 975). Calls the
 # heuristic gives the persistent grid keep the serial schedule (not timed
 # with it): at D128 dense below about 3.3k keys, causal below 6k.
 FP8_OVERLAP_BLOCK_KV = 128
