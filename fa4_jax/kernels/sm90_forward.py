@@ -212,9 +212,9 @@ FP8_ROW_SUMS_HEAD_DIMS = (128,)
 # S16384), TFLOP/s against the serial default: dense 976-984 against
 # 940-942 (256-key blocks), B1 S16384 1009 against 933; causal without
 # turns 933-937 against 904-916, B1 S16384 987 against 968 (with turns
-# 887-905 / 975). Calls the
-# heuristic gives the persistent grid keep the serial schedule (not timed
-# with it): at D128 dense below about 3.3k keys, causal below 6k.
+# 887-905 / 975). Calls the heuristic gives the persistent grid keep the
+# serial schedule (not timed with it): at D128 dense below about 3.3k keys,
+# causal below 6k.
 FP8_OVERLAP_BLOCK_KV = 128
 # Keys per block of dense float8 calls at those head dims that the overlap
 # does not take (with mods; two stages):
@@ -1449,7 +1449,7 @@ class _ConsumerTile:
     if key_ids is None:
       self.ctx.bars.consumer_k_release(step)
     p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
-    self.hand_off(self.ring_step(j))
+    self.hand_off(step)
     if not self.ctx.call.row_sums_on_tensor_core:
       l = _add_row_sums(l, alpha, p)
     return p, m_new, l, alpha
@@ -2181,16 +2181,16 @@ def fp8_config(config: ForwardConfig, mask: MaskSpec, d: int, dv: int,
   row_sums = d in FP8_ROW_SUMS_HEAD_DIMS
   config = dataclasses.replace(config, fp8_p_in_registers=True, sum_before_handoff=False,
                                fp8_row_sums_on_tensor_core=row_sums)
-  if (row_sums and (mask.is_dense or mask.is_causal) and not segment_ids and not mods
-      and not config.persistent):
-    overlapped = dataclasses.replace(config, block_kv=FP8_OVERLAP_BLOCK_KV, num_kv_stages=2,
-                                     overlap_pv_with_softmax=True, pingpong=mask.is_dense)
-    if overlapped.fits_smem(d, 2, segment_ids, dv, fp8=True):
-      return overlapped
-  if row_sums and mask.is_dense and not segment_ids and not config.persistent:
-    wide = dataclasses.replace(config, block_kv=FP8_DENSE_BLOCK_KV, num_kv_stages=2)
-    if wide.fits_smem(d, 2, segment_ids, dv, fp8=True):
-      return wide
+  if row_sums and not segment_ids and not config.persistent:
+    if (mask.is_dense or mask.is_causal) and not mods:
+      overlapped = dataclasses.replace(config, block_kv=FP8_OVERLAP_BLOCK_KV, num_kv_stages=2,
+                                       overlap_pv_with_softmax=True, pingpong=mask.is_dense)
+      if overlapped.fits_smem(d, 2, segment_ids, dv, fp8=True):
+        return overlapped
+    if mask.is_dense:  # with mods (or where the overlap does not fit)
+      wide = dataclasses.replace(config, block_kv=FP8_DENSE_BLOCK_KV, num_kv_stages=2)
+      if wide.fits_smem(d, 2, segment_ids, dv, fp8=True):
+        return wide
   if mask.is_dense and d <= 128 and config.num_kv_stages == 2:
     deeper = dataclasses.replace(config, num_kv_stages=3)
     if deeper.fits_smem(d, 2, segment_ids, dv, fp8=True):
