@@ -44,9 +44,10 @@ def fp8_inputs(b, t, s, n, kv_heads, d, dtype=E4M3, seed=0):
   return (q8, k8, v8), dict(query_descale=qd, key_descale=kd, value_descale=vd)
 
 
-def dequantized_reference(q8, k8, v8, descales, *, causal, scale=None, score_mod=None,
-                          soft_cap=None):
-  """f32 attention of the dequantized operands (bottom... top-left causal)."""
+def dequantized_logits(q8, k8, v8, descales, scale=None):
+  """(logits, v) of the dequantized operands: f32 logits [B, N, T, S] at
+  `scale` (None: 1 / sqrt(D)) and V [B, S, N, D], keys and values repeated
+  over each GQA group."""
   f32 = lambda x, d: np.asarray(x, np.float32) * np.asarray(d)[None, None, :, None]
   q = f32(q8, descales["query_descale"])
   k = f32(k8, descales["key_descale"])
@@ -54,10 +55,28 @@ def dequantized_reference(q8, k8, v8, descales, *, causal, scale=None, score_mod
   group = q.shape[2] // k.shape[2]
   k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   logits = jnp.einsum("btnd,bsnd->bnts", q, k) * (scale or q.shape[-1] ** -0.5)
-  t, s = q.shape[1], k.shape[1]
+  return np.asarray(logits), v
+
+
+def sink_share(logits, sinks):
+  """The keys' share of each row's softmax once its head's sink logit
+  joins the keys (sum / (sum + e^sink)), [B, T, N, 1]: what a sink scales
+  the output by. `logits` [B, N, T, S], masked keys at -inf."""
+  top = np.maximum(logits.max(-1), np.asarray(sinks)[None, :, None])
+  keys = np.exp(logits - top[..., None]).sum(-1)
+  sink = np.exp(np.asarray(sinks)[None, :, None] - top)
+  return np.transpose(keys / (keys + sink), (0, 2, 1))[..., None]
+
+
+def dequantized_reference(q8, k8, v8, descales, *, causal, scale=None, score_mod=None,
+                          soft_cap=None):
+  """f32 attention of the dequantized operands (bottom... top-left causal)."""
+  logits, v = dequantized_logits(q8, k8, v8, descales, scale)
+  logits = jnp.asarray(logits)
+  t, s = q8.shape[1], k8.shape[1]
   if score_mod is not None:
     qi, ki = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-    heads = jnp.arange(q.shape[2])[None, :, None, None]
+    heads = jnp.arange(q8.shape[2])[None, :, None, None]
     logits = score_mod(logits, 0, heads, qi, ki)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)

@@ -26,7 +26,8 @@ from fa4_jax import gpu_target
 from fa4_jax.kernels import sm90_forward
 from fa4_jax.scores import MaskSpec, ScoreFunction
 
-from test_sm90_fp8 import E4M3, assert_close_to_p_rounding, dequantized_reference, fp8_inputs
+from test_sm90_fp8 import (E4M3, assert_close_to_p_rounding, dequantized_logits,
+                           dequantized_reference, fp8_inputs, sink_share)
 
 DESCALES = ("query_descale", "key_descale", "value_descale")
 
@@ -103,14 +104,7 @@ def test_overlap_with_a_sink_and_192_key_blocks(run_interpreted):
   config = overlapped(d, mask, t, s, block_kv=192, num_kv_stages=3)
   got = run_interpreted(forward(config, mask, d, descales, sinks=sinks), q8, k8, v8)
   want, v = dequantized_reference(q8, k8, v8, descales, causal=False)
-  f32 = lambda x, dsc: np.asarray(x, np.float32) * np.asarray(dsc)[None, None, :, None]
-  q, k = f32(q8, descales["query_descale"]), f32(k8, descales["key_descale"])
-  k = np.repeat(k, 2, axis=2)
-  logits = np.einsum("btnd,bsnd->bnts", q, k) * d ** -0.5
-  top = np.maximum(logits.max(-1), np.asarray(sinks)[None, :, None])
-  keys = np.exp(logits - top[..., None]).sum(-1)
-  sink = np.exp(np.asarray(sinks)[None, :, None] - top)
-  want = want * np.transpose(keys / (keys + sink), (0, 2, 1))[..., None]
+  want = want * sink_share(dequantized_logits(q8, k8, v8, descales)[0], sinks)
   assert_close_to_p_rounding(got, want, v)
 
 
@@ -149,10 +143,7 @@ def test_overlap_with_a_sliding_window(run_interpreted):
   (q8, k8, v8), descales = growing_inputs(1, t, t, 2, 1, d, seed=13)
   config = overlapped(d, mask, t, t, block_kv=128)
   got = run_interpreted(forward(config, mask, d, descales), q8, k8, v8)
-  f32 = lambda x, dsc: np.asarray(x, np.float32) * np.asarray(dsc)[None, None, :, None]
-  q, k, v = (f32(x, descales[n]) for x, n in zip((q8, k8, v8), DESCALES))
-  k, v = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
-  logits = np.einsum("btnd,bsnd->bnts", q, k) * d ** -0.5
+  logits, v = dequantized_logits(q8, k8, v8, descales)
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
   logits = np.where((j <= i) & (j >= i - 40), logits, -np.inf)
   w = np.exp(logits - logits.max(-1, keepdims=True))
@@ -207,10 +198,7 @@ def test_overlap_with_soft_cap_bottom_right_causal_and_key_lengths(run_interpret
                                 descales=tuple(descales[x] for x in DESCALES))[0]
 
   got = np.asarray(run_interpreted(call, q8, k8, v8), np.float32)
-  f32 = lambda x, dsc: np.asarray(x, np.float32) * np.asarray(dsc)[None, None, :, None]
-  q, k, v = (f32(x, descales[n]) for x, n in zip((q8, k8, v8), DESCALES))
-  k, v = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
-  logits = np.einsum("btnd,bsnd->bnts", q, k) * d ** -0.5
+  logits, v = dequantized_logits(q8, k8, v8, descales)
   logits = cap * np.tanh(logits / cap)
   i, j = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
   position = lengths[:, None, None] - t + i  # each query's place among its row's keys

@@ -21,7 +21,8 @@ from fa4_jax import gpu_target
 from fa4_jax.kernels import sm90_forward
 from fa4_jax.scores import MaskSpec
 
-from test_sm90_fp8 import E4M3, E5M2, assert_close_to_p_rounding, dequantized_reference, fp8_inputs
+from test_sm90_fp8 import (E4M3, E5M2, assert_close_to_p_rounding, dequantized_logits,
+                           dequantized_reference, fp8_inputs, sink_share)
 
 
 @pytest.fixture
@@ -53,15 +54,9 @@ def test_row_sums_on_the_tensor_core_start_from_a_sink(run_interpreted, row_sums
   got = run_interpreted(call, q8, k8, v8)
   want, v = dequantized_reference(q8, k8, v8, descales, causal=True)
   # softmax over (sink, keys): the keys' weights shrink by sum / (sum + e^sink).
-  f32 = lambda x, dsc: np.asarray(x, np.float32) * np.asarray(dsc)[None, None, :, None]
-  q, k = f32(q8, descales["query_descale"]), f32(k8, descales["key_descale"])
-  k = np.repeat(k, 2, axis=2)
-  logits = np.einsum("btnd,bsnd->bnts", q, k) * 64 ** -0.5
+  logits, _ = dequantized_logits(q8, k8, v8, descales)
   logits = np.where(np.tril(np.ones((70, 70), bool)), logits, -np.inf)
-  top = np.maximum(logits.max(-1), np.asarray(sinks)[None, :, None])
-  keys = np.exp(logits - top[..., None]).sum(-1)
-  sink = np.exp(np.asarray(sinks)[None, :, None] - top)
-  want = want * np.transpose(keys / (keys + sink), (0, 2, 1))[..., None]
+  want = want * sink_share(logits, sinks)
   assert_close_to_p_rounding(got, want, v)
 
 
