@@ -248,27 +248,28 @@ def row_sum_columns(q8, k8, v8, descales, d, causal):
 # rows too); each sets the overlap and the turns itself.
 _SERIAL = dict(overlap_pv_with_softmax=False, pingpong=True)
 _OVERLAP = dict(overlap_pv_with_softmax=True, pingpong=True)
+_SERIAL_NO_TURNS = dict(_SERIAL, pingpong=False)
+_OVERLAP_NO_TURNS = dict(_OVERLAP, pingpong=False)
 OVERLAP_BLOCKS = {
     "fp8 serial kv256": (dict(block_kv=256, num_kv_stages=2, **_SERIAL), False),
     "fp8 serial kv128": (dict(block_kv=128, num_kv_stages=2, **_SERIAL), True),
     "fp8 overlap kv128": (dict(block_kv=128, num_kv_stages=2, **_OVERLAP), True),
     "fp8 overlap kv128 s3": (dict(block_kv=128, num_kv_stages=3, **_OVERLAP), True),
     "fp8 overlap kv192": (dict(block_kv=192, num_kv_stages=2, **_OVERLAP), False),
-    "fp8 serial kv128 no turns": (dict(block_kv=128, num_kv_stages=2,
-                                       **{**_SERIAL, "pingpong": False}), True),
-    "fp8 overlap kv128 no turns": (dict(block_kv=128, num_kv_stages=2,
-                                        **{**_OVERLAP, "pingpong": False}), True),
+    "fp8 serial kv128 no turns": (dict(block_kv=128, num_kv_stages=2, **_SERIAL_NO_TURNS), True),
+    "fp8 overlap kv128 no turns": (dict(block_kv=128, num_kv_stages=2, **_OVERLAP_NO_TURNS),
+                                   True),
     # Three consumers, serial, no turns (192-row CTAs at 160 registers): local
     # ptxas, B2 S8192: dense 411 instructions a block, no spill; causal spills
     # 11 loads in the masked loop only. With the overlap they spill and
     # serialize: left out. (The notes: "A model that fits".)
     "fp8 serial kv128 3 consumers": (dict(block_kv=128, num_kv_stages=2, num_consumers=3,
                                           producer_registers=24, consumer_registers=160,
-                                          **{**_SERIAL, "pingpong": False}), True),
+                                          **_SERIAL_NO_TURNS), True),
     # the same with three stages: 440 instructions a block, no spill (dense)
     "fp8 serial kv128 s3 3 consumers": (dict(block_kv=128, num_kv_stages=3, num_consumers=3,
                                              producer_registers=24, consumer_registers=160,
-                                             **{**_SERIAL, "pingpong": False}), True),
+                                             **_SERIAL_NO_TURNS), True),
 }
 
 
