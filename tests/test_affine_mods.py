@@ -599,3 +599,26 @@ def test_the_forward_fold_is_a_switch_for_key_terms_without_cap_or_descales(monk
   assert not decide(lambda s, b, h, q, k: s * SLOPES[h], plain)  # a read per tile
   assert not decide(NOT_AFFINE["the score squared"], plain)
   assert not sm90_forward.folds_affine_key_term(None, plain, None, False)
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (256, False)])
+def test_the_forward_fold_lowers_for_hopper_at_every_head_dim(head_dim, causal, monkeypatch,
+                                                              cross_lower):
+  # The heuristic's mods configs (D64: three consumers without turns; D256:
+  # 64-key blocks), ALiBi with key lengths and GQA 4/2: the accumulator's
+  # start is a wgmma operand in registers (`pl.run_state`), which the
+  # interpreter does not run.
+  monkeypatch.setattr(sm90_forward, "FOLD_AFFINE_SCORE_MOD", True)
+  started = []
+  start = sm90_forward.affine_key_start
+  monkeypatch.setattr(sm90_forward, "affine_key_start",
+                      lambda *a, **kw: started.append(1) or start(*a, **kw))
+  q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  alibi = AFFINE["alibi"][0]
+  fn = lambda q, k, v, kl: fa4_jax.attention(q, k, v, key_value_seq_lengths=kl, score_mod=alibi,
+                                             is_causal=causal, implementation="sm90")
+  lowered = cross_lower(fn, q, kv, kv, lens, arch="sm_90")
+  assert started and len(lowered.modules) == 1
+  assert lowered.has("wgmma.mma_async") and lowered.has("mbarrier.try_wait.parity")
