@@ -25,6 +25,12 @@ Specification:
   P V: 2^-9 relative), fp16 at 4e-3 (2^-12), the lse (f32 in the kernel)
   at 1e-3; gradients by the relative Frobenius error (`reference`): 2e-2
   in bf16 (dS and P are rounded to bf16 for the GEMMs).
+* `sm90_forward.FOLD_AFFINE_SCORE_MOD` (off by default; on in these tests):
+  the forward's Q K^T accumulator starts at C / (scale * a), against an
+  f32 einsum with the explicit bias: ALiBi dense and causal bottom-right
+  (rows that see no key: zeros, lse -inf), a key term near 0.01 * 2**17,
+  a key table, a factor 0.5, the decode arrangement; it cross-lowers at
+  D64, D128 and D256; soft-cap, float8 and mods without C keep the FMA.
 """
 
 from __future__ import annotations
