@@ -13,7 +13,7 @@ Also printed: the SHA-256 of each kernel's PTX (a switch that is off must
 leave it unchanged).
 
     python3 tools/fp8_cache_sass_counts.py --nvdisasm PATH [--shape b8s32k|b64s4k|d64]
-        [--candidates default split bf16] [--keep DIR]
+        [--candidates default split bf16] [--set block_kv=64 ...] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SHAPES = {  # (batch, keys, q heads, kv heads, head dim)
 }
 
 
-def decode_call(shape: str, candidate: str):
+def decode_call(shape: str, candidate: str, changes=None):
   import jax
   import jax.numpy as jnp
 
@@ -57,6 +57,9 @@ def decode_call(shape: str, candidate: str):
     plan = sm90_decode.plan(q.shape, kv.shape, MaskSpec(), num_sms=132, fp8_cache=cache)
   finally:
     sm90_decode.FP8_CACHE_SPLIT_KEYS = saved
+  if changes:
+    import dataclasses
+    plan = sm90_decode.DecodePlan(plan.splits, dataclasses.replace(plan.config, **changes))
   descales = (None, jnp.ones((kv_heads,), jnp.float32), jnp.ones((kv_heads,), jnp.float32))
 
   def fn(q, k, v):
@@ -74,11 +77,14 @@ def main() -> int:
   ap.add_argument("--candidates", nargs="+", default=["default", "split"],
                   choices=("default", "split", "bf16"),
                   help="today's float8 plan, FP8_CACHE_SPLIT_KEYS on, or the bf16 cache")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                  help="a ForwardConfig field of the plan's config, e.g. block_kv=64; repeatable")
   args = ap.parse_args()
+  changes = {k: int(v) for k, v in (x.split("=") for x in args.set)}
   tools = local_sass.toolchain(ap, args)
   print("ops per loop:", ", ".join(OPS), flush=True)
   for candidate in args.candidates:
-    fn, specs, plan = decode_call(args.shape, candidate)
+    fn, specs, plan = decode_call(args.shape, candidate, changes)
     print(f"\n## {args.shape} {candidate}: splits {plan.splits}, {plan.config}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
       tmp = pathlib.Path(tmp)
