@@ -9,8 +9,8 @@ in the decode plan `sm90_decode.plan(fp8_cache=True)` makes (or under the
 candidate `sm90_decode.FP8_CACHE_SPLIT_KEYS`), compiled to PTX by the jax
 CUDA plugin and to a cubin by the local ptxas, decoded by `nvdisasm`; the
 loops with a wgmma are printed with their counts (`tools/local_sass.py`).
-Also printed: the SHA-256 of each kernel's PTX (a switch that is off must
-leave it unchanged).
+Also printed: the SHA-256 of each kernel's PTX without its debug lines (a
+switch that is off must leave it unchanged).
 
     python3 tools/fp8_cache_sass_counts.py --nvdisasm PATH [--shape b8s32k|b64s4k|d64]
         [--candidates default split bf16] [--set block_kv=64 ...] [--keep DIR]
@@ -70,6 +70,14 @@ def decode_call(shape: str, candidate: str, changes=None):
   return fn, (q, kv, kv), plan
 
 
+def ptx_digest(ptx: str) -> str:
+  """SHA-256 of the PTX without its debug lines (`.loc`, `.file`: source
+  paths and line numbers, which an edit elsewhere in the file moves)."""
+  kept = [line for line in ptx.splitlines()
+          if not line.lstrip().startswith((".loc", ".file", "//"))]
+  return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   local_sass.add_arguments(ap)
@@ -92,7 +100,7 @@ def main() -> int:
       for kernel in local_sass.compiled(files, tools, tmp, args.nvdisasm):
         if args.keep:
           local_sass.keep(kernel, args.keep, f"{args.shape}-{candidate}-{kernel.name}")
-        print(f"PTX sha256 {hashlib.sha256(kernel.ptx.encode()).hexdigest()[:16]}")
+        print(f"PTX sha256 {ptx_digest(kernel.ptx)} (without debug lines)")
         local_sass.report(kernel.name, kernel, OPS)
   return 0
 
