@@ -29,7 +29,9 @@ rows, the decode arrangement on the float8 cache under each of
 config; `16-bit plan` is the plan before the float8 rules of
 `sm90_decode.plan(fp8_cache=True)`, i.e. the former default), so that one
 run puts the grids side by side with the bf16 call and the `fp8` column
-(the default plan); on the D64 rows, `D64_CANDIDATES` (two CTAs an SM:
+(the default plan); `fp8 dec split keys` (every decode row) is the
+candidate `sm90_decode.FP8_CACHE_SPLIT_KEYS` (issue #55: two consumers on
+halves of each CTA's key blocks); on the D64 rows, `D64_CANDIDATES` (two CTAs an SM:
 docs/performance-notes.md, "The D64 float8 decode: a model"). On paged
 rows it adds `fp8 paged dec 16-bit plan`:
 float8 pages under their former plan (`paged_plan_columns`).
@@ -372,7 +374,31 @@ def _decode_candidates():
       return (p, config) if config.fits_smem(d, 2, False, d, fp8_cache=True) else None
     return candidate
 
+  def split_keys(changes=None):
+    """`sm90_decode.FP8_CACHE_SPLIT_KEYS`'s plan (issue #55, not yet the
+    default): two consumers on halves of each CTA's key blocks, merged at
+    the end (`ForwardConfig.consumers_split_keys`), with `changes`."""
+    def candidate(q_shape, k_shape):
+      saved = sm90_decode.FP8_CACHE_SPLIT_KEYS
+      sm90_decode.FP8_CACHE_SPLIT_KEYS = True
+      try:
+        got = plan(q_shape, k_shape, fp8_cache=True)
+      finally:
+        sm90_decode.FP8_CACHE_SPLIT_KEYS = saved
+      if got is None or got.config is None or not got.config.consumers_split_keys:
+        return None
+      config = dataclasses.replace(got.config, **(changes or {}))
+      d = q_shape[-1]
+      return (got.splits, config) if config.fits_smem(d, 2, False, d, fp8_cache=True) else None
+    return candidate
+
   return {
+      # Two chains of widening + GEMMs + softmax per CTA (issue #55, branch
+      # h55d; docs/performance-notes.md, "Float8 cache decode: widening
+      # beside the consumer"): D128 two 128-key slots (each consumer owns
+      # one), D64 four; and 64-key blocks on four slots (two per consumer).
+      "split keys": split_keys(),
+      "split keys kv64 s4": split_keys(dict(block_kv=64, num_kv_stages=4)),
       # The former default: the bf16 call's plan, the kernel shrinking its config.
       "16-bit plan": lambda q, k: (lambda x: (x.splits, x.config))(plan(q, k)),
       # The paged call's shape on the contiguous cache: its splits (8 waves of
@@ -402,7 +428,7 @@ def _decode_candidates():
   }
 
 
-ALL_ROWS = ("16-bit plan", "paged shape", "all SMs")
+ALL_ROWS = ("split keys", "16-bit plan", "paged shape", "all SMs")
 # Candidates run on the D64 decode rows (and only there).
 D64_CANDIDATES = ("D64 2x splits 1c kv128 s4", "D64 2x splits 1c kv128 s3",
                   "D64 2x splits 1c kv64 s4", "D64 4x splits 1c kv128 s2",

@@ -20,6 +20,8 @@ O(max|v|).
 passed on an H100; it read a float8 cache 4-17x faster than the XLA path).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,8 +45,9 @@ def float8_cache(rng, shape, dtype=E4M3):
 
 
 def dequantized_reference(q, k8, k_descale, v8, v_descale, *, kv_lengths=None,
-                          bottom_right_causal=False):
-  """f32 attention of the query as given on the dequantized cache."""
+                          bottom_right_causal=False, sinks=None):
+  """f32 attention of the query as given on the dequantized cache; `sinks`
+  (natural-log logits [Hq]) add a virtual key of value zero per head."""
   widen = lambda x, d: np.asarray(x, np.float32) * np.asarray(d)[None, None, :, None]
   k, v = widen(k8, k_descale), widen(v8, v_descale)
   group = q.shape[2] // k.shape[2]
@@ -58,8 +61,14 @@ def dequantized_reference(q, k8, k_descale, v8, v_descale, *, kv_lengths=None,
     position = lengths[:, None] - t + np.arange(t)[None, :]  # [B, T]
     visible = visible & (keys <= position[:, None, :, None])
   logits = np.where(visible, logits, -np.inf)
-  p = np.exp(logits - logits.max(-1, keepdims=True))
-  return np.einsum("bnts,bsnd->btnd", p / p.sum(-1, keepdims=True), v), v
+  top = logits.max(-1, keepdims=True)
+  sink_term = 0.0
+  if sinks is not None:
+    sink = np.asarray(sinks, np.float32)[None, :, None, None]
+    top = np.maximum(top, sink)
+    sink_term = np.exp(sink - top)
+  p = np.exp(logits - top)
+  return np.einsum("bnts,bsnd->btnd", p / (p.sum(-1, keepdims=True) + sink_term), v), v
 
 
 def assert_close(got, want, v):
@@ -69,18 +78,44 @@ def assert_close(got, want, v):
   assert (excess <= 0).all(), f"off by {excess.max():.4g} beyond the bound"
 
 
-@pytest.mark.parametrize("b, s, n, kv_heads, d, q_dtype, cache_dtype, splits", [
-    (2, 256, 8, 2, 64, jnp.bfloat16, E4M3, 2),   # GQA 4, ragged, the cache split in two
-    (1, 200, 2, 1, 128, jnp.float16, E5M2, 1),   # MQA, odd length, e5m2, float16 query
+@pytest.fixture(params=[False, True], ids=["one consumer", "split keys"])
+def split_keys(request, monkeypatch):
+  """`sm90_decode.FP8_CACHE_SPLIT_KEYS` off (today's plan) and on (issue #55's
+  candidate: two consumers on halves of each CTA's key blocks, merged at the
+  end, `ForwardConfig.consumers_split_keys`), for the float8 decode's tests."""
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", request.param)
+  jax.clear_caches()  # no trace of the other plan for the same shapes
+  return request.param
+
+
+def expected_float8_decode_shape(config, split_keys: bool):
+  """(consumers, block_kv, stages, splits the keys) of the float8 decode
+  config at D64 / D128 where the packed rows fit one tile: one consumer on
+  four 128-key slots, or two on two (the deepest even ring SMEM holds at
+  D128; four at D64)."""
+  if split_keys:
+    return (config.num_consumers, config.block_kv, config.consumers_split_keys) == (2, 128, True)
+  return (config.num_consumers, config.block_kv, config.num_kv_stages,
+          config.consumers_split_keys) == (1, 128, 4, False)
+
+
+@pytest.mark.parametrize("b, s, n, kv_heads, d, q_dtype, cache_dtype, splits, short", [
+    (2, 256, 8, 2, 64, jnp.bfloat16, E4M3, 2, 1 + 256 // 3),  # GQA 4, ragged, split in two
+    (2, 512, 8, 2, 64, jnp.bfloat16, E4M3, 1, 1),  # a row of one key (one block, one half)
+    (1, 200, 2, 1, 128, jnp.float16, E5M2, 1, None),  # MQA, odd length, e5m2, float16 query
+    (2, 640, 16, 2, 128, jnp.bfloat16, E4M3, 1, 300),  # GQA 8, 5 blocks: halves of 3 and 2
 ])
 def test_decode_on_a_float8_cache_matches_the_dequantized_reference(
-    run_interpreted, b, s, n, kv_heads, d, q_dtype, cache_dtype, splits):
+    run_interpreted, split_keys, b, s, n, kv_heads, d, q_dtype, cache_dtype, splits, short):
   rng = np.random.default_rng(d)
   q = jnp.asarray(rng.normal(size=(b, 1, n, d)), q_dtype)
   k8, k_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
   v8, v_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
-  lengths = jnp.asarray([s, 1 + s // 3][:b], jnp.int32)
-  plan = sm90_decode.plan(q.shape, k8.shape, MaskSpec(), ragged=True)
+  lengths = jnp.asarray([s, short][:b], jnp.int32)
+  # Off: the 16-bit call's plan, which the kernel shrinks for the widened
+  # tiles (two consumers on their own rows); on: the float8 plan's split keys.
+  plan = sm90_decode.plan(q.shape, k8.shape, MaskSpec(), ragged=True, fp8_cache=split_keys)
+  assert (plan.config is not None and plan.config.consumers_split_keys) == split_keys
   plan = sm90_decode.DecodePlan(splits, plan.config)
 
   def call(q, k, v):
@@ -119,14 +154,15 @@ def _decode_matches_the_dequantized_reference(run_interpreted, config, lengths, 
 
 
 @pytest.mark.parametrize("ragged", [False, True])
-def test_the_float8_decode_plan_matches_the_dequantized_reference(run_interpreted, ragged):
+def test_the_float8_decode_plan_matches_the_dequantized_reference(run_interpreted, split_keys,
+                                                                  ragged):
   """The plan `sm90_decode.plan(fp8_cache=True)` makes on these small rows
-  (one consumer on a deep ring of 128-key slots, `fp8_cache_decode_config`);
-  ragged: one row shorter than a chunk."""
+  (one consumer on a deep ring of 128-key slots, `fp8_cache_decode_config`,
+  or two splitting the keys); ragged: one row shorter than a chunk."""
   plan = sm90_decode.plan((_B, 1, _N, _D), (_B, _S, _KV_HEADS, _D), MaskSpec(), ragged=ragged,
                           num_sms=132, fp8_cache=True)
   config = plan.config
-  assert (config.num_consumers, config.block_kv, config.num_kv_stages) == (1, 128, 4)
+  assert expected_float8_decode_shape(config, split_keys)
   lengths = jnp.asarray([_S, 200], jnp.int32) if ragged else None
   _decode_matches_the_dequantized_reference(run_interpreted, config, lengths, seed=11)
 
@@ -148,6 +184,82 @@ def test_a_float8_cache_at_head_dim_64_plans_two_ctas_an_sm(run_interpreted):
   config = sm90_decode.fp8_cache_two_ctas_config(_D, _S // 2, 4)
   _decode_matches_the_dequantized_reference(run_interpreted, config,
                                             jnp.asarray([_S, 300], jnp.int32), seed=12)
+
+
+@pytest.mark.parametrize("t, d, lengths", [
+    (1, 128, [384, 1]),  # sinks; a row of one key: consumer 1's half is a reloaded block
+    (4, 64, [512, 130]),  # causal bottom-right, 16 packed rows, sinks
+])
+def test_float8_decode_with_sinks_and_causal_rows_matches_the_reference(run_interpreted,
+                                                                        split_keys, t, d,
+                                                                        lengths):
+  """The float8 decode arrangement with per-head sinks (split keys: only
+  consumer 0's half starts from the sink, the merge counts it once) and,
+  for T > 1, causal rows aligned at each row's length (the band of each
+  chunk, `MaskSpec(offset_from_lengths=True)`), GQA 4, per-head descales."""
+  b, n, kv_heads, s = 2, 8, 2, 512
+  rng = np.random.default_rng(t + d)
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  k8, k_descale = float8_cache(rng, (b, s, kv_heads, d))
+  v8, v_descale = float8_cache(rng, (b, s, kv_heads, d))
+  sinks = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True) if t > 1 else MaskSpec()
+  plan = sm90_decode.plan(q.shape, k8.shape, mask, ragged=True, fp8_cache=True)
+  assert plan.config.consumers_split_keys == split_keys
+  plan = sm90_decode.DecodePlan(2 if t > 1 else 1, plan.config)
+
+  def call(q, k, v):
+    return sm90_decode.forward(q, k, v, None, lengths, score=ScoreFunction(d ** -0.5),
+                               mask=mask, plan=plan, sinks=sinks,
+                               descales=(None, k_descale, v_descale))[0]
+
+  got = run_interpreted(call, q, k8, v8)
+  want, v = dequantized_reference(q, k8, k_descale, v8, v_descale, kv_lengths=lengths,
+                                  bottom_right_causal=t > 1, sinks=sinks)
+  assert_close(got, want, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_forward_kernel_splits_keys_with_sinks(run_interpreted, causal):
+  """The forward kernel itself under a split-keys config (the decode
+  arrangement adds its sinks after the combine; here the kernel starts the
+  rows from them): 40 query rows of one head a CTA, 300 keys (3 blocks:
+  halves of 2 and 1), one row of keys cut to 130, causal bottom-right or
+  dense. Only consumer 0's half starts from the sink."""
+  rng = np.random.default_rng(21 + causal)
+  q = jnp.asarray(rng.normal(size=(2, 40, 4, 64)), jnp.bfloat16)
+  k8, k_descale = float8_cache(rng, (2, 300, 2, 64))
+  v8, v_descale = float8_cache(rng, (2, 300, 2, 64))
+  sinks = jnp.asarray(3.0 * rng.normal(size=(4,)), jnp.float32)
+  lengths = jnp.asarray([300, 130], jnp.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True) if causal else MaskSpec()
+  config = sm90_decode.fp8_cache_split_keys_config(64, sm90_forward.choose_config(64, mask))
+  assert config.consumers_split_keys
+
+  def call(q, k, v):
+    q_lengths = jnp.full((2,), 40, jnp.int32)
+    return sm90_forward.forward(q, k, v, q_lengths, lengths, score=ScoreFunction(64 ** -0.5),
+                                mask=mask, config=config, sinks=sinks,
+                                descales=(None, k_descale, v_descale))[0]
+
+  got = run_interpreted(call, q, k8, v8)
+  want, v = dequantized_reference(q, k8, k_descale, v8, v_descale, kv_lengths=lengths,
+                                  bottom_right_causal=causal, sinks=sinks)
+  assert_close(got, want, v)
+
+
+def test_split_keys_configs_are_checked():
+  """`consumers_split_keys` wants two consumers without turns, one CTA per
+  item and an even ring (each consumer owns every other slot)."""
+  base = sm90_forward.ForwardConfig(block_q=64, block_kv=128, num_kv_stages=2,
+                                    num_consumers=2, pingpong=False, consumers_split_keys=True,
+                                    producer_registers=24, consumer_registers=240)
+  assert base.block_q_cta == 64
+  for changes in (dict(num_kv_stages=3), dict(pingpong=True), dict(persistent=True),
+                  dict(num_consumers=1)):
+    with pytest.raises(ValueError, match="consumers_split_keys"):
+      dataclasses.replace(base, **changes)
 
 
 def test_the_forward_kernel_on_a_float8_cache_with_bottom_right_causal_rows(run_interpreted):
@@ -199,14 +311,24 @@ class _ShuffledFloat8Pages:
 
 
 @pytest.mark.parametrize("t", [1, 5])
-def test_float8_pages_match_the_xla_path_through_a_shuffled_table(run_interpreted, t):
+def test_float8_pages_match_the_xla_path_through_a_shuffled_table(run_interpreted, split_keys,
+                                                                  t):
   """T = 1: the decode arrangement reading pages; T = 5 causal: chunked
-  prefill, the forward kernel reading pages."""
+  prefill, the forward kernel reading pages (both under the float8 decode
+  plan: split keys where switched on)."""
+  from fa4_jax import backends
+  from fa4_jax.validation import validate_paged
+
   pages = _ShuffledFloat8Pages(np.random.default_rng(t), t, d=64, max_pages=8, lengths=[100, 37])
   with gpu_target("sm90"):
     assert which_paged_implementation(*pages.arguments, key_descale=pages.k_descale,
                                       value_descale=pages.v_descale,
                                       implementation="sm90") == "sm90"
+    plan = backends.paged_decode_plan(validate_paged(
+        *pages.arguments, scale=None, is_causal=True, sinks=None, logits_soft_cap=None,
+        implementation="sm90"))
+  if t == 1:  # the decode arrangement takes the float8 plan
+    assert plan.config.consumers_split_keys == split_keys
   pages.check_against_the_xla_path(run_interpreted, is_causal=True)
 
 
@@ -349,23 +471,35 @@ def test_a_float8_cache_decodes_on_every_sm_with_one_consumer_and_a_deep_ring(cr
     (64, 1, 4096, 32, 8, 128),   # more items than SMs: a persistent grid, one Q tile
     (16, 1, 16384, 8, 1, 64),    # MQA D64, short chunks: the forward's persistent grid
     (8, 1, 32768, 32, 8, 64),
+    (8, 1, 32768, 32, 8, 128),   # issue #55's row
 ])
-def test_float8_cache_decode_plans_fit_and_lower(cross_lower, shape):
+def test_float8_cache_decode_plans_fit_and_lower(cross_lower, split_keys, shape):
+  """Issue #55's decode rows under the float8 plan, or with split keys (two
+  consumers on 240 registers each, one CTA per item on two 128-key slots at
+  D128: 193 KiB), within SMEM."""
   b, t, s, n, kv_heads, d = shape
   q_spec = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
   kv_spec = jax.ShapeDtypeStruct((b, s, kv_heads, d), E4M3)
   descale = jax.ShapeDtypeStruct((kv_heads,), jnp.float32)
   plan = sm90_decode.plan(q_spec.shape, kv_spec.shape, MaskSpec(), num_sms=132, fp8_cache=True)
-  assert plan.config is not None and plan.config.num_consumers == 1
-  assert plan.config.fits_smem(d, 2, False, d, fp8_cache=True)
+  config = plan.config
+  assert config is not None and config.num_consumers == (2 if split_keys else 1)
+  assert config.fits_smem(d, 2, False, d, fp8_cache=True)
+  if split_keys:
+    assert config.consumers_split_keys and not config.persistent
+    assert config.num_kv_stages == {64: 4, 128: 2}[d] and config.consumer_registers == 240
 
   def call(q, k, v, kd, vd):
     with gpu_target("sm90"):
       return fa4_jax.attention(q, k, v, key_descale=kd, value_descale=vd)
 
   lowered = cross_lower(call, q_spec, kv_spec, kv_spec, descale, descale)
-  assert "cvt.rn.f16x2.e4m3x2" in "\n".join(lowered.modules)
+  text = "\n".join(lowered.modules)
+  assert "cvt.rn.f16x2.e4m3x2" in text and "f32.f16.f16" in text
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
+  assert max(lowered.smem_bytes) >= config.smem_bytes(d, 2, fp8_cache=True)
+  registers = f"setmaxnreg.inc.sync.aligned.u32 {config.consumer_registers};"
+  assert registers in text
 
 
 class _Issue55PagedRow:

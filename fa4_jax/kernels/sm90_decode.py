@@ -118,6 +118,18 @@ AS_SWITCHED = "as switched"
 # spill. H100, 2026-12-07 (same run as above): the contiguous float8 cache
 # 5.07 / 5.10 TB/s (T1 / T16 causal) at 256 against 4.98 / 4.84 at 224.
 FP8_CACHE_CONSUMER_REGISTERS = 256
+# A candidate, off until a GPU times it (issue #55, branch h55d): True gives
+# the float8-cache decode (up to 64 packed rows, head dims up to 128) two
+# consumers that split each CTA's key blocks in halves and merge at the end
+# (`sm90_forward.ForwardConfig.consumers_split_keys`,
+# `fp8_cache_split_keys_config`), instead of one consumer that widens,
+# multiplies and runs the softmax of every block in series; at D64 it
+# replaces the two-CTA plan. Not measured: the performance notes, "Float8
+# cache decode: widening beside the consumer".
+FP8_CACHE_SPLIT_KEYS = False
+# Each of the two consumers' registers under FP8_CACHE_SPLIT_KEYS: 24 + 2 x
+# 240 of the 512 a thread of three warpgroups may hold (`check_register_split`).
+FP8_CACHE_SPLIT_KEYS_REGISTERS = 240
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +199,8 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   tiles = -(-rows // sm90_forward.choose_config(d, mask).block_q_cta)
   splits = choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms, streams=streams,
                          granule=granule, tiles=tiles)
-  if fp8_cache and not ragged and _two_ctas_an_sm(d, s, splits, rows, granule):
+  if (fp8_cache and not ragged and not FP8_CACHE_SPLIT_KEYS
+      and _two_ctas_an_sm(d, s, splits, rows, granule)):
     return DecodePlan(2 * splits, fp8_cache_two_ctas_config(d, s // (2 * splits), rows))
   config = None if ragged else choose_config(d, mask, s // splits, rows,
                                              b * kv_heads * splits * tiles,
@@ -242,6 +255,8 @@ def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
     return config
   if config is None:
     config = sm90_forward.choose_config(d, MaskSpec(), kv_seq=chunk, q_seq=rows)
+  if FP8_CACHE_SPLIT_KEYS:
+    return fp8_cache_split_keys_config(d, config)
   one = dataclasses.replace(config, num_consumers=1, pingpong=False, producer_registers=24,
                             consumer_registers=FP8_CACHE_CONSUMER_REGISTERS, block_q=64,
                             block_kv=128)
@@ -251,6 +266,27 @@ def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
       if candidate.fits_smem(d, 2, False, d, fp8_cache=True):
         return candidate
   return config
+
+
+def fp8_cache_split_keys_config(head_dim: int, config: sm90_forward.ForwardConfig
+                                ) -> sm90_forward.ForwardConfig:
+  """`FP8_CACHE_SPLIT_KEYS`'s config: two consumers on the same packed rows
+  (up to 64), each on half of the CTA's 128-key blocks
+  (`ForwardConfig.consumers_split_keys`), one CTA per work item, and the
+  deepest even ring SMEM holds (4 slots, else 2: each consumer owns every
+  other slot). D128: 32 KiB of Q tiles, 2 x 32 KiB of 8-bit slots, 64 KiB of
+  widened tiles (one per consumer, K then V), 32 KiB of O tiles: 193 KiB;
+  four slots would need 257."""
+  split = dataclasses.replace(
+      config, num_consumers=2, pingpong=False, producer_registers=24,
+      consumer_registers=FP8_CACHE_SPLIT_KEYS_REGISTERS, block_q=64, block_kv=128,
+      persistent=False, work_queue=False, num_sms=0, q_buffers=1, consumers_split_keys=True,
+      num_kv_stages=2)
+  for stages in (4, 2):
+    candidate = dataclasses.replace(split, num_kv_stages=stages)
+    if candidate.fits_smem(head_dim, 2, False, head_dim, fp8_cache=True):
+      return candidate
+  return split
 
 
 def _two_ctas_an_sm(head_dim: int, keys: int, splits: int, rows: int, granule: int = 1) -> bool:

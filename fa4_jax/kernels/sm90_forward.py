@@ -161,8 +161,8 @@ from fa4_jax.kernels import KernelUnsupported, sm90_tiles
 from fa4_jax.kernels import compile_ahead
 from fa4_jax.kernels.build_cache import cached_build
 from fa4_jax.kernels.accumulator import fp8_p_operand, in_p_key_order, rescale_rows
-from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, RING, SYNC, WAIT, Barrier,
-                                      BarrierTable, Copies, check_register_split,
+from fa4_jax.kernels.pipeline import (ACQUIRE, ARRIVE, FILL, PUBLISH, RING, SYNC, WAIT,
+                                      Barrier, BarrierTable, Copies, check_register_split,
                                       sequence_lengths)
 from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_under_vmap,
                                      heavy_first_tile, pairs_causal_tiles)
@@ -174,10 +174,10 @@ from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, mod_
                                        padded_head_dim, where_visible)
 from fa4_jax.kernels.tiles import smem_tile, smem_transforms
 from fa4_jax import scores as score_lib
-from fa4_jax.scores import (MaskSpec, ScoreFunction, TileRanges, cdiv, fixed_max_softmax,
-                            initial_row_stats, key_length_to_compare, kv_tile_ranges, normalize,
-                            online_softmax, read_tile_ranges, hull, pad_ids,
-                            tile_ranges_operand, walk_blocks)
+from fa4_jax.scores import (MaskSpec, ScoreFunction, TileRanges, cdiv, exact_alpha,
+                            fixed_max_softmax, initial_row_stats, key_length_to_compare,
+                            kv_tile_ranges, normalize, online_softmax, read_tile_ranges, hull,
+                            pad_ids, tile_ranges_operand, walk_blocks)
 
 # The optional arguments `forward` takes (`fa4_jax.kernels`); backends pass
 # them only when set.
@@ -330,6 +330,20 @@ class ForwardConfig:
   # (`FP8_OVERLAP_BLOCK_KV`, measured); commit dcef065 has the bfloat16
   # schedule that lost to serialized wgmmas.
   overlap_pv_with_softmax: bool = False
+  # A float8 cache under a 16-bit query only (`ForwardStatics.fp8_cache`,
+  # issue #55): the two consumers compute the same `block_q` rows (a CTA
+  # covers block_q rows, `block_q_cta`), each on half of the CTA's key
+  # blocks, and consumer 0 merges consumer 1's (O, m, l) through SMEM before
+  # the epilogue (`_merge_halves`). The producer loads the halves' blocks in
+  # turns (ring step 2i + c holds consumer c's i-th block, `_Context.
+  # split_block`), so with an even number of stages each consumer owns every
+  # other slot (its K and V free barriers take one arrival). Each consumer
+  # widens into one float16 tile for K and V (its K is read before its V is
+  # widened), whose bytes also hold consumer 1's O for the merge. Two
+  # widening + GEMM + softmax chains per CTA instead of one: the model is in
+  # the performance notes, "Float8 cache decode: widening beside the
+  # consumer". One CTA per work item, two consumers, no turns.
+  consumers_split_keys: bool = False
 
   def __post_init__(self):
     if self.pingpong and self.num_consumers != 2:
@@ -343,6 +357,12 @@ class ForwardConfig:
                        "set persistent=True")
     if self.q_buffers not in (1, 2):
       raise ValueError(f"ForwardConfig.q_buffers must be 1 or 2; got {self.q_buffers}")
+    if self.consumers_split_keys and (
+        self.num_consumers != 2 or self.pingpong or self.persistent or self.num_kv_stages % 2):
+      raise ValueError("ForwardConfig.consumers_split_keys needs two consumers without turns, "
+                       "one CTA per item and an even number of stages; got "
+                       f"{self.num_consumers} consumers, pingpong={self.pingpong}, "
+                       f"persistent={self.persistent}, {self.num_kv_stages} stages")
     check_register_split("ForwardConfig", self.producer_registers, self.num_consumers,
                          self.consumer_registers)
 
@@ -353,6 +373,8 @@ class ForwardConfig:
 
   @property
   def block_q_cta(self) -> int:
+    if self.consumers_split_keys:  # both consumers compute the same rows
+      return self.block_q
     return self.num_consumers * self.block_q
 
   @property
@@ -395,12 +417,18 @@ class ForwardConfig:
     q_tiles = self.q_depth * tile
     kv_ring = self.num_kv_stages * self.block_kv * (head_dim + value_head_dim) * (
         1 if fp8_cache else itemsize)
-    if fp8_cache:  # the widened K and V tiles
+    if fp8_cache and self.consumers_split_keys:  # one widened tile per consumer for K and V
+      kv_ring += self.num_consumers * self.block_kv * head_dim * 2
+    elif fp8_cache:  # the widened K and V tiles
       kv_ring += self.num_consumers * self.block_kv * (head_dim + value_head_dim) * 2
-    # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`).
-    lse = (self.num_consumers + self.work_queue) * self.block_q * 4
+    # LSE rows, and a row for the work queue's cells (`schedule.WorkQueue`);
+    # with `consumers_split_keys`, consumer 1's m and l rows.
+    lse = (self.num_consumers + self.work_queue + 2 * self.consumers_split_keys) * (
+        self.block_q * 4)
     o_tiles = (self.num_consumers * self.block_q * value_head_dim * o_itemsize
                if self.separate_o_tiles(head_dim, value_head_dim, fp8, fp8_cache) else 0)
+    if fp8_cache and self.consumers_split_keys:  # or consumer 1's O in f32, for the merge
+      o_tiles = max(o_tiles, self.block_q * value_head_dim * 4)
     if fp8 and not self.p_operand_in_registers:
       o_tiles += self.num_consumers * self.block_q * self.block_kv  # P tiles
     if fp8 and self.row_sums_on_tensor_core:
@@ -606,22 +634,28 @@ class ForwardBarrierTable(BarrierTable):
   k_full    stages   k copies     producer: producer_k (TMA of K_n;    consumers: consumer_k, every
                        (TMA)        paged: one per page; plus one of     step
                                     the keys' segment ids, if any)
-  k_free    stages   consumers    consumers: consumer_k_release        producer: producer_k_acquire
+  k_free    stages   ring         consumers: consumer_k_release        producer: producer_k_acquire
                                     (S = Q K^T done, or the mask has     (before it refills the
                                     read the keys' ids)                  slot), drain_kv_rings*
   v_full    stages   v copies     producer: producer_v (TMA of V_n,    consumers: consumer_v, every
                        (TMA)        likewise)                            step
-  v_free    stages   consumers    consumers: consumer_v_release        producer: producer_v_acquire,
+  v_free    stages   ring         consumers: consumer_v_release        producer: producer_v_acquire,
                                     (O += P V done)                      drain_kv_rings*
   tensor_core_turn
             1        consumers    consumers: consumer_end_turn (done   consumers: consumer_await_turn
                                     with its softmax),                   (the other issued its QK),
                                     consumer_sync_turn                   consumer_sync_turn
+  half_full 1        1            consumer 1: consumer_publish_half    consumer 0:
+                                    (its half's O, m and l stored in     consumer_merge_half, once
+                                    SMEM after its last P V;             per work item, before it
+                                    `consumers_split_keys` only)         reads them, `_merge_halves`
 
-  q copies = num_consumers * q_depth, stages = num_kv_stages. * interpreter
-  only. q_full / q_free: copy `slot("q_full", item, i)` of consumer i's Q
-  tile for work item `item`, one of `config.q_depth` copies (two let a
-  persistent CTA prefetch the next Q). k / v: ring slot `slot("k_full",
+  q copies = num_consumers * q_depth, stages = num_kv_stages, ring readers =
+  num_consumers (with `consumers_split_keys` 1: ring step 2i + c is consumer
+  c's alone, `_Context.split_block`). * interpreter only. q_full / q_free:
+  copy `slot("q_full", item, i)` of consumer i's Q tile for work item
+  `item`, one of `config.q_depth` copies (two let a persistent CTA prefetch
+  the next Q). k / v: ring slot `slot("k_full",
   step)` of the step-th KV block the CTA loads, its steps counting on across
   work items. tensor_core_turn: the two consumers take turns on the tensor
   core (ping-pong): both touch it equally often, in the same order; without
@@ -650,16 +684,19 @@ class ForwardBarrierTable(BarrierTable):
                         wait={"producer_q_acquire": ACQUIRE}, index=Q_COPIES),
       "k_full": Barrier("stage", "k copies", False, arrive={"producer_k": FILL},
                         wait={"consumer_k": WAIT}, index=RING),
-      "k_free": Barrier("stage", "consumers", False, arrive={"consumer_k_release": ARRIVE},
+      "k_free": Barrier("stage", "ring readers", False, arrive={"consumer_k_release": ARRIVE},
                         wait={"producer_k_acquire": ACQUIRE}, index=RING),
       "v_full": Barrier("stage", "v copies", False, arrive={"producer_v": FILL},
                         wait={"consumer_v": WAIT}, index=RING),
-      "v_free": Barrier("stage", "consumers", False, arrive={"consumer_v_release": ARRIVE},
+      "v_free": Barrier("stage", "ring readers", False, arrive={"consumer_v_release": ARRIVE},
                         wait={"producer_v_acquire": ACQUIRE}, index=RING),
       "tensor_core_turn": Barrier(
           "one", "consumers", False,
           arrive={"consumer_end_turn": ARRIVE, "consumer_sync_turn": SYNC},
           wait={"consumer_await_turn": WAIT, "consumer_sync_turn": SYNC}, active="pingpong"),
+      # Allocated only with `consumers_split_keys` (none of it otherwise).
+      "half_full": Barrier("split", 1, False, arrive={"consumer_publish_half": PUBLISH},
+                           wait={"consumer_merge_half": WAIT}),
   }
 
   @staticmethod
@@ -669,7 +706,9 @@ class ForwardBarrierTable(BarrierTable):
     return {"q copies": cfg.num_consumers * cfg.q_depth, "q depth": cfg.q_depth,
             "stage": cfg.num_kv_stages, "consumers": cfg.num_consumers,
             "k copies": kv_copies + call.has_segment_ids, "v copies": kv_copies,
-            "one": 1, "pingpong": cfg.pingpong}
+            "one": 1, "pingpong": cfg.pingpong,
+            "ring readers": 1 if cfg.consumers_split_keys else cfg.num_consumers,
+            "split": int(cfg.consumers_split_keys)}
 
   # Interpreter-only drains of the last phases (see `BarrierTable`).
   def drain_kv_rings(self, num_steps) -> None:
@@ -872,6 +911,10 @@ class _Refs:
   # and V tiles, widened from the rings; None otherwise.
   k16_smem: Any = None
   v16_smem: Any = None
+  # `ForwardConfig.consumers_split_keys`: consumer 1's O (f32, [block_q, Dv])
+  # for the merge, in the O tiles' bytes (and k16_smem is v16_smem, one tile
+  # per consumer for K and V); None otherwise.
+  merge_smem: Any = None
   # Each consumer's tile of e4m3 ones (`ForwardStatics.row_sums_on_tensor_core`
   # only, `_fill_ones_tile`); None otherwise.
   ones_smem: Any = None
@@ -913,15 +956,22 @@ class _Refs:
     out, lse, smem, barrier_refs = refs
     q_smem, k_smem, v_smem, lse_smem, *optional_smem = smem
     o_smem = optional_smem.pop(0) if call.separate_o_tiles else None
+    merge_smem = None
+    if call.fp8_cache and call.config.consumers_split_keys:  # the RefUnion of `_scratch_smem`
+      o_smem, merge_smem = o_smem
     if call.o_view_of_q_tiles:  # (Q tiles, O's view of their bytes)
       q_smem, o_smem = q_smem
     p_smem = optional_smem.pop(0) if call.stages_p else None
     kv_ids_smem = optional_smem.pop(0) if call.has_segment_ids else None
     ones_smem = optional_smem.pop(0) if call.row_sums_on_tensor_core else None
-    k16_smem, v16_smem = optional_smem if call.fp8_cache else (None, None)
+    if call.fp8_cache and call.config.consumers_split_keys:
+      k16_smem, = v16_smem, = optional_smem
+    else:
+      k16_smem, v16_smem = optional_smem if call.fp8_cache else (None, None)
     return cls(q, k, v, q_len, kv_len, q_ids, kv_ids, segment_ranges, sinks, page_table,
                descales, out, lse, q_smem, k_smem, v_smem, lse_smem, o_smem, p_smem,
-               kv_ids_smem, k16_smem, v16_smem, ones_smem=ones_smem, **mod_refs), barrier_refs
+               kv_ids_smem, k16_smem, v16_smem, merge_smem=merge_smem, ones_smem=ones_smem,
+               **mod_refs), barrier_refs
 
 
 def _scratch_smem(call: ForwardStatics) -> list:
@@ -946,10 +996,18 @@ def _scratch_smem(call: ForwardStatics) -> list:
       q_tiles,
       ring((cfg.num_kv_stages, bk, d)),  # K ring
       ring((cfg.num_kv_stages, bk, call.out_dim)),  # V ring
-      # LSE rows (then, with a work queue, a row of its cells)
-      plgpu.SMEM((cfg.num_consumers + cfg.work_queue, bq), jnp.float32),
+      # LSE rows (then, with a work queue, a row of its cells; with
+      # `consumers_split_keys` consumer 1's m and l)
+      plgpu.SMEM((cfg.num_consumers + cfg.work_queue + 2 * cfg.consumers_split_keys, bq),
+                 jnp.float32),
   ]
-  if call.separate_o_tiles:
+  if call.fp8_cache and cfg.consumers_split_keys:
+    # The O tiles, whose bytes first hold consumer 1's O for the merge
+    # (`_merge_halves`).
+    smem.append(plgpu.RefUnion(smem_tile((cfg.num_consumers, bq, call.out_dim),
+                                         call.output_dtype),
+                               smem_tile((bq, call.out_dim), jnp.float32)))
+  elif call.separate_o_tiles:
     # O tiles of their own, so the next work item's Q can land during the
     # epilogue (or because O's head dim is not Q's).
     smem.append(smem_tile((cfg.num_consumers, bq, call.out_dim), call.output_dtype))
@@ -957,7 +1015,9 @@ def _scratch_smem(call: ForwardStatics) -> list:
     smem.append(smem_tile((cfg.num_consumers, bq, bk), dtype))  # P staging
   if call.has_segment_ids:
     smem.append(id_ring(cfg.num_kv_stages, bk))  # the keys' segment ids
-  if call.fp8_cache:  # each consumer's widened K and V
+  if call.fp8_cache and cfg.consumers_split_keys:
+    smem.append(smem_tile((cfg.num_consumers, bk, d), dtype))  # each one's K, then V (d == Dv)
+  elif call.fp8_cache:  # each consumer's widened K and V
     smem.append(smem_tile((cfg.num_consumers, bk, d), dtype))
     smem.append(smem_tile((cfg.num_consumers, bk, call.out_dim), dtype))
   return smem
@@ -1079,6 +1139,42 @@ class _Context:
       lo, hi = blocks.lo, blocks.hi
     return _WorkItem(batch_idx, head, q_len, kv_len, cta_q_lo, lo, hi, tile)
 
+  def consumer_q_lo(self, item: _WorkItem, c):
+    """The first query row of consumer c's tile of `item` (with
+    `consumers_split_keys` every consumer's rows are the CTA's)."""
+    cfg = self.call.config
+    return item.cta_q_lo + (0 if cfg.consumers_split_keys else c * cfg.block_q)
+
+  def item_steps(self, item: _WorkItem):
+    """Ring steps of `item`: one per key block, or with `consumers_split_keys`
+    two per block of the larger half (`split_block`)."""
+    if not self.call.config.consumers_split_keys:
+      return item.hi - item.lo
+    return 2 * self._half(item)
+
+  def _half(self, item: _WorkItem):
+    """Key blocks of the first half of `item`'s range (the second has as
+    many or one fewer)."""
+    return lax.div(jnp.maximum(item.hi - item.lo, 0) + 1, jnp.int32(2))
+
+  def split_range(self, item: _WorkItem, c):
+    """`consumers_split_keys`: (lo, hi) of consumer c's half of the key
+    blocks; the second half's range may end one block past `item.hi` (a
+    step whose block is not its own, `split_block`)."""
+    half = self._half(item)
+    lo = item.lo + c * half
+    return lo, lo + half
+
+  def split_block(self, item: _WorkItem, i):
+    """`consumers_split_keys`: the key block the producer loads at ring step
+    `step0 + i` of `item`: block i // 2 of consumer (i % 2)'s half. Where the
+    second half is one block shorter its last step loads block hi - 1 again
+    (a valid block; consumer 1 only releases it, `walk_kv_blocks`), so
+    that every consumer's steps keep their parity."""
+    c, k = lax.rem(i, jnp.int32(2)), lax.div(i, jnp.int32(2))
+    lo, _ = self.split_range(item, c)
+    return jnp.minimum(lo + k, item.hi - 1)
+
   def list_head(self, head):
     """The head index of the block lists (`_Refs.block_order`): theirs have
     one head where no mask varies with the head."""
@@ -1158,7 +1254,6 @@ def _producer(ctx: _Context) -> None:
   """Warpgroup `num_consumers`: per work item, TMA loads of the consumers' Q
   tiles, then of the K and V blocks [lo, hi) into the rings."""
   cfg, refs, bars = ctx.call.config, ctx.refs, ctx.bars
-  bq = cfg.block_q
   plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
   def produce_item(i, item: _WorkItem, step0):
@@ -1167,12 +1262,12 @@ def _producer(ctx: _Context) -> None:
     for c_i in range(cfg.num_consumers):
       if cfg.persistent and ctx.queue is None:
         bars.producer_q_acquire(i, c_i)
-      bars.producer_q([(_q_rows(ctx, item, item.cta_q_lo + c_i * bq), refs.q_smem)], i, c_i)
+      bars.producer_q([(_q_rows(ctx, item, ctx.consumer_q_lo(item, c_i)), refs.q_smem)], i,
+                      c_i)
     kv_head = lax.div(item.head, jnp.int32(ctx.call.group))
 
-    @pl.loop(item.lo, item.hi)
-    def _(n):
-      step = step0 + n - item.lo
+    def load_block(step, n):
+      """Key block of walk position n (the CTA's n-th) into ring step `step`."""
       j = ctx.kv_block(item, n)  # n itself without programmable scores
       fill = _kv_block_fill(ctx, item, j, kv_head)
       bars.producer_k_acquire(step)
@@ -1188,7 +1283,12 @@ def _producer(ctx: _Context) -> None:
       else:
         fill(bars.producer_v, refs.v, refs.v_smem, step)
 
-    return step0 + (item.hi - item.lo)
+    if cfg.consumers_split_keys:  # the two halves' blocks in turns
+      pl.loop(0, ctx.item_steps(item))(
+          lambda i: load_block(step0 + i, ctx.split_block(item, i)))
+    else:
+      pl.loop(item.lo, item.hi)(lambda n: load_block(step0 + n - item.lo, n))
+    return step0 + ctx.item_steps(item)
 
   if ctx.queue is not None:
     # The unit past the end rides on a plain arrive on each Q barrier.
@@ -1291,8 +1391,11 @@ def _consume_item(ctx: _Context, i, step0, unit=None):
   acc, m, l = tile.walk_kv_blocks()
   if ctx.call.config.persistent:
     ctx.bars.consumer_q_release(i, ctx.wg)  # every QK of this tile completed
-  _epilogue(ctx, tile, acc, m, l)
-  return step0 + (tile.item.hi - tile.item.lo)
+  if ctx.call.config.consumers_split_keys:
+    _merge_halves(ctx, tile, acc, m, l)
+  else:
+    _epilogue(ctx, tile, acc, m, l)
+  return step0 + ctx.item_steps(tile.item)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1311,6 +1414,10 @@ class _ConsumerTile:
   q_segment: Any  # the rows' segment ids (`_ROW_LAYOUT`); None without segment ids
   sink: Any  # the head's sink logit (f32 scalar); None without sinks
   q_waited: bool = False  # the Q wait came before (a work queue's unit rides with it)
+  # The key blocks [walk_lo, walk_hi) this consumer steps through: the CTA's
+  # [lo, hi), or with `consumers_split_keys` its half (`_Context.split_range`).
+  walk_lo: Any = None
+  walk_hi: Any = None
   # Programmable scores: the score_mod and mask_mod bound to the tile's
   # (batch, head) as they see them (a sharded call's offsets added), before
   # the walk, so their reads of captured arrays happen once per tile
@@ -1333,7 +1440,10 @@ class _ConsumerTile:
       o_tile = ctx.refs.o_smem.at[wg, pl.ds(0, cfg.block_q)]
     else:
       o_tile = q_tile
-    q_lo = item.cta_q_lo + wg * cfg.block_q
+    q_lo = ctx.consumer_q_lo(item, wg)
+    walk_lo, walk_hi = item.lo, item.hi
+    if cfg.consumers_split_keys:
+      walk_lo, walk_hi = ctx.split_range(item, wg)
     own = score_fn = mask_fn = None
     if ctx.call.mods:  # both consumers walk the CTA's list (`walk_block_list`)
       bind = _mod_binder(ctx, item, q_lo)
@@ -1343,7 +1453,8 @@ class _ConsumerTile:
         mask_fn = bind(ctx.call.mask_mod, ctx.refs.mask_captured)
     else:
       own = ctx.consumer_blocks(item.batch_idx, item.tile, wg, q_lo, item.q_len,
-                                item.kv_len).within(item.lo, item.hi)
+                                item.kv_len).within(walk_lo, jnp.minimum(walk_hi, item.hi)
+                                                    if cfg.consumers_split_keys else walk_hi)
     q_segment = None
     if ctx.call.has_segment_ids:
       # The rows' ids, for the element mask of boundary blocks.
@@ -1355,21 +1466,26 @@ class _ConsumerTile:
       descales = dict(qk_descale=ctx.refs.descales[0, item.head],
                       v_descale=ctx.refs.descales[1, item.head])
     return cls(ctx, i, item, step0, q_tile, o_tile, q_lo, own, q_segment, sink,
-               q_waited=unit is not None, score_fn=score_fn, mask_fn=mask_fn, **descales)
+               q_waited=unit is not None, walk_lo=walk_lo, walk_hi=walk_hi, score_fn=score_fn,
+               mask_fn=mask_fn, **descales)
 
   def walk_kv_blocks(self):
     """(O, m, l) of the tile, unnormalised. Every consumer steps through all
     of the CTA's blocks [lo, hi) to keep the ring protocol; it computes only
     its own ones, masking the elements of the boundary blocks."""
     cfg, bars, wg = self.ctx.call.config, self.ctx.bars, self.ctx.wg
-    bq, lo, hi, own = cfg.block_q, self.item.lo, self.item.hi, self.own
+    bq, lo, hi, own = cfg.block_q, self.walk_lo, self.walk_hi, self.own
     if not self.q_waited:
       bars.consumer_q(self.index, wg)
     # With a sink the rows start from its virtual key (m = sink, l = 1):
     # rows that then see no key end with zeros and lse = sink. Registers:
     # only m and l start from a run-time scalar; nothing more lives in the loop.
-    m, l = initial_row_stats(bq, place=lambda x: plgpu.layout_cast(x, _ROW_LAYOUT),
-                             sink=self.sink, fixed_max=self.ctx.call.fixed_max)
+    place = lambda x: plgpu.layout_cast(x, _ROW_LAYOUT)
+    m, l = initial_row_stats(bq, place=place, sink=self.sink, fixed_max=self.ctx.call.fixed_max)
+    if cfg.consumers_split_keys and self.sink is not None:
+      # The sink's term once: consumer 0's half starts from it, consumer 1's not.
+      m1, l1 = initial_row_stats(bq, place=place, fixed_max=self.ctx.call.fixed_max)
+      m, l = jnp.where(wg == 0, m, m1), jnp.where(wg == 0, l, l1)
     acc = plgpu.layout_cast(jnp.full((bq, self.ctx.call.acc_dim), 0.0, jnp.float32),
                             plgpu.Layout.WGMMA)
     if self.ctx.call.row_sums_on_tensor_core:
@@ -1381,7 +1497,7 @@ class _ConsumerTile:
 
     @pl.when(hi > lo)
     def _():
-      bars.consumer_k(self.step0)
+      bars.consumer_k(self.ring_step(lo) if cfg.consumers_split_keys else self.step0)
 
     pl.when(wg == 1)(bars.consumer_sync_turn)  # offset the two consumers by one turn
     if self.ctx.call.mods:
@@ -1404,7 +1520,10 @@ class _ConsumerTile:
     return lax.fori_loop(item.partial, item.hi, step(False), carry)
 
   def ring_step(self, j):
-    """Ring position of KV block j."""
+    """Ring position of KV block j (with `consumers_split_keys`: of this
+    consumer's block j, `_Context.split_block`)."""
+    if self.ctx.call.config.consumers_split_keys:
+      return self.step0 + 2 * (j - self.walk_lo) + self.ctx.wg
     return self.step0 + (j - self.item.lo)
 
   def compute_step(self, j, carry, *, masked: bool):
@@ -1853,7 +1972,7 @@ class _ConsumerTile:
     return p_tile
 
   def wait_next_k(self, j):
-    @pl.when(j + 1 < self.item.hi)
+    @pl.when(j + 1 < self.walk_hi)
     def _():
       self.ctx.bars.consumer_k(self.ring_step(j + 1))
 
@@ -1893,6 +2012,42 @@ def _epilogue(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
   plgpu.copy_smem_to_gmem(tile.o_tile, refs.out.at[b_i, h_i, rows] if call.heads_major
                           else refs.out.at[b_i, rows, h_i])
   plgpu.copy_smem_to_gmem(refs.lse_smem.at[wg], refs.lse.at[b_i, h_i, pl.ds(tile.q_lo, bq)])
+
+
+def _merge_halves(ctx: _Context, tile: _ConsumerTile, acc, m, l) -> None:
+  """`ForwardConfig.consumers_split_keys`: consumer 1 hands its half's
+  (O, m, l) to consumer 0 through SMEM (O, in f32, in the bytes of the O
+  tiles; m and l in the LSE rows past the consumers'), and consumer 0
+  merges them into its own and runs the epilogue of the rows. Both halves' m
+  are running maxima in the softmax's log2 units, so the merge is the online
+  softmax's own step: m = max(m0, m1), O and l of each half times exp2(m_c -
+  m) (exactly 1 where m_c = m, `exact_alpha`; a half without keys has l = 0
+  and O = 0)."""
+  refs, bars, nc = ctx.refs, ctx.bars, ctx.call.config.num_consumers
+  o_half, m_row, l_row = refs.merge_smem, refs.lse_smem.at[nc], refs.lse_smem.at[nc + 1]
+
+  @pl.when(ctx.wg == 1)
+  def _():
+    o_half[...] = acc
+    m_row[...] = m
+    l_row[...] = l
+    bars.consumer_publish_half()
+
+  @pl.when(ctx.wg == 0)
+  def _():
+    bars.consumer_merge_half()
+    if ctx.call.interpreting:
+      acc1, m1, l1 = o_half[...], m_row[...], l_row[...]
+    else:
+      acc1 = plgpu.load(o_half, layout=plgpu.Layout.WGMMA)
+      m1, l1 = (plgpu.load(row, layout=_ROW_LAYOUT) for row in (m_row, l_row))
+    # Every thread has read consumer 1's O before the epilogue's O tile
+    # overwrites its bytes (a warpgroup barrier).
+    plgpu.commit_smem()
+    m_new = jnp.maximum(m, m1)
+    a0, a1 = exact_alpha(m, m_new), exact_alpha(m1, m_new)
+    rows = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
+    _epilogue(ctx, tile, acc * rows(a0) + acc1 * rows(a1), m_new, l * a0 + l1 * a1)
 
 
 def _kernel(call: ForwardStatics, *refs) -> None:
@@ -2161,6 +2316,9 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
   if (dv != d or mode is not None) and not fits:
     raise KernelUnsupported(f"sm90 forward: head dims {d} (q, k) and {dv} (v) do not fit SMEM "
                             f"with this configuration{' in float8' if mode else ''}")
+  if config.consumers_split_keys and not (fp8_cache and dv == d):
+    raise KernelUnsupported("sm90 forward: consumers_split_keys serves a float8 cache with "
+                            "equal head dims")
   if page_table is not None and config.block_kv % k.shape[1] and k.shape[1] % config.block_kv:
     raise KernelUnsupported(f"sm90 forward: block_kv {config.block_kv} and the page size "
                             f"{k.shape[1]} must divide one another")
@@ -2257,7 +2415,7 @@ def fp8_cache_config(config: ForwardConfig, d: int, dv: int) -> ForwardConfig:
   widened float16 K and V tiles: the heuristic's, else with one Q tile per
   consumer, else 64-key blocks, else one consumer (D = 256)."""
   one_consumer = dict(num_consumers=1, pingpong=False, producer_registers=24,
-                      consumer_registers=224)
+                      consumer_registers=224, consumers_split_keys=False)
   for changes in ({}, dict(q_buffers=1), dict(q_buffers=1, block_kv=64),
                   dict(q_buffers=1, block_kv=64, **one_consumer)):
     candidate = dataclasses.replace(config, **changes)
