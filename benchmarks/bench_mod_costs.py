@@ -21,10 +21,6 @@ score as before instead of starting S^T / S at the form's terms and lse2
 (`sm90_backward.FOLD_AFFINE_SCORE_MOD`); =delta: only the dQ kernel's dP starts at -delta
 (`FOLD_AFFINE_SCORES` off); =both: every score_mod row twice in one process, the second
 named "<row> no-affine-fold" with the switch off; =all: also "<row> delta-only".
-MOD_COSTS_FOLD_AFFINE_FORWARD=1: an affine score_mod's forward starts its Q K^T accumulator at
-the key term (`sm90_forward.FOLD_AFFINE_SCORE_MOD`, off by default) in every row; =both:
-every score_mod row twice in one process, the second named "<row> forward-fold" with the
-switch on (the first as the default has it: off).
 MOD_COSTS_SEQ: the sequence length (default 4096).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
@@ -74,31 +70,24 @@ _HEAVY = os.environ.get("MOD_COSTS_HEAVY_FIRST", "0")
 # (`FOLD_AFFINE_SCORES` off); =both: each score_mod row also as "<row> no-affine-fold"
 # (the switch off while it is traced); =all: also "<row> delta-only".
 _AFFINE = os.environ.get("MOD_COSTS_FOLD_AFFINE", "1")
-# MOD_COSTS_FOLD_AFFINE_FORWARD=1: the forward's Q K^T accumulator starts at an affine
-# score_mod's key term (`sm90_forward.FOLD_AFFINE_SCORE_MOD`); =both: each score_mod row
-# also as "<row> forward-fold" (the switch on while it is traced).
-_AFFINE_FORWARD = os.environ.get("MOD_COSTS_FOLD_AFFINE_FORWARD", "0")
-from fa4_jax.kernels import sm90_forward
 import contextlib
 @contextlib.contextmanager
 def switches(name):
   """The module switches of row `name` while its call is traced (those the tree has)."""
   saved = {}
-  def put(attr, value, module=sm90_backward):
-    if hasattr(module, attr):
-      saved[module, attr] = getattr(module, attr)
-      setattr(module, attr, value)
+  def put(attr, value):
+    if hasattr(sm90_backward, attr):
+      saved[attr] = getattr(sm90_backward, attr)
+      setattr(sm90_backward, attr, value)
   put("HEAVY_TILES_FIRST_WITH_MODS", _HEAVY == "1" or " heavy-first" in name)
   put("THREE_DQ_CONSUMERS_WITH_MASK_MOD", name.endswith(" dq3"))
   put("FOLD_AFFINE_SCORE_MOD", _AFFINE != "0" and " no-affine-fold" not in name)
   put("FOLD_AFFINE_SCORES", _AFFINE != "delta" and " delta-only" not in name)
-  put("FOLD_AFFINE_SCORE_MOD", _AFFINE_FORWARD == "1" or name.endswith(" forward-fold"),
-      sm90_forward)
   try:
     yield
   finally:
-    for (module, attr), value in saved.items():
-      setattr(module, attr, value)
+    for attr, value in saved.items():
+      setattr(sm90_backward, attr, value)
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
@@ -136,9 +125,6 @@ if _AFFINE in ("both", "all"):
   MODS.update({n + suffix: m for suffix in ((" no-affine-fold",) if _AFFINE == "both" else
                                             (" no-affine-fold", " delta-only"))
                for n, m in list(MODS.items()) if m[1] is not None})
-if _AFFINE_FORWARD == "both":
-  MODS.update({n + " forward-fold": m for n, m in list(MODS.items())
-               if m[1] is not None and not n.endswith((" no-affine-fold", " delta-only"))})
 keys = jax.random.split(jax.random.PRNGKey(0), 3)
 q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, H, D), jnp.bfloat16)
@@ -194,7 +180,6 @@ def main():
   for name in ns["MODS"]:  # max |kernel - XLA path| (bf16 values of unit scale)
     args = (ns["q"], ns["k"], ns["v"])
     base = name.split(" heavy-first")[0].split(" no-affine-fold")[0].split(" delta-only")[0]
-    base = base.split(" forward-fold")[0]
     if base not in wants:
       wants[base] = timed_fn(base, "xla")(*args)
     got, want = fns[name](*args), wants[base]

@@ -25,12 +25,6 @@ Specification:
   P V: 2^-9 relative), fp16 at 4e-3 (2^-12), the lse (f32 in the kernel)
   at 1e-3; gradients by the relative Frobenius error (`reference`): 2e-2
   in bf16 (dS and P are rounded to bf16 for the GEMMs).
-* `sm90_forward.FOLD_AFFINE_SCORE_MOD` (off by default; on in these tests):
-  the forward's Q K^T accumulator starts at C / (scale * a), against an
-  f32 einsum with the explicit bias: ALiBi dense and causal bottom-right
-  (rows that see no key: zeros, lse -inf), a key term near 0.01 * 2**17,
-  a key table, a factor 0.5, the decode arrangement; it cross-lowers at
-  D64, D128 and D256; soft-cap, float8 and mods without C keep the FMA.
 """
 
 from __future__ import annotations
@@ -465,20 +459,12 @@ def test_a_row_bias_and_a_constant_with_sinks_keep_the_lse(run_interpreted):
   np.testing.assert_allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_the_decode_arrangement_combines_chunks_by_the_lse(fold, monkeypatch, run_interpreted):
+def test_the_decode_arrangement_combines_chunks_by_the_lse(monkeypatch, run_interpreted):
   # G 4 heads per row tile, 512 keys in chunks of 128: the key term reads
   # each chunk's positions in the sequence, the chunks' outputs are merged
   # by their lse, and the lse returned (`return_residual`) holds the
-  # constant, the same in every chunk. `fold`: the Q K^T accumulator starts
-  # at the key term (`sm90_forward.FOLD_AFFINE_SCORE_MOD`; the decode
-  # arrangement runs the forward's steps).
+  # constant, the same in every chunk.
   monkeypatch.setattr(sm90_decode, "MIN_CHUNK", 128)
-  monkeypatch.setattr(sm90_forward, "FOLD_AFFINE_SCORE_MOD", fold)
-  started = []
-  start = sm90_forward.affine_key_start
-  monkeypatch.setattr(sm90_forward, "affine_key_start",
-                      lambda *a, **kw: started.append(1) or start(*a, **kw))
   b, t, s, n, kv_heads, d = 1, 1, 512, 8, 2, 64
   q, k, v, _ = _inputs(b, t, s, n, kv_heads, d, jnp.bfloat16, seed=3)
   lengths = jnp.asarray([300], jnp.int32)  # 3 chunks with keys, one without
@@ -489,7 +475,6 @@ def test_the_decode_arrangement_combines_chunks_by_the_lse(fold, monkeypatch, ru
     assert fa4_jax.which_implementation(q, k, v, **options) == "sm90_decode"
   out, lse = run_interpreted(lambda q, k, v: fa4_jax.attention(
       q, k, v, return_residual=True, **options), q, k, v)
-  assert bool(started) == fold
   bias = jnp.broadcast_to(0.01 * jnp.arange(s, dtype=jnp.float32) + 0.25, (1, n, t, s))
   want = _jax_nn(q, k, v, bias, scale=2 * d ** -0.5, key_value_seq_lengths=lengths)
   np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=2e-2)
@@ -500,131 +485,3 @@ def test_the_decode_arrangement_combines_chunks_by_the_lse(fold, monkeypatch, ru
   want_lse = jax.nn.logsumexp(jnp.where(jnp.arange(s) < lengths[0], logits, -jnp.inf), -1)
   # The residual comes in the keys' dtype: bf16 holds |lse| ~ 5 to 2^-8 of it.
   np.testing.assert_allclose(np.asarray(lse, np.float32), want_lse, atol=2e-2, rtol=1e-2)
-
-
-# --- the forward's Q K^T accumulator started at the key term ---------------------------
-# `sm90_forward.FOLD_AFFINE_SCORE_MOD`: S starts at C / m, the softmax reads
-# s + C / m with scale * a in its exp2 constant, R stays an op per row.
-
-FAR_17 = 2 ** 17  # positions moved this far (float32 spacing 2^-6 there)
-FORWARD_FOLDS = {
-    # name: (score_mod of slopes, bias [N, T, S] of slopes and positions[, a])
-    "alibi dense": (lambda sl: lambda s_, bb, h, qi, kv: s_ - sl[h] * (qi - kv).astype(jnp.float32),
-                    lambda sl, q, k: -sl[:, None, None] * (q - k)[None].astype(jnp.float32)),
-    # A key term near 0.01 * 2**17 beside ALiBi (the start C / m ~ 1.1e4 at d 64):
-    # what the fold rounds that the FMA did not.
-    "alibi and a key term near 2**17": (
-        lambda sl: lambda s_, bb, h, qi, kv: (s_ + sl[h] * (kv - qi).astype(jnp.float32)
-                                              + 0.01 * (kv + FAR_17).astype(jnp.float32)),
-        lambda sl, q, k: (sl[:, None, None] * (k - q)[None].astype(jnp.float32)
-                          + 0.01 * (k + FAR_17)[None].astype(jnp.float32))),
-    "a key table": (
-        lambda sl: lambda s_, bb, h, qi, kv: s_ + KEY_TABLE[h, jnp.minimum(kv, 63)],
-        lambda sl, q, k: KEY_TABLE[:2, jnp.minimum(k, 63)]),
-    "half of alibi": (  # a factor 0.5 in the scale: k = c * scale * a
-        lambda sl: lambda s_, bb, h, qi, kv: (s_ + sl[h] * (kv - qi).astype(jnp.float32)) / 2,
-        lambda sl, q, k: sl[:, None, None] * (k - q)[None].astype(jnp.float32) / 2, 0.5),
-}
-
-
-def _forward_reference(q, k, v, bias, scale, visible):
-  """(out, lse) in float32 by einsum: logits scale * q.k + bias [N, T, S]
-  where `visible` [T, S]; rows that see no key: zeros and lse -inf."""
-  f32 = lambda x: x.astype(jnp.float32)
-  n, kv_heads = q.shape[2], k.shape[2]
-  rep = lambda x: jnp.repeat(f32(x), n // kv_heads, 2)
-  logits = scale * jnp.einsum("btnd,bsnd->bnts", f32(q), rep(k)) + bias[None]
-  logits = jnp.where(visible, logits, -jnp.inf)
-  lse = jax.nn.logsumexp(logits, -1)
-  probs = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(logits - lse[..., None]), 0.0)
-  return jnp.einsum("bnts,bsnd->btnd", probs, rep(v)), lse
-
-
-@pytest.mark.parametrize("name,causal,dtype", [
-    ("alibi dense", False, jnp.bfloat16),
-    ("alibi dense", True, jnp.bfloat16),
-    ("alibi and a key term near 2**17", True, jnp.float16),
-    ("a key table", False, jnp.float16),
-    ("half of alibi", True, jnp.float16),
-])
-def test_the_forward_starts_its_scores_at_the_key_term(name, causal, dtype, monkeypatch,
-                                                       run_interpreted):
-  # GQA 2/1, d 64 (136 x 2 packed rows: the forward kernel, not the decode
-  # arrangement); causal calls bottom-right with 136 queries over 72 keys:
-  # the first 64 rows see no key (zeros, lse -inf), the CTA's masked blocks
-  # hold them beside rows that do. Dense calls: 136 queries, 200 keys, 165
-  # valid (a masked last block).
-  monkeypatch.setattr(sm90_forward, "FOLD_AFFINE_SCORE_MOD", True)
-  started = []
-  start = sm90_forward.affine_key_start
-  monkeypatch.setattr(sm90_forward, "affine_key_start",
-                      lambda *a, **kw: started.append(1) or start(*a, **kw))
-  mod_of, bias_of, *factor = FORWARD_FOLDS[name]
-  b, n, kv_heads, d = 1, 2, 1, 64
-  t, s = (136, 72) if causal else (136, 200)
-  q, k, v, _ = _inputs(b, t, s, n, kv_heads, d, dtype, seed=8)
-  slopes = SLOPES[:n]
-  lengths = None if causal else jnp.asarray([165], jnp.int32)
-  options = dict(score_mod=mod_of(slopes), implementation="sm90", return_residual=True,
-                 key_value_seq_lengths=lengths)
-  if causal:
-    options.update(is_causal=True, causal_alignment="bottom_right")
-  out, lse = run_interpreted(lambda q, k, v: fa4_jax.attention(q, k, v, **options), q, k, v)
-  assert started, "the fold did not start any block's scores"
-  qi, ki = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-  visible = (ki <= qi + s - t) if causal else jnp.broadcast_to(ki < 165, (t, s))
-  want, want_lse = _forward_reference(q, k, v, bias_of(slopes, qi, ki),
-                                      d ** -0.5 * (factor[0] if factor else 1.0), visible)
-  tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
-  np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=tol, rtol=tol)
-  lse = np.asarray(lse, np.float32).transpose(0, 2, 1)  # [B, T, N] -> [B, N, T]
-  finite = np.isfinite(want_lse)
-  assert (np.isfinite(lse) == finite).all()
-  if causal:
-    assert not finite[..., :64].any() and (np.asarray(out[:, :64]) == 0).all()
-  # The residual comes in the inputs' dtype: bf16 holds |lse| ~ 10 to 2^-5.
-  np.testing.assert_allclose(lse[finite], np.asarray(want_lse)[finite], rtol=1e-2, atol=2e-2)
-
-
-def test_the_forward_fold_is_a_switch_for_key_terms_without_cap_or_descales(monkeypatch):
-  mod = lambda fn: mod_functions.trace(fn, "score_mod")[0]
-  decide = lambda fn, score, descaled=False: sm90_forward.folds_affine_key_term(
-      Scores(score_mod=mod(fn)), mod_tiles.kernel_score_function(score, mod(fn)), None,
-      descaled)
-  plain = ScoreFunction(0.125)
-  alibi = AFFINE["alibi"][0]
-  monkeypatch.setattr(sm90_forward, "FOLD_AFFINE_SCORE_MOD", False)
-  assert not decide(alibi, plain)  # the default
-  monkeypatch.setattr(sm90_forward, "FOLD_AFFINE_SCORE_MOD", True)
-  assert decide(alibi, plain)
-  assert decide(AFFINE["a halved sum"][0], plain)
-  assert not decide(alibi, ScoreFunction(0.125, cap=30.0))  # the tanh: today's path
-  assert not decide(alibi, plain, descaled=True)  # float8: today's path
-  assert not decide(AFFINE["a constant"][0], plain)  # no C: raw scores already
-  assert not decide(AFFINE["twice the score and a row bias"][0], plain)
-  assert not decide(lambda s, b, h, q, k: s * SLOPES[h], plain)  # a read per tile
-  assert not decide(NOT_AFFINE["the score squared"], plain)
-  assert not sm90_forward.folds_affine_key_term(None, plain, None, False)
-
-
-@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (256, False)])
-def test_the_forward_fold_lowers_for_hopper_at_every_head_dim(head_dim, causal, monkeypatch,
-                                                              cross_lower):
-  # The heuristic's mods configs (D64: three consumers without turns; D256:
-  # 64-key blocks), ALiBi with key lengths and GQA 4/2: the accumulator's
-  # start is a wgmma operand in registers (`pl.run_state`), which the
-  # interpreter does not run.
-  monkeypatch.setattr(sm90_forward, "FOLD_AFFINE_SCORE_MOD", True)
-  started = []
-  start = sm90_forward.affine_key_start
-  monkeypatch.setattr(sm90_forward, "affine_key_start",
-                      lambda *a, **kw: started.append(1) or start(*a, **kw))
-  q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
-  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
-  alibi = AFFINE["alibi"][0]
-  fn = lambda q, k, v, kl: fa4_jax.attention(q, k, v, key_value_seq_lengths=kl, score_mod=alibi,
-                                             is_causal=causal, implementation="sm90")
-  lowered = cross_lower(fn, q, kv, kv, lens, arch="sm_90")
-  assert started and len(lowered.modules) == 1
-  assert lowered.has("wgmma.mma_async") and lowered.has("mbarrier.try_wait.parity")

@@ -14,14 +14,10 @@ spill accesses in loops (`tools/sass_loops.py`), and every loop past an
 mbarrier spin that holds a wgmma: its size and its counts of `OPS`.
 
     python3 tools/affine_sass_counts.py --nvdisasm PATH [--variants alibi "alibi causal"] \\
-        [--switch off delta on] [--seq 4096] [--keep DIR] [--forward]
+        [--switch off delta on] [--seq 4096] [--keep DIR]
 
 Variants: plain, plain causal, alibi, alibi causal, add const (B2 S4096 H16
 D128 bf16, `bench_mod_costs.py`'s mods).
-
-`--forward`: the forward kernel alone (`fa4_jax.attention`, no gradient)
-under `sm90_forward.FOLD_AFFINE_SCORE_MOD` (off / on: the Q K^T accumulator
-starts at the key term, `mod_tiles.affine_key_start`) instead.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ OPS = ("MUFU.EX2", "FFMA", "FADD", "FMUL", "FSEL", "I2F", "IMAD", "MOV", "R2UR",
        "HGMMA", "WARPGROUP", "STL", "LDL")
 
 
-def call(variant: str, seq: int, forward: bool = False):
+def call(variant: str, seq: int):
   import jax
   import jax.numpy as jnp
 
@@ -55,14 +51,12 @@ def call(variant: str, seq: int, forward: bool = False):
   causal = variant.endswith(" causal")
   mod = mods[variant.removesuffix(" causal")]
 
-  def attend(q, k, v):
-    return fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod, implementation="sm90")
-
   def loss(q, k, v):
-    return attend(q, k, v).astype(jnp.float32).sum()
+    return fa4_jax.attention(q, k, v, is_causal=causal, score_mod=mod,
+                             implementation="sm90").astype(jnp.float32).sum()
 
   spec = jax.ShapeDtypeStruct((2, seq, heads, 128), jnp.bfloat16)
-  return (attend if forward else jax.grad(loss, argnums=(0, 1, 2))), (spec, spec, spec)
+  return jax.grad(loss, argnums=(0, 1, 2)), (spec, spec, spec)
 
 
 def main() -> int:
@@ -73,23 +67,17 @@ def main() -> int:
                   help="sm90_backward.FOLD_AFFINE_SCORE_MOD (delta: on, with "
                        "FOLD_AFFINE_SCORES off: dQ's dP from -delta alone)")
   ap.add_argument("--seq", type=int, default=4096)
-  ap.add_argument("--forward", action="store_true",
-                  help="the forward alone, under sm90_forward.FOLD_AFFINE_SCORE_MOD (off / on)")
   args = ap.parse_args()
-  from fa4_jax.kernels import sm90_backward, sm90_forward
+  from fa4_jax.kernels import sm90_backward
 
   tools = local_sass.toolchain(ap, args)
   print("ops per loop:", ", ".join(OPS), flush=True)
   for variant in args.variants:
     for switch in args.switch:
-      if args.forward:
-        sm90_forward.FOLD_AFFINE_SCORE_MOD = switch != "off"
-      else:
-        sm90_backward.FOLD_AFFINE_SCORE_MOD = switch != "off"
-        sm90_backward.FOLD_AFFINE_SCORES = switch == "on"
-      fn, specs = call(variant, args.seq, args.forward)
-      which = "forward, sm90_forward." if args.forward else ""
-      print(f"\n## {variant}, B2 S{args.seq} H16 D128, {which}fold_affine {switch}", flush=True)
+      sm90_backward.FOLD_AFFINE_SCORE_MOD = switch != "off"
+      sm90_backward.FOLD_AFFINE_SCORES = switch == "on"
+      fn, specs = call(variant, args.seq)
+      print(f"\n## {variant}, B2 S{args.seq} H16 D128, fold_affine {switch}", flush=True)
       with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         files = local_ptxas.capture(fn, specs, "sm_90", tmp)

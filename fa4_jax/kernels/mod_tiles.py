@@ -116,62 +116,15 @@ def affine_logits(score_fn, s, q_idx, kv_idx, *, score: scores.ScoreFunction, sc
   return t, rest.vector if isinstance(rest, mod_functions.Along) else rest, slope
 
 
-def folds_affine(score_mod, score: scores.ScoreFunction,
-                 decode_group: int | None = None) -> bool:
-  """Whether a kernel can start its S (S^T) accumulator at the affine
-  form's terms (a backward kernel: and lse2, `affine_scores_init`; the
-  forward: the key term, `affine_key_start`): `score_mod` is
-  a * x + R(q_idx) + C(kv_idx) with a fixed a (`mod_functions.affine_form`;
-  `decode_group`: in the decode arrangement's rows) and no soft-cap's tanh
-  needs the raw scores."""
+def folds_affine(score_mod, score: scores.ScoreFunction) -> bool:
+  """Whether a backward kernel can start its S (S^T) accumulator at the
+  affine form's terms and lse2 (`affine_scores_init`): `score_mod` is
+  a * x + R(q_idx) + C(kv_idx) with a fixed a (`mod_functions.affine_form`)
+  and no soft-cap's tanh needs the raw scores."""
   if score_mod is None or score.cap is not None:
     return False
-  form = mod_functions.affine_form(score_mod, decode_group)
+  form = mod_functions.affine_form(score_mod)
   return form is not None and form.factor is not None
-
-
-def _affine_fold_terms(score_fn, q_idx, kv_idx, score: scores.ScoreFunction, query_axis: int):
-  """(C, R2, m, k) of a tile under a score_mod that `folds_affine` admits:
-  C the key term (an `Along` the keys) or None; R2 the row term and the
-  mod's constant times log2(e) (an `Along` the queries, a scalar) or None;
-  m the factor of the raw scores in t = s * m + C (scale * a; 1 where the
-  mod has no C: the scale is then in c); k = c * m, so that the logits in
-  log2 units are k * (s + C / m) + R2."""
-  factor, key, rest = score_fn.affine_parts(q_idx, kv_idx, query_axis, scores.LOG2_E)
-  assert mod_functions.is_number(factor) and score.cap is None, "not an affine fold"
-  m = score.scale if score.has_score_mod else 1.0
-  return key, rest, m, score.exp2_constant * m
-
-
-def _key_start(key, m, shape):
-  """C / m broadcast over a tile of `shape` (C an `Along` the keys)."""
-  return lax.broadcast_in_dim(key.vector * jnp.float32(1.0 / m), shape, [key.axis])
-
-
-def affine_key_start(score_fn, q_idx, kv_idx, *, score: scores.ScoreFunction, query_axis: int):
-  """(start, row_offset, k) of a forward kernel's Q K^T tile under a
-  score_mod that `folds_affine` admits and that has a key term C
-  (`score.has_score_mod`): the accumulator starts at C / m (a vector along
-  the keys, broadcast: no op a score where it is the same for every block,
-  as ALiBi's offsets within the tile are), so that after the wgmma it holds
-  s + C / m and the softmax's logits are k * acc + row_offset (k = c * m in
-  its exp2 constant, `scores.online_softmax(row_offset=)`): the FMA a
-  score of `affine_logits` (t = s * m + C) is gone from after the wait.
-  row_offset: R and the mod's constant in log2 units, as `affine_logits`
-  gives it (a vector along `query_axis`, a scalar, or None): ops per row.
-
-  Rounding: R stays out of the accumulator (ALiBi's R = slope (q - k0) is
-  as large as the tile is far from the diagonal; in the sum with s its
-  rounding would be that of |R| / m at every score). C / m is rounded
-  twice (1 / m, the product) and s + C / m once more in the accumulator:
-  about 3 u |c C| in log2 P (u = 2^-24) where `affine_logits` rounds
-  s * m + C once; ALiBi's C is slope times the offset within the key tile
-  (`mod_functions.Positions`), |C| < slope * block_kv."""
-  key, rest, m, k = _affine_fold_terms(score_fn, q_idx, kv_idx, score, query_axis)
-  assert key is not None and score.has_score_mod, "no key term to start at"
-  start = _key_start(key, m, q_idx.shape)
-  row_offset = rest.vector if isinstance(rest, mod_functions.Along) else rest
-  return start, row_offset, k
 
 
 def affine_scores_init(score_fn, q_idx, kv_idx, lse2, *, score: scores.ScoreFunction,
@@ -195,14 +148,18 @@ def affine_scores_init(score_fn, q_idx, kv_idx, lse2, *, score: scores.ScoreFunc
   (`DkvConfig.fold_stats`: -lse2 / c). The two vectors are rounded once
   each before the add (as t and lse2 - R are today): an error of about
   2 u (|c C| + |R2 - lse2|) in log2 P, u = 2^-24."""
-  key, rest, m, k = _affine_fold_terms(score_fn, q_idx, kv_idx, score, query_axis)
+  factor, key, rest = score_fn.affine_parts(q_idx, kv_idx, query_axis, scores.LOG2_E)
+  assert mod_functions.is_number(factor) and score.cap is None, "not an affine fold"
+  m = score.scale if score.has_score_mod else 1.0
+  k = score.exp2_constant * m
   if rest is None:
     queries = -lse2
   else:
     queries = (rest.vector if isinstance(rest, mod_functions.Along) else rest) - lse2
   init = lax.broadcast_in_dim(queries * jnp.float32(1.0 / k), q_idx.shape, [query_axis])
   if key is not None:  # (has_score_mod: C is there)
-    init = init + _key_start(key, m, q_idx.shape)
+    init = init + lax.broadcast_in_dim(key.vector * jnp.float32(1.0 / m), q_idx.shape,
+                                       [key.axis])
   return init, k
 
 

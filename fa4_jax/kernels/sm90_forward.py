@@ -120,10 +120,8 @@ alone, a * x + R(q_idx) + C(kv_idx) (ALiBi, a bias per key, a constant:
 are s * (scale * a) + C, one FMA (or the raw s, a in the exp2 constant,
 without C), and R moves each row's running max, so the lse holds it
 (`_ConsumerTile.affine_logits`, `mod_tiles.affine_logits`); soft-capped,
-R joins the logits before the tanh. With `FOLD_AFFINE_SCORE_MOD` (off)
-the Q K^T accumulator starts at C / (scale * a) instead, and the logits'
-FMA leaves the scores (`_ConsumerTile.affine_key_start`). Such calls take
-one CTA per tile (`mods_config`). Without mods the kernel is unchanged
+R joins the logits before the tanh. Such calls take one CTA per tile
+(`mods_config`). Without mods the kernel is unchanged
 (`tools/kernel_fingerprints.py`).
 
 A value head dim of its own (`v` [B, S, Nkv, Dv], out [..., Dv]; 192 / 128
@@ -168,8 +166,7 @@ from fa4_jax.kernels.schedule import (PersistentWork, WorkQueue, fixed_shares_un
                                      heavy_first_tile, pairs_causal_tiles)
 from fa4_jax.kernels.schedule import sm_count as schedule_sm_count
 from fa4_jax.kernels import autotune
-from fa4_jax.kernels.mod_tiles import (affine_key_start, affine_logits, folds_affine,
-                                      kernel_score_function)
+from fa4_jax.kernels.mod_tiles import affine_logits, kernel_score_function
 from fa4_jax.kernels.sm90_tiles import (bound_mask_hook, id_ring, load_ids, mod_positions,
                                        padded_head_dim, where_visible)
 from fa4_jax.kernels.tiles import smem_tile, smem_transforms
@@ -228,18 +225,6 @@ FP8_DENSE_BLOCK_KV = 256
 # The accumulator's columns that hold the row sums (the narrowest wgmma N):
 # each holds the same sum, P times a column of ones.
 FP8_ROW_SUM_COLUMNS = 8
-
-# Calls whose score_mod is a * x + R(q_idx) + C(kv_idx) with a fixed a and a
-# key term C (ALiBi, a bias per key), without soft-cap or float8 descales
-# (`mod_tiles.folds_affine`): each Q K^T wgmma starts its accumulator at
-# C / (scale * a) instead of zero (`mod_tiles.affine_key_start`), so the
-# softmax reads s + C / m as a plain call reads s, with scale * a in its exp2
-# constant, and the FMA a score t = s * m + C after the wait is gone (the
-# backward's counterpart: `sm90_backward.FOLD_AFFINE_SCORE_MOD`). R stays an
-# op per row (`scores.online_softmax(row_offset=)`). Off until timed on a GPU
-# (bench_mod_costs.py, MOD_COSTS_FOLD_AFFINE_FORWARD; docs/performance-notes.md,
-# "The affine form in the forward's accumulator").
-FOLD_AFFINE_SCORE_MOD = False
 
 # SMs of an H100 SXM: the persistent grid's size where no GPU is present
 # (cross-lowering, the interpreter).
@@ -793,9 +778,6 @@ class ForwardStatics:
   # for float16 GEMMs (`dtype` is float16, the query converted); the logits
   # are scaled by the k descale and O by the v descale, written in `out_dtype`.
   kv_dtype: Any = None  # None: no float8 cache
-  # The Q K^T accumulator starts at an affine score_mod's key term
-  # (`FOLD_AFFINE_SCORE_MOD`, `folds_affine_key_term`).
-  fold_affine: bool = False
 
   @property
   def fp8_cache(self) -> bool:
@@ -1536,17 +1518,13 @@ class _ConsumerTile:
     block = self.ctx.kv_block(self.item, j)
     k_slot = bars.slot("k_full", step)
     k_tile = self.widened(self.ctx.refs.k_smem.at[k_slot], self.ctx.refs.k16_smem)
-    start = folded = None
-    if self.ctx.call.fold_affine:  # S starts at C / m (`FOLD_AFFINE_SCORE_MOD`)
-      start, *folded = self.affine_key_start(block)
-    s = self.qk(k_tile, start)
+    s = self.qk(k_tile)
     key_ids = self.key_ids(step) if masked else None
     if key_ids is None:
       bars.consumer_k_release(step)
     # else: released once the mask has read the keys' ids (`block_softmax`)
     p16, m_new, l, acc = self.softmax_and_hand_off(s, m, l, j, acc, masked=masked,
-                                                   key_ids=key_ids, block=block,
-                                                   folded=folded)
+                                                   key_ids=key_ids, block=block)
     v_slot = bars.slot("v_full", step)
     v_tile = self.widened(self.ctx.refs.v_smem.at[v_slot], self.ctx.refs.v16_smem)
     acc = self.p_times_v(acc, p16, v_tile, lambda: self.wait_next_k(j))
@@ -1689,10 +1667,8 @@ class _ConsumerTile:
     self.wait_next_k(j)
     return carry
 
-  def qk(self, k_tile, start=None):
-    """S = Q K^T against `k_tile` (f32, in a scoped accumulator); `start`
-    (an f32 tile in the WGMMA layout, or None: zero): start + Q K^T, the
-    wgmma accumulating onto it (`affine_key_start`)."""
+  def qk(self, k_tile):
+    """S = Q K^T against `k_tile` (f32, in a scoped accumulator)."""
     cfg = self.ctx.call.config
 
     def issue(s_ref):
@@ -1700,16 +1676,7 @@ class _ConsumerTile:
       self.ctx.bars.consumer_sync_turn()  # the other consumer's softmax ends here
       return s_ref[...]
 
-    if start is None:
-      return pl.run_scoped(issue, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
-    if self.ctx.call.interpreting:  # no run_state with wgmma there: add a fresh product
-      return start + pl.run_scoped(issue, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
-
-    def in_place(s_ref):  # (as `sm90_backward_common.mma_accumulate_smem`)
-      plgpu.wgmma(s_ref, self.q_tile, k_tile.transpose((1, 0)))
-      self.ctx.bars.consumer_sync_turn()
-
-    return pl.run_state(in_place)(plgpu.ACC.init(start))
+    return pl.run_scoped(issue, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
 
   def key_ids(self, step):
     """The slot holding the segment ids of the keys of `step` (beside its K
@@ -1718,7 +1685,7 @@ class _ConsumerTile:
       return None
     return self.ctx.refs.kv_ids_smem.at[self.ctx.bars.slot("k_full", step)]
 
-  def block_softmax(self, s, m, j, *, masked: bool, key_ids=None, block=None, folded=None):
+  def block_softmax(self, s, m, j, *, masked: bool, key_ids=None, block=None):
     """(P, new running max, alpha) for the logits of KV block j; with a
     fixed max (`ForwardStatics.fixed_max`) (P, m, None): nothing to rescale.
 
@@ -1736,19 +1703,11 @@ class _ConsumerTile:
     programmable scores' block lists). A `score_mod` runs on the scaled
     scores before the soft-cap, a `mask_mod` in the element mask of partial
     blocks (`modified_logits`, `mask_mod_hook`).
-
-    `folded`: (row offset, k) where `s` started at an affine score_mod's key
-    term (`affine_key_start`): s already holds s + C / m, and the logits in
-    log2 units are k * s + row offset.
     """
     call = self.ctx.call
     block = j if block is None else block
     row_offset = None  # a score_mod's terms along the rows (`affine_logits`)
-    c, masked_logit = call.exp2_scale, call.masked_logit
-    if folded is not None:
-      row_offset, c = folded
-      masked_logit = -jnp.inf if c >= 0 else jnp.inf
-    elif call.score_mod is None:
+    if call.score_mod is None:
       # (float8 with soft-cap: the descale scales the tanh's argument; without
       # it, c, below.)
       s = call.score.logits(s, self.logit_scale())
@@ -1764,7 +1723,7 @@ class _ConsumerTile:
       to_positions = self.decode_positions()
       if mask_mod is not None and to_positions is not None:
         mask_mod = lambda q_idx, kv_idx, hook=mask_mod: hook(*to_positions(q_idx, kv_idx))
-      s = where_visible(s, masked_logit, mask=call.mask, row_lo=self.q_lo,
+      s = where_visible(s, call.masked_logit, mask=call.mask, row_lo=self.q_lo,
                         col_lo=block * call.config.block_kv, keys_along_rows=False,
                         kv_len=kv_len, q_len=self.item.q_len, segments=segments,
                         mask_mod=mask_mod)
@@ -1775,7 +1734,7 @@ class _ConsumerTile:
     descale = None
     if self.qk_descale is not None and call.score.logits_are_raw_scores:
       descale = self.qk_descale  # folded into exp2_scale: no multiply per score
-    return online_softmax(s, m, c, descale, row_offset=row_offset)
+    return online_softmax(s, m, call.exp2_scale, descale, row_offset=row_offset)
 
   def logit_scale(self):
     """The factor of the raw logits before a score_mod or soft-cap: the
@@ -1809,14 +1768,6 @@ class _ConsumerTile:
     t, row_offset, _ = affine_logits(self.score_fn, s, q_idx, kv_idx, score=call.score,
                                      scale=self.logit_scale(), query_axis=0)
     return t, row_offset
-
-  def affine_key_start(self, block):
-    """(start, row offset, k) of key block `block`'s Q K^T accumulator under
-    `ForwardStatics.fold_affine` (`mod_tiles.affine_key_start`): it starts
-    at C / m, and the softmax's logits are k * acc + row offset."""
-    call, cfg = self.ctx.call, self.ctx.call.config
-    q_idx, kv_idx = self.score_mod_positions((cfg.block_q, cfg.block_kv), block)
-    return affine_key_start(self.score_fn, q_idx, kv_idx, score=call.score, query_axis=0)
 
   def modified_logits(self, s, block):
     """A tile of raw Q K^T logits of key block `block` through the scale and
@@ -1862,13 +1813,11 @@ class _ConsumerTile:
       plgpu.commit_smem()
     self.ctx.bars.consumer_k_release(self.ring_step(j))
 
-  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, key_ids=None, block=None,
-                           folded=None):
+  def softmax_and_hand_off(self, s, m, l, j, acc, *, masked: bool, key_ids=None, block=None):
     """Softmax of block j, O rescaled, the hand-off of the tensor core, and
     the row sums before or after it (`sum_before_handoff`)."""
     cfg = self.ctx.call.config
-    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block,
-                                         folded=folded)
+    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
     if alpha is not None:
       acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
     if self.ctx.call.fp8_p_in_registers:
@@ -2088,7 +2037,6 @@ def _build_kernel(
     fp8: bool = False,
     out_dtype=None,
     kv_dtype=None,
-    fold_affine: bool = False,
 ):
   cfg = config
   num_q_tiles = cdiv(q_seq, cfg.block_q_cta)
@@ -2104,7 +2052,7 @@ def _build_kernel(
                q_batch_divisor=q_batch_divisor, queue_counter=queue_counter, mods=mods,
                score_mod=score_mod, mask_mod=mask_mod, decode_group=decode_group,
                value_head_dim=None if value_head_dim == head_dim else value_head_dim,
-               fp8=fp8, out_dtype=out_dtype, kv_dtype=kv_dtype, fold_affine=fold_affine)
+               fp8=fp8, out_dtype=out_dtype, kv_dtype=kv_dtype)
 
   def kernel(*refs):  # Mosaic GPU names the kernel after this function
     _kernel(call, *refs)
@@ -2340,8 +2288,6 @@ def forward(q, k, v, q_lengths, kv_lengths, *, score: ScoreFunction, mask: MaskS
       **({} if mods is None or decode_group is None else dict(decode_group=decode_group)),
       **({} if not fp8 else dict(fp8=True, out_dtype=jnp.dtype(out_dtype or jnp.bfloat16))),
       **({} if not fp8_cache else dict(out_dtype=jnp.dtype(out_dtype), kv_dtype=k.dtype)),
-      **({} if not folds_affine_key_term(mods, score, decode_group, fp8 or fp8_cache)
-         else dict(fold_affine=True)),
   )
   call = build(config=config)
   if config.work_queue:
@@ -2447,19 +2393,6 @@ def check_value_head_dim(k_shape, v_shape, page_table, heads_major: bool) -> Non
   if v_shape[-1] != k_shape[-1] and (page_table is not None or heads_major):
     raise KernelUnsupported("sm90 forward: a value head dim of its own is not supported with "
                             "a page table or heads-major Q")
-
-
-def folds_affine_key_term(mods, score: ScoreFunction, decode_group: int | None,
-                          descaled: bool) -> bool:
-  """Whether a call's Q K^T accumulator starts at its score_mod's key term
-  (`FOLD_AFFINE_SCORE_MOD`): `mods` (a `scores.Scores` or None) has a
-  score_mod that `mod_tiles.folds_affine` admits (a fixed a, no soft-cap)
-  with a key term C (`score`, `kernel_score_function`'s, keeps the mod per
-  score: without C the logits are the raw scores already), and no float8
-  descale (`descaled`) multiplies the scores."""
-  if not FOLD_AFFINE_SCORE_MOD or mods is None or mods.score_mod is None or descaled:
-    return False
-  return score.has_score_mod and folds_affine(mods.score_mod, score, decode_group)
 
 
 def mods_config(config: ForwardConfig) -> ForwardConfig:
