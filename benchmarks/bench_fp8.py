@@ -60,8 +60,9 @@ intra-warpgroup overlap (`ForwardConfig.overlap_pv_with_softmax`: each
 consumer's P V wgmma runs beside its next block's softmax; issue #55) on
 the heuristic's config under `OVERLAP_BLOCKS` (columns `fp8 overlap kvN[
 sM][ no turns]`, and the serial controls `fp8 serial kv128[ no turns]`,
-`fp8 serial kv256`). Since 2026-12-07 `fp8` is itself the overlap on
-D128 dense and causal rows (`sm90_forward.FP8_OVERLAP_BLOCK_KV`).
+`fp8 serial kv256`, and three consumers without turns `fp8 serial kv128
+[s3 ]3 consumers`). Since 2026-12-08 `fp8` on D128 dense and causal rows
+is the three consumers (`sm90_forward.FP8_THREE_CONSUMERS`).
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
                                   [--paged-configs] [--row-sums] [--overlap] [--no-xla]

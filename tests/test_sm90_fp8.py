@@ -280,3 +280,30 @@ def test_fp8_three_consumers_without_turns_at_d128(run_interpreted, causal):
   got = run_interpreted(call, q8, k8, v8)
   want, v = dequantized_reference(q8, k8, v8, descales, causal=causal)
   assert_close_to_p_rounding(got, want, v)
+
+
+def test_the_heuristic_runs_three_consumers_on_dense_and_causal_d128_calls_only():
+  """`fp8_config` (H100-measured, `sm90_forward.FP8_THREE_CONSUMERS`): dense
+  and causal D128 calls at long lengths run three consumers without turns on
+  128-key blocks, two stages, serial; windows, segment ids, mods and other
+  head dims keep two consumers and their turns (not timed with three)."""
+  from fa4_jax.kernels import sm90_forward
+  from fa4_jax.scores import MaskSpec
+
+  def config(d, mask, segment_ids=False, mods=False, with_base=False):
+    base = sm90_forward.choose_config(d, mask, 8192, 8192, segment_ids=segment_ids)
+    chosen = sm90_forward.fp8_config(base, mask, d, d, segment_ids, mods)
+    return (chosen, base) if with_base else chosen
+
+  dense, causal = config(128, MaskSpec()), config(128, MaskSpec(right=0))
+  bottom_right = config(128, MaskSpec(right=0, offset_from_lengths=True))
+  for c in (dense, causal, bottom_right):
+    assert (c.num_consumers, c.pingpong, c.block_kv, c.num_kv_stages) == (3, False, 128, 2)
+    assert c.consumer_registers == 160 and not c.overlap_pv_with_softmax
+  two = [dict(d=128, mask=MaskSpec(left=256, right=0)),
+         dict(d=128, mask=MaskSpec(), segment_ids=True),
+         dict(d=128, mask=MaskSpec(), mods=True), dict(d=128, mask=MaskSpec(right=0), mods=True),
+         dict(d=64, mask=MaskSpec()), dict(d=256, mask=MaskSpec(right=0))]
+  for case in two:
+    chosen, base = config(**case, with_base=True)
+    assert chosen.num_consumers == base.num_consumers and chosen.pingpong == base.pingpong, case

@@ -151,32 +151,6 @@ def test_overlap_with_a_sliding_window(run_interpreted):
   assert_close_to_p_rounding(got, want, v)
 
 
-def test_the_heuristic_overlaps_dense_and_causal_d128_calls_only():
-  """`fp8_config` (H100-measured, `sm90_forward.FP8_OVERLAP_BLOCK_KV`): dense
-  and causal D128 calls overlap on 128-key blocks, two stages, causal ones
-  without the consumers' turns; windows, segment ids, mods and other head
-  dims keep the serial schedule (not timed with the overlap), and mods keep
-  their turns (the overlap ignores a call with mods, and serial without
-  turns lost: 791 against 904 TFLOP/s causal)."""
-  def config(d, mask, segment_ids=False, mods=False, with_base=False):
-    base = sm90_forward.choose_config(d, mask, 8192, 8192, segment_ids=segment_ids)
-    chosen = sm90_forward.fp8_config(base, mask, d, d, segment_ids, mods)
-    return (chosen, base) if with_base else chosen
-
-  dense, causal = config(128, MaskSpec()), config(128, MaskSpec(right=0))
-  bottom_right = config(128, MaskSpec(right=0, offset_from_lengths=True))
-  for c in (dense, causal, bottom_right):
-    assert c.overlap_pv_with_softmax and (c.block_kv, c.num_kv_stages) == (128, 2)
-  assert dense.pingpong and not causal.pingpong and not bottom_right.pingpong
-  serial = [dict(d=128, mask=MaskSpec(left=256, right=0)),
-            dict(d=128, mask=MaskSpec(), segment_ids=True),
-            dict(d=128, mask=MaskSpec(), mods=True), dict(d=128, mask=MaskSpec(right=0), mods=True),
-            dict(d=64, mask=MaskSpec()), dict(d=256, mask=MaskSpec(right=0))]
-  for case in serial:
-    chosen, base = config(**case, with_base=True)
-    assert not chosen.overlap_pv_with_softmax and chosen.pingpong == base.pingpong, case
-
-
 def test_overlap_with_soft_cap_bottom_right_causal_and_key_lengths(run_interpreted):
   """The heuristic's causal config (no turns) on what it also serves at long
   lengths: a soft-cap (its tanh in the overlapped softmax), queries aligned

@@ -20,8 +20,8 @@ FA3's intra-warpgroup overlap (the softmax of block j while O += P_{j-1}
 V_{j-1} runs), a back-to-back issue of both GEMMs and P staged through SMEM
 all measured slower on an H100 (docs/performance-notes.md) and were removed;
 commit dcef065 still has them. In float8, with P in registers, the overlap
-wins and is the D128 default (`ForwardConfig.overlap_pv_with_softmax`,
-`FP8_OVERLAP_BLOCK_KV`).
+beat the serial schedule on two consumers, and three consumers without
+turns beat both: they are the D128 default (`FP8_THREE_CONSUMERS`).
 
 Every barrier, who arrives on it and who waits on it is declared once in
 `ForwardBarrierTable` (the form of `fa4_jax.kernels.pipeline.BarrierTable`).
@@ -205,17 +205,19 @@ FP8_P_DTYPE = jnp.float8_e4m3fn
 # FADDs.
 FP8_ROW_SUMS_HEAD_DIMS = (128,)
 # Issue #55: float8 calls at those head dims, dense or causal, without
-# segment ids or mods, take FA3's intra-warpgroup overlap
-# (`ForwardConfig.overlap_pv_with_softmax`) on 128-key blocks, two stages;
-# causal ones without the consumers' turns. H100, 2026-12-07, GQA 32/8 e4m3
-# (`bench_fp8.py --overlap`, CUPTI, three runs of B2 S8192, one of B1
-# S16384), TFLOP/s against the serial default: dense 976-984 against
-# 940-942 (256-key blocks), B1 S16384 1009 against 933; causal without
-# turns 933-937 against 904-916, B1 S16384 987 against 968 (with turns
-# 887-905 / 975). Calls the heuristic gives the persistent grid keep the
-# serial schedule (not timed with it): at D128 dense below about 3.3k keys,
+# segment ids or mods, run three consumers without turns (192-row CTAs, 160
+# registers each) on 128-key blocks, two stages, serial
+# (`FP8_THREE_CONSUMERS`). H100, 2026-12-08, GQA 32/8 e4m3 (`bench_fp8.py
+# --overlap`, CUPTI, one process per command), TFLOP/s against FA3's
+# intra-warpgroup overlap, the default before (bf16 in brackets): B2 S8192
+# dense 1141 against 985 (710), causal 986 against 910-938 (681); B1 S16384
+# dense 1144 against 1009 (683), causal 1062 against 976-995 (706). The
+# outputs equal the overlap's bit for bit. Three stages lost (1018 / 928).
+# Calls the heuristic gives the persistent grid keep the two-consumer serial
+# schedule (not timed with three): at D128 dense below about 3.3k keys,
 # causal below 6k.
-FP8_OVERLAP_BLOCK_KV = 128
+FP8_THREE_CONSUMERS = dict(block_kv=128, num_kv_stages=2, num_consumers=3, pingpong=False,
+                           producer_registers=24, consumer_registers=160)
 # Keys per block of dense float8 calls at those head dims that the overlap
 # does not take (with mods; two stages):
 # with the row sums on the tensor core 256-key blocks run without spills in
@@ -311,9 +313,9 @@ class ForwardConfig:
   # wgmma runs; then it waits for O, rescales it by alpha_j and keeps P_j
   # (packed) for the next block. The first block of a consumer's range only
   # computes P, the last P V runs after the walk (`_ConsumerTile.
-  # walk_overlapped`). `fp8_config` sets it at D128, dense and causal
-  # (`FP8_OVERLAP_BLOCK_KV`, measured); commit dcef065 has the bfloat16
-  # schedule that lost to serialized wgmmas.
+  # walk_overlapped`). `fp8_config` set it at D128, dense and causal, until
+  # `FP8_THREE_CONSUMERS` beat it (2026-12-08); commit dcef065 has the
+  # bfloat16 schedule that lost to serialized wgmmas.
   overlap_pv_with_softmax: bool = False
   # A float8 cache under a 16-bit query only (`ForwardStatics.fp8_cache`,
   # issue #55): the two consumers compute the same `block_q` rows (a CTA
@@ -2335,17 +2337,16 @@ def fp8_config(config: ForwardConfig, mask: MaskSpec, d: int, dv: int,
   GEMMs take half their bfloat16 time and the hand-off sits between them and
   the softmax (measured: the performance notes, "P in registers"). Dense
   and causal calls at `FP8_ROW_SUMS_HEAD_DIMS` without segment ids or `mods`
-  overlap each consumer's P V with its next softmax (`FP8_OVERLAP_BLOCK_KV`)."""
+  run three consumers (`FP8_THREE_CONSUMERS`)."""
   row_sums = d in FP8_ROW_SUMS_HEAD_DIMS
   config = dataclasses.replace(config, fp8_p_in_registers=True, sum_before_handoff=False,
                                fp8_row_sums_on_tensor_core=row_sums)
   if row_sums and not segment_ids and not config.persistent:
     if (mask.is_dense or mask.is_causal) and not mods:
-      overlapped = dataclasses.replace(config, block_kv=FP8_OVERLAP_BLOCK_KV, num_kv_stages=2,
-                                       overlap_pv_with_softmax=True, pingpong=mask.is_dense)
-      if overlapped.fits_smem(d, 2, segment_ids, dv, fp8=True):
-        return overlapped
-    if mask.is_dense:  # with mods (or where the overlap does not fit)
+      three = dataclasses.replace(config, **FP8_THREE_CONSUMERS)
+      if three.fits_smem(d, 2, segment_ids, dv, fp8=True):
+        return three
+    if mask.is_dense:  # with mods (or where three consumers do not fit)
       wide = dataclasses.replace(config, block_kv=FP8_DENSE_BLOCK_KV, num_kv_stages=2)
       if wide.fits_smem(d, 2, segment_ids, dv, fp8=True):
         return wide
