@@ -28,8 +28,8 @@ pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
 @pytest.mark.parametrize("split_keys", [False, True], ids=["one_consumer", "split_keys"])
 def test_float8_cache_decode_at_scale(b, s, n, kv_heads, d, cache_dtype, split_keys,
                                       monkeypatch):
-  """`split_keys`: `sm90_decode.FP8_CACHE_SPLIT_KEYS` (issue #55's candidate,
-  off by default): two consumers on halves of each CTA's key blocks."""
+  """`split_keys`: `sm90_decode.FP8_CACHE_SPLIT_KEYS` (issue #55, on by default
+  since 2026-12-08): two consumers on halves of each CTA's key blocks."""
   from fa4_jax.kernels import sm90_decode
 
   monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", split_keys)

@@ -80,9 +80,10 @@ def assert_close(got, want, v):
 
 @pytest.fixture(params=[False, True], ids=["one consumer", "split keys"])
 def split_keys(request, monkeypatch):
-  """`sm90_decode.FP8_CACHE_SPLIT_KEYS` off (today's plan) and on (issue #55's
-  candidate: two consumers on halves of each CTA's key blocks, merged at the
-  end, `ForwardConfig.consumers_split_keys`), for the float8 decode's tests."""
+  """`sm90_decode.FP8_CACHE_SPLIT_KEYS` off (one consumer on every block) and
+  on (the default since 2026-12-08: two consumers on halves of each CTA's
+  key blocks, merged at the end, `ForwardConfig.consumers_split_keys`), for
+  the float8 decode's tests."""
   monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", request.param)
   jax.clear_caches()  # no trace of the other plan for the same shapes
   return request.param
@@ -167,12 +168,13 @@ def test_the_float8_decode_plan_matches_the_dequantized_reference(run_interprete
   _decode_matches_the_dequantized_reference(run_interpreted, config, lengths, seed=11)
 
 
-def test_a_float8_cache_at_head_dim_64_plans_two_ctas_an_sm(run_interpreted):
-  """At D64 the float8 plan doubles the splits and runs one consumer at 128
-  registers on four 64-key slots, so that two CTAs fit an SM (65536
-  registers of 256 threads each; SMEM twice over): B8 T1 S32768 H32/8 and
-  MQA B16 S16384 H8/1, the rows an H100 measured. The config reads the
-  cache right (interpreter)."""
+def test_a_float8_cache_at_head_dim_64_plans_two_ctas_an_sm(run_interpreted, monkeypatch):
+  """With split keys off, at D64 the float8 plan doubles the splits and runs
+  one consumer at 128 registers on four 64-key slots, so that two CTAs fit
+  an SM (65536 registers of 256 threads each; SMEM twice over): B8 T1
+  S32768 H32/8 and MQA B16 S16384 H8/1, the rows an H100 measured. The
+  config reads the cache right (interpreter)."""
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", False)
   for q_shape, k_shape, splits in (((8, 1, 32, 64), (8, 32768, 8, 64), 4),
                                    ((16, 1, 8, 64), (16, 16384, 1, 64), 16)):
     plan = sm90_decode.plan(q_shape, k_shape, MaskSpec(), num_sms=132, fp8_cache=True)

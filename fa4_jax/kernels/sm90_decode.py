@@ -118,15 +118,20 @@ AS_SWITCHED = "as switched"
 # spill. H100, 2026-12-07 (same run as above): the contiguous float8 cache
 # 5.07 / 5.10 TB/s (T1 / T16 causal) at 256 against 4.98 / 4.84 at 224.
 FP8_CACHE_CONSUMER_REGISTERS = 256
-# A candidate, off until a GPU times it (issue #55, branch h55d): True gives
-# the float8-cache decode (up to 64 packed rows, head dims up to 128) two
-# consumers that split each CTA's key blocks in halves and merge at the end
-# (`sm90_forward.ForwardConfig.consumers_split_keys`,
+# Issue #55: the float8-cache decode (up to 64 packed rows, head dims up to
+# 128) runs two consumers that split each CTA's key blocks in halves and
+# merge at the end (`sm90_forward.ForwardConfig.consumers_split_keys`,
 # `fp8_cache_split_keys_config`), instead of one consumer that widens,
 # multiplies and runs the softmax of every block in series; at D64 it
-# replaces the two-CTA plan. Not measured: the performance notes, "Float8
-# cache decode: widening beside the consumer".
-FP8_CACHE_SPLIT_KEYS = False
+# replaces the two-CTA plan. H100, 2026-12-08 (`bench_fp8.py --only decode
+# --decode-configs`, CUPTI, one round; TB/s of the bf16 cache's bytes, H32/8,
+# bf16 query, e4m3 cache): B8 S32768 D128 5.63 against 5.05 for one consumer
+# (bf16 cache 3.19); B64 S4096 D128 5.30 against 4.89 (3.15); B1 S131072
+# D128 5.21 against 4.69 (3.10); B8 S32768 D64 4.25 against 3.68 with two
+# CTAs an SM (3.04). Pages take the same config (GPU-tested at T1 and T16,
+# not timed). The performance notes: "Float8 cache decode: widening beside
+# the consumer".
+FP8_CACHE_SPLIT_KEYS = True
 # Each of the two consumers' registers under FP8_CACHE_SPLIT_KEYS: 24 + 2 x
 # 240 of the 512 a thread of three warpgroups may hold (`check_register_split`).
 FP8_CACHE_SPLIT_KEYS_REGISTERS = 240
