@@ -344,6 +344,7 @@ def test_float8_pages_under_the_contiguous_plan_match_the_xla_path(run_interpret
   (4 splits of 64 keys, 64-key blocks of four pages), D128 one consumer on
   128-key blocks (2 splits; chunks of 128 keys take the forward's persistent
   grid there, as the contiguous cache does); T = 4 is causal bottom-right."""
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", False)  # the one-consumer plan
   from fa4_jax import backends
   from fa4_jax.validation import validate_paged
 
@@ -432,13 +433,14 @@ def test_a_float8_cache_fits_the_decode_arrangements_persistent_grid(cross_lower
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
 
 
-def test_a_float8_cache_decodes_on_every_sm_with_one_consumer_and_a_deep_ring(cross_lower):
+def test_a_float8_cache_decodes_on_every_sm_with_one_consumer_and_a_deep_ring(cross_lower, monkeypatch):
   """B8 T1 S32768 H32/8 D128 (issue #55): the 16-bit call's plan, shrunk
   for the widened tiles, read 32 KiB of float8 in flight per CTA on the
   H100's 64 streaming CTAs; the float8 plan takes a CTA per SM (2 chunks,
   128 CTAs) with one consumer (the 4 packed rows fill none of a second
   one's) on four 128-key slots (`sm90_decode.fp8_cache_decode_config`), and it
   must lower within SMEM. The 16-bit plan is unchanged."""
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", False)  # the one-consumer plan
   from fa4_jax.kernels import device_tables
 
   q_spec = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
@@ -554,6 +556,7 @@ def test_float8_pages_take_the_float8_decode_config(cross_lower, monkeypatch, t)
   the chunk), which must lower within SMEM as it is (the H200 read T = 1 at
   4.42 TB/s of bf16 bytes, against 3.77 under the 16-bit config the kernel
   shrank). bfloat16 pages keep their plan."""
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", False)  # the one-consumer plan
   from fa4_jax.backends import paged_decode_plan
 
   # The ragged plan, whatever the default (`FP8_PAGES_SPLITS_FACTOR`, issue #55).
@@ -591,6 +594,7 @@ def test_float8_pages_under_the_switches_take_the_contiguous_plan_and_lower(cros
   256` (the defaults since the H100 run of 2026-12-07, pinned): pages take the contiguous float8 cache's plan (2 chunks, a CTA per
   item on 128 of 132 SMs, one consumer on four 128-key slots) with the
   consumer on 256 registers, and the call lowers within SMEM."""
+  monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", False)  # the one-consumer plan
   from fa4_jax.backends import paged_decode_plan
 
   monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", 1)
