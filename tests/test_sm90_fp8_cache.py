@@ -433,7 +433,8 @@ def test_a_float8_cache_fits_the_decode_arrangements_persistent_grid(cross_lower
   assert max(lowered.smem_bytes) <= sm90_forward.SMEM_LIMIT_BYTES
 
 
-def test_a_float8_cache_decodes_on_every_sm_with_one_consumer_and_a_deep_ring(cross_lower, monkeypatch):
+def test_a_float8_cache_decodes_on_every_sm_with_one_consumer_and_a_deep_ring(cross_lower,
+                                                                           monkeypatch):
   """B8 T1 S32768 H32/8 D128 (issue #55): the 16-bit call's plan, shrunk
   for the widened tiles, read 32 KiB of float8 in flight per CTA on the
   H100's 64 streaming CTAs; the float8 plan takes a CTA per SM (2 chunks,
