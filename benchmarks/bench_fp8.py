@@ -50,19 +50,20 @@ config (`sm90_forward.fp8_config`) with the row sums on the tensor core
 (column `fp8 row sums on tc`: `ForwardConfig.fp8_row_sums_on_tensor_core`,
 issue #55), beside `fp8` (the same config with the sums by FADDs while
 they are off: at head dims outside `FP8_ROW_SUMS_HEAD_DIMS`; at D128,
-where they are the default, this column is the serial schedule and `fp8`
-the overlapped one since 2026-12-07), and on dense D128 rows the same with
+where they are the default, this column is two consumers' serial schedule
+with turns and `fp8` three consumers since 2026-12-08), and on dense D128 rows the same with
 192 and 256 keys per block (`fp8 row sums on tc kvN`, `ROW_SUM_BLOCKS`). `--no-xla` drops the XLA column (the
 slowest to compile and run); `max_abs_diff` is then taken against `fp8`.
 
-`--overlap` adds, on D128 prefill rows, the float8 kernel with FA3's
-intra-warpgroup overlap (`ForwardConfig.overlap_pv_with_softmax`: each
-consumer's P V wgmma runs beside its next block's softmax; issue #55) on
-the heuristic's config under `OVERLAP_BLOCKS` (columns `fp8 overlap kvN[
-sM][ no turns]`, and the serial controls `fp8 serial kv128[ no turns]`,
-`fp8 serial kv256`, and three consumers without turns `fp8 serial kv128
-[s3 ]3 consumers`). Since 2026-12-08 `fp8` on D128 dense and causal rows
-is the three consumers (`sm90_forward.FP8_THREE_CONSUMERS`).
+`--overlap` adds, on D128 prefill rows, the float8 kernel's serial
+schedules on the heuristic's config under `SERIAL_BLOCKS` (columns `fp8
+serial kv128[ no turns]`, `fp8 serial kv256`, and three consumers without
+turns `fp8 serial kv128 [s3 ]3 consumers`; issue #55). Since 2026-12-08
+`fp8` on D128 dense and causal rows is the three consumers
+(`sm90_forward.FP8_THREE_CONSUMERS`). The flag's name is that of FA3's
+intra-warpgroup overlap, whose columns (`fp8 overlap kvN[ sM][ no turns]`)
+left with it: it lost to three consumers on every row (the performance
+notes; commit 0180d5c is the last to have it).
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
                                   [--paged-configs] [--row-sums] [--overlap] [--no-xla]
@@ -214,7 +215,7 @@ def row_sum_columns(q8, k8, v8, descales, d, causal):
   mask, _ = bench_common.case_mask(causal, None)
   base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
                                  mask, d, d, False)
-  # serial, as when these columns were measured (the overlap came after them)
+  # two consumers with turns, as when these columns were measured
   base = dataclasses.replace(base, fp8_row_sums_on_tensor_core=True, **_SERIAL)
   configs = {"fp8 row sums on tc": base}
   if d == 128 and not causal:
@@ -232,40 +233,24 @@ def row_sum_columns(q8, k8, v8, descales, d, causal):
   return columns
 
 
-# `--overlap` (issue #55): FA3's intra-warpgroup overlap
-# (`ForwardConfig.overlap_pv_with_softmax`) on the heuristic's float8 config
-# (row sums on the tensor core at D128), D128 prefill rows. Local ptxas 13.0
-# (tools/fp8_sass_counts.py --set overlap_pv_with_softmax=1 --set block_kv=N
-# --set num_kv_stages=M, B2 S8192 H32/8): 128-key blocks, two or three
-# stages, no spill and no wgmma serialized, dense and causal; 192-key blocks
-# none in the unmasked loop but 22-24 spill loads in the masked one (the
-# length-edge block; causal rows 106, so dense only); 256-key blocks (the
-# heuristic's dense blocks) spill in the main loop and serialize: left out.
-# Without the consumers' turns (`pingpong=False`, "no turns") each
-# consumer's own softmax still overlaps its P V, and the two softmaxes may
-# run at once; same local figures (128-key blocks: no spill). Since
-# 2026-12-07 the heuristic's D128 config is the overlap (dense: "fp8
-# overlap kv128", causal: "fp8 overlap kv128 no turns"); the `serial`
-# columns are the controls, "fp8 serial kv256" the dense default before it.
-# Entries: label -> (changes to the heuristic's float8 config, on causal
-# rows too); each sets the overlap and the turns itself.
-_SERIAL = dict(overlap_pv_with_softmax=False, pingpong=True)
-_OVERLAP = dict(overlap_pv_with_softmax=True, pingpong=True)
-_SERIAL_NO_TURNS = dict(_SERIAL, pingpong=False)
-_OVERLAP_NO_TURNS = dict(_OVERLAP, pingpong=False)
-OVERLAP_BLOCKS = {
+# `--overlap` (issue #55): the float8 kernel's serial schedules on the
+# heuristic's float8 config (row sums on the tensor core at D128), D128
+# prefill rows. "fp8 serial kv256" is the dense default before 2026-12-07;
+# from then until 2026-12-08 the default was FA3's intra-warpgroup overlap
+# on 128-key blocks (its columns left with it, last in 0180d5c), since then
+# "fp8 serial kv128 3 consumers". Without the consumers' turns
+# (`pingpong=False`, "no turns") the softmaxes may run at once. Entries:
+# label -> (changes to the heuristic's float8 config, on causal rows too);
+# each sets the turns itself.
+_SERIAL = dict(pingpong=True)
+_SERIAL_NO_TURNS = dict(pingpong=False)
+SERIAL_BLOCKS = {
     "fp8 serial kv256": (dict(block_kv=256, num_kv_stages=2, **_SERIAL), False),
     "fp8 serial kv128": (dict(block_kv=128, num_kv_stages=2, **_SERIAL), True),
-    "fp8 overlap kv128": (dict(block_kv=128, num_kv_stages=2, **_OVERLAP), True),
-    "fp8 overlap kv128 s3": (dict(block_kv=128, num_kv_stages=3, **_OVERLAP), True),
-    "fp8 overlap kv192": (dict(block_kv=192, num_kv_stages=2, **_OVERLAP), False),
     "fp8 serial kv128 no turns": (dict(block_kv=128, num_kv_stages=2, **_SERIAL_NO_TURNS), True),
-    "fp8 overlap kv128 no turns": (dict(block_kv=128, num_kv_stages=2, **_OVERLAP_NO_TURNS),
-                                   True),
     # Three consumers, serial, no turns (192-row CTAs at 160 registers): local
     # ptxas, B2 S8192: dense 411 instructions a block, no spill; causal spills
-    # 11 loads in the masked loop only. With the overlap they spill and
-    # serialize: left out. (The notes: "A model that fits".)
+    # 11 loads in the masked loop only. (The notes: "A model that fits".)
     "fp8 serial kv128 3 consumers": (dict(block_kv=128, num_kv_stages=2, num_consumers=3,
                                           producer_registers=24, consumer_registers=160,
                                           **_SERIAL_NO_TURNS), True),
@@ -276,10 +261,9 @@ OVERLAP_BLOCKS = {
 }
 
 
-def overlap_columns(q8, k8, v8, descales, d, causal):
-  """`fp8 overlap ...`: the heuristic's float8 config with the P V wgmma
-  overlapped with the next block's softmax, and the serial controls, under
-  `OVERLAP_BLOCKS`."""
+def serial_columns(q8, k8, v8, descales, d, causal):
+  """`fp8 serial ...`: the heuristic's float8 config under each of
+  `SERIAL_BLOCKS`."""
   import dataclasses
 
   from fa4_jax.kernels import sm90_forward
@@ -290,7 +274,7 @@ def overlap_columns(q8, k8, v8, descales, d, causal):
   base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
                                  mask, d, d, False)
   columns = {}
-  for label, (changes, with_causal) in OVERLAP_BLOCKS.items():
+  for label, (changes, with_causal) in SERIAL_BLOCKS.items():
     config = dataclasses.replace(base, **changes)
     if (causal and not with_causal) or not config.fits_smem(d, 2, False, d, fp8=True):
       continue
@@ -633,7 +617,7 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
     if row_sums:
       calls.update(row_sum_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     if overlap:
-      calls.update(overlap_columns(q8, k8, v8, (qd, kd, vd), d, causal))
+      calls.update(serial_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     served = traced(lambda q8, k8, v8, qd, kd, vd: fa4_jax.which_implementation(
         q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
         q8, k8, v8, qd, kd, vd)
@@ -734,9 +718,8 @@ def add_arguments(ap):
                   help="prefill rows: also the float8 kernel with the row sums on the tensor "
                        "core (ForwardConfig.fp8_row_sums_on_tensor_core)")
   ap.add_argument("--overlap", action="store_true",
-                  help="D128 prefill rows: also the float8 kernel with the P V wgmma overlapped "
-                       "with the next block's softmax (ForwardConfig.overlap_pv_with_softmax), "
-                       "under OVERLAP_BLOCKS")
+                  help="D128 prefill rows: also the float8 kernel's serial schedules (two "
+                       "consumers with and without turns, three consumers) under SERIAL_BLOCKS")
   ap.add_argument("--no-xla", action="store_true",
                   help="leave out the XLA column (max_abs_diff then against `fp8`)")
 

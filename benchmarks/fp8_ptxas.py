@@ -121,7 +121,7 @@ def main() -> None:
   ap.add_argument("--d64-registers", default="24/128",
                   help="PRODUCER/CONSUMER registers for extra D64 candidate rows ('' for none)")
   ap.add_argument("--overlap", action="store_true",
-                  help="prefill rows: bench_fp8.py --overlap's columns (OVERLAP_BLOCKS) "
+                  help="prefill rows: bench_fp8.py --overlap's columns (SERIAL_BLOCKS) "
                        "instead of CONFIG_CANDIDATES")
   args = ap.parse_args()
   from fa4_jax.target import gpu_target
