@@ -29,11 +29,10 @@ rows, the decode arrangement on the float8 cache under each of
 config; `16-bit plan` is the plan before the float8 rules of
 `sm90_decode.plan(fp8_cache=True)`, i.e. the former default), so that one
 run puts the grids side by side with the bf16 call and the `fp8` column
-(the default plan); `fp8 dec split keys` (every decode row) is the
-candidate `sm90_decode.FP8_CACHE_SPLIT_KEYS` (issue #55: two consumers on
-halves of each CTA's key blocks); on the D64 rows, `D64_CANDIDATES` (two CTAs an SM:
-docs/performance-notes.md, "The D64 float8 decode: a model"). On paged
-rows it adds `fp8 paged dec 16-bit plan`:
+(the default plan: two consumers on halves of each CTA's key blocks since
+2026-12-08, issue #55; the one-consumer and two-CTAs-an-SM candidates it
+beat left with their configs, last in 0180d5c). On paged rows it adds
+`fp8 paged dec 16-bit plan`:
 float8 pages under their former plan (`paged_plan_columns`).
 
 `--paged-configs` adds, on paged rows, float8 pages under each of
@@ -50,19 +49,20 @@ config (`sm90_forward.fp8_config`) with the row sums on the tensor core
 (column `fp8 row sums on tc`: `ForwardConfig.fp8_row_sums_on_tensor_core`,
 issue #55), beside `fp8` (the same config with the sums by FADDs while
 they are off: at head dims outside `FP8_ROW_SUMS_HEAD_DIMS`; at D128,
-where they are the default, this column is the serial schedule and `fp8`
-the overlapped one since 2026-12-07), and on dense D128 rows the same with
+where they are the default, this column is two consumers' serial schedule
+with turns and `fp8` three consumers since 2026-12-08), and on dense D128 rows the same with
 192 and 256 keys per block (`fp8 row sums on tc kvN`, `ROW_SUM_BLOCKS`). `--no-xla` drops the XLA column (the
 slowest to compile and run); `max_abs_diff` is then taken against `fp8`.
 
-`--overlap` adds, on D128 prefill rows, the float8 kernel with FA3's
-intra-warpgroup overlap (`ForwardConfig.overlap_pv_with_softmax`: each
-consumer's P V wgmma runs beside its next block's softmax; issue #55) on
-the heuristic's config under `OVERLAP_BLOCKS` (columns `fp8 overlap kvN[
-sM][ no turns]`, and the serial controls `fp8 serial kv128[ no turns]`,
-`fp8 serial kv256`, and three consumers without turns `fp8 serial kv128
-[s3 ]3 consumers`). Since 2026-12-08 `fp8` on D128 dense and causal rows
-is the three consumers (`sm90_forward.FP8_THREE_CONSUMERS`).
+`--overlap` adds, on D128 prefill rows, the float8 kernel's serial
+schedules on the heuristic's config under `SERIAL_BLOCKS` (columns `fp8
+serial kv128[ no turns]`, `fp8 serial kv256`, and three consumers without
+turns `fp8 serial kv128 [s3 ]3 consumers`; issue #55). Since 2026-12-08
+`fp8` on D128 dense and causal rows is the three consumers
+(`sm90_forward.FP8_THREE_CONSUMERS`). The flag's name is that of FA3's
+intra-warpgroup overlap, whose columns (`fp8 overlap kvN[ sM][ no turns]`)
+left with it: it lost to three consumers on every row (the performance
+notes; commit 0180d5c is the last to have it).
 
   python3 benchmarks/bench_fp8.py [--only decode] [--rounds 3] [--configs] [--decode-configs]
                                   [--paged-configs] [--row-sums] [--overlap] [--no-xla]
@@ -113,27 +113,23 @@ def page_of(case) -> int:
 
 # How float8 pages are cut (`--paged-configs`): rule -> (`sm90_decode.plan`'s
 # `fp8_pages_factor` (`sm90_decode.FP8_PAGES_SPLITS_FACTOR`), changes to the
-# plan's config). Factor None: the ragged plan (16 splits on the forward's
-# persistent grid at B8 S32k; the default until 2026-12-07); 1: the
-# contiguous float8 cache's plan (2 splits, a CTA per item; the default
-# since); 2 and 8: that with up to 2x / 8x its splits, a CTA per item
-# (ragged rows' balance; x8 is the ragged plan's 16 splits without the
-# persistent grid). Registers: the consumer's, 224 (the default until
-# 2026-12-07) or 256 (`sm90_decode.FP8_CACHE_CONSUMER_REGISTERS` since; local
-# ptxas: no spill left in the contiguous plan's key loops, a few in the
-# persistent grid's). The page-16 rows take PAGE16_RULES, the others all;
-# CONTIGUOUS_TWINS are also timed on the contiguous cache (page-64 full
-# rows). A rule whose plan is the default's is printed, not timed twice.
+# plan's config). Factor None: the ragged plan (16 splits at B8 S32k; on the
+# forward's persistent grid until 2026-12-08); 1: the contiguous float8
+# cache's plan (2 splits, a CTA per item; the default since 2026-12-07); 2
+# and 8: that with up to 2x / 8x its splits, a CTA per item (ragged rows'
+# balance). The runs of 2026-12-07 also varied the one consumer's registers
+# (224, 256), a config that left the code (last in 0180d5c). The page-16
+# rows take PAGE16_RULES, the others all; CONTIGUOUS_TWINS are also timed on
+# the contiguous cache (page-64 full rows). A rule whose plan is the
+# default's is printed, not timed twice.
 PAGED_RULES = {
-    "ragged persistent": (None, dict(consumer_registers=224)),
-    "ragged persistent regs 256": (None, dict(consumer_registers=256)),
-    "contiguous plan": (1, dict(consumer_registers=224)),
-    "contiguous plan regs 256": (1, dict(consumer_registers=256)),
-    "contiguous plan x2 regs 256": (2, dict(consumer_registers=256)),
-    "contiguous plan x8 regs 256": (8, dict(consumer_registers=256)),
+    "ragged": (None, None),
+    "contiguous plan": (1, None),
+    "contiguous plan x2": (2, None),
+    "contiguous plan x8": (8, None),
 }
-PAGE16_RULES = ("contiguous plan", "contiguous plan regs 256", "contiguous plan x2 regs 256")
-CONTIGUOUS_TWINS = ("contiguous plan regs 256", "contiguous plan x2 regs 256")
+PAGE16_RULES = ("contiguous plan", "contiguous plan x2")
+CONTIGUOUS_TWINS = ("contiguous plan", "contiguous plan x2")
 # The row every decode candidate runs on (`--decode-configs`): issue #55's.
 CASES_DECODE_FIRST = "decode B8 T1 S32768 H32/8 D128"
 
@@ -214,7 +210,7 @@ def row_sum_columns(q8, k8, v8, descales, d, causal):
   mask, _ = bench_common.case_mask(causal, None)
   base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
                                  mask, d, d, False)
-  # serial, as when these columns were measured (the overlap came after them)
+  # two consumers with turns, as when these columns were measured
   base = dataclasses.replace(base, fp8_row_sums_on_tensor_core=True, **_SERIAL)
   configs = {"fp8 row sums on tc": base}
   if d == 128 and not causal:
@@ -232,40 +228,24 @@ def row_sum_columns(q8, k8, v8, descales, d, causal):
   return columns
 
 
-# `--overlap` (issue #55): FA3's intra-warpgroup overlap
-# (`ForwardConfig.overlap_pv_with_softmax`) on the heuristic's float8 config
-# (row sums on the tensor core at D128), D128 prefill rows. Local ptxas 13.0
-# (tools/fp8_sass_counts.py --set overlap_pv_with_softmax=1 --set block_kv=N
-# --set num_kv_stages=M, B2 S8192 H32/8): 128-key blocks, two or three
-# stages, no spill and no wgmma serialized, dense and causal; 192-key blocks
-# none in the unmasked loop but 22-24 spill loads in the masked one (the
-# length-edge block; causal rows 106, so dense only); 256-key blocks (the
-# heuristic's dense blocks) spill in the main loop and serialize: left out.
-# Without the consumers' turns (`pingpong=False`, "no turns") each
-# consumer's own softmax still overlaps its P V, and the two softmaxes may
-# run at once; same local figures (128-key blocks: no spill). Since
-# 2026-12-07 the heuristic's D128 config is the overlap (dense: "fp8
-# overlap kv128", causal: "fp8 overlap kv128 no turns"); the `serial`
-# columns are the controls, "fp8 serial kv256" the dense default before it.
-# Entries: label -> (changes to the heuristic's float8 config, on causal
-# rows too); each sets the overlap and the turns itself.
-_SERIAL = dict(overlap_pv_with_softmax=False, pingpong=True)
-_OVERLAP = dict(overlap_pv_with_softmax=True, pingpong=True)
-_SERIAL_NO_TURNS = dict(_SERIAL, pingpong=False)
-_OVERLAP_NO_TURNS = dict(_OVERLAP, pingpong=False)
-OVERLAP_BLOCKS = {
+# `--overlap` (issue #55): the float8 kernel's serial schedules on the
+# heuristic's float8 config (row sums on the tensor core at D128), D128
+# prefill rows. "fp8 serial kv256" is the dense default before 2026-12-07;
+# from then until 2026-12-08 the default was FA3's intra-warpgroup overlap
+# on 128-key blocks (its columns left with it, last in 0180d5c), since then
+# "fp8 serial kv128 3 consumers". Without the consumers' turns
+# (`pingpong=False`, "no turns") the softmaxes may run at once. Entries:
+# label -> (changes to the heuristic's float8 config, on causal rows too);
+# each sets the turns itself.
+_SERIAL = dict(pingpong=True)
+_SERIAL_NO_TURNS = dict(pingpong=False)
+SERIAL_BLOCKS = {
     "fp8 serial kv256": (dict(block_kv=256, num_kv_stages=2, **_SERIAL), False),
     "fp8 serial kv128": (dict(block_kv=128, num_kv_stages=2, **_SERIAL), True),
-    "fp8 overlap kv128": (dict(block_kv=128, num_kv_stages=2, **_OVERLAP), True),
-    "fp8 overlap kv128 s3": (dict(block_kv=128, num_kv_stages=3, **_OVERLAP), True),
-    "fp8 overlap kv192": (dict(block_kv=192, num_kv_stages=2, **_OVERLAP), False),
     "fp8 serial kv128 no turns": (dict(block_kv=128, num_kv_stages=2, **_SERIAL_NO_TURNS), True),
-    "fp8 overlap kv128 no turns": (dict(block_kv=128, num_kv_stages=2, **_OVERLAP_NO_TURNS),
-                                   True),
     # Three consumers, serial, no turns (192-row CTAs at 160 registers): local
     # ptxas, B2 S8192: dense 411 instructions a block, no spill; causal spills
-    # 11 loads in the masked loop only. With the overlap they spill and
-    # serialize: left out. (The notes: "A model that fits".)
+    # 11 loads in the masked loop only. (The notes: "A model that fits".)
     "fp8 serial kv128 3 consumers": (dict(block_kv=128, num_kv_stages=2, num_consumers=3,
                                           producer_registers=24, consumer_registers=160,
                                           **_SERIAL_NO_TURNS), True),
@@ -276,10 +256,9 @@ OVERLAP_BLOCKS = {
 }
 
 
-def overlap_columns(q8, k8, v8, descales, d, causal):
-  """`fp8 overlap ...`: the heuristic's float8 config with the P V wgmma
-  overlapped with the next block's softmax, and the serial controls, under
-  `OVERLAP_BLOCKS`."""
+def serial_columns(q8, k8, v8, descales, d, causal):
+  """`fp8 serial ...`: the heuristic's float8 config under each of
+  `SERIAL_BLOCKS`."""
   import dataclasses
 
   from fa4_jax.kernels import sm90_forward
@@ -290,7 +269,7 @@ def overlap_columns(q8, k8, v8, descales, d, causal):
   base = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, k8.shape[1], q8.shape[1]),
                                  mask, d, d, False)
   columns = {}
-  for label, (changes, with_causal) in OVERLAP_BLOCKS.items():
+  for label, (changes, with_causal) in SERIAL_BLOCKS.items():
     config = dataclasses.replace(base, **changes)
     if (causal and not with_causal) or not config.fits_smem(d, 2, False, d, fp8=True):
       continue
@@ -315,50 +294,8 @@ def _decode_candidates():
   def plan(q_shape, k_shape, **kw):
     return sm90_decode.plan(q_shape, k_shape, MaskSpec(), **kw)
 
-  def fp8_rule(splits, changes=None, persistent=False):
-    """(splits, the float8 rule's config for the chunk, with `changes`)."""
-    def candidate(q_shape, k_shape):
-      if splits(q_shape, k_shape) is None:
-        return None
-      p = splits(q_shape, k_shape)
-      b, t, n, d = q_shape
-      rows = t * n // k_shape[2]
-      if k_shape[1] % p:
-        return None
-      base = None
-      if persistent:
-        base = dataclasses.replace(
-            sm90_forward.choose_config(d, MaskSpec(), kv_seq=k_shape[1] // p, q_seq=rows),
-            persistent=True, q_buffers=1, num_sms=sm90_forward.sm_count())
-      config = sm90_decode.fp8_cache_decode_config(d, k_shape[1] // p, rows, base)
-      if config is None or config.num_consumers != 1:
-        return None
-      if changes:
-        config = dataclasses.replace(config, **changes)
-      if not config.fits_smem(d, 2, False, d, fp8_cache=True):
-        return None
-      return p, config
-    return candidate
-
   all_sms = lambda q, k: plan(q, k, streams=sm90_forward.sm_count()).splits
-  sixty_four = lambda q, k: plan(q, k).splits  # the 16-bit plan's (64 streams on an H100)
   paged = lambda q, k: plan(q, k, ragged=True).splits  # the paged call's splits
-
-  def d64(factor, changes):
-    """Head dim 64 only: `factor` x the all-SMs splits (chunks of at least
-    MIN_CHUNK keys), the float8 rule's config with `changes` on a grid of
-    one CTA per item (never persistent: a persistent grid launches one CTA
-    per SM, and these candidates ask for two)."""
-    rule = fp8_rule(lambda q, k: factor * all_sms(q, k),
-                    dict(changes, persistent=False, work_queue=False, num_sms=0, q_buffers=1))
-    def candidate(q_shape, k_shape):
-      if q_shape[-1] != 64:
-        return None
-      got = rule(q_shape, k_shape)
-      if got is None or k_shape[1] // got[0] < sm90_decode.MIN_CHUNK:
-        return None
-      return got
-    return candidate
 
   def two_consumers(stages):
     """All SMs, the forward's config for the chunk as the kernel shrinks it
@@ -375,20 +312,15 @@ def _decode_candidates():
       return (p, config) if config.fits_smem(d, 2, False, d, fp8_cache=True) else None
     return candidate
 
-  def split_keys(changes=None):
-    """`sm90_decode.FP8_CACHE_SPLIT_KEYS`'s plan (issue #55, not yet the
-    default): two consumers on halves of each CTA's key blocks, merged at
-    the end (`ForwardConfig.consumers_split_keys`), with `changes`."""
+  def split_keys(changes):
+    """The float8 plan (issue #55: two consumers on halves of each CTA's key
+    blocks, merged at the end, `ForwardConfig.consumers_split_keys`) with
+    `changes`."""
     def candidate(q_shape, k_shape):
-      saved = sm90_decode.FP8_CACHE_SPLIT_KEYS
-      sm90_decode.FP8_CACHE_SPLIT_KEYS = True
-      try:
-        got = plan(q_shape, k_shape, fp8_cache=True)
-      finally:
-        sm90_decode.FP8_CACHE_SPLIT_KEYS = saved
+      got = plan(q_shape, k_shape, fp8_cache=True)
       if got is None or got.config is None or not got.config.consumers_split_keys:
         return None
-      config = dataclasses.replace(got.config, **(changes or {}))
+      config = dataclasses.replace(got.config, **changes)
       d = q_shape[-1]
       return (got.splits, config) if config.fits_smem(d, 2, False, d, fp8_cache=True) else None
     return candidate
@@ -396,9 +328,9 @@ def _decode_candidates():
   return {
       # Two chains of widening + GEMMs + softmax per CTA (issue #55, branch
       # h55d; docs/performance-notes.md, "Float8 cache decode: widening
-      # beside the consumer"): D128 two 128-key slots (each consumer owns
-      # one), D64 four; and 64-key blocks on four slots (two per consumer).
-      "split keys": split_keys(),
+      # beside the consumer"): the default, D128 two 128-key slots (each
+      # consumer owns one), D64 four; here 64-key blocks on four slots (two
+      # per consumer).
       "split keys kv64 s4": split_keys(dict(block_kv=64, num_kv_stages=4)),
       # The former default: the bf16 call's plan, the kernel shrinking its config.
       "16-bit plan": lambda q, k: (lambda x: (x.splits, x.config))(plan(q, k)),
@@ -408,32 +340,10 @@ def _decode_candidates():
       # The 16-bit plan's config, splits for every SM.
       "all SMs": lambda q, k: (all_sms(q, k), None),
       "all SMs 2c kv64 s5": two_consumers(5),
-      "64 CTAs 1c kv128 s4": fp8_rule(sixty_four),
-      "all SMs 1c kv128 s3": fp8_rule(all_sms, dict(num_kv_stages=3)),
-      "all SMs 1c kv128 s2": fp8_rule(all_sms, dict(num_kv_stages=2)),
-      "all SMs 1c kv64 s8": fp8_rule(all_sms, dict(block_kv=64, num_kv_stages=8)),
-      "2x splits 1c kv128 s4": fp8_rule(lambda q, k: 2 * all_sms(q, k)),
-      "paged splits 1c kv128 s4 persistent": fp8_rule(paged, persistent=True),
-      # D64 (`D64_CANDIDATES`): two CTAs per SM, so that two consumer
-      # warpgroups hide each other's latency (docs/performance-notes.md,
-      # "The D64 float8 decode: a model").
-      "D64 2x splits 1c kv128 s4": d64(2, dict(num_kv_stages=4)),
-      "D64 2x splits 1c kv128 s3": d64(2, dict(num_kv_stages=3)),
-      "D64 2x splits 1c kv64 s4": d64(2, dict(block_kv=64, num_kv_stages=4)),
-      "D64 4x splits 1c kv128 s2": d64(4, dict(num_kv_stages=2)),
-      "D64 all SMs 1c kv128 s2": d64(1, dict(num_kv_stages=2)),
-      # The one candidate ptxas fits in 128 registers without spills, so that
-      # two CTAs share an SM (`fp8_ptxas.py --d64-registers 24/128`).
-      "D64 2x splits 1c kv64 s4 regs 24/128": d64(2, dict(
-          block_kv=64, num_kv_stages=4, producer_registers=24, consumer_registers=128)),
   }
 
 
-ALL_ROWS = ("split keys", "16-bit plan", "paged shape", "all SMs")
-# Candidates run on the D64 decode rows (and only there).
-D64_CANDIDATES = ("D64 2x splits 1c kv128 s4", "D64 2x splits 1c kv128 s3",
-                  "D64 2x splits 1c kv64 s4", "D64 4x splits 1c kv128 s2",
-                  "D64 all SMs 1c kv128 s2", "D64 2x splits 1c kv64 s4 regs 24/128")
+ALL_ROWS = ("split keys kv64 s4", "16-bit plan", "paged shape", "all SMs")
 
 
 def decode_plan_columns(q, k8, v8, kd, vd, first_row):
@@ -448,10 +358,7 @@ def decode_plan_columns(q, k8, v8, kd, vd, first_row):
   seen = {(default.splits, default.config): "default"}
   columns = {}
   for label, rule in _decode_candidates().items():
-    if label in D64_CANDIDATES:
-      if d != 64:
-        continue
-    elif not first_row and label not in ALL_ROWS:
+    if not first_row and label not in ALL_ROWS:
       continue
     try:
       got = rule(q.shape, k8.shape)
@@ -633,7 +540,7 @@ def case_calls(case, x, configs=False, decode_configs=False, paged_configs=False
     if row_sums:
       calls.update(row_sum_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     if overlap:
-      calls.update(overlap_columns(q8, k8, v8, (qd, kd, vd), d, causal))
+      calls.update(serial_columns(q8, k8, v8, (qd, kd, vd), d, causal))
     served = traced(lambda q8, k8, v8, qd, kd, vd: fa4_jax.which_implementation(
         q8, k8, v8, is_causal=causal, query_descale=qd, key_descale=kd, value_descale=vd),
         q8, k8, v8, qd, kd, vd)
@@ -734,9 +641,8 @@ def add_arguments(ap):
                   help="prefill rows: also the float8 kernel with the row sums on the tensor "
                        "core (ForwardConfig.fp8_row_sums_on_tensor_core)")
   ap.add_argument("--overlap", action="store_true",
-                  help="D128 prefill rows: also the float8 kernel with the P V wgmma overlapped "
-                       "with the next block's softmax (ForwardConfig.overlap_pv_with_softmax), "
-                       "under OVERLAP_BLOCKS")
+                  help="D128 prefill rows: also the float8 kernel's serial schedules (two "
+                       "consumers with and without turns, three consumers) under SERIAL_BLOCKS")
   ap.add_argument("--no-xla", action="store_true",
                   help="leave out the XLA column (max_abs_diff then against `fp8`)")
 

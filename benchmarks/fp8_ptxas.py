@@ -18,12 +18,11 @@ largest count a warpgroup asks for, capped by 64 K registers over the
 threads), `spills` (bytes stored / loaded) and `serialized` (a C7510-C7515
 note) from `ptxas -v`. Decode rows:
 `2/SM`, whether two CTAs fit an SM: regs x threads x 2 <= 65536 and
-2 x (SMEM + 1 KiB reserved) <= 228 KiB. `--d64-registers P/C` (default
-24/128) also lowers each D64 candidate with producer / consumer registers P / C
-(C <= 128 launches at <= 128), to see whether it then fits without spills.
+2 x (SMEM + 1 KiB reserved) <= 228 KiB. (`--d64-registers`, the D64
+candidates of two CTAs an SM under other register counts, left with those
+candidates: 0180d5c is the last commit to have them.)
 
-  python3 benchmarks/fp8_ptxas.py [--only NAME ...] [--d64-registers 24/128 | --d64-registers ""]
-                                  [--overlap]
+  python3 benchmarks/fp8_ptxas.py [--only NAME ...] [--overlap]
 
 The default rows (80 calls, one kernel each) take about 3 minutes on two CPU cores.
 """
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import re
 import shutil
@@ -91,23 +89,6 @@ def two_per_sm(regs: int, threads: int, smem: int, spills: bool) -> str:
   return "no: " + ", ".join(why) if why else "yes, with spills" if spills else "yes"
 
 
-def d64_register_columns(x, producer: int, consumer: int):
-  """Each D64 candidate with `producer` / `consumer` registers."""
-  from fa4_jax.kernels import sm90_decode
-
-  q, k8 = x["q"], x["k8"]
-  columns = {}
-  for label, rule in bench_fp8._decode_candidates().items():
-    got = rule(q.shape, k8.shape) if label in bench_fp8.D64_CANDIDATES else None
-    if got is not None:
-      config = dataclasses.replace(got[1], producer_registers=producer,
-                                   consumer_registers=consumer)
-      columns[f"fp8 dec {label} regs {producer}/{consumer}"] = (
-          bench_fp8.decode_call(q.shape[-1], sm90_decode.DecodePlan(got[0], config)),
-          (q, k8, x["v8"], x["kd"], x["vd"]))
-  return columns
-
-
 def ptxas_version() -> str:
   ptxas = shutil.which("ptxas") or f"{local_ptxas.CUDA_ROOT}/bin/ptxas"
   out = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip()
@@ -118,10 +99,8 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--only", action="append", default=None,
                   help="rows of bench_fp8.CASES whose name contains this (default: ROWS)")
-  ap.add_argument("--d64-registers", default="24/128",
-                  help="PRODUCER/CONSUMER registers for extra D64 candidate rows ('' for none)")
   ap.add_argument("--overlap", action="store_true",
-                  help="prefill rows: bench_fp8.py --overlap's columns (OVERLAP_BLOCKS) "
+                  help="prefill rows: bench_fp8.py --overlap's columns (SERIAL_BLOCKS) "
                        "instead of CONFIG_CANDIDATES")
   args = ap.parse_args()
   from fa4_jax.target import gpu_target
@@ -134,15 +113,13 @@ def main() -> None:
   lines = []
   print(header, flush=True)
   for case in cases:
-    name, kind, d = case[0], case[1], case[7]
+    name, kind = case[0], case[1]
     x = jax.eval_shape(lambda case=case: bench_fp8.case_inputs(case))
     with gpu_target("sm90", num_sms=132):
       calls, _ = bench_fp8.case_calls(case, x, configs=kind == "prefill" and not args.overlap,
                                            decode_configs=kind != "prefill",
                                            paged_configs=kind == "paged",
                                            overlap=args.overlap)
-      if kind == "decode" and d == 64 and args.d64_registers:
-        calls.update(d64_register_columns(x, *map(int, args.d64_registers.split("/"))))
     for label, (fn, specs) in calls.items():
       if label in SKIP:
         continue

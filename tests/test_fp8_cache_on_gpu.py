@@ -25,15 +25,7 @@ pytestmark = pytest.mark.skipif(backends.device_arch_major() != 9,
     (16, 8192, 8, 1, 64, E4M3),   # MQA
     (2, 4099, 16, 2, 256, E5M2),  # an odd length, D256
 ])
-@pytest.mark.parametrize("split_keys", [False, True], ids=["one_consumer", "split_keys"])
-def test_float8_cache_decode_at_scale(b, s, n, kv_heads, d, cache_dtype, split_keys,
-                                      monkeypatch):
-  """`split_keys`: `sm90_decode.FP8_CACHE_SPLIT_KEYS` (issue #55, on by default
-  since 2026-12-08): two consumers on halves of each CTA's key blocks."""
-  from fa4_jax.kernels import sm90_decode
-
-  monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", split_keys)
-  jax.clear_caches()  # no trace of the other plan for the same shapes
+def test_float8_cache_decode_at_scale(b, s, n, kv_heads, d, cache_dtype):
   rng = np.random.default_rng(d)
   q = jnp.asarray(rng.normal(size=(b, 1, n, d)), jnp.bfloat16)
   k8, k_descale = float8_cache(rng, (b, s, kv_heads, d), cache_dtype)
@@ -47,20 +39,15 @@ def test_float8_cache_decode_at_scale(b, s, n, kv_heads, d, cache_dtype, split_k
   assert_close(got, want, v)
 
 
-@pytest.mark.parametrize("factor, registers, split_keys", [
-    (None, None, False),  # the defaults
-    # issue #55's switches (`sm90_decode.fp8_pages_plan`, `FP8_CACHE_SPLIT_KEYS`)
-    (1, 224, False), (1, 256, False), (2, 256, False), (1, 256, True),
-], ids=["default", "contiguous_plan", "contiguous_plan_regs256", "contiguous_plan_x2_regs256",
-        "contiguous_plan_split_keys"])
+@pytest.mark.parametrize("factor", [None, 2], ids=["default", "contiguous_plan_x2"])
 @pytest.mark.parametrize("t", [1, 16])
-def test_float8_pages_at_scale(t, factor, registers, split_keys, monkeypatch):
+def test_float8_pages_at_scale(t, factor, monkeypatch):
+  """`factor`: `sm90_decode.FP8_PAGES_SPLITS_FACTOR` (issue #55), None for
+  the default."""
   from fa4_jax.kernels import sm90_decode
 
-  if registers is not None:
+  if factor is not None:
     monkeypatch.setattr(sm90_decode, "FP8_PAGES_SPLITS_FACTOR", factor)
-    monkeypatch.setattr(sm90_decode, "FP8_CACHE_CONSUMER_REGISTERS", registers)
-    monkeypatch.setattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", split_keys)
     jax.clear_caches()  # no trace of another plan for the same shapes
   rng = np.random.default_rng(t)
   b, n, kv_heads, d, page, max_pages = 8, 32, 8, 128, 64, 64

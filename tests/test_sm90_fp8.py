@@ -268,8 +268,7 @@ def test_fp8_three_consumers_without_turns_at_d128(run_interpreted, causal):
   config = sm90_forward.fp8_config(sm90_forward.choose_config(128, mask, 300, 300), mask,
                                    128, 128, False)
   config = dataclasses.replace(config, num_consumers=3, pingpong=False, block_kv=128,
-                               num_kv_stages=2, overlap_pv_with_softmax=False,
-                               producer_registers=24, consumer_registers=160)
+                               num_kv_stages=2, producer_registers=24, consumer_registers=160)
   assert config.row_sums_on_tensor_core
 
   def call(q, k, v):
@@ -299,7 +298,7 @@ def test_the_heuristic_runs_three_consumers_on_dense_and_causal_d128_calls_only(
   bottom_right = config(128, MaskSpec(right=0, offset_from_lengths=True))
   for c in (dense, causal, bottom_right):
     assert (c.num_consumers, c.pingpong, c.block_kv, c.num_kv_stages) == (3, False, 128, 2)
-    assert c.consumer_registers == 160 and not c.overlap_pv_with_softmax
+    assert c.consumer_registers == 160
   two = [dict(d=128, mask=MaskSpec(left=256, right=0)),
          dict(d=128, mask=MaskSpec(), segment_ids=True),
          dict(d=128, mask=MaskSpec(), mods=True), dict(d=128, mask=MaskSpec(right=0), mods=True),
@@ -307,3 +306,59 @@ def test_the_heuristic_runs_three_consumers_on_dense_and_causal_d128_calls_only(
   for case in two:
     chosen, base = config(**case, with_base=True)
     assert chosen.num_consumers == base.num_consumers and chosen.pingpong == base.pingpong, case
+
+
+def growing_inputs(b, t, s, n, kv_heads, d, seed):
+  """`fp8_inputs`' operands, but with logits that grow along the keys by
+  about 50 log2 units over the key length (q and k share a direction):
+  the running max moves by more than the rescale threshold in most blocks,
+  so a block whose O missed its alpha is off by orders of magnitude."""
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(b, t, n, d))
+  k = rng.normal(size=(b, s, kv_heads, d))
+  q[..., 0] += 10.0
+  k[..., 0] += 40.0 * np.arange(s)[None, :, None] / s
+  (q8, qd), (k8, kd) = quantized(q, E4M3), quantized(k, E4M3)
+  v8, vd = quantized(rng.normal(size=(b, s, kv_heads, d)), E4M3)
+  return (q8, k8, v8), dict(query_descale=qd, key_descale=kd, value_descale=vd)
+
+
+def test_three_consumers_with_soft_cap_bottom_right_causal_and_key_lengths(run_interpreted):
+  """The heuristic's causal D128 config at long lengths (three consumers
+  without turns, `FP8_THREE_CONSUMERS`) on what it also serves there: a
+  soft-cap (its tanh in the softmax), queries aligned bottom-right, and
+  per-row key lengths (a row of 190 keys, one of 77: masked edge blocks,
+  and consumers whose rows see no key)."""
+  from fa4_jax.scores import MaskSpec
+
+  d, t, s, cap = 128, 130, 190, 20.0
+  lengths = np.asarray([190, 77], np.int32)
+  mask = MaskSpec(right=0, offset_from_lengths=True)
+  (q8, k8, v8), descales = growing_inputs(2, t, s, 2, 1, d, seed=14)
+  config = sm90_forward.fp8_config(sm90_forward.choose_config(d, mask, 8192, 8192), mask, d, d,
+                                   False)
+  assert (config.num_consumers, config.pingpong, config.persistent) == (3, False, False)
+
+  def call(q, k, v):
+    # bottom-right with lengths: each row's offset is kv_len - q_len, so the
+    # query lengths are given too (`validation._align` fills them with t)
+    return sm90_forward.forward(q, k, v, jnp.full((2,), t, jnp.int32), jnp.asarray(lengths),
+                                score=ScoreFunction(d ** -0.5, cap), mask=mask, config=config,
+                                descales=tuple(descales[x] for x in (
+                                    "query_descale", "key_descale", "value_descale")))[0]
+
+  got = np.asarray(run_interpreted(call, q8, k8, v8), np.float32)
+  logits, v = dequantized_logits(q8, k8, v8, descales)
+  logits = cap * np.tanh(logits / cap)
+  i, j = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
+  position = lengths[:, None, None] - t + i  # each query's place among its row's keys
+  visible = (j <= position) & (j < lengths[:, None, None])  # [B, t, s]
+  logits = np.where(visible[:, None], logits, -np.inf)
+  top = logits.max(-1, keepdims=True)
+  w = np.exp(logits - np.where(np.isfinite(top), top, 0.0))
+  total = w.sum(-1, keepdims=True)
+  want = np.einsum("bnts,bsnd->btnd", w / np.where(total > 0, total, 1.0), v)
+  assert_close_to_p_rounding(got, want, v)
+  sees_nothing = ~visible.any(-1)  # row 1's first 53 queries
+  assert sees_nothing[1, :53].all() and not sees_nothing[0].any()
+  assert (got[1, :53] == 0).all()

@@ -1,19 +1,20 @@
 """Per key-block SASS counts of the float8-cache decode (a 16-bit query on
 an e4m3 cache), without a GPU.
 
-Issue #55: the float8-cache decode reads its cache at 79 % of the bf16
-decode's bytes per second (H100, D128); the one consumer warpgroup widens,
-multiplies and runs the softmax of every block in series. This tool shows
-that chain's instructions per block: each call is cross-lowered for sm_90a
-in the decode plan `sm90_decode.plan(fp8_cache=True)` makes (or under the
-candidate `sm90_decode.FP8_CACHE_SPLIT_KEYS`), compiled to PTX by the jax
+Issue #55: the float8-cache decode read its cache at 79 % of the bf16
+decode's bytes per second (H100, D128) while one consumer warpgroup widened,
+multiplied and ran the softmax of every block in series; two consumers on
+halves of each CTA's key blocks replaced it (2026-12-08; the one-consumer
+plan is last in 0180d5c). This tool shows the chain's instructions per
+block: each call is cross-lowered for sm_90a in the decode plan
+`sm90_decode.plan(fp8_cache=True)` makes, compiled to PTX by the jax
 CUDA plugin and to a cubin by the local ptxas, decoded by `nvdisasm`; the
 loops with a wgmma are printed with their counts (`tools/local_sass.py`).
 Also printed: the SHA-256 of each kernel's PTX without its debug lines (a
 switch that is off must leave it unchanged).
 
     python3 tools/fp8_cache_sass_counts.py --nvdisasm PATH [--shape b8s32k|b64s4k|d64]
-        [--candidates default split bf16] [--set block_kv=64 ...] [--keep DIR]
+        [--candidates default bf16] [--set block_kv=64 ...] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -51,12 +52,7 @@ def decode_call(shape: str, candidate: str, changes=None):
   cache = candidate != "bf16"
   q = jax.ShapeDtypeStruct((b, 1, n, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, s, kv_heads, d), jnp.float8_e4m3fn if cache else jnp.bfloat16)
-  saved = getattr(sm90_decode, "FP8_CACHE_SPLIT_KEYS", False)
-  sm90_decode.FP8_CACHE_SPLIT_KEYS = candidate == "split"
-  try:
-    plan = sm90_decode.plan(q.shape, kv.shape, MaskSpec(), num_sms=132, fp8_cache=cache)
-  finally:
-    sm90_decode.FP8_CACHE_SPLIT_KEYS = saved
+  plan = sm90_decode.plan(q.shape, kv.shape, MaskSpec(), num_sms=132, fp8_cache=cache)
   if changes:
     import dataclasses
     plan = sm90_decode.DecodePlan(plan.splits, dataclasses.replace(plan.config, **changes))
@@ -82,9 +78,9 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   local_sass.add_arguments(ap)
   ap.add_argument("--shape", choices=sorted(SHAPES), default="b8s32k")
-  ap.add_argument("--candidates", nargs="+", default=["default", "split"],
-                  choices=("default", "split", "bf16"),
-                  help="today's float8 plan, FP8_CACHE_SPLIT_KEYS on, or the bf16 cache")
+  ap.add_argument("--candidates", nargs="+", default=["default"],
+                  choices=("default", "bf16"),
+                  help="today's float8 plan or the bf16 cache")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                   help="a ForwardConfig field of the plan's config, e.g. block_kv=64; repeatable")
   args = ap.parse_args()

@@ -109,31 +109,20 @@ MIN_CHUNK = 512
 FP8_PAGES_SPLITS_FACTOR: int | None = 1
 # `plan(fp8_pages_factor=)`'s default: FP8_PAGES_SPLITS_FACTOR as it is at the call.
 AS_SWITCHED = "as switched"
-# The consumer warpgroup's registers in `fp8_cache_decode_config` (one
-# consumer, one CTA an SM by its 225 KiB of SMEM, so nothing else wants the
-# registers: 24 + 256 of the 64 K a 256-thread CTA holds). Local ptxas
-# (13.0), B8 S32k H32/8 D128: at 224 the float8 decode spills in its key loop
-# (pages of 64, contiguous plan: T1 44 / 44 bytes, T16 causal 100 / 116;
-# the contiguous cache at T16 108 / 124), at 240 T1 and at 256 both without a
-# spill. H100, 2026-12-07 (same run as above): the contiguous float8 cache
-# 5.07 / 5.10 TB/s (T1 / T16 causal) at 256 against 4.98 / 4.84 at 224.
-FP8_CACHE_CONSUMER_REGISTERS = 256
 # Issue #55: the float8-cache decode (up to 64 packed rows, head dims up to
 # 128) runs two consumers that split each CTA's key blocks in halves and
 # merge at the end (`sm90_forward.ForwardConfig.consumers_split_keys`,
-# `fp8_cache_split_keys_config`), instead of one consumer that widens,
-# multiplies and runs the softmax of every block in series; at D64 it
-# replaces the two-CTA plan. H100, 2026-12-08 (`bench_fp8.py --only decode
-# --decode-configs`, CUPTI, one round; TB/s of the bf16 cache's bytes, H32/8,
-# bf16 query, e4m3 cache): B8 S32768 D128 5.63 against 5.05 for one consumer
-# (bf16 cache 3.19); B64 S4096 D128 5.30 against 4.89 (3.15); B1 S131072
-# D128 5.21 against 4.69 (3.10); B8 S32768 D64 4.25 against 3.68 with two
-# CTAs an SM (3.04). Pages take the same config (GPU-tested at T1 and T16,
-# not timed). The performance notes: "Float8 cache decode: widening beside
-# the consumer".
-FP8_CACHE_SPLIT_KEYS = True
-# Each of the two consumers' registers under FP8_CACHE_SPLIT_KEYS: 24 + 2 x
-# 240 of the 512 a thread of three warpgroups may hold (`check_register_split`).
+# `fp8_cache_split_keys_config`). H100, 2026-12-08 (`bench_fp8.py --only
+# decode --decode-configs`, CUPTI, one round; TB/s of the bf16 cache's
+# bytes, H32/8, bf16 query, e4m3 cache): B8 S32768 D128 5.63 against 5.05 for
+# one consumer that widens, multiplies and runs the softmax of every block in
+# series (bf16 cache 3.19); B64 S4096 D128 5.30 against 4.89 (3.15); B1
+# S131072 D128 5.21 against 4.69 (3.10); B8 S32768 D64 4.25 against 3.68
+# with two CTAs an SM (3.04). The one-consumer config and the two-CTA D64
+# plan left the code (last in 0180d5c; the performance notes, "Float8 cache
+# decode: widening beside the consumer").
+# Each of the two consumers' registers: 24 + 2 x 240 of the 512 a thread of
+# three warpgroups may hold (`check_register_split`).
 FP8_CACHE_SPLIT_KEYS_REGISTERS = 240
 
 
@@ -176,7 +165,7 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   None for the default device's kind (`device_choices`). Full, equal key
   lengths at D64 may take one consumer per CTA (`one_consumer_config`).
   `fp8_cache`: a float8 cache under a 16-bit query, planned for every SM
-  and a deep 8-bit ring (`fp8_cache_decode_config`); with `ragged` (paged
+  and two consumers on halves of the keys (`fp8_cache_decode_config`); with `ragged` (paged
   caches) the splits are the 16-bit call's (ragged splits do not depend on
   `streams`) and only the config changes.
   """
@@ -204,9 +193,6 @@ def plan(q_shape, k_shape, mask: MaskSpec, *, has_segment_ids: bool = False,
   tiles = -(-rows // sm90_forward.choose_config(d, mask).block_q_cta)
   splits = choose_splits(b, kv_heads, s, ragged=ragged, num_sms=num_sms, streams=streams,
                          granule=granule, tiles=tiles)
-  if (fp8_cache and not ragged and not FP8_CACHE_SPLIT_KEYS
-      and _two_ctas_an_sm(d, s, splits, rows, granule)):
-    return DecodePlan(2 * splits, fp8_cache_two_ctas_config(d, s // (2 * splits), rows))
   config = None if ragged else choose_config(d, mask, s // splits, rows,
                                              b * kv_heads * splits * tiles,
                                              num_sms=num_sms, streams=streams)
@@ -241,41 +227,30 @@ def fp8_cache_decode_config(head_dim: int, chunk: int, rows: int,
                             ) -> sm90_forward.ForwardConfig | None:
   """The kernel's config for a float8 cache under a 16-bit query
   (`sm90_forward.ForwardStatics.fp8_cache`): `config` (None: the forward's
-  heuristic for the chunk) with, where the packed rows fit one consumer's
-  tile (up to 64) at head dims up to 128, one consumer warpgroup, 128-key
-  blocks and as many 8-bit ring slots as SMEM holds (up to 4), the second
-  Q tile dropped first; other calls keep `config` (the kernel shrinks it,
-  `sm90_forward.fp8_cache_config`).
+  heuristic for the chunk) turned, where the packed rows fit one consumer's
+  tile (up to 64) at head dims up to 128, into two consumers on halves of
+  each CTA's key blocks (`fp8_cache_split_keys_config`); other calls keep
+  `config` (the kernel shrinks it, `sm90_forward.fp8_cache_config`).
 
   Why: the 16-bit call's config, shrunk for each consumer's widened float16
   K and V tiles, keeps a quarter of the bfloat16 kernel's bytes in flight
   per CTA, and at a few packed rows the second consumer's rows are all
-  padding; the float8 kernel is bound by the bytes its rings keep in flight,
-  not by the widening. One consumer on four 128-key slots holds as much per
-  CTA as the bfloat16 kernel at D128, and `plan` gives every SM a CTA. The
-  model and the measurements: the performance notes, "A float8 cache under
-  a 16-bit query"."""
+  padding; the float8 kernel is bound by the bytes its rings keep in flight
+  and by the widening in series with each block's products and softmax,
+  which the two halves overlap. `plan` gives every SM a CTA. The model and
+  the measurements: the performance notes, "A float8 cache under a 16-bit
+  query" and "Float8 cache decode: widening beside the consumer"."""
   d = sm90_forward.padded_head_dim(head_dim)
   if d > 128 or rows > 64:
     return config
   if config is None:
     config = sm90_forward.choose_config(d, MaskSpec(), kv_seq=chunk, q_seq=rows)
-  if FP8_CACHE_SPLIT_KEYS:
-    return fp8_cache_split_keys_config(d, config)
-  one = dataclasses.replace(config, num_consumers=1, pingpong=False, producer_registers=24,
-                            consumer_registers=FP8_CACHE_CONSUMER_REGISTERS, block_q=64,
-                            block_kv=128)
-  for stages in (4, 3, 2):
-    for q_buffers in dict.fromkeys((one.q_buffers, 1)):
-      candidate = dataclasses.replace(one, num_kv_stages=stages, q_buffers=q_buffers)
-      if candidate.fits_smem(d, 2, False, d, fp8_cache=True):
-        return candidate
-  return config
+  return fp8_cache_split_keys_config(d, config)
 
 
 def fp8_cache_split_keys_config(head_dim: int, config: sm90_forward.ForwardConfig
                                 ) -> sm90_forward.ForwardConfig:
-  """`FP8_CACHE_SPLIT_KEYS`'s config: two consumers on the same packed rows
+  """The float8-cache decode's config: two consumers on the same packed rows
   (up to 64), each on half of the CTA's 128-key blocks
   (`ForwardConfig.consumers_split_keys`), one CTA per work item, and the
   deepest even ring SMEM holds (4 slots, else 2: each consumer owns every
@@ -292,15 +267,6 @@ def fp8_cache_split_keys_config(head_dim: int, config: sm90_forward.ForwardConfi
     if candidate.fits_smem(head_dim, 2, False, head_dim, fp8_cache=True):
       return candidate
   return split
-
-
-def _two_ctas_an_sm(head_dim: int, keys: int, splits: int, rows: int, granule: int = 1) -> bool:
-  """Whether a float8 cache's plan takes two CTAs an SM
-  (`fp8_cache_two_ctas_config`): head dim 64, packed rows within one
-  consumer's tile, and twice the splits of whole chunks (of whole
-  `granule`s: pages) of at least `MIN_CHUNK` keys."""
-  return (sm90_forward.padded_head_dim(head_dim) == 64 and rows <= 64
-          and keys % (2 * splits * granule) == 0 and keys // (2 * splits) >= MIN_CHUNK)
 
 
 def fp8_pages_plan(q_shape, k_shape, mask: MaskSpec, factor: int, *, num_sms: int | None = None,
@@ -338,19 +304,6 @@ def fp8_pages_plan(q_shape, k_shape, mask: MaskSpec, factor: int, *, num_sms: in
     config = dataclasses.replace(config, persistent=False, work_queue=False, num_sms=0,
                                  q_buffers=1)
   return DecodePlan(splits * more, config)
-
-
-def fp8_cache_two_ctas_config(head_dim: int, chunk: int,
-                              rows: int) -> sm90_forward.ForwardConfig:
-  """A float8 cache at head dim 64: one consumer on four 64-key 8-bit slots
-  at 128 registers a thread (producer 24), so that two CTAs share an SM and
-  each one's waits hide behind the other's work; one CTA per item. ptxas
-  fits it in 128 registers without spills, 65 KiB of SMEM; the 128-key
-  variants need about 160 (the performance notes, "ptxas without a GPU",
-  and "The D64 float8 decode: a model")."""
-  config = fp8_cache_decode_config(head_dim, chunk, rows, None)
-  return dataclasses.replace(config, block_kv=64, num_kv_stages=4, consumer_registers=128,
-                             persistent=False, work_queue=False, num_sms=0, q_buffers=1)
 
 
 def band_config(head_dim: int, chunk: int, rows: int) -> sm90_forward.ForwardConfig:

@@ -21,7 +21,8 @@ V_{j-1} runs), a back-to-back issue of both GEMMs and P staged through SMEM
 all measured slower on an H100 (docs/performance-notes.md) and were removed;
 commit dcef065 still has them. In float8, with P in registers, the overlap
 beat the serial schedule on two consumers, and three consumers without
-turns beat both: they are the D128 default (`FP8_THREE_CONSUMERS`).
+turns beat both: they are the D128 default (`FP8_THREE_CONSUMERS`), and the
+float8 overlap left the code too (commit 0180d5c is the last to have it).
 
 Every barrier, who arrives on it and who waits on it is declared once in
 `ForwardBarrierTable` (the form of `fa4_jax.kernels.pipeline.BarrierTable`).
@@ -218,8 +219,8 @@ FP8_ROW_SUMS_HEAD_DIMS = (128,)
 # causal below 6k.
 FP8_THREE_CONSUMERS = dict(block_kv=128, num_kv_stages=2, num_consumers=3, pingpong=False,
                            producer_registers=24, consumer_registers=160)
-# Keys per block of dense float8 calls at those head dims that the overlap
-# does not take (with mods; two stages):
+# Keys per block of dense float8 calls at those head dims that three
+# consumers do not take (with mods; two stages):
 # with the row sums on the tensor core 256-key blocks run without spills in
 # the unmasked loop (ptxas, local); masked blocks (causal diagonals, segment
 # ids) spill, so those calls keep 128.
@@ -306,17 +307,6 @@ class ForwardConfig:
   # The ones tile is each consumer's own (`_fill_ones_tile`). Set by
   # `fp8_config` at the head dims of `FP8_ROW_SUMS_HEAD_DIMS`.
   fp8_row_sums_on_tensor_core: bool = False
-  # float8 with P in registers only (`ForwardStatics.overlaps_pv`): FA3's
-  # intra-warpgroup overlap, with the consumers' turns or without them
-  # (`pingpong`). Block j's step issues S_j = Q K_j^T and then O += P_{j-1}
-  # V_{j-1}, waits only for S_j, and runs the softmax of S_j while the P V
-  # wgmma runs; then it waits for O, rescales it by alpha_j and keeps P_j
-  # (packed) for the next block. The first block of a consumer's range only
-  # computes P, the last P V runs after the walk (`_ConsumerTile.
-  # walk_overlapped`). `fp8_config` set it at D128, dense and causal, until
-  # `FP8_THREE_CONSUMERS` beat it (2026-12-08); commit dcef065 has the
-  # bfloat16 schedule that lost to serialized wgmmas.
-  overlap_pv_with_softmax: bool = False
   # A float8 cache under a 16-bit query only (`ForwardStatics.fp8_cache`,
   # issue #55): the two consumers compute the same `block_q` rows (a CTA
   # covers block_q rows, `block_q_cta`), each on half of the CTA's key
@@ -838,14 +828,6 @@ class ForwardStatics:
     """The rows' sums are accumulated by the tensor core in the accumulator's
     last `FP8_ROW_SUM_COLUMNS` columns (`ForwardConfig.fp8_row_sums_on_tensor_core`)."""
     return self.fp8 and self.config.row_sums_on_tensor_core
-
-  @property
-  def overlaps_pv(self) -> bool:
-    """Each consumer overlaps its P V wgmma with the next block's softmax
-    (`ForwardConfig.overlap_pv_with_softmax`): float8 with P in registers
-    and the walk over a tile's block ranges (not the block lists of
-    programmable scores); with or without the consumers' turns."""
-    return self.config.overlap_pv_with_softmax and self.fp8_p_in_registers and not self.mods
 
   @property
   def acc_dim(self) -> int:
@@ -1486,8 +1468,6 @@ class _ConsumerTile:
     pl.when(wg == 1)(bars.consumer_sync_turn)  # offset the two consumers by one turn
     if self.ctx.call.mods:
       carry = self.walk_block_list((acc, m, l))
-    elif self.ctx.call.overlaps_pv:
-      carry = self.walk_overlapped(lo, hi, own, (acc, m, l))
     else:
       carry = walk_blocks(lo, hi, own, self.compute_step, self.skip_step, (acc, m, l))
     pl.when(wg == 0)(bars.consumer_sync_turn)
@@ -1532,129 +1512,6 @@ class _ConsumerTile:
     acc = self.p_times_v(acc, p16, v_tile, lambda: self.wait_next_k(j))
     bars.consumer_v_release(step)
     return acc, m_new, l
-
-  # --- FA3's intra-warpgroup overlap (`ForwardStatics.overlaps_pv`) ---------
-  # Block j's step issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, and
-  # runs the softmax of S_j while the P V wgmma runs; O is rescaled by
-  # alpha_j once it has landed. The barrier operations per block are the
-  # serial step's, in the same order (only the P V wgmma moved to the start
-  # of the next block's turn): the first block of a consumer's range only
-  # computes P, the last P V runs after the range.
-
-  def walk_overlapped(self, lo, hi, own: TileRanges, carry):
-    """`walk_blocks` for the overlapped steps: skip / first / masked / full /
-    masked / last P V / skip. The first block is always masked (it may be a
-    boundary block)."""
-    fori = lambda a, b, body, c: lax.fori_loop(a, jnp.maximum(a, b), body, c)
-    carry = fori(lo, own.lo, self.skip_step, carry)
-    cfg = self.ctx.call.config
-    p0 = plgpu.layout_cast(jnp.zeros((cfg.block_q, cfg.block_kv), jnp.float32),
-                           plgpu.Layout.WGMMA)
-    carry = (*carry, fp8_p_operand(p0, FP8_P_DTYPE))  # (never read)
-    first_hi = jnp.minimum(own.lo + 1, own.hi)  # loops of zero or one step: "if"
-    carry = fori(own.lo, first_hi, self.first_overlapped_step, carry)
-    rest = own.within(first_hi, own.hi)
-    step = lambda masked: functools.partial(self.overlapped_step, masked=masked)
-    carry = fori(rest.lo, rest.full_lo, step(True), carry)
-    carry = fori(rest.full_lo, rest.full_hi, step(False), carry)
-    carry = fori(rest.full_hi, rest.hi, step(True), carry)
-    carry = fori(jnp.maximum(own.hi - 1, own.lo), own.hi, self.last_pv, carry)
-    return fori(own.hi, hi, self.skip_step, carry[:3])
-
-  def overlapped_softmax(self, s, m, l, j, step, *, masked: bool, key_ids=None, block=None):
-    """Once S of block j (ring position `step`) is read: its K slot released
-    (with `key_ids`, by `block_softmax` once the mask has read them), its
-    softmax, the hand-off, and the FADD row sums after it (unless the tensor
-    core sums P): (P in f32, m, l, alpha). P is packed into the A operand's
-    registers once the previous P V has completed (`pack_p`)."""
-    if key_ids is None:
-      self.ctx.bars.consumer_k_release(step)
-    p, m_new, alpha = self.block_softmax(s, m, j, masked=masked, key_ids=key_ids, block=block)
-    self.hand_off(step)
-    if not self.ctx.call.row_sums_on_tensor_core:
-      l = _add_row_sums(l, alpha, p)
-    return p, m_new, l, alpha
-
-  def first_overlapped_step(self, j, carry):
-    """The first block of the consumer's range: S, softmax, P (no P V)."""
-    cfg, bars = self.ctx.call.config, self.ctx.bars
-    acc, m, l, _ = carry
-    step = self.ring_step(j)
-    block = self.ctx.kv_block(self.item, j)
-    s = self.qk(self.ctx.refs.k_smem.at[bars.slot("k_full", step)])
-    p, m_new, l, alpha = self.overlapped_softmax(s, m, l, j, step, masked=True,
-                                                 key_ids=self.key_ids(step), block=block)
-    if alpha is not None:  # (the initial l columns of a sink)
-      acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-    self.wait_next_k(j)
-    return acc, m_new, l, self.pack_p(p)
-
-  def overlapped_step(self, j, carry, *, masked: bool):
-    """S_j = Q K_j^T, then O += P_{j-1} V_{j-1} while the softmax of S_j runs."""
-    call, cfg, bars = self.ctx.call, self.ctx.call.config, self.ctx.bars
-    acc, m, l, p_prev = carry
-    step = self.ring_step(j)
-    block = self.ctx.kv_block(self.item, j)
-    k_tile = self.ctx.refs.k_smem.at[bars.slot("k_full", step)]
-    v_prev = self.ctx.refs.v_smem.at[bars.slot("v_full", step - 1)]
-    key_ids = self.key_ids(step) if masked else None
-
-    def after_qk(s):
-      outs = self.overlapped_softmax(s, m, l, j, step, masked=masked, key_ids=key_ids,
-                                     block=block)
-      self.wait_next_k(j)
-      return outs
-
-    if call.interpreting:
-      # No register A operand, no run_state with wgmma: the same order of
-      # barrier operations, P staged through SMEM (`p_times_v`).
-      s = self.qk(k_tile)
-      acc = self.p_times_v(acc, p_prev, v_prev, lambda: None)
-      p, m_new, l, alpha = after_qk(s)
-    else:
-      fixed = call.fixed_max  # no alpha
-
-      def body(refs):
-        acc_ref, out_refs = refs
-
-        def issue(s_ref):
-          plgpu.wgmma(s_ref, self.q_tile, k_tile.transpose((1, 0)))
-          self.issue_pv(acc_ref, p_prev, v_prev.transpose((1, 0)))
-          bars.consumer_sync_turn()  # the other consumer's softmax ends here
-          return plgpu.wgmma_accumulator_load(s_ref, wait_n=self.pv_groups)  # S only
-
-        outs = after_qk(pl.run_scoped(issue, plgpu.ACC((cfg.block_q, cfg.block_kv),
-                                                        jnp.float32)))
-        for ref, value in zip(out_refs, outs[:3] if fixed else outs):
-          ref[...] = value
-
-      p_like = plgpu.layout_cast(jnp.zeros((cfg.block_q, cfg.block_kv), jnp.float32),
-                                 plgpu.Layout.WGMMA)
-      outs_like = (p_like, m, l) if fixed else (p_like, m, l, m)
-      acc, outs = pl.run_state(body)((plgpu.ACC.init(acc), outs_like))
-      p, m_new, l, alpha = outs if not fixed else (*outs, None)
-    bars.consumer_v_release(step - 1)
-    if alpha is not None:
-      acc = rescale_rows(acc, alpha, skip_unchanged=cfg.conditional_rescale)
-    return acc, m_new, l, self.pack_p(p)
-
-  def pack_p(self, p):
-    """P (f32) as the float8 A operand of the next P V wgmma, packed after
-    the previous P V has completed: the packed P is the loop's carry, whose
-    registers that wgmma reads until then. Packed before (in the softmax),
-    ptxas converts into temporaries and merges them into the carry with 16
-    PRMTs after the wait (128-key blocks: 456 instructions a block against
-    440; tools/fp8_sass_counts.py)."""
-    return fp8_p_operand(p, FP8_P_DTYPE)
-
-  def last_pv(self, j, carry):
-    """O += P V of the range's last block (its V waited in its hand-off)."""
-    acc, m, l, p_prev = carry
-    step = self.ring_step(j)
-    v_tile = self.ctx.refs.v_smem.at[self.ctx.bars.slot("v_full", step)]
-    acc = self.p_times_v(acc, p_prev, v_tile, lambda: None)
-    self.ctx.bars.consumer_v_release(step)
-    return acc, m, l, p_prev
 
   def skip_step(self, j, carry):
     """A block this consumer's rows cannot see: keep the protocol going."""
@@ -1878,7 +1735,7 @@ class _ConsumerTile:
 
   def issue_pv(self, acc_ref, p, v_tile):
     """Issues O += P V into `acc_ref` (V as the [keys, Dv] operand): one
-    wgmma, or two with the row sums on the tensor core (`pv_groups`)."""
+    wgmma, or two with the row sums on the tensor core."""
     call = self.ctx.call
     if not call.row_sums_on_tensor_core:
       plgpu.wgmma(acc_ref, p, v_tile)
@@ -1889,11 +1746,6 @@ class _ConsumerTile:
     ones = self.ctx.refs.ones_smem.at[self.ctx.wg].at[pl.ds(0, n)].transpose((1, 0))
     plgpu.wgmma(acc_ref.at[:, pl.ds(0, dv)], p, v_tile)
     plgpu.wgmma(acc_ref.at[:, pl.ds(dv, n)], p, ones)
-
-  @property
-  def pv_groups(self) -> int:
-    """wgmma commit groups `issue_pv` adds (one per wgmma)."""
-    return 2 if self.ctx.call.row_sums_on_tensor_core else 1
 
   def widened(self, slot, tiles16):
     """A float8 cache's ring slot widened into this consumer's float16 tile
