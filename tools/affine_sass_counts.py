@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import local_ptxas  # noqa: E402
 import local_sass  # noqa: E402
 
 OPS = ("MUFU.EX2", "FFMA", "FADD", "FMUL", "FSEL", "I2F", "IMAD", "MOV", "R2UR", "F2FP",
@@ -78,13 +75,9 @@ def main() -> int:
       sm90_backward.FOLD_AFFINE_SCORES = switch == "on"
       fn, specs = call(variant, args.seq)
       print(f"\n## {variant}, B2 S{args.seq} H16 D128, fold_affine {switch}", flush=True)
-      with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        files = local_ptxas.capture(fn, specs, "sm_90", tmp)
-        for kernel in local_sass.compiled(files, tools, tmp, args.nvdisasm):
-          if args.keep:
-            local_sass.keep(kernel, args.keep, f"{variant.replace(' ', '_')}-{switch}-{kernel.name}")
-          local_sass.report(kernel.name, kernel, OPS, marks=("HGMMA",))
+      stem = f"{variant.replace(' ', '_')}-{switch}"
+      for kernel in local_sass.kernels_of(fn, specs, tools, args, stem):
+        local_sass.report(kernel.name, kernel, OPS, marks=("HGMMA",))
   return 0
 
 

@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import pathlib
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import local_ptxas  # noqa: E402
 import local_sass  # noqa: E402
 
 OPS = ("LDS", "STS", "F2FP", "HADD2", "PRMT", "MUFU.EX2", "FFMA", "FADD", "FMUL", "FMNMX",
@@ -90,14 +87,9 @@ def main() -> int:
   for candidate in args.candidates:
     fn, specs, plan = decode_call(args.shape, candidate, changes)
     print(f"\n## {args.shape} {candidate}: splits {plan.splits}, {plan.config}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-      tmp = pathlib.Path(tmp)
-      files = local_ptxas.capture(fn, specs, "sm_90", tmp)
-      for kernel in local_sass.compiled(files, tools, tmp, args.nvdisasm):
-        if args.keep:
-          local_sass.keep(kernel, args.keep, f"{args.shape}-{candidate}-{kernel.name}")
-        print(f"PTX sha256 {ptx_digest(kernel.ptx)} (without debug lines)")
-        local_sass.report(kernel.name, kernel, OPS)
+    for kernel in local_sass.kernels_of(fn, specs, tools, args, f"{args.shape}-{candidate}"):
+      print(f"PTX sha256 {ptx_digest(kernel.ptx)} (without debug lines)")
+      local_sass.report(kernel.name, kernel, OPS)
   return 0
 
 

@@ -28,14 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pathlib
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import local_ptxas  # noqa: E402
 import local_sass  # noqa: E402
 
 OPS = ("MUFU.EX2", "FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL", "SHFL", "F2FP", "PRMT",
@@ -82,14 +79,9 @@ def main() -> int:
     fn, specs, config = fp8_call(args.head_dim, args.causal, candidate == "on", changes)
     print(f"\n## D{args.head_dim} {'causal' if args.causal else 'dense'} row sums on the "
           f"tensor core: {candidate} ({config})", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-      tmp = pathlib.Path(tmp)
-      files = local_ptxas.capture(fn, specs, "sm_90", tmp)
-      for kernel in local_sass.compiled(files, tools, tmp, args.nvdisasm):
-        if args.keep:
-          local_sass.keep(kernel, args.keep, f"d{args.head_dim}{'c' if args.causal else ''}-"
-                          f"{candidate}-{kernel.name}")
-        local_sass.report(kernel.name, kernel, OPS)
+    stem = f"d{args.head_dim}{'c' if args.causal else ''}-{candidate}"
+    for kernel in local_sass.kernels_of(fn, specs, tools, args, stem):
+      local_sass.report(kernel.name, kernel, OPS)
   return 0
 
 

@@ -1,7 +1,8 @@
 """A cross-lowered call's kernels under ptxas and nvdisasm, without a GPU: what
 the `*_sass_counts.py` tools share.
 
-`compiled` takes the Mosaic GPU modules `local_ptxas.capture` wrote, has the
+`kernels_of` cross-lowers a call and yields its kernels; `compiled` takes
+the Mosaic GPU modules `local_ptxas.capture` wrote, has the
 jax CUDA plugin make their PTX (`local_ptxas.compile_to_ptx`), compiles each
 with the local `ptxas -v` for sm_90a and decodes the cubin with `nvdisasm`
 (the `nvidia-cuda-nvdisasm` pip wheel). `loop_table` finds the listing's
@@ -17,6 +18,7 @@ import dataclasses
 import pathlib
 import shutil
 import subprocess
+import tempfile
 
 import local_ptxas
 import sass_loops
@@ -62,6 +64,19 @@ def compiled(files, tools, tmp: pathlib.Path, nvdisasm: str):
                              check=True).stdout
     yield Kernel(f.stem, ptx[f], log.stdout + log.stderr,
                  local_ptxas.parse(log.stdout + log.stderr), listing)
+
+
+def kernels_of(fn, specs, tools, args, stem: str):
+  """Each kernel of the call `fn(*specs)` as a `Kernel`, cross-lowered for
+  sm_90 into a temporary directory; with `args.keep`, also written there as
+  `stem`-<kernel>.* (`keep`)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = pathlib.Path(tmp)
+    files = local_ptxas.capture(fn, specs, "sm_90", tmp)
+    for kernel in compiled(files, tools, tmp, args.nvdisasm):
+      if args.keep:
+        keep(kernel, args.keep, f"{stem}-{kernel.name}")
+      yield kernel
 
 
 def keep(kernel: Kernel, directory, stem: str) -> None:
