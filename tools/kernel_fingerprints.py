@@ -24,15 +24,21 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import pathlib
 import re
 import sys
 
-import jax
-import jax.numpy as jnp
+# The tree this file lives in, not whichever one an editable install points
+# to: a worktree at the old commit must fingerprint its own fa4_jax (found
+# 2026-12-08, when a "before" taken in a worktree hashed main's kernels).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from fa4_jax import mod_functions, testing, xla_attention
-from fa4_jax.kernels import sm90_decode, sm90_mla_decode
-from fa4_jax.scores import MaskSpec, ScoreFunction, Scores
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from fa4_jax import mod_functions, testing, xla_attention  # noqa: E402
+from fa4_jax.kernels import sm90_decode, sm90_mla_decode  # noqa: E402
+from fa4_jax.scores import MaskSpec, ScoreFunction, Scores  # noqa: E402
 
 MASKS = {"dense": MaskSpec(), "causal": MaskSpec(right=0),
          "window": MaskSpec(left=256, right=0)}
