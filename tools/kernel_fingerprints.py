@@ -4,7 +4,7 @@ Cross-lowers (on the CPU, no GPU needed) the sm90 forward and backward and
 the sm100 forward and backward (dK/dV and dQ kernels) for every head dim,
 mask and grouping the heuristics distinguish, the kernels of packed
 rows (segment ids), the float8 forwards (all-e4m3 prefill and a 16-bit
-query on an e4m3 cache), a few calls with score modifications (soft-cap, a
+query on an e4m3 cache, in prefill and in the decode arrangement), a few calls with score modifications (soft-cap, a
 `score_mod`, sinks; the sm90 decode arrangement with a soft-cap, causal
 bottom-right over several tokens, and ALiBi with a mask_mod, contiguous and
 paged), the sm90 MLA decode
@@ -174,6 +174,34 @@ def _mla(batch, tokens, heads, seq, page_size):
   return f, (q, k, table, ln)
 
 
+def _decode_fp8_cache(d, t, page_size):
+  """The sm90 decode arrangement of a bf16 query on an e4m3 cache (GQA
+  32/8, 32768 keys a row, per-KV-head descales), T tokens (causal
+  bottom-right for T > 1), contiguous (`page_size` None) or paged, on the
+  float8 plan (two consumers on halves of the key blocks)."""
+  f8 = jnp.float8_e4m3fn
+  q = jax.ShapeDtypeStruct((8, t, 32, d), jnp.bfloat16)
+  ln = jax.ShapeDtypeStruct((8,), jnp.int32)
+  kvd = jax.ShapeDtypeStruct((8,), jnp.float32)
+  mask = MaskSpec(right=0, offset_from_lengths=True) if t > 1 else MaskSpec()
+  # Pages take the contiguous cache's float8 plan (`fp8_pages_plan`, as
+  # `backends.paged_decode_plan` does under `FP8_PAGES_SPLITS_FACTOR`).
+  plan = sm90_decode.fp8_pages_plan(q.shape, (8, 32768, 8, d), mask, 1,
+                                    granule=page_size or 1, num_sms=132, streams=128)
+  score = ScoreFunction(d ** -0.5)
+
+  def f(q, k, v, kl, kd, vd, *table):
+    return sm90_decode.forward(q, k, v, None, kl, score=score, mask=mask, plan=plan,
+                               descales=(None, kd, vd), out_dtype=jnp.bfloat16,
+                               page_table=table[0] if table else None)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((8, 32768, 8, d), f8)
+    return f, (q, kv, kv, ln, kvd, kvd)
+  pages = jax.ShapeDtypeStruct((8 * 32768 // page_size, page_size, 8, d), f8)
+  table = jax.ShapeDtypeStruct((8, 32768 // page_size), jnp.int32)
+  return f, (q, pages, pages, ln, kvd, kvd, table)
+
+
 def _decode_causal(t, page_size):
   """The sm90 decode arrangement of T tokens causal bottom-right against
   32768 keys per row (GQA 32/8, D128, ragged lengths: the band aligned per
@@ -322,6 +350,11 @@ def cases():
     cache = f"pages {page_size}" if page_size else "contiguous"
     yield (f"sm90 decode d128 s32768 t{t} alibi window {cache}", "sm_90",
            _decode_mods(t, page_size))
+  for d, t, page_size in ((128, 1, None), (64, 1, None), (128, 16, None), (128, 1, 64),
+                          (128, 16, 16)):
+    cache = f"pages {page_size}" if page_size else "contiguous"
+    yield (f"sm90 decode fp8 cache d{d} s32768 t{t} {cache}", "sm_90",
+           _decode_fp8_cache(d, t, page_size))
   for mname, mask in MASKS.items():
     for backward in (False, True):
       yield f"xla {'backward' if backward else 'forward'} {mname}", None, _xla(
