@@ -21,6 +21,9 @@ score as before instead of starting S^T / S at the form's terms and lse2
 (`sm90_backward.FOLD_AFFINE_SCORE_MOD`); =delta: only the dQ kernel's dP starts at -delta
 (`FOLD_AFFINE_SCORES` off); =both: every score_mod row twice in one process, the second
 named "<row> no-affine-fold" with the switch off; =all: also "<row> delta-only".
+MOD_COSTS_PERSISTENT=both: every score_mod row twice in one process, the second
+named "<row> persistent" with `sm90_forward.MODS_ON_THE_PERSISTENT_GRID` on (a
+score_mod alone keeps the heuristic's persistent grid and work queue).
 MOD_COSTS_SEQ: the sequence length (default 4096).
 Kernel-duration sum in a profiler trace (bench_common.kernel_sum_ms), median
 of 10 calls, 2 interleaved rounds. With --ptxas: compiles each variant under
@@ -50,7 +53,7 @@ import fa4_jax
 from fa4_jax.kernels import sm90_tiles
 # Tables read by one load per element (held back by default until measured).
 sm90_tiles.PER_ELEMENT_TABLE_LOADS = os.environ.get("MOD_COSTS_TABLE_LOADS", "1") == "1"
-from fa4_jax.kernels import sm90_backward
+from fa4_jax.kernels import sm90_backward, sm90_forward
 # MOD_COSTS_FOLD_DELTA=0: the dK/dV kernel of a score_mod call loads lse and delta
 # before its wait, as the plain call does, instead of folding delta into dP^T.
 if hasattr(sm90_backward, "FOLD_DELTA_WITH_SCORE_MOD"):
@@ -75,19 +78,20 @@ import contextlib
 def switches(name):
   """The module switches of row `name` while its call is traced (those the tree has)."""
   saved = {}
-  def put(attr, value):
-    if hasattr(sm90_backward, attr):
-      saved[attr] = getattr(sm90_backward, attr)
-      setattr(sm90_backward, attr, value)
+  def put(attr, value, module=sm90_backward):
+    if hasattr(module, attr):
+      saved[(module, attr)] = getattr(module, attr)
+      setattr(module, attr, value)
   put("HEAVY_TILES_FIRST_WITH_MODS", _HEAVY == "1" or " heavy-first" in name)
   put("THREE_DQ_CONSUMERS_WITH_MASK_MOD", name.endswith(" dq3"))
   put("FOLD_AFFINE_SCORE_MOD", _AFFINE != "0" and " no-affine-fold" not in name)
   put("FOLD_AFFINE_SCORES", _AFFINE != "delta" and " delta-only" not in name)
+  put("MODS_ON_THE_PERSISTENT_GRID", name.endswith(" persistent"), module=sm90_forward)
   try:
     yield
   finally:
-    for attr, value in saved.items():
-      setattr(sm90_backward, attr, value)
+    for (module, attr), value in saved.items():
+      setattr(module, attr, value)
 B, S, H, D = 2, int(__import__("os").environ.get("MOD_COSTS_SEQ", 4096)), 16, 128
 slopes = jnp.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 table = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
@@ -121,6 +125,9 @@ MODS = {
 if _HEAVY == "both":
   MODS.update({n + suffix: m for suffix in (" heavy-first", " heavy-first dq3")
                for n, m in list(MODS.items()) if len(m) > 2})
+if os.environ.get("MOD_COSTS_PERSISTENT") == "both":
+  MODS.update({n + " persistent": m for n, m in list(MODS.items())
+               if m[1] is not None and (len(m) < 3 or m[2] is None)})
 if _AFFINE in ("both", "all"):
   MODS.update({n + suffix: m for suffix in ((" no-affine-fold",) if _AFFINE == "both" else
                                             (" no-affine-fold", " delta-only"))

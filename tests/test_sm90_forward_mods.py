@@ -481,3 +481,54 @@ def test_mods_that_read_few_positions_lower_forward_and_backward(score_fn, mask_
   lowered = cross_lower(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, arch="sm_90")
   assert len(lowered.modules) >= 3  # the forward, the dK/dV and the dQ kernels
   assert lowered.has("wgmma.mma_async")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_score_mod_alone_on_the_persistent_grid_with_its_work_queue(run_interpreted,
+                                                                     monkeypatch, head_dim):
+  """`sm90_forward.MODS_ON_THE_PERSISTENT_GRID` (issue #52's candidate, off):
+  ALiBi on short causal rows keeps the heuristic's persistent grid and work
+  queue (two Q tiles a consumer; three consumers at D64) and matches the
+  einsum reference; a mask_mod still gets one CTA per tile."""
+  monkeypatch.setattr(sm90_forward, "MODS_ON_THE_PERSISTENT_GRID", True)
+  heads, seq = 2, 640
+  fn, bias = _alibi(heads)
+  mods, mask = _scores_value(fn, None), MaskSpec(right=0)
+  config = sm90_forward.choose_config(head_dim, mask, seq, seq)
+  assert config.persistent and config.work_queue
+  assert sm90_forward.mods_config(config, mods) == config
+  with_mask_mod = _scores_value(fn, lambda b, h, q, kv: kv >= 0)
+  assert not sm90_forward.mods_config(config, with_mask_mod).persistent
+  q, k, v = (jax.random.normal(key, (1, seq, heads, head_dim), jnp.bfloat16)
+             for key in jax.random.split(jax.random.key(3), 3))
+
+  def call(q, k, v):
+    return sm90_forward.forward(q, k, v, None, None, score=ScoreFunction(head_dim ** -0.5),
+                                mask=mask, mods=mods)[0]
+
+  got = np.asarray(run_interpreted(call, q, k, v), np.float32)
+  i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+  want, _ = einsum_attention(q, k, v, (j <= i)[None, None], bias=jnp.asarray(bias(1, seq, seq)))
+  want = np.asarray(want, np.float32)
+  np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_alibi_causal_on_the_persistent_grid_lowers_for_hopper(monkeypatch):
+  """`MODS_ON_THE_PERSISTENT_GRID` at the row it is for (ALiBi causal, B2
+  S4096 H16 D128: the work queue with two Q tiles a consumer): one kernel
+  that keeps the queue (its atomic) and the plain config's SMEM."""
+  from fa4_jax.testing import cross_lower
+
+  monkeypatch.setattr(sm90_forward, "MODS_ON_THE_PERSISTENT_GRID", True)
+  fn, _ = _alibi(8)
+  mods, mask = _scores_value(lambda s, b, h, q, kv: fn(s, b, h % 8, q, kv), None), MaskSpec(right=0)
+  config = sm90_forward.choose_config(128, mask, 4096, 4096)
+  assert config.persistent and config.work_queue and config.q_buffers == 2
+  x = jax.ShapeDtypeStruct((2, 4096, 16, 128), jnp.bfloat16)
+  lowered = cross_lower(lambda q, k, v: sm90_forward.forward(
+      q, k, v, None, None, score=ScoreFunction(0.125), mask=mask, mods=mods), x, x, x,
+      arch="sm_90")
+  assert len(lowered.smem_bytes) == 1 and lowered.max_smem_bytes <= SMEM_LIMIT_BYTES
+  assert lowered.has("atomicrmw") or lowered.has("atom.")  # the queue's counter
+  estimate = config.smem_bytes(128, 2)
+  assert estimate <= lowered.max_smem_bytes <= estimate + sm90_forward.SMEM_RESERVE_BYTES
