@@ -2261,11 +2261,12 @@ def check_value_head_dim(k_shape, v_shape, page_table, heads_major: bool) -> Non
 MODS_ON_THE_PERSISTENT_GRID = False
 
 
-def score_mod_alone(mods) -> bool:
-  """Whether `mods` (a `scores.Scores` or None) is a score_mod without a
-  mask_mod or a block mask (`MODS_ON_THE_PERSISTENT_GRID`)."""
-  return (mods is not None and mods.score_mod is not None and mods.mask_mod is None
-          and mods.block_mask is None)
+def mods_keep_the_persistent_grid(mods) -> bool:
+  """Whether a call with `mods` (a `scores.Scores` or None) keeps the
+  heuristic's persistent grid: `MODS_ON_THE_PERSISTENT_GRID` on, and a
+  score_mod without a mask_mod or a block mask."""
+  return (MODS_ON_THE_PERSISTENT_GRID and mods is not None and mods.score_mod is not None
+          and mods.mask_mod is None and mods.block_mask is None)
 
 
 def mods_config(config: ForwardConfig, mods=None) -> ForwardConfig:
@@ -2273,7 +2274,7 @@ def mods_config(config: ForwardConfig, mods=None) -> ForwardConfig:
   CTA per tile (the block lists are per CTA tile), so one Q tile per
   consumer; under `MODS_ON_THE_PERSISTENT_GRID` a score_mod alone keeps
   `config` as it is."""
-  if MODS_ON_THE_PERSISTENT_GRID and score_mod_alone(mods):
+  if mods_keep_the_persistent_grid(mods):
     return config
   return dataclasses.replace(config, persistent=False, work_queue=False, q_buffers=1)
 
@@ -2289,7 +2290,7 @@ def check_mods(mods, config: ForwardConfig | None, page_table, heads_major: bool
                             "table, heads-major Q or a Q batch divisor outside the decode "
                             "arrangement")
   if (config is not None and config.persistent
-      and not (MODS_ON_THE_PERSISTENT_GRID and score_mod_alone(mods))):
+      and not mods_keep_the_persistent_grid(mods)):
     raise KernelUnsupported("sm90 forward: score_mod / mask_mod walk one CTA per tile; pass a "
                             "config with persistent=False (`mods_config`)")
   for mod in (mods.score_mod, mods.mask_mod):
